@@ -1,0 +1,30 @@
+"""LayerNorm over the last dim with weight and bias (torch).
+
+Planted bug ``layernorm.nan2zero``: the kernel "cleans" its output with
+nan_to_num, so NaN becomes 0 (and Inf a large finite number).
+"""
+import torch
+import torch.nn.functional as F
+
+from kfuzz.target import Arg, Dim, Output, target, variant
+
+EPS = 1e-5
+
+
+def layernorm_math(x, weight, bias):
+    mean = x.mean(dim=-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + EPS) * weight + bias
+
+
+@target("layernorm", reference=layernorm_math,
+        args={"x": Arg(("N", "D")), "weight": Arg(("D",)), "bias": Arg(("D",))},
+        outputs={"out": Output(("N", "D"))},
+        dims={"N": Dim(1, 64), "D": Dim(1, 512)},
+        description="layer_norm over the last dim of [N, D] with weight and bias, torch")
+def layernorm(x, weight, bias):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, EPS)
+
+
+variant("layernorm", "layernorm.nan2zero", lambda x, weight, bias: torch.nan_to_num(layernorm(x, weight, bias)),
+        planted_bug="nan_to_num on the output: NaN becomes 0, Inf a finite number")

@@ -1,0 +1,53 @@
+"""Row softmax as a Triton kernel (compiled on CUDA, interpreted on the CPU).
+
+Planted bug ``softmax.nomax``: no max shift before the exponential, so a row
+with a value above ~88 overflows fp32's exp and turns finite answers into NaN.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kfuzz.target import Arg, Dim, Output, target, variant
+
+
+def softmax_math(x):
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+@triton.jit
+def _softmax_rows(x_ptr, out_ptr, stride_xr, stride_xc, stride_or, n_cols,
+                  BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_xr + cols * stride_xc, mask=mask, other=-float("inf")).to(tl.float32)
+    if SHIFT:
+        x = x - tl.max(x, axis=0)
+    e = tl.where(mask, tl.exp(x), 0.0)
+    out = e / tl.sum(e, axis=0)
+    tl.store(out_ptr + row * stride_or + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, shift: bool):
+    n, d = x.shape
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    _softmax_rows[(n,)](x, out, x.stride(0), x.stride(1), out.stride(0), d,
+                        BLOCK=triton.next_power_of_2(d), SHIFT=shift)
+    return out
+
+
+@target("softmax", reference=softmax_math, trusted=lambda x: torch.softmax(x, dim=-1),
+        args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N", "D"))},
+        dims={"N": Dim(1, 64), "D": Dim(1, 512)},
+        description="softmax over the last dim of [N, D], Triton")
+def softmax(x):
+    return _launch(x, shift=True)
+
+
+def softmax_nomax(x):
+    return _launch(x, shift=False)
+
+
+variant("softmax", "softmax.nomax", softmax_nomax,
+        planted_bug="no max shift before exp: overflow turns finite answers into NaN")

@@ -1,0 +1,31 @@
+"""kfuzz replay [PATHS]: every saved case must end as recorded."""
+import sys
+
+import click
+
+from kfuzz.cli import cli, handles_bad_input
+from kfuzz.replay import mark_fixed, replay
+
+
+@cli.command("replay")
+@click.argument("paths", nargs=-1, type=click.Path())
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--mark-fixed", "mark", is_flag=True, help="Record expected failures that now pass as pass cases.")
+@handles_bad_input
+def replay_cmd(paths, device, mark):
+    """Replay cases (default: crashes/). Exit 1 on any unexpected result, 2 on bad input."""
+    counts = {"ok": 0, "changed": 0, "error": 0}
+    for r in replay(paths or ("crashes",), device):
+        if r.status == "changed" and mark and r.expect == "fail" and r.verdict.passed:
+            mark_fixed(r, device)
+            click.echo(f"fixed    {r.path}: now passes; recorded as a pass case")
+            counts["ok"] += 1
+            continue
+        counts[r.status] += 1
+        tag = {"ok": "ok      ", "changed": "CHANGED ", "error": "ERROR   "}[r.status]
+        click.echo(f"{tag} {r.path}: {r.message}", err=r.status == "error")
+    click.echo(f"{counts['ok']} as expected, {counts['changed']} changed, {counts['error']} unreadable")
+    if counts["changed"]:
+        sys.exit(1)
+    if counts["error"]:
+        sys.exit(2)

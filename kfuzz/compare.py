@@ -1,0 +1,115 @@
+"""Comparison with the float64 oracle: the nonfinite check and the error bound.
+
+Nonfinite (tolerance-free): the kernel's NaN set and its +Inf and -Inf sets must
+equal those of the oracle's output rounded to the output dtype. The only
+latitude is at the overflow threshold: where the oracle's value lies within a
+few roundoffs of the dtype's largest finite value, both finite and Inf are
+accepted, since an honest rounding may land on either side.
+
+The bound (on the positions where both are finite), normwise and elementwise,
+so that a single wrong element in a large tensor fails:
+
+    ||k - o||_2  <= C * max(||t - o||_2,   F * u * ||o||_2)   + F * tiny * sqrt(n)
+    |k_i - o_i|  <= C * max(||t - o||_inf, F * u * |o_i|)     + F * tiny
+
+k is the kernel's output, o the float64 oracle's, t the trusted implementation's
+at the kernel's own precision (its error is the honest error for these inputs:
+it grows with size and conditioning), u the output dtype's unit roundoff, tiny
+its smallest normal. C = ``BOUND_C`` is set by the calibration sweep
+(``tools/calibrate.py``); F = ``FLOOR_ULPS`` keeps the bound from collapsing
+when the trusted implementation happens to be exact.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kfuzz.tensors import torch_dtype, unit_roundoff
+
+BOUND_C = 8.0
+FLOOR_ULPS = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One output's comparison: ``kind`` is None when it passes."""
+
+    kind: str | None
+    detail: str = ""
+    ratio: float = 0.0
+    metrics: tuple = ()
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float64)
+
+
+def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, ambiguous: torch.Tensor) -> str | None:
+    for name, fn in (("NaN", torch.isnan), ("+Inf", lambda x: torch.isposinf(x)),
+                     ("-Inf", lambda x: torch.isneginf(x))):
+        km, om = fn(k), fn(o_rounded)
+        diff = (km != om) & ~(ambiguous & ~torch.isnan(k))
+        if diff.any():
+            idx = diff.reshape(-1).nonzero()[0].item()
+            n = int(diff.sum())
+            return (f"{name} set differs at {n} position(s), first at flat index {idx}: "
+                    f"kernel {k.reshape(-1)[idx].item()!r}, oracle {o_rounded.reshape(-1)[idx].item()!r}")
+    return None
+
+
+def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: torch.Tensor | None,
+            dtype: str, c: float = BOUND_C) -> Finding:
+    """Judge one output; ``dtype`` is the output's dtype name."""
+    k, o = _f64(kernel_out), _f64(oracle_out)
+    dt = torch_dtype(dtype)
+    if not dt.is_floating_point:
+        if torch.equal(k, o):
+            return Finding(None)
+        n = int((k != o).sum())
+        return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
+    fi = torch.finfo(dt)
+    o_rounded = o.to(dt).to(torch.float64)
+    near_max = o.abs() >= float(fi.max) * (1 - 4 * float(fi.eps))
+    ambiguous = near_max & torch.isfinite(o)
+    bad = nonfinite_mismatch(k, o_rounded, ambiguous)
+    if bad:
+        return Finding("nonfinite", bad, math.inf)
+
+    finite = torch.isfinite(k) & torch.isfinite(o)
+    u, tiny = unit_roundoff(dtype), float(fi.tiny)
+    kf, of = k[finite], o[finite]
+    err = (kf - of).abs()
+    if trusted_out is not None:
+        t = _f64(trusted_out)[finite]
+        terr = (t - of).abs()
+        terr = terr[torch.isfinite(terr)]
+    else:
+        terr = torch.zeros(0, dtype=torch.float64)
+    n = max(1, int(finite.sum()))
+    t_norm = float(terr.norm()) if terr.numel() else 0.0
+    t_max = float(terr.max()) if terr.numel() else 0.0
+    o_norm = float(of.norm())
+    norm_bound = c * max(t_norm, FLOOR_ULPS * u * o_norm) + FLOOR_ULPS * tiny * math.sqrt(n)
+    elem_bound = c * torch.maximum(torch.full_like(of, t_max), FLOOR_ULPS * u * of.abs()) + FLOOR_ULPS * tiny
+    e_norm = float(err.norm())
+    norm_ratio = e_norm / norm_bound if norm_bound > 0 else (math.inf if e_norm > 0 else 0.0)
+    elem_ratios = err / elem_bound
+    elem_ratio = float(elem_ratios.max()) if elem_ratios.numel() else 0.0
+    rel = e_norm / o_norm if o_norm > 0 else e_norm
+    metrics = (("rel_err", rel), ("err_norm", e_norm), ("bound_norm", norm_bound),
+               ("trusted_err_norm", t_norm), ("max_err", float(err.max()) if err.numel() else 0.0),
+               ("trusted_max_err", t_max))
+    ratio = max(norm_ratio, elem_ratio)
+    if ratio <= 1.0:
+        return Finding(None, ratio=ratio, metrics=metrics)
+    if elem_ratio >= norm_ratio:
+        i = int(elem_ratios.argmax())
+        flat = finite.reshape(-1).nonzero().reshape(-1)[i].item()
+        detail = (f"element {flat}: kernel {kf[i].item():.6g}, oracle {of[i].item():.6g}, "
+                  f"error {err[i].item():.3g} > bound {elem_bound[i].item():.3g} ({elem_ratio:.3g}x)")
+    else:
+        detail = (f"normwise error {e_norm:.3g} > bound {norm_bound:.3g} ({norm_ratio:.3g}x; "
+                  f"relative {rel:.3g}, trusted {t_norm / o_norm if o_norm else t_norm:.3g})")
+    return Finding("bound", detail, ratio, metrics)

@@ -1,0 +1,131 @@
+"""The corpus on disk: seeds and minimized failures, content-addressed and written atomically.
+
+    seeds/<target>/<hash>.case.zst
+    crashes/<target>/<signature>/<hash>.case.zst
+
+``<hash>`` is the case's own hash (the record does not enter it), so saving the
+same case twice writes one file. A failure file carries a record: the verdict,
+its signature, what replay expects of it (``fail``: a known open bug that must
+still reproduce; ``pass``: a fixed bug that must stay fixed), the versions of
+kfuzz, torch and triton, the device and the time. The corpus keeps one case
+per signature: a second failure with a signature already on disk is not saved.
+
+Writes go to a temporary file in the same folder and are renamed into place,
+so an interrupted write never leaves a truncated case, and a bad file never
+stops the others from loading.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+import kfuzz
+from kfuzz.case import Case, decode, encode
+from kfuzz.errors import CaseError
+from kfuzz.verdict import Signature, Verdict
+
+SUFFIX = ".case.zst"
+
+
+def versions(device: str = "cpu") -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    dev = torch.cuda.get_device_name() if str(device).startswith("cuda") and torch.cuda.is_available() else "cpu"
+    return {"kfuzz": kfuzz.__version__, "torch": torch.__version__, "triton": triton_version, "device": dev}
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def make_record(verdict: Verdict, expect: str = "fail", device: str = "cpu", **extra) -> dict:
+    return {"verdict": verdict.to_json(), "signature": verdict.signature.to_json(), "expect": expect,
+            "versions": versions(device),
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **extra}
+
+
+def load(path: str | Path) -> tuple[Case, dict | None]:
+    """The case and record in ``path``; CaseError names the file and what is wrong."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise CaseError(f"{p}: cannot read ({e.strerror})") from None
+    return decode(data, str(p))
+
+
+def iter_case_files(paths: Iterable[str | Path]) -> Iterator[Path]:
+    """Every ``.case.zst`` named or under the folders named, in a stable order."""
+    for root in paths:
+        p = Path(root)
+        if p.is_dir():
+            yield from sorted(q for q in p.rglob(f"*{SUFFIX}") if not q.name.startswith(".tmp-"))
+        elif p.exists():
+            yield p
+        else:
+            raise CaseError(f"{p}: no such file or folder")
+
+
+class Corpus:
+    """The ``seeds/`` and ``crashes/`` folders of one project root."""
+
+    def __init__(self, root: str | Path = "."):
+        self.root = Path(root)
+        self.crashes = self.root / "crashes"
+        self.seeds = self.root / "seeds"
+
+    def failure_path(self, case: Case, signature: Signature) -> Path:
+        return self.crashes / case.target / signature.slug / f"{case.hash}{SUFFIX}"
+
+    def has_signature(self, signature: Signature) -> bool:
+        folder = self.crashes / signature.target / signature.slug
+        return folder.is_dir() and any(folder.glob(f"*{SUFFIX}"))
+
+    def save_failure(self, case: Case, verdict: Verdict, expect: str = "fail", device: str = "cpu",
+                     replace_existing: bool = False, **extra) -> Path | None:
+        """Save a failing case unless its signature is already kept; returns the path written."""
+        if verdict.passed:
+            raise ValueError("only failures are saved in crashes/")
+        sig = verdict.signature
+        if self.has_signature(sig) and not replace_existing:
+            return None
+        path = self.failure_path(case, sig)
+        if replace_existing:
+            for old in path.parent.glob(f"*{SUFFIX}"):
+                old.unlink()
+        write_atomic(path, encode(case, make_record(verdict, expect, device, **extra)))
+        return path
+
+    def save_seed(self, case: Case) -> Path:
+        path = self.seeds / case.target / f"{case.hash}{SUFFIX}"
+        if not path.exists():
+            write_atomic(path, encode(case))
+        return path
+
+    def seeds_of(self, target: str) -> list[Case]:
+        out = []
+        for f in iter_case_files([self.seeds / target]) if (self.seeds / target).is_dir() else []:
+            try:
+                out.append(load(f)[0])
+            except CaseError:
+                continue
+        return out

@@ -1,0 +1,105 @@
+"""The random engine: samples valid cases from a target's contract.
+
+Sizes lean toward the edges that break kernels (1, primes, powers of two and
+their neighbours, the contract's bounds); layouts, distributions and special
+values are drawn with fixed probabilities. Every proposed case passes
+``Target.validate``.
+"""
+from __future__ import annotations
+
+import random
+
+from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
+from kfuzz.target import Target
+from kfuzz.tensors import special_value_table
+
+EDGE_SIZES = (1, 2, 3, 5, 7, 8, 13, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 127, 128, 129,
+              255, 256, 257, 511, 512, 513, 1000, 1023, 1024, 1025, 2047, 2048, 4095, 4096)
+P_LAYOUT, P_DIST, P_INJECT = 0.3, 0.4, 0.3
+
+
+def sample_size(rng: random.Random, lo: int, hi: int, multiple_of: int = 1) -> int:
+    for _ in range(64):
+        r = rng.random()
+        if r < 0.5:
+            n = rng.choice([s for s in EDGE_SIZES if lo <= s <= hi] or [lo])
+        elif r < 0.6:
+            n = rng.choice((lo, hi))
+        elif r < 0.85:
+            n = rng.randint(lo, min(hi, max(lo, 64)))
+        else:
+            n = rng.randint(lo, hi)
+        n -= n % multiple_of
+        if lo <= n <= hi and n % multiple_of == 0:
+            return n
+    return lo + (-lo) % multiple_of
+
+
+def sample_layout(rng: random.Random, rank: int, allowed: tuple[str, ...]) -> Layout:
+    kinds = [k for k in allowed if k != "contiguous"] if rank else []
+    if not kinds or rng.random() >= P_LAYOUT:
+        return Layout()
+    kind = rng.choice(kinds)
+    if kind == "permuted":
+        perm = list(range(rank))
+        rng.shuffle(perm)
+        return Layout("permuted", perm=tuple(perm)) if perm != sorted(perm) else Layout()
+    if kind == "strided":
+        return Layout("strided", step=tuple(rng.choice((1, 1, 2, 3)) for _ in range(rank)))
+    if kind == "offset":
+        return Layout("offset", offset=rng.randint(1, 17))
+    return Layout("expanded", dims=(rng.randrange(rank),))
+
+
+def sample_dist(rng: random.Random) -> Dist:
+    if rng.random() >= P_DIST:
+        return Dist()
+    kind = rng.choice(DISTRIBUTIONS)
+    if kind == "scaled":
+        return Dist(kind, (("factor", rng.choice((1e-2, 1e2, 1e4))),))
+    if kind == "shifted":
+        return Dist(kind, (("shift", rng.choice((5.0, -5.0, 100.0))),))
+    return Dist(kind)
+
+
+def sample_injections(rng: random.Random, numel: int, dtype: str) -> tuple:
+    if numel == 0 or rng.random() >= P_INJECT:
+        return ()
+    names = [n for n, v in special_value_table(dtype).items() if v is not None]
+    if not names:
+        return ()
+    picks = {rng.randrange(numel): rng.choice(names) for _ in range(rng.randint(1, 3))}
+    return tuple(sorted(picks.items()))
+
+
+def sample_case(target: Target, rng: random.Random) -> Case:
+    for _ in range(100):
+        dims = {name: sample_size(rng, d.lo, d.hi, d.multiple_of) for name, d in target.dims.items()}
+        if target.constraint is None or not target.constraint(dims):
+            break
+    dtype = rng.choice(target.dtypes)
+    args = {}
+    for name, arg in target.args.items():
+        shape = target.shape_of(arg.shape, dims)
+        numel = 1
+        for n in shape:
+            numel *= n
+        args[name] = ArgCase(layout=sample_layout(rng, len(shape), arg.layouts), dist=sample_dist(rng),
+                             inject=sample_injections(rng, numel, target.arg_dtype(name, dtype)))
+    case = Case.make(target.name, dtype, rng.getrandbits(32), dims, args)
+    target.validate(case)
+    return case
+
+
+class RandomEngine:
+    name = "random"
+
+    def __init__(self, target: Target, seed: int = 0):
+        self.target = target
+        self.rng = random.Random(seed)
+
+    def next_case(self) -> Case:
+        return sample_case(self.target, self.rng)
+
+    def feedback(self, case: Case, verdict) -> None:
+        """The random engine learns nothing."""

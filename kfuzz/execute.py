@@ -1,0 +1,162 @@
+"""Executing a case: the kernel under the call contract, then the oracle, then the verdict.
+
+The kernel runs first, before any reference run, so that no result of the
+oracle or the trusted implementation can be lying in memory for it to return.
+The call contract, checked on every call:
+
+- outputs are plain dense ``torch.Tensor`` objects (no subclass, no sparse or
+  lazy tensor) of the declared shape, dtype and device;
+- all work is finished at return (the device is synchronized; an error that
+  surfaces there is a ``crash``);
+- no torch function was replaced during the call;
+- inputs, including the storage around strided and offset views, are bitwise
+  unchanged (``mutation``).
+
+This module does not isolate the kernel: a kernel that segfaults takes the
+process down. Sandboxed workers are the engines' concern.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from kfuzz.case import Case
+from kfuzz.compare import BOUND_C, compare
+from kfuzz.target import Target, get_target
+from kfuzz.tensors import materialize, torch_dtype
+from kfuzz.verdict import Verdict
+
+# functions a kernel could replace to fool a comparison made in its process
+_WATCHED = [(torch, "allclose"), (torch, "equal"), (torch, "isclose"), (torch, "isnan"),
+            (torch.Tensor, "__eq__"), (torch.Tensor, "clone"), (torch.Tensor, "to"),
+            (torch.cuda, "synchronize"), (torch.testing, "assert_close")]
+
+
+def _watched_snapshot() -> list:
+    return [getattr(owner, name, None) for owner, name in _WATCHED]
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).clone()
+
+
+def raising_frame(exc: BaseException) -> str:
+    """``file:function`` of the innermost frame, without line numbers (signatures survive edits)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "<native>"
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.name}"
+
+
+def as_outputs(result: Any, target: Target) -> dict[str, Any]:
+    """The kernel's return value by output name; raises ValueError on a wrong structure."""
+    names = list(target.outputs)
+    if isinstance(result, Mapping):
+        if set(result) != set(names):
+            raise ValueError(f"returned outputs {sorted(result)}, expected {names}")
+        return dict(result)
+    if not isinstance(result, (tuple, list)):
+        result = (result,)
+    if len(result) != len(names):
+        raise ValueError(f"returned {len(result)} output(s), expected {len(names)} ({', '.join(names)})")
+    return dict(zip(names, result))
+
+
+def contract_violation(outputs: Mapping[str, Any], target: Target, case: Case,
+                       device: torch.device) -> tuple[str, str] | None:
+    dims = case.dim
+    for name, out in outputs.items():
+        spec = target.outputs[name]
+        if type(out) is not torch.Tensor:
+            return name, f"output {name!r} is a {type(out).__module__}.{type(out).__qualname__}, not a plain torch.Tensor"
+        if out.layout != torch.strided:
+            return name, f"output {name!r} has layout {out.layout}, not a dense strided tensor"
+        shape = target.shape_of(spec.shape, dims)
+        if tuple(out.shape) != shape:
+            return name, f"output {name!r} has shape {list(out.shape)}, the contract says {list(shape)}"
+        want = torch_dtype(target.output_dtype(name, case.dtype))
+        if out.dtype != want:
+            return name, f"output {name!r} has dtype {out.dtype}, the contract says {want}"
+        if out.device.type != device.type:
+            return name, f"output {name!r} is on {out.device}, inputs are on {device}"
+    return None
+
+
+def _upcast(inputs: Mapping[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: (v.detach().to(device, torch.float64) if v.dtype.is_floating_point else v.detach().to(device))
+            for k, v in inputs.items()}
+
+
+def oracle_outputs(target: Target, inputs: Mapping[str, torch.Tensor], device="cpu") -> dict[str, torch.Tensor]:
+    """The reference math on float64-upcast copies of ``inputs``."""
+    return as_outputs(target.reference(**_upcast(inputs, device)), target)
+
+
+def trusted_outputs(target: Target, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trusted implementation at the kernel's own precision, on copies of ``inputs``."""
+    return as_outputs(target.call_trusted({k: v.detach().clone() for k, v in inputs.items()}), target)
+
+
+def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
+                device: torch.device) -> tuple[dict[str, torch.Tensor] | None, Verdict | None]:
+    """Call the kernel under the contract: its outputs, or the verdict that ends the case."""
+    before = _watched_snapshot()
+    try:
+        with warnings.catch_warnings():
+            # overflow and invalid-value warnings are what fuzzing provokes, not news
+            warnings.simplefilter("ignore", RuntimeWarning)
+            result = target.kernel(**inputs)
+        if device.type == "cuda":
+            try:
+                torch.cuda.synchronize(device)
+            except Exception as e:  # an asynchronous CUDA error
+                return None, Verdict(target.name, "crash", detail=f"CUDA error after the call: {e}",
+                                     exc_type=type(e).__name__)
+    except Exception as e:
+        return None, Verdict(target.name, "exception", detail=f"{type(e).__name__}: {e}"[:2000],
+                             exc_type=type(e).__name__, frame=raising_frame(e))
+    if _watched_snapshot() != before:
+        replaced = [f"{getattr(o, '__name__', o)}.{n}" for (o, n), a, b in
+                    zip(_WATCHED, before, _watched_snapshot()) if a is not b]
+        return None, Verdict(target.name, "contract", detail=f"the call replaced {', '.join(replaced)}")
+    try:
+        outputs = as_outputs(result, target)
+    except ValueError as e:
+        return None, Verdict(target.name, "contract", detail=str(e))
+    bad = contract_violation(outputs, target, case, device)
+    if bad:
+        return None, Verdict(target.name, "contract", output=bad[0], detail=bad[1])
+    return outputs, None
+
+
+def execute(case: Case, target: Target | None = None, device: str = "cpu",
+            oracle_device: str = "cpu", c: float = BOUND_C) -> Verdict:
+    """Run ``case`` once and judge it: pass, or the first failure found."""
+    target = target or get_target(case.target)
+    dev = torch.device(device)
+    inputs = materialize(case, target, dev)
+    snapshot = {k: _storage_bytes(v) for k, v in inputs.items()}
+    outputs, verdict = call_kernel(target, case, inputs, dev)
+    if verdict is not None:
+        return verdict
+    for name, t in inputs.items():
+        if not torch.equal(_storage_bytes(t), snapshot[name]):
+            return Verdict(target.name, "mutation", output=name,
+                           detail=f"input {name!r} (or the storage around it) changed during the call")
+    oracle = oracle_outputs(target, inputs, oracle_device)
+    trusted = trusted_outputs(target, inputs)
+    worst = 0.0
+    metrics: dict[str, float] = {}
+    for name, out in outputs.items():
+        finding = compare(out, oracle[name], trusted[name], target.output_dtype(name, case.dtype), c)
+        metrics.update({f"{name}.{k}": v for k, v in finding.metrics})
+        if finding.kind is not None:
+            return Verdict(target.name, finding.kind, output=name, detail=finding.detail,
+                           ratio=finding.ratio, metrics=metrics)
+        worst = max(worst, finding.ratio)
+    return Verdict(target.name, "pass", ratio=worst, metrics=metrics)

@@ -1,0 +1,67 @@
+"""Replaying saved cases: every case must end as its record says.
+
+A case recorded with ``expect: fail`` must fail again with the same signature
+(a known open bug still reproduces); ``expect: pass`` (or no record, as for
+seeds) must pass (a fixed bug stays fixed). A file that cannot be read, or
+names a target that does not exist, is reported as bad input and the other
+files still replay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from kfuzz.case import encode
+from kfuzz.corpus import iter_case_files, load, make_record, write_atomic
+from kfuzz.errors import KfuzzError
+from kfuzz.execute import execute
+from kfuzz.target import get_target
+from kfuzz.verdict import Signature, Verdict
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    path: Path
+    status: str                      # "ok", "changed" or "error"
+    expect: str | None = None
+    verdict: Verdict | None = None
+    message: str = ""
+
+
+def replay_file(path: Path, device: str = "cpu") -> ReplayResult:
+    try:
+        case, record = load(path)
+        target = get_target(case.target)
+        verdict = execute(case, target, device=device)
+    except KfuzzError as e:
+        return ReplayResult(path, "error", message=str(e) if str(path) in str(e) else f"{path}: {e}")
+    expect = (record or {}).get("expect", "pass")
+    if expect == "fail":
+        want = Signature.from_json(record["signature"])
+        if verdict.signature == want:
+            return ReplayResult(path, "ok", expect, verdict, f"still fails: {want}")
+        return ReplayResult(path, "changed", expect, verdict,
+                            f"expected {want}, got {verdict.signature if not verdict.passed else 'pass'}")
+    if verdict.passed:
+        return ReplayResult(path, "ok", expect, verdict, "passes")
+    return ReplayResult(path, "changed", expect, verdict, f"expected pass, got {verdict.signature}: {verdict.detail}")
+
+
+def replay(paths: Iterable[str | Path], device: str = "cpu") -> Iterator[ReplayResult]:
+    """Replay every case file under ``paths``; a missing path is one error result."""
+    for root in paths:
+        try:
+            files = list(iter_case_files([root]))
+        except KfuzzError as e:
+            yield ReplayResult(Path(root), "error", message=str(e))
+            continue
+        for f in files:
+            yield replay_file(f, device)
+
+
+def mark_fixed(result: ReplayResult, device: str = "cpu") -> None:
+    """Rewrite a recorded failure that now passes as a ``pass`` case (the bug is fixed)."""
+    case, record = load(result.path)
+    old = Verdict.from_json(case.target, record["verdict"])
+    write_atomic(result.path, encode(case, make_record(old, "pass", device, fixed_from=record["signature"])))

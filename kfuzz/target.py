@@ -1,0 +1,202 @@
+"""Targets: a kernel, its float64 oracle and its input contract, registered by name.
+
+A target names its tensor arguments with symbolic shapes, the dtypes and layouts
+it admits, the domain rules its inputs obey, the kernel, the reference math
+(run on float64-upcast inputs it is the oracle; run at the kernel's own
+precision it is the trusted implementation that scales the error bound, unless
+the target names another ``trusted``), and the outputs to compare.
+
+Targets register through one decorator, ``@target``; kfuzz finds them by
+importing the modules named in the entry-point group ``kfuzz.targets``, so
+kfuzz's own ``harnesses/`` are written exactly as a user's package would be.
+
+Refuses: duplicate names, unknown names (``TargetError``), and cases that break
+the contract (``CaseError`` from ``Target.validate``).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Callable, Mapping, Sequence
+
+from kfuzz.case import Case
+from kfuzz.errors import CaseError, TargetError
+from kfuzz.tensors import DTYPES, special_value_table
+
+ALL_LAYOUTS = ("contiguous", "permuted", "strided", "offset", "expanded")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A symbolic dimension and the sizes the contract admits."""
+
+    lo: int = 1
+    hi: int = 256
+    multiple_of: int = 1   # a contract may require, e.g., a size that is a multiple of 8
+
+    def admits(self, n: int) -> bool:
+        return self.lo <= n <= self.hi and n % self.multiple_of == 0
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A tensor argument: symbolic shape, and its dtype ('case' = the case's dtype)."""
+
+    shape: tuple[str | int, ...]
+    dtype: str = "case"
+    layouts: tuple[str, ...] = ALL_LAYOUTS
+    differentiable: bool = True
+
+
+@dataclass(frozen=True)
+class Output:
+    shape: tuple[str | int, ...]
+    dtype: str = "case"
+
+
+@dataclass
+class Target:
+    name: str
+    kernel: Callable
+    reference: Callable                 # the math; float64 inputs -> oracle
+    args: Mapping[str, Arg]
+    outputs: Mapping[str, Output]
+    dims: Mapping[str, Dim]
+    dtypes: tuple[str, ...] = FLOAT_DTYPES
+    domain: Callable | None = None      # (dict of float64 tensors, dims) -> dict, before injection
+    trusted: Callable | None = None     # same-precision implementation; default: reference
+    constraint: Callable | None = None  # dims -> error message or None (cross-dim rules)
+    planted_bug: str | None = None      # a positive control: the bug this kernel carries
+    description: str = ""
+    options: Mapping = field(default_factory=dict)   # free-form, for engines and gates
+
+    # shapes -----------------------------------------------------------------------
+    def shape_of(self, symbolic: Sequence[str | int], dims: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else dims[d] for d in symbolic)
+
+    def arg_dtype(self, name: str, case_dtype: str) -> str:
+        d = self.args[name].dtype
+        return case_dtype if d == "case" else d
+
+    def output_dtype(self, name: str, case_dtype: str) -> str:
+        d = self.outputs[name].dtype
+        return case_dtype if d == "case" else d
+
+    def call_trusted(self, inputs: Mapping):
+        return (self.trusted or self.reference)(**inputs)
+
+    # the contract ---------------------------------------------------------------------
+    def validate(self, case: Case) -> None:
+        """Raise CaseError naming what in ``case`` breaks this target's contract."""
+        where = f"case for target {self.name!r}"
+        if case.target != self.name:
+            raise CaseError(f"{where}: names target {case.target!r}")
+        if case.dtype not in self.dtypes:
+            raise CaseError(f"{where}: dtype {case.dtype!r} not admitted (admits {', '.join(self.dtypes)})")
+        dims = case.dim
+        if set(dims) != set(self.dims):
+            raise CaseError(f"{where}: dims {sorted(dims)} but the contract has {sorted(self.dims)}")
+        for name, n in dims.items():
+            spec = self.dims[name]
+            if not spec.admits(n):
+                extra = f", a multiple of {spec.multiple_of}" if spec.multiple_of > 1 else ""
+                raise CaseError(f"{where}: dim {name}={n} outside the contract [{spec.lo}, {spec.hi}]{extra}")
+        if self.constraint is not None:
+            msg = self.constraint(dims)
+            if msg:
+                raise CaseError(f"{where}: {msg}")
+        for name, argcase in case.args:
+            if name not in self.args:
+                raise CaseError(f"{where}: unknown argument {name!r} (has {', '.join(self.args)})")
+            arg = self.args[name]
+            argcase.layout.check_rank(len(arg.shape), f"{where}, argument {name!r}")
+            if argcase.layout.kind not in arg.layouts:
+                raise CaseError(f"{where}: argument {name!r} does not admit layout {argcase.layout.kind!r}")
+            numel = 1
+            for n in self.shape_of(arg.shape, dims):
+                numel *= n
+            table = special_value_table(self.arg_dtype(name, case.dtype))
+            for pos, value in argcase.inject:
+                if pos >= numel:
+                    raise CaseError(f"{where}: injection at {pos} outside argument {name!r} of {numel} elements")
+                if isinstance(value, str) and table.get(value) is None:
+                    raise CaseError(f"{where}: dtype {self.arg_dtype(name, case.dtype)} has no {value!r}")
+        if case.payload is not None:
+            unknown = set(case.payload_dict) - set(self.args)
+            if unknown:
+                raise CaseError(f"{where}: payload names unknown arguments {sorted(unknown)}")
+
+
+# the registry ---------------------------------------------------------------------------
+_REGISTRY: dict[str, Target] = {}
+_LOADED = False
+
+
+def target(name: str, *, reference: Callable, args: Mapping[str, Arg], outputs: Mapping[str, Output],
+           dims: Mapping[str, Dim], **kw) -> Callable[[Callable], Callable]:
+    """Register the decorated kernel as target ``name``; returns the kernel unchanged."""
+    def register(kernel: Callable) -> Callable:
+        add_target(Target(name=name, kernel=kernel, reference=reference, args=dict(args),
+                          outputs=dict(outputs), dims=dict(dims), **kw))
+        return kernel
+    return register
+
+
+def add_target(t: Target) -> Target:
+    if t.name in _REGISTRY and _REGISTRY[t.name].kernel is not t.kernel:
+        raise TargetError(f"target {t.name!r} registered twice")
+    for name, arg in t.args.items():
+        missing = [d for d in arg.shape if isinstance(d, str) and d not in t.dims]
+        if missing:
+            raise TargetError(f"target {t.name!r}: argument {name!r} uses undeclared dims {missing}")
+    for dt in t.dtypes:
+        if dt not in DTYPES:
+            raise TargetError(f"target {t.name!r}: unknown dtype {dt!r}")
+    _REGISTRY[t.name] = t
+    return t
+
+
+def variant(base: str, name: str, kernel: Callable, planted_bug: str | None = None, **changes) -> Target:
+    """Register ``kernel`` under ``name`` with the contract of the already registered ``base``."""
+    b = _REGISTRY[base]
+    fields = {f: getattr(b, f) for f in b.__dataclass_fields__}
+    fields.update(name=name, kernel=kernel, planted_bug=planted_bug, **changes)
+    return add_target(Target(**fields))
+
+
+def prepare_triton() -> None:
+    """Without a GPU, Triton kernels run under the interpreter; it must be chosen before
+    ``triton.jit`` decorates them, so before target modules are imported."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    except ImportError:
+        pass
+
+
+def load_targets() -> dict[str, Target]:
+    """Import every module of the ``kfuzz.targets`` entry-point group (once)."""
+    global _LOADED
+    if not _LOADED:
+        prepare_triton()
+        for ep in entry_points(group="kfuzz.targets"):
+            try:
+                importlib.import_module(ep.value.split(":")[0])
+            except ImportError as e:
+                # a target whose optional dependency is missing is simply absent
+                if getattr(e, "name", None) in {"triton", "atheris"}:
+                    continue
+                raise
+        _LOADED = True
+    return dict(_REGISTRY)
+
+
+def get_target(name: str) -> Target:
+    targets = load_targets()
+    if name not in targets:
+        raise TargetError(f"unknown target {name!r} (known: {', '.join(sorted(targets)) or 'none'})")
+    return targets[name]
