@@ -1,0 +1,364 @@
+"""The GDN-family forward in Triton: `chunk_gdn_fwd`.
+
+Algorithm: the chunked form written out in `gdn.reference` (its docstring is
+the statement this file follows).  Two launches for the delta members, one
+without the delta term:
+
+  1. `_prep_kernel`, one program per (chunk, head), all in parallel: builds
+     A = tril(beta k k^T * decay), its inverse T = (I + A)^-1 from 16x16 blocks,
+     w = T (beta Gamma k), u = T (beta v), and one flag per (chunk, head) that
+     says whether the chunk's k, v, beta and g admit the matrix path.
+  2. `_scan_kernel`, one program per (sequence, head, V tile), walks its
+     sequence chunk by chunk with the state S [K, BV] in registers, fp32.
+
+The NaN/Inf contract (kfuzz G05: the NaN set and the Inf set equal those of
+`gdn.oracle.recurrence` exactly).  The matrix path mixes every position of a
+chunk into every output of it (a masked-out future NaN still multiplies in:
+0 * NaN = NaN) and turns an Inf in v into inf where the step-by-step sums give
+NaN.  So each chunk takes the matrix path only when its q, k, v, beta are all
+finite and at most BIG in magnitude, its gates are <= 0 (scalar: -inf allowed,
+clamped at -110 where exp is already 0 in fp32; vector: the chunk's total decay
+at most 60 per key), and the incoming state is finite and at most SBIG.
+Otherwise it runs token by token with the oracle's own formulas in fp32 (the
+exact path).  Once a NaN enters S it never leaves (0 * NaN = NaN), so the rest
+of that sequence's V tile then runs exactly, which is slow: pathological inputs
+are slow, normal ones fast.
+
+Precision: states and accumulation in fp32.  bf16 inputs feed the tensor cores
+bf16 operands in the scan (w and u are stored in bf16) and tf32 in the prep;
+fp16 inputs use tf32 operands (an fp16 cast of S could overflow); fp32 inputs
+use full fp32 ("ieee") products.  Under the Triton interpreter
+(TRITON_INTERPRET=1) every product is fp32, since its bf16 tl.dot is wrong, and
+no autotuning runs.
+
+Refuses: K or V over 256, mixed q/k/v dtypes, dtypes other than bf16/fp16/fp32.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+GATE_FLOOR = -110.0     # exp(-110) == 0 in fp32: a clamped gate forgets exactly as -inf does
+VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gate factoring
+BIG = 65536.0            # input magnitude above which a chunk runs the exact path
+SBIG = 1e30              # state magnitude above which a chunk runs the exact path
+
+
+@triton.jit
+def _all_within(x, bound):
+    """True when every element is finite and |x| <= bound (NaN fails)."""
+    return tl.max(tl.where(tl.abs(x) <= bound, 0, 1)) == 0
+
+
+@triton.jit
+def _cast(x, ref_ptr, LOWP: tl.constexpr):
+    if LOWP:
+        return x.to(ref_ptr.dtype.element_ty)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _inv_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for A strictly lower [BT, BT], BT in {16, 32, 64}: forward
+    substitution inside the 16x16 diagonal blocks (all blocks at once), then the
+    block Neumann product (I + F)^-1 = I - F + F^2 - F^3, F = Dinv E, which is
+    block forward substitution term by term."""
+    NB: tl.constexpr = BT // 16
+    r = tl.arange(0, BT)
+    same = (r[:, None] // 16) == (r[None, :] // 16)
+    D3 = tl.sum(tl.reshape(tl.where(same, A, 0.0), (NB, 16, NB, 16)), axis=2)
+    a = tl.arange(0, 16)
+    ia = a[None, :, None]
+    ib = a[None, None, :]
+    X = tl.where(ia == ib, 1.0, 0.0) + tl.zeros((NB, 16, 16), dtype=tl.float32)
+    for i in tl.static_range(1, 16):
+        row = tl.sum(tl.where(ia == i, D3, 0.0), axis=1)            # [NB, 16]: D[i, :]
+        new = tl.sum(row[:, :, None] * X, axis=1)                   # [NB, 16]: D[i, :] X
+        X = tl.where(ia == i, tl.where(ib == i, 1.0, 0.0) - new[:, None, :], X)
+    X4 = tl.broadcast_to(tl.reshape(X, (NB, 16, 1, 16)), (NB, 16, NB, 16))
+    Dinv = tl.where(same, tl.reshape(X4, (BT, BT)), 0.0)
+    if NB > 1:
+        eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+        F = tl.dot(Dinv, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0),
+                   input_precision=PREC)
+        P = eye - F
+        P = eye - tl.dot(F, P, input_precision=PREC)
+        P = eye - tl.dot(F, P, input_precision=PREC)
+        Dinv = tl.dot(P, Dinv, input_precision=PREC)
+    return Dinv
+
+
+@triton.jit
+def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    if IS_VARLEN:
+        bos = tl.load(cb_ptr + i_c)
+        eos = tl.load(ce_ptr + i_c)
+    else:
+        i_b = i_c // NT
+        bos = i_b * T + (i_c % NT) * BT
+        eos = tl.minimum(bos + BT, i_b * T + T)
+    return bos, eos
+
+
+@triton.jit
+def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                 GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                 BIG: tl.constexpr, FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    rr = tl.arange(0, BT)
+    rows = bos + rr
+    rmask = rows < eos
+    dk = tl.arange(0, BK)
+    m2 = rmask[:, None] & (dk[None, :] < K)
+    kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0).to(tl.float32)
+    bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+    ok = _all_within(kt, BIG) & _all_within(bt, BIG)
+    if GATE == 1:
+        gg = tl.load(g + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+        ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0)
+        G = tl.cumsum(tl.maximum(gg, FLOOR).to(tl.float64), axis=0)
+        dec = tl.exp(tl.where(rr[:, None] > rr[None, :], G[:, None] - G[None, :], 0.0).to(tl.float32))
+        A = tl.dot(kt, tl.trans(kt), input_precision=PREC) * dec
+        kg = kt * tl.exp(G.to(tl.float32))[:, None]
+    elif GATE == 2:
+        gg = tl.load(g + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0).to(tl.float32)
+        G = tl.cumsum(gg, axis=0)
+        ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0) & (tl.min(tl.sum(gg, axis=0)) >= -DECAY_MAX)
+        kg = kt * tl.exp(G)
+        A = tl.dot(kg, tl.trans(kt * tl.exp(-G)), input_precision=PREC)
+    else:
+        A = tl.dot(kt, tl.trans(kt), input_precision=PREC)
+        kg = kt
+    A = tl.where(rr[:, None] > rr[None, :], A * bt[:, None], 0.0)
+    Tm = _inv_unit_lower(A, BT, PREC)
+    wt = tl.dot(Tm, kg * bt[:, None], input_precision=PREC)
+    tl.store(w + (rows[:, None] * H + i_h) * K + dk[None, :], wt.to(w.dtype.element_ty), mask=m2)
+    for v0 in tl.static_range(0, V, BV):
+        dv = v0 + tl.arange(0, BV)
+        mv = rmask[:, None] & (dv[None, :] < V)
+        vt = tl.load(v + (rows[:, None] * H + i_h) * V + dv[None, :], mask=mv, other=0.0).to(tl.float32)
+        ok = ok & _all_within(vt, BIG)
+        ut = tl.dot(Tm, vt * bt[:, None], input_precision=PREC)
+        tl.store(u + (rows[:, None] * H + i_h) * V + dv[None, :], ut.to(u.dtype.element_ty), mask=mv)
+    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
+
+
+@triton.jit
+def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, NT,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                 GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
+                 STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr,
+                 PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
+                 FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n)
+        eos = tl.load(cu + i_n + 1)
+        c_first = tl.load(choff + i_n)
+    else:
+        bos = i_n * T
+        eos = bos + T
+        c_first = i_n * NT
+    dk = tl.arange(0, BK)
+    kmask = dk < K
+    dv = i_v * BV + tl.arange(0, BV)
+    vmask = dv < V
+    smask = kmask[:, None] & vmask[None, :]
+    s_off = (i_nh * K + dk[:, None]) * V + dv[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + s_off, mask=smask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+    rr = tl.arange(0, BT)
+    causal = rr[:, None] >= rr[None, :]
+    for c in range(0, tl.cdiv(eos - bos, BT)):
+        t0 = bos + c * BT
+        rows = t0 + rr
+        rmask = rows < eos
+        mk = rmask[:, None] & kmask[None, :]
+        mv = rmask[:, None] & vmask[None, :]
+        kx = (rows[:, None] * H + i_h) * K + dk[None, :]
+        vx = (rows[:, None] * H + i_h) * V + dv[None, :]
+        qt = tl.load(q + kx, mask=mk, other=0.0)
+        kt = tl.load(k + kx, mask=mk, other=0.0)
+        ok = _all_within(qt, BIG) & _all_within(kt, BIG) & _all_within(S, SBIG)
+        if DELTA:
+            wt = tl.load(w + kx, mask=mk, other=0.0)
+            vt = tl.load(u + vx, mask=mv, other=0.0)
+            ok = ok & (tl.load(flag + (c_first + c) * H + i_h) != 0)
+        else:
+            vt = tl.load(v + vx, mask=mv, other=0.0)
+            ok = ok & _all_within(vt, BIG)
+        if GATE == 1:
+            gg = tl.load(g + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+            ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0)
+        elif GATE == 2:
+            gv = tl.load(g + kx, mask=mk, other=0.0).to(tl.float32)
+            ok = ok & (tl.max(tl.where(gv <= 0, 0, 1)) == 0) & \
+                (tl.min(tl.sum(gv, axis=0)) >= -DECAY_MAX)
+        if ok:
+            # the matrix path
+            qf = qt.to(tl.float32)
+            kf = kt.to(tl.float32)
+            if GATE == 1:
+                gc = tl.maximum(gg, FLOOR).to(tl.float64)
+                G = tl.cumsum(gc, axis=0)
+                Gl = tl.sum(gc, axis=0)
+                dec = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0).to(tl.float32))
+                Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC) * dec
+                qg = qf * tl.exp(G.to(tl.float32))[:, None]
+                kl = kf * tl.exp((Gl - G).to(tl.float32))[:, None]
+                decS = tl.exp(Gl.to(tl.float32))
+            elif GATE == 2:
+                G = tl.cumsum(gv, axis=0)
+                Gl = tl.sum(gv, axis=0)
+                qg = qf * tl.exp(G)
+                Aqk = tl.dot(_cast(qg, q, LOWP), tl.trans(_cast(kf * tl.exp(-G), q, LOWP)),
+                             input_precision=PREC)
+                kl = kf * tl.exp(Gl[None, :] - G)
+                decS = tl.exp(Gl)[:, None]
+            else:
+                Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC)
+                qg = qf
+                kl = kf
+                decS = 1.0
+            Aqk = tl.where(causal, Aqk, 0.0)
+            Sd = _cast(S, q, LOWP)
+            if DELTA:
+                vn = vt.to(tl.float32) - tl.dot(_cast(wt, q, LOWP), Sd, input_precision=PREC)
+            else:
+                vn = vt.to(tl.float32)
+            vnd = _cast(vn, q, LOWP)
+            ot = (tl.dot(_cast(qg, q, LOWP), Sd, input_precision=PREC)
+                  + tl.dot(_cast(Aqk, q, LOWP), vnd, input_precision=PREC)) * scale
+            tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
+            S = S * decS + tl.dot(tl.trans(_cast(kl, q, LOWP)), vnd, input_precision=PREC)
+        else:
+            # the exact path: the oracle's formulas, token by token
+            for t in range(0, tl.minimum(BT, eos - t0)):
+                tok = t0 + t
+                qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
+                kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
+                vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float32)
+                if GATE == 1:
+                    S = tl.exp(tl.load(g + tok * H + i_h).to(tl.float32)) * S
+                elif GATE == 2:
+                    av = tl.exp(tl.load(g + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32))
+                    S = av[:, None] * S
+                if DELTA:
+                    bk = tl.load(beta + tok * H + i_h).to(tl.float32) * kv
+                    kS = tl.sum(kv[:, None] * S, axis=0)
+                    S = S - bk[:, None] * kS[None, :] + bk[:, None] * vv[None, :]
+                else:
+                    S = S + kv[:, None] * vv[None, :]
+                S = tl.where(smask, S, 0.0)   # padding stays 0 (no 0 * inf in it)
+                ov = tl.sum(qv[:, None] * S, axis=0)
+                tl.store(o + (tok * H + i_h) * V + dv, ov.to(o.dtype.element_ty), mask=vmask)
+    if STORE_HT:
+        tl.store(hT + s_off, S, mask=smask)
+
+
+def _scan_configs():
+    if INTERPRET:
+        return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+            for bv in (32, 64) for nw in (4, 8) for ns in (1, 2)]
+
+
+_scan = triton.autotune(configs=_scan_configs(), key=["K", "V", "BT", "GATE", "DELTA", "LOWP", "PREC"])(
+    _scan_kernel)
+
+
+def _prep_warps(BT, BK):
+    return 4 if BT * BK <= 64 * 64 else 8
+
+
+def _pow2(n):
+    return max(16, triton.next_power_of_2(n))
+
+
+def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
+                  output_final_state=True, cu_seqlens=None, delta=True):
+    """The GDN-family forward.  q, k [B,T,H,K], v [B,T,H,V] (one dtype of bf16,
+    fp16, fp32); g None, [B,T,H] or [B,T,H,K]; beta [B,T,H] (delta=True);
+    initial_state [N,H,K,V]; cu_seqlens [N+1] offsets with B == 1.  Returns
+    (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32 or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype \
+            or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one of bf16/fp16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3] or K > 256 or V > 256:
+        raise ValueError(f"need q, k [B,T,H,K], v [B,T,H,V], K, V <= 256; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if delta and (beta is None or tuple(beta.shape) != (B, T, H)):
+        raise ValueError("delta=True needs beta of shape [B,T,H]")
+    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+    if gate and tuple(g.shape) != ((B, T, H) if gate == 1 else (B, T, H, K)):
+        raise ValueError(f"g must be [B,T,H] or [B,T,H,K]; got {tuple(g.shape)}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    dev = q.device
+    BT = 16 if gate == 2 else 64
+    BK = _pow2(K)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g = q.new_zeros(1) if g is None else g.contiguous()
+    beta = q.new_zeros(1) if beta is None else beta.contiguous()
+    i32 = torch.int32
+    if cu_seqlens is None:
+        N, NT = B, triton.cdiv(T, BT)
+        NC = B * NT
+        cu = cb = ce = choff = torch.zeros(1, dtype=i32, device=dev)
+    else:
+        offs = [int(x) for x in cu_seqlens.tolist()]
+        if B != 1 or len(offs) < 2 or offs[0] != 0 or offs[-1] != T or any(
+                a > b for a, b in zip(offs, offs[1:])):
+            raise ValueError("cu_seqlens needs B == 1 and nondecreasing offsets from 0 to T")
+        N, NT = len(offs) - 1, 0
+        spans = [(s, min(s + BT, e)) for bs, e in zip(offs, offs[1:]) for s in range(bs, e, BT)]
+        counts = [triton.cdiv(e - bs, BT) for bs, e in zip(offs, offs[1:])]
+        NC = len(spans)
+        cu = torch.tensor(offs, dtype=i32, device=dev)
+        cb = torch.tensor([s for s, _ in spans] or [0], dtype=i32, device=dev)
+        ce = torch.tensor([e for _, e in spans] or [0], dtype=i32, device=dev)
+        choff = torch.tensor([sum(counts[:n]) for n in range(N)], dtype=i32, device=dev)
+    if initial_state is not None:
+        if tuple(initial_state.shape) != (N, H, K, V):
+            raise ValueError(f"initial_state must be [{N},{H},{K},{V}]; got {tuple(initial_state.shape)}")
+        h0 = initial_state.contiguous()
+    else:
+        h0 = q.new_zeros(1, dtype=torch.float32)
+    lowp = (q.dtype == torch.bfloat16) and not INTERPRET
+    prec = "ieee" if (q.dtype == torch.float32 or INTERPRET) else "tf32"
+    consts = dict(BIG=BIG, FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX)
+    if delta and NC > 0:
+        ws_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        w = torch.empty(B, T, H, K, dtype=ws_dtype, device=dev)
+        u = torch.empty(B, T, H, V, dtype=ws_dtype, device=dev)
+        flag = torch.empty(NC, H, dtype=i32, device=dev)
+        BVP = min(_pow2(V), 64)
+        _prep_kernel[(NC, H)](k, v, g, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
+                              BK=BK, BV=BVP, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None,
+                              PREC=prec, num_warps=_prep_warps(BT, BK), **consts)
+    else:
+        w = u = flag = q.new_zeros(1)
+    o = torch.empty_like(v, dtype=q.dtype)
+    hT = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else \
+        q.new_zeros(1, dtype=torch.float32)
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), N * H)
+    _scan[grid](q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, max(NT, 1),
+                H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta,
+                HAS_H0=initial_state is not None, STORE_HT=output_final_state,
+                IS_VARLEN=cu_seqlens is not None, LOWP=lowp, PREC=prec, SBIG=SBIG, **consts)
+    return o, (hT if output_final_state else None)
