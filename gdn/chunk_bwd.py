@@ -243,7 +243,7 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
 def _exact_step(S, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE: tl.constexpr,
                 DELTA: tl.constexpr):
     """One step of the recurrence on a [BK, BV] block of S, as gdn.oracle writes it."""
-    tt = t.to(tl.int64) * H + ih
+    tt = (t * H + ih).to(tl.int64)
     b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float32)
     b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(tl.float32)
     if GATE == 1:
@@ -263,7 +263,7 @@ def _exact_step(S, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE: tl.const
 def _exact_dstep(dS, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv, mv,
                  GATE: tl.constexpr, DELTA: tl.constexpr):
     """The state gradient before step t from the one after it (autograd's order)."""
-    tt = t.to(tl.int64) * H + ih
+    tt = (t * H + ih).to(tl.int64)
     b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float32) * scale
     b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float32)
     dS = dS + b_q[:, None] * b_do[None, :]
@@ -533,7 +533,7 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
                 S = h
                 for u in range(t0, t):
                     S = _exact_step(S, k, v, g, beta, u, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
-                tt = t.to(tl.int64) * H + ih
+                tt = (t * H + ih).to(tl.int64)
                 b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float32)
                 b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(tl.float32)
                 b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float32) * scale
