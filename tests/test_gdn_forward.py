@@ -1,0 +1,219 @@
+"""The GDN-family forward: oracle, chunked reference and Triton kernel.
+
+Without a GPU the Triton kernel runs under the interpreter (TRITON_INTERPRET=1,
+set before gdn.chunk_fwd is imported, since triton.jit reads it then)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
+from gdn.oracle import recurrence  # noqa: E402
+from gdn.reference import chunked  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN, interpreter
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+MEMBERS = [(gate, delta) for gate in ("none", "scalar", "vector") for delta in (True, False)]
+MEMBER_IDS = [f"{gate}-{'delta' if delta else 'linear'}" for gate, delta in MEMBERS]
+BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+if DEV == "cuda":
+    BOUND[torch.float32] = 1e-4  # fp32 inputs use ieee products, not tf32
+
+
+def make_inputs(gate, delta, B=2, T=37, H=2, K=16, V=32, *, dtype=torch.float32, seed=0,
+                cu_seqlens=None, h0=True):
+    """Domain inputs: L2-normalized keys, beta in (0, 1), gates in log space <= 0."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    x = dict(q=rnd(B, T, H, K), k=torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1),
+             v=rnd(B, T, H, V), g=None, beta=None,
+             initial_state=rnd(N, H, K, V) if h0 else None)
+    if gate == "scalar":
+        x["g"] = torch.nn.functional.logsigmoid(rnd(B, T, H) + 2)
+    elif gate == "vector":
+        x["g"] = torch.nn.functional.logsigmoid(rnd(B, T, H, K) + 2)
+    if delta:
+        x["beta"] = torch.rand(B, T, H, generator=gen)
+    for name in ("q", "k", "v"):
+        x[name] = x[name].to(dtype)
+    return {n: (t.to(DEV) if t is not None else None) for n, t in x.items()}
+
+
+def call(fn, x, **kw):
+    return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], **kw)
+
+
+def rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# -- the oracle ---------------------------------------------------------------
+
+def naive(q, k, v, g, beta, scale, S, delta):
+    """The recurrence with explicit K x K transition matrices, one sequence, one head."""
+    outs = []
+    for t in range(q.shape[0]):
+        a = torch.ones(k.shape[1], dtype=torch.float64) if g is None else torch.exp(g[t]) * \
+            torch.ones(k.shape[1], dtype=torch.float64)
+        M = torch.diag(a)
+        if delta:
+            M = (torch.eye(k.shape[1], dtype=torch.float64) - beta[t] * torch.outer(k[t], k[t])) @ M
+            S = M @ S + beta[t] * torch.outer(k[t], v[t])
+        else:
+            S = M @ S + torch.outer(k[t], v[t])
+        outs.append(S.T @ (scale * q[t]))
+    return torch.stack(outs), S
+
+
+@pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
+def test_oracle_matches_naive_loop(gate, delta):
+    cu = torch.tensor([0, 9, 10, 23])
+    x = make_inputs(gate, delta, B=1, T=23, K=8, V=5, cu_seqlens=cu)
+    x = {n: (t.cpu().double() if t is not None else None) for n, t in x.items()}
+    o, s = call(recurrence, x, cu_seqlens=cu, delta=delta, scale=0.3)
+    for n in range(3):
+        for h in range(2):
+            sl = slice(int(cu[n]), int(cu[n + 1]))
+            g = None if x["g"] is None else x["g"][0, sl, h]
+            b = None if x["beta"] is None else x["beta"][0, sl, h]
+            on, sn = naive(x["q"][0, sl, h], x["k"][0, sl, h], x["v"][0, sl, h], g, b, 0.3,
+                           x["initial_state"][n, h], delta)
+            torch.testing.assert_close(o[0, sl, h], on, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(s[n, h], sn, rtol=1e-12, atol=1e-12)
+
+
+def test_oracle_is_differentiable_and_optional_state():
+    x = make_inputs("vector", True, B=1, T=6, K=4, V=3)
+    x = {n: t.cpu().double().requires_grad_() for n, t in x.items()}
+    o, s = call(recurrence, x, output_final_state=False)
+    assert s is None
+    o.square().sum().backward()
+    assert all(x[n].grad is not None for n in x)
+
+
+# -- the chunked reference -----------------------------------------------------
+
+@pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
+def test_reference_matches_oracle(gate, delta):
+    for kw in (dict(B=2, T=100), dict(B=1, T=100, cu_seqlens=torch.tensor([0, 30, 31, 100]))):
+        x = make_inputs(gate, delta, K=16, V=24, **kw)
+        x = {n: (t.cpu() if t is not None else None) for n, t in x.items()}
+        cu = kw.get("cu_seqlens")
+        o, s = call(recurrence, x, cu_seqlens=cu, delta=delta)
+        o2, s2 = call(chunked, x, cu_seqlens=cu, delta=delta, chunk_size=16)
+        assert o2.dtype == torch.float32 and s2.dtype == torch.float32
+        assert rel(o2, o) < 1e-5 and rel(s2, s) < 1e-5
+
+
+# -- the Triton forward ----------------------------------------------------------
+
+SHAPES = {
+    "T37-K16-V32": dict(B=2, T=37, H=2, K=16, V=32),
+    "T100-K32-V16": dict(B=1, T=100, H=2, K=32, V=16, h0=False),
+    "varlen3": dict(B=1, T=90, H=2, K=16, V=16, cu_seqlens=torch.tensor([0, 17, 18, 90])),
+}
+
+
+CASES = [(shape, dtype) for shape in SHAPES for dtype in (torch.float32, torch.bfloat16)] + \
+    [("T37-K16-V32", torch.float16)]
+
+
+@pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
+@pytest.mark.parametrize("shape,dtype", CASES, ids=[f"{s}-{str(d)[6:]}" for s, d in CASES])
+def test_triton_matches_oracle(shape, gate, delta, dtype):
+    kw = dict(SHAPES[shape])
+    cu = kw.get("cu_seqlens")
+    x = make_inputs(gate, delta, dtype=dtype, seed=hash(shape) % 1000, **kw)
+    if cu is not None:
+        cu = cu.to(DEV)
+    o, s = call(recurrence, x, cu_seqlens=cu, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, cu_seqlens=cu, delta=delta)
+    assert o2.dtype == dtype and o2.shape == o.shape and s2.dtype == torch.float32
+    assert rel(o2, o) < BOUND[dtype], rel(o2, o)
+    assert rel(s2, s) < BOUND[dtype], rel(s2, s)
+    if dtype == torch.float32:
+        _, s3 = call(chunk_gdn_fwd, x, cu_seqlens=cu, delta=delta, output_final_state=False)
+        assert s3 is None
+
+
+def test_triton_strong_gates_take_exact_path_and_stay_accurate():
+    """Huge negative gates (chunk decay far past the fast path's limits) and a
+    long sequence of vector-gate chunks."""
+    for gate in ("scalar", "vector"):
+        x = make_inputs(gate, True, B=1, T=70, H=1, K=16, V=16)
+        x["g"] = x["g"] * 40 - 1e6 * (torch.rand_like(x["g"]) < 0.05)
+        o, s = call(recurrence, x)
+        o2, s2 = call(chunk_gdn_fwd, x)
+        assert o2.isfinite().all() and rel(o2, o) < 1e-4 and rel(s2, s) < 1e-4
+
+
+# -- the NaN/Inf contract --------------------------------------------------------
+
+INJECT_AT = 20  # mid-chunk for the 64-token chunks (scalar/no gate) and the 16-token ones (vector)
+
+
+def inject(x, name, value):
+    t = x[name]
+    if name == "initial_state":
+        t[0, 1, 3, 5] = value
+    elif t.dim() == 3:
+        t[0, INJECT_AT, 1] = value
+    else:
+        t[0, INJECT_AT, 1, 3] = value
+
+
+def assert_same_nonfinite(out, ref):
+    ref = ref.to(out.dtype)
+    assert torch.equal(out.isnan(), ref.isnan()), "NaN sets differ"
+    assert torch.equal(out.isinf(), ref.isinf()), "Inf sets differ"
+    assert torch.equal(out.isposinf(), ref.isposinf()), "Inf signs differ"
+    fin = ref.isfinite()
+    if fin.any():
+        assert rel(out[fin], ref[fin].double()) < 1e-4
+
+
+@pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
+def test_triton_nonfinite_sets_equal_oracle(gate, delta):
+    names = ["q", "k", "v", "initial_state"] + (["g"] if gate != "none" else []) + \
+        (["beta"] if delta else [])
+    for name in names:
+        for value in (float("nan"), float("inf"), float("-inf")):
+            x = make_inputs(gate, delta, B=1, T=28, H=2, K=16, V=16, seed=7)
+            inject(x, name, value)
+            o, s = call(recurrence, x, delta=delta)
+            o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+            assert_same_nonfinite(o2, o)
+            assert_same_nonfinite(s2, s)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "linear"])
+def test_triton_minus_inf_gate_is_a_complete_forget(gate, delta):
+    x = make_inputs(gate, delta, B=1, T=100, H=2, K=16, V=16, seed=3)
+    if gate == "scalar":
+        x["g"][0, [5, 20, 21, 70], 1] = float("-inf")
+    else:
+        x["g"][0, [5, 20, 21, 70], 1] = float("-inf")  # every key forgets
+        x["g"][0, 40, 0, :8] = float("-inf")           # half the keys forget
+    o, s = call(recurrence, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    assert o.isfinite().all() and o2.isfinite().all() and s2.isfinite().all()
+    assert rel(o2, o) < 1e-4 and rel(s2, s) < 1e-4
+
+
+def test_triton_nonfinite_in_one_sequence_stays_there():
+    cu = torch.tensor([0, 30, 31, 90])
+    x = make_inputs("scalar", True, B=1, T=90, H=2, K=16, V=16, cu_seqlens=cu)
+    x["v"][0, 40, 1, 2] = float("nan")
+    cu = cu.to(DEV)
+    o, s = call(recurrence, x, cu_seqlens=cu)
+    o2, s2 = call(chunk_gdn_fwd, x, cu_seqlens=cu)
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)
+    assert o2[0, :40].isfinite().all() and s2[:2].isfinite().all()
