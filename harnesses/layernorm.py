@@ -6,6 +6,7 @@ nan_to_num, so NaN becomes 0 (and Inf a large finite number).
 import torch
 import torch.nn.functional as F
 
+from harnesses.rowscale import row_scale
 from kfuzz.target import Arg, Dim, Output, target, variant
 
 EPS = 1e-5
@@ -17,13 +18,27 @@ def layernorm_math(x, weight, bias):
     return (x - mean) / torch.sqrt(var + EPS) * weight + bias
 
 
-@target("layernorm", reference=layernorm_math,
+def layernorm_eager(x, weight, bias):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, EPS)
+
+
+# trusted: PyTorch's eager op at the kernel's precision (its Welford mean is not exact on
+# constant rows, where the two-pass fp32 math is, and that ill-conditioning is no kernel's bug)
+@target("layernorm", reference=layernorm_math, trusted=layernorm_eager,
         args={"x": Arg(("N", "D")), "weight": Arg(("D",)), "bias": Arg(("D",))},
         outputs={"out": Output(("N", "D"))},
         dims={"N": Dim(1, 64), "D": Dim(1, 512)},
-        description="layer_norm over the last dim of [N, D] with weight and bias, torch")
+        description="layer_norm over the last dim of [N, D] with weight and bias, torch, fp32 two-pass on row-scaled values")
 def layernorm(x, weight, bias):
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, EPS)
+    xf = x.float()
+    s = row_scale(xf)
+    y = xf / s
+    mean = y.mean(dim=-1, keepdim=True)
+    var = ((y - mean) ** 2).mean(dim=-1, keepdim=True)
+    # clamp: when eps / s^2 underflows and the row is constant, 0 * rsqrt(0) would be NaN
+    inv = torch.rsqrt(torch.clamp(var + EPS / (s * s), min=torch.finfo(torch.float32).tiny))
+    out = (y - mean) * inv * weight.float() + bias.float()
+    return out.to(x.dtype)
 
 
 variant("layernorm", "layernorm.nan2zero", lambda x, weight, bias: torch.nan_to_num(layernorm(x, weight, bias)),

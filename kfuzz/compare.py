@@ -71,8 +71,8 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
     fi = torch.finfo(dt)
     o_rounded = o.to(dt).to(torch.float64)
-    near_max = o.abs() >= float(fi.max) * (1 - 4 * float(fi.eps))
-    ambiguous = near_max & torch.isfinite(o)
+    edge = o.abs() / float(fi.max)
+    ambiguous = (edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps))
     bad = nonfinite_mismatch(k, o_rounded, ambiguous)
     if bad:
         return Finding("nonfinite", bad, math.inf)

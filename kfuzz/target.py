@@ -67,7 +67,7 @@ class Target:
     dims: Mapping[str, Dim]
     dtypes: tuple[str, ...] = FLOAT_DTYPES
     domain: Callable | None = None      # (dict of float64 tensors, dims) -> dict, before injection
-    trusted: Callable | None = None     # same-precision implementation; default: reference
+    trusted: Callable | None = None     # same-precision implementation; default: reference in fp32
     constraint: Callable | None = None  # dims -> error message or None (cross-dim rules)
     planted_bug: str | None = None      # a positive control: the bug this kernel carries
     description: str = ""
@@ -86,7 +86,12 @@ class Target:
         return case_dtype if d == "case" else d
 
     def call_trusted(self, inputs: Mapping):
-        return (self.trusted or self.reference)(**inputs)
+        """The trusted implementation; by default the reference math with fp32 totals
+        (low-precision inputs upcast to float32), as PyTorch's eager ops compute."""
+        if self.trusted is not None:
+            return self.trusted(**inputs)
+        wide = {k: v.float() if v.is_floating_point() and v.element_size() < 4 else v for k, v in inputs.items()}
+        return self.reference(**wide)
 
     # the contract ---------------------------------------------------------------------
     def validate(self, case: Case) -> None:

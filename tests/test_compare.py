@@ -1,0 +1,60 @@
+"""The bound and the nonfinite check, on tensors built by hand."""
+import math
+
+import torch
+
+from kfuzz.compare import compare
+
+
+def oracle_and_trusted(n=100_000, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(n, generator=g, dtype=torch.float64)
+    return o, o.to(dtype)
+
+
+def test_honest_rounding_passes():
+    o, t = oracle_and_trusted()
+    assert compare(t.clone(), o, t, "bfloat16").kind is None
+
+
+def test_one_wrong_element_in_a_large_tensor_fails():
+    o, t = oracle_and_trusted()
+    k = t.clone()
+    k[54321] += 0.5
+    f = compare(k, o, t, "bfloat16")
+    assert f.kind == "bound" and "element 54321" in f.detail
+
+
+def test_low_precision_running_total_stands_out():
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(64, 4096, generator=g, dtype=torch.float64)
+    o = x.sum(-1)
+    trusted = x.float().sum(-1)                      # fp32 total
+    k = torch.zeros(64, dtype=torch.float16)          # fp16 running total
+    for j in range(0, 4096, 64):
+        k = k + x[:, j:j + 64].float().sum(-1).half()
+    assert compare(trusted, o, trusted, "float32").kind is None
+    assert compare(k.float(), o, trusted, "float32").kind == "bound"
+
+
+def test_nan_sets_must_match_exactly():
+    o = torch.tensor([1.0, math.nan, 3.0], dtype=torch.float64)
+    good = torch.tensor([1.0, math.nan, 3.0])
+    assert compare(good, o, good, "float32").kind is None
+    f = compare(torch.tensor([1.0, 0.0, 3.0]), o, good, "float32")
+    assert f.kind == "nonfinite" and "NaN set differs" in f.detail
+    f = compare(torch.tensor([1.0, math.nan, math.nan]), o, good, "float32")
+    assert f.kind == "nonfinite"
+
+
+def test_inf_sign_matters_and_overflow_threshold_is_ambiguous():
+    o = torch.tensor([math.inf, 65500.0], dtype=torch.float64)
+    assert compare(torch.tensor([-math.inf, 65504.0], dtype=torch.float16), o, None, "float16").kind == "nonfinite"
+    # 65500 rounds to 65504 in fp16, but an honest kernel may land on inf at the edge
+    assert compare(torch.tensor([math.inf, math.inf], dtype=torch.float16), o, None, "float16").kind is None
+
+
+def test_oracle_overflowing_the_output_dtype_means_inf():
+    o = torch.tensor([1e6], dtype=torch.float64)   # beyond fp16's max
+    assert compare(torch.tensor([math.inf], dtype=torch.float16), o, None, "float16").kind is None
+    assert compare(torch.tensor([65504.0], dtype=torch.float16), o, None, "float16").kind == "nonfinite"

@@ -1,0 +1,123 @@
+"""Materialization: deterministic bits, layouts, per-dtype special values, domain rules."""
+import math
+
+import pytest
+import torch
+
+from kfuzz.case import ArgCase, Case, Dist, Layout
+from kfuzz.errors import CaseError
+from kfuzz.target import get_target
+from kfuzz.tensors import encode_payload, materialize, special_value_table
+
+SOFTMAX = get_target("softmax")
+
+
+def make(dtype="float32", dims=None, **arg):
+    return Case.make("softmax", dtype, 7, dims or {"N": 5, "D": 9}, {"x": ArgCase(**arg)})
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int16 if t.element_size() == 2
+                               else torch.int32 if t.element_size() == 4 else torch.int64)
+
+
+def test_same_case_same_bits_and_seed_changes_them():
+    a = materialize(make(dtype="bfloat16"), SOFTMAX)["x"]
+    b = materialize(make(dtype="bfloat16"), SOFTMAX)["x"]
+    assert torch.equal(bits(a), bits(b))
+    c = materialize(make(dtype="bfloat16").with_(seed=8), SOFTMAX)["x"]
+    assert not torch.equal(a, c)
+
+
+def test_known_values_pin_the_stream():
+    # PCG64 from numpy: if this changes, old corpus cases no longer mean what they meant
+    x = materialize(make(), SOFTMAX)["x"]
+    assert x.dtype == torch.float32
+    assert x.reshape(-1)[:3].tolist() == pytest.approx(_first_three(), rel=1e-6)
+
+
+def _first_three():
+    import numpy as np, zlib
+    rng = np.random.Generator(np.random.PCG64([7, zlib.crc32(b"x")]))
+    return rng.standard_normal(3).tolist()
+
+
+@pytest.mark.parametrize("layout, check", [
+    (Layout("permuted", perm=(1, 0)), lambda t: t.stride() == (1, 5)),
+    (Layout("strided", step=(2, 3)), lambda t: t.stride() == (54, 3)),
+    (Layout("offset", offset=5), lambda t: t.storage_offset() == 5),
+    (Layout("expanded", dims=(0,)), lambda t: t.stride()[0] == 0),
+])
+def test_layouts_keep_logical_values(layout, check):
+    plain = materialize(make(), SOFTMAX)["x"]
+    laid = materialize(make(layout=layout), SOFTMAX)["x"]
+    assert check(laid) and laid.shape == plain.shape
+    if layout.kind == "expanded":
+        assert torch.equal(laid, plain[:1].expand_as(plain))
+    else:
+        assert torch.equal(laid, plain)
+
+
+def test_storage_outside_the_view_is_nan():
+    t = materialize(make(layout=Layout("strided", step=(1, 2))), SOFTMAX)["x"]
+    storage = torch.empty(0).set_(t.untyped_storage())
+    assert torch.isnan(storage).sum() == t.numel()   # every gap element is NaN
+
+
+@pytest.mark.parametrize("dtype, name, expected", [
+    ("float16", "max", 65504.0), ("bfloat16", "max", 3.3895313892515355e38),
+    ("float16", "subnormal", 2.0 ** -24), ("bfloat16", "subnormal", 2.0 ** -133),
+    ("float32", "tiny", 2.0 ** -126), ("float16", "-inf", -math.inf),
+])
+def test_injection_uses_the_dtype_table(dtype, name, expected):
+    x = materialize(make(dtype=dtype, inject=((4, name),)), SOFTMAX)["x"]
+    assert x.reshape(-1)[4].item() == expected
+
+
+def test_fp8_e4m3_has_no_inf():
+    table = special_value_table("float8_e4m3fn")
+    assert table["inf"] is None and table["max"] == 448.0
+
+
+def test_negative_zero_keeps_its_sign():
+    x = materialize(make(inject=((0, "-0"),)), SOFTMAX)["x"]
+    assert math.copysign(1.0, x.reshape(-1)[0].item()) == -1.0
+
+
+def test_injection_into_expanded_dim_lands_on_the_stored_copy():
+    x = materialize(make(layout=Layout("expanded", dims=(0,)), inject=((9 * 3 + 2, "nan"),)), SOFTMAX)["x"]
+    assert torch.isnan(x[:, 2]).all() and torch.isnan(x).sum() == 5
+
+
+@pytest.mark.parametrize("dist, check", [
+    (Dist("ones"), lambda x: (x == 1).all()),
+    (Dist("binary01"), lambda x: ((x == 0) | (x == 1)).all()),
+    (Dist("smallint"), lambda x: (x == x.round()).all() and x.abs().max() <= 4),
+    (Dist("uniform01"), lambda x: ((x >= 0) & (x < 1)).all()),
+    (Dist("nearmax"), lambda x: (x.abs() >= 65504 / 2).all() and x.isfinite().all()),
+    (Dist("subnormal"), lambda x: (x.abs() < 2.0 ** -14).all() and (x != 0).all()),
+])
+def test_distributions(dist, check):
+    assert check(materialize(make(dtype="float16", dims={"N": 8, "D": 64}, dist=dist), SOFTMAX)["x"].double())
+
+
+def test_payload_replaces_generation():
+    t = torch.arange(45, dtype=torch.float32).reshape(5, 9)
+    case = Case.make("softmax", "float32", 0, {"N": 5, "D": 9}, payload={"x": encode_payload(t)})
+    assert torch.equal(materialize(case, SOFTMAX)["x"], t)
+    bad = Case.make("softmax", "float32", 0, {"N": 4, "D": 9}, payload={"x": encode_payload(t)})
+    with pytest.raises(CaseError, match="payload for 'x'"):
+        materialize(bad, SOFTMAX)
+
+
+@pytest.mark.parametrize("case, message", [
+    (Case.make("softmax", "float64", 0, {"N": 1, "D": 1}), "dtype 'float64' not admitted"),
+    (Case.make("softmax", "float32", 0, {"N": 0, "D": 1}), "dim N=0 outside the contract"),
+    (Case.make("softmax", "float32", 0, {"N": 1}), "dims"),
+    (Case.make("softmax", "float32", 0, {"N": 2, "D": 2}, {"y": ArgCase(dist=Dist("ones"))}), "unknown argument 'y'"),
+    (Case.make("softmax", "float32", 0, {"N": 2, "D": 2}, {"x": ArgCase(inject=((4, "nan"),))}), "outside argument"),
+    (Case.make("softmax", "float32", 0, {"N": 2, "D": 2}, {"x": ArgCase(Layout("permuted", perm=(0, 0)))}), "not a permutation"),
+])
+def test_contract_refusals(case, message):
+    with pytest.raises(CaseError, match=message):
+        SOFTMAX.validate(case)
