@@ -15,6 +15,9 @@ operations the Triton kernel's exact path uses, in this order:
     S = S - outer(bk, k @ S) + outer(bk, v)    (delta)   |   S = S + outer(k, v)
     o = (scale * q) @ S
 
+(k @ S and (scale q) @ S are written as products summed over keys, so a
+0 * Inf among them gives NaN exactly as the kernel's exact path does.)
+
 so the NaN/Inf pattern of this function is the one kfuzz's G05 holds kernels
 to.  It is differentiable by torch autograd (no in-place ops), which the
 backward's gradient gate uses.  It refuses nothing but wrong shapes; it is slow
@@ -56,8 +59,9 @@ def _sequences(B, T, cu_seqlens):
 
 def recurrence(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                output_final_state=True, cu_seqlens=None, delta=True):
-    """Run the recurrence step by step in float64; returns (o [B,T,H,V] float64,
-    final_state [N,H,K,V] float64 or None)."""
+    """Run the recurrence step by step in float64 (batched over the batch and the
+    heads, which are independent); returns (o [B,T,H,V] float64, final_state
+    [N,H,K,V] float64 or None)."""
     N = _check(q, k, v, g, beta, initial_state, cu_seqlens, delta)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -67,31 +71,33 @@ def recurrence(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     g = None if g is None else g.to(f64)
     beta = None if beta is None else beta.to(f64)
     vector_gate = g is not None and g.dim() == 4
-    outs = [[None] * T for _ in range(B)]
-    finals = []
-    for n, (b, bos, eos) in enumerate(_sequences(B, T, cu_seqlens)):
-        heads_o, heads_s = [], []
-        for h in range(H):
-            if initial_state is None:
-                S = torch.zeros(K, V, dtype=f64, device=q.device)
+    if cu_seqlens is None:
+        groups = [(slice(0, B), slice(0, N), 0, T)]
+    else:
+        groups = [(slice(0, 1), slice(n, n + 1), bos, eos)
+                  for n, (_, bos, eos) in enumerate(_sequences(B, T, cu_seqlens))]
+    o_steps, finals = [None] * T, []
+    for bs, ns, bos, eos in groups:
+        if initial_state is None:
+            S = torch.zeros(bs.stop - bs.start, H, K, V, dtype=f64, device=q.device)
+        else:
+            S = initial_state[ns].to(f64)
+        for t in range(bos, eos):
+            if g is not None:
+                a = torch.exp(g[bs, t])                       # [b,H] or [b,H,K]
+                S = a[..., None] * S if vector_gate else a[..., None, None] * S
+            kt = k[bs, t]                                     # [b,H,K]
+            if delta:
+                bk = beta[bs, t][..., None] * kt
+                kS = (kt[..., None] * S).sum(-2)              # k @ S: [b,H,V]
+                S = S - bk[..., :, None] * kS[..., None, :] + bk[..., :, None] * v[bs, t][..., None, :]
             else:
-                S = initial_state[n, h].to(f64)
-            o_h = []
-            for t in range(bos, eos):
-                if g is not None:
-                    a = torch.exp(g[b, t, h])
-                    S = a[:, None] * S if vector_gate else a * S
-                if delta:
-                    bk = beta[b, t, h] * k[b, t, h]
-                    S = S - torch.outer(bk, k[b, t, h] @ S) + torch.outer(bk, v[b, t, h])
-                else:
-                    S = S + torch.outer(k[b, t, h], v[b, t, h])
-                o_h.append((scale * q[b, t, h]) @ S)
-            heads_o.append(o_h)
-            heads_s.append(S)
-        for i, t in enumerate(range(bos, eos)):
-            outs[b][t] = torch.stack([heads_o[h][i] for h in range(H)])  # [H, V]
-        finals.append(torch.stack(heads_s))
-    o = torch.stack([torch.stack(outs[b]) if T else v.new_zeros(0, H, V) for b in range(B)])
-    final = torch.stack(finals) if output_final_state else None
+                S = S + kt[..., :, None] * v[bs, t][..., None, :]
+            o_steps[t] = ((scale * q[bs, t])[..., None] * S).sum(-2)   # (scale q) @ S: [b,H,V]
+        finals.append(S)
+    if cu_seqlens is None:
+        o = torch.stack(o_steps, 1) if T else v.new_zeros(B, 0, H, V)
+    else:
+        o = torch.cat(o_steps, 0)[None] if T else v.new_zeros(1, 0, H, V)
+    final = torch.cat(finals) if output_final_state else None
     return o, final
