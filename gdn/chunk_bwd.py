@@ -48,10 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _inv_unit_lower
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# the factored vector-gate form multiplies by exp(-G); past this in-chunk
-# decay it takes the exact path instead of risking overflow
-VECTOR_GATE_LIMIT = 60.0
 
 
 @triton.jit
@@ -116,15 +115,16 @@ def _pair_decay(G, mask):
 
 
 @triton.jit
-def _nonfinite(x):
-    return tl.sum(tl.sum(tl.where(x == x, tl.where(tl.abs(x) == float("inf"), 1, 0), 1), 1), 0)
+def _outside(x, bound):
+    """How many elements of a 2-D block are not within [-bound, bound] (NaN counts)."""
+    return tl.sum(tl.sum(tl.where(tl.abs(x) <= bound, 0, 1), 1), 0)
 
 
 @triton.jit
 def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
-          GLIM: tl.constexpr):
+          GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
@@ -137,20 +137,20 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
     tq = tok[:, None].to(tl.int64) * H + ih
     b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
     b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
-    bad = _nonfinite(b_q) + _nonfinite(b_k)
+    bad = _outside(b_q, BIG) + _outside(b_k, BIG)
     b_beta = tl.zeros([C], dtype=tl.float32)
     if DELTA:
         b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-        bad += _nonfinite(b_beta[:, None])
+        bad += _outside(b_beta[:, None], BIG)
     strict = rows[:, None] > rows[None, :]
     if GATE == 1:
         G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
-        bad += _nonfinite(G[:, None])
+        bad += _outside(G[:, None], 3.0e38)
         kb = b_k * (b_beta * tl.exp(G))[:, None]
         araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, strict)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
-        bad += _nonfinite(G)
+        bad += _outside(G, 3.0e38)
         bad += tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
         kg = b_k * tl.exp(G)
         kb = kg * b_beta[:, None]
@@ -164,16 +164,12 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
         tv = tok[:, None].to(tl.int64) * H + ih
         b_v = tl.load(v + tv * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
         b_do = tl.load(do + tv * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
-        bad += _nonfinite(b_v) + _nonfinite(b_do)
+        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
     if DELTA:
         a = araw * b_beta[:, None]
-        # T = (I + A)^-1, row by row: T_i = e_i - sum_{j<i} A_ij T_j
-        tm = tl.where(rows[:, None] == rows[None, :], 1., 0.)
-        for i in range(1, C):
-            ai = tl.sum(tl.where(rows[:, None] == i, a, 0.), 0)
-            ti = tl.sum(ai[:, None] * tm, 0)
-            tm = tl.where(rows[:, None] == i, tm - ti[None, :], tm)
+        # T = (I + A)^-1, by the forward's blocked substitution
+        tm = _inv_unit_lower(a, C, PREC)
         tl.store(Tm + tq * C + rows[None, :], tm, mask=rv[:, None])
         w = _mm(tm, kb, F32, DT)
         tl.store(W + tq * K + ck[None, :], w.to(W.dtype.element_ty), mask=mqk)
@@ -189,7 +185,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
 def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
             DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
-            F32: tl.constexpr, DT: tl.constexpr):
+            F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr):
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     n = inh // H
@@ -209,7 +205,7 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
     for ic in range(0, tl.cdiv(eos - bos, C)):
         cid = cbase + ic
         tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, h.to(hs.dtype.element_ty), mask=mkv)
-        hbad = _nonfinite(h)
+        hbad = _outside(h, SBIG)
         tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32))
         slow = (tl.load(flag + cid * H + ih) + hbad) > 0
         tok = bos + ic * C + rows
@@ -283,7 +279,7 @@ def _exact_dstep(dS, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv, mv,
 def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
-             HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+             HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr):
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     n = inh // H
@@ -306,7 +302,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
         ic = nc - 1 - j
         cid = cbase + ic
         tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, dh.to(dhs.dtype.element_ty), mask=mkv)
-        dbad = _nonfinite(dh)
+        dbad = _outside(dh, SBIG)
         tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
         slow = (tl.load(flag + cid * H + ih) + dbad) > 0
         t0 = bos + ic * C
@@ -619,7 +615,7 @@ def _dot_mode(dtype):
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
-                  cu_seqlens=None, delta=True, chunk_size=64):
+                  cu_seqlens=None, delta=True, chunk_size=None):
     """Gradients of the GDN family recurrence (see gdn.oracle for the math).
 
     q, k [B,T,H,K]; v, do [B,T,H,V]; g None, [B,T,H] or [B,T,H,K] (log gate);
@@ -627,7 +623,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     state); initial_state [N,H,K,V] or None.  Varlen: B == 1 and cu_seqlens
     [N+1] offsets.  Returns (dq, dk, dv, dg, dbeta, dh0), each in its input's
     dtype; dg is None without a gate, dbeta None without delta, dh0 None
-    without an initial state.
+    without an initial state.  chunk_size (16, 32 or 64) defaults to 64, or 16
+    for a vector gate.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -636,7 +633,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     if cu_seqlens is not None and B != 1:
         raise ValueError("cu_seqlens needs B == 1")
     scale = K ** -0.5 if scale is None else float(scale)
-    C = chunk_size
+    # the vector gate's factored form needs short chunks (in-chunk decay bound)
+    C = chunk_size or (16 if g is not None and g.dim() == 4 else 64)
     GATE = 0 if g is None else (1 if g.dim() == 3 else 2)
     dev = q.device
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
@@ -681,13 +679,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     chunk_warps = 4 if INTERPRET else 8
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
     _prep[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
-                   F32=F32, DT=DT, GLIM=VECTOR_GATE_LIMIT, num_warps=chunk_warps, **common)
+                   F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
+                   PREC="ieee" if F32 else "tf32", num_warps=chunk_warps, **common)
     _states[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
-                         HAS_H0=initial_state is not None, F32=F32, DT=DT, num_warps=seq_warps,
+                         HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
                          **common)
     _dstates[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, dhs,
                           cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
-                          HAS_H0=initial_state is not None, F32=F32, DT=DT, num_warps=seq_warps,
+                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
                           **common)
     _grads[(NC, H)](q, k, v, gp, bp, do, Tm, U, dU, hs, dhs, dq, dk, dv,
                     dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,

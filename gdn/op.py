@@ -1,0 +1,68 @@
+"""The GDN-family layer op with gradients: `gdn_attention` and its autograd Function.
+
+Forward: `gdn.chunk_fwd.chunk_gdn_fwd`; backward: `gdn.chunk_bwd.chunk_gdn_bwd`,
+which recomputes every chunk state itself, so the forward saves nothing but
+its inputs.  Gradients reach q, k, v, g, beta and initial_state; the gradient
+of the final state (when it is returned and used) flows into the backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from gdn.chunk_bwd import chunk_gdn_bwd
+from gdn.chunk_fwd import chunk_gdn_fwd
+
+
+class ChunkGDNFunction(torch.autograd.Function):
+    """(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+    delta) -> (o, final_state or None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+                delta):
+        o, ht = chunk_gdn_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                              delta=delta)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale, ctx.delta = scale, delta
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
+            q, k, v, g, beta, do, dht, scale=ctx.scale, initial_state=initial_state,
+            cu_seqlens=cu_seqlens, delta=ctx.delta)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+
+
+def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
+                  output_final_state=False, cu_seqlens=None, delta=True):
+    """Gated DeltaNet family attention (see gdn.oracle for the recurrence).
+
+    q, k [B,T,H,K] and v [B,T,H,V], one dtype of bf16/fp16/fp32; g None (no
+    gate), [B,T,H] (scalar log gate) or [B,T,H,K] (vector log gate); beta
+    [B,T,H] (needed when delta=True, ignored otherwise); initial_state
+    [N,H,K,V]; cu_seqlens [N+1] int offsets with B == 1 for varlen batches.
+    K, V in [16, 256].  Returns (o [B,T,H,V] in q's dtype, final_state
+    [N,H,K,V] fp32 or None).  Differentiable in q, k, v, g, beta and
+    initial_state; non-contiguous inputs are copied.
+
+    Memory.  The forward keeps no activations beyond references to its inputs.
+    The backward holds transiently, besides the gradients themselves, the
+    recomputed state at every chunk start and the state gradient at every
+    chunk end, 2 * ceil(T/C) * B*H*K*V elements (bf16 for bf16 inputs, fp32
+    otherwise; C = 64, 16 for a vector gate), and with the delta rule the WY
+    factors: W, U, dU [B,T,H,K|V] in the same dtype and T^-1 [B,T,H,C] fp32.
+    At B=8, T=4096, H=16, K=V=128 bf16 that is about 1.1 GB.
+    """
+    if not delta:
+        beta = None
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o, ht = ChunkGDNFunction.apply(q, k, v, g, beta, initial_state, float(scale),
+                                   output_final_state, cu_seqlens, delta)
+    return o, ht

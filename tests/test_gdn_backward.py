@@ -1,0 +1,174 @@
+"""The GDN backward (gdn.chunk_bwd) and the autograd op (gdn.op) against float64
+autograd through gdn.oracle.  Runs under the Triton interpreter without a GPU."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gdn.chunk_bwd import chunk_gdn_bwd  # noqa: E402
+from gdn.op import gdn_attention  # noqa: E402
+from gdn.oracle import recurrence  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def make_inputs(B, T, H, K, V, gate, delta, dtype, *, cu=None, h0=True, seed=0):
+    """q, k, v, g, beta, h0, do, dht: keys L2-normalized, log gates <= 0, beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = rn(B, T, H, K)
+    k = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1)
+    v = rn(B, T, H, V)
+    g = {0: None,
+         1: torch.nn.functional.logsigmoid(rn(B, T, H)) * 0.5,
+         2: torch.nn.functional.logsigmoid(rn(B, T, H, K) + 2)}[gate]
+    beta = torch.rand(B, T, H, generator=gen) if delta else None
+    N = B if cu is None else len(cu) - 1
+    s0 = rn(N, H, K, V) if h0 else None
+    do = rn(B, T, H, V)
+    dht = rn(N, H, K, V) if h0 else None
+    low = lambda x: None if x is None else x.to(dtype).to(DEV)  # noqa: E731
+    f32 = lambda x: None if x is None else x.to(DEV)  # noqa: E731
+    return dict(q=low(q), k=low(k), v=low(v), g=low(g), beta=low(beta), h0=f32(s0),
+                do=low(do), dht=f32(dht))
+
+
+def oracle_grads(x, cu, delta):
+    """Float64 autograd through the oracle: the truth for every gradient."""
+    names = ("q", "k", "v", "g", "beta", "h0")
+    ins = {n: x[n].detach().double().requires_grad_() for n in names if x[n] is not None}
+    o, ht = recurrence(ins["q"], ins["k"], ins["v"], ins.get("g"), ins.get("beta"),
+                       initial_state=ins.get("h0"), cu_seqlens=cu, delta=delta)
+    loss = (o * x["do"].double()).sum()
+    if x["dht"] is not None:
+        loss = loss + (ht * x["dht"].double()).sum()
+    grads = torch.autograd.grad(loss, list(ins.values()))
+    got = dict(zip(ins, grads))
+    return [got.get(n) for n in names]
+
+
+def kernel_grads(x, cu, delta, chunk_size=None):
+    return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                         initial_state=x["h0"], cu_seqlens=cu, delta=delta,
+                         chunk_size=chunk_size)
+
+
+def assert_close(got, want, tol):
+    for name, a, b in zip(NAMES, got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == b.shape, name
+        den = b.norm().item() or 1.0   # an all-zero truth is compared absolutely
+        err = (a.double().cpu() - b.cpu()).norm().item() / den
+        assert err < tol, f"{name}: normwise relative error {err:.2e} >= {tol:.0e}"
+
+
+def assert_same_specials(got, want):
+    for name, a, b in zip(NAMES, got, want):
+        if b is None:
+            continue
+        a = a.cpu()
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), f"{name}: NaN set differs"
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), f"{name}: Inf set differs"
+
+
+# (B, T, H, K, V, gate, delta, dtype, chunk, varlen offsets)
+CASES = [
+    (2, 37, 2, 16, 32, 0, True, torch.float32, 16, None),
+    (2, 37, 2, 16, 32, 1, True, torch.float32, 16, None),
+    (2, 37, 2, 32, 16, 2, True, torch.float32, 16, None),
+    (2, 37, 2, 16, 32, 0, False, torch.float32, 16, None),
+    (2, 37, 2, 16, 32, 1, False, torch.float32, 16, None),
+    (2, 37, 2, 32, 16, 2, False, torch.float32, 16, None),
+    (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
+    (1, 100, 2, 16, 32, 1, True, torch.float32, 16, [0, 20, 53, 100]),
+    (1, 100, 2, 32, 16, 2, False, torch.float32, 32, [0, 20, 53, 100]),
+    (2, 37, 2, 16, 32, 1, True, torch.bfloat16, 16, None),
+    (2, 37, 2, 16, 32, 2, True, torch.bfloat16, 16, None),
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", CASES)
+def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chunk, cu):
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
+    assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
+
+
+def test_without_initial_state_or_final_gradient():
+    x = make_inputs(1, 37, 1, 16, 16, 1, True, torch.float32, h0=False)
+    got = kernel_grads(x, None, True, 16)
+    assert got[5] is None
+    assert_close(got, oracle_grads(x, None, True), 1e-4)
+
+
+def test_bitwise_deterministic():
+    x = make_inputs(2, 37, 2, 16, 32, 1, True, torch.float32)
+    a = kernel_grads(x, None, True, 16)
+    b = kernel_grads(x, None, True, 16)
+    for name, u, w in zip(NAMES, a, b):
+        assert torch.equal(u, w), name
+
+
+def test_op_autograd_matches_oracle():
+    x = make_inputs(1, 37, 2, 16, 32, 1, True, torch.float32)
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")}
+    o, ht = gdn_attention(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                          initial_state=leaves["h0"], output_final_state=True)
+    ((o * x["do"]).sum() + (ht * x["dht"]).sum()).backward()
+    got = [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "h0")]
+    assert_close(got, oracle_grads(x, None, True), 1e-4)
+
+
+def test_op_without_final_state():
+    x = make_inputs(1, 37, 1, 16, 16, 0, False, torch.float32, h0=False)
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v")}
+    o, ht = gdn_attention(leaves["q"], leaves["k"], leaves["v"], delta=False)
+    assert ht is None
+    (o * x["do"]).sum().backward()
+    want = oracle_grads(x, None, False)
+    got = [leaves["q"].grad, leaves["k"].grad, leaves["v"].grad, None, None, None]
+    assert_close(got, want, 1e-4)
+
+
+# (input, value, gate, delta): a special value at token 21 (mid-chunk), one element
+SPECIALS = [
+    ("q", "nan", 1, True),
+    ("k", "nan", 2, True),
+    ("v", "inf", 1, True),
+    ("v", "-inf", 0, False),
+    ("g", "-inf", 1, True),
+    ("g", "-inf", 2, False),
+    ("g", "nan", 1, False),
+    ("beta", "nan", 0, True),
+    ("do", "inf", 2, True),
+    ("v", "1e6", 1, True),
+]
+
+
+@pytest.mark.parametrize("name,value,gate,delta", SPECIALS)
+def test_special_values_reach_exactly_the_oracle_gradients(name, value, gate, delta):
+    x = make_inputs(1, 37, 1, 16, 16, gate, delta, torch.float32)
+    t = x[name].clone()
+    t[0, 21].view(-1)[3 if t.dim() == 4 else 0] = float(value)
+    x[name] = t
+    got = kernel_grads(x, None, delta, 16)
+    want = oracle_grads(x, None, delta)
+    assert_same_specials(got, want)
+
+
+def test_minus_inf_gate_chunk_everywhere():
+    """A whole sequence of -inf scalar gates: every step forgets exactly."""
+    x = make_inputs(1, 20, 1, 16, 16, 1, True, torch.float32)
+    x["g"] = torch.full_like(x["g"], float("-inf"))
+    got = kernel_grads(x, None, True, 16)
+    want = oracle_grads(x, None, True)
+    assert_same_specials(got, want)
+    assert_close([None if w is None else torch.nan_to_num(a) for a, w in zip(got, want)],
+                 [None if w is None else torch.nan_to_num(w) for w in want], 1e-4)
