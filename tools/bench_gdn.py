@@ -1,0 +1,179 @@
+"""Benchmark the GDN-family forward (gdn.chunk_fwd) against fla's
+chunk_gated_delta_rule on a GPU: time, floors, accuracy against the float64
+oracle, and the NaN/Inf contract on the device.
+
+    python tools/bench_gdn.py --out OUT.md [--no-fla] [--budget SECONDS]
+
+Writes a Markdown section (pasted into BENCHMARKS.md, "GDN forward") after
+every stage, so a run cut short still leaves what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gdn.chunk_fwd as fwd  # noqa: E402
+from gdn.oracle import recurrence  # noqa: E402
+
+COPY_BW = 4.3e12      # bytes/s, device-to-device copy measured on this H200 (KINDS.md)
+BF16_RATE = 790e12    # FLOP/s, dense bf16 matrix product measured there
+MEMBERS = [(gate, delta) for gate in ("scalar", "none", "vector") for delta in (True, False)]
+NAMES = {("none", True): "DeltaNet", ("scalar", True): "GDN", ("vector", True): "KDA",
+         ("none", False): "linear attn", ("scalar", False): "Mamba2-SSD", ("vector", False): "GLA"}
+
+
+def inputs(B, T, H, K, V, dtype, gate="scalar", delta=True, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, device=device)
+    q = rnd(B, T, H, K).to(dtype)
+    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1).to(dtype)
+    v = rnd(B, T, H, V).to(dtype)
+    g = None
+    if gate == "scalar":
+        g = torch.nn.functional.logsigmoid(rnd(B, T, H) + 2)
+    elif gate == "vector":
+        g = torch.nn.functional.logsigmoid(rnd(B, T, H, K) + 2)
+    beta = torch.sigmoid(rnd(B, T, H)).to(dtype) if delta else None
+    return q, k, v, g, beta
+
+
+def floors(B, T, H, K, V, N, bytes_el):
+    """Fewest bytes (q, k, v, o once; g fp32, beta; final state fp32) and the dense
+    FLOPs of the chunked algorithm (C = 64): kk^T, qk^T, T k, T v, Aqk v (C^2 K or
+    C^2 V each) and w S, q S, k^T v (C K V each), two FLOPs a multiply-add."""
+    C = 64
+    by = B * T * H * ((2 * K + 2 * V) * bytes_el + 4 + bytes_el) + N * H * K * V * 4
+    fl = 2 * B * T * H * (C * (3 * K + 2 * V) + 3 * K * V)
+    return by, fl
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class Report:
+    def __init__(self, path):
+        self.path, self.parts = Path(path), []
+
+    def add(self, text):
+        self.parts.append(text)
+        self.path.write_text("\n".join(self.parts) + "\n")
+        print(text, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_fwd.md")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
+    args = ap.parse_args()
+    t_start = time.time()
+    rep = Report(args.out)
+    fla = None
+    if not args.no_fla:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+        except Exception as e:  # noqa: BLE001
+            rep.add(f"(fla not importable: {e!r})")
+    dev = torch.cuda.get_device_name()
+    rep.add(f"Device: {dev}; torch {torch.__version__}; triton {triton.__version__}; "
+            f"python {platform.python_version()}; fla {'yes' if fla else 'no'}.\n")
+
+    # -- timing -------------------------------------------------------------------
+    rep.add("### Time (bf16, GDN: scalar gate, delta rule; median of triton.testing.do_bench)\n\n"
+            "| case | ours ms | fla ms | fla/ours | bytes floor ms | FLOP floor ms | ours vs fla rel. diff |\n"
+            "| --- | --- | --- | --- | --- | --- | --- |")
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(64, 960, (64,), generator=gen)
+    lens = (lens * 32768 / lens.sum()).long()
+    lens[-1] += 32768 - lens.sum()
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).cuda()
+    cases = [("B8 T4096 H16 K=V=128", 8, 4096, None), ("B1 T65536 H16 K=V=128", 1, 65536, None),
+             ("64 seqs varlen, T=32768 H16 K=V=128", 1, 32768, cu)]
+    for name, B, T, cus in cases:
+        try:
+            q, k, v, g, beta = inputs(B, T, 16, 128, 128, torch.bfloat16)
+            N = B if cus is None else len(cus) - 1
+            ours = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, cu_seqlens=cus)  # noqa: E731
+            o1, s1 = ours()
+            t_ours = do_bench(ours, warmup=50, rep=200, return_mode="median")
+            t_fla, diff = float("nan"), float("nan")
+            if fla is not None and time.time() - t_start < args.budget:
+                fl = lambda: fla(q, k, v, g, beta, output_final_state=True, cu_seqlens=cus)  # noqa: E731
+                o2, s2 = fl()
+                t_fla = do_bench(fl, warmup=50, rep=200, return_mode="median")
+                diff = rel(o1, o2)
+            by, flp = floors(B, T, 16, 128, 128, N, 2)
+            rep.add(f"| {name} | {t_ours:.3f} | {t_fla:.3f} | {t_fla / t_ours:.2f} | "
+                    f"{by / COPY_BW * 1e3:.3f} | {flp / BF16_RATE * 1e3:.3f} | {diff:.1e} |")
+        except Exception:  # noqa: BLE001
+            rep.add(f"| {name} | failed: {traceback.format_exc(limit=3)!r} |")
+    rep.add("")
+
+    # -- accuracy -------------------------------------------------------------------
+    fwd.TUNE = False
+    B, T, H, K, V = 2, 300, 16, 128, 128
+    rep.add(f"### Accuracy: normwise rel. error vs the float64 oracle (B={B} T={T} H={H} K=V={K}, "
+            "on the GPU; o / final state)\n\n| member | dtype | ours o | ours state | fla o | fla state |\n"
+            "| --- | --- | --- | --- | --- | --- |")
+    for gate, delta in MEMBERS:
+        for dtype in (torch.bfloat16, torch.float32):
+            if time.time() - t_start > args.budget:
+                rep.add("| (budget spent) |")
+                break
+            try:
+                q, k, v, g, beta = inputs(B, T, H, K, V, dtype, gate, delta, seed=2)
+                h0 = torch.randn(B, H, K, V, device="cuda")
+                o, s = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
+                o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
+                fo = fs = "-"
+                if fla is not None and (gate, delta) == ("scalar", True):
+                    o2, s2 = fla(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                    fo, fs = f"{rel(o2, o):.2e}", f"{rel(s2, s):.2e}"
+                rep.add(f"| {NAMES[gate, delta]} | {str(dtype)[6:]} | {rel(o1, o):.2e} | "
+                        f"{rel(s1, s):.2e} | {fo} | {fs} |")
+            except Exception:  # noqa: BLE001
+                rep.add(f"| {NAMES[gate, delta]} | {dtype} | failed: {traceback.format_exc(limit=3)!r} |")
+    rep.add("")
+
+    # -- the NaN/Inf contract on the device ---------------------------------------------
+    bad, runs = [], 0
+    for gate, delta in MEMBERS:
+        for name in ("q", "k", "v", "g", "beta", "h0"):
+            for val in (float("nan"), float("inf"), float("-inf")):
+                if time.time() - t_start > args.budget:
+                    break
+                q, k, v, g, beta = inputs(B, T, H, K, V, torch.bfloat16, gate, delta, seed=3)
+                h0 = torch.randn(B, H, K, V, device="cuda")
+                x = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0)
+                if x[name] is None:
+                    continue
+                t = x[name]
+                idx = (1, 2, 5, 7) if name == "h0" else ((0, 150, 3) + ((9,) if t.dim() == 4 else ()))
+                t[idx] = val
+                o, s = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
+                o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
+                o = o.to(o1.dtype)
+                s = s.float()
+                runs += 1
+                for a, b, what in ((o1, o, "o"), (s1, s, "state")):
+                    if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())):
+                        bad.append(f"{NAMES[gate, delta]} {name}={val} {what}")
+    rep.add(f"### NaN/Inf sets on the device (bf16, B={B} T={T} H={H} K=V={K}, one value injected "
+            f"mid-chunk): {runs} runs, {len(bad)} mismatches {bad[:10]}\n")
+    rep.add(f"(bench wall time {time.time() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
