@@ -149,20 +149,38 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
     return outputs, None
 
 
-def execute(case: Case, target: Target | None = None, device: str = "cpu",
-            oracle_device: str = "cpu", c: float = BOUND_C) -> Verdict:
-    """Run ``case`` once and judge it: pass, or the first failure found."""
-    target = target or get_target(case.target)
+def kernel_stage(case: Case, target: Target, device: str = "cpu"
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, Verdict | None]:
+    """The kernel's half of an execution (what a sandboxed worker runs): materialize,
+    call under the contract, check the inputs' storage. Returns (inputs, outputs, verdict):
+    outputs to judge, or the verdict that already ends the case."""
     dev = torch.device(device)
     inputs = materialize(case, target, dev)
     snapshot = {k: _storage_bytes(v) for k, v in inputs.items()}
     outputs, verdict = call_kernel(target, case, inputs, dev)
     if verdict is not None:
-        return verdict
+        return inputs, None, verdict
     for name, t in inputs.items():
         if not torch.equal(_storage_bytes(t), snapshot[name]):
-            return Verdict(target.name, "mutation", output=name,
-                           detail=f"input {name!r} (or the storage around it) changed during the call")
+            return inputs, None, Verdict(target.name, "mutation", output=name,
+                                         detail=f"input {name!r} (or the storage around it) changed during the call")
+    return inputs, outputs, None
+
+
+def execute(case: Case, target: Target | None = None, device: str = "cpu",
+            oracle_device: str = "cpu", c: float = BOUND_C) -> Verdict:
+    """Run ``case`` once and judge it: pass, or the first failure found."""
+    target = target or get_target(case.target)
+    inputs, outputs, verdict = kernel_stage(case, target, device)
+    if verdict is not None:
+        return verdict
+    return judge(case, target, inputs, outputs, oracle_device, c)
+
+
+def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
+          outputs: Mapping[str, torch.Tensor], oracle_device: str = "cpu", c: float = BOUND_C) -> Verdict:
+    """The oracle's half: compare the kernel's ``outputs`` on ``inputs`` with the float64
+    oracle, the bound scaled by the trusted implementation (FTZ-tolerant)."""
     oracle = oracle_outputs(target, inputs, oracle_device)
     trusted = trusted_outputs(target, case, inputs)
     flushed = flush_subnormals(inputs)
