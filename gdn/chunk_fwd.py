@@ -27,7 +27,8 @@ are slow, normal ones fast.
 Precision: states and accumulation in fp32.  bf16 inputs feed the tensor cores
 bf16 operands in the scan (w and u are stored in bf16) and tf32 in the prep;
 fp16 inputs use tf32 operands (an fp16 cast of S could overflow); fp32 inputs
-use full fp32 ("ieee") products.  Under the Triton interpreter
+use three-pass tf32 ("tf32x3", about fp32 accuracy; "ieee" products compile for
+a minute and run slowly).  Under the Triton interpreter
 (TRITON_INTERPRET=1) every product is fp32, since its bf16 tl.dot is wrong, and
 no autotuning runs.
 
@@ -350,7 +351,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     else:
         h0 = q.new_zeros(1, dtype=torch.float32)
     lowp = (q.dtype == torch.bfloat16) and not INTERPRET
-    prec = "ieee" if (q.dtype == torch.float32 or INTERPRET) else "tf32"
+    prec = "ieee" if INTERPRET else ("tf32x3" if q.dtype == torch.float32 else "tf32")
     consts = dict(BIG=BIG, FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX)
     if delta and NC > 0:
         ws_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
