@@ -1,5 +1,14 @@
-"""A fuzzing campaign: an engine proposes cases, each is executed and judged, and every
-failure with a signature not yet in the corpus is saved.
+"""A fuzzing campaign: an engine proposes cases, sandboxed workers run the kernel, kfuzz's
+own process judges each result against the oracle, and every failure with a signature
+not yet in the corpus is saved.
+
+``jobs`` workers run at once (``jobs=0`` runs the kernel in this process, unprotected).
+A worker that crashes or hangs yields a ``crash`` or ``timeout`` verdict whose case is
+saved like any other failure; the campaign goes on until its time or run limit. At the
+limit no new case is submitted and the ones in flight are finished.
+
+Cases that an engine keeps in its corpus (new coverage or, for the atheris engine, a new
+divergence feature) are saved under ``seeds/<target>/``.
 
 The library never prints: progress reaches the caller through ``on_progress``.
 """
@@ -12,52 +21,102 @@ from pathlib import Path
 from typing import Callable
 
 from kfuzz.corpus import Corpus
-from kfuzz.execute import execute
+from kfuzz.execute import judge
+from kfuzz.minimize import minimize_failure
 from kfuzz.target import Target
+from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
+from kfuzz.workers import InProcess, WorkerPool
 
 
 @dataclass
 class CampaignStats:
     target: str
     engine: str
+    jobs: int = 1
     executions: int = 0
     seconds: float = 0.0
     failures: Counter = field(default_factory=Counter)   # signature -> count
+    first_seen: dict = field(default_factory=dict)         # signature -> execution number
     saved: list[Path] = field(default_factory=list)
+    corpus_size: int = 0           # cases the engine kept (seeds saved)
+    coverage: int = 0              # distinct harness edges seen
+    new_coverage: int = 0          # executions that found an edge not seen before
+    worker_restarts: int = 0
 
     @property
     def execs_per_second(self) -> float:
         return self.executions / self.seconds if self.seconds else 0.0
 
     def to_json(self) -> dict:
-        return {"target": self.target, "engine": self.engine, "executions": self.executions,
-                "seconds": round(self.seconds, 3), "execs_per_second": round(self.execs_per_second, 2),
-                "failures": {str(k): v for k, v in self.failures.items()},
+        return {"target": self.target, "engine": self.engine, "jobs": self.jobs,
+                "executions": self.executions, "seconds": round(self.seconds, 3),
+                "execs_per_second": round(self.execs_per_second, 2),
+                "corpus_size": self.corpus_size, "coverage_edges": self.coverage,
+                "new_coverage_executions": self.new_coverage, "worker_restarts": self.worker_restarts,
+                "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
+                             for k, v in self.failures.items()},
                 "saved": [str(p) for p in self.saved]}
 
 
 def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | None = None,
-                 runs: int | None = None, device: str = "cpu",
+                 runs: int | None = None, device: str = "cpu", jobs: int = 1, timeout: float = 60.0,
                  on_progress: Callable[[CampaignStats, Verdict], None] | None = None) -> CampaignStats:
     """Execute cases from ``engine`` until ``seconds`` pass or ``runs`` cases ran."""
     if seconds is None and runs is None:
         raise ValueError("give seconds or runs")
-    stats = CampaignStats(target.name, engine.name)
+    if jobs < 0:
+        raise ValueError("jobs must be >= 0")
+    wants_coverage = getattr(engine, "wants_coverage", False)
+    stats = CampaignStats(target.name, engine.name, jobs)
     start = time.monotonic()
-    while True:
+    runner = (InProcess(target, device, wants_coverage) if jobs == 0 else
+              WorkerPool(target, jobs, device, timeout, wants_coverage))
+    if hasattr(engine, "start"):
+        engine.start(corpus, parallel=max(1, jobs))
+    seen_edges: set[int] = set()
+    submitted = 0
+    try:
+        while True:
+            stats.seconds = time.monotonic() - start
+            open_ = ((seconds is None or stats.seconds < seconds) and (runs is None or submitted < runs))
+            while open_ and runner.idle > 0 and (runs is None or submitted < runs):
+                runner.submit(engine.next_case())
+                submitted += 1
+            if runner.busy == 0:
+                break
+            for result in runner.results():
+                case = result.case
+                verdict = result.verdict
+                if verdict is None:
+                    inputs = getattr(runner, "take_inputs", lambda c: None)(case) or materialize(case, target, "cpu")
+                    verdict = judge(case, target, inputs, result.outputs)
+                stats.executions += 1
+                new_edges = result.coverage - seen_edges
+                if new_edges:
+                    seen_edges |= new_edges
+                    stats.coverage = len(seen_edges)
+                    stats.new_coverage += 1
+                kept = engine.feedback(case, verdict, result) if wants_coverage else engine.feedback(case, verdict)
+                if kept:
+                    corpus.save_seed(case)
+                    stats.corpus_size += 1
+                if not verdict.passed:
+                    stats.failures[verdict.signature] += 1
+                    stats.first_seen.setdefault(verdict.signature, stats.executions)
+                    path = None
+                    if not corpus.has_signature(verdict.signature):   # minimize new failures only
+                        kept, kept_verdict, note = minimize_failure(case, target, verdict, device=device)
+                        path = corpus.save_failure(kept, kept_verdict, device=device, **note)
+                    if path is not None:
+                        stats.saved.append(path)
+                stats.seconds = time.monotonic() - start
+                if on_progress is not None:
+                    on_progress(stats, verdict)
+    finally:
+        stats.worker_restarts = runner.restarts
+        runner.close()
+        if hasattr(engine, "close"):
+            engine.close()
         stats.seconds = time.monotonic() - start
-        if (seconds is not None and stats.seconds >= seconds) or (runs is not None and stats.executions >= runs):
-            break
-        case = engine.next_case()
-        verdict = execute(case, target, device=device)
-        stats.executions += 1
-        engine.feedback(case, verdict)
-        if not verdict.passed:
-            stats.failures[verdict.signature] += 1
-            path = corpus.save_failure(case, verdict, device=device)
-            if path is not None:
-                stats.saved.append(path)
-        if on_progress is not None:
-            on_progress(stats, verdict)
     return stats

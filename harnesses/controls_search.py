@@ -1,0 +1,82 @@
+"""Control targets for the search engines: bugs that appear only under a combination.
+
+``searchsum`` is a correct row sum (fp32 totals) in plain PyTorch, cheap on the CPU.
+Each variant carries a bug behind two or three conditions that must hold at once,
+written as nested branches, the way such bugs sit in real kernels (a tail path, a
+dtype-specific fast path, a layout-specific load):
+
+- ``searchsum.tailinf``: when the last dim is not a multiple of 16 *and* an Inf sits
+  in the tail columns, the tail is summed with Inf replaced by 0 (nonfinite);
+- ``searchsum.transbf16``: a transposed (column-major) bf16 input is read as if it
+  were row-major (bound);
+- ``searchsum.fp16max``: fp16 rows whose largest magnitude exceeds 1e4 take a "fast"
+  path with an fp16 running total, which overflows where the answer is finite;
+- ``searchsum.crashhang``: segfaults (a null pointer read) when the input holds a NaN
+  and hangs when the input is float16 with more than 100 columns: the sandbox's
+  controls, not numerical bugs.
+"""
+import ctypes
+import time
+
+import torch
+
+from kfuzz.target import Arg, Dim, Output, target, variant
+
+TAIL = 16
+
+
+def _total(x):
+    return x.float().sum(dim=-1).to(x.dtype)
+
+
+@target("searchsum", reference=lambda x: x.sum(dim=-1),
+        args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N",))},
+        dims={"N": Dim(1, 16), "D": Dim(1, 256)},
+        description="row sum of [N, D] with fp32 totals, PyTorch; the base of the search controls")
+def searchsum(x):
+    return _total(x)
+
+
+def tailinf(x):
+    tail = x.shape[-1] % TAIL
+    if tail:
+        t = x[:, x.shape[-1] - tail:]
+        if torch.isinf(t).any():
+            head = x[:, :x.shape[-1] - tail].float().sum(dim=-1)
+            return (head + torch.nan_to_num(t.float(), posinf=0.0, neginf=0.0).sum(dim=-1)).to(x.dtype)
+    return _total(x)
+
+
+def transbf16(x):
+    if x.dtype == torch.bfloat16:
+        if x.dim() == 2 and x.stride(-1) != 1 and x.stride(0) == 1:
+            # reads the storage as if it were row-major
+            raw = torch.as_strided(x, x.shape, (x.shape[1], 1))
+            return _total(raw)
+    return _total(x)
+
+
+def fp16max(x):
+    if x.dtype == torch.float16:
+        if x.numel() and x.abs().amax() > 1e4:
+            return x.cumsum(dim=-1)[:, -1]   # the running total in fp16
+    return _total(x)
+
+
+def crashhang(x):
+    if torch.isnan(x).any():
+        ctypes.string_at(0)                  # a null pointer read: SIGSEGV
+    if x.dtype == torch.float16 and x.shape[-1] > 100:
+        while True:                          # never returns
+            time.sleep(0.05)
+    return _total(x)
+
+
+variant("searchsum", "searchsum.tailinf", tailinf,
+        planted_bug="last dim not a multiple of 16 and an Inf in the tail: the Inf is dropped")
+variant("searchsum", "searchsum.transbf16", transbf16,
+        planted_bug="a transposed bf16 input is read as if row-major")
+variant("searchsum", "searchsum.fp16max", fp16max,
+        planted_bug="fp16 rows with a magnitude above 1e4 are summed with an fp16 running total")
+variant("searchsum", "searchsum.crashhang", crashhang,
+        planted_bug="segfaults on a NaN input; hangs on float16 inputs wider than 100 columns")
