@@ -41,9 +41,32 @@ import torch
 GATE_FLOOR = -110.0
 
 
-def _chunk_scan(q, k, v, g, beta, S, scale, C, delta):
+class _RoundOperand(torch.autograd.Function):
+    """x rounded to a matrix unit's operand dtype (bf16/fp16), kept in float32; the
+    gradient is rounded the same way, as the backward's matrix products see it."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = dtype
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).to(grad.dtype), None
+
+
+def _operand_rounding(dtype):
+    if dtype is None or dtype == torch.float32:
+        return lambda x: x
+    return lambda x: _RoundOperand.apply(x, dtype)
+
+
+def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None):
     """One batch of equal-length sequences, [B, H, L, *] float32 each (g [B,H,L]
-    or [B,H,L,K], beta [B,H,L]); S [B,H,K,V] float32.  Returns (o, S)."""
+    or [B,H,L,K], beta [B,H,L]); S [B,H,K,V] float32.  Returns (o, S).
+    With ``operand_dtype`` (bf16/fp16), every matrix product's operands are
+    rounded to it and accumulate in float32, as on a GPU's matrix units."""
+    r = _operand_rounding(operand_dtype)
     B, H, L, K = q.shape
     o = q.new_empty(B, H, L, v.shape[-1])
     vector_gate = g is not None and g.dim() == 4
@@ -80,19 +103,24 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta):
             eye = torch.eye(c1 - c0, device=q.device, dtype=q.dtype)
             Tm = torch.linalg.solve_triangular(eye + A, eye.expand_as(A).contiguous(),
                                                upper=False, unitriangular=True)
-            vnew = Tm @ (bc * vc) - (Tm @ (bc * kG)) @ S                 # u - w S
+            u, w = r(r(Tm) @ r(bc * vc)), r(r(Tm) @ r(bc * kG))
+            vnew = u - w @ r(S)                                          # u - w S
         else:
             vnew = vc
-        o[:, :, c0:c1] = scale * (gq @ S + torch.where(causal, qk, 0) @ vnew)
-        S = gl * S + gk.transpose(-1, -2) @ vnew
+        vnew = r(vnew)
+        o[:, :, c0:c1] = scale * (r(gq) @ r(S) + r(torch.where(causal, qk, 0)) @ vnew)
+        S = gl * S + r(gk).transpose(-1, -2) @ vnew
     return o, S
 
 
 def chunked(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
-            output_final_state=True, cu_seqlens=None, delta=True, chunk_size=64):
+            output_final_state=True, cu_seqlens=None, delta=True, chunk_size=64,
+            operand_dtype=None):
     """The chunked forward in float32.  Takes bf16/fp16/fp32 inputs with the
     shapes of `gdn.oracle.recurrence`; returns (o in q's dtype, final_state
-    float32 [N,H,K,V] or None)."""
+    float32 [N,H,K,V] or None).  ``operand_dtype`` rounds every matrix product's
+    operands (see `_chunk_scan`): kfuzz's trusted implementation at a bf16 or
+    fp16 kernel's own precision."""
     from gdn.oracle import _check, _sequences
     N = _check(q, k, v, g, beta, initial_state, cu_seqlens, delta)
     B, T, H, K = q.shape
@@ -117,7 +145,7 @@ def chunked(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
             S = initial_state[n0:n0 + nb].to(f32) if cu_seqlens is not None else \
                 initial_state.to(f32)
         oc, S = _chunk_scan(*(heads_first(x, b0, b1, t0, t1) for x in (q, k, v, g, beta)),
-                            S, scale, chunk_size, delta)
+                            S, scale, chunk_size, delta, operand_dtype)
         o[b0:b1, t0:t1] = oc.transpose(1, 2).to(q.dtype)
         finals.append(S)
     final = torch.cat(finals) if output_final_state else None

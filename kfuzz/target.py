@@ -31,14 +31,36 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class Dim:
-    """A symbolic dimension and the sizes the contract admits."""
+    """A symbolic dimension and the sizes the contract admits.
+
+    ``cpu_hi`` caps the sizes that searches draw when Triton kernels run under the
+    interpreter (no GPU), where large sizes cost minutes; the contract is unchanged."""
 
     lo: int = 1
     hi: int = 256
     multiple_of: int = 1   # a contract may require, e.g., a size that is a multiple of 8
+    cpu_hi: int | None = None
 
     def admits(self, n: int) -> bool:
         return self.lo <= n <= self.hi and n % self.multiple_of == 0
+
+    @property
+    def search_hi(self) -> int:
+        if self.cpu_hi is not None and os.environ.get("TRITON_INTERPRET") == "1":
+            return max(self.lo, min(self.hi, self.cpu_hi))
+        return self.hi
+
+
+def size_of(sym: str | int, dims: Mapping[str, int]) -> int:
+    """A symbolic size: an int, a dim name, or ``NAME+k`` (e.g. ``N+1`` offsets of N sequences)."""
+    if isinstance(sym, int):
+        return sym
+    name, _, k = sym.partition("+")
+    return dims[name] + (int(k) if k else 0)
+
+
+def dim_names(shape: Sequence[str | int]) -> list[str]:
+    return [d.partition("+")[0] for d in shape if isinstance(d, str)]
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,7 @@ class Target:
 
     # shapes -----------------------------------------------------------------------
     def shape_of(self, symbolic: Sequence[str | int], dims: Mapping[str, int]) -> tuple[int, ...]:
-        return tuple(d if isinstance(d, int) else dims[d] for d in symbolic)
+        return tuple(size_of(d, dims) for d in symbolic)
 
     def arg_dtype(self, name: str, case_dtype: str) -> str:
         d = self.args[name].dtype
@@ -154,7 +176,7 @@ def add_target(t: Target) -> Target:
     if t.name in _REGISTRY and _REGISTRY[t.name].kernel is not t.kernel:
         raise TargetError(f"target {t.name!r} registered twice")
     for name, arg in t.args.items():
-        missing = [d for d in arg.shape if isinstance(d, str) and d not in t.dims]
+        missing = [d for d in dim_names(arg.shape) if d not in t.dims]
         if missing:
             raise TargetError(f"target {t.name!r}: argument {name!r} uses undeclared dims {missing}")
     for dt in t.dtypes:

@@ -74,7 +74,7 @@ def sample_injections(rng: random.Random, numel: int, dtype: str) -> tuple:
 
 def sample_case(target: Target, rng: random.Random) -> Case:
     for _ in range(100):
-        dims = {name: sample_size(rng, d.lo, d.hi, d.multiple_of) for name, d in target.dims.items()}
+        dims = {name: sample_size(rng, d.lo, d.search_hi, d.multiple_of) for name, d in target.dims.items()}
         if target.constraint is None or not target.constraint(dims):
             break
     dtype = rng.choice(target.dtypes)

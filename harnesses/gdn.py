@@ -1,0 +1,150 @@
+"""The GDN family as kfuzz targets: ``gdn_fwd*`` (forward) and ``gdn_bwd*`` (gradients).
+
+Members (DESIGN.md, "GDN family"), one target each, named by suffix:
+
+| suffix      | gate              | delta | member                     |
+| ----------- | ----------------- | ----- | -------------------------- |
+| (none)      | scalar [B,T,H]    | on    | Gated DeltaNet             |
+| ``_delta``  | none              | on    | DeltaNet                   |
+| ``_kda``    | vector [B,T,H,K]  | on    | KDA (per-key gate + delta) |
+| ``_mamba2`` | scalar            | off   | Mamba2-SSD-style decay     |
+| ``_gla``    | vector            | off   | GLA                        |
+| ``_linear`` | none              | off   | linear attention           |
+| ``_varlen`` | scalar            | on    | Gated DeltaNet, N sequences packed by cu_seqlens |
+
+Domain rules (applied before injection, so injections may still break them on
+purpose): gates in log space, g = -softplus(x) <= 0 (an injected -inf is a
+complete forget, exp(g) = 0); beta = sigmoid(x) in (0, 1); keys L2-normalized
+over K. The initial state is float32, as is the final state.
+
+The oracle is ``gdn.oracle.recurrence`` (float64, step by step), and for the
+backward targets float64 autograd through it. The trusted implementation is
+``gdn.reference.chunked`` at the kernel's own precision: float32 arithmetic with
+every matrix product's operands rounded to the input dtype (bf16/fp16), as a
+GPU's matrix units see them, and for gradients torch autograd through it with
+the gradients rounded the same way.
+The backward kernel is ``gdn.op.gdn_attention``'s Triton backward: cotangents
+``do`` (of o) and ``dht`` (of the final state) are arguments of the case.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gdn.oracle import recurrence
+from gdn.reference import chunked
+from kfuzz.target import Arg, Dim, Output, add_target, Target
+
+CONTIGUOUS_ONLY = ("contiguous",)
+
+MEMBERS = {  # suffix: (gate, delta)
+    "": ("scalar", True), "_delta": (None, True), "_kda": ("vector", True),
+    "_mamba2": ("scalar", False), "_gla": ("vector", False), "_linear": (None, False),
+}
+
+
+def _dims(varlen: bool) -> dict[str, Dim]:
+    dims = {"B": Dim(1, 1 if varlen else 4, cpu_hi=2), "T": Dim(1, 8192, cpu_hi=160),
+            "H": Dim(1, 16, cpu_hi=2), "K": Dim(1, 256, cpu_hi=48), "V": Dim(1, 256, cpu_hi=48)}
+    if varlen:
+        dims["N"] = Dim(1, 64, cpu_hi=4)
+    return dims
+
+
+def _args(gate, delta, varlen, backward) -> dict[str, Arg]:
+    nstate = "N" if varlen else "B"
+    args = {"q": Arg(("B", "T", "H", "K")), "k": Arg(("B", "T", "H", "K")), "v": Arg(("B", "T", "H", "V"))}
+    if gate == "scalar":
+        args["g"] = Arg(("B", "T", "H"), dtype="float32")
+    elif gate == "vector":
+        args["g"] = Arg(("B", "T", "H", "K"), dtype="float32")
+    if delta:
+        args["beta"] = Arg(("B", "T", "H"))
+    args["h0"] = Arg((nstate, "H", "K", "V"), dtype="float32")
+    if varlen:
+        args["cu_seqlens"] = Arg(("N+1",), dtype="int64", layouts=CONTIGUOUS_ONLY, differentiable=False)
+    if backward:
+        args["do"] = Arg(("B", "T", "H", "V"), differentiable=False)
+        args["dht"] = Arg((nstate, "H", "K", "V"), dtype="float32", differentiable=False)
+    return args
+
+
+def domain(x: dict[str, torch.Tensor], dims: dict[str, int]) -> dict[str, torch.Tensor]:
+    out = dict(x)
+    if "g" in x:
+        out["g"] = -F.softplus(x["g"])
+    if "beta" in x:
+        out["beta"] = torch.sigmoid(x["beta"])
+    norm = x["k"].norm(dim=-1, keepdim=True)
+    out["k"] = torch.where(norm > 0, x["k"] / norm, x["k"])
+    if "cu_seqlens" in x:
+        out["cu_seqlens"] = cut_points(x["cu_seqlens"], dims["T"])
+    return out
+
+
+def cut_points(u: torch.Tensor, T: int) -> torch.Tensor:
+    """N + 1 sorted offsets from 0 to T, from N + 1 drawn numbers (empty sequences allowed)."""
+    inner = torch.sort((torch.sigmoid(u[1:-1]) * T).floor()).values if u.numel() > 2 else u[:0]
+    return torch.cat([u.new_zeros(1), inner, u.new_full((1,), float(T))])
+
+
+def _call(fn, x, gate, delta, **kw):
+    return fn(x["q"], x["k"], x["v"], x.get("g"), x.get("beta"), initial_state=x["h0"],
+              output_final_state=True, cu_seqlens=x.get("cu_seqlens"), delta=delta, **kw)
+
+
+def _grads(fn, x, gate, delta, wide=None):
+    """Gradients of (o, final state) against (do, dht) by torch autograd through ``fn``."""
+    names = [n for n in ("q", "k", "v", "g", "beta", "h0") if n in x]
+    leaves = {n: (x[n].to(wide) if wide and x[n].is_floating_point() and x[n].element_size() < 4 else x[n])
+              .detach().clone().requires_grad_(True) for n in names}
+    with torch.enable_grad():
+        o, ht = _call(fn, {**x, **leaves}, gate, delta)
+        grads = torch.autograd.grad((o, ht), [leaves[n] for n in names],
+                                    (x["do"].to(o.dtype), x["dht"].to(ht.dtype)), allow_unused=True)
+    return tuple(torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, grads))
+
+
+def _same_precision(dtype):
+    """The chunked reference with matrix operands rounded to ``dtype`` (the kernel's)."""
+    def fn(*a, **kw):
+        return chunked(*a, operand_dtype=dtype, **kw)
+    return fn
+
+
+def _register(suffix: str, gate, delta, varlen: bool) -> None:
+    from gdn.op import gdn_attention
+
+    fwd_outputs = {"o": Output(("B", "T", "H", "V")),
+                   "ht": Output(("N" if varlen else "B", "H", "K", "V"), dtype="float32")}
+    grad_names = [n for n in ("q", "k", "v", "g", "beta", "h0") if n in _args(gate, delta, varlen, False)]
+    bwd_outputs = {f"d{n}": Output(_args(gate, delta, varlen, False)[n].shape,
+                                   _args(gate, delta, varlen, False)[n].dtype) for n in grad_names}
+    dims = _dims(varlen)
+    member = f"gate={gate or 'none'}, delta={'on' if delta else 'off'}" + (", varlen" if varlen else "")
+
+    def fwd_kernel(**x):
+        o, ht = _call(gdn_attention, x, gate, delta)
+        return o, ht
+
+    def bwd_kernel(**x):
+        return _grads(gdn_attention, x, gate, delta)
+
+    for name, kernel, reference, trusted, outputs, backward in (
+        (f"gdn_fwd{suffix}", fwd_kernel, lambda **x: _call(recurrence, x, gate, delta),
+         lambda **x: _call(chunked, x, gate, delta, operand_dtype=x["q"].dtype), fwd_outputs, False),
+        (f"gdn_bwd{suffix}", bwd_kernel, lambda **x: _grads(recurrence, x, gate, delta),
+         lambda **x: _grads(_same_precision(x["q"].dtype), x, gate, delta, wide=torch.float32),
+         bwd_outputs, True),
+    ):
+        args = _args(gate, delta, varlen, backward)
+        t = Target(name=name, kernel=kernel, reference=reference, trusted=trusted, args=args,
+                   outputs=outputs, dims=dict(dims), domain=domain,
+                   description=f"GDN family {'backward' if backward else 'forward'} ({member}), Triton",
+                   )
+        add_target(t)
+
+
+for _suffix, (_gate, _delta) in MEMBERS.items():
+    _register(_suffix, _gate, _delta, varlen=False)
+_register("_varlen", "scalar", True, varlen=True)
