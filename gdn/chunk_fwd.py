@@ -47,6 +47,9 @@ GATE_FLOOR = -110.0     # exp(-110) == 0 in fp32: a clamped gate forgets exactly
 VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gate factoring
 BIG = 65536.0            # input magnitude above which a chunk runs the exact path
 SBIG = 1e30              # state magnitude above which a chunk runs the exact path
+# Build switches (device bring-up): 2-D-only block inverse; float64 scalar-gate cumsum.
+INV2D = os.environ.get("GDN_FWD_INV2D", "0") == "1"
+G64 = os.environ.get("GDN_FWD_G64", "1") == "1"
 
 
 @triton.jit
@@ -95,6 +98,34 @@ def _inv_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _inv_unit_lower_2d(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 as `_inv_unit_lower`, with 2-D tensors only: each diagonal
+    block is cut out and put back by 0/1 selection products (exact in fp32)."""
+    NB: tl.constexpr = BT // 16
+    r = tl.arange(0, BT)
+    a = tl.arange(0, 16)
+    Dinv = tl.zeros((BT, BT), dtype=tl.float32)
+    for I in tl.static_range(NB):
+        P = tl.where(r[:, None] == I * 16 + a[None, :], 1.0, 0.0)                 # [BT, 16]
+        D = tl.dot(tl.trans(P), tl.dot(A, P, input_precision="ieee"), input_precision="ieee")
+        X = tl.where(a[:, None] == a[None, :], 1.0, 0.0)
+        for i in tl.static_range(1, 16):
+            row = tl.sum(tl.where(a[:, None] == i, D, 0.0), axis=0)               # D[i, :]
+            new = tl.sum(row[:, None] * X, axis=0)                                 # D[i, :] X
+            X = tl.where(a[:, None] == i, tl.where(a[None, :] == i, 1.0, 0.0) - new[None, :], X)
+        Dinv += tl.dot(P, tl.dot(X, tl.trans(P), input_precision="ieee"), input_precision="ieee")
+    if NB > 1:
+        eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+        F = tl.dot(Dinv, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0),
+                   input_precision=PREC)
+        P2 = eye - F
+        P2 = eye - tl.dot(F, P2, input_precision=PREC)
+        P2 = eye - tl.dot(F, P2, input_precision=PREC)
+        Dinv = tl.dot(P2, Dinv, input_precision=PREC)
+    return Dinv
+
+
+@triton.jit
 def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     if IS_VARLEN:
         bos = tl.load(cb_ptr + i_c)
@@ -111,7 +142,8 @@ def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                  GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 BIG: tl.constexpr, FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr):
+                 BIG: tl.constexpr, FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr,
+                 INV2D: tl.constexpr, GDT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     rr = tl.arange(0, BT)
@@ -125,7 +157,7 @@ def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
     if GATE == 1:
         gg = tl.load(g + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
         ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0)
-        G = tl.cumsum(tl.maximum(gg, FLOOR).to(tl.float64), axis=0)
+        G = tl.cumsum(tl.maximum(gg, FLOOR).to(GDT), axis=0)
         dec = tl.exp(tl.where(rr[:, None] > rr[None, :], G[:, None] - G[None, :], 0.0).to(tl.float32))
         A = tl.dot(kt, tl.trans(kt), input_precision=PREC) * dec
         kg = kt * tl.exp(G.to(tl.float32))[:, None]
@@ -139,7 +171,10 @@ def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
         A = tl.dot(kt, tl.trans(kt), input_precision=PREC)
         kg = kt
     A = tl.where(rr[:, None] > rr[None, :], A * bt[:, None], 0.0)
-    Tm = _inv_unit_lower(A, BT, PREC)
+    if INV2D:
+        Tm = _inv_unit_lower_2d(A, BT, PREC)
+    else:
+        Tm = _inv_unit_lower(A, BT, PREC)
     wt = tl.dot(Tm, kg * bt[:, None], input_precision=PREC)
     tl.store(w + (rows[:, None] * H + i_h) * K + dk[None, :], wt.to(w.dtype.element_ty), mask=m2)
     for v0 in tl.static_range(0, V, BV):
@@ -159,7 +194,7 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
                  GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                  STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr,
                  PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                 FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr):
+                 FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr, GDT: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -213,7 +248,7 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
             qf = qt.to(tl.float32)
             kf = kt.to(tl.float32)
             if GATE == 1:
-                gc = tl.maximum(gg, FLOOR).to(tl.float64)
+                gc = tl.maximum(gg, FLOOR).to(GDT)
                 G = tl.cumsum(gc, axis=0)
                 Gl = tl.sum(gc, axis=0)
                 dec = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0).to(tl.float32))
@@ -352,7 +387,8 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         h0 = q.new_zeros(1, dtype=torch.float32)
     lowp = (q.dtype == torch.bfloat16) and not INTERPRET
     prec = "ieee" if INTERPRET else ("tf32x3" if q.dtype == torch.float32 else "tf32")
-    consts = dict(BIG=BIG, FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX)
+    consts = dict(BIG=BIG, FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX,
+                  GDT=tl.float64 if G64 else tl.float32)
     if delta and NC > 0:
         ws_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
         w = torch.empty(B, T, H, K, dtype=ws_dtype, device=dev)
@@ -361,7 +397,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         BVP = min(_pow2(V), 64)
         _prep_kernel[(NC, H)](k, v, g, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
                               BK=BK, BV=BVP, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None,
-                              PREC=prec, num_warps=_prep_warps(BT, BK), **consts)
+                              PREC=prec, INV2D=INV2D, num_warps=_prep_warps(BT, BK), **consts)
     else:
         w = u = flag = q.new_zeros(1)
     o = torch.empty_like(v, dtype=q.dtype)
