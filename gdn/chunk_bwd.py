@@ -38,7 +38,7 @@ elementwise under the causal mask, so nothing overflows):
     S_end = exp(G_C) h + K_end^T U
 with K_g = K exp(G), K_n = K exp(-G), K_end = K exp(G_C - G).
 
-Refuses: K or V over 256 or under 16 ... (see chunk_gdn_bwd); shapes follow gdn.oracle.
+Refuses: K or V over 256, cu_seqlens with B != 1; shapes follow gdn.oracle.
 """
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ import triton.language as tl
 from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _inv_unit_lower
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# launch configuration for the GPU (fixed, not autotuned: one compile per shape
+# class, and the interpreter runs the same code); benchmarks may override it
+LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4}
 
 
 @triton.jit
@@ -675,12 +678,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dg = torch.empty_like(g) if g is not None else None
     dbeta = torch.empty_like(beta) if delta else None
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    seq_warps = 4
-    chunk_warps = 4 if INTERPRET else 8
+    seq_warps = LAUNCH["seq_warps"]
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
     _prep[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
                    F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                   PREC="ieee" if F32 else "tf32", num_warps=chunk_warps, **common)
+                   PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
+                   num_stages=1 if F32 else 2, **common)
     _states[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
                          **common)
@@ -690,7 +693,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                           **common)
     _grads[(NC, H)](q, k, v, gp, bp, do, Tm, U, dU, hs, dhs, dq, dk, dv,
                     dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
-                    cu, tab, scale, T, H, K, V, F32=F32, DT=DT, num_warps=chunk_warps, **common)
+                    cu, tab, scale, T, H, K, V, F32=F32, DT=DT, num_warps=LAUNCH["grads_warps"],
+                    num_stages=1 if F32 else LAUNCH["grads_stages"],
+                    **dict(common, BV=min(LAUNCH["grads_bv"], BV)))
     _exact[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                     dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
                     cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps, **common)
