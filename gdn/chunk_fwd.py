@@ -50,6 +50,7 @@ SBIG = 1e30              # state magnitude above which a chunk runs the exact pa
 # Build switches (device bring-up): 2-D-only block inverse; float64 scalar-gate cumsum.
 INV2D = os.environ.get("GDN_FWD_INV2D", "0") == "1"
 G64 = os.environ.get("GDN_FWD_G64", "1") == "1"
+SCAN_MODE = int(os.environ.get("GDN_FWD_MODE", "0"))  # 1: matrix path only, 2: exact path only
 
 
 @triton.jit
@@ -188,13 +189,85 @@ def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
+def _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
+                GATE: tl.constexpr, DELTA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                FLOOR: tl.constexpr, GDT: tl.constexpr):
+    """One chunk on the matrix path; stores its outputs, returns the new state."""
+    qf = qt.to(tl.float32)
+    kf = kt.to(tl.float32)
+    if GATE == 1:
+        gc = tl.maximum(gg, FLOOR).to(GDT)
+        G = tl.cumsum(gc, axis=0)
+        Gl = tl.sum(gc, axis=0)
+        dec = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0).to(tl.float32))
+        Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC) * dec
+        qg = qf * tl.exp(G.to(tl.float32))[:, None]
+        kl = kf * tl.exp((Gl - G).to(tl.float32))[:, None]
+        decS = tl.exp(Gl.to(tl.float32))
+    elif GATE == 2:
+        G = tl.cumsum(gv, axis=0)
+        Gl = tl.sum(gv, axis=0)
+        qg = qf * tl.exp(G)
+        Aqk = tl.dot(_cast(qg, q, LOWP), tl.trans(_cast(kf * tl.exp(-G), q, LOWP)),
+                     input_precision=PREC)
+        kl = kf * tl.exp(Gl[None, :] - G)
+        decS = tl.exp(Gl)[:, None]
+    else:
+        Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC)
+        qg = qf
+        kl = kf
+        decS = 1.0
+    Aqk = tl.where(causal, Aqk, 0.0)
+    Sd = _cast(S, q, LOWP)
+    if DELTA:
+        vn = vt.to(tl.float32) - tl.dot(_cast(wt, q, LOWP), Sd, input_precision=PREC)
+    else:
+        vn = vt.to(tl.float32)
+    vnd = _cast(vn, q, LOWP)
+    ot = (tl.dot(_cast(qg, q, LOWP), Sd, input_precision=PREC)
+          + tl.dot(_cast(Aqk, q, LOWP), vnd, input_precision=PREC)) * scale
+    tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
+    S = S * decS + tl.dot(tl.trans(_cast(kl, q, LOWP)), vnd, input_precision=PREC)
+    return S
+
+
+@triton.jit
+def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask, smask,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 GATE: tl.constexpr, DELTA: tl.constexpr):
+    """One chunk token by token with the oracle's formulas (fp32); stores its
+    outputs, returns the new state."""
+    for t in range(0, tl.minimum(BT, eos - t0)):
+        tok = t0 + t
+        qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
+        kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
+        vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float32)
+        if GATE == 1:
+            S = tl.exp(tl.load(g + tok * H + i_h).to(tl.float32)) * S
+        elif GATE == 2:
+            av = tl.exp(tl.load(g + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32))
+            S = av[:, None] * S
+        if DELTA:
+            bk = tl.load(beta + tok * H + i_h).to(tl.float32) * kv
+            kS = tl.sum(kv[:, None] * S, axis=0)
+            S = S - bk[:, None] * kS[None, :] + bk[:, None] * vv[None, :]
+        else:
+            S = S + kv[:, None] * vv[None, :]
+        S = tl.where(smask, S, 0.0)   # padding stays 0 (no 0 * inf in it)
+        ov = tl.sum(qv[:, None] * S, axis=0)
+        tl.store(o + (tok * H + i_h) * V + dv, ov.to(o.dtype.element_ty), mask=vmask)
+    return S
+
+
+@triton.jit
 def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, NT, OCC,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                  GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                  STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr,
                  PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                 FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr, GDT: tl.constexpr):
+                 FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr, GDT: tl.constexpr,
+                 MODE: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -229,6 +302,9 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
         qt = tl.load(q + kx, mask=mk, other=0.0)
         kt = tl.load(k + kx, mask=mk, other=0.0)
         ok = _all_within(qt, BIG) & _all_within(kt, BIG) & _all_within(S, SBIG)
+        gg = tl.zeros((BT,), dtype=tl.float32)
+        gv = tl.zeros((BT, BK), dtype=tl.float32)
+        wt = qt
         if DELTA:
             wt = tl.load(w + kx, mask=mk, other=0.0)
             vt = tl.load(u + vx, mask=mv, other=0.0)
@@ -243,64 +319,19 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
             gv = tl.load(g + kx, mask=mk, other=0.0).to(tl.float32)
             ok = ok & (tl.max(tl.where(gv <= 0, 0, 1)) == 0) & \
                 (tl.min(tl.sum(gv, axis=0)) >= -DECAY_MAX)
-        if ok:
-            # the matrix path
-            qf = qt.to(tl.float32)
-            kf = kt.to(tl.float32)
-            if GATE == 1:
-                gc = tl.maximum(gg, FLOOR).to(GDT)
-                G = tl.cumsum(gc, axis=0)
-                Gl = tl.sum(gc, axis=0)
-                dec = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0).to(tl.float32))
-                Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC) * dec
-                qg = qf * tl.exp(G.to(tl.float32))[:, None]
-                kl = kf * tl.exp((Gl - G).to(tl.float32))[:, None]
-                decS = tl.exp(Gl.to(tl.float32))
-            elif GATE == 2:
-                G = tl.cumsum(gv, axis=0)
-                Gl = tl.sum(gv, axis=0)
-                qg = qf * tl.exp(G)
-                Aqk = tl.dot(_cast(qg, q, LOWP), tl.trans(_cast(kf * tl.exp(-G), q, LOWP)),
-                             input_precision=PREC)
-                kl = kf * tl.exp(Gl[None, :] - G)
-                decS = tl.exp(Gl)[:, None]
-            else:
-                Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC)
-                qg = qf
-                kl = kf
-                decS = 1.0
-            Aqk = tl.where(causal, Aqk, 0.0)
-            Sd = _cast(S, q, LOWP)
-            if DELTA:
-                vn = vt.to(tl.float32) - tl.dot(_cast(wt, q, LOWP), Sd, input_precision=PREC)
-            else:
-                vn = vt.to(tl.float32)
-            vnd = _cast(vn, q, LOWP)
-            ot = (tl.dot(_cast(qg, q, LOWP), Sd, input_precision=PREC)
-                  + tl.dot(_cast(Aqk, q, LOWP), vnd, input_precision=PREC)) * scale
-            tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
-            S = S * decS + tl.dot(tl.trans(_cast(kl, q, LOWP)), vnd, input_precision=PREC)
+        if MODE == 1:
+            S = _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
+                            GATE, DELTA, LOWP, PREC, FLOOR, GDT)
+        elif MODE == 2:
+            S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask,
+                             smask, H, K, V, BT, GATE, DELTA)
         else:
-            # the exact path: the oracle's formulas, token by token
-            for t in range(0, tl.minimum(BT, eos - t0)):
-                tok = t0 + t
-                qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
-                kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
-                vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float32)
-                if GATE == 1:
-                    S = tl.exp(tl.load(g + tok * H + i_h).to(tl.float32)) * S
-                elif GATE == 2:
-                    av = tl.exp(tl.load(g + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32))
-                    S = av[:, None] * S
-                if DELTA:
-                    bk = tl.load(beta + tok * H + i_h).to(tl.float32) * kv
-                    kS = tl.sum(kv[:, None] * S, axis=0)
-                    S = S - bk[:, None] * kS[None, :] + bk[:, None] * vv[None, :]
-                else:
-                    S = S + kv[:, None] * vv[None, :]
-                S = tl.where(smask, S, 0.0)   # padding stays 0 (no 0 * inf in it)
-                ov = tl.sum(qv[:, None] * S, axis=0)
-                tl.store(o + (tok * H + i_h) * V + dv, ov.to(o.dtype.element_ty), mask=vmask)
+            if ok:
+                S = _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
+                                GATE, DELTA, LOWP, PREC, FLOOR, GDT)
+            else:
+                S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv,
+                                 vmask, smask, H, K, V, BT, GATE, DELTA)
     if STORE_HT:
         tl.store(hT + s_off, S, mask=smask)
 
@@ -409,5 +440,6 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                 triton.next_power_of_2(N * H),
                 H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta,
                 HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-                IS_VARLEN=cu_seqlens is not None, LOWP=lowp, PREC=prec, SBIG=SBIG, **consts)
+                IS_VARLEN=cu_seqlens is not None, LOWP=lowp, PREC=prec, SBIG=SBIG, MODE=SCAN_MODE,
+                **consts)
     return o, (hT if output_final_state else None)
