@@ -1,0 +1,80 @@
+"""kfuzz verify --target NAME: the twelve gates, one line each, and a summary."""
+import json
+import sys
+import time
+from xml.sax.saxutils import escape, quoteattr
+
+import click
+
+from kfuzz.cli import cli, handles_bad_input
+from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gates
+from kfuzz.target import get_target
+
+
+def _text_line(r) -> str:
+    head = f"{r.gate} {r.name:17s} {r.status.upper():4s} {r.cases:3d} case(s) {r.seconds:6.2f}s"
+    if r.status == "pass":
+        return head + (f"  worst error/bound {r.worst_ratio:.3g}" if not GATES[r.gate].tolerance_free else "")
+    if r.status == "n/a":
+        return head + f"  {r.reason}"
+    case, _ = r.first_failure
+    where = f"  case {json.dumps(case.to_json(), sort_keys=True)}"
+    saved = f"\n      saved {r.saved[0]}" if r.saved else ""
+    return f"{head}  {r.failures} failing\n      {r.reason}\n    {where}{saved}"
+
+
+def _junit(target, results, seconds) -> str:
+    fails = sum(r.status == "fail" for r in results)
+    skips = sum(r.status == "n/a" for r in results)
+    out = [f'<testsuite name={quoteattr("kfuzz.verify." + target)} tests="{len(results)}" '
+           f'failures="{fails}" skipped="{skips}" time="{seconds:.3f}">']
+    for r in results:
+        out.append(f'  <testcase classname={quoteattr(target)} name={quoteattr(f"{r.gate} {r.name}")} time="{r.seconds:.3f}">')
+        if r.status == "fail":
+            out.append(f'    <failure message={quoteattr(r.reason[:500])}>{escape(json.dumps(r.to_json()))}</failure>')
+        elif r.status == "n/a":
+            out.append(f"    <skipped message={quoteattr(r.reason)}/>")
+        out.append("  </testcase>")
+    out.append("</testsuite>")
+    return "\n".join(out)
+
+
+@cli.command("verify")
+@click.option("--target", "target_name", default=None, help="Target name (see `kfuzz targets`).")
+@click.option("--gates", default=None, help="Comma-separated gate ids, e.g. G05,G08 (default: all twelve).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "junit"]), default="text", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="The gates' seed: same seed, same cases.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True,
+              help="Failing cases go to OUT/gates/<gate>/crashes/<target>/<signature>/.")
+@click.option("--replay", "replay_paths", multiple=True, type=click.Path(),
+              help="Replay saved gate cases through their gates instead (repeatable).")
+@handles_bad_input
+def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths):
+    """Judge a target against the twelve gates. Exit 1 if any gate fails, 2 on bad input."""
+    if replay_paths:
+        from kfuzz.corpus import iter_case_files
+        changed = 0
+        for path in iter_case_files(replay_paths):
+            ok, _, message = replay_gate_case(path, device)
+            changed += not ok
+            click.echo(f"{'ok      ' if ok else 'CHANGED '} {path}: {message}")
+        sys.exit(1 if changed else 0)
+    if not target_name:
+        raise click.UsageError("give --target NAME (or --replay PATH)")
+    target = get_target(target_name)
+    ids = parse_gates(gates)
+    start = time.monotonic()
+    on_result = (lambda r: click.echo(_text_line(r))) if fmt == "text" else None
+    results = run_gates(target, ids, seed=seed, out=out, device=device, on_result=on_result)
+    seconds = time.monotonic() - start
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "n/a")}
+    if fmt == "text":
+        click.echo(f"{target_name}: {counts['pass']} pass, {counts['fail']} fail, {counts['n/a']} n/a "
+                   f"of {len(results)} gate(s) in {seconds:.1f}s (seed {seed})")
+    elif fmt == "json":
+        click.echo(json.dumps({"target": target_name, "seed": seed, "seconds": round(seconds, 3),
+                               "summary": counts, "gates": [r.to_json() for r in results]}, indent=2))
+    else:
+        click.echo(_junit(target_name, results, seconds))
+    sys.exit(1 if counts["fail"] else 0)

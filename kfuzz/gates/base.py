@@ -1,0 +1,146 @@
+"""What every gate shares: the gate itself, its result, and the shapes its cases use.
+
+A gate is a fixed property check. It builds its own cases from the target's
+contract and a seed (``cases``), so a gate run is reproducible, and judges one
+case at a time (``check``), so any failing case can be saved and replayed on
+its own. ``check`` returns a ``Verdict``; the call contract (plain dense
+tensors of the declared shape, dtype and device, work finished at return, no
+torch function replaced, inputs unchanged) is enforced in every gate because
+every gate calls the kernel through ``kfuzz.execute.kernel_stage`` or
+``call_kernel``.
+
+A gate that does not apply to a target says so (``not_applicable`` returns
+the reason); it is reported ``n/a``, never ``pass``.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from kfuzz.case import ArgCase, Case
+from kfuzz.compare import BOUND_C
+from kfuzz.target import Target
+from kfuzz.verdict import Verdict
+
+NOMINAL = 64          # the nominal size of inner dims, clipped to the contract
+OUTER = 16            # ... and of the others
+STATUSES = ("pass", "fail", "n/a")
+
+
+def gate_seed(seed: int, gate: str, i: int) -> int:
+    """The case seed of case ``i`` of ``gate`` in a run with ``seed``: stable across runs."""
+    return zlib.crc32(f"{gate}:{seed}:{i}".encode())
+
+
+def _fit(target: Target, name: str, n: int) -> int | None:
+    d = target.dims[name]
+    n = max(d.lo, min(d.hi, n))
+    n -= n % d.multiple_of
+    if n < d.lo:
+        n += d.multiple_of
+    return n if d.admits(n) else None
+
+
+def fit_dims(target: Target, wanted: dict[str, int]) -> dict[str, int] | None:
+    """``wanted`` sizes moved into the contract, or None if the contract refuses them."""
+    dims = {}
+    for name in target.dims:
+        n = _fit(target, name, wanted.get(name, NOMINAL))
+        if n is None:
+            return None
+        dims[name] = n
+    if target.constraint is not None and target.constraint(dims):
+        return None
+    return dims
+
+
+def inner_dims(target: Target) -> set[str]:
+    """Dims that are the last (fastest) dim of some argument or output: the ones kernels
+    block over and reduce along."""
+    shapes = [a.shape for a in target.args.values()] + [o.shape for o in target.outputs.values()]
+    return {str(s[-1]).partition("+")[0] for s in shapes if s and isinstance(s[-1], str)}
+
+
+def nominal_dims(target: Target) -> dict[str, int]:
+    """The shape G01 checks and most gates use: ``options["nominal"]`` if the target names
+    one, else 64 for inner dims and 16 for the others (clipped to the contract), so
+    that a Triton kernel under the CPU interpreter runs few programs."""
+    inner = inner_dims(target)
+    wanted = {n: NOMINAL if n in inner else OUTER for n in target.dims}
+    wanted.update(dict(target.options.get("nominal", {})))
+    dims = fit_dims(target, wanted)
+    if dims is None:
+        raise ValueError(f"target {target.name!r}: no nominal shape fits its contract; "
+                         f"name one in options['nominal']")
+    return dims
+
+
+def float_args(target: Target, dtype: str) -> list[str]:
+    """Arguments whose values are floating point in a case of ``dtype``."""
+    from kfuzz.tensors import is_float
+    return [n for n in target.args if is_float(target.arg_dtype(n, dtype))]
+
+
+def numel(target: Target, name: str, dims: dict[str, int]) -> int:
+    size = 1
+    for n in target.shape_of(target.args[name].shape, dims):
+        size *= n
+    return size
+
+
+def make_case(target: Target, dtype: str, seed: int, dims: dict[str, int],
+              args: dict[str, ArgCase] | None = None) -> Case:
+    case = Case.make(target.name, dtype, seed, dims, args or {})
+    target.validate(case)
+    return case
+
+
+@dataclass
+class GateResult:
+    """One gate on one target: ``status`` pass, fail or n/a, with the evidence."""
+
+    gate: str
+    name: str
+    status: str
+    reason: str = ""                      # n/a: why; fail: the first failure's detail
+    cases: int = 0
+    failures: int = 0
+    worst_ratio: float = 0.0              # largest error/bound over the cases (bound gates)
+    first_failure: tuple[Case, Verdict] | None = None
+    saved: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        d = {"gate": self.gate, "name": self.name, "status": self.status, "reason": self.reason,
+             "cases": self.cases, "failures": self.failures, "seconds": round(self.seconds, 3),
+             "worst_ratio": self.worst_ratio if self.worst_ratio != float("inf") else "inf",
+             "saved": [str(p) for p in self.saved]}
+        if self.first_failure is not None:
+            case, v = self.first_failure
+            d["case"] = case.to_json()
+            d["verdict"] = v.to_json()
+        return d
+
+
+class Gate:
+    """A property check. Subclasses set ``id``, ``name``, ``tolerance_free`` and define
+    ``cases`` and ``check``; ``not_applicable`` returns a reason or None."""
+
+    id: str = ""
+    name: str = ""
+    tolerance_free: bool = True
+    property: str = ""
+
+    def not_applicable(self, target: Target) -> str | None:
+        return None
+
+    def cases(self, target: Target, seed: int) -> Iterable[Case]:
+        raise NotImplementedError
+
+    def check(self, target: Target, case: Case, device: str = "cpu", c: float = BOUND_C) -> Verdict:
+        raise NotImplementedError
+
+    def no_evidence(self, target: Target, verdicts: list[Verdict]) -> str | None:
+        """After all cases passed: a reason the gate found nothing to judge (then n/a)."""
+        return None

@@ -1,0 +1,295 @@
+"""The gates that judge output values: G01-G07.
+
+G01-G04 (reference, distributions, shapes, layouts) judge by the error bound of
+``kfuzz.compare`` (``kfuzz.execute.judge``); G05-G07 are tolerance-free:
+nonfinite sets exact, finiteness where the oracle is finite, exact answers bit
+for bit. Each builds its cases from the target's contract and a seed.
+
+Refuses nothing itself: a case that breaks the contract is a ``CaseError``.
+"""
+from __future__ import annotations
+
+import torch
+
+from kfuzz.case import ArgCase, Case, Dist, Layout
+from kfuzz.compare import BOUND_C, compare
+from kfuzz.execute import (call_kernel, flush_subnormals, judge, kernel_stage, oracle_outputs,
+                           trusted_outputs)
+from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims, make_case,
+                              nominal_dims, numel)
+from kfuzz.tensors import lay_out, logical_values, special_value_table, torch_dtype
+from kfuzz.verdict import Verdict
+
+SEEDS_PER_DTYPE = 4
+# G03: 1, small primes, neighbours of powers of two (tails of block sizes), the contract's ends
+EDGE_SIZES = (1, 2, 3, 5, 7, 13, 17, 31, 33, 63, 65, 97, 100, 127, 129, 257, 1000)
+SHAPE_CAP = 1024      # G03/G07 sizes stop here: the Triton interpreter is slow on the CPU
+G02_DISTS = (Dist("scaled", (("factor", 100.0),)), Dist("scaled", (("factor", 0.01),)),
+             Dist("shifted", (("shift", 5.0),)), Dist("heavytailed"), Dist("ones"))
+G07_DISTS = (Dist("ones"), Dist("binary01"), Dist("smallint"))
+
+
+def _all_float(target, dtype, argcase: ArgCase) -> dict:
+    return {name: argcase for name in float_args(target, dtype)}
+
+
+def bound_check(target, case, device, c) -> Verdict:
+    inputs, outputs, verdict = kernel_stage(case, target, device)
+    return verdict if verdict is not None else judge(case, target, inputs, outputs, c=c)
+
+
+class Reference(Gate):
+    id, name, tolerance_free = "G01", "reference", False
+    property = "within the bound at the nominal shape, over fresh seeds, in every dtype"
+
+    def cases(self, target, seed):
+        dims = nominal_dims(target)
+        for j, dtype in enumerate(target.dtypes):
+            for i in range(SEEDS_PER_DTYPE):
+                yield make_case(target, dtype, gate_seed(seed, self.id, j * 100 + i), dims)
+
+    def check(self, target, case, device="cpu", c=BOUND_C):
+        return bound_check(target, case, device, c)
+
+
+class Distributions(Reference):
+    id, name = "G02", "distributions"
+    property = "within the bound under scaled x1e2 and x1e-2, shifted +5, heavy-tailed and all-equal values"
+
+    def cases(self, target, seed):
+        dims = nominal_dims(target)
+        i = 0
+        for dtype in target.dtypes:
+            for dist in G02_DISTS:
+                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims,
+                                _all_float(target, dtype, ArgCase(dist=dist)))
+                i += 1
+
+
+def shape_sweep(target) -> list[dict[str, int]]:
+    """One dim at a time over the edge sizes (others nominal), then every dim at its
+    smallest and every dim at an odd prime; never the nominal shape itself."""
+    nominal = nominal_dims(target)
+    shapes, seen = [], {tuple(sorted(nominal.items()))}
+    def add(wanted):
+        dims = fit_dims(target, wanted)
+        if dims is not None and tuple(sorted(dims.items())) not in seen:
+            seen.add(tuple(sorted(dims.items())))
+            shapes.append(dims)
+    for name, d in target.dims.items():
+        for n in sorted(set(EDGE_SIZES) | {d.lo, min(d.hi, SHAPE_CAP)}):
+            if n <= min(d.hi, SHAPE_CAP) and d.admits(n):
+                add({**nominal, name: n})
+    add({name: d.lo for name, d in target.dims.items()})
+    add({name: 13 for name in target.dims})
+    return shapes
+
+
+class Shapes(Reference):
+    id, name = "G03", "shapes"
+    property = "within the bound at 1, primes, non-multiples of block sizes, tails and the contract's ends"
+
+    def cases(self, target, seed):
+        for i, dims in enumerate(shape_sweep(target)):
+            dtype = target.dtypes[i % len(target.dtypes)]
+            yield make_case(target, dtype, gate_seed(seed, self.id, i), dims)
+
+
+def layout_variants(shape: tuple[int, ...]) -> list[Layout]:
+    rank = len(shape)
+    if rank == 0:
+        return []
+    out = [Layout("strided", step=(2,) * rank), Layout("offset", offset=3),
+           Layout("expanded", dims=(0,))]
+    if rank >= 2:
+        out.insert(0, Layout("permuted", perm=tuple(reversed(range(rank)))))
+    return out
+
+
+class Layouts(Reference):
+    id, name = "G04", "layouts"
+    property = ("non-contiguous, transposed, offset and expanded inputs the contract admits are within "
+                "the bound; layouts it refuses raise a clear error")
+
+    def cases(self, target, seed):
+        dims = nominal_dims(target)
+        i = 0
+        for name, arg in target.args.items():
+            shape = target.shape_of(arg.shape, dims)
+            for layout in layout_variants(shape):
+                dtype = target.dtypes[i % len(target.dtypes)]
+                case = Case.make(target.name, dtype, gate_seed(seed, self.id, i), dims,
+                                 {name: ArgCase(layout=layout)})
+                i += 1
+                if layout.kind in arg.layouts:
+                    target.validate(case)
+                yield case
+
+    def not_applicable(self, target):
+        dims = nominal_dims(target)
+        if not any(layout_variants(target.shape_of(a.shape, dims)) for a in target.args.values()):
+            return "no argument has a dimension, so there is no layout to vary"
+        return None
+
+    def check(self, target, case, device="cpu", c=BOUND_C):
+        refused = [(n, a.layout.kind) for n, a in case.args if a.layout.kind not in target.args[n].layouts]
+        if not refused:
+            return bound_check(target, case, device, c)
+        # a refused layout: build the tensors by hand (materialize would refuse) and demand an error
+        values = logical_values(case, target)
+        inputs = {n: lay_out(v, case.arg(n).layout).to(device) for n, v in values.items()}
+        outputs, verdict = call_kernel(target, case, inputs, torch.device(device))
+        if verdict is not None and verdict.kind == "exception":
+            return Verdict(target.name, "pass", detail=f"refused layout raised {verdict.detail[:200]}")
+        if verdict is not None:
+            return verdict
+        name, kind = refused[0]
+        return Verdict(target.name, "contract", output=name,
+                       detail=f"accepted a {kind} layout for {name!r} that its contract refuses, without an error")
+
+
+class Nonfinite(Gate):
+    id, name = "G05", "nonfinite"
+    property = "with NaN/Inf injected, the kernel's NaN set and Inf set equal the oracle's exactly"
+
+    def cases(self, target, seed):
+        dims = nominal_dims(target)
+        i = 0
+        for dtype in target.dtypes:
+            names = float_args(target, dtype)
+            table = special_value_table(dtype)
+            specials = [s for s in ("nan", "inf", "-inf") if table[s] is not None]
+            plans = [{names[0]: ("nan",)}, {names[0]: tuple(s for s in specials if s != "nan") or ("nan",)},
+                     {n: tuple(specials) for n in names}]
+            for plan in plans:
+                args = {}
+                for name, values in plan.items():
+                    size = numel(target, name, dims)
+                    step = max(1, size // (len(values) + 1))
+                    args[name] = ArgCase(inject=tuple(((k + 1) * step % size, v) for k, v in enumerate(values)))
+                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, args)
+                i += 1
+
+    def check(self, target, case, device="cpu", c=BOUND_C):
+        inputs, outputs, verdict = kernel_stage(case, target, device)
+        if verdict is not None:
+            return verdict
+        oracle = oracle_outputs(target, inputs)
+        for name, out in outputs.items():
+            f = compare(out, oracle[name], None, target.output_dtype(name, case.dtype), c)
+            if f.kind == "nonfinite":
+                return Verdict(target.name, "nonfinite", output=name, detail=f.detail, ratio=f.ratio)
+        return Verdict(target.name, "pass")
+
+
+def _finite_where_oracle_finite(out, oracle, dtype: str):
+    """Positions where the oracle, rounded to ``dtype``, is finite (off the overflow edge)
+    and the kernel is not; None if there are none."""
+    dt = torch_dtype(dtype)
+    fi = torch.finfo(dt)
+    o = oracle.detach().cpu().double()
+    edge = o.abs() / float(fi.max)
+    clear = torch.isfinite(o.to(dt)) & ~((edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps)))
+    bad = clear & ~torch.isfinite(out.detach().cpu().double())
+    return bad if bad.any() else None
+
+
+class Range(Gate):
+    id, name = "G06", "range"
+    property = "inputs near the dtype's largest and smallest magnitudes: where the oracle is finite, so is the kernel"
+
+    def cases(self, target, seed):
+        dims = nominal_dims(target)
+        biggest = max(dims.values())
+        i = 0
+        for dtype in target.dtypes:
+            table = special_value_table(dtype)
+            # as large as the dtype allows while a sum over any one dim stays representable
+            big = table["max"] / (16 * biggest)
+            small = table["tiny"] * 4
+            names = float_args(target, dtype)
+            plans = []
+            for name in names:
+                plans += [{name: ArgCase(dist=Dist("scaled", (("factor", big),)))},
+                          {name: ArgCase(dist=Dist("scaled", (("factor", small),)))},
+                          {name: ArgCase(dist=Dist("subnormal"))}]
+            edge = [s for s in ("max", "-max", "tiny", "subnormal") if table[s] is not None]
+            # one argument at a time: extremes in two arguments at once overflow honest fp32 products
+            plans += [{n: ArgCase(inject=tuple((k * 7 % numel(target, n, dims), s) for k, s in enumerate(edge)))}
+                      for n in names]
+            for plan in plans:
+                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, plan)
+                i += 1
+
+    def check(self, target, case, device="cpu", c=BOUND_C):
+        inputs, outputs, verdict = kernel_stage(case, target, device)
+        if verdict is not None:
+            return verdict
+        oracle = oracle_outputs(target, inputs)
+        flushed = flush_subnormals(inputs)
+        for name, out in outputs.items():
+            dtype = target.output_dtype(name, case.dtype)
+            bad = _finite_where_oracle_finite(out, oracle[name], dtype)
+            if bad is not None and flushed is not None:
+                # flush-to-zero is a legitimate mode: judge against the flushed inputs too
+                if _finite_where_oracle_finite(out, oracle_outputs(target, flushed)[name], dtype) is None:
+                    bad = None
+            if bad is not None:
+                idx = int(bad.reshape(-1).nonzero()[0])
+                return Verdict(target.name, "nonfinite", output=name, ratio=float("inf"),
+                               detail=(f"{int(bad.sum())} position(s) nonfinite where the oracle is finite, first at "
+                                       f"flat index {idx}: kernel {out.reshape(-1)[idx].item()!r}, "
+                                       f"oracle {oracle[name].reshape(-1)[idx].item()!r}"))
+        return Verdict(target.name, "pass")
+
+
+def accumulation_dims(target) -> dict[str, int] | None:
+    """Inner dims (where totals run) as large as the contract allows up to SHAPE_CAP, others 4."""
+    inner = inner_dims(target)
+    return fit_dims(target, {n: min(d.hi, SHAPE_CAP) if n in inner else 4 for n, d in target.dims.items()})
+
+
+class Accumulation(Gate):
+    id, name = "G07", "accumulation"
+    property = ("exact-answer inputs (ones, 0/1, small integers) at the largest sizes: where the true result "
+                "is representable and the trusted implementation gets it exactly, the kernel returns it bit for bit")
+
+    def cases(self, target, seed):
+        dims = accumulation_dims(target)
+        i = 0
+        for dtype in target.dtypes:
+            for dist in G07_DISTS:
+                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims,
+                                _all_float(target, dtype, ArgCase(dist=dist)))
+                i += 1
+
+    def not_applicable(self, target):
+        return None if accumulation_dims(target) else "no large shape fits the contract"
+
+    def check(self, target, case, device="cpu", c=BOUND_C):
+        inputs, outputs, verdict = kernel_stage(case, target, device)
+        if verdict is not None:
+            return verdict
+        oracle = oracle_outputs(target, inputs)
+        trusted = trusted_outputs(target, case, inputs)
+        checked = 0
+        for name, out in outputs.items():
+            dt = torch_dtype(target.output_dtype(name, case.dtype))
+            o = oracle[name].detach().cpu().double()
+            t = trusted[name].detach().cpu().double()
+            k = out.detach().cpu().double()
+            exact = torch.isfinite(o) & (o.to(dt).double() == o) & (t == o)
+            checked += int(exact.sum())
+            wrong = exact & (k != o)
+            if wrong.any():
+                idx = int(wrong.reshape(-1).nonzero()[0])
+                return Verdict(target.name, "bound", output=name, ratio=float("inf"),
+                               detail=(f"{int(wrong.sum())} of {int(exact.sum())} exact answers lost, first at flat "
+                                       f"index {idx}: kernel {k.reshape(-1)[idx].item()!r}, "
+                                       f"exact {o.reshape(-1)[idx].item()!r}"))
+        return Verdict(target.name, "pass", metrics={"exact_positions": checked})
+
+    def no_evidence(self, target, verdicts):
+        if sum(v.metrics.get("exact_positions", 0) for v in verdicts) == 0:
+            return "no output of these exact-answer inputs is exactly representable and exact in the trusted implementation"
+        return None

@@ -1,0 +1,118 @@
+"""The twelve gates: each positive control is caught by its gate with the kind it should
+have, the correct kernel of the same op passes that gate, failing cases replay through
+their gate, and `kfuzz verify` renders and exits as documented. (A table: one row a control.)"""
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kfuzz.cli import cli
+from kfuzz.cli import verify  # noqa: F401  (registers the verb)
+from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gate, run_gates
+from kfuzz.gates.calls import poisoned_allocations
+from kfuzz.errors import KfuzzError
+from kfuzz.target import get_target
+
+CONTROLS = [
+    # planted bug, the gate built to catch it, the verdict kind it must give, output
+    ("layernorm.hotpath", "G01", "bound", "out"),
+    ("softmax.clamp10", "G02", "bound", "out"),
+    ("matmul.contig", "G04", "bound", "out"),
+    ("layernorm.nan2zero", "G05", "nonfinite", "out"),
+    ("layernorm.noscale", "G06", "nonfinite", "out"),
+    ("cumsum.lowcarry", "G07", "bound", "out"),
+    ("rowsum.shuffled", "G08", "nondeterminism", "out"),
+    ("rowsum.alias", "G09", "contract", "out"),
+    ("rowsum.zeroassumed", "G10", "stale", "out"),
+    ("matmul.ptrcache", "G11", "stale", "out"),
+    ("rmsnorm.badgrad", "G12", "bound", "grad.x"),
+]
+
+
+@pytest.mark.parametrize("name, gate, kind, output", CONTROLS, ids=[f"{r[1]}-{r[0]}" for r in CONTROLS])
+def test_control_is_caught_by_its_gate_and_the_correct_kernel_passes(name, gate, kind, output, tmp_path):
+    r = run_gate(GATES[gate], get_target(name), seed=0, out=tmp_path)
+    assert r.status == "fail", r.reason
+    case, v = r.first_failure
+    assert (v.kind, v.output) == (kind, output), v.detail
+    assert r.saved and all(p.exists() for p in r.saved)
+    ok, again, _ = replay_gate_case(r.saved[0])      # the saved case fails the same way again
+    assert ok, again.detail
+    base = run_gate(GATES[gate], get_target(name.split(".")[0]), seed=0)
+    assert base.status in ("pass", "n/a") and base.failures == 0, base.reason
+    if name.split(".")[0] != "softmax":             # softmax is Triton: G12 is n/a, G02 applies
+        assert base.status == "pass"
+
+
+def test_the_core_tail_control_is_caught_by_the_shape_gate():
+    r = run_gate(GATES["G03"], get_target("rowsum.droptail"), seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "bound"
+    # ... and not at the nominal shape, where its blocks divide D
+    assert run_gate(GATES["G01"], get_target("rowsum.droptail"), seed=0).status == "pass"
+
+
+@pytest.mark.parametrize("name", ["cumsum", "rmsnorm"])
+def test_correct_torch_kernels_pass_all_twelve_over_seeds(name):
+    for seed in (0, 1):
+        results = run_gates(get_target(name), seed=seed)
+        assert [r.gate for r in results] == list(GATES)
+        bad = [(r.gate, r.reason) for r in results if r.status != "pass"]
+        assert not bad, bad
+
+
+def test_gate_that_does_not_apply_says_why():
+    r = run_gate(GATES["G12"], get_target("softmax"), seed=0)
+    assert r.status == "n/a" and "no backward" in r.reason and r.cases == 0
+
+
+def test_gate_cases_are_reproducible_from_the_seed():
+    t = get_target("layernorm")
+    for gid, gate in GATES.items():
+        if gate.not_applicable(t):
+            continue
+        a = [c.hash for c in gate.cases(t, 7)]
+        assert a == [c.hash for c in gate.cases(t, 7)], gid
+        assert a != [c.hash for c in gate.cases(t, 8)], gid
+        assert all(t.validate(c) is None for c in gate.cases(t, 7) if gid != "G04")
+
+
+def test_poisoned_allocations_fill_fresh_memory_and_restore_torch_state():
+    before = torch.are_deterministic_algorithms_enabled()
+    with poisoned_allocations():
+        assert torch.empty(37).isnan().all()
+        assert torch.empty(5, dtype=torch.bfloat16).isnan().all()
+    assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_parse_gates_refuses_unknown_ids():
+    assert parse_gates("g05, G08") == ["G05", "G08"]
+    assert parse_gates(None) == list(GATES)
+    with pytest.raises(KfuzzError, match="G13"):
+        parse_gates("G05,G13")
+
+
+def test_verify_cli_exit_codes_and_formats(tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["verify", "--target", "cumsum", "--gates", "G05,G08,G12", "--out", str(tmp_path)])
+    assert ok.exit_code == 0, ok.output
+    assert "G05 nonfinite" in ok.output and "3 pass, 0 fail, 0 n/a" in ok.output
+
+    bad = runner.invoke(cli, ["verify", "--target", "rowsum.shuffled", "--gates", "G08", "--format", "json",
+                              "--out", str(tmp_path)])
+    assert bad.exit_code == 1
+    doc = json.loads(bad.output)
+    g08 = doc["gates"][0]
+    assert g08["status"] == "fail" and g08["verdict"]["kind"] == "nondeterminism" and g08["saved"]
+    replayed = runner.invoke(cli, ["verify", "--replay", g08["saved"][0]])
+    assert replayed.exit_code == 0 and "still fails" in replayed.output
+
+    junit = runner.invoke(cli, ["verify", "--target", "softmax", "--gates", "G12", "--format", "junit"])
+    assert junit.exit_code == 0
+    suite = ET.fromstring(junit.output)
+    assert suite.get("skipped") == "1" and suite.find("testcase/skipped") is not None
+
+    for args in (["verify", "--target", "cumsum", "--gates", "G99"], ["verify", "--target", "nosuch"]):
+        r = runner.invoke(cli, args)
+        assert r.exit_code == 2 and "kfuzz: error:" in r.output
