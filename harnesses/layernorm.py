@@ -4,7 +4,6 @@ Planted bug ``layernorm.nan2zero``: the kernel "cleans" its output with
 nan_to_num, so NaN becomes 0 (and Inf a large finite number).
 """
 import torch
-import torch.nn.functional as F
 
 from harnesses.rowscale import row_scale
 from kfuzz.target import Arg, Dim, Output, target, variant
@@ -18,13 +17,9 @@ def layernorm_math(x, weight, bias):
     return (x - mean) / torch.sqrt(var + EPS) * weight + bias
 
 
-def layernorm_eager(x, weight, bias):
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, EPS)
-
-
-# trusted: PyTorch's eager op at the kernel's precision (its Welford mean is not exact on
-# constant rows, where the two-pass fp32 math is, and that ill-conditioning is no kernel's bug)
-@target("layernorm", reference=layernorm_math, trusted=layernorm_eager,
+# The default trusted implementation (this math with fp32 totals) overflows on rows near fp32's
+# maximum and F.layer_norm returns NaN there, so the trusted one is the row-scaled kernel below.
+@target("layernorm", reference=layernorm_math, trusted=lambda x, weight, bias: layernorm(x, weight, bias),
         args={"x": Arg(("N", "D")), "weight": Arg(("D",)), "bias": Arg(("D",))},
         outputs={"out": Output(("N", "D"))},
         dims={"N": Dim(1, 64), "D": Dim(1, 512)},

@@ -58,3 +58,11 @@ def test_oracle_overflowing_the_output_dtype_means_inf():
     o = torch.tensor([1e6], dtype=torch.float64)   # beyond fp16's max
     assert compare(torch.tensor([math.inf], dtype=torch.float16), o, None, "float16").kind is None
     assert compare(torch.tensor([65504.0], dtype=torch.float16), o, None, "float16").kind == "nonfinite"
+
+
+def test_overflow_is_excused_only_where_the_trusted_implementation_overflows_too():
+    o = torch.tensor([3.0e38, 1.0], dtype=torch.float64)          # finite in fp32
+    k = torch.tensor([math.inf, 1.0])
+    honest_overflow = torch.tensor([math.inf, 1.0])
+    assert compare(k, o, honest_overflow, "float32").kind is None
+    assert compare(k, o, torch.tensor([3.0e38, 1.0]), "float32").kind == "nonfinite"
