@@ -5,8 +5,8 @@ Each variant carries a bug behind two or three conditions that must hold at once
 written as nested branches, the way such bugs sit in real kernels (a tail path, a
 dtype-specific fast path, a layout-specific load):
 
-- ``searchsum.tailinf``: when the last dim is not a multiple of 16 *and* an Inf sits
-  in the tail columns, the tail is summed with Inf replaced by 0 (nonfinite);
+- ``searchsum.tailinf``: when the last dim is over 16 and not a multiple of 16 *and*
+  an Inf sits in the tail columns, the tail is summed with Inf replaced by 0 (nonfinite);
 - ``searchsum.transbf16``: a transposed (column-major) bf16 input is read as if it
   were row-major (bound);
 - ``searchsum.fp16max``: fp16 rows whose largest magnitude exceeds 1e4 take a "fast"
@@ -39,7 +39,7 @@ def searchsum(x):
 
 def tailinf(x):
     tail = x.shape[-1] % TAIL
-    if tail:
+    if tail and x.shape[-1] > TAIL:
         t = x[:, x.shape[-1] - tail:]
         if torch.isinf(t).any():
             head = x[:, :x.shape[-1] - tail].float().sum(dim=-1)
@@ -73,7 +73,7 @@ def crashhang(x):
 
 
 variant("searchsum", "searchsum.tailinf", tailinf,
-        planted_bug="last dim not a multiple of 16 and an Inf in the tail: the Inf is dropped")
+        planted_bug="last dim > 16, not a multiple of 16, and an Inf in the tail: the Inf is dropped")
 variant("searchsum", "searchsum.transbf16", transbf16,
         planted_bug="a transposed bf16 input is read as if row-major")
 variant("searchsum", "searchsum.fp16max", fp16max,

@@ -218,24 +218,26 @@ class WorkerPool:
 
     @property
     def idle(self) -> int:
-        return sum(w.case is None for w in self.workers)
+        return sum(w is None or w.case is None for w in self.workers)
 
     @property
     def busy(self) -> int:
         return len(self.workers) - self.idle
 
     def submit(self, case: Case) -> None:
-        worker = next(w for w in self.workers if w.case is None)
-        worker.submit(case)
+        i = next(i for i, w in enumerate(self.workers) if w is None or w.case is None)
+        if self.workers[i] is None:   # replaced lazily, so a campaign's end waits for no restart
+            self.workers[i] = self._spawn()
+            self.restarts += 1
+        self.workers[i].submit(case)
 
     def _replace(self, worker: Worker) -> None:
         worker.kill()
-        self.workers[self.workers.index(worker)] = self._spawn()
-        self.restarts += 1
+        self.workers[self.workers.index(worker)] = None
 
     def results(self) -> Iterator[KernelResult]:
         """Wait for at least one busy worker to finish, die or time out; yield what ended."""
-        busy = [w for w in self.workers if w.case is not None]
+        busy = [w for w in self.workers if w is not None and w.case is not None]
         if not busy:
             return
         now = time.monotonic()
@@ -271,7 +273,8 @@ class WorkerPool:
 
     def close(self) -> None:
         for w in self.workers:
-            w.stop()
+            if w is not None:
+                w.stop()
 
 
 class InProcess:
