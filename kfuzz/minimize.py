@@ -44,7 +44,7 @@ from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.errors import KfuzzError
 from kfuzz.execute import execute
 from kfuzz.target import Target, get_target
-from kfuzz.tensors import decode_payload, encode_payload, torch_dtype
+from kfuzz.tensors import decode_payload, encode_payload, logical_values, torch_dtype
 from kfuzz.verdict import Signature, Verdict
 
 DTYPE_ORDER = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
@@ -196,13 +196,32 @@ def drop_injections(case: Case, target: Target) -> Candidates:
         k //= 2
 
 
+def explicit(case: Case, target: Target) -> Case:
+    """``case`` with every argument's logical values written out as its payload."""
+    values = logical_values(case, target)
+    return _with_payload(case, values)
+
+
 def shrink_dims(case: Case, target: Target) -> Candidates:
-    """Each dimension toward its smallest admitted size, cutting from the end or the start."""
+    """Each dimension toward its smallest admitted size, cutting from the end or the start.
+
+    Generated values are drawn afresh for the new shape, so a failure that lives in the
+    last rows is lost by any cut; for those, the values are written out explicitly and
+    sliced like a payload (not for targets with domain rules: a slice of, say, normalized
+    keys is no longer normalized)."""
+    writable = target.domain is None and set(target.args) - set(case.payload_dict or {})
     for name, n in case.dims:
         spec = target.dims[name]
-        for size in _smaller_sizes(n, spec.lo, spec.multiple_of):
+        sizes = _smaller_sizes(n, spec.lo, spec.multiple_of)
+        for size in sizes:
             yield f"{name} {n} -> {size}", window(case, target, name, 0, size)
             yield f"{name} {n} -> {size} (kept the last {size})", window(case, target, name, n - size, size)
+        if writable:
+            full = explicit(case, target)
+            for size in sizes:
+                for start in dict.fromkeys((0, n - size)):
+                    yield (f"{name} {n} -> {size} (values written out, kept [{start}:{start + size}])",
+                           window(full, target, name, start, size))
 
 
 def simplify_layouts(case: Case, target: Target) -> Candidates:

@@ -4,13 +4,26 @@ import sys
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.live import Live
+from rich.table import Table
 
-from kfuzz.campaign import run_campaign
+from kfuzz.campaign import CampaignStats, run_campaign
+from kfuzz.cli import cli, handles_bad_input
 from kfuzz.corpus import Corpus
 from kfuzz.engines import ENGINES
-from kfuzz.cli import cli, handles_bad_input
 from kfuzz.target import get_target
+
+
+def _render(stats: CampaignStats, limit: str) -> Table:
+    table = Table(title=f"kfuzz run  {stats.target}  ({stats.engine}, {stats.jobs} job(s), {limit})",
+                  show_header=False, title_justify="left")
+    table.add_row("executions", f"{stats.executions}  ({stats.execs_per_second:.1f}/s, {stats.seconds:.0f} s)")
+    table.add_row("corpus", f"{stats.corpus_size} kept, {stats.coverage} harness edges "
+                            f"({stats.new_coverage} runs found new ones)")
+    table.add_row("workers restarted", str(stats.worker_restarts))
+    for sig, n in sorted(stats.failures.items(), key=lambda kv: str(kv[0])):
+        table.add_row(f"[red]failure[/red] {sig.slug}", f"x{n} (first at execution {stats.first_seen[sig]})")
+    return table
 
 
 @cli.command("run")
@@ -19,31 +32,35 @@ from kfuzz.target import get_target
 @click.option("--runs", type=int, default=None, help="Stop after this many executions.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="random", show_default=True)
+@click.option("--jobs", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Sandboxed worker processes (0: run the kernel in kfuzz's own process, unprotected).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds one kernel call may take before it is a `timeout` failure (workers only).")
 @click.option("--seed", type=int, default=0, show_default=True, help="The engine's seed.")
 @click.option("--root", type=click.Path(file_okay=False), default=".", show_default=True,
               help="Project root holding seeds/ and crashes/.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), default=None, help="Write the final summary here.")
 @handles_bad_input
-def run_cmd(target_name, seconds, runs, device, engine, seed, root, stats_json):
+def run_cmd(target_name, seconds, runs, device, engine, jobs, timeout, seed, root, stats_json):
     """Fuzz a target. Exit 1 if a failure was found, 0 if none."""
     if seconds is None and runs is None:
         seconds = 30.0
     target = get_target(target_name)
     eng = ENGINES[engine](target, seed=seed)
     console = Console(stderr=True)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[status]}"), console=console, transient=False) as progress:
-        total = runs if runs is not None else seconds
-        task = progress.add_task(f"{target_name} ({engine})", total=total, status="")
+    limit = f"{runs} runs" if runs is not None else f"{seconds:g} s"
+    shown = [0.0]
 
-        def on_progress(stats, verdict):
-            done = stats.executions if runs is not None else stats.seconds
-            progress.update(task, completed=done, status=(
-                f"{stats.executions} execs, {stats.execs_per_second:.1f}/s, "
-                f"{sum(stats.failures.values())} failures, {len(stats.failures)} signatures"))
+    def on_progress(stats, verdict):
+        if stats.seconds - shown[0] >= 0.25 or not verdict.passed:   # rendering is not free
+            shown[0] = stats.seconds
+            live.update(_render(stats, limit))
 
+    with Live(_render(CampaignStats(target.name, engine, jobs), limit), console=console,
+              refresh_per_second=4, transient=False) as live:
         stats = run_campaign(target, eng, Corpus(root), seconds=seconds, runs=runs, device=device,
-                             on_progress=on_progress)
+                             jobs=jobs, timeout=timeout, on_progress=on_progress)
+        live.update(_render(stats, limit))
     for sig, n in stats.failures.items():
         click.echo(f"failure  {sig}  x{n}")
     for p in stats.saved:

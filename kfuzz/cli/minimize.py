@@ -1,0 +1,53 @@
+"""kfuzz minimize CASE: shrink a saved failure keeping its signature; print what was removed."""
+from pathlib import Path
+
+import click
+
+from kfuzz.case import encode
+from kfuzz.cli import cli, handles_bad_input
+from kfuzz.corpus import SUFFIX, load, make_record, write_atomic
+from kfuzz.minimize import DEFAULT_BUDGET, Minimized, minimize
+from kfuzz.target import get_target
+from kfuzz.verdict import Signature
+
+
+def render(m: Minimized) -> None:
+    """What minimizing removed, step by step, and the case before and after (shared with import)."""
+    for s in m.steps:
+        click.echo(f"  {s.pass_name:<26} {s.change}")
+    doc = m.to_json()
+    for label in ("found", "minimized"):
+        d = doc[label]
+        parts = [f"dims {d['dims']}", f"dtype {d['dtype']}", f"seed {d['seed']}",
+                 f"injections {sum(len(v) for v in d['injections'].values())}"]
+        if d["payload_elements"]:
+            parts.append(f"payload elements {d['payload_elements']}")
+        click.echo(f"{label:<10} " + ", ".join(parts))
+    click.echo(f"{len(m.steps)} steps, {m.sweeps} sweeps, {m.executions} executions"
+               + ("" if not m.exhausted else " (budget spent before a fixed point)"))
+
+
+@cli.command("minimize")
+@click.argument("path", type=click.Path())
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the minimized case (default: CASE's folder, named by its hash).")
+@click.option("--replace", is_flag=True, help="Remove CASE once the minimized case is written.")
+@click.option("--budget", type=int, default=DEFAULT_BUDGET, show_default=True,
+              help="Most executions to spend, re-runs included.")
+@click.option("--device", default="cpu", show_default=True)
+@handles_bad_input
+def minimize_cmd(path, out, replace, budget, device):
+    """Shrink a failing case; the result fails with the same signature. Exit 2 if it does not fail."""
+    case, record = load(path)
+    target = get_target(case.target)
+    want = Signature.from_json(record["signature"]) if record and "signature" in record else None
+    m = minimize(case, target, signature=want, device=device, max_executions=budget)
+    click.echo(f"signature {m.verdict.signature}")
+    render(m)
+    dest = Path(out) if out else Path(path).parent / f"{m.case.hash}{SUFFIX}"
+    expect = (record or {}).get("expect", "fail")
+    write_atomic(dest, encode(m.case, make_record(m.verdict, expect, device, minimize=m.to_json())))
+    click.echo(f"wrote     {dest}")
+    if replace and dest.resolve() != Path(path).resolve():
+        Path(path).unlink()
+        click.echo(f"removed   {path}")
