@@ -61,8 +61,9 @@ class CampaignStats:
 
 def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | None = None,
                  runs: int | None = None, device: str = "cpu", jobs: int = 1, timeout: float = 60.0,
-                 on_progress: Callable[[CampaignStats, Verdict], None] | None = None) -> CampaignStats:
-    """Execute cases from ``engine`` until ``seconds`` pass or ``runs`` cases ran."""
+                 stop_on_failure: bool = False, on_progress: Callable[[CampaignStats, Verdict], None] | None = None) -> CampaignStats:
+    """Execute cases from ``engine`` until ``seconds`` pass or ``runs`` cases ran (or, with
+    ``stop_on_failure``, the first failure)."""
     if seconds is None and runs is None:
         raise ValueError("give seconds or runs")
     if jobs < 0:
@@ -79,7 +80,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     try:
         while True:
             stats.seconds = time.monotonic() - start
-            open_ = ((seconds is None or stats.seconds < seconds) and (runs is None or submitted < runs))
+            open_ = ((seconds is None or stats.seconds < seconds) and (runs is None or submitted < runs)
+                     and not (stop_on_failure and stats.failures))
             while open_ and runner.idle > 0 and (runs is None or submitted < runs):
                 runner.submit(engine.next_case())
                 submitted += 1
