@@ -46,7 +46,12 @@ def minimize_cmd(path, out, replace, budget, device):
     render(m)
     dest = Path(out) if out else Path(path).parent / f"{m.case.hash}{SUFFIX}"
     expect = (record or {}).get("expect", "fail")
-    write_atomic(dest, encode(m.case, make_record(m.verdict, expect, device, minimize=m.to_json())))
+    note = m.to_json()
+    earlier = (record or {}).get("minimize")
+    if earlier and "found" in earlier:   # minimized before: the record keeps the case as first found
+        note.update(found=earlier["found"], steps=earlier["steps"] + note["steps"],
+                    executions=earlier["executions"] + note["executions"], sweeps=earlier["sweeps"] + note["sweeps"])
+    write_atomic(dest, encode(m.case, make_record(m.verdict, expect, device, minimize=note)))
     click.echo(f"wrote     {dest}")
     if replace and dest.resolve() != Path(path).resolve():
         Path(path).unlink()
