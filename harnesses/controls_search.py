@@ -49,9 +49,10 @@ def tailinf(x):
 
 def transbf16(x):
     if x.dtype == torch.bfloat16:
-        if x.dim() == 2 and x.stride(-1) != 1 and x.stride(0) == 1:
+        n, d = x.shape
+        if n > 1 and d > 1 and x.stride() == (1, n):   # exactly the transpose of a dense tensor
             # reads the storage as if it were row-major
-            raw = torch.as_strided(x, x.shape, (x.shape[1], 1))
+            raw = torch.as_strided(x, x.shape, (d, 1))
             return _total(raw)
     return _total(x)
 

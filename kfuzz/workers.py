@@ -1,8 +1,11 @@
 """Sandboxed execution: the kernel runs in spawned worker processes, the oracle in kfuzz's.
 
-A worker is started with ``multiprocessing``'s *spawn* method (never fork: a
-forked child of a process that has touched CUDA inherits a context it cannot
-use). It loads the targets itself, then answers one case at a time: it
+A worker is started by ``multiprocessing``'s *forkserver*: a fresh process,
+itself spawned (exec'd), that imports torch and the target's module once and
+never touches CUDA; each worker is forked from it, so none inherits a CUDA
+context (a fork of a process that has touched CUDA cannot use it), and a
+restart after a crash costs a fork, not a torch import (4 s on a loaded CPU).
+It loads its target itself, then answers one case at a time: it
 materializes the inputs, calls the kernel under the call contract
 (``execute.kernel_stage``) and sends back the outputs as plain bytes, or the
 verdict that already ends the case (exception, contract, mutation). The
@@ -28,6 +31,7 @@ use it as feedback; torch itself is not traced.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import multiprocessing
@@ -129,9 +133,24 @@ def run_kernel(case: Case, target: Target, device: str = "cpu",
 
 # the worker process ------------------------------------------------------------------------
 
-def _worker_main(conn: Connection, target_name: str, device: str, with_coverage: bool) -> None:
+def _load_target(name: str, module: str | None) -> Target:
+    """The target, importing only its own module when that registers it (a worker starts
+    in a second instead of importing every harness), else through the entry points."""
     prepare_triton()
-    target = get_target(target_name)
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+        from kfuzz.target import _REGISTRY
+        if name in _REGISTRY:
+            return _REGISTRY[name]
+    return get_target(name)
+
+
+def _worker_main(conn: Connection, target_name: str, module: str | None, device: str,
+                 with_coverage: bool) -> None:
+    target = _load_target(target_name, module)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
     conn.send(("ready", os.getpid()))
     while True:
@@ -163,10 +182,12 @@ def _signal_name(exitcode: int | None) -> str:
 class Worker:
     """One spawned worker process and the case it is running."""
 
-    def __init__(self, target_name: str, device: str, with_coverage: bool):
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool):
+        ctx = multiprocessing.get_context("forkserver")
+        # takes effect when the server first starts; it must stay free of CUDA
+        ctx.set_forkserver_preload(["kfuzz.workers"] + ([module] if module else []))
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, target_name, device, with_coverage),
+        self.process = ctx.Process(target=_worker_main, args=(child, target_name, module, device, with_coverage),
                                    daemon=True, name=f"kfuzz-worker-{target_name}")
         self.process.start()
         child.close()
@@ -214,7 +235,8 @@ class WorkerPool:
         self.restarts = 0
 
     def _spawn(self) -> Worker:
-        return Worker(self.target.name, self.device, self.coverage)
+        return Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device,
+                      self.coverage)
 
     @property
     def idle(self) -> int:

@@ -216,20 +216,32 @@ class _forced(random.Random):
         return super().random()
 
 
+def _position(rng: random.Random, shape: tuple[int, ...]) -> int:
+    """A flat position; half the time at an edge of the last dim (its first element or one of
+    its last 16, where tail loops and masks live), in a random row."""
+    n = math.prod(shape)
+    if not shape or rng.random() < 0.5:
+        return rng.randrange(n)
+    d = shape[-1]
+    col = rng.choice((0, d - 1, d - 1 - rng.randrange(min(d, 16))))
+    return rng.randrange(n // d) * d + col
+
+
 def _mutate_injections(rng, inject, case, target, name) -> tuple:
-    n = _numel(target, name, case.dim)
+    shape = target.shape_of(target.args[name].shape, case.dim)
+    n = math.prod(shape)
     names = [k for k, v in special_value_table(target.arg_dtype(name, case.dtype)).items() if v is not None]
     items = dict(inject)
     op = rng.choice(("add", "add", "drop", "value", "move")) if items else "add"
     if op == "add" and n and names:
-        items[rng.randrange(n)] = rng.choice(names)
+        items[_position(rng, shape)] = rng.choice(names)
     elif op == "drop":
         items.pop(rng.choice(list(items)))
     elif op == "value" and names:
         items[rng.choice(list(items))] = rng.choice(names)
     elif op == "move" and n:
         pos = rng.choice(list(items))
-        items[rng.choice((pos + 1, pos - 1, n - 1 - rng.randrange(min(n, 16)), rng.randrange(n))) % n] = items.pop(pos)
+        items[rng.choice((pos + 1, pos - 1, _position(rng, shape))) % n] = items.pop(pos)
     return tuple(sorted(items.items()))
 
 

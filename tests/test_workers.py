@@ -1,0 +1,96 @@
+"""Sandboxed workers: a segfault and a hang become verdicts with their cases saved, the
+campaign goes on, and a worker's result is judged exactly as an in-process execution."""
+import pytest
+
+from kfuzz.campaign import run_campaign
+from kfuzz.case import ArgCase, Case, Layout
+from kfuzz.corpus import Corpus, iter_case_files, load
+from kfuzz.execute import execute, judge
+from kfuzz.target import get_target
+from kfuzz.tensors import materialize
+from kfuzz.workers import InProcess, WorkerPool
+
+CRASHHANG = "searchsum.crashhang"
+SEGFAULT = Case.make(CRASHHANG, "float32", 1, {"N": 2, "D": 8}, {"x": ArgCase(inject=((3, "nan"),))})
+HANG = Case.make(CRASHHANG, "float16", 1, {"N": 2, "D": 128})
+FINE = Case.make(CRASHHANG, "float32", 1, {"N": 3, "D": 40})
+
+
+class ListEngine:
+    """Proposes the given cases in turn, forever."""
+
+    name = "list"
+
+    def __init__(self, cases):
+        self.cases, self.i = cases, 0
+
+    def next_case(self):
+        self.i += 1
+        return self.cases[(self.i - 1) % len(self.cases)]
+
+    def feedback(self, case, verdict):
+        return None
+
+
+def _drain(pool):
+    out = []
+    while pool.busy:
+        out.extend(pool.results())
+    return out
+
+
+def test_segfault_and_hang_become_verdicts_and_the_pool_recovers():
+    pool = WorkerPool(get_target(CRASHHANG), jobs=1, timeout=3.0)
+    try:
+        got = {}
+        for case in (SEGFAULT, HANG, FINE):
+            pool.submit(case)
+            (result,) = _drain(pool)
+            got[case] = result
+        assert got[SEGFAULT].verdict.kind == "crash" and got[SEGFAULT].verdict.exc_type == "SIGSEGV"
+        assert got[HANG].verdict.kind == "timeout" and got[HANG].seconds >= 3.0
+        assert got[FINE].verdict is None and got[FINE].outputs["out"].shape == (3,)
+        assert pool.restarts == 2
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("case", [
+    Case.make("searchsum.tailinf", "float32", 5, {"N": 3, "D": 33}, {"x": ArgCase(inject=((32, "inf"),))}),
+    Case.make("searchsum.transbf16", "bfloat16", 5, {"N": 4, "D": 9}, {"x": ArgCase(Layout("permuted", perm=(1, 0)))}),
+    Case.make("searchsum", "bfloat16", 5, {"N": 4, "D": 9}, {"x": ArgCase(Layout("permuted", perm=(1, 0)))}),
+])
+def test_a_workers_result_is_judged_as_in_process(case):
+    target = get_target(case.target)
+    pool = WorkerPool(target, jobs=1, timeout=60.0)
+    try:
+        pool.submit(case)
+        (result,) = _drain(pool)
+    finally:
+        pool.close()
+    verdict = result.verdict or judge(case, target, materialize(case, target), result.outputs)
+    assert verdict.signature == execute(case, target).signature
+    assert verdict.passed == (case.target == "searchsum")
+
+
+def test_campaign_saves_crash_and_timeout_and_runs_to_its_limit(tmp_path):
+    target = get_target(CRASHHANG)
+    engine = ListEngine([FINE, SEGFAULT, FINE, HANG, FINE])
+    stats = run_campaign(target, engine, Corpus(tmp_path), runs=8, jobs=2, timeout=3.0)
+    assert stats.executions == 8
+    slugs = {s.slug: n for s, n in stats.failures.items()}
+    assert slugs == {"crash-SIGSEGV": 2, "timeout": 1}
+    saved = {load(p)[0]: load(p)[1]["verdict"]["kind"] for p in iter_case_files([tmp_path / "crashes"])}
+    assert saved == {SEGFAULT: "crash", HANG: "timeout"}
+    assert stats.to_json()["failures"]["searchsum.crashhang/timeout"]["first_execution"] >= 1
+
+
+def test_in_process_runner_matches_execute():
+    target = get_target("searchsum.tailinf")
+    case = Case.make(target.name, "float32", 5, {"N": 3, "D": 33}, {"x": ArgCase(inject=((32, "inf"),))})
+    runner = InProcess(target, coverage=True)
+    runner.submit(case)
+    (result,) = list(runner.results())
+    verdict = judge(case, target, runner.take_inputs(case), result.outputs)
+    assert verdict.signature == execute(case, target).signature and verdict.kind == "nonfinite"
+    assert result.coverage   # the harness's own lines were traced

@@ -1,0 +1,156 @@
+"""Search engines, measured: executions to first detection and kfuzz's throughput overhead.
+
+    python tools/bench_engines.py detection [--seeds 5] [--cap 2000] [--out out/bench_engines.json]
+    python tools/bench_engines.py throughput [--runs 400]
+    python tools/bench_engines.py table out/bench_engines.json   # writes BENCHMARKS.md's section
+
+Detection: each planted combination bug of ``harnesses/controls_search.py``, each engine
+configuration, several seeds; a campaign (kernel in process, ``jobs=0``, so that process
+start-up does not count) stops at the first failure of the planted signature or at
+``--cap`` executions (reported as "> cap").
+
+Throughput: on the cheap ``searchsum`` target, the executions per second of a bare loop
+that calls ``execute`` (materialize, kernel, oracle, trusted, compare) on pre-sampled
+cases, against ``run_campaign`` with the random engine, in process and with one sandboxed
+worker.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kfuzz.campaign import run_campaign
+from kfuzz.corpus import Corpus
+from kfuzz.engines import AtherisEngine, RandomEngine
+from kfuzz.engines.random import sample_case
+from kfuzz.execute import execute
+from kfuzz.target import get_target
+
+BUGS = ("searchsum.tailinf", "searchsum.transbf16", "searchsum.fp16max")
+CONFIGS = {
+    "random": lambda t, s: RandomEngine(t, seed=s),
+    "atheris": lambda t, s: AtherisEngine(t, seed=s),
+    "atheris-nodiv": lambda t, s: AtherisEngine(t, seed=s, divergence=False),
+    "atheris-hypothesis": lambda t, s: AtherisEngine(t, seed=s, mode="hypothesis"),
+}
+SECTION = "## Search engines"
+
+
+def detection(seeds: int, cap: int, configs: list[str], out: Path) -> dict:
+    results = json.loads(out.read_text()) if out.exists() else {}
+    for bug in BUGS:
+        target = get_target(bug)
+        for config in configs:
+            for seed in range(seeds):
+                key = f"{bug}|{config}|{seed}"
+                if key in results:
+                    continue
+                with tempfile.TemporaryDirectory() as root:
+                    start = time.monotonic()
+                    stats = run_campaign(target, CONFIGS[config](target, seed), Corpus(root), runs=cap,
+                                         jobs=0, stop_on_failure=True)
+                    wall = time.monotonic() - start
+                first = min(stats.first_seen.values()) if stats.first_seen else None
+                results[key] = {"first": first, "executions": stats.executions, "seconds": round(wall, 2),
+                                "signatures": [str(s) for s in stats.failures]}
+                print(key, results[key], file=sys.stderr, flush=True)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def throughput(runs: int) -> dict:
+    target = get_target("searchsum")
+    rng = random.Random(0)
+    cases = [sample_case(target, rng) for _ in range(runs)]
+    for case in cases[:20]:
+        execute(case, target)                      # warm up
+    start = time.perf_counter()
+    for case in cases:
+        execute(case, target)
+    bare = runs / (time.perf_counter() - start)
+    out = {"bare_loop_execs_per_s": round(bare, 1)}
+    for jobs in (0, 1):
+        with tempfile.TemporaryDirectory() as root:
+            run_campaign(target, RandomEngine(target, seed=1), Corpus(root), runs=20, jobs=jobs)  # warm up
+            stats = run_campaign(target, RandomEngine(target, seed=0), Corpus(root), runs=runs, jobs=jobs)
+        key = "in_process" if jobs == 0 else "one_worker"
+        out[f"kfuzz_{key}_execs_per_s"] = round(stats.execs_per_second, 1)
+        out[f"kfuzz_{key}_overhead"] = round(bare / stats.execs_per_second - 1, 3)
+    return out
+
+
+def _cell(firsts: list, cap: int) -> str:
+    found = [f for f in firsts if f is not None]
+    shown = " ".join(str(f) if f is not None else f">{cap}" for f in firsts)
+    med = statistics.median([f if f is not None else cap + 1 for f in firsts])
+    med_s = f"{med:g}" if med <= cap else f">{cap}"
+    return f"{med_s} ({len(found)}/{len(firsts)}: {shown})"
+
+
+def table(results: dict, cap: int, thr: dict | None) -> str:
+    configs = [c for c in CONFIGS if any(k.split("|")[1] == c for k in results)]
+    lines = [SECTION, "",
+             "Executions to first detection of each planted combination bug "
+             "(`harnesses/controls_search.py`), per engine: median over seeds (found/seeds: each seed's "
+             f"count), campaigns capped at {cap} executions. `python tools/bench_engines.py detection`.", "",
+             "| target | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
+    for bug in BUGS:
+        row = [bug]
+        for c in configs:
+            firsts = [v["first"] for k, v in sorted(results.items()) if k.startswith(f"{bug}|{c}|")]
+            row.append(_cell(firsts, cap) if firsts else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    if thr:
+        lines += ["", "Throughput on `searchsum` (CPU, random engine; `python tools/bench_engines.py throughput`):", "",
+                  "| loop | execs/s | overhead vs bare loop |", "|---|---|---|",
+                  f"| bare loop calling `execute` | {thr['bare_loop_execs_per_s']} | - |",
+                  f"| kfuzz campaign, kernel in process (`--jobs 0`) | {thr['kfuzz_in_process_execs_per_s']} | "
+                  f"{thr['kfuzz_in_process_overhead']:.0%} |",
+                  f"| kfuzz campaign, one sandboxed worker (`--jobs 1`) | {thr['kfuzz_one_worker_execs_per_s']} | "
+                  f"{thr['kfuzz_one_worker_overhead']:.0%} |"]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str, path: Path = Path("BENCHMARKS.md")) -> None:
+    doc = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION in doc:
+        head, _, rest = doc.partition(SECTION)
+        nxt = rest.find("\n## ")
+        doc = head + text + (rest[nxt + 1:] if nxt >= 0 else "")
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    path.write_text(doc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("detection", "throughput", "table"))
+    ap.add_argument("results", nargs="?", default="out/bench_engines.json")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--cap", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=400)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--throughput-json", default="out/bench_throughput.json")
+    a = ap.parse_args()
+    if a.what == "detection":
+        detection(a.seeds, a.cap, a.configs.split(","), Path(a.results))
+    elif a.what == "throughput":
+        res = throughput(a.runs)
+        Path(a.throughput_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.throughput_json).write_text(json.dumps(res, indent=1))
+        print(json.dumps(res))
+    else:
+        thr_path = Path(a.throughput_json)
+        thr = json.loads(thr_path.read_text()) if thr_path.exists() else None
+        write_section(table(json.loads(Path(a.results).read_text()), a.cap, thr))
+
+
+if __name__ == "__main__":
+    main()
