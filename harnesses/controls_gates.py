@@ -4,12 +4,12 @@ gate's property can see it (``tools/gate_matrix.py`` checks that and writes GATE
 
 | variant | gate | the bug |
 | --- | --- | --- |
-| layernorm.hotpath | G01 | an inference fast path for the tuned (nominal) shape skips the normalization of rows that already look standardized, as randn rows do |
+| layernorm.hotpath | G01 | an inference fast path for the tuned (nominal) shape skips the normalization of rows that already look standardized, as randn rows do (when the affine parameters look sane) |
 | softmax.clamp10 | G02 | clamps finite inputs to [-10, 10] before exp, which randn never exceeds |
 | rowsum.droptail (rowsum.py) | G03 | drops the tail when D is not a multiple of the block |
 | matmul.contig | G04 | reads its inputs' storage as if contiguous (transposed and strided inputs come out wrong) |
 | layernorm.nan2zero (layernorm.py) | G05 | nan_to_num on the output |
-| layernorm.noscale | G06 | fp32 two-pass statistics without row scaling: near the largest magnitudes x*x overflows |
+| layernorm.onepass | G06 | one-pass fp32 variance without row scaling: near the largest magnitudes E[x^2] - E[x]^2 is inf - inf |
 | cumsum.lowcarry | G07 | fp32 totals within blocks of 8, but the carry between blocks kept in the input dtype |
 | rowsum.shuffled | G08 | sums in a random order each call (as atomics do) |
 | rowsum.alias | G09 | for D = 1 returns a view of its input instead of a new tensor |
@@ -36,8 +36,9 @@ from kfuzz.target import get_target, variant
 def layernorm_hotpath(x, weight, bias):
     tuned = dict(zip(("N", "D"), x.shape)) == nominal_dims(get_target("layernorm"))
     inference = not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, bias)))
-    fast = tuned and inference and all(t.is_contiguous() and t.storage_offset() == 0 and bool(t.isfinite().all())
-                                       for t in (weight, bias)) and x.is_contiguous() and x.storage_offset() == 0
+    sane = all(bool((t.float().abs() < 1e4).all()) for t in (weight, bias))
+    fast = tuned and inference and sane and all(t.is_contiguous() and t.storage_offset() == 0
+                                                for t in (x, weight, bias))
     out = layernorm(x, weight, bias)
     if not fast:
         return out
@@ -77,15 +78,17 @@ variant("matmul", "matmul.contig", matmul_contig,
 
 
 # G06 -----------------------------------------------------------------------------------------
-def layernorm_noscale(x, weight, bias):
+def layernorm_onepass(x, weight, bias):
     xf = x.float()
     mean = xf.mean(dim=-1, keepdim=True)
-    var = ((xf - mean) ** 2).mean(dim=-1, keepdim=True)
+    k = xf[..., :1]     # the shifted-data one-pass formula: exact enough at any offset, not at any scale
+    d = xf - k
+    var = ((d * d).mean(dim=-1, keepdim=True) - (mean - k) ** 2).clamp(min=0)
     return ((xf - mean) * torch.rsqrt(var + LN_EPS) * weight.float() + bias.float()).to(x.dtype)
 
 
-variant("layernorm", "layernorm.noscale", layernorm_noscale,
-        planted_bug="fp32 statistics without row scaling: x*x overflows near the largest magnitudes")
+variant("layernorm", "layernorm.onepass", layernorm_onepass,
+        planted_bug="one-pass fp32 variance E[x^2] - E[x]^2 without row scaling: inf - inf near the largest magnitudes")
 
 
 # G07 -----------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ CONTROLS = [
     ("softmax.clamp10", "G02", "bound", "out"),
     ("matmul.contig", "G04", "bound", "out"),
     ("layernorm.nan2zero", "G05", "nonfinite", "out"),
-    ("layernorm.noscale", "G06", "nonfinite", "out"),
+    ("layernorm.onepass", "G06", "nonfinite", "out"),
     ("cumsum.lowcarry", "G07", "bound", "out"),
     ("rowsum.shuffled", "G08", "nondeterminism", "out"),
     ("rowsum.alias", "G09", "contract", "out"),

@@ -22,7 +22,7 @@ from kfuzz.target import load_targets
 OPERATORS = ("softmax", "rowsum", "layernorm", "rmsnorm", "matmul", "cumsum")
 # the gate each positive control was built for (harnesses/controls_gates.py and the core harnesses)
 INTENDED = {"layernorm.hotpath": "G01", "softmax.clamp10": "G02", "rowsum.droptail": "G03",
-            "matmul.contig": "G04", "layernorm.nan2zero": "G05", "layernorm.noscale": "G06",
+            "matmul.contig": "G04", "layernorm.nan2zero": "G05", "layernorm.onepass": "G06",
             "cumsum.lowcarry": "G07", "rowsum.shuffled": "G08", "rowsum.alias": "G09",
             "rowsum.zeroassumed": "G10", "matmul.ptrcache": "G11", "rmsnorm.badgrad": "G12"}
 MARK = {"pass": ".", "fail": "X", "n/a": "n/a"}
