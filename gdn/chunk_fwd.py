@@ -32,6 +32,12 @@ a minute and run slowly).  Under the Triton interpreter
 (TRITON_INTERPRET=1) every product is fp32, since its bf16 tl.dot is wrong, and
 no autotuning runs.
 
+GPU status: on the H200 (Triton 3.6) the first version's matrix path faulted
+for gated members (tl.cumsum meeting dot layouts); prefix sums are now plain
+reductions/dots, not yet run on a GPU, so gated members take the exact path on
+GPUs unless GDN_FWD_GATED_FAST=1 (gdn/NOTES.md).  The interpreter and ungated
+members use the matrix path.
+
 Refuses: K or V over 256, mixed q/k/v dtypes, dtypes other than bf16/fp16/fp32.
 """
 from __future__ import annotations
@@ -50,13 +56,36 @@ SBIG = 1e30              # state magnitude above which a chunk runs the exact pa
 # Build switches (device bring-up): 2-D-only block inverse; float64 scalar-gate cumsum.
 INV2D = os.environ.get("GDN_FWD_INV2D", "0") == "1"
 G64 = os.environ.get("GDN_FWD_G64", "1") == "1"
-SCAN_MODE = int(os.environ.get("GDN_FWD_MODE", "0"))  # 1: matrix path only, 2: exact path only
+SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact path only
+# The gated members' matrix path has not yet run on a GPU since the tl.cumsum
+# workaround (see _prefix_sum): until it has, a GPU runs them on the exact path
+# (correct, slow) unless GDN_FWD_GATED_FAST=1.  Ungated members ran on the H200.
+GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST") == "1"
 
 
 @triton.jit
 def _all_within(x, bound):
     """True when every element is finite and |x| <= bound (NaN fails)."""
     return tl.max(tl.where(tl.abs(x) <= bound, 0, 1)) == 0
+
+
+# Prefix sums without tl.cumsum: on the H200 with Triton 3.6 a chunk whose
+# matrix path combined a tl.cumsum result with tl.dot results faulted (illegal
+# address, compute-sanitizer at the dot; cf. triton-lang/triton#7817, scan
+# lowering vs. dot layouts).  A masked row sum and a 0/1 lower-triangular
+# product compute the same sums with ordinary reductions and dots.
+@triton.jit
+def _prefix_sum(x, BT: tl.constexpr):
+    """Inclusive prefix sum of a [BT] vector (in x's dtype, float64 allowed)."""
+    r = tl.arange(0, BT)
+    return tl.sum(tl.where(r[:, None] >= r[None, :], x[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _prefix_sum_rows(x, BT: tl.constexpr):
+    """Inclusive prefix sum over the rows of a [BT, BK] fp32 tile."""
+    r = tl.arange(0, BT)
+    return tl.dot(tl.where(r[:, None] >= r[None, :], 1.0, 0.0), x, input_precision="ieee")
 
 
 @triton.jit
@@ -158,13 +187,13 @@ def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
     if GATE == 1:
         gg = tl.load(g + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
         ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0)
-        G = tl.cumsum(tl.maximum(gg, FLOOR).to(GDT), axis=0)
+        G = _prefix_sum(tl.maximum(gg, FLOOR).to(GDT), BT)
         dec = tl.exp(tl.where(rr[:, None] > rr[None, :], G[:, None] - G[None, :], 0.0).to(tl.float32))
         A = tl.dot(kt, tl.trans(kt), input_precision=PREC) * dec
         kg = kt * tl.exp(G.to(tl.float32))[:, None]
     elif GATE == 2:
         gg = tl.load(g + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = tl.cumsum(gg, axis=0)
+        G = _prefix_sum_rows(gg, BT)
         ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0) & (tl.min(tl.sum(gg, axis=0)) >= -DECAY_MAX)
         kg = kt * tl.exp(G)
         A = tl.dot(kg, tl.trans(kt * tl.exp(-G)), input_precision=PREC)
@@ -191,13 +220,13 @@ def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
 @triton.jit
 def _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
                 GATE: tl.constexpr, DELTA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                FLOOR: tl.constexpr, GDT: tl.constexpr):
+                FLOOR: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr):
     """One chunk on the matrix path; stores its outputs, returns the new state."""
     qf = qt.to(tl.float32)
     kf = kt.to(tl.float32)
     if GATE == 1:
         gc = tl.maximum(gg, FLOOR).to(GDT)
-        G = tl.cumsum(gc, axis=0)
+        G = _prefix_sum(gc, BT)
         Gl = tl.sum(gc, axis=0)
         dec = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0).to(tl.float32))
         Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC) * dec
@@ -205,7 +234,7 @@ def _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
         kl = kf * tl.exp((Gl - G).to(tl.float32))[:, None]
         decS = tl.exp(Gl.to(tl.float32))
     elif GATE == 2:
-        G = tl.cumsum(gv, axis=0)
+        G = _prefix_sum_rows(gv, BT)
         Gl = tl.sum(gv, axis=0)
         qg = qf * tl.exp(G)
         Aqk = tl.dot(_cast(qg, q, LOWP), tl.trans(_cast(kf * tl.exp(-G), q, LOWP)),
@@ -321,14 +350,14 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
                 (tl.min(tl.sum(gv, axis=0)) >= -DECAY_MAX)
         if MODE == 1:
             S = _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
-                            GATE, DELTA, LOWP, PREC, FLOOR, GDT)
+                            GATE, DELTA, LOWP, PREC, FLOOR, GDT, BT)
         elif MODE == 2:
             S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask,
                              smask, H, K, V, BT, GATE, DELTA)
         else:
             if ok:
                 S = _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
-                                GATE, DELTA, LOWP, PREC, FLOOR, GDT)
+                                GATE, DELTA, LOWP, PREC, FLOOR, GDT, BT)
             else:
                 S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv,
                                  vmask, smask, H, K, V, BT, GATE, DELTA)
@@ -420,7 +449,8 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     prec = "ieee" if INTERPRET else ("tf32x3" if q.dtype == torch.float32 else "tf32")
     consts = dict(BIG=BIG, FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX,
                   GDT=tl.float64 if G64 else tl.float32)
-    if delta and NC > 0:
+    mode = int(SCAN_MODE) if SCAN_MODE else (0 if gate == 0 or GATED_FAST else 2)
+    if delta and NC > 0 and mode != 2:
         ws_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
         w = torch.empty(B, T, H, K, dtype=ws_dtype, device=dev)
         u = torch.empty(B, T, H, V, dtype=ws_dtype, device=dev)
@@ -440,6 +470,6 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                 triton.next_power_of_2(N * H),
                 H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta,
                 HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-                IS_VARLEN=cu_seqlens is not None, LOWP=lowp, PREC=prec, SBIG=SBIG, MODE=SCAN_MODE,
+                IS_VARLEN=cu_seqlens is not None, LOWP=lowp, PREC=prec, SBIG=SBIG, MODE=mode,
                 **consts)
     return o, (hT if output_final_state else None)
