@@ -20,7 +20,10 @@ Only the decoder and the feature leaves are instrumented, not torch.
 libFuzzer mutates through ``mutate_case`` (structure-aware: one change to dims,
 dtype, seed, a layout, a distribution or the injections; every result is a valid
 case) and ``crossover`` (fields taken from either parent); now and then through
-libFuzzer's byte mutator, whose output goes through the decoder.
+libFuzzer's byte mutator, whose output goes through the decoder, and now and then
+(``P_FRESH``) a fresh case from the random engine, which also supplies ``INITIAL``
+cases of the starting corpus: the random engine is the fallback's breadth, the
+mutator the depth around what coverage kept.
 
 The corpus: libFuzzer works in a temporary folder that starts as a copy of
 ``seeds/<target>/`` (the files are ``.case.zst`` bytes already); a case that brings
@@ -46,7 +49,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
-from kfuzz.engines.random import EDGE_SIZES, sample_layout, sample_size
+from kfuzz.engines.random import EDGE_SIZES, sample_case, sample_layout, sample_size
 from kfuzz.errors import KfuzzError
 from kfuzz.target import Target, get_target, prepare_triton
 from kfuzz.tensors import special_value_table
@@ -57,6 +60,8 @@ FEATURES = 1024                       # one instrumented leaf function a feature
 COVERAGE_LEAVES = 768                 # harness edges hash into [0, 768); divergence above
 MAX_LEN = 4096
 P_BYTES = 0.05                        # share of mutations left to libFuzzer's byte mutator
+P_FRESH = 0.2                         # share of mutations replaced by a fresh random case
+INITIAL = 32                          # random cases added to libFuzzer's starting corpus
 STARTUP_TIMEOUT = 600.0
 
 
@@ -322,10 +327,13 @@ def _fuzzer_main(conn: Connection, target_name: str, mode: str, corpus_dir: str,
         ask(decode_input(data, target))
 
     def custom_mutator(data: bytes, max_size: int, s: int) -> bytes:
-        rng = random.Random(s)
-        if rng.random() < P_BYTES:
-            return atheris.Mutate(data, max_size)
         from kfuzz.case import encode
+        rng = random.Random(s)
+        r = rng.random()
+        if r < P_BYTES:
+            return atheris.Mutate(data, max_size)
+        if r < P_BYTES + P_FRESH:   # the random engine as the fallback: breadth the corpus lacks
+            return encode(sample_case(target, rng))[:max_size]
         return encode(mutate_case(decode_input(data, target), target, rng))[:max_size]
 
     def custom_crossover(d1: bytes, d2: bytes, max_size: int, s: int) -> bytes:
@@ -380,6 +388,11 @@ class AtherisEngine:
             seeds = corpus.seeds / self.target.name
             for f in sorted(seeds.glob("*.case.zst")) if seeds.is_dir() else []:
                 shutil.copyfile(f, self.workdir / "corpus" / f.name)
+        if self.mode == "hand":
+            from kfuzz.case import encode
+            rng = random.Random(self.seed)
+            for i in range(INITIAL):
+                (self.workdir / "corpus" / f"random-{i}").write_bytes(encode(sample_case(self.target, rng)))
         self.fuzzers = [self._spawn(i) for i in range(parallel)]
 
     def _spawn(self, i: int):

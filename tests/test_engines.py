@@ -1,0 +1,127 @@
+"""Engines: every decoded, mutated and crossed-over case is valid for its target; the
+hypothesis strategies draw valid cases; the atheris engine finds a planted combination bug
+through real libFuzzer, keeps its corpus as seeds and starts the next campaign from them."""
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from kfuzz import strategies
+from kfuzz.campaign import run_campaign
+from kfuzz.case import ArgCase, Case, encode
+from kfuzz.corpus import Corpus, iter_case_files
+from kfuzz.engines import ENGINES, AtherisEngine
+from kfuzz.engines.atheris import (COVERAGE_LEAVES, FEATURES, coverage_features, crossover, decode_fdp,
+                                   decode_input, divergence_features, mutate_case)
+from kfuzz.engines.random import sample_case
+from kfuzz.target import get_target
+from kfuzz.verdict import Verdict
+
+TARGETS = ["searchsum", "softmax", "matmul", "layernorm"]
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_any_bytes_decode_to_a_valid_case(name):
+    target = get_target(name)
+    rng = random.Random(name)
+    for n in [0, 1, 3, 17, 64, 300] * 20:
+        case = decode_fdp(rng.randbytes(n), target)
+        target.validate(case)
+    assert decode_fdp(b"", target) == decode_fdp(b"", target)   # deterministic
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_case_bytes_decode_to_the_same_case(name):
+    target = get_target(name)
+    case = sample_case(target, random.Random(1))
+    assert decode_input(encode(case), target) == case
+    # a case of another target is not taken as is
+    other = sample_case(get_target("cumsum"), random.Random(1))
+    assert decode_input(encode(other), target).target == name
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_mutation_and_crossover_give_valid_cases_and_touch_every_field(name):
+    target = get_target(name)
+    rng = random.Random(7)
+    case = sample_case(target, rng)
+    changed = set()
+    for _ in range(300):
+        new = mutate_case(case, target, rng)
+        target.validate(new)
+        assert new != case
+        changed |= {f for f in ("dims", "dtype", "seed") if getattr(new, f) != getattr(case, f)}
+        for arg in target.args:
+            a, b = case.arg(arg), new.arg(arg)
+            changed |= {f for f in ("layout", "dist", "inject") if getattr(a, f) != getattr(b, f)}
+        case = new
+    assert changed == {"dims", "dtype", "seed", "layout", "dist", "inject"}
+    a, b = sample_case(target, rng), sample_case(target, rng)
+    for _ in range(50):
+        child = crossover(a, b, target, rng)
+        target.validate(child)
+        assert all(child.dim[k] in (a.dim[k], b.dim[k]) for k in target.dims)
+        assert child.dtype in (a.dtype, b.dtype)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(strategies.cases(get_target("matmul")))
+def test_strategies_draw_valid_cases(case):
+    get_target("matmul").validate(case)
+
+
+def test_divergence_features_separate_how_close_a_case_came():
+    import torch
+    t = "searchsum"
+    near = divergence_features(Verdict(t, "pass", ratio=0.9), {"out": torch.ones(3)})
+    far = divergence_features(Verdict(t, "pass", ratio=0.01), {"out": torch.ones(3)})
+    nan = divergence_features(Verdict(t, "pass", ratio=0.01), {"out": torch.tensor([1.0, float("nan")])})
+    exc = divergence_features(Verdict(t, "exception", exc_type="ValueError", frame="k.py:f"), None)
+    assert near != far and far != nan and len(exc) == 3
+    for feats in (near, far, nan, exc):
+        assert all(COVERAGE_LEAVES <= f < FEATURES for f in feats)
+    assert all(0 <= f < COVERAGE_LEAVES for f in coverage_features({1, 2 << 40, 3 << 16}))
+
+
+def test_engines_registry():
+    assert ENGINES["atheris"] is AtherisEngine and "random" in ENGINES
+
+
+def test_atheris_finds_a_combination_bug_and_keeps_its_corpus_as_seeds(tmp_path):
+    target = get_target("searchsum.transbf16")
+    corpus = Corpus(tmp_path)
+    stats = run_campaign(target, AtherisEngine(target, seed=3), corpus, runs=1500, jobs=0, stop_on_failure=True)
+    # the permuted read shows as a bound failure, or as a nonfinite one when an Inf moved
+    assert len(stats.failures) == 1 and {s.kind for s in stats.failures} <= {"bound", "nonfinite"}
+    saved = list(iter_case_files([tmp_path / "crashes"]))
+    assert len(saved) == 1
+    seeds = list(iter_case_files([tmp_path / "seeds" / target.name]))
+    assert len(seeds) == stats.corpus_size > 0 and stats.coverage > 0
+    # the next campaign's libFuzzer starts from those seeds
+    engine = AtherisEngine(target, seed=4)
+    engine.start(corpus)
+    try:
+        copied = {p.name for p in (engine.workdir / "corpus").iterdir()}
+        assert {p.name for p in seeds} <= copied
+        case = engine.next_case()
+        target.validate(case)
+    finally:
+        engine.close()
+    assert engine.workdir is None
+
+
+def test_atheris_hypothesis_mode_runs_through_fuzz_one_input(tmp_path):
+    target = get_target("searchsum")
+    stats = run_campaign(target, AtherisEngine(target, seed=1, mode="hypothesis"), Corpus(tmp_path),
+                         runs=60, jobs=0)
+    assert stats.executions == 60 and not stats.failures
+
+
+def test_atheris_through_sandboxed_workers(tmp_path):
+    """Coverage of the harness comes back from the worker process; crash and hang handling
+    itself is tested in test_workers.py."""
+    target = get_target("searchsum.tailinf")
+    engine = AtherisEngine(target, seed=2)
+    stats = run_campaign(target, engine, Corpus(tmp_path), runs=40, jobs=1, timeout=30.0)
+    assert stats.executions == 40 and stats.coverage > 0 and stats.corpus_size > 0
+    assert engine.workdir is None and not engine.fuzzers   # libFuzzer's processes and folder are gone
