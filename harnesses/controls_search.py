@@ -11,6 +11,10 @@ dtype-specific fast path, a layout-specific load):
   were row-major (bound);
 - ``searchsum.fp16max``: fp16 rows whose largest magnitude exceeds 1e4 take a "fast"
   path with an fp16 running total, which overflows where the answer is finite;
+- ``searchsum.deep``: four conditions at once: a tail (last dim over 16, not a multiple
+  of 16), a transposed input, an Inf in the tail, a 16-bit dtype; the Inf is dropped.
+  Each condition alone is common; together they are rare for a blind sampler, and
+  each one met is new harness coverage for a guided one;
 - ``searchsum.crashhang``: segfaults (a null pointer read) when the input holds a NaN
   and hangs when the input is float16 with more than 100 columns: the sandbox's
   controls, not numerical bugs.
@@ -64,6 +68,17 @@ def fp16max(x):
     return _total(x)
 
 
+def deep(x):
+    n, d = x.shape
+    if d > TAIL and d % TAIL:
+        if n > 1 and x.stride() == (1, n):
+            t = x[:, d - d % TAIL:]
+            if torch.isinf(t).any():
+                if x.dtype != torch.float32:
+                    return tailinf(x)
+    return _total(x)
+
+
 def crashhang(x):
     if torch.isnan(x).any():
         ctypes.string_at(0)                  # a null pointer read: SIGSEGV
@@ -79,5 +94,7 @@ variant("searchsum", "searchsum.transbf16", transbf16,
         planted_bug="a transposed bf16 input is read as if row-major")
 variant("searchsum", "searchsum.fp16max", fp16max,
         planted_bug="fp16 rows with a magnitude above 1e4 are summed with an fp16 running total")
+variant("searchsum", "searchsum.deep", deep,
+        planted_bug="a transposed 16-bit input with an Inf in the tail (last dim > 16, not a multiple of 16)")
 variant("searchsum", "searchsum.crashhang", crashhang,
         planted_bug="segfaults on a NaN input; hangs on float16 inputs wider than 100 columns")

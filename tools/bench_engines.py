@@ -32,7 +32,7 @@ from kfuzz.engines.random import sample_case
 from kfuzz.execute import execute
 from kfuzz.target import get_target
 
-BUGS = ("searchsum.tailinf", "searchsum.transbf16", "searchsum.fp16max")
+BUGS = ("searchsum.tailinf", "searchsum.transbf16", "searchsum.fp16max", "searchsum.deep")
 CONFIGS = {
     "random": lambda t, s: RandomEngine(t, seed=s),
     "atheris": lambda t, s: AtherisEngine(t, seed=s),
