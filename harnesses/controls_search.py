@@ -1,6 +1,6 @@
 """Control targets for the search engines: bugs that appear only under a combination.
 
-``searchsum`` is a correct row sum (fp32 totals) in plain PyTorch, cheap on the CPU.
+``searchsum`` is a correct row sum (float64 totals) in plain PyTorch, cheap on the CPU.
 Each variant carries a bug behind two or three conditions that must hold at once,
 written as nested branches, the way such bugs sit in real kernels (a tail path, a
 dtype-specific fast path, a layout-specific load):
@@ -30,13 +30,15 @@ TAIL = 16
 
 
 def _total(x):
-    return x.float().sum(dim=-1).to(x.dtype)
+    # float64 totals: an fp32 total of values near fp32's maximum overflows where the answer
+    # is finite, and the base of the controls must pass every case
+    return x.double().sum(dim=-1).to(x.dtype)
 
 
 @target("searchsum", reference=lambda x: x.sum(dim=-1),
         args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N",))},
         dims={"N": Dim(1, 16), "D": Dim(1, 256)},
-        description="row sum of [N, D] with fp32 totals, PyTorch; the base of the search controls")
+        description="row sum of [N, D] with float64 totals, PyTorch; the base of the search controls")
 def searchsum(x):
     return _total(x)
 

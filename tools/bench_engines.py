@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from kfuzz.campaign import run_campaign
-from kfuzz.corpus import Corpus
+from kfuzz.corpus import Corpus, load
 from kfuzz.engines import AtherisEngine, RandomEngine
 from kfuzz.engines.random import sample_case
 from kfuzz.execute import execute
@@ -40,6 +40,7 @@ CONFIGS = {
     "atheris-hypothesis": lambda t, s: AtherisEngine(t, seed=s, mode="hypothesis"),
 }
 SECTION = "## Search engines"
+BASE = "searchsum"
 
 
 def detection(seeds: int, cap: int, configs: list[str], out: Path) -> dict:
@@ -56,9 +57,13 @@ def detection(seeds: int, cap: int, configs: list[str], out: Path) -> dict:
                     stats = run_campaign(target, CONFIGS[config](target, seed), Corpus(root), runs=cap,
                                          jobs=0, stop_on_failure=True)
                     wall = time.monotonic() - start
+                    # a detection counts only if the correct base kernel passes the same case
+                    base_fails = [str(p) for p in stats.saved
+                                  if not execute(load(p)[0].with_(target=BASE), get_target(BASE)).passed]
                 first = min(stats.first_seen.values()) if stats.first_seen else None
-                results[key] = {"first": first, "executions": stats.executions, "seconds": round(wall, 2),
-                                "signatures": [str(s) for s in stats.failures]}
+                results[key] = {"first": None if base_fails else first, "executions": stats.executions,
+                                "seconds": round(wall, 2), "signatures": [str(s) for s in stats.failures],
+                                "base_fails": base_fails}
                 print(key, results[key], file=sys.stderr, flush=True)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(results, indent=1))
