@@ -82,7 +82,9 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             stats.seconds = time.monotonic() - start
             open_ = ((seconds is None or stats.seconds < seconds) and (runs is None or submitted < runs)
                      and not (stop_on_failure and stats.failures))
-            while open_ and runner.idle > 0 and (runs is None or submitted < runs):
+            capacity = getattr(engine, "capacity", None)   # cases it can have out at once
+            while (open_ and runner.idle > 0 and (runs is None or submitted < runs)
+                   and (capacity is None or runner.busy < capacity)):
                 runner.submit(engine.next_case())
                 submitted += 1
             if runner.busy == 0:

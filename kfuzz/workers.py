@@ -180,7 +180,7 @@ def _signal_name(exitcode: int | None) -> str:
 
 
 class Worker:
-    """One spawned worker process and the case it is running."""
+    """One worker process and the cases queued on it (the head one is running)."""
 
     def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool):
         ctx = multiprocessing.get_context("forkserver")
@@ -191,8 +191,8 @@ class Worker:
                                    daemon=True, name=f"kfuzz-worker-{target_name}")
         self.process.start()
         child.close()
-        self.case: Case | None = None
-        self.started = 0.0
+        self.queue: list[Case] = []
+        self.started = 0.0            # when the head case began to run
         if not self.conn.poll(STARTUP_TIMEOUT):
             self.kill()
             raise RuntimeError(f"worker for {target_name!r} did not start within {STARTUP_TIMEOUT:.0f} s")
@@ -205,8 +205,15 @@ class Worker:
         assert kind == "ready"
 
     def submit(self, case: Case) -> None:
-        self.case, self.started = case, time.monotonic()
+        if not self.queue:
+            self.started = time.monotonic()
+        self.queue.append(case)
         self.conn.send(case.canonical())
+
+    def finish_head(self) -> Case:
+        case = self.queue.pop(0)
+        self.started = time.monotonic()
+        return case
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -224,14 +231,20 @@ class Worker:
 
 
 class WorkerPool:
-    """``jobs`` sandboxed workers for one target; results come back as each finishes."""
+    """``jobs`` sandboxed workers for one target; results come back as each finishes.
+
+    Each worker holds up to ``depth`` cases: the next one waits in its pipe while kfuzz's
+    process judges the last, so the two processes overlap. When a worker dies or hangs,
+    the case it was running gets the verdict and the ones queued behind it go to its
+    replacement."""
 
     def __init__(self, target: Target, jobs: int = 1, device: str = "cpu", timeout: float = 60.0,
-                 coverage: bool = False):
+                 coverage: bool = False, depth: int = 2):
         if jobs < 1:
             raise ValueError("a worker pool needs jobs >= 1")
         self.target, self.device, self.timeout, self.coverage = target, device, timeout, coverage
-        self.workers = [self._spawn() for _ in range(jobs)]
+        self.depth = depth
+        self.workers: list[Worker | None] = [self._spawn() for _ in range(jobs)]
         self.restarts = 0
 
     def _spawn(self) -> Worker:
@@ -240,58 +253,62 @@ class WorkerPool:
 
     @property
     def idle(self) -> int:
-        return sum(w is None or w.case is None for w in self.workers)
+        return sum(self.depth - (len(w.queue) if w is not None else 0) for w in self.workers)
 
     @property
     def busy(self) -> int:
-        return len(self.workers) - self.idle
+        return sum(len(w.queue) for w in self.workers if w is not None)
 
     def submit(self, case: Case) -> None:
-        i = next(i for i, w in enumerate(self.workers) if w is None or w.case is None)
+        i = min(range(len(self.workers)),
+                key=lambda i: len(self.workers[i].queue) if self.workers[i] is not None else 0)
         if self.workers[i] is None:   # replaced lazily, so a campaign's end waits for no restart
             self.workers[i] = self._spawn()
             self.restarts += 1
         self.workers[i].submit(case)
 
     def _replace(self, worker: Worker) -> None:
+        """Kill ``worker``; the cases queued behind its head go to a fresh one."""
         worker.kill()
-        self.workers[self.workers.index(worker)] = None
+        i = self.workers.index(worker)
+        self.workers[i] = None
+        for case in worker.queue:
+            self.submit(case)
+
+    def _failed(self, worker: Worker, kind: str, exc_type: str | None, detail: str) -> KernelResult:
+        seconds = time.monotonic() - worker.started
+        case = worker.queue.pop(0)
+        self._replace(worker)
+        return KernelResult(case, None, Verdict(self.target.name, kind, exc_type=exc_type, detail=detail),
+                            seconds=seconds)
 
     def results(self) -> Iterator[KernelResult]:
         """Wait for at least one busy worker to finish, die or time out; yield what ended."""
-        busy = [w for w in self.workers if w is not None and w.case is not None]
+        busy = [w for w in self.workers if w is not None and w.queue]
         if not busy:
             return
         now = time.monotonic()
         wait_for = max(0.0, min(w.started + self.timeout for w in busy) - now)
         ready = wait([w.conn for w in busy], timeout=wait_for)
-        now = time.monotonic()
         for w in busy:
-            case, seconds = w.case, now - w.started
             if w.conn in ready:
                 try:
                     _, wire, verdict_json, edges = w.conn.recv()
                 except (EOFError, OSError):
                     w.process.join(10)
                     sig = _signal_name(w.process.exitcode)
-                    w.case = None
-                    self._replace(w)
-                    yield KernelResult(case, None, Verdict(self.target.name, "crash", exc_type=sig,
-                                       detail=f"the worker died ({sig}) while running the kernel"),
-                                       seconds=seconds)
+                    yield self._failed(w, "crash", sig, f"the worker died ({sig}) while running the kernel")
                     continue
-                w.case = None
+                seconds = time.monotonic() - w.started
+                case = w.finish_head()
                 verdict = None if verdict_json is None else Verdict.from_json(self.target.name, verdict_json)
                 outputs = None if wire is None else {k: decode_payload(v, k) for k, v in wire.items()}
                 if verdict is not None and verdict.kind == "crash":
-                    self._replace(w)
+                    self._replace(w)   # the worker ends itself after a CUDA error or OOM
                 yield KernelResult(case, outputs, verdict, frozenset(edges), seconds)
-            elif now >= w.started + self.timeout:
-                w.case = None
-                self._replace(w)
-                yield KernelResult(case, None, Verdict(self.target.name, "timeout",
-                                   detail=f"no answer within {self.timeout:g} s; the worker was killed"),
-                                   seconds=seconds)
+            elif time.monotonic() >= w.started + self.timeout:
+                yield self._failed(w, "timeout", None,
+                                   f"no answer within {self.timeout:g} s; the worker was killed")
 
     def close(self) -> None:
         for w in self.workers:

@@ -408,6 +408,11 @@ class AtherisEngine:
             raise RuntimeError(f"atheris fuzzer process did not start; see {self.workdir}/fuzzer-{i}.log")
         return [p, conn, i]
 
+    @property
+    def capacity(self) -> int:
+        """Each fuzzer process waits for one case's features before it proposes the next."""
+        return max(1, len(self.fuzzers))
+
     def next_case(self) -> Case:
         if not self.fuzzers:
             self.start()
