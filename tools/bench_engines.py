@@ -91,6 +91,42 @@ def throughput(runs: int) -> dict:
     return out
 
 
+def decoding(n: int) -> dict:
+    """Cases per second that each design turns bytes into: the hand-written decoder (and the
+    structure-aware mutator's round trip) against hypothesis's ``fuzz_one_input``."""
+    from hypothesis import HealthCheck, given, settings
+
+    from kfuzz import strategies
+    from kfuzz.case import encode
+    from kfuzz.engines.atheris import decode_fdp, decode_input, mutate_case
+    out = {}
+    for name in ("searchsum", "matmul", "layernorm"):
+        target = get_target(name)
+        rng = random.Random(0)
+        blobs = [rng.randbytes(rng.randrange(8, 200)) for _ in range(n)]
+        start = time.perf_counter()
+        for b in blobs:
+            decode_fdp(b, target)
+        hand = n / (time.perf_counter() - start)
+        case, start = sample_case(target, rng), time.perf_counter()
+        for _ in range(n):
+            case = decode_input(encode(mutate_case(case, target, rng)), target)
+        mutator = n / (time.perf_counter() - start)
+        seen = []
+
+        @settings(database=None, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(strategies.cases(target))
+        def prop(case):
+            seen.append(case)
+        start = time.perf_counter()
+        for b in blobs:
+            prop.hypothesis.fuzz_one_input(b)
+        hyp = len(seen) / (time.perf_counter() - start)
+        out[name] = {"hand_decoder_per_s": round(hand), "mutate_roundtrip_per_s": round(mutator),
+                     "hypothesis_per_s": round(hyp), "hypothesis_valid_of": f"{len(seen)}/{n}"}
+    return out
+
+
 def _cell(firsts: list, cap: int) -> str:
     found = [f for f in firsts if f is not None]
     shown = " ".join(str(f) if f is not None else f">{cap}" for f in firsts)
@@ -136,16 +172,22 @@ def write_section(text: str, path: Path = Path("BENCHMARKS.md")) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("detection", "throughput", "table"))
+    ap.add_argument("what", choices=("detection", "throughput", "decoding", "table"))
     ap.add_argument("results", nargs="?", default="out/bench_engines.json")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--cap", type=int, default=2000)
     ap.add_argument("--runs", type=int, default=400)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--throughput-json", default="out/bench_throughput.json")
+    ap.add_argument("--decoding-json", default="out/bench_decoding.json")
     a = ap.parse_args()
     if a.what == "detection":
         detection(a.seeds, a.cap, a.configs.split(","), Path(a.results))
+    elif a.what == "decoding":
+        res = decoding(a.runs)
+        Path(a.decoding_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.decoding_json).write_text(json.dumps(res, indent=1))
+        print(json.dumps(res))
     elif a.what == "throughput":
         res = throughput(a.runs)
         Path(a.throughput_json).parent.mkdir(parents=True, exist_ok=True)
