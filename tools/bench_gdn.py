@@ -2,7 +2,15 @@
 chunk_gated_delta_rule on a GPU: time, floors, accuracy against the float64
 oracle, and the NaN/Inf contract on the device.
 
-    python tools/bench_gdn.py --out OUT.md [--no-fla] [--budget SECONDS]
+    python tools/bench_gdn.py --out OUT.md [--no-fla] [--budget SECONDS] [--stages fwd,bwd]
+
+The ``bwd`` stage times our backward (gdn.chunk_bwd) and forward+backward
+(gdn.op.gdn_attention through autograd) against fla's chunk_gated_delta_rule
+through autograd, with peak memory and gradient error against float64
+autograd through the oracle. fla 0.6.0 refuses its gated backward on Hopper
+with Triton < 3.7.1 (a guard in fla/ops/common/chunk_o.py, for fla issue #640:
+wrong db/dg); the stage lifts that guard at run time, in this process only, to
+time it, so fla's db/dg errors below are what that guard warns of.
 
 Writes a Markdown section (pasted into BENCHMARKS.md, "GDN forward") after
 every stage, so a run cut short still leaves what it measured.
@@ -10,6 +18,7 @@ every stage, so a run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -21,6 +30,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")   # fla's pure Triton path
 import gdn.chunk_fwd as fwd  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 
@@ -72,12 +82,84 @@ class Report:
         print(text, flush=True)
 
 
+GRADS = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def oracle_grads(q, k, v, g, beta, do):
+    xs = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta)]
+    o, _ = recurrence(*xs)
+    return torch.autograd.grad(o, xs, do.double())
+
+
+def peak_mb(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def backward_stage(rep, fla_module):
+    """Backward and forward+backward, ours against fla, B8 T4096 H16 K=V=128 bf16 (GDN)."""
+    from gdn.chunk_bwd import chunk_gdn_bwd
+    from gdn.op import gdn_attention
+    fla = None
+    if fla_module is not None:
+        import fla.ops.common.chunk_o as chunk_o
+        chunk_o.TRITON_ABOVE_3_7_1 = True   # lift fla's Hopper guard (#640) for timing; see docstring
+        fla = fla_module
+    B, T, H, K, V = 8, 4096, 16, 128, 128
+    q, k, v, g, beta = inputs(B, T, H, K, V, torch.bfloat16)
+    do = torch.randn(B, T, H, V, device="cuda").to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+
+    def ours_bwd():
+        return chunk_gdn_bwd(q, k, v, g, beta, do)
+
+    def ours_fwdbwd():
+        o, _ = gdn_attention(*leaves)
+        return torch.autograd.grad(o, leaves, do)
+
+    def fla_fwdbwd():
+        o, _ = fla(*leaves, scale=K ** -0.5)
+        return torch.autograd.grad(o, leaves, do)
+    rows = [("ours", ours_bwd, ours_fwdbwd)] + ([("fla", None, fla_fwdbwd)] if fla else [])
+    rep.add("### Backward (bf16, GDN, B8 T4096 H16 K=V=128; median of triton.testing.do_bench)\n\n"
+            "| impl | bwd ms | fwd+bwd ms | peak MB over inputs (fwd+bwd) |\n| --- | --- | --- | --- |")
+    for name, bwd, fwdbwd in rows:
+        try:
+            t_b = do_bench(bwd, warmup=50, rep=200, return_mode="median") if bwd else float("nan")
+            fwdbwd()
+            t_fb = do_bench(fwdbwd, warmup=50, rep=200, return_mode="median")
+            rep.add(f"| {name} | {t_b:.3f} | {t_fb:.3f} | {peak_mb(fwdbwd):.0f} |")
+        except Exception:  # noqa: BLE001
+            rep.add(f"| {name} | failed: {traceback.format_exc(limit=3)!r} |")
+    del q, k, v, g, beta, do, leaves
+    q, k, v, g, beta = inputs(1, 512, 16, 128, 128, torch.bfloat16, seed=5)
+    do = torch.randn(1, 512, 16, 128, device="cuda").to(torch.bfloat16)
+    want = oracle_grads(q, k, v, g, beta, do)
+    rep.add("\n### Gradient error: normwise rel. error vs float64 autograd through the oracle "
+            "(bf16, GDN, B1 T512 H16 K=V=128, same inputs)\n\n| impl | " + " | ".join(GRADS)
+            + " |\n| --- |" + " --- |" * len(GRADS))
+    got = {"ours": chunk_gdn_bwd(q, k, v, g, beta, do)}
+    if fla:
+        lv = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        o, _ = fla(*lv, scale=K ** -0.5)
+        got["fla"] = torch.autograd.grad(o, lv, do)
+    for name, grads in got.items():
+        rep.add(f"| {name} | " + " | ".join(f"{rel(a, w):.2e}" for a, w in zip(grads, want)) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_fwd.md")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
+    ap.add_argument("--stages", default="fwd,bwd", help="comma-separated: fwd, bwd")
     args = ap.parse_args()
+    stages = set(args.stages.split(","))
     t_start = time.time()
     rep = Report(args.out)
     fla = None
@@ -89,6 +171,11 @@ def main():
     dev = torch.cuda.get_device_name()
     rep.add(f"Device: {dev}; torch {torch.__version__}; triton {triton.__version__}; "
             f"python {platform.python_version()}; fla {'yes' if fla else 'no'}.\n")
+    if "bwd" in stages:
+        backward_stage(rep, fla)
+        rep.add("")
+    if "fwd" not in stages:
+        return
 
     # -- timing -------------------------------------------------------------------
     rep.add("### Time (bf16, GDN: scalar gate, delta rule; median of triton.testing.do_bench)\n\n"
