@@ -66,7 +66,10 @@ def transbf16(x):
 def fp16max(x):
     if x.dtype == torch.float16:
         if x.numel() and x.abs().amax() > 1e4:
-            return x.cumsum(dim=-1)[:, -1]   # the running total in fp16
+            acc = torch.zeros(x.shape[0], dtype=x.dtype)
+            for j in range(x.shape[1]):     # the running total in fp16, rounded at every step
+                acc = acc + x[:, j]
+            return acc
     return _total(x)
 
 

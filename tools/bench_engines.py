@@ -36,7 +36,7 @@ BUGS = ("searchsum.tailinf", "searchsum.transbf16", "searchsum.fp16max", "search
 CONFIGS = {
     "random": lambda t, s: RandomEngine(t, seed=s),
     "atheris": lambda t, s: AtherisEngine(t, seed=s),
-    "atheris-nodiv": lambda t, s: AtherisEngine(t, seed=s, divergence=False),
+    "atheris+div": lambda t, s: AtherisEngine(t, seed=s, divergence=True),
     "atheris-hypothesis": lambda t, s: AtherisEngine(t, seed=s, mode="hypothesis"),
 }
 SECTION = "## Search engines"
