@@ -94,3 +94,23 @@ def test_in_process_runner_matches_execute():
     verdict = judge(case, target, runner.take_inputs(case), result.outputs)
     assert verdict.signature == execute(case, target).signature and verdict.kind == "nonfinite"
     assert result.coverage   # the harness's own lines were traced
+
+
+def test_cli_run_reports_crash_and_timeout_and_writes_stats(tmp_path):
+    """The random engine's seed 2 proposes a hang (5th case) and two NaN inputs (10th, 11th)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kfuzz.cli import cli
+    from kfuzz.cli import run as _run  # noqa: F401  (registers the verb)
+    stats_json = tmp_path / "stats.json"
+    r = CliRunner().invoke(cli, ["run", "--target", CRASHHANG, "--runs", "12", "--seed", "2", "--jobs", "1",
+                                 "--timeout", "2", "--root", str(tmp_path), "--stats-json", str(stats_json)])
+    assert r.exit_code == 1, r.output
+    stats = json.loads(stats_json.read_text())
+    assert stats["executions"] == 12 and stats["jobs"] == 1 and stats["worker_restarts"] >= 2
+    assert {k: v["count"] for k, v in stats["failures"].items()} == {
+        "searchsum.crashhang/timeout": 1, "searchsum.crashhang/crash-SIGSEGV": 2}
+    assert stats["failures"]["searchsum.crashhang/timeout"]["first_execution"] < 12
+    assert len(stats["saved"]) == 2 and "crash-SIGSEGV" in r.output
