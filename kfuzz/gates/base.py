@@ -35,7 +35,7 @@ def gate_seed(seed: int, gate: str, i: int) -> int:
 
 def _fit(target: Target, name: str, n: int) -> int | None:
     d = target.dims[name]
-    n = max(d.lo, min(d.hi, n))
+    n = max(d.lo, min(d.search_hi, n))
     n -= n % d.multiple_of
     if n < d.lo:
         n += d.multiple_of
