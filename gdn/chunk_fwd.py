@@ -1,13 +1,15 @@
 """The GDN-family forward in Triton: `chunk_gdn_fwd`.
 
 Algorithm: the chunked form written out in `gdn.reference` (its docstring is
-the statement this file follows).  Two launches for the delta members, one
-without the delta term:
+the statement this file follows).  Up to three launches:
 
-  1. `_prep_kernel`, one program per (chunk, head), all in parallel: builds
+  0. `_gate_prefix_kernel` (gated members), one program per (chunk, head): the
+     chunk-local prefix sums of the gates, stored fp32, and one flag per
+     (chunk, head) that says whether the gates admit the matrix path.
+  1. `_prep_kernel` (delta members), one program per (chunk, head): builds
      A = tril(beta k k^T * decay), its inverse T = (I + A)^-1 from 16x16 blocks,
      w = T (beta Gamma k), u = T (beta v), and one flag per (chunk, head) that
-     says whether the chunk's k, v, beta and g admit the matrix path.
+     says whether the chunk's k, v, beta admit the matrix path.
   2. `_scan_kernel`, one program per (sequence, head, V tile), walks its
      sequence chunk by chunk with the state S [K, BV] in registers, fp32.
 
@@ -24,19 +26,21 @@ exact path).  Once a NaN enters S it never leaves (0 * NaN = NaN), so the rest
 of that sequence's V tile then runs exactly, which is slow: pathological inputs
 are slow, normal ones fast.
 
-Precision: states and accumulation in fp32.  bf16 inputs feed the tensor cores
-bf16 operands in the scan (w and u are stored in bf16) and tf32 in the prep;
-fp16 inputs use tf32 operands (an fp16 cast of S could overflow); fp32 inputs
-use three-pass tf32 ("tf32x3", about fp32 accuracy; "ieee" products compile for
-a minute and run slowly).  Under the Triton interpreter
-(TRITON_INTERPRET=1) every product is fp32, since its bf16 tl.dot is wrong, and
-no autotuning runs.
+Precision: states and accumulation in fp32.  LOWP (bf16 inputs of the linear
+members on GPUs; see LOWP_DELTA) feeds the scan's tensor cores operands in the
+input dtype (S and v_new cast to it, w and u stored in it); otherwise products
+take tf32 operands (fp16: an fp16 cast of S could overflow), and fp32 inputs
+three-pass tf32 ("tf32x3", about fp32 accuracy; "ieee" products compile for a
+minute and run slowly).  The prep's products are tf32.  Under the Triton
+interpreter (TRITON_INTERPRET=1) products are "ieee", no autotuning runs, and
+fp16 inputs take LOWP in place of bf16 (the interpreter's bf16 tl.dot is
+wrong, its fp16 one right), so the LOWP code is tested on CPUs.
 
-GPU status: on the H200 (Triton 3.6) the first version's matrix path faulted
-for gated members (tl.cumsum meeting dot layouts); prefix sums are now plain
-reductions/dots, not yet run on a GPU, so gated members take the exact path on
-GPUs unless GDN_FWD_GATED_FAST=1 (gdn/NOTES.md).  The interpreter and ungated
-members use the matrix path.
+GPU status (gdn/NOTES.md): on the H200 (Triton 3.6) gated members faulted
+(illegal address) while their prefix sums were computed next to the products;
+they are now loaded from launch 0, not yet run on a GPU, so gated members take
+the exact path on GPUs unless GDN_FWD_GATED_FAST=1.  `tools/check_gdn_gpu.py`
+is the check to run.
 
 Refuses: K or V over 256, mixed q/k/v dtypes, dtypes other than bf16/fp16/fp32.
 """
@@ -53,39 +57,86 @@ GATE_FLOOR = -110.0     # exp(-110) == 0 in fp32: a clamped gate forgets exactly
 VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gate factoring
 BIG = 65536.0            # input magnitude above which a chunk runs the exact path
 SBIG = 1e30              # state magnitude above which a chunk runs the exact path
-# Build switches (device bring-up): 2-D-only block inverse; float64 scalar-gate cumsum.
+# Build switch (device bring-up): 2-D-only block inverse.
 INV2D = os.environ.get("GDN_FWD_INV2D", "0") == "1"
-G64 = os.environ.get("GDN_FWD_G64", "1") == "1"
 SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact path only
 # The gated members' matrix path has not yet run on a GPU since the tl.cumsum
 # workaround (see _prefix_sum): until it has, a GPU runs them on the exact path
 # (correct, slow) unless GDN_FWD_GATED_FAST=1.  Ungated members ran on the H200.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST") == "1"
+# Input dtypes whose scan products take low-precision operands (LOWP: S, v_new,
+# w, u in the input dtype).  The interpreter's bf16 tl.dot is wrong but its fp16
+# one is right, so under the interpreter fp16 stands in for bf16 and the LOWP
+# code is tested on CPUs.  On GPUs fp16 keeps tf32 operands (an fp16 cast of S
+# could overflow).
+LOWP_DTYPES = (torch.float16,) if INTERPRET else (torch.bfloat16,)
+# On the H200 (Triton 3.6) bf16 delta members on LOWP gave o 1.39 wrong (relative)
+# while the same code is right for fp16 under the interpreter and the ungated
+# linear member is right on the GPU: a miscompile not yet pinned down.  Until
+# tools/check_gdn_gpu.py passes with it, delta members keep tf32 operands on
+# GPUs (the fp32 inputs' path, right on the H200) unless GDN_FWD_LOWP_DELTA=1.
+LOWP_DELTA = INTERPRET or os.environ.get("GDN_FWD_LOWP_DELTA") == "1"
 
 
 @triton.jit
 def _all_within(x, bound):
-    """True when every element is finite and |x| <= bound (NaN fails)."""
-    return tl.max(tl.where(tl.abs(x) <= bound, 0, 1)) == 0
+    """True when every element is finite and |x| <= bound (NaN fails).  In fp32:
+    bound = 65536 rounds to inf in fp16, and |inf| <= inf would pass."""
+    return tl.max(tl.where(tl.abs(x.to(tl.float32)) <= bound, 0, 1)) == 0
 
 
-# Prefix sums without tl.cumsum: on the H200 with Triton 3.6 a chunk whose
-# matrix path combined a tl.cumsum result with tl.dot results faulted (illegal
-# address, compute-sanitizer at the dot; cf. triton-lang/triton#7817, scan
-# lowering vs. dot layouts).  A masked row sum and a 0/1 lower-triangular
-# product compute the same sums with ordinary reductions and dots.
+# The chunk-local gate prefix sums are computed by their own kernel and stored,
+# and the matrix kernels only load them (as the fla library does).  Computed
+# inside the matrix kernels, the prefix sums met dot layouts: on the H200 with
+# Triton 3.6 v1 (tl.cumsum, cf. triton-lang/triton#7817) and v2 (a float64
+# masked sum, which the compiler converted into a slice of a dot-operand
+# layout, and a 0/1 triangular tl.dot) both faulted with an illegal address at
+# the matrix path's products.
 @triton.jit
-def _prefix_sum(x, BT: tl.constexpr):
-    """Inclusive prefix sum of a [BT] vector (in x's dtype, float64 allowed)."""
-    r = tl.arange(0, BT)
-    return tl.sum(tl.where(r[:, None] >= r[None, :], x[None, :], 0.0), axis=1)
+def _gate_prefix_kernel(g, gc, gflag, cb_ptr, ce_ptr, T, NT,
+                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                        GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                        FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr):
+    """Per (chunk, head): gc = inclusive prefix sums of the gates within the
+    chunk (scalar: clamped at FLOOR, summed in float64; vector: fp32), stored
+    fp32, and gflag = "the gates admit the matrix path" (all <= 0; vector: the
+    chunk's total decay at most DECAY_MAX per key)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    rr = tl.arange(0, BT)
+    rows = (bos + rr).to(tl.int64)
+    rmask = rows < eos
+    tri = rr[:, None] >= rr[None, :]
+    if GATE == 1:
+        gg = tl.load(g + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+        ok = tl.max(tl.where(gg <= 0, 0, 1)) == 0
+        x = tl.maximum(gg, FLOOR).to(tl.float64)
+        G = tl.sum(tl.where(tri, x[None, :], 0.0), axis=1)
+        tl.store(gc + rows * H + i_h, G.to(tl.float32), mask=rmask)
+    else:
+        dk = tl.arange(0, BK)
+        m2 = rmask[:, None] & (dk[None, :] < K)
+        gx = (rows[:, None] * H + i_h) * K + dk[None, :]
+        gv = tl.load(g + gx, mask=m2, other=0.0).to(tl.float32)
+        ok = (tl.max(tl.where(gv <= 0, 0, 1)) == 0) & (tl.min(tl.sum(gv, axis=0)) >= -DECAY_MAX)
+        G = tl.sum(tl.where(tri[:, :, None], gv[None, :, :], 0.0), axis=1)
+        tl.store(gc + gx, G, mask=m2)
+    tl.store(gflag + i_c * H + i_h, ok.to(tl.int32))
 
 
 @triton.jit
-def _prefix_sum_rows(x, BT: tl.constexpr):
-    """Inclusive prefix sum over the rows of a [BT, BK] fp32 tile."""
-    r = tl.arange(0, BT)
-    return tl.dot(tl.where(r[:, None] >= r[None, :], 1.0, 0.0), x, input_precision="ieee")
+def _load_gates(gc, rows, rmask, last, i_h, dk, m2, H: tl.constexpr, K: tl.constexpr,
+                GATE: tl.constexpr):
+    """A chunk's cumulative gates, the padding rows set to the last token's (so
+    no decay exponent within the chunk is positive: exp(0 - (-120)) is inf in
+    fp32, and inf * 0 = NaN would spread through the products)."""
+    if GATE == 1:
+        G = tl.load(gc + rows * H + i_h, mask=rmask, other=0.0)
+        G = tl.where(rmask, G, tl.sum(tl.where(last, G, 0.0), axis=0))
+    else:
+        G = tl.load(gc + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0)
+        G = tl.where(rmask[:, None], G, tl.sum(tl.where(last[:, None], G, 0.0), axis=0)[None, :])
+    return G
 
 
 @triton.jit
@@ -168,33 +219,28 @@ def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.cons
 
 
 @triton.jit
-def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
+def _prep_kernel(k, v, gc, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                  GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 BIG: tl.constexpr, FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr,
-                 INV2D: tl.constexpr, GDT: tl.constexpr):
+                 BIG: tl.constexpr, INV2D: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     rr = tl.arange(0, BT)
-    rows = bos + rr
+    rows = (bos + rr).to(tl.int64)
     rmask = rows < eos
     dk = tl.arange(0, BK)
     m2 = rmask[:, None] & (dk[None, :] < K)
     kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0).to(tl.float32)
     bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
     ok = _all_within(kt, BIG) & _all_within(bt, BIG)
+    if GATE != 0:
+        G = _load_gates(gc, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
     if GATE == 1:
-        gg = tl.load(g + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
-        ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0)
-        G = _prefix_sum(tl.maximum(gg, FLOOR).to(GDT), BT)
-        dec = tl.exp(tl.where(rr[:, None] > rr[None, :], G[:, None] - G[None, :], 0.0).to(tl.float32))
+        dec = tl.exp(tl.where(rr[:, None] > rr[None, :], G[:, None] - G[None, :], 0.0))
         A = tl.dot(kt, tl.trans(kt), input_precision=PREC) * dec
-        kg = kt * tl.exp(G.to(tl.float32))[:, None]
+        kg = kt * tl.exp(G)[:, None]
     elif GATE == 2:
-        gg = tl.load(g + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = _prefix_sum_rows(gg, BT)
-        ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0) & (tl.min(tl.sum(gg, axis=0)) >= -DECAY_MAX)
         kg = kt * tl.exp(G)
         A = tl.dot(kg, tl.trans(kt * tl.exp(-G)), input_precision=PREC)
     else:
@@ -218,24 +264,23 @@ def _prep_kernel(k, v, g, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
-def _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
-                GATE: tl.constexpr, DELTA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                FLOOR: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr):
-    """One chunk on the matrix path; stores its outputs, returns the new state."""
+def _fast_chunk(q, o, qt, kt, wt, vt, gs, gv, S, scale, vx, mv, causal, last,
+                GATE: tl.constexpr, DELTA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
+    """One chunk on the matrix path (gs, gv: the chunk's cumulative gates, `last`:
+    the row mask of its last token); stores its outputs, returns the new state."""
     qf = qt.to(tl.float32)
     kf = kt.to(tl.float32)
     if GATE == 1:
-        gc = tl.maximum(gg, FLOOR).to(GDT)
-        G = _prefix_sum(gc, BT)
-        Gl = tl.sum(gc, axis=0)
-        dec = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0).to(tl.float32))
+        G = gs
+        Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
+        dec = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0))
         Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC) * dec
-        qg = qf * tl.exp(G.to(tl.float32))[:, None]
-        kl = kf * tl.exp((Gl - G).to(tl.float32))[:, None]
-        decS = tl.exp(Gl.to(tl.float32))
+        qg = qf * tl.exp(G)[:, None]
+        kl = kf * tl.exp(Gl - G)[:, None]
+        decS = tl.exp(Gl)
     elif GATE == 2:
-        G = _prefix_sum_rows(gv, BT)
-        Gl = tl.sum(gv, axis=0)
+        G = gv
+        Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
         qg = qf * tl.exp(G)
         Aqk = tl.dot(_cast(qg, q, LOWP), tl.trans(_cast(kf * tl.exp(-G), q, LOWP)),
                      input_precision=PREC)
@@ -267,7 +312,7 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
     """One chunk token by token with the oracle's formulas (fp32); stores its
     outputs, returns the new state."""
     for t in range(0, tl.minimum(BT, eos - t0)):
-        tok = t0 + t
+        tok = (t0 + t).to(tl.int64)
         qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
         kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
         vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float32)
@@ -289,13 +334,13 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
 
 
 @triton.jit
-def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, NT, OCC,
+def _scan_kernel(q, k, v, g, gc, gflag, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, NT,
+                 OCC,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                  GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                  STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr,
                  PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                 FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr, GDT: tl.constexpr,
                  MODE: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
@@ -313,7 +358,7 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
     dv = i_v * BV + tl.arange(0, BV)
     vmask = dv < V
     smask = kmask[:, None] & vmask[None, :]
-    s_off = (i_nh * K + dk[:, None]) * V + dv[None, :]
+    s_off = (i_nh.to(tl.int64) * K + dk[:, None]) * V + dv[None, :]
     if HAS_H0:
         S = tl.load(h0 + s_off, mask=smask, other=0.0).to(tl.float32)
     else:
@@ -322,8 +367,9 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
     causal = rr[:, None] >= rr[None, :]
     for c in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + c * BT
-        rows = t0 + rr
+        rows = (t0 + rr).to(tl.int64)
         rmask = rows < eos
+        last = rows == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
         mk = rmask[:, None] & kmask[None, :]
         mv = rmask[:, None] & vmask[None, :]
         kx = (rows[:, None] * H + i_h) * K + dk[None, :]
@@ -331,7 +377,7 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
         qt = tl.load(q + kx, mask=mk, other=0.0)
         kt = tl.load(k + kx, mask=mk, other=0.0)
         ok = _all_within(qt, BIG) & _all_within(kt, BIG) & _all_within(S, SBIG)
-        gg = tl.zeros((BT,), dtype=tl.float32)
+        gs = tl.zeros((BT,), dtype=tl.float32)
         gv = tl.zeros((BT, BK), dtype=tl.float32)
         wt = qt
         if DELTA:
@@ -341,23 +387,22 @@ def _scan_kernel(q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, N
         else:
             vt = tl.load(v + vx, mask=mv, other=0.0)
             ok = ok & _all_within(vt, BIG)
+        if GATE != 0:
+            ok = ok & (tl.load(gflag + (c_first + c) * H + i_h) != 0)
         if GATE == 1:
-            gg = tl.load(g + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
-            ok = ok & (tl.max(tl.where(gg <= 0, 0, 1)) == 0)
+            gs = _load_gates(gc, rows, rmask, last, i_h, dk, mk, H, K, GATE)
         elif GATE == 2:
-            gv = tl.load(g + kx, mask=mk, other=0.0).to(tl.float32)
-            ok = ok & (tl.max(tl.where(gv <= 0, 0, 1)) == 0) & \
-                (tl.min(tl.sum(gv, axis=0)) >= -DECAY_MAX)
+            gv = _load_gates(gc, rows, rmask, last, i_h, dk, mk, H, K, GATE)
         if MODE == 1:
-            S = _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
-                            GATE, DELTA, LOWP, PREC, FLOOR, GDT, BT)
+            S = _fast_chunk(q, o, qt, kt, wt, vt, gs, gv, S, scale, vx, mv, causal, last,
+                            GATE, DELTA, LOWP, PREC)
         elif MODE == 2:
             S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask,
                              smask, H, K, V, BT, GATE, DELTA)
         else:
             if ok:
-                S = _fast_chunk(q, o, qt, kt, wt, vt, gg, gv, S, scale, vx, mv, causal,
-                                GATE, DELTA, LOWP, PREC, FLOOR, GDT, BT)
+                S = _fast_chunk(q, o, qt, kt, wt, vt, gs, gv, S, scale, vx, mv, causal, last,
+                                GATE, DELTA, LOWP, PREC)
             else:
                 S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv,
                                  vmask, smask, H, K, V, BT, GATE, DELTA)
@@ -445,20 +490,26 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         h0 = initial_state.contiguous()
     else:
         h0 = q.new_zeros(1, dtype=torch.float32)
-    lowp = (q.dtype == torch.bfloat16) and not INTERPRET
+    lowp = q.dtype in LOWP_DTYPES and (LOWP_DELTA or not delta)
     prec = "ieee" if INTERPRET else ("tf32x3" if q.dtype == torch.float32 else "tf32")
-    consts = dict(BIG=BIG, FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX,
-                  GDT=tl.float64 if G64 else tl.float32)
     mode = int(SCAN_MODE) if SCAN_MODE else (0 if gate == 0 or GATED_FAST else 2)
+    if gate and NC > 0 and mode != 2:
+        gc = torch.empty(g.shape, dtype=torch.float32, device=dev)
+        gflag = torch.empty(NC, H, dtype=i32, device=dev)
+        _gate_prefix_kernel[(NC, H)](g, gc, gflag, cb, ce, T, max(NT, 1), H=H, K=K, BK=BK, BT=BT,
+                                     GATE=gate, IS_VARLEN=cu_seqlens is not None,
+                                     FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX)
+    else:
+        gc = gflag = q.new_zeros(1, dtype=torch.float32)
     if delta and NC > 0 and mode != 2:
-        ws_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        ws_dtype = q.dtype if lowp else torch.float32
         w = torch.empty(B, T, H, K, dtype=ws_dtype, device=dev)
         u = torch.empty(B, T, H, V, dtype=ws_dtype, device=dev)
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         BVP = min(_pow2(V), 64)
-        _prep_kernel[(NC, H)](k, v, g, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
+        _prep_kernel[(NC, H)](k, v, gc, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
                               BK=BK, BV=BVP, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None,
-                              PREC=prec, INV2D=INV2D, num_warps=_prep_warps(BT, BK), **consts)
+                              PREC=prec, BIG=BIG, INV2D=INV2D, num_warps=_prep_warps(BT, BK))
     else:
         w = u = flag = q.new_zeros(1)
     o = torch.empty_like(v, dtype=q.dtype)
@@ -466,10 +517,10 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         q.new_zeros(1, dtype=torch.float32)
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
-    _scan[grid](q, k, v, g, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, max(NT, 1),
+    _scan[grid](q, k, v, g, gc, gflag, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, max(NT, 1),
                 triton.next_power_of_2(N * H),
                 H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta,
                 HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-                IS_VARLEN=cu_seqlens is not None, LOWP=lowp, PREC=prec, SBIG=SBIG, MODE=mode,
-                **consts)
+                IS_VARLEN=cu_seqlens is not None, LOWP=lowp, PREC=prec, BIG=BIG, SBIG=SBIG,
+                MODE=mode)
     return o, (hT if output_final_state else None)
