@@ -117,6 +117,13 @@ def trusted_outputs(target: Target, case: Case, inputs: Mapping[str, torch.Tenso
     return {k: v.to(torch_dtype(target.output_dtype(k, case.dtype))) for k, v in outs.items()}
 
 
+def is_device_error(e: BaseException) -> bool:
+    """A CUDA error (illegal address, launch failure, ...) raised by torch or by Triton's launcher."""
+    text = str(e)
+    return (type(e).__name__ == "AcceleratorError" or "CUDA error" in text
+            or "Triton Error [CUDA]" in text or "illegal memory access" in text)
+
+
 def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                 device: torch.device) -> tuple[dict[str, torch.Tensor] | None, Verdict | None]:
     """Call the kernel under the contract: its outputs, or the verdict that ends the case."""
@@ -133,6 +140,10 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                 return None, Verdict(target.name, "crash", detail=f"CUDA error after the call: {e}",
                                      exc_type=type(e).__name__)
     except Exception as e:
+        if device.type == "cuda" and is_device_error(e):
+            # the context is unusable after this: a crash, not an exception to carry on from
+            return None, Verdict(target.name, "crash", detail=f"CUDA error in the call: {e}"[:2000],
+                                 exc_type=type(e).__name__)
         return None, Verdict(target.name, "exception", detail=f"{type(e).__name__}: {e}"[:2000],
                              exc_type=type(e).__name__, frame=raising_frame(e))
     if _watched_snapshot() != before:
