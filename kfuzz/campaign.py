@@ -110,7 +110,10 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                     stats.first_seen.setdefault(verdict.signature, stats.executions)
                     path = None
                     if not corpus.has_signature(verdict.signature):   # minimize new failures only
-                        kept, kept_verdict, note = minimize_failure(case, target, verdict, device=device)
+                        # a timed campaign ends near its time: minimizing gets what is left (5 s at least)
+                        left = None if seconds is None else max(5.0, seconds - (time.monotonic() - start))
+                        kept, kept_verdict, note = minimize_failure(case, target, verdict, device=device,
+                                                                    max_seconds=left)
                         path = corpus.save_failure(kept, kept_verdict, device=device, **note)
                     if path is not None:
                         stats.saved.append(path)

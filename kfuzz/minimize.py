@@ -34,6 +34,8 @@ with the signature asked for on every run.
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -71,9 +73,9 @@ class SameFailure:
     """Does a candidate fail with ``signature`` on each of ``1 + reruns`` executions?"""
 
     def __init__(self, target: Target, signature: Signature, device: str = "cpu", reruns: int = 1,
-                 max_executions: int = DEFAULT_BUDGET):
+                 max_executions: int = DEFAULT_BUDGET, deadline: float | None = None):
         self.target, self.signature, self.device = target, signature, device
-        self.reruns, self.max_executions = reruns, max_executions
+        self.reruns, self.max_executions, self.deadline = reruns, max_executions, deadline
         self.executions = 0
         self.answers: dict[str, bool] = {}
         self.verdicts: dict[str, Verdict] = {}
@@ -90,7 +92,8 @@ class SameFailure:
         except KfuzzError:
             return False
         for _ in range(1 + self.reruns):
-            if self.executions >= self.max_executions:
+            if self.executions >= self.max_executions or (
+                    self.deadline is not None and time.monotonic() > self.deadline):
                 raise BudgetSpent
             self.executions += 1
             try:
@@ -352,7 +355,7 @@ class Minimized:
 
 def minimize(case: Case, target: Target | None = None, *, signature: Signature | None = None,
              device: str = "cpu", max_executions: int = DEFAULT_BUDGET, reruns: int = 1,
-             passes: tuple[ShrinkPass, ...] = PASSES,
+             max_seconds: float | None = None, passes: tuple[ShrinkPass, ...] = PASSES,
              on_step: Callable[[Step, Case], None] | None = None) -> Minimized:
     """Shrink ``case`` keeping its failure signature (by default the one its first run shows).
 
@@ -366,7 +369,8 @@ def minimize(case: Case, target: Target | None = None, *, signature: Signature |
         if first.passed:
             raise NotReproducible(f"case {case.hash} for {case.target!r} passes: there is no failure to keep")
         signature = first.signature
-    same = SameFailure(target, signature, device, reruns, max_executions)
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    same = SameFailure(target, signature, device, reruns, max_executions, deadline)
     same.executions = executions
     try:
         reproduced = same(case)
@@ -398,14 +402,16 @@ def minimize(case: Case, target: Target | None = None, *, signature: Signature |
 
 
 def minimize_failure(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
-                     max_executions: int = DEFAULT_BUDGET) -> tuple[Case, Verdict, dict]:
+                     max_executions: int = DEFAULT_BUDGET, max_seconds: float | None = None
+                     ) -> tuple[Case, Verdict, dict]:
     """What the corpus keeps of a new failure: the minimized case, its verdict and a note
     for the record; the case as found (and why) when it does not reproduce."""
     if verdict.kind in ("crash", "timeout"):
         # minimizing runs the kernel in this process, which a crash or hang would take down
         return case, verdict, {"minimize": {"error": f"a {verdict.kind} is kept as found, not minimized in process"}}
     try:
-        m = minimize(case, target, signature=verdict.signature, device=device, max_executions=max_executions)
+        m = minimize(case, target, signature=verdict.signature, device=device, max_executions=max_executions,
+                     max_seconds=max_seconds)
     except NotReproducible as e:
         return case, verdict, {"minimize": {"error": str(e)}}
     return m.case, m.verdict, {"minimize": m.to_json()}
