@@ -37,6 +37,14 @@ from kfuzz.target import Arg, Dim, Output, add_target, Target
 
 CONTIGUOUS_ONLY = ("contiguous",)
 
+# The chunked kernels and the trusted chunked reference are different algorithms, so the
+# honest kernel's error can be ~10-20x the trusted one's: in a sweep of 40 random plain cases
+# of gdn_bwd on the CPU the largest error/bound ratio at C = 8 was 1.22 (fp32, K = 1, dg), and
+# a random campaign minimized a case to 2.25 (fp32, K = 1, T = 48, dk). C = 8 * 4 = 32 passes
+# both (0.31, 0.56); an fp16 running total or a dropped term is off by orders more. Provisional
+# until tools/calibrate.py covers the GDN targets.
+BOUND_SCALE = 4.0
+
 MEMBERS = {  # suffix: (gate, delta)
     "": ("scalar", True), "_delta": (None, True), "_kda": ("vector", True),
     "_mamba2": ("scalar", False), "_gla": ("vector", False), "_linear": (None, False),
@@ -140,7 +148,7 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
     ):
         args = _args(gate, delta, varlen, backward)
         t = Target(name=name, kernel=kernel, reference=reference, trusted=trusted, args=args,
-                   outputs=outputs, dims=dict(dims), domain=domain,
+                   outputs=outputs, dims=dict(dims), domain=domain, bound_scale=BOUND_SCALE,
                    description=f"GDN family {'backward' if backward else 'forward'} ({member}), Triton",
                    )
         add_target(t)

@@ -199,12 +199,12 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     metrics: dict[str, float] = {}
     for name, out in outputs.items():
         dtype = target.output_dtype(name, case.dtype)
-        finding = compare(out, oracle[name], trusted[name], dtype, c)
+        finding = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale)
         if finding.kind is not None and flushed is not None:
             # flush-to-zero is a legitimate IEEE mode on GPUs: judge against it too
             oracle_ftz = oracle_outputs(target, flushed, oracle_device)
             trusted_ftz = trusted_outputs(target, case, flushed)
-            alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c)
+            alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale)
             finding = alt if alt.kind is None else finding
         metrics.update({f"{name}.{k}": v for k, v in finding.metrics})
         if finding.kind is not None:

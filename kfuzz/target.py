@@ -92,6 +92,7 @@ class Target:
     trusted: Callable | None = None     # same-precision implementation; default: reference in fp32
     constraint: Callable | None = None  # dims -> error message or None (cross-dim rules)
     planted_bug: str | None = None      # a positive control: the bug this kernel carries
+    bound_scale: float = 1.0            # calibrated multiplier on compare.BOUND_C for this target
     description: str = ""
     options: Mapping = field(default_factory=dict)   # free-form, for engines and gates
 

@@ -125,7 +125,7 @@ class Gradients(Gate):
                 continue
             tr = trusted[name]
             f = compare(got, want, tr if tr is not None else None,
-                        target.arg_dtype(name, case.dtype), c)
+                        target.arg_dtype(name, case.dtype), c * target.bound_scale)
             metrics.update({f"grad.{name}.{k}": v for k, v in f.metrics})
             if f.kind is not None:
                 return Verdict(target.name, f.kind, output=f"grad.{name}", detail=f.detail,

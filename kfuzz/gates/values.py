@@ -176,7 +176,7 @@ class Nonfinite(Gate):
             return verdict
         oracle = oracle_outputs(target, inputs)
         for name, out in outputs.items():
-            f = compare(out, oracle[name], None, target.output_dtype(name, case.dtype), c)
+            f = compare(out, oracle[name], None, target.output_dtype(name, case.dtype), c * target.bound_scale)
             if f.kind == "nonfinite":
                 return Verdict(target.name, "nonfinite", output=name, detail=f.detail, ratio=f.ratio)
         return Verdict(target.name, "pass")
