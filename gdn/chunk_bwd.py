@@ -641,6 +641,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     GATE = 0 if g is None else (1 if g.dim() == 3 else 2)
     dev = q.device
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
+    # the kernels index states densely: a permuted or strided state would be read (and dh0
+    # written) in the wrong order (found by kfuzz: gdn_bwd with a permuted h0)
+    initial_state = initial_state.contiguous() if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous() if delta else None
     N, NC, tab, coff = chunk_plan(cu_seqlens, B, T, C)
