@@ -66,3 +66,10 @@ def test_overflow_is_excused_only_where_the_trusted_implementation_overflows_too
     honest_overflow = torch.tensor([math.inf, 1.0])
     assert compare(k, o, honest_overflow, "float32").kind is None
     assert compare(k, o, torch.tensor([3.0e38, 1.0]), "float32").kind == "nonfinite"
+
+
+def test_an_intermediate_overflow_may_turn_inf_into_nan_only_where_the_trusted_one_does():
+    o = torch.tensor([math.inf, math.inf], dtype=torch.float64)
+    k = torch.tensor([math.nan, math.nan])
+    assert compare(k, o, torch.tensor([math.nan, math.inf]), "float32").kind == "nonfinite"
+    assert compare(k, o, torch.tensor([math.nan, math.nan]), "float32").kind is None
