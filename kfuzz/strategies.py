@@ -79,12 +79,8 @@ def cases(draw, target: Target) -> Case:
     dtype = draw(st.sampled_from(target.dtypes))
     args = {}
     for name, arg in target.args.items():
-        shape = target.shape_of(arg.shape, dims)
-        numel = 1
-        for n in shape:
-            numel *= n
-        args[name] = ArgCase(layout=draw(layouts(len(shape), arg.layouts)), dist=draw(dists()),
-                             inject=draw(injections(numel, target.arg_dtype(name, dtype))))
+        args[name] = ArgCase(layout=draw(layouts(len(arg.shape), arg.layouts)), dist=draw(dists()),
+                             inject=draw(injections(target.numel(name, dims), target.arg_dtype(name, dtype))))
     case = Case.make(target.name, dtype, draw(st.integers(0, 2**32 - 1)), dims, args)
     target.validate(case)
     return case

@@ -100,6 +100,13 @@ class Target:
     def shape_of(self, symbolic: Sequence[str | int], dims: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(size_of(d, dims) for d in symbolic)
 
+    def numel(self, name: str, dims: Mapping[str, int]) -> int:
+        """How many elements argument ``name`` has at ``dims``."""
+        size = 1
+        for n in self.shape_of(self.args[name].shape, dims):
+            size *= n
+        return size
+
     def arg_dtype(self, name: str, case_dtype: str) -> str:
         d = self.args[name].dtype
         return case_dtype if d == "case" else d
@@ -143,9 +150,7 @@ class Target:
             argcase.layout.check_rank(len(arg.shape), f"{where}, argument {name!r}")
             if argcase.layout.kind not in arg.layouts:
                 raise CaseError(f"{where}: argument {name!r} does not admit layout {argcase.layout.kind!r}")
-            numel = 1
-            for n in self.shape_of(arg.shape, dims):
-                numel *= n
+            numel = self.numel(name, dims)
             table = special_value_table(self.arg_dtype(name, case.dtype))
             for pos, value in argcase.inject:
                 if pos >= numel:

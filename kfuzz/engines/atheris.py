@@ -69,13 +69,6 @@ STARTUP_TIMEOUT = 600.0
 
 # decoding bytes into a case -------------------------------------------------------------------
 
-def _numel(target: Target, name: str, dims) -> int:
-    n = 1
-    for s in target.shape_of(target.args[name].shape, dims):
-        n *= s
-    return n
-
-
 def _hi(dim) -> int:
     return getattr(dim, "search_hi", dim.hi)
 
@@ -85,7 +78,7 @@ def _fix(case: Case, target: Target) -> Case:
     dims = case.dim
     args = {}
     for name, a in case.args:
-        n = _numel(target, name, dims)
+        n = target.numel(name, dims)
         inject = tuple(sorted({(p % n): v for p, v in a.inject}.items())) if n else ()
         args[name] = ArgCase(a.layout, a.dist, inject)
     case = case.with_(args=args)
@@ -118,7 +111,7 @@ def decode_fdp(data: bytes, target: Target) -> Case:
         layout = _layout_of(kind, rank, fdp)
         dist_kind = fdp.PickValueInList(["normal"] * 3 + list(DISTRIBUTIONS))
         dist = _dist_of(dist_kind, fdp.ConsumeIntInRange(0, 2))
-        numel = _numel(target, name, dims)
+        numel = target.numel(name, dims)
         names = [n for n, v in special_value_table(target.arg_dtype(name, dtype)).items() if v is not None]
         inject = {}
         for _ in range(fdp.ConsumeIntInRange(0, 3) if numel and names else 0):

@@ -80,12 +80,8 @@ def sample_case(target: Target, rng: random.Random) -> Case:
     dtype = rng.choice(target.dtypes)
     args = {}
     for name, arg in target.args.items():
-        shape = target.shape_of(arg.shape, dims)
-        numel = 1
-        for n in shape:
-            numel *= n
-        args[name] = ArgCase(layout=sample_layout(rng, len(shape), arg.layouts), dist=sample_dist(rng),
-                             inject=sample_injections(rng, numel, target.arg_dtype(name, dtype)))
+        args[name] = ArgCase(layout=sample_layout(rng, len(arg.shape), arg.layouts), dist=sample_dist(rng),
+                             inject=sample_injections(rng, target.numel(name, dims), target.arg_dtype(name, dtype)))
     case = Case.make(target.name, dtype, rng.getrandbits(32), dims, args)
     target.validate(case)
     return case

@@ -82,13 +82,6 @@ def float_args(target: Target, dtype: str) -> list[str]:
     return [n for n in target.args if is_float(target.arg_dtype(n, dtype))]
 
 
-def numel(target: Target, name: str, dims: dict[str, int]) -> int:
-    size = 1
-    for n in target.shape_of(target.args[name].shape, dims):
-        size *= n
-    return size
-
-
 def make_case(target: Target, dtype: str, seed: int, dims: dict[str, int],
               args: dict[str, ArgCase] | None = None) -> Case:
     case = Case.make(target.name, dtype, seed, dims, args or {})

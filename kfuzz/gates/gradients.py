@@ -17,9 +17,9 @@ import torch
 
 from kfuzz.compare import BOUND_C, compare
 from kfuzz.execute import _storage_bytes, as_outputs, call_kernel
-from kfuzz.gates.base import Gate, float_args, gate_seed, make_case, nominal_dims, numel
+from kfuzz.gates.base import Gate, float_args, gate_seed, make_case, nominal_dims
 from kfuzz.case import ArgCase
-from kfuzz.tensors import materialize, rng_for, torch_dtype
+from kfuzz.tensors import materialize, rng_for
 from kfuzz.verdict import Verdict
 
 
@@ -84,7 +84,7 @@ class Gradients(Gate):
                 i += 1
             first = differentiable(target, dtype)[0]
             yield make_case(target, dtype, gate_seed(seed, self.id, i), dims,
-                            {first: ArgCase(inject=((numel(target, first, dims) // 3, "nan"),))})
+                            {first: ArgCase(inject=((target.numel(first, dims) // 3, "nan"),))})
             i += 1
 
     def check(self, target, case, device="cpu", c=BOUND_C):

@@ -16,7 +16,7 @@ from kfuzz.compare import BOUND_C, compare
 from kfuzz.execute import (call_kernel, flush_subnormals, judge, kernel_stage, oracle_outputs,
                            trusted_outputs)
 from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims, make_case,
-                              nominal_dims, numel)
+                              nominal_dims)
 from kfuzz.tensors import lay_out, logical_values, special_value_table, torch_dtype
 from kfuzz.verdict import Verdict
 
@@ -164,7 +164,7 @@ class Nonfinite(Gate):
             for plan in plans:
                 args = {}
                 for name, values in plan.items():
-                    size = numel(target, name, dims)
+                    size = target.numel(name, dims)
                     step = max(1, size // (len(values) + 1))
                     args[name] = ArgCase(inject=tuple(((k + 1) * step % size, v) for k, v in enumerate(values)))
                 yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, args)
@@ -216,7 +216,7 @@ class Range(Gate):
             # one argument at a time and one huge value in it: two extremes whose huge products cancel
             # (max*b - max*c) overflow any honest fp32 total though the exact answer is finite
             edge = [s for s in ("max", "tiny", "subnormal") if table[s] is not None]
-            plans += [{n: ArgCase(inject=tuple((k * 7 % numel(target, n, dims), s) for k, s in enumerate(edge)))}
+            plans += [{n: ArgCase(inject=tuple((k * 7 % target.numel(n, dims), s) for k, s in enumerate(edge)))}
                       for n in names]
             for plan in plans:
                 yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, plan)
