@@ -116,3 +116,30 @@ def test_verify_cli_exit_codes_and_formats(tmp_path):
     for args in (["verify", "--target", "cumsum", "--gates", "G99"], ["verify", "--target", "nosuch"]):
         r = runner.invoke(cli, args)
         assert r.exit_code == 2 and "kfuzz: error:" in r.output
+
+
+def _refusing_target(name, kernel):
+    from kfuzz.target import Arg, Dim, Output, Target, add_target, load_targets
+    load_targets()
+    return add_target(Target(name=name, kernel=kernel, reference=lambda x: x.sum(dim=-1),
+                             args={"x": Arg(("N", "D"), layouts=("contiguous",))},
+                             outputs={"out": Output(("N",))}, dims={"N": Dim(1, 8), "D": Dim(1, 64)},
+                             dtypes=("float32",)))
+
+
+def _dense_only(x):
+    if not x.is_contiguous() or x.storage_offset() != 0:
+        raise ValueError("x must be a dense, contiguous tensor")
+    return x.sum(dim=-1)
+
+
+@pytest.mark.parametrize("kernel, status", [
+    (lambda x: x.sum(dim=-1), "fail"),   # accepts a layout its contract refuses, silently
+    (_dense_only, "pass"),               # refuses it with a clear error
+], ids=["silent", "raises"])
+def test_g04_demands_an_error_for_a_refused_layout(kernel, status):
+    t = _refusing_target(f"test_gates_g04_{status}", kernel)
+    r = run_gate(GATES["G04"], t, seed=0)
+    assert r.status == status, r.reason
+    if status == "fail":
+        assert r.first_failure[1].kind == "contract" and "refuses" in r.first_failure[1].detail
