@@ -93,13 +93,14 @@ def _all_within(x, bound):
 # layout, and a 0/1 triangular tl.dot) both faulted with an illegal address at
 # the matrix path's products.
 @triton.jit
-def _gate_prefix_kernel(g, gc, gflag, cb_ptr, ce_ptr, T, NT,
+def _gate_prefix_kernel(g, gc, gcl, gflag, cb_ptr, ce_ptr, T, NT,
                         H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                         GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
                         FLOOR: tl.constexpr, DECAY_MAX: tl.constexpr):
     """Per (chunk, head): gc = inclusive prefix sums of the gates within the
-    chunk (scalar: clamped at FLOOR, summed in float64; vector: fp32), stored
-    fp32, and gflag = "the gates admit the matrix path" (all <= 0; vector: the
+    chunk (scalar: clamped at FLOOR, summed in float64 and stored as two fp32
+    numbers, gc + gcl, so that differences G_i - G_j of large sums keep their
+    digits; vector: fp32, at most DECAY_MAX per chunk), and gflag = "the gates admit the matrix path" (all <= 0; vector: the
     chunk's total decay at most DECAY_MAX per key)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
@@ -112,7 +113,9 @@ def _gate_prefix_kernel(g, gc, gflag, cb_ptr, ce_ptr, T, NT,
         ok = tl.max(tl.where(gg <= 0, 0, 1)) == 0
         x = tl.maximum(gg, FLOOR).to(tl.float64)
         G = tl.sum(tl.where(tri, x[None, :], 0.0), axis=1)
-        tl.store(gc + rows * H + i_h, G.to(tl.float32), mask=rmask)
+        hi = G.to(tl.float32)
+        tl.store(gc + rows * H + i_h, hi, mask=rmask)
+        tl.store(gcl + rows * H + i_h, (G - hi.to(tl.float64)).to(tl.float32), mask=rmask)
     else:
         dk = tl.arange(0, BK)
         m2 = rmask[:, None] & (dk[None, :] < K)
@@ -125,18 +128,22 @@ def _gate_prefix_kernel(g, gc, gflag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
-def _load_gates(gc, rows, rmask, last, i_h, dk, m2, H: tl.constexpr, K: tl.constexpr,
+def _load_gates(gc, gcl, rows, rmask, last, i_h, dk, m2, H: tl.constexpr, K: tl.constexpr,
                 GATE: tl.constexpr):
     """A chunk's cumulative gates, the padding rows set to the last token's (so
     no decay exponent within the chunk is positive: exp(0 - (-120)) is inf in
-    fp32, and inf * 0 = NaN would spread through the products)."""
+    fp32, and inf * 0 = NaN would spread through the products).  A scalar
+    gate comes as (hi, lo); a vector gate as (G, G)."""
     if GATE == 1:
         G = tl.load(gc + rows * H + i_h, mask=rmask, other=0.0)
         G = tl.where(rmask, G, tl.sum(tl.where(last, G, 0.0), axis=0))
+        Gl = tl.load(gcl + rows * H + i_h, mask=rmask, other=0.0)
+        Gl = tl.where(rmask, Gl, tl.sum(tl.where(last, Gl, 0.0), axis=0))
+        return G, Gl
     else:
         G = tl.load(gc + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0)
         G = tl.where(rmask[:, None], G, tl.sum(tl.where(last[:, None], G, 0.0), axis=0)[None, :])
-    return G
+    return G, G
 
 
 @triton.jit
@@ -219,7 +226,7 @@ def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.cons
 
 
 @triton.jit
-def _prep_kernel(k, v, gc, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
+def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                  GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
@@ -235,9 +242,10 @@ def _prep_kernel(k, v, gc, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
     bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
     ok = _all_within(kt, BIG) & _all_within(bt, BIG)
     if GATE != 0:
-        G = _load_gates(gc, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
+        G, Glo = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
     if GATE == 1:
-        dec = tl.exp(tl.where(rr[:, None] > rr[None, :], G[:, None] - G[None, :], 0.0))
+        dG = (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :])
+        dec = tl.exp(tl.where(rr[:, None] > rr[None, :], dG, 0.0))
         A = tl.dot(kt, tl.trans(kt), input_precision=PREC) * dec
         kg = kt * tl.exp(G)[:, None]
     elif GATE == 2:
@@ -264,20 +272,21 @@ def _prep_kernel(k, v, gc, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
-def _fast_chunk(q, o, qt, kt, wt, vt, gs, gv, S, scale, vx, mv, causal, last,
+def _fast_chunk(q, o, qt, kt, wt, vt, gs, gsl, gv, S, scale, vx, mv, causal, last,
                 GATE: tl.constexpr, DELTA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
-    """One chunk on the matrix path (gs, gv: the chunk's cumulative gates, `last`:
+    """One chunk on the matrix path (gs + gsl, gv: the chunk's cumulative gates, `last`:
     the row mask of its last token); stores its outputs, returns the new state."""
     qf = qt.to(tl.float32)
     kf = kt.to(tl.float32)
     if GATE == 1:
         G = gs
         Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
-        dec = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0))
+        Gll = tl.sum(tl.where(last, gsl, 0.0), axis=0)
+        dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (gsl[:, None] - gsl[None, :]), 0.0))
         Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC) * dec
         qg = qf * tl.exp(G)[:, None]
-        kl = kf * tl.exp(Gl - G)[:, None]
-        decS = tl.exp(Gl)
+        kl = kf * tl.exp((Gl - G) + (Gll - gsl))[:, None]
+        decS = tl.exp(Gl + Gll)
     elif GATE == 2:
         G = gv
         Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
@@ -334,7 +343,7 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
 
 
 @triton.jit
-def _scan_kernel(q, k, v, g, gc, gflag, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, NT,
+def _scan_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, NT,
                  OCC,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -378,6 +387,7 @@ def _scan_kernel(q, k, v, g, gc, gflag, beta, w, u, flag, h0, o, hT, cu, choff, 
         kt = tl.load(k + kx, mask=mk, other=0.0)
         ok = _all_within(qt, BIG) & _all_within(kt, BIG) & _all_within(S, SBIG)
         gs = tl.zeros((BT,), dtype=tl.float32)
+        gsl = tl.zeros((BT,), dtype=tl.float32)
         gv = tl.zeros((BT, BK), dtype=tl.float32)
         wt = qt
         if DELTA:
@@ -390,18 +400,18 @@ def _scan_kernel(q, k, v, g, gc, gflag, beta, w, u, flag, h0, o, hT, cu, choff, 
         if GATE != 0:
             ok = ok & (tl.load(gflag + (c_first + c) * H + i_h) != 0)
         if GATE == 1:
-            gs = _load_gates(gc, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+            gs, gsl = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
         elif GATE == 2:
-            gv = _load_gates(gc, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+            gv, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
         if MODE == 1:
-            S = _fast_chunk(q, o, qt, kt, wt, vt, gs, gv, S, scale, vx, mv, causal, last,
+            S = _fast_chunk(q, o, qt, kt, wt, vt, gs, gsl, gv, S, scale, vx, mv, causal, last,
                             GATE, DELTA, LOWP, PREC)
         elif MODE == 2:
             S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask,
                              smask, H, K, V, BT, GATE, DELTA)
         else:
             if ok:
-                S = _fast_chunk(q, o, qt, kt, wt, vt, gs, gv, S, scale, vx, mv, causal, last,
+                S = _fast_chunk(q, o, qt, kt, wt, vt, gs, gsl, gv, S, scale, vx, mv, causal, last,
                                 GATE, DELTA, LOWP, PREC)
             else:
                 S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv,
@@ -495,19 +505,20 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     mode = int(SCAN_MODE) if SCAN_MODE else (0 if gate == 0 or GATED_FAST else 2)
     if gate and NC > 0 and mode != 2:
         gc = torch.empty(g.shape, dtype=torch.float32, device=dev)
+        gcl = torch.empty(g.shape if gate == 1 else (1,), dtype=torch.float32, device=dev)
         gflag = torch.empty(NC, H, dtype=i32, device=dev)
-        _gate_prefix_kernel[(NC, H)](g, gc, gflag, cb, ce, T, max(NT, 1), H=H, K=K, BK=BK, BT=BT,
+        _gate_prefix_kernel[(NC, H)](g, gc, gcl, gflag, cb, ce, T, max(NT, 1), H=H, K=K, BK=BK, BT=BT,
                                      GATE=gate, IS_VARLEN=cu_seqlens is not None,
                                      FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX)
     else:
-        gc = gflag = q.new_zeros(1, dtype=torch.float32)
+        gc = gcl = gflag = q.new_zeros(1, dtype=torch.float32)
     if delta and NC > 0 and mode != 2:
         ws_dtype = q.dtype if lowp else torch.float32
         w = torch.empty(B, T, H, K, dtype=ws_dtype, device=dev)
         u = torch.empty(B, T, H, V, dtype=ws_dtype, device=dev)
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         BVP = min(_pow2(V), 64)
-        _prep_kernel[(NC, H)](k, v, gc, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
+        _prep_kernel[(NC, H)](k, v, gc, gcl, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
                               BK=BK, BV=BVP, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None,
                               PREC=prec, BIG=BIG, INV2D=INV2D, num_warps=_prep_warps(BT, BK))
     else:
@@ -517,7 +528,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         q.new_zeros(1, dtype=torch.float32)
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
-    _scan[grid](q, k, v, g, gc, gflag, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, max(NT, 1),
+    _scan[grid](q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, max(NT, 1),
                 triton.next_power_of_2(N * H),
                 H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta,
                 HAS_H0=initial_state is not None, STORE_HT=output_final_state,
