@@ -28,6 +28,8 @@ The backward kernel is ``gdn.op.gdn_attention``'s Triton backward: cotangents
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -97,28 +99,26 @@ def cut_points(u: torch.Tensor, T: int) -> torch.Tensor:
     return torch.cat([u.new_zeros(1), inner, u.new_full((1,), float(T))])
 
 
-def _call(fn, x, gate, delta, **kw):
+def _call(fn, x, delta, **kw):
     return fn(x["q"], x["k"], x["v"], x.get("g"), x.get("beta"), initial_state=x["h0"],
               output_final_state=True, cu_seqlens=x.get("cu_seqlens"), delta=delta, **kw)
 
 
-def _grads(fn, x, gate, delta, wide=None):
+def _grads(fn, x, delta, wide=None):
     """Gradients of (o, final state) against (do, dht) by torch autograd through ``fn``."""
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if n in x]
     leaves = {n: (x[n].to(wide) if wide and x[n].is_floating_point() and x[n].element_size() < 4 else x[n])
               .detach().clone().requires_grad_(True) for n in names}
     with torch.enable_grad():
-        o, ht = _call(fn, {**x, **leaves}, gate, delta)
+        o, ht = _call(fn, {**x, **leaves}, delta)
         grads = torch.autograd.grad((o, ht), [leaves[n] for n in names],
                                     (x["do"].to(o.dtype), x["dht"].to(ht.dtype)), allow_unused=True)
     return tuple(torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, grads))
 
 
-def _same_precision(dtype):
-    """The chunked reference with matrix operands rounded to ``dtype`` (the kernel's)."""
-    def fn(*a, **kw):
-        return chunked(*a, operand_dtype=dtype, **kw)
-    return fn
+def _same_precision(x):
+    """The chunked reference with matrix operands rounded to the kernel's dtype."""
+    return functools.partial(chunked, operand_dtype=x["q"].dtype)
 
 
 def _register(suffix: str, gate, delta, varlen: bool) -> None:
@@ -133,17 +133,17 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
     member = f"gate={gate or 'none'}, delta={'on' if delta else 'off'}" + (", varlen" if varlen else "")
 
     def fwd_kernel(**x):
-        o, ht = _call(gdn_attention, x, gate, delta)
+        o, ht = _call(gdn_attention, x, delta)
         return o, ht
 
     def bwd_kernel(**x):
-        return _grads(gdn_attention, x, gate, delta)
+        return _grads(gdn_attention, x, delta)
 
     for name, kernel, reference, trusted, outputs, backward in (
-        (f"gdn_fwd{suffix}", fwd_kernel, lambda **x: _call(recurrence, x, gate, delta),
-         lambda **x: _call(chunked, x, gate, delta, operand_dtype=x["q"].dtype), fwd_outputs, False),
-        (f"gdn_bwd{suffix}", bwd_kernel, lambda **x: _grads(recurrence, x, gate, delta),
-         lambda **x: _grads(_same_precision(x["q"].dtype), x, gate, delta, wide=torch.float32),
+        (f"gdn_fwd{suffix}", fwd_kernel, lambda **x: _call(recurrence, x, delta),
+         lambda **x: _call(_same_precision(x), x, delta), fwd_outputs, False),
+        (f"gdn_bwd{suffix}", bwd_kernel, lambda **x: _grads(recurrence, x, delta),
+         lambda **x: _grads(_same_precision(x), x, delta, wide=torch.float32),
          bwd_outputs, True),
     ):
         args = _args(gate, delta, varlen, backward)
