@@ -228,8 +228,16 @@ def load_targets() -> dict[str, Target]:
     return dict(_REGISTRY)
 
 
+# targets built on demand from their name: prefix -> module whose ``resolve(name)`` builds one
+# (a sandboxed worker finds a KernelBench pair by its name, kb:<corpus file>:<row>)
+RESOLVERS = {"kb:": "kfuzz.kernelbench"}
+
+
 def get_target(name: str) -> Target:
     targets = load_targets()
     if name not in targets:
+        for prefix, module in RESOLVERS.items():
+            if name.startswith(prefix):
+                return add_target(importlib.import_module(module).resolve(name))
         raise TargetError(f"unknown target {name!r} (known: {', '.join(sorted(targets)) or 'none'})")
     return targets[name]

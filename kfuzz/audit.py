@@ -1,0 +1,366 @@
+"""The audit: accepted KernelBench kernels through the standard test and the gates, one record each.
+
+A corpus is a file or folder of KernelBench pairs (``read_corpus``):
+
+- a CUDA-L1 ``*.jsonl`` (one row a line: ``level_id``, ``task_id``, ``ref_code``,
+  ``custom_code``; a null ``custom_code`` was not accepted and is skipped);
+- a KernelBench leaderboard ``*.json`` (a list of ``level``, ``problem_id``,
+  ``code``, ``model``), joined on (level, problem) with the ``ref_code`` of the
+  CUDA-L1 ``*.jsonl`` files beside it;
+- a folder of controls: ``*.py`` solutions whose header names their reference
+  (``# reference: <file>``) and the planted bug (``# planted: <bug>`` or ``none``).
+
+Every kernel runs in its own sandboxed process (forked from a forkserver that
+never touches CUDA): the standard test, the weights contract, then each gate;
+the process streams each result as it ends, so a crash or hang (killed after
+``timeout`` seconds) costs only what was left, and becomes the verdict. CUDA
+extensions built by ``load_inline`` go to ``TORCH_EXTENSIONS_DIR`` =
+``<cache>/<hash of the solution's source>``, so a rerun never rebuilds one and
+kernels with the same extension name never collide; ``jobs`` processes build at
+once, each with ``MAX_JOBS`` ninja jobs.
+
+Results are appended to ``<out>/results.jsonl``, one line a kernel, written
+with one ``write`` on an ``O_APPEND`` descriptor; a rerun skips the keys
+already there (a torn last line is ignored and redone).
+
+Refuses (``KfuzzError``): unknown corpus formats, unreadable files, rows that are not
+JSON objects. Kernels that misbehave are never errors: they are records.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from kfuzz.errors import KfuzzError
+
+RESULTS = "results.jsonl"
+# error/bound beyond which no plausible tolerance explains a bound failure
+BROKEN_RATIO = 1e3
+# failure kinds that no threshold explains away, whatever gate met them
+TOLERANCE_FREE_KINDS = ("exception", "crash", "timeout", "contract", "nonfinite", "nondeterminism",
+                        "mutation", "stale")
+_GPU_ONLY = re.compile(r"load_inline|cpp_extension|\.cuda\(|device\s*=\s*['\"]cuda|torch\.cuda\.(Stream|Event|"
+                       r"CUDAGraph|graph|stream)|import triton|from triton")
+
+
+@dataclass(frozen=True)
+class CorpusEntry:
+    """One row of a corpus: the pair to audit, or why it is skipped."""
+
+    key: str                     # "<corpus file name>:<row>", unique across corpora
+    pair: object | None          # kfuzz.kernelbench.KernelBenchPair
+    skip: str | None = None
+    expect: str | None = None    # controls: the planted bug, "none" for a correct one
+
+    @property
+    def cpu_runnable(self) -> bool:
+        """A cheap static check: the solution neither compiles CUDA nor asks for the GPU."""
+        return self.pair is not None and not _GPU_ONLY.search(self.pair.custom_code)
+
+    @property
+    def compiles(self) -> bool:
+        return self.pair is not None and ("load_inline" in self.pair.custom_code
+                                          or "cpp_extension" in self.pair.custom_code)
+
+
+def _load_json_lines(path: Path) -> list[dict]:
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise KfuzzError(f"{path}: line {i + 1} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise KfuzzError(f"{path}: line {i + 1} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def _entry(key: str, ref: str | None, custom: str | None, skip_null: str, **meta) -> CorpusEntry:
+    from kfuzz.kernelbench import KernelBenchError, load_pair
+    if custom is None:
+        return CorpusEntry(key, None, skip_null)
+    if ref is None:
+        return CorpusEntry(key, None, "no reference code to join with")
+    expect = meta.pop("expect", None)
+    try:
+        return CorpusEntry(key, load_pair(ref, custom, key, source=meta.pop("source"), **meta), expect=expect)
+    except KernelBenchError as e:
+        return CorpusEntry(key, None, str(e), expect)
+
+
+def _cuda_l1(path: Path) -> list[CorpusEntry]:
+    gpu = path.stem.removeprefix("cuda-l1-")
+    return [_entry(f"{path.name}:{i}", r.get("ref_code"), r.get("custom_code"),
+                   "custom_code is null (not accepted)", level=r.get("level_id"), problem=r.get("task_id"),
+                   model=f"cuda-l1/{gpu}", source=f"{path}:{i}")
+            for i, r in enumerate(_load_json_lines(path))]
+
+
+def _references(folder: Path) -> dict[tuple[int, int], str]:
+    refs = {}
+    for f in sorted(folder.glob("*.jsonl")):
+        for r in _load_json_lines(f):
+            if r.get("ref_code") and "level_id" in r:
+                refs.setdefault((int(r["level_id"]), int(r["task_id"])), r["ref_code"])
+    return refs
+
+
+def _leaderboard(path: Path) -> list[CorpusEntry]:
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise KfuzzError(f"{path}: not JSON ({e.msg})") from None
+    if not isinstance(rows, list):
+        raise KfuzzError(f"{path}: a leaderboard is a JSON list of entries")
+    refs = _references(path.parent)
+    return [_entry(f"{path.name}:{i}", refs.get((int(r.get("level", -1)), int(r.get("problem_id", -1)))),
+                   r.get("code"), "code is null", level=r.get("level"), problem=r.get("problem_id"),
+                   model=str(r.get("model", "")), source=f"{path}:{i}")
+            for i, r in enumerate(rows)]
+
+
+def _header(text: str, field: str) -> str | None:
+    m = re.search(rf"^#\s*{field}:\s*(.+?)\s*$", text, re.M)
+    return m.group(1) if m else None
+
+
+def _controls(folder: Path) -> list[CorpusEntry]:
+    entries = []
+    for f in sorted(folder.glob("*.py")):
+        text = f.read_text()
+        ref_name = _header(text, "reference")
+        if ref_name is None:
+            continue                 # a reference file itself
+        ref = (folder / ref_name).read_text() if (folder / ref_name).is_file() else None
+        entries.append(_entry(f"{folder.name}:{f.stem}", ref, text, "", model="control",
+                              source=f"{folder}:{f.stem}", expect=_header(text, "planted") or "none"))
+    return entries
+
+
+def read_corpus(path: str | Path) -> list[CorpusEntry]:
+    """Every row of a corpus file or controls folder (see the module docstring)."""
+    p = Path(path)
+    if p.is_dir():
+        return _controls(p)
+    if not p.is_file():
+        raise KfuzzError(f"{p}: no such corpus file or folder")
+    if p.suffix == ".jsonl":
+        return _cuda_l1(p)
+    if p.suffix == ".json":
+        return _leaderboard(p)
+    raise KfuzzError(f"{p}: unknown corpus format (want a CUDA-L1 .jsonl, a leaderboard .json or a folder)")
+
+
+def read_row(path: str | Path, row: str | int) -> CorpusEntry:
+    """One row of a corpus by its index (a control by its file stem)."""
+    for e in read_corpus(path):
+        if e.key.rsplit(":", 1)[1] == str(row):
+            return e
+    raise KfuzzError(f"{path}: no row {row}")
+
+
+# one kernel, in its own process ------------------------------------------------------------------
+
+def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
+                 emit: Callable[[str, dict], None]) -> None:
+    """The standard test, the weights contract and each gate on one kernel, each result
+    handed to ``emit`` as it ends. Runs the untrusted solution: call it in a sandbox."""
+    from kfuzz.gates import GATES, run_gate
+    from kfuzz.kernelbench import Bench, as_target, load_weights, pair_module, standard_test, SEED, set_seed
+    pair = entry.pair
+    emit("standard", standard_test(pair, device=device).to_json())
+    start = time.monotonic()
+    try:
+        target = as_target(pair, device, weights="seed")
+    except Exception as e:
+        emit("adapter", {"error": f"{type(e).__name__}: {e}"[:1000]})
+        return
+    bench: Bench = target.options["bench"]
+    try:
+        model = bench.solution_model(dict(bench.contract.dims), "cpu" if device == "cpu" else device)
+        del model
+        status = bench.weights_status or ""
+        emit("weights", {"status": "fail" if status.startswith("seed only") else status, "detail": status,
+                         "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
+                         "seconds": round(time.monotonic() - start, 3)})
+    except Exception as e:
+        emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000]})
+    for gid in gates:
+        try:
+            r = run_gate(GATES[gid], target, seed=seed, out=None, device=device)
+            d = r.to_json()
+            d.pop("saved", None)
+            d["kind"] = r.first_failure[1].kind if r.first_failure else None
+            d["reason"] = d["reason"][:600]
+        except Exception as e:    # the gate itself could not run (the reference failed, say)
+            d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
+                 "where": traceback.format_exc(limit=-3)[-800:]}
+        emit("gate", d)
+
+
+def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
+           threads: int, max_jobs: int) -> None:
+    if cache and entry.pair is not None:
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
+    os.environ.setdefault("MAX_JOBS", str(max_jobs))
+    import torch
+    torch.set_num_threads(threads)
+    try:
+        audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)))
+    except BaseException as e:   # what audit_kernel did not catch still reaches the record
+        conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000]}))
+    conn.send(("done", {}))
+    conn.close()
+    os._exit(0)     # skip interpreter teardown: a broken extension may crash it
+
+
+def base_record(entry: CorpusEntry) -> dict:
+    p = entry.pair
+    rec = {"key": entry.key, "expect": entry.expect}
+    if p is not None:
+        rec.update(name=p.name, model=p.model, level=p.level, problem=p.problem, sha=p.sha,
+                   target=p.target_name, compiles=entry.compiles, cpu_runnable=entry.cpu_runnable)
+    if entry.skip:
+        rec["skip"] = entry.skip
+    return rec
+
+
+class _Running:
+    def __init__(self, ctx, entry, args):
+        self.entry, self.start = entry, time.monotonic()
+        self.record = {**base_record(entry), "gates": {}, "device": args[0]}
+        self.conn, child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_child, args=(child, entry, *args), daemon=True,
+                                name=f"kfuzz-audit-{entry.key}")
+        self.proc.start()
+        child.close()
+
+    def take(self, kind: str, d: dict) -> None:
+        if kind == "gate":
+            self.record["gates"][d["gate"]] = d
+        elif kind in ("standard", "weights", "adapter", "error"):
+            self.record[kind] = d
+
+    def end(self, how: str | None) -> dict:
+        if how is not None:
+            self.record["ended"] = how
+        self.record["seconds"] = round(time.monotonic() - self.start, 3)
+        return self.record
+
+
+def done_keys(out: str | Path) -> set[str]:
+    """Keys already recorded in ``out``'s results (a torn last line does not count)."""
+    path = Path(out) / RESULTS
+    keys = set()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                keys.add(json.loads(line)["key"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return keys
+
+
+def append_record(out: str | Path, record: dict) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+    fd = os.open(Path(out) / RESULTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str], jobs: int = 1,
+              device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
+              threads: int = 1, max_jobs: int = 2,
+              on_record: Callable[[dict], None] | None = None) -> Iterator[dict]:
+    """Audit ``entries`` not yet recorded in ``out``; yields each record once appended."""
+    done = done_keys(out)
+    todo = [e for e in entries if e.key not in done]
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["kfuzz.audit", "kfuzz.kernelbench", "kfuzz.gates"])
+    cache = str(Path(cache).resolve()) if cache else None
+    args = (device, gates, seed, cache, threads, max_jobs)
+    running: list[_Running] = []
+    queue = list(todo)
+    while queue or running:
+        while queue and len(running) < jobs:
+            entry = queue.pop(0)
+            if entry.pair is None:
+                record = base_record(entry)
+                append_record(out, record)
+                yield record
+                continue
+            running.append(_Running(ctx, entry, args))
+        if not running:
+            continue
+        deadline = min(r.start + timeout for r in running)
+        wait([r.conn for r in running] + [r.proc.sentinel for r in running],
+             timeout=max(0.0, deadline - time.monotonic()))
+        for r in list(running):
+            how = None
+            try:
+                while r.conn.poll():
+                    kind, d = r.conn.recv()
+                    if kind == "done":
+                        how = "done"
+                        break
+                    r.take(kind, d)
+            except (EOFError, OSError):
+                how = "crash"
+            if how is None and not r.proc.is_alive() and not r.conn.poll():
+                how = "crash"
+            if how is None and time.monotonic() >= r.start + timeout:
+                how = "timeout"
+            if how is None:
+                continue
+            if how != "done":
+                r.proc.kill()
+            r.proc.join(10)
+            if how == "crash":
+                how = f"crash (exit {r.proc.exitcode})"
+            record = r.end(None if how == "done" else how)
+            running.remove(r)
+            r.conn.close()
+            append_record(out, record)
+            yield record
+
+
+# judging a record -------------------------------------------------------------------------------
+
+def judge_record(record: dict) -> dict:
+    """A record's verdicts: ``violations`` (gate ids failed, ``W`` for the weights contract,
+    ``ended`` for a kernel killed by a crash or timeout), ``broken`` (a tolerance-free failure,
+    or an error over BROKEN_RATIO times the bound), ``standard`` (the standard test passed)."""
+    from kfuzz.gates import GATES
+    violations, broken = [], False
+    for gid, g in sorted(record.get("gates", {}).items()):
+        if g.get("status") != "fail":
+            continue
+        violations.append(gid)
+        ratio = g.get("worst_ratio", 0)
+        ratio = float("inf") if ratio == "inf" else float(ratio)
+        if GATES[gid].tolerance_free or g.get("kind") in TOLERANCE_FREE_KINDS or ratio >= BROKEN_RATIO:
+            broken = True
+    if record.get("weights", {}).get("status") in ("fail", "error"):
+        violations.append("W")
+    if record.get("ended"):
+        violations.append("ended")
+        broken = True
+    std = record.get("standard")
+    return {"violations": violations, "broken": broken, "violation": bool(violations),
+            "standard": None if std is None else bool(std.get("passed")),
+            "audited": "standard" in record and "adapter" not in record and "skip" not in record}
