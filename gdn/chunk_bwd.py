@@ -652,7 +652,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     F32, DT = _dot_mode(q.dtype)
     inter = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     BK = _pow2(K)
-    BV = min(64, _pow2(V))
+    # BV >= 32: on the H200 (Triton 3.6) BK = 256 with BV = 16 compiled _states' W @ h
+    # dot to out-of-range shared-memory addresses (compute-sanitizer; an illegal address
+    # or NaN gradients at K=184 V=1, K=256 V=16, found by kfuzz); a wider tile masks V.
+    BV = min(64, max(32, _pow2(V)))
     NV = triton.cdiv(V, BV)
     IS_VARLEN = cu_seqlens is not None
     if T == 0 or NC == 0:

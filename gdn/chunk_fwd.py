@@ -26,8 +26,7 @@ exact path).  Once a NaN enters S it never leaves (0 * NaN = NaN), so the rest
 of that sequence's V tile then runs exactly, which is slow: pathological inputs
 are slow, normal ones fast.
 
-Precision: states and accumulation in fp32.  LOWP (bf16 inputs of the linear
-members on GPUs; see LOWP_DELTA) feeds the scan's tensor cores operands in the
+Precision: states and accumulation in fp32.  LOWP (see LOWP_GPU) feeds the scan's tensor cores operands in the
 input dtype (S and v_new cast to it, w and u stored in it); otherwise products
 take tf32 operands (fp16: an fp16 cast of S could overflow), and fp32 inputs
 three-pass tf32 ("tf32x3", about fp32 accuracy; "ieee" products compile for a
@@ -38,8 +37,7 @@ wrong, its fp16 one right), so the LOWP code is tested on CPUs.
 
 GPU status (gdn/NOTES.md): on the H200 (Triton 3.6) gated members faulted
 (illegal address) while their prefix sums were computed next to the products;
-they are now loaded from launch 0, not yet run on a GPU, so gated members take
-the exact path on GPUs unless GDN_FWD_GATED_FAST=1.  `tools/check_gdn_gpu.py`
+they are loaded from launch 0 now, which runs right.  `tools/check_gdn_gpu.py`
 is the check to run.
 
 Refuses: K or V over 256, mixed q/k/v dtypes, dtypes other than bf16/fp16/fp32.
@@ -60,22 +58,19 @@ SBIG = 1e30              # state magnitude above which a chunk runs the exact pa
 # Build switch (device bring-up): 2-D-only block inverse.
 INV2D = os.environ.get("GDN_FWD_INV2D", "0") == "1"
 SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact path only
-# The gated members' matrix path has not yet run on a GPU since the tl.cumsum
-# workaround (see _prefix_sum): until it has, a GPU runs them on the exact path
-# (correct, slow) unless GDN_FWD_GATED_FAST=1.  Ungated members ran on the H200.
-GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST") == "1"
-# Input dtypes whose scan products take low-precision operands (LOWP: S, v_new,
-# w, u in the input dtype).  The interpreter's bf16 tl.dot is wrong but its fp16
-# one is right, so under the interpreter fp16 stands in for bf16 and the LOWP
-# code is tested on CPUs.  On GPUs fp16 keeps tf32 operands (an fp16 cast of S
-# could overflow).
-LOWP_DTYPES = (torch.float16,) if INTERPRET else (torch.bfloat16,)
-# On the H200 (Triton 3.6) bf16 delta members on LOWP gave o 1.39 wrong (relative)
-# while the same code is right for fp16 under the interpreter and the ungated
-# linear member is right on the GPU: a miscompile not yet pinned down.  Until
-# tools/check_gdn_gpu.py passes with it, delta members keep tf32 operands on
-# GPUs (the fp32 inputs' path, right on the H200) unless GDN_FWD_LOWP_DELTA=1.
-LOWP_DELTA = INTERPRET or os.environ.get("GDN_FWD_LOWP_DELTA") == "1"
+# The gated members' matrix path (prefix sums loaded from launch 0, see
+# _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
+# (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
+GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
+# LOWP: scan products on operands in the input dtype (S, v_new, w, u in it).
+# Under the interpreter fp16 takes it (its bf16 tl.dot is wrong, its fp16 one
+# right), so the LOWP code is tested on CPUs.  On the H200 (Triton 3.6) bf16 LOWP
+# gave wrong results for the scalar-gate linear member (o error 0.35-0.50) and for
+# DeltaNet (1.38) while the same code is right for fp16 under the interpreter: a
+# miscompile not pinned down.  So GPUs give bf16 tf32 operands, as fp16 and fp32
+# (right on the H200), unless GDN_FWD_LOWP=1 (the probe of tools/check_gdn_gpu.py).
+LOWP_GPU = os.environ.get("GDN_FWD_LOWP") == "1"
+LOWP_DTYPES = (torch.float16,) if INTERPRET else ((torch.bfloat16,) if LOWP_GPU else ())
 
 
 @triton.jit
@@ -500,7 +495,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         h0 = initial_state.contiguous()
     else:
         h0 = q.new_zeros(1, dtype=torch.float32)
-    lowp = q.dtype in LOWP_DTYPES and (LOWP_DELTA or not delta)
+    lowp = q.dtype in LOWP_DTYPES
     prec = "ieee" if INTERPRET else ("tf32x3" if q.dtype == torch.float32 else "tf32")
     mode = int(SCAN_MODE) if SCAN_MODE else (0 if gate == 0 or GATED_FAST else 2)
     if gate and NC > 0 and mode != 2:

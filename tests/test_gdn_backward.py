@@ -101,6 +101,18 @@ def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chu
     assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
 
 
+# Shapes that faulted on the H200 (illegal address in _states, BK = 256 with a 16-wide V tile)
+GPU_CASES = [(1, 64, 1, 184, 1, 1, True), (1, 64, 1, 256, 16, 1, True), (1, 64, 1, 184, 1, 0, True),
+             (2, 300, 3, 184, 1, 1, True), (1, 64, 1, 256, 8, 2, True)]
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="a GPU compile problem; the interpreter has no shared memory")
+@pytest.mark.parametrize("B,T,H,K,V,gate,delta", GPU_CASES)
+def test_wide_keys_narrow_values_on_gpu(B, T, H, K, V, gate, delta):
+    x = make_inputs(B, T, H, K, V, gate, delta, torch.bfloat16)
+    assert_close(kernel_grads(x, None, delta), oracle_grads(x, None, delta), TOL[torch.bfloat16])
+
+
 def test_without_initial_state_or_final_gradient():
     x = make_inputs(1, 37, 1, 16, 16, 1, True, torch.float32, h0=False)
     got = kernel_grads(x, None, True, 16)
