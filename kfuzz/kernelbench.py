@@ -21,9 +21,12 @@ that kfuzz's gates judge:
   time); each admits 1 up to its fixed value. A constant that sizes an input
   only through arithmetic stays fixed, and so do constants that size no input
   (they reach ``get_init_inputs`` only, and a kernel call cannot name them);
-- inputs come from kfuzz's cases (distributions, special values, layouts);
-  integer inputs (indices, class labels) are drawn by ``get_inputs`` itself at
-  the case's dims, so they stay in the reference's domain.
+- inputs come from kfuzz's cases (distributions, special values, layouts),
+  kept in the reference's domain where ``get_inputs`` shows one: positions
+  that are always zero stay zero (triangular matrices), symmetric inputs stay
+  symmetric, and integer inputs (indices, class labels) are drawn by
+  ``get_inputs`` itself at the case's dims. Value ranges are not kept: that
+  KernelBench draws ``torch.rand`` in [0, 1) is the weakness the gates probe.
 
 Generated code is untrusted: nothing here runs ``custom_code`` except the
 kernel half and ``standard_test``, which callers run in a sandboxed worker.
@@ -366,6 +369,52 @@ class Bench:
             self.models[key] = model.to(device)
         return self.models[key]
 
+    def structure(self, dims: dict) -> dict[str, tuple]:
+        """What the reference's float inputs promise at ``dims`` beyond their values, seen in
+        two draws of ``get_inputs``: positions always zero (a triangular matrix) and symmetry
+        in the last two dims. Cases keep both, so a kernel may rely on them."""
+        key = ("structure", tuple(sorted(dims.items())))
+        if key not in self.models:
+            ref = pair_module(self.pair, "ref")
+            draws = []
+            with sized(ref, dims):
+                for s in (1, 2):
+                    set_seed(s)
+                    draws.append(ref.get_inputs())
+            out = {}
+            for i, n in enumerate(self.contract.arg_names):
+                a, b = draws[0][i], draws[1][i]
+                if self.contract.arg_dtypes[i] != "case":
+                    continue
+                zero = (a == 0) & (b == 0)
+                sym = (a.dim() >= 2 and a.shape[-1] == a.shape[-2] and a.shape[-1] > 1
+                       and torch.equal(a, a.transpose(-1, -2)) and torch.equal(b, b.transpose(-1, -2)))
+                if zero.any() or sym:
+                    out[n] = (zero if zero.any() else None, sym)
+            self.models[key] = out
+        return self.models[key]
+
+    def domain(self, drawn: dict, dims: dict, int_args: list[str]) -> dict:
+        """kfuzz's draws kept in the reference's domain: its structure (``structure``), and
+        integer inputs (indices, labels) as ``get_inputs`` draws them, seeded by the case's draw."""
+        out = {}
+        for n, (zero, sym) in self.structure(dims).items():
+            x = drawn[n]
+            if sym:
+                x = (x + x.transpose(-1, -2)) / 2
+            if zero is not None:
+                x = x.masked_fill(zero, 0.0)
+            out[n] = x
+        if int_args:
+            names = self.contract.arg_names
+            seed = zlib.crc32(b"".join(drawn[n].numpy().tobytes()[:256] for n in names if n in drawn))
+            ref = pair_module(self.pair, "ref")
+            with sized(ref, dims):
+                set_seed(seed)
+                xs = ref.get_inputs()
+            out.update({n: xs[names.index(n)].double() for n in int_args})
+        return out
+
     def output_shapes(self, dims: dict) -> tuple[tuple, ...]:
         return tuple(s for s, _ in _output_specs(self, tuple(sorted(dims.items()))))
 
@@ -447,13 +496,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
     int_args = [n for n, dt in zip(names, contract.arg_dtypes) if dt != "case"]
 
     def domain(drawn, dims):
-        # integer inputs as get_inputs draws them at these dims, seeded by the case's own draw
-        seed = zlib.crc32(b"".join(drawn[n].numpy().tobytes()[:256] for n in names if n in drawn))
-        ref = pair_module(pair, "ref")
-        with sized(ref, dims):
-            set_seed(seed)
-            xs = ref.get_inputs()
-        return {n: xs[names.index(n)].double() for n in int_args}
+        return bench.domain(drawn, dims, int_args)
 
     def constraint(dims):
         try:
@@ -470,7 +513,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
                                                                dtype="case" if dt == "float32" else dt)
                  for i, dt in enumerate(out_dtypes)},
         dims={d: Dim(1, v) for d, v in contract.dims.items()}, dtypes=("float32",),
-        domain=domain if int_args else None, constraint=constraint,
+        domain=domain, constraint=constraint,
         description=f"KernelBench level {pair.level} problem {pair.problem} ({pair.model})",
         options={"bench": bench, "device": device, "fixed": contract.fixed})
 

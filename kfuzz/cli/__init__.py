@@ -32,5 +32,5 @@ def cli():
 
 
 def main():
-    from kfuzz.cli import import_, minimize, replay, run, show, targets, verify  # noqa: F401  (registers the verbs)
+    from kfuzz.cli import audit, import_, minimize, replay, run, show, targets, verify  # noqa: F401  (registers the verbs)
     cli(prog_name="kfuzz")
