@@ -23,6 +23,7 @@ from typing import Callable
 from kfuzz.corpus import Corpus
 from kfuzz.execute import judge
 from kfuzz.minimize import minimize_failure
+from kfuzz.sandbox import Policy
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
@@ -43,6 +44,7 @@ class CampaignStats:
     coverage: int = 0              # distinct harness edges seen
     new_coverage: int = 0          # executions that found an edge not seen before
     worker_restarts: int = 0
+    sandbox: dict = field(default_factory=dict)   # what confined the workers, layer by layer
 
     @property
     def execs_per_second(self) -> float:
@@ -54,6 +56,7 @@ class CampaignStats:
                 "execs_per_second": round(self.execs_per_second, 2),
                 "corpus_size": self.corpus_size, "coverage_edges": self.coverage,
                 "new_coverage_executions": self.new_coverage, "worker_restarts": self.worker_restarts,
+                "sandbox": self.sandbox,
                 "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
                              for k, v in self.failures.items()},
                 "saved": [str(p) for p in self.saved]}
@@ -61,9 +64,11 @@ class CampaignStats:
 
 def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | None = None,
                  runs: int | None = None, device: str = "cpu", jobs: int = 1, timeout: float = 60.0,
-                 stop_on_failure: bool = False, on_progress: Callable[[CampaignStats, Verdict], None] | None = None) -> CampaignStats:
+                 stop_on_failure: bool = False, on_progress: Callable[[CampaignStats, Verdict], None] | None = None,
+                 policy: Policy | None = None) -> CampaignStats:
     """Execute cases from ``engine`` until ``seconds`` pass or ``runs`` cases ran (or, with
-    ``stop_on_failure``, the first failure)."""
+    ``stop_on_failure``, the first failure). ``policy`` confines the workers (``kfuzz.sandbox``;
+    by default the device's)."""
     if seconds is None and runs is None:
         raise ValueError("give seconds or runs")
     if jobs < 0:
@@ -72,7 +77,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     stats = CampaignStats(target.name, engine.name, jobs)
     start = time.monotonic()
     runner = (InProcess(target, device, wants_coverage) if jobs == 0 else
-              WorkerPool(target, jobs, device, timeout, wants_coverage))
+              WorkerPool(target, jobs, device, timeout, wants_coverage, policy=policy))
+    stats.sandbox = runner.confinement
     if hasattr(engine, "start"):
         engine.start(corpus, parallel=max(1, jobs))
     seen_edges: set[int] = set()
@@ -93,7 +99,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 case = result.case
                 verdict = result.verdict
                 if verdict is None:
-                    inputs = getattr(runner, "take_inputs", lambda c: None)(case) or materialize(case, target, "cpu")
+                    inputs = result.inputs if result.inputs is not None else materialize(case, target, "cpu")
                     verdict = judge(case, target, inputs, result.outputs)
                 stats.executions += 1
                 new_edges = result.coverage - seen_edges

@@ -160,13 +160,16 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
     return outputs, None
 
 
-def kernel_stage(case: Case, target: Target, device: str = "cpu"
+def kernel_stage(case: Case, target: Target, device: str = "cpu",
+                 inputs: Mapping[str, torch.Tensor] | None = None
                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, Verdict | None]:
     """The kernel's half of an execution (what a sandboxed worker runs): materialize,
     call under the contract, check the inputs' storage. Returns (inputs, outputs, verdict):
-    outputs to judge, or the verdict that already ends the case."""
+    outputs to judge, or the verdict that already ends the case. ``inputs``: the case's
+    arguments when the caller has materialized them already (a worker receives them from
+    kfuzz's process, so it never needs the case's seed)."""
     dev = torch.device(device)
-    inputs = materialize(case, target, dev)
+    inputs = materialize(case, target, dev) if inputs is None else dict(inputs)
     snapshot = {k: _storage_bytes(v) for k, v in inputs.items()}
     outputs, verdict = call_kernel(target, case, inputs, dev)
     if verdict is not None:

@@ -5,21 +5,29 @@ itself spawned (exec'd), that imports torch and the target's module once and
 never touches CUDA; each worker is forked from it, so none inherits a CUDA
 context (a fork of a process that has touched CUDA cannot use it), and a
 restart after a crash costs a fork, not a torch import (4 s on a loaded CPU).
-It loads its target itself, then answers one case at a time: it
-materializes the inputs, calls the kernel under the call contract
-(``execute.kernel_stage``) and sends back the outputs as plain bytes, or the
-verdict that already ends the case (exception, contract, mutation). The
+It loads its target itself, confines itself (``kfuzz.sandbox``: resource limits,
+a private directory, no network, no new processes, no writes outside), then
+answers one case at a time.
+
+kfuzz's process materializes each case's inputs once: it sends their storage
+bytes to the worker and keeps them for the judge. The worker sees the case's
+target, dtype and dims, never its seed. It calls the kernel under the call
+contract (``execute.kernel_stage``) and sends back the outputs as raw bytes, or
+the verdict that already ends the case (exception, contract, mutation). The
 oracle and the trusted implementation run in kfuzz's own process
-(``execute.judge``), so their outputs never enter the kernel's process.
+(``execute.judge``), so their outputs never enter the kernel's process. Each
+worker holds up to two cases, so kfuzz judges one while the kernel runs the next.
 
 What kills or stalls a worker becomes a verdict and the campaign goes on with
 a fresh worker:
 
 - the worker dies (segfault, abort, ``os._exit``, the OOM killer): ``crash``,
-  its ``exc_type`` the signal name (``SIGSEGV``) or ``exit-N``;
+  its ``exc_type`` the signal name (``SIGSEGV``), ``exit-N``, or the limit it
+  hit (``resource-cpu``, ``resource-filesize``);
 - no answer within ``timeout`` seconds: the worker is killed, ``timeout``;
-- a CUDA error or out-of-memory inside the call: ``crash``, and the worker is
-  replaced, since its CUDA context may be unusable.
+- an escape the sandbox stopped, an allocation past the memory limit, a CUDA
+  error or out-of-memory inside the call: ``crash`` with its ``exc_type``
+  (``sandbox-write``, ``resource-memory``, ...), and the worker is replaced.
 
 ``InProcess`` runs the same kernel half in kfuzz's own process, without any of
 this protection; it is for trusted kernels and measurements.
@@ -36,24 +44,27 @@ import inspect
 import json
 import multiprocessing
 import os
-import signal
+import pickle
+import shutil
+import struct
 import sys
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
+from kfuzz import sandbox
 from kfuzz.case import Case
 from kfuzz.execute import kernel_stage
 from kfuzz.target import Target, get_target, prepare_triton
-from kfuzz.tensors import decode_payload, encode_payload
+from kfuzz.tensors import materialize, torch_dtype
 from kfuzz.verdict import Verdict
 
 STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded machine is slow
-_MEMORY_ERRORS = ("OutOfMemoryError", "MemoryError")
 
 
 @dataclass
@@ -65,6 +76,7 @@ class KernelResult:
     verdict: Verdict | None
     coverage: frozenset[int] = frozenset()
     seconds: float = 0.0
+    inputs: dict[str, torch.Tensor] | None = None   # kfuzz's own copy, for the judge
 
 
 # harness coverage -------------------------------------------------------------------------
@@ -111,24 +123,79 @@ class HarnessCoverage:
         return line
 
 
-def _memory_crash(verdict: Verdict | None) -> Verdict | None:
-    if verdict is not None and verdict.kind == "exception" and verdict.exc_type in _MEMORY_ERRORS:
-        return Verdict(verdict.target, "crash", detail=f"out of memory: {verdict.detail}"[:2000],
-                       exc_type="OutOfMemory")
+def resource_crash(verdict: Verdict | None) -> Verdict | None:
+    """An exception that says a resource ran out (memory, open files) is a ``crash`` named
+    after the resource, not the kernel's exception."""
+    if verdict is not None and verdict.kind == "exception":
+        kind = sandbox.resource_kind(verdict.exc_type, verdict.detail)
+        if kind is not None:
+            return Verdict(verdict.target, "crash", detail=verdict.detail, exc_type=kind)
     return verdict
 
 
-def run_kernel(case: Case, target: Target, device: str = "cpu",
-               coverage: HarnessCoverage | None = None) -> tuple[dict, dict | None, Verdict | None, frozenset]:
+def run_kernel(case: Case, target: Target, device: str = "cpu", coverage: HarnessCoverage | None = None,
+               inputs: Mapping[str, torch.Tensor] | None = None
+               ) -> tuple[dict, dict | None, Verdict | None, frozenset]:
     """One kernel half: (inputs, outputs, verdict, coverage); see ``execute.kernel_stage``."""
     if coverage is None:
-        inputs, outputs, verdict = kernel_stage(case, target, device)
+        inputs, outputs, verdict = kernel_stage(case, target, device, inputs)
         edges = frozenset()
     else:
         with coverage:
-            inputs, outputs, verdict = kernel_stage(case, target, device)
+            inputs, outputs, verdict = kernel_stage(case, target, device, inputs)
         edges = frozenset(coverage.edges)
-    return inputs, outputs, _memory_crash(verdict), edges
+    return inputs, outputs, resource_crash(verdict), edges
+
+
+# the wire: a pickled header, then the tensors' raw bytes ------------------------------------
+
+def pack(header: tuple, tensors: list[torch.Tensor]) -> bytearray:
+    """One message: ``header`` and each tensor's bytes (its whole storage for a view, so
+    the receiver rebuilds the same layout, fillers and guard bytes included)."""
+    raws = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).cpu() for t in tensors]
+    head = pickle.dumps((header, [r.numel() for r in raws]), protocol=pickle.HIGHEST_PROTOCOL)
+    msg = bytearray(4 + len(head) + sum(r.numel() for r in raws))
+    msg[:4] = struct.pack("<I", len(head))
+    msg[4:4 + len(head)] = head
+    at = 4 + len(head)
+    for r in raws:
+        if r.numel():
+            msg[at:at + r.numel()] = r.numpy().data
+        at += r.numel()
+    return msg
+
+
+def unpack(msg: bytes | bytearray) -> tuple[tuple, list[torch.Tensor]]:
+    """The header and each tensor's storage (uint8, owning its memory) of a ``pack`` message."""
+    (n,) = struct.unpack_from("<I", msg)
+    header, sizes = pickle.loads(memoryview(msg)[4:4 + n])
+    buf, at, out = bytearray(msg) if isinstance(msg, bytes) else msg, 4 + n, []
+    for size in sizes:
+        out.append(torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=at) if size
+                   else torch.empty(0, dtype=torch.uint8))
+        at += size
+    return header, out
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def _rebuild(storage: torch.Tensor, geometry: tuple, device: str | torch.device = "cpu") -> torch.Tensor:
+    dtype, shape, stride, offset = geometry
+    flat = storage.view(torch_dtype(dtype)) if storage.numel() else torch.empty(0, dtype=torch_dtype(dtype))
+    if str(device) != "cpu":
+        flat = flat.to(device)
+    return flat.as_strided(shape, stride, offset)
+
+
+def _contiguous(outputs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each output dense and alone in its storage (a view of a larger buffer is copied)."""
+    out = []
+    for t in outputs.values():
+        t = t.detach().contiguous()
+        out.append(t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone())
+    return out
 
 
 # the worker process ------------------------------------------------------------------------
@@ -149,81 +216,96 @@ def _load_target(name: str, module: str | None) -> Target:
 
 
 def _worker_main(conn: Connection, target_name: str, module: str | None, device: str,
-                 with_coverage: bool) -> None:
+                 with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None) -> None:
     target = _load_target(target_name, module)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
-    conn.send(("ready", os.getpid()))
+    # confined after the target's import (the harness is trusted), before any kernel call
+    confinement = sandbox.confine(policy, workdir) if policy is not None else {}
+    cpu_seconds = policy.cpu_seconds if policy is not None else None
+    conn.send_bytes(pack(("ready", os.getpid(), confinement), []))
     while True:
         try:
-            msg = conn.recv()
+            msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        if msg is None:
+        (kind, case_json, geometry), storages = unpack(msg)
+        if kind == "stop":
             return
-        case = Case.from_json(json.loads(msg))
-        _, outputs, verdict, edges = run_kernel(case, target, device, coverage)
-        wire = None if outputs is None else {k: encode_payload(v) for k, v in outputs.items()}
-        conn.send(("done", wire, None if verdict is None else verdict.to_json(), sorted(edges)))
-        if verdict is not None and verdict.kind == "crash":
-            return   # a CUDA error or OOM may leave the context unusable: start afresh
-
-
-def _signal_name(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "unknown"
-    if exitcode < 0:
+        case = Case.from_json(json.loads(case_json))
+        inputs = {name: _rebuild(st, geo, device) for (name, geo), st in zip(geometry, storages)}
+        sandbox.start_case(cpu_seconds)
         try:
-            return signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal-{-exitcode}"
-    return f"exit-{exitcode}"
+            _, outputs, verdict, edges = run_kernel(case, target, device, coverage, inputs)
+        except sandbox.SandboxViolation:
+            outputs, verdict, edges = None, None, frozenset()
+        escape = sandbox.violation()    # recorded even when the kernel caught it
+        if escape is not None:
+            outputs, verdict = None, Verdict(target.name, "crash", exc_type=escape[0], detail=escape[1])
+        sent = [] if outputs is None else _contiguous(outputs)
+        conn.send_bytes(pack(("done", None if outputs is None else [(k, _geometry(t)) for k, t in zip(outputs, sent)],
+                              None if verdict is None else verdict.to_json(), sorted(edges)), sent))
+        if verdict is not None and verdict.kind == "crash":
+            return   # an escape, a CUDA error or OOM may leave the process unusable: start afresh
+
+
+def _worker_case(case: Case) -> str:
+    """What a worker is told of a case: enough for the contract (target, dtype, dims), not
+    the seed that would let a kernel predict its inputs."""
+    return Case.make(case.target, case.dtype, 0, case.dim).canonical()
 
 
 class Worker:
-    """One worker process and the cases queued on it (the head one is running)."""
+    """One worker process, its private directory, and the cases queued on it (the head one
+    is running) with the inputs kfuzz materialized for each."""
 
-    def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool):
+    def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool,
+                 policy: sandbox.Policy | None = None):
         ctx = multiprocessing.get_context("forkserver")
         # takes effect when the server first starts; it must stay free of CUDA
         ctx.set_forkserver_preload(["kfuzz.workers"] + ([module] if module else []))
+        self.workdir = tempfile.mkdtemp(prefix="kfuzz-worker-")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, target_name, module, device, with_coverage),
+        self.process = ctx.Process(target=_worker_main,
+                                   args=(child, target_name, module, device, with_coverage, policy, self.workdir),
                                    daemon=True, name=f"kfuzz-worker-{target_name}")
         self.process.start()
         child.close()
-        self.queue: list[Case] = []
+        self.queue: list[tuple[Case, dict]] = []
         self.started = 0.0            # when the head case began to run
         if not self.conn.poll(STARTUP_TIMEOUT):
             self.kill()
             raise RuntimeError(f"worker for {target_name!r} did not start within {STARTUP_TIMEOUT:.0f} s")
         try:
-            kind, _ = self.conn.recv()
+            (kind, _, self.confinement), _ = unpack(self.conn.recv_bytes())
         except EOFError:
             self.process.join(5)
+            self.kill()
             raise RuntimeError(f"worker for {target_name!r} died while starting "
-                               f"({_signal_name(self.process.exitcode)})") from None
+                               f"({sandbox.death_name(self.process.exitcode)})") from None
         assert kind == "ready"
 
-    def submit(self, case: Case) -> None:
+    def submit(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
         if not self.queue:
             self.started = time.monotonic()
-        self.queue.append(case)
-        self.conn.send(case.canonical())
+        self.queue.append((case, inputs))
+        self.conn.send_bytes(pack(("case", _worker_case(case), [(k, _geometry(t)) for k, t in inputs.items()]),
+                                  list(inputs.values())))
 
-    def finish_head(self) -> Case:
-        case = self.queue.pop(0)
+    def finish_head(self) -> tuple[Case, dict]:
+        head = self.queue.pop(0)
         self.started = time.monotonic()
-        return case
+        return head
 
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(10)
         self.conn.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def stop(self) -> None:
         try:
-            self.conn.send(None)
+            self.conn.send_bytes(pack(("stop", None, None), []))
         except (OSError, BrokenPipeError):
             pass
         self.process.join(5)
@@ -236,20 +318,26 @@ class WorkerPool:
     Each worker holds up to ``depth`` cases: the next one waits in its pipe while kfuzz's
     process judges the last, so the two processes overlap. When a worker dies or hangs,
     the case it was running gets the verdict and the ones queued behind it go to its
-    replacement."""
+    replacement. ``policy`` confines the workers (``kfuzz.sandbox``; by default
+    ``Policy.for_device(device)``, its CPU time per case the timeout times the CPU count)."""
 
     def __init__(self, target: Target, jobs: int = 1, device: str = "cpu", timeout: float = 60.0,
-                 coverage: bool = False, depth: int = 2):
+                 coverage: bool = False, depth: int = 2, policy: sandbox.Policy | None = None):
         if jobs < 1:
             raise ValueError("a worker pool needs jobs >= 1")
         self.target, self.device, self.timeout, self.coverage = target, device, timeout, coverage
         self.depth = depth
+        policy = policy or sandbox.Policy.for_device(device)
+        if policy.cpu_seconds is None:
+            policy = sandbox.Policy(**{**policy.__dict__, "cpu_seconds": int(timeout * (os.cpu_count() or 1)) + 1})
+        self.policy = policy
         self.workers: list[Worker | None] = [self._spawn() for _ in range(jobs)]
+        self.confinement = self.workers[0].confinement
         self.restarts = 0
 
     def _spawn(self) -> Worker:
         return Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device,
-                      self.coverage)
+                      self.coverage, self.policy)
 
     @property
     def idle(self) -> int:
@@ -259,53 +347,64 @@ class WorkerPool:
     def busy(self) -> int:
         return sum(len(w.queue) for w in self.workers if w is not None)
 
-    def submit(self, case: Case) -> None:
+    def submit(self, case: Case, inputs: dict[str, torch.Tensor] | None = None) -> None:
+        """Queue ``case``; its inputs are materialized here (on the CPU) unless given."""
+        if inputs is None:
+            inputs = materialize(case, self.target, "cpu")
         i = min(range(len(self.workers)),
                 key=lambda i: len(self.workers[i].queue) if self.workers[i] is not None else 0)
         if self.workers[i] is None:   # replaced lazily, so a campaign's end waits for no restart
             self.workers[i] = self._spawn()
             self.restarts += 1
-        self.workers[i].submit(case)
+        self.workers[i].submit(case, inputs)
 
     def _replace(self, worker: Worker) -> None:
         """Kill ``worker``; the cases queued behind its head go to a fresh one."""
         worker.kill()
         i = self.workers.index(worker)
         self.workers[i] = None
-        for case in worker.queue:
-            self.submit(case)
+        for case, inputs in worker.queue:
+            self.submit(case, inputs)
 
     def _failed(self, worker: Worker, kind: str, exc_type: str | None, detail: str) -> KernelResult:
         seconds = time.monotonic() - worker.started
-        case = worker.queue.pop(0)
+        case, inputs = worker.queue.pop(0)
         self._replace(worker)
         return KernelResult(case, None, Verdict(self.target.name, kind, exc_type=exc_type, detail=detail),
-                            seconds=seconds)
+                            seconds=seconds, inputs=inputs)
+
+    def _died(self, worker: Worker) -> KernelResult:
+        worker.process.join(10)
+        name = sandbox.death_name(worker.process.exitcode)
+        why = {sandbox.CPU: f" past its CPU-time limit of {self.policy.cpu_seconds} s a case",
+               sandbox.FILE_SIZE: " writing a file past its size limit"}.get(name, "")
+        return self._failed(worker, "crash", name, f"the worker died ({name}){why} while running the kernel")
 
     def results(self) -> Iterator[KernelResult]:
         """Wait for at least one busy worker to finish, die or time out; yield what ended."""
         busy = [w for w in self.workers if w is not None and w.queue]
         if not busy:
             return
-        now = time.monotonic()
-        wait_for = max(0.0, min(w.started + self.timeout for w in busy) - now)
-        ready = wait([w.conn for w in busy], timeout=wait_for)
+        wait_for = max(0.0, min(w.started + self.timeout for w in busy) - time.monotonic())
+        if len(busy) == 1:    # one pipe: poll it directly, cheaper than a selector
+            ready = [busy[0].conn] if busy[0].conn.poll(wait_for) else []
+        else:
+            ready = wait([w.conn for w in busy], timeout=wait_for)
         for w in busy:
             if w.conn in ready:
                 try:
-                    _, wire, verdict_json, edges = w.conn.recv()
+                    (_, geometry, verdict_json, edges), storages = unpack(w.conn.recv_bytes())
                 except (EOFError, OSError):
-                    w.process.join(10)
-                    sig = _signal_name(w.process.exitcode)
-                    yield self._failed(w, "crash", sig, f"the worker died ({sig}) while running the kernel")
+                    yield self._died(w)
                     continue
                 seconds = time.monotonic() - w.started
-                case = w.finish_head()
+                case, inputs = w.finish_head()
                 verdict = None if verdict_json is None else Verdict.from_json(self.target.name, verdict_json)
-                outputs = None if wire is None else {k: decode_payload(v, k) for k, v in wire.items()}
+                outputs = None if geometry is None else {
+                    name: _rebuild(st, geo) for (name, geo), st in zip(geometry, storages)}
                 if verdict is not None and verdict.kind == "crash":
-                    self._replace(w)   # the worker ends itself after a CUDA error or OOM
-                yield KernelResult(case, outputs, verdict, frozenset(edges), seconds)
+                    self._replace(w)   # the worker ends itself after a crash verdict
+                yield KernelResult(case, outputs, verdict, frozenset(edges), seconds, inputs)
             elif time.monotonic() >= w.started + self.timeout:
                 yield self._failed(w, "timeout", None,
                                    f"no answer within {self.timeout:g} s; the worker was killed")
@@ -325,7 +424,7 @@ class InProcess:
         self.coverage = HarnessCoverage(harness_files(target)) if coverage else None
         self.pending: list[Case] = []
         self.restarts = 0
-        self.inputs: dict[Case, dict] = {}
+        self.confinement: dict[str, str] = {}
 
     idle = property(lambda self: 1 - len(self.pending))
     busy = property(lambda self: len(self.pending))
@@ -340,11 +439,9 @@ class InProcess:
             inputs, outputs, verdict, edges = run_kernel(case, self.target, self.device, self.coverage)
             if outputs is not None:
                 outputs = {k: v.cpu() for k, v in outputs.items()}
-                self.inputs[case] = inputs   # the judge reuses them instead of materializing again
-            yield KernelResult(case, outputs, verdict, edges, time.perf_counter() - start)
-
-    def take_inputs(self, case: Case) -> dict | None:
-        return self.inputs.pop(case, None)
+            # the judge reuses the inputs instead of materializing them again
+            yield KernelResult(case, outputs, verdict, edges, time.perf_counter() - start,
+                               inputs if outputs is not None else None)
 
     def close(self) -> None:
         self.pending.clear()

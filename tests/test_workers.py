@@ -91,7 +91,7 @@ def test_in_process_runner_matches_execute():
     runner = InProcess(target, coverage=True)
     runner.submit(case)
     (result,) = list(runner.results())
-    verdict = judge(case, target, runner.take_inputs(case), result.outputs)
+    verdict = judge(case, target, result.inputs, result.outputs)
     assert verdict.signature == execute(case, target).signature and verdict.kind == "nonfinite"
     assert result.coverage   # the harness's own lines were traced
 

@@ -11,6 +11,7 @@ from kfuzz.campaign import CampaignStats, run_campaign
 from kfuzz.cli import cli, handles_bad_input
 from kfuzz.corpus import Corpus
 from kfuzz.engines import ENGINES
+from kfuzz.sandbox import Policy, parse_size
 from kfuzz.target import get_target
 
 
@@ -36,15 +37,27 @@ def _render(stats: CampaignStats, limit: str) -> Table:
               help="Sandboxed worker processes (0: run the kernel in kfuzz's own process, unprotected).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds one kernel call may take before it is a `timeout` failure (workers only).")
+@click.option("--memory-limit", default=None,
+              help="Address space a worker may use (4G, 512M, none); default 4G on CPU, none on CUDA.")
+@click.option("--cpu-limit", type=click.IntRange(min=1), default=None,
+              help="CPU seconds a kernel call may use (default: the timeout times the CPU count).")
 @click.option("--seed", type=int, default=0, show_default=True, help="The engine's seed.")
 @click.option("--root", type=click.Path(file_okay=False), default=".", show_default=True,
               help="Project root holding seeds/ and crashes/.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), default=None, help="Write the final summary here.")
 @handles_bad_input
-def run_cmd(target_name, seconds, runs, device, engine, jobs, timeout, seed, root, stats_json):
+def run_cmd(target_name, seconds, runs, device, engine, jobs, timeout, memory_limit, cpu_limit, seed, root,
+            stats_json):
     """Fuzz a target. Exit 1 if a failure was found, 0 if none."""
     if seconds is None and runs is None:
         seconds = 30.0
+    limits = {} if cpu_limit is None else {"cpu_seconds": cpu_limit}
+    if memory_limit is not None:
+        try:
+            limits["memory"] = parse_size(memory_limit)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--memory-limit") from None
+    policy = Policy.for_device(device, **limits)
     target = get_target(target_name)
     eng = ENGINES[engine](target, seed=seed)
     console = Console(stderr=True)
@@ -59,7 +72,7 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, timeout, seed, roo
     with Live(_render(CampaignStats(target.name, engine, jobs), limit), console=console,
               refresh_per_second=4, transient=False) as live:
         stats = run_campaign(target, eng, Corpus(root), seconds=seconds, runs=runs, device=device,
-                             jobs=jobs, timeout=timeout, on_progress=on_progress)
+                             jobs=jobs, timeout=timeout, on_progress=on_progress, policy=policy)
         live.update(_render(stats, limit))
     for sig, n in stats.failures.items():
         click.echo(f"failure  {sig}  x{n}")
