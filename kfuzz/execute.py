@@ -5,10 +5,18 @@ oracle or the trusted implementation can be lying in memory for it to return.
 The call contract, checked on every call:
 
 - outputs are plain dense ``torch.Tensor`` objects (no subclass, no sparse or
-  lazy tensor) of the declared shape, dtype and device;
-- all work is finished at return (the device is synchronized; an error that
-  surfaces there is a ``crash``);
-- no torch function was replaced during the call;
+  lazy tensor, no view whose elements overlap, as an expanded constant's do)
+  of the declared shape, dtype and device;
+- all work is finished at return: no Python thread that the call started is
+  still running, and on CUDA the outputs copied on the current stream right
+  at return equal the outputs after the device is synchronized (work left on
+  a side stream shows as a difference; an error that surfaces there is a
+  ``crash``);
+- nothing in the namespaces a comparison relies on was replaced: the
+  attributes of torch, torch.nn.functional, torch.testing, torch.Tensor,
+  numpy, numpy.testing, builtins, math and kfuzz's own modules keep their
+  identities, and their Python functions keep their code. A replacement is
+  undone before the verdict, so it does not outlive the call;
 - inputs, including the storage around strided and offset views, are bitwise
   unchanged (``mutation``).
 
@@ -17,10 +25,17 @@ process down. Sandboxed workers are the engines' concern.
 """
 from __future__ import annotations
 
+import builtins
+import math
 import os
+import sys
+import threading
 import traceback
+import types
 import warnings
 from typing import Any, Mapping
+
+import numpy as np
 
 import torch
 
@@ -30,14 +45,115 @@ from kfuzz.target import Target, get_target
 from kfuzz.tensors import materialize, torch_dtype
 from kfuzz.verdict import Verdict
 
-# functions a kernel could replace to fool a comparison made in its process
-_WATCHED = [(torch, "allclose"), (torch, "equal"), (torch, "isclose"), (torch, "isnan"),
-            (torch.Tensor, "__eq__"), (torch.Tensor, "clone"), (torch.Tensor, "to"),
-            (torch.cuda, "synchronize"), (torch.testing, "assert_close")]
+_MISSING = object()
 
 
-def _watched_snapshot() -> list:
-    return [getattr(owner, name, None) for owner, name in _WATCHED]
+def _watched_namespaces() -> tuple[list, list]:
+    """What a kernel could patch to fool a comparison made in its process: torch's and
+    numpy's comparisons, builtins, kfuzz's own judging code. (torch._C.TensorBase and
+    numpy.ndarray are immutable types.) Second: the namespaces whose functions' code is
+    watched too (torch's top level has hundreds, each cheap to check but not free)."""
+    kfuzz_modules = [m for n, m in list(sys.modules.items())
+                     if isinstance(m, types.ModuleType) and (n == "kfuzz" or n.startswith("kfuzz."))]
+    spaces = [torch, torch.nn.functional, torch.testing, torch.Tensor, torch.cuda, np, np.testing,
+              builtins, math] + kfuzz_modules
+    return spaces, [torch.nn.functional, torch.testing, np.testing] + kfuzz_modules
+
+
+_cache: list = []    # [len(sys.modules), namespaces, their keys, watched functions]
+
+
+def _watched() -> tuple[list, list, list]:
+    """The namespaces, their keys (in dict order) and the watched Python functions;
+    recomputed when a module is imported or a namespace gains or loses a name."""
+    if not _cache or _cache[0] != len(sys.modules) or any(
+            len(vars(s)) != len(k) for s, k in zip(_cache[1], _cache[2])):
+        spaces, code_spaces = _watched_namespaces()
+        funcs = [f for s in code_spaces for f in list(vars(s).values()) if type(f) is types.FunctionType]
+        _cache[:] = [len(sys.modules), spaces, [list(vars(s)) for s in spaces], funcs]
+    return _cache[1], _cache[2], _cache[3]
+
+
+class NamespaceSnapshot:
+    """The identities of the watched namespaces' attributes and of their functions' code,
+    taken before a kernel call; ``undo`` names and reverts what the call replaced. Lists of
+    values, not dict copies: a replaced attribute keeps its place in its namespace's dict,
+    so comparing the lists (identity first, in C) finds it, at a fraction of the cost; the
+    keys, which rarely change, are cached."""
+
+    __slots__ = ("spaces", "keys", "values", "funcs", "codes")
+
+    def __init__(self):
+        self.spaces, self.keys, self.funcs = _watched()
+        self.values = [list(vars(s).values()) for s in self.spaces]
+        self.codes = [f.__code__ for f in self.funcs]
+
+    def _changed_keys(self, i: int) -> tuple[list[str], dict]:
+        now = vars(self.spaces[i])
+        try:
+            if len(now) == len(self.values[i]) and list(now.values()) == self.values[i]:
+                return [], {}
+        except Exception:                    # a replacement whose __eq__ raises
+            pass
+        before = dict(zip(self.keys[i], self.values[i]))
+        return [k for k in set(before) | set(now) if before.get(k, _MISSING) is not now.get(k, _MISSING)], before
+
+    def undo(self) -> list[str]:
+        """What the call replaced, added or removed, as ``namespace.name``; restores each."""
+        changed = []
+        for i, space in enumerate(self.spaces):
+            keys, before = self._changed_keys(i)
+            for key in keys:
+                changed.append(f"{getattr(space, '__name__', space)}.{key}")
+                try:
+                    if key in before:
+                        setattr(space, key, before[key])
+                    else:
+                        delattr(space, key)
+                except (AttributeError, TypeError):
+                    pass
+        if [f.__code__ for f in self.funcs] != self.codes:
+            for f, code in zip(self.funcs, self.codes):
+                if f.__code__ is not code:
+                    changed.append(f"{f.__module__}.{f.__qualname__}.__code__")
+                    f.__code__ = code
+        if changed:
+            _cache.clear()    # a restored name may sit elsewhere in its dict now
+        return changed
+
+
+def _threads_left(before: set[int]) -> list[str]:
+    """Python threads started during the call and still running: ``name in function``."""
+    left = []
+    for ident, frame in sys._current_frames().items():
+        if ident in before:
+            continue
+        thread = threading._active.get(ident)
+        name = thread.name if thread is not None else f"thread {ident}"
+        left.append(f"{name} in {frame.f_code.co_name}")
+    return left
+
+
+def _overlapping(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` address the same element (a stride-0 or overlapping view)."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    span = 1
+    for stride, n in dims:
+        if stride < span:
+            return True
+        span = stride * n
+    return False
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as raw bytes in logical order (NaN payloads and -0 included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _tensors_of(result: Any) -> list[torch.Tensor]:
+    values = result.values() if isinstance(result, Mapping) else (
+        result if isinstance(result, (tuple, list)) else (result,))
+    return [v for v in values if type(v) is torch.Tensor]
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +192,9 @@ def contract_violation(outputs: Mapping[str, Any], target: Target, case: Case,
             return name, f"output {name!r} is a {type(out).__module__}.{type(out).__qualname__}, not a plain torch.Tensor"
         if out.layout != torch.strided:
             return name, f"output {name!r} has layout {out.layout}, not a dense strided tensor"
+        if _overlapping(out):
+            return name, (f"output {name!r} is a view whose elements overlap (strides {list(out.stride())} "
+                          f"for shape {list(out.shape)}: an expanded or aliased view, not a dense tensor)")
         shape = target.shape_of(spec.shape, dims)
         if tuple(out.shape) != shape:
             return name, f"output {name!r} has shape {list(out.shape)}, the contract says {list(shape)}"
@@ -127,29 +246,47 @@ def is_device_error(e: BaseException) -> bool:
 def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                 device: torch.device) -> tuple[dict[str, torch.Tensor] | None, Verdict | None]:
     """Call the kernel under the contract: its outputs, or the verdict that ends the case."""
-    before = _watched_snapshot()
+    namespaces = NamespaceSnapshot()
+    threads = set(sys._current_frames())
+    early: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         with warnings.catch_warnings():
             # overflow and invalid-value warnings are what fuzzing provokes, not news
             warnings.simplefilter("ignore", RuntimeWarning)
             result = target.kernel(**inputs)
         if device.type == "cuda":
+            # copies ordered on the current stream only: work left on a side stream is missing from them
+            early = [(t, t.detach().clone()) for t in _tensors_of(result) if t.is_cuda]
             try:
                 torch.cuda.synchronize(device)
             except Exception as e:  # an asynchronous CUDA error
+                namespaces.undo()
                 return None, Verdict(target.name, "crash", detail=f"CUDA error after the call: {e}",
                                      exc_type=type(e).__name__)
     except Exception as e:
         if device.type == "cuda" and is_device_error(e):
             # the context is unusable after this: a crash, not an exception to carry on from
+            namespaces.undo()
             return None, Verdict(target.name, "crash", detail=f"CUDA error in the call: {e}"[:2000],
                                  exc_type=type(e).__name__)
+        namespaces.undo()
         return None, Verdict(target.name, "exception", detail=f"{type(e).__name__}: {e}"[:2000],
                              exc_type=type(e).__name__, frame=raising_frame(e))
-    if _watched_snapshot() != before:
-        replaced = [f"{getattr(o, '__name__', o)}.{n}" for (o, n), a, b in
-                    zip(_WATCHED, before, _watched_snapshot()) if a is not b]
-        return None, Verdict(target.name, "contract", detail=f"the call replaced {', '.join(replaced)}")
+    replaced = namespaces.undo()
+    if replaced:
+        return None, Verdict(target.name, "contract", detail=f"the call replaced {', '.join(sorted(replaced)[:8])}"
+                             + (f" and {len(replaced) - 8} more" if len(replaced) > 8 else "")
+                             + " (undone)")
+    left = _threads_left(threads)
+    if left:
+        return None, Verdict(target.name, "contract",
+                             detail=(f"pending work: the call left {len(left)} thread(s) running "
+                                     f"({', '.join(left[:4])}); all work must be finished at return"))
+    for t, copy in early:
+        if not torch.equal(bits(t), bits(copy)):
+            return None, Verdict(target.name, "contract",
+                                 detail=("pending work: an output changed after return (work left on another "
+                                         "stream); all work must be finished at return"))
     try:
         outputs = as_outputs(result, target)
     except ValueError as e:

@@ -63,6 +63,8 @@ def run_gate(gate: Gate, target: Target, seed: int = 0, out: str | Path | None =
     verdicts: list[Verdict] = []
     for case in gate.cases(target, seed):
         v = gate.check(target, case, device, c)
+        if isinstance(v, tuple):    # the check judged other inputs than the case's own: these fail
+            case, v = v
         verdicts.append(v)
         result.cases += 1
         result.worst_ratio = max(result.worst_ratio, v.ratio)
@@ -107,6 +109,8 @@ def replay_gate_case(path: str | Path, device: str = "cpu") -> tuple[bool, Verdi
     if gid not in GATES:
         raise KfuzzError(f"{path}: not a gate case (its record names no known gate)")
     verdict = GATES[gid].check(get_target(case.target), case, device)
+    if isinstance(verdict, tuple):
+        verdict = verdict[1]
     if record.get("expect", "fail") == "fail":
         want = Signature.from_json(record["signature"])
         ok = verdict.signature == want

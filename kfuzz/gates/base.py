@@ -131,7 +131,10 @@ class Gate:
     def cases(self, target: Target, seed: int) -> Iterable[Case]:
         raise NotImplementedError
 
-    def check(self, target: Target, case: Case, device: str = "cpu", c: float = BOUND_C) -> Verdict:
+    def check(self, target: Target, case: Case, device: str = "cpu", c: float = BOUND_C
+              ) -> Verdict | tuple[Case, Verdict]:
+        """The verdict on ``case``; or (the case that failed, its verdict) when the check
+        judged inputs other than ``case``'s own (G01's hidden-seed trial)."""
         raise NotImplementedError
 
     def no_evidence(self, target: Target, verdicts: list[Verdict]) -> str | None:

@@ -3,13 +3,17 @@
 - G08 determinism: the same inputs, several times and between other launches,
   give bitwise-equal outputs.
 - G09 containment: inputs bitwise unchanged, guard regions before and after
-  every input unchanged, no output sharing storage with an input or another
-  output (kfuzz's targets declare no aliasing).
+  every input unchanged, no output sharing storage with an input, another
+  output or an output of the call before (kfuzz's targets declare no aliasing;
+  a kernel that returns one global buffer every call overwrites what its
+  caller still holds).
 - G10 complete writes: memory handed out during the call is poisoned (NaN) and
   must never show in the output; the kernel runs before any reference run.
 - G11 input dependence: inputs whose oracle outputs differ give kernel outputs
-  that differ, both for fresh tensors and for new values written into the same
-  buffers (catches constant outputs and caching by shape or by pointer).
+  that differ, both for fresh tensors (called right after the first call's
+  outputs are freed) and for new values written into the same buffers
+  (catches constant outputs, caching by shape or by pointer, and returning
+  freed memory that still holds an earlier result).
 
 Guard regions surround kernel inputs only: outputs are the kernel's own
 allocations, so nothing can be placed around them.
@@ -21,7 +25,7 @@ import contextlib
 import torch
 
 from kfuzz.compare import BOUND_C
-from kfuzz.execute import _storage_bytes, call_kernel, kernel_stage, oracle_outputs
+from kfuzz.execute import _storage_bytes, bits, call_kernel, kernel_stage, oracle_outputs
 from kfuzz.gates.base import Gate, fit_dims, gate_seed, make_case, nominal_dims
 from kfuzz.tensors import materialize, torch_dtype
 from kfuzz.verdict import Verdict
@@ -32,8 +36,7 @@ GUARD_FILL = 0xA5
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's values as raw bytes in logical order (NaN payloads and -0 included)."""
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return bits(t.cpu())
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -103,7 +106,8 @@ def _storage_span(t: torch.Tensor) -> tuple[int, int]:
 
 class Containment(Gate):
     id, name = "G09", "containment"
-    property = "inputs and guard regions around them bitwise unchanged; no output aliases an input or another output"
+    property = ("inputs and guard regions around them bitwise unchanged; no output aliases an input, another "
+                "output or the previous call's output")
 
     def cases(self, target, seed):
         shapes = [nominal_dims(target), fit_dims(target, {n: d.lo for n, d in target.dims.items()})]
@@ -118,6 +122,10 @@ class Containment(Gate):
         guarded = {k: _guarded(v) for k, v in plain.items()}
         inputs = {k: g[0] for k, g in guarded.items()}
         before = {k: g[1].clone() for k, g in guarded.items()}
+        earlier, verdict = call_kernel(target, case, inputs, torch.device(device))
+        if verdict is not None:
+            return verdict
+        # a second call while the first call's outputs are still held: it must not write into them
         outputs, verdict = call_kernel(target, case, inputs, torch.device(device))
         if verdict is not None:
             return verdict
@@ -130,6 +138,8 @@ class Containment(Gate):
                 return Verdict(target.name, "mutation", output=name,
                                detail=f"{where} input {name!r} changed ({changed.numel()} byte(s), first at byte {pos - pad:+d})")
         spans = {f"input {k!r}": _storage_span(raw) for k, (_, raw, _) in guarded.items()}
+        spans.update({f"output {k!r} of the previous call (a later call overwrites it)": _storage_span(t)
+                      for k, t in earlier.items()})
         for name, out in outputs.items():
             lo, hi = _storage_span(out)
             for other, (a, b) in spans.items():
@@ -197,9 +207,12 @@ class InputDependence(Gate):
         inputs, outputs, verdict = kernel_stage(case, target, device)
         if verdict is not None:
             return verdict
-        first = {k: v.clone() for k, v in outputs.items()}
         partner = case.with_(seed=case.seed + 1)
         fresh = materialize(partner, target, dev)
+        first = {k: v.clone() for k, v in outputs.items()}
+        # the first outputs are released right before the next call, as a caller that is done
+        # with them would: a kernel that returns freed memory unwritten returns this result again
+        del outputs
         second, verdict = call_kernel(target, partner, fresh, dev)
         if verdict is not None:
             return verdict

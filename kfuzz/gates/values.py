@@ -9,6 +9,8 @@ Refuses nothing itself: a case that breaks the contract is a ``CaseError``.
 """
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
@@ -17,7 +19,7 @@ from kfuzz.execute import (call_kernel, flush_subnormals, judge, kernel_stage, o
                            trusted_outputs)
 from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims, make_case,
                               nominal_dims)
-from kfuzz.tensors import lay_out, logical_values, special_value_table, torch_dtype
+from kfuzz.tensors import lay_out, logical_values, materialize, special_value_table, torch_dtype
 from kfuzz.verdict import Verdict
 
 SEEDS_PER_DTYPE = 4
@@ -38,17 +40,49 @@ def bound_check(target, case, device, c) -> Verdict:
     return verdict if verdict is not None else judge(case, target, inputs, outputs, c=c)
 
 
+def hidden_seed_check(target, case, device, c):
+    """``case``'s shape and dtype, with values drawn from a seed that exists nowhere the kernel
+    could look: made from the OS's randomness, used once to materialize and dropped before
+    the call. A kernel that finds the case it is called for (through the call stack or the
+    garbage collector) and predicts its inputs from the seed, so as to be right only on the
+    inputs a test would draw, is wrong here. A failure comes back as (case, verdict), the
+    case's payload holding these inputs, so it can be saved and replayed."""
+    dev = torch.device(device)
+    inputs = materialize(case.with_(seed=secrets.randbits(32)), target, dev)
+    inputs, outputs, verdict = kernel_stage(case, target, device, inputs=inputs)
+    if verdict is None:
+        verdict = judge(case, target, inputs, outputs, c=c)
+    if verdict.passed:
+        return verdict
+    from kfuzz.importer import case_from_tensors    # importer imports the minimizer, which imports gates
+    found = case_from_tensors(target, {k: v.cpu() for k, v in inputs.items()}, "hidden-seed inputs")
+    detail = f"on inputs from a seed hidden from the kernel (the case's payload holds them): {verdict.detail}"
+    return found, Verdict(verdict.target, verdict.kind, verdict.output, detail, verdict.exc_type, verdict.frame,
+                          verdict.ratio, verdict.metrics)
+
+
 class Reference(Gate):
     id, name, tolerance_free = "G01", "reference", False
-    property = "within the bound at the nominal shape, over fresh seeds, in every dtype"
+    property = ("within the bound at the nominal shape, over fresh seeds, in every dtype, and on inputs "
+                "from a seed the kernel cannot see")
+
+    def __init__(self):
+        self.hidden: set[Case] = set()    # the cases that stand for inputs from a hidden seed
 
     def cases(self, target, seed):
         dims = nominal_dims(target)
         for j, dtype in enumerate(target.dtypes):
             for i in range(SEEDS_PER_DTYPE):
                 yield make_case(target, dtype, gate_seed(seed, self.id, j * 100 + i), dims)
+        if type(self) is Reference:
+            for j, dtype in enumerate(target.dtypes):
+                case = make_case(target, dtype, gate_seed(seed, self.id + "-hidden", j), dims)
+                self.hidden.add(case)
+                yield case
 
     def check(self, target, case, device="cpu", c=BOUND_C):
+        if case in self.hidden:
+            return hidden_seed_check(target, case, device, c)
         return bound_check(target, case, device, c)
 
 
