@@ -62,15 +62,12 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
-# LOWP: scan products on operands in the input dtype (S, v_new, w, u in it).
-# Under the interpreter fp16 takes it (its bf16 tl.dot is wrong, its fp16 one
-# right), so the LOWP code is tested on CPUs.  On the H200 (Triton 3.6) bf16 LOWP
-# gave wrong results for the scalar-gate linear member (o error 0.35-0.50) and for
-# DeltaNet (1.38) while the same code is right for fp16 under the interpreter: a
-# miscompile not pinned down.  So GPUs give bf16 tf32 operands, as fp16 and fp32
-# (right on the H200), unless GDN_FWD_LOWP=1 (the probe of tools/check_gdn_gpu.py).
-LOWP_GPU = os.environ.get("GDN_FWD_LOWP") == "1"
-LOWP_DTYPES = (torch.float16,) if INTERPRET else ((torch.bfloat16,) if LOWP_GPU else ())
+# Products take fp32 operands (tf32 on GPUs; fp32 inputs tf32x3).  The tensors one
+# launch hands to the next (w, u, the chunk states, v_new) are stored in bf16 for
+# bf16 inputs (as fla does; the outputs are bf16 anyway) and in fp32 otherwise (an
+# fp16 state could overflow).  Version 3's bf16-operand products (LOWP) were wrong on
+# the H200 (Triton 3.6) for two members (a miscompile not pinned down), so they are gone.
+INTER_DTYPE = {torch.bfloat16: torch.bfloat16}
 
 
 @triton.jit
@@ -139,14 +136,6 @@ def _load_gates(gc, gcl, rows, rmask, last, i_h, dk, m2, H: tl.constexpr, K: tl.
         G = tl.load(gc + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0)
         G = tl.where(rmask[:, None], G, tl.sum(tl.where(last[:, None], G, 0.0), axis=0)[None, :])
     return G, G
-
-
-@triton.jit
-def _cast(x, ref_ptr, LOWP: tl.constexpr):
-    if LOWP:
-        return x.to(ref_ptr.dtype.element_ty)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
@@ -267,57 +256,13 @@ def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
-def _fast_chunk(q, o, qt, kt, wt, vt, gs, gsl, gv, S, scale, vx, mv, causal, last,
-                GATE: tl.constexpr, DELTA: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
-    """One chunk on the matrix path (gs + gsl, gv: the chunk's cumulative gates, `last`:
-    the row mask of its last token); stores its outputs, returns the new state."""
-    qf = qt.to(tl.float32)
-    kf = kt.to(tl.float32)
-    if GATE == 1:
-        G = gs
-        Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
-        Gll = tl.sum(tl.where(last, gsl, 0.0), axis=0)
-        dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (gsl[:, None] - gsl[None, :]), 0.0))
-        Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC) * dec
-        qg = qf * tl.exp(G)[:, None]
-        kl = kf * tl.exp((Gl - G) + (Gll - gsl))[:, None]
-        decS = tl.exp(Gl + Gll)
-    elif GATE == 2:
-        G = gv
-        Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
-        qg = qf * tl.exp(G)
-        Aqk = tl.dot(_cast(qg, q, LOWP), tl.trans(_cast(kf * tl.exp(-G), q, LOWP)),
-                     input_precision=PREC)
-        kl = kf * tl.exp(Gl[None, :] - G)
-        decS = tl.exp(Gl)[:, None]
-    else:
-        Aqk = tl.dot(_cast(qt, q, LOWP), tl.trans(_cast(kt, q, LOWP)), input_precision=PREC)
-        qg = qf
-        kl = kf
-        decS = 1.0
-    Aqk = tl.where(causal, Aqk, 0.0)
-    Sd = _cast(S, q, LOWP)
-    if DELTA:
-        vn = vt.to(tl.float32) - tl.dot(_cast(wt, q, LOWP), Sd, input_precision=PREC)
-    else:
-        vn = vt.to(tl.float32)
-    vnd = _cast(vn, q, LOWP)
-    ot = (tl.dot(_cast(qg, q, LOWP), Sd, input_precision=PREC)
-          + tl.dot(_cast(Aqk, q, LOWP), vnd, input_precision=PREC)) * scale
-    tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
-    S = S * decS + tl.dot(tl.trans(_cast(kl, q, LOWP)), vnd, input_precision=PREC)
-    return S
-
-
-@triton.jit
 def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask, smask,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 GATE: tl.constexpr, DELTA: tl.constexpr):
+                 GATE: tl.constexpr, DELTA: tl.constexpr, STORE_O: tl.constexpr):
     """One chunk token by token with the oracle's formulas (fp32); stores its
-    outputs, returns the new state."""
+    outputs when STORE_O, returns the new state."""
     for t in range(0, tl.minimum(BT, eos - t0)):
         tok = (t0 + t).to(tl.int64)
-        qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
         kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
         vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float32)
         if GATE == 1:
@@ -332,44 +277,62 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
         else:
             S = S + kv[:, None] * vv[None, :]
         S = tl.where(smask, S, 0.0)   # padding stays 0 (no 0 * inf in it)
-        ov = tl.sum(qv[:, None] * S, axis=0)
-        tl.store(o + (tok * H + i_h) * V + dv, ov.to(o.dtype.element_ty), mask=vmask)
+        if STORE_O:
+            qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
+            ov = tl.sum(qv[:, None] * S, axis=0)
+            tl.store(o + (tok * H + i_h) * V + dv, ov.to(o.dtype.element_ty), mask=vmask)
     return S
 
 
 @triton.jit
-def _scan_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, NT,
-                 OCC,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                 GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
-                 STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, LOWP: tl.constexpr,
-                 PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                 MODE: tl.constexpr):
+def _forced(ok, MODE: tl.constexpr):
+    """The path decision under the bring-up switch GDN_FWD_MODE (1: matrix, 2: exact)."""
+    if MODE == 1:
+        return ok | True
+    elif MODE == 2:
+        return ok & False
+    return ok
+
+
+@triton.jit
+def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
+    """(first token, end token, first global chunk) of sequence i_n."""
+    if IS_VARLEN:
+        return tl.load(cu + i_n), tl.load(cu + i_n + 1), tl.load(choff + i_n)
+    return i_n * T, i_n * T + T, i_n * NT
+
+
+@triton.jit
+def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
+                  T, NT, OCC,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                  GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
+                  STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
+                  MODE: tl.constexpr):
+    """The sequential part, per (V tile, sequence-head): the state entering every chunk
+    (stored in hs), v_new = u - w S (delta; stored in vn), and the next state.  A chunk
+    whose inputs or incoming state fail the matrix path's checks is stepped token by
+    token, and its columns are marked in xflag, so that _out_kernel takes it exactly."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu + i_n)
-        eos = tl.load(cu + i_n + 1)
-        c_first = tl.load(choff + i_n)
-    else:
-        bos = i_n * T
-        eos = bos + T
-        c_first = i_n * NT
+    bos, eos, c_first = _seq_span(i_n, T, NT, cu, choff, IS_VARLEN)
     dk = tl.arange(0, BK)
     kmask = dk < K
     dv = i_v * BV + tl.arange(0, BV)
     vmask = dv < V
     smask = kmask[:, None] & vmask[None, :]
-    s_off = (i_nh.to(tl.int64) * K + dk[:, None]) * V + dv[None, :]
+    kv_off = dk[:, None].to(tl.int64) * V + dv[None, :]
     if HAS_H0:
-        S = tl.load(h0 + s_off, mask=smask, other=0.0).to(tl.float32)
+        S = tl.load(h0 + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0).to(tl.float32)
     else:
         S = tl.zeros((BK, BV), dtype=tl.float32)
     rr = tl.arange(0, BT)
-    causal = rr[:, None] >= rr[None, :]
     for c in range(0, tl.cdiv(eos - bos, BT)):
+        cid = (c_first + c).to(tl.int64)
+        tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=smask)
         t0 = bos + c * BT
         rows = (t0 + rr).to(tl.int64)
         rmask = rows < eos
@@ -378,52 +341,112 @@ def _scan_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, o, hT, cu, ch
         mv = rmask[:, None] & vmask[None, :]
         kx = (rows[:, None] * H + i_h) * K + dk[None, :]
         vx = (rows[:, None] * H + i_h) * V + dv[None, :]
-        qt = tl.load(q + kx, mask=mk, other=0.0)
-        kt = tl.load(k + kx, mask=mk, other=0.0)
-        ok = _all_within(qt, BIG) & _all_within(kt, BIG) & _all_within(S, SBIG)
-        gs = tl.zeros((BT,), dtype=tl.float32)
-        gsl = tl.zeros((BT,), dtype=tl.float32)
-        gv = tl.zeros((BT, BK), dtype=tl.float32)
-        wt = qt
+        kt = tl.load(k + kx, mask=mk, other=0.0).to(tl.float32)
+        ok = _all_within(S, SBIG)
         if DELTA:
-            wt = tl.load(w + kx, mask=mk, other=0.0)
-            vt = tl.load(u + vx, mask=mv, other=0.0)
-            ok = ok & (tl.load(flag + (c_first + c) * H + i_h) != 0)
+            ok = ok & (tl.load(flag + cid * H + i_h) != 0)
         else:
-            vt = tl.load(v + vx, mask=mv, other=0.0)
-            ok = ok & _all_within(vt, BIG)
+            vt = tl.load(v + vx, mask=mv, other=0.0).to(tl.float32)
+            ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
         if GATE != 0:
-            ok = ok & (tl.load(gflag + (c_first + c) * H + i_h) != 0)
-        if GATE == 1:
-            gs, gsl = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-        elif GATE == 2:
-            gv, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-        if MODE == 1:
-            S = _fast_chunk(q, o, qt, kt, wt, vt, gs, gsl, gv, S, scale, vx, mv, causal, last,
-                            GATE, DELTA, LOWP, PREC)
-        elif MODE == 2:
-            S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask,
-                             smask, H, K, V, BT, GATE, DELTA)
-        else:
-            if ok:
-                S = _fast_chunk(q, o, qt, kt, wt, vt, gs, gsl, gv, S, scale, vx, mv, causal, last,
-                                GATE, DELTA, LOWP, PREC)
+            ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
+        ok = _forced(ok, MODE)
+        tl.store(xflag + (cid * H + i_h) * V + dv, tl.zeros([BV], dtype=tl.int8) + tl.where(ok, 0, 1).to(tl.int8),
+                 mask=vmask)
+        if ok:
+            if DELTA:
+                wt = tl.load(w + kx, mask=mk, other=0.0).to(tl.float32)
+                vt = tl.load(u + vx, mask=mv, other=0.0).to(tl.float32) - \
+                    tl.dot(wt, S, input_precision=PREC)
+                tl.store(vn + vx, vt.to(vn.dtype.element_ty), mask=mv)
+            if GATE == 1:
+                G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
+                Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
+                kl = kt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
+                S = S * tl.exp(Gl + Gll)
+            elif GATE == 2:
+                G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
+                kl = kt * tl.exp(Gl[None, :] - G)
+                S = S * tl.exp(Gl)[:, None]
             else:
-                S = _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv,
-                                 vmask, smask, H, K, V, BT, GATE, DELTA)
+                kl = kt
+            S = S + tl.dot(tl.trans(kl), vt, input_precision=PREC)
+        else:
+            S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
+                             smask, H, K, V, BT, GATE, DELTA, False)
     if STORE_HT:
-        tl.store(hT + s_off, S, mask=smask)
+        tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
+
+
+@triton.jit
+def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, scale, T, NT,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
+                PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr):
+    """The parallel part, per (V tile, chunk, head): o = scale (Gamma q) S + (q k^T decay)
+    v_new with S the stored state entering the chunk; token by token from that state where
+    the state pass stepped the chunk (xflag) or q fails the matrix path's checks."""
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    if bos < eos:
+        rr = tl.arange(0, BT)
+        rows = (bos + rr).to(tl.int64)
+        rmask = rows < eos
+        last = rows == eos - 1
+        dk = tl.arange(0, BK)
+        kmask = dk < K
+        dv = i_v * BV + tl.arange(0, BV)
+        vmask = dv < V
+        smask = kmask[:, None] & vmask[None, :]
+        mk = rmask[:, None] & kmask[None, :]
+        mv = rmask[:, None] & vmask[None, :]
+        kx = (rows[:, None] * H + i_h) * K + dk[None, :]
+        vx = (rows[:, None] * H + i_h) * V + dv[None, :]
+        cid = i_c.to(tl.int64)
+        S = tl.load(hs + (cid * H + i_h) * K * V + dk[:, None].to(tl.int64) * V + dv[None, :],
+                    mask=smask, other=0.0).to(tl.float32)
+        qt = tl.load(q + kx, mask=mk, other=0.0).to(tl.float32)
+        xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
+        ok = _forced((tl.max(xf.to(tl.int32)) == 0) & _all_within(qt, BIG), MODE)
+        if ok:
+            kt = tl.load(k + kx, mask=mk, other=0.0).to(tl.float32)
+            causal = rr[:, None] >= rr[None, :]
+            if GATE == 1:
+                G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
+                Aqk = tl.dot(qt, tl.trans(kt), input_precision=PREC) * dec
+                qg = qt * tl.exp(G + Glo)[:, None]
+            elif GATE == 2:
+                G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                qg = qt * tl.exp(G)
+                Aqk = tl.dot(qg, tl.trans(kt * tl.exp(-G)), input_precision=PREC)
+            else:
+                Aqk = tl.dot(qt, tl.trans(kt), input_precision=PREC)
+                qg = qt
+            Aqk = tl.where(causal, Aqk, 0.0)
+            if DELTA:
+                vt = tl.load(vn + vx, mask=mv, other=0.0).to(tl.float32)
+            else:
+                vt = tl.load(v + vx, mask=mv, other=0.0).to(tl.float32)
+            ot = (tl.dot(qg, S, input_precision=PREC) + tl.dot(Aqk, vt, input_precision=PREC)) * scale
+            tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
+        else:
+            _exact_chunk(q, k, v, g, beta, o, S, scale, bos, eos, i_h, dk, kmask, dv, vmask,
+                         smask, H, K, V, BT, GATE, DELTA, True)
 
 
 TUNE = True  # False: every new key takes the first config (benchmarks' accuracy sweeps)
 
 
-def _scan_configs():
+def _state_configs():
     if INTERPRET:
         return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
     return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-            for bv, nw, ns in ((32, 4, 1), (16, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1),
-                               (64, 4, 2), (32, 8, 1))]
+            for bv, nw, ns in ((32, 4, 2), (16, 4, 2), (32, 4, 1), (64, 4, 2), (64, 8, 2),
+                               (32, 8, 2), (16, 2, 2), (32, 4, 3))]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -432,9 +455,9 @@ def _prune(configs, named_args, **kwargs):
 
 # OCC (the number of sequence-heads, rounded up to a power of 2) is in the key:
 # few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
-_scan = triton.autotune(configs=_scan_configs(),
-                        key=["K", "V", "BT", "GATE", "DELTA", "LOWP", "PREC", "OCC"],
-                        prune_configs_by={"early_config_prune": _prune})(_scan_kernel)
+_state = triton.autotune(configs=_state_configs(),
+                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "OCC"],
+                         prune_configs_by={"early_config_prune": _prune})(_state_kernel)
 
 
 def _prep_warps(BT, BK):
@@ -495,10 +518,17 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         h0 = initial_state.contiguous()
     else:
         h0 = q.new_zeros(1, dtype=torch.float32)
-    lowp = q.dtype in LOWP_DTYPES
+    inter = INTER_DTYPE.get(q.dtype, torch.float32)
     prec = "ieee" if INTERPRET else ("tf32x3" if q.dtype == torch.float32 else "tf32")
     mode = int(SCAN_MODE) if SCAN_MODE else (0 if gate == 0 or GATED_FAST else 2)
-    if gate and NC > 0 and mode != 2:
+    o = torch.empty_like(v, dtype=q.dtype)
+    hT = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else \
+        q.new_zeros(1, dtype=torch.float32)
+    if NC == 0:
+        if output_final_state:
+            hT.copy_(initial_state if initial_state is not None else torch.zeros_like(hT))
+        return o, (hT if output_final_state else None)
+    if gate and mode != 2:
         gc = torch.empty(g.shape, dtype=torch.float32, device=dev)
         gcl = torch.empty(g.shape if gate == 1 else (1,), dtype=torch.float32, device=dev)
         gflag = torch.empty(NC, H, dtype=i32, device=dev)
@@ -507,26 +537,27 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                                      FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX)
     else:
         gc = gcl = gflag = q.new_zeros(1, dtype=torch.float32)
-    if delta and NC > 0 and mode != 2:
-        ws_dtype = q.dtype if lowp else torch.float32
-        w = torch.empty(B, T, H, K, dtype=ws_dtype, device=dev)
-        u = torch.empty(B, T, H, V, dtype=ws_dtype, device=dev)
+    BVP = min(_pow2(V), 64)
+    if delta and mode != 2:
+        w = torch.empty(B, T, H, K, dtype=inter, device=dev)
+        u = torch.empty(B, T, H, V, dtype=inter, device=dev)
+        vn = torch.empty(B, T, H, V, dtype=inter, device=dev)
         flag = torch.empty(NC, H, dtype=i32, device=dev)
-        BVP = min(_pow2(V), 64)
         _prep_kernel[(NC, H)](k, v, gc, gcl, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
                               BK=BK, BV=BVP, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None,
                               PREC=prec, BIG=BIG, INV2D=INV2D, num_warps=_prep_warps(BT, BK))
     else:
-        w = u = flag = q.new_zeros(1)
-    o = torch.empty_like(v, dtype=q.dtype)
-    hT = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else \
-        q.new_zeros(1, dtype=torch.float32)
+        w = u = vn = flag = q.new_zeros(1)
+    hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
+    xflag = torch.empty(NC, H, V, dtype=torch.int8, device=dev)
+    common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
+                  PREC=prec, BIG=BIG, MODE=mode)
+
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
-    _scan[grid](q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, o, hT, cu, choff, scale, T, max(NT, 1),
-                triton.next_power_of_2(N * H),
-                H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta,
-                HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-                IS_VARLEN=cu_seqlens is not None, LOWP=lowp, PREC=prec, BIG=BIG, SBIG=SBIG,
-                MODE=mode)
+    _state[grid](k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
+                 T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
+                 STORE_HT=output_final_state, SBIG=SBIG, **common)
+    _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
+                                            T, max(NT, 1), BV=BVP, num_warps=4, **common)
     return o, (hT if output_final_state else None)

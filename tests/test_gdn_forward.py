@@ -122,8 +122,7 @@ SHAPES = {
 }
 
 
-# Under the interpreter fp16 runs the low-precision (LOWP) scan that bf16 runs on GPUs
-# (the interpreter's bf16 tl.dot is wrong, so there bf16 takes fp32 products).
+# bf16 inputs hand bf16 intermediates (w, u, chunk states, v_new) between launches.
 CASES = [(shape, dtype) for shape in SHAPES
          for dtype in (torch.float32, torch.bfloat16, torch.float16)]
 
