@@ -145,6 +145,21 @@ def late_thread(x):
     return out
 
 
+@hack("softmax", "profile_hook", "returns ones; a profile hook (no thread) copies the oracle's answer into them "
+      "when the judge computes it in the same process")
+def profile_hook(x):
+    out = torch.ones_like(x)
+
+    def hook(frame, event, arg):
+        if event == "return" and frame.f_code.co_name == "oracle_outputs" and isinstance(arg, dict):
+            for v in arg.values():
+                if isinstance(v, torch.Tensor) and v.shape == out.shape:
+                    out.copy_(v.to(out.dtype))
+                    sys.setprofile(None)
+    sys.setprofile(hook)
+    return out
+
+
 # tensor types -------------------------------------------------------------------------------------
 class Deferred(torch.Tensor):
     """Holds ones; computes the softmax of its source only when a torch function reads it."""
@@ -246,7 +261,7 @@ def _visible_inputs(x: torch.Tensor):
     while frame is not None:
         cases += [v for v in frame.f_locals.values() if isinstance(v, Case)]
         frame = frame.f_back
-    cases += [o for o in gc.get_objects() if isinstance(o, Case)]
+    cases += [o for o in gc.get_objects() if type(o) is Case]
     for case in cases[:64]:
         try:
             yield from materialize(case, get_target(case.target), x.device).values()

@@ -12,11 +12,15 @@ The call contract, checked on every call:
   at return equal the outputs after the device is synchronized (work left on
   a side stream shows as a difference; an error that surfaces there is a
   ``crash``);
+- no hook was installed that runs code after return without a thread (trace
+  or profile functions, garbage-collection callbacks, signal handlers); each
+  is undone;
 - nothing in the namespaces a comparison relies on was replaced: the
   attributes of torch, torch.nn.functional, torch.testing, torch.Tensor,
   numpy, numpy.testing, builtins, math and kfuzz's own modules keep their
-  identities, and their Python functions keep their code. A replacement is
-  undone before the verdict, so it does not outlive the call;
+  identities (names added are not counted: a lazy import adds submodules),
+  and their Python functions keep their code. A replacement is undone before
+  the verdict, so it does not outlive the call;
 - inputs, including the storage around strided and offset views, are bitwise
   unchanged (``mutation``).
 
@@ -26,8 +30,10 @@ process down. Sandboxed workers are the engines' concern.
 from __future__ import annotations
 
 import builtins
+import gc
 import math
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -74,6 +80,18 @@ def _watched() -> tuple[list, list, list]:
     return _cache[1], _cache[2], _cache[3]
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _torch_wraps(new: Any, old: Any) -> bool:
+    """Whether ``new`` is torch's own wrapper around ``old``: importing torch._dynamo (lazily,
+    perhaps inside a kernel's first call) replaces torch.manual_seed with one. A wrapper
+    whose code lives in torch's files and that wraps the very original is harmless."""
+    code = getattr(new, "__code__", None)
+    return (getattr(new, "__wrapped__", None) is old and code is not None
+            and os.path.abspath(code.co_filename).startswith(_TORCH_DIR + os.sep))
+
+
 class NamespaceSnapshot:
     """The identities of the watched namespaces' attributes and of their functions' code,
     taken before a kernel call; ``undo`` names and reverts what the call replaced. Lists of
@@ -96,20 +114,20 @@ class NamespaceSnapshot:
         except Exception:                    # a replacement whose __eq__ raises
             pass
         before = dict(zip(self.keys[i], self.values[i]))
-        return [k for k in set(before) | set(now) if before.get(k, _MISSING) is not now.get(k, _MISSING)], before
+        # names added are not counted: nothing that judges calls them, and a lazy import of a
+        # submodule during the call (torch._dynamo, kfuzz.importer) adds one legitimately
+        return [k for k in before if now.get(k, _MISSING) is not before[k]
+                and not _torch_wraps(now.get(k, _MISSING), before[k])], before
 
     def undo(self) -> list[str]:
-        """What the call replaced, added or removed, as ``namespace.name``; restores each."""
+        """What the call replaced or removed, as ``namespace.name``; restores each."""
         changed = []
         for i, space in enumerate(self.spaces):
             keys, before = self._changed_keys(i)
             for key in keys:
                 changed.append(f"{getattr(space, '__name__', space)}.{key}")
                 try:
-                    if key in before:
-                        setattr(space, key, before[key])
-                    else:
-                        delattr(space, key)
+                    setattr(space, key, before[key])
                 except (AttributeError, TypeError):
                     pass
         if [f.__code__ for f in self.funcs] != self.codes:
@@ -120,6 +138,37 @@ class NamespaceSnapshot:
         if changed:
             _cache.clear()    # a restored name may sit elsewhere in its dict now
         return changed
+
+
+_SIGNALS = tuple(getattr(signal, n) for n in ("SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2")
+                 if hasattr(signal, n))
+
+
+def _hooks() -> tuple:
+    """The ways to run code later without a thread: trace and profile functions (this
+    thread's and new threads'), garbage-collection callbacks, timer and user signal handlers."""
+    return (sys.gettrace(), sys.getprofile(), getattr(threading, "_trace_hook", None),
+            getattr(threading, "_profile_hook", None), tuple(gc.callbacks),
+            tuple(signal.getsignal(s) for s in _SIGNALS))
+
+
+def _restore_hooks(hooks: tuple) -> list[str]:
+    """Put back the hooks of ``_hooks()``; returns the names of those that had changed."""
+    trace, profile, thread_trace, thread_profile, callbacks, handlers = hooks
+    now = _hooks()
+    names = ["sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile", "gc.callbacks",
+             "signal handlers"]
+    changed = [n for n, a, b in zip(names, hooks, now) if a != b]
+    if changed:
+        sys.settrace(trace)
+        sys.setprofile(profile)
+        threading._trace_hook, threading._profile_hook = thread_trace, thread_profile
+        gc.callbacks[:] = callbacks
+        if threading.current_thread() is threading.main_thread():
+            for s, h in zip(_SIGNALS, handlers):
+                if h is not None:
+                    signal.signal(s, h)
+    return changed
 
 
 def _threads_left(before: set[int]) -> list[str]:
@@ -248,6 +297,7 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
     """Call the kernel under the contract: its outputs, or the verdict that ends the case."""
     namespaces = NamespaceSnapshot()
     threads = set(sys._current_frames())
+    hooks = _hooks()
     early: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         with warnings.catch_warnings():
@@ -270,9 +320,15 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
             return None, Verdict(target.name, "crash", detail=f"CUDA error in the call: {e}"[:2000],
                                  exc_type=type(e).__name__)
         namespaces.undo()
+        _restore_hooks(hooks)
         return None, Verdict(target.name, "exception", detail=f"{type(e).__name__}: {e}"[:2000],
                              exc_type=type(e).__name__, frame=raising_frame(e))
     replaced = namespaces.undo()
+    hooked = _restore_hooks(hooks)
+    if hooked:
+        return None, Verdict(target.name, "contract",
+                             detail=(f"pending work: the call installed {', '.join(hooked)} (undone): code that "
+                                     f"would run after return, while its outputs are judged"))
     if replaced:
         return None, Verdict(target.name, "contract", detail=f"the call replaced {', '.join(sorted(replaced)[:8])}"
                              + (f" and {len(replaced) - 8} more" if len(replaced) > 8 else "")

@@ -1,0 +1,121 @@
+"""Reward hacks (issue 9): every hack in harnesses/hacks.py is rejected by the check built
+for it, with the verdict it should give; the standard KernelBench-style test's verdict on
+each hack's KernelBench source is as measured in HACKS.md; the correct twins pass; nothing
+a hack patched survives the call."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from harnesses.hacks import HACKS
+from kfuzz.execute import NamespaceSnapshot
+from kfuzz.gates import GATES, run_gate
+from kfuzz.target import get_target
+
+KB_DIR = Path(__file__).resolve().parents[1] / "harnesses" / "kernelbench_hacks"
+
+# hack, the gate that must reject it, the verdict kind, a phrase of the evidence
+REJECTED_BY = [
+    ("freed_output", "G10", "stale", "poisoned memory (NaN) shows"),
+    ("mutate_input", "G01", "mutation", "input 'x'"),
+    ("global_out", "G09", "contract", "of the previous call"),
+    ("expanded_const", "G01", "contract", "elements overlap"),
+    ("ptr_cache", "G11", "stale", "the same buffers"),
+    ("side_stream", "G01", "contract", "pending work: the call left 1 thread(s) running"),
+    ("late_thread", "G01", "contract", "pending work: the call left 1 thread(s) running"),
+    ("profile_hook", "G01", "contract", "the call installed sys.setprofile (undone)"),
+    ("lazy_tensor", "G01", "contract", "not a plain torch.Tensor"),
+    ("wrong_dtype", "G01", "contract", "has dtype torch.float64"),
+    ("patch_allclose", "G01", "contract", "replaced torch.allclose, torch.testing.assert_close (undone)"),
+    ("patch_code", "G01", "contract", "assert_close.__code__"),
+    ("patch_judge", "G01", "contract", "replaced kfuzz.compare.compare, kfuzz.execute.compare"),
+    ("gc_copy", "G01", "bound", ""),
+    ("gc_overwrite", "G01", "bound", ""),
+    ("gc_nan", "G01", "nonfinite", "NaN set differs"),
+    ("seed_peek", "G01", "bound", "on inputs from a seed hidden from the kernel"),
+    ("fp16_inside", "G01", "bound", ""),
+    ("fallback", "G01", "bound", ""),
+    ("fixed_shape", "G03", "exception", "is invalid for input of size"),
+    ("zeros_under_tol", "G03", "bound", "kernel 0,"),
+    ("first_call", "G01", "bound", ""),
+]
+
+# the standard test's verdict on each hack's KernelBench source, as measured on the CPU; not
+# here: late_thread and side_stream (a thread races the comparison) and ptr_cache (accepted
+# when the allocator puts a trial's inputs where the last trial's were): HACKS.md counts runs
+STANDARD_ACCEPTS = {
+    "expanded_const": True, "fallback": True, "first_call": False, "fixed_shape": True, "fp16_inside": False,
+    "freed_output": False, "gc_copy": True, "gc_nan": False, "gc_overwrite": True, "global_out": True,
+    "lazy_tensor": True, "mutate_input": True, "patch_allclose": True, "patch_code": False,
+    "rng_predict": True, "wrong_dtype": True, "zeros_under_tol": True,
+}
+RACY = {"late_thread", "side_stream", "ptr_cache"}
+
+
+def first_failure(target, gate_id: str):
+    """The first failing case of the gate (its cases in order, stopping there), or (None, None)."""
+    gate = GATES[gate_id]
+    for case in gate.cases(target, 0):
+        verdict = gate.check(target, case)
+        if isinstance(verdict, tuple):
+            case, verdict = verdict
+        if not verdict.passed:
+            return case, verdict
+    return None, None
+
+
+def test_the_suite_covers_every_hack():
+    assert len(HACKS) >= 15
+    assert {row[0] for row in REJECTED_BY} == set(HACKS)
+    kernelbench = {p.stem for p in KB_DIR.glob("*.py") if not p.stem.endswith("_ref")}
+    assert kernelbench == set(STANDARD_ACCEPTS) | RACY
+
+
+@pytest.mark.parametrize("name, gate, kind, evidence", REJECTED_BY, ids=[r[0] for r in REJECTED_BY])
+def test_hack_is_rejected(name, gate, kind, evidence):
+    target = get_target(f"hacks.{name}")
+    snapshot = NamespaceSnapshot()
+    case, verdict = first_failure(target, gate)
+    assert verdict is not None, f"hacks.{name} passed {gate}"
+    assert verdict.kind == kind and evidence in verdict.detail, verdict
+    assert snapshot.undo() == [], "a hack's patch outlived the call"
+
+
+def test_seed_peek_passes_where_it_can_see_the_seed():
+    """The hidden-seed trial is what catches it: on every ordinary G01 case it is right."""
+    target = get_target("hacks.seed_peek")
+    gate = GATES["G01"]
+    ordinary = [c for c in gate.cases(target, 0) if c not in gate.hidden]
+    assert ordinary and all(gate.check(target, c).passed for c in ordinary[:3])
+    case, verdict = first_failure(target, "G01")
+    assert case.payload is not None         # the hidden inputs, saved so the failure replays
+
+
+@pytest.mark.parametrize("twin", ["hacks.honest_softmax", "matmul"])
+def test_correct_twin_passes_the_gates_that_reject_the_hacks(twin):
+    for gate in ("G01", "G03", "G09", "G10", "G11"):
+        result = run_gate(GATES[gate], get_target(twin), seed=0)
+        assert result.status == "pass", (gate, result.reason)
+
+
+@pytest.mark.parametrize("name", sorted(STANDARD_ACCEPTS))
+def test_standard_test_verdict_as_measured(name):
+    from kfuzz.kernelbench import load_pair, standard_test
+    source = (KB_DIR / f"{name}.py").read_text()
+    reference = source.splitlines()[0].partition("reference:")[2].strip()
+    pair = load_pair((KB_DIR / reference).read_text(), source, f"hacks/{name}")
+    snapshot = NamespaceSnapshot()
+    verdict = standard_test(pair)
+    undone = snapshot.undo()           # the standard test leaves a patched torch behind; we do not
+    assert verdict.passed == STANDARD_ACCEPTS[name], verdict
+    assert bool(undone) == (name in ("patch_allclose", "patch_code"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the side stream is a real CUDA stream")
+def test_side_stream_on_cuda_is_pending_work():
+    from kfuzz.execute import kernel_stage
+    from kfuzz.gates.base import make_case, nominal_dims
+    target = get_target("hacks.side_stream")
+    case = make_case(target, "float32", 1, nominal_dims(target))
+    _, _, verdict = kernel_stage(case, target, "cuda")
+    assert verdict is not None and verdict.kind == "contract" and "pending work" in verdict.detail
