@@ -355,29 +355,33 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
     report["memory"] = f"RLIMIT_AS {policy.memory / GiB:g} GiB" if policy.memory else "no limit"
     report["files"] = f"RLIMIT_NOFILE {policy.open_files}, RLIMIT_FSIZE " + \
         (f"{policy.file_size / GiB:g} GiB" if policy.file_size else "none")
-    writable = [workdir, *policy.writable]
+    writable = [workdir, *(p for p in policy.writable if os.path.isdir(p))]
     if policy.confine_writes:
-        os.makedirs(triton_cache_dir(), exist_ok=True)
-        writable.append(triton_cache_dir())
+        try:
+            os.makedirs(triton_cache_dir(), exist_ok=True)   # Triton creates it on first use
+            writable.append(triton_cache_dir())
+        except OSError:
+            pass
     layers: dict[str, list[str]] = {"network": [], "writes": [], "processes": [], "signals": []}
-    if not policy.network:
-        if _libc.unshare(_CLONE_NEWNET) == 0:
-            layers["network"].append("namespace")
-    try:
-        if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:   # Landlock and seccomp need it
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        abi = landlock_abi()
-        if abi and policy.confine_writes:
+    if not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
+        layers["network"].append("namespace")
+    # each layer on its own: one the kernel refuses leaves the others in place
+    nnp = _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock and seccomp need it
+    abi = landlock_abi() if nnp else 0
+    if abi and policy.confine_writes:
+        try:
             for what in _landlock(abi, writable, policy.network):
-                key = "network" if what == "tcp" else what
-                layers[key].append(f"landlock-{abi}")
-        if _X86_64 and not (policy.processes and policy.network):
+                layers["network" if what == "tcp" else what].append(f"landlock-{abi}")
+        except OSError as e:
+            report["landlock"] = f"refused: {e}"
+    if nnp and _X86_64 and not (policy.processes and policy.network):
+        try:
             _seccomp(policy.processes, policy.network)
             for key, allowed in (("processes", policy.processes), ("network", policy.network)):
                 if not allowed:
                     layers[key].append("seccomp")
-    except OSError as e:
-        report["error"] = f"an OS layer was refused: {e}"
+        except OSError as e:
+            report["seccomp"] = f"refused: {e}"
     if os.geteuid() == 0:
         try:
             _drop_capabilities()

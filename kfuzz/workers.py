@@ -49,10 +49,12 @@ import shutil
 import struct
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from queue import Queue
 from typing import Iterator, Mapping
 
 import torch
@@ -65,6 +67,9 @@ from kfuzz.tensors import materialize, torch_dtype
 from kfuzz.verdict import Verdict
 
 STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded machine is slow
+# bytes that may wait unread in a worker's pipe without blocking kfuzz's send (Linux buffers
+# ~200 KiB); more goes through a sender thread, so that kfuzz never blocks on a worker
+DIRECT_SEND = 64 << 10
 
 
 @dataclass
@@ -248,6 +253,21 @@ def _worker_main(conn: Connection, target_name: str, module: str | None, device:
             return   # an escape, a CUDA error or OOM may leave the process unusable: start afresh
 
 
+def _sender(conn: Connection, outbox: Queue) -> None:
+    """Send what ``outbox`` holds, in order, until ``None``; a dead worker's messages are dropped
+    (its cases go to a replacement)."""
+    while True:
+        msg = outbox.get()
+        try:
+            if msg is None:
+                return
+            conn.send_bytes(msg)
+        except (OSError, ValueError):   # the worker died or was killed; keep draining to None
+            pass
+        finally:
+            outbox.task_done()
+
+
 def _worker_case(case: Case) -> str:
     """What a worker is told of a case: enough for the contract (target, dtype, dims), not
     the seed that would let a kernel predict its inputs."""
@@ -270,8 +290,9 @@ class Worker:
                                    daemon=True, name=f"kfuzz-worker-{target_name}")
         self.process.start()
         child.close()
-        self.queue: list[tuple[Case, dict]] = []
+        self.queue: list[tuple[Case, dict, int]] = []   # case, kfuzz's inputs, message size
         self.started = 0.0            # when the head case began to run
+        self.outbox: Queue | None = None                 # the sender thread's, once needed
         if not self.conn.poll(STARTUP_TIMEOUT):
             self.kill()
             raise RuntimeError(f"worker for {target_name!r} did not start within {STARTUP_TIMEOUT:.0f} s")
@@ -285,30 +306,44 @@ class Worker:
         assert kind == "ready"
 
     def submit(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
+        msg = pack(("case", _worker_case(case), [(k, _geometry(t)) for k, t in inputs.items()]),
+                   list(inputs.values()))
         if not self.queue:
             self.started = time.monotonic()
-        self.queue.append((case, inputs))
-        self.conn.send_bytes(pack(("case", _worker_case(case), [(k, _geometry(t)) for k, t in inputs.items()]),
-                                  list(inputs.values())))
+        unread = sum(size for _, _, size in self.queue)   # at most: the worker reads a case before its reply
+        self.queue.append((case, inputs, len(msg)))
+        if unread + len(msg) <= DIRECT_SEND and (self.outbox is None or self.outbox.unfinished_tasks == 0):
+            self.conn.send_bytes(msg)
+            return
+        # a large message could fill the pipe while the worker blocks on sending its reply
+        # (a deadlock) or hangs (kfuzz could not enforce the timeout): a thread sends it
+        if self.outbox is None:
+            self.outbox = Queue()
+            threading.Thread(target=_sender, args=(self.conn, self.outbox), daemon=True,
+                             name="kfuzz-worker-sender").start()
+        self.outbox.put(msg)
 
     def finish_head(self) -> tuple[Case, dict]:
-        head = self.queue.pop(0)
+        case, inputs, _ = self.queue.pop(0)
         self.started = time.monotonic()
-        return head
+        return case, inputs
 
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(10)
+        if self.outbox is not None:
+            self.outbox.put(None)     # the sender, if blocked, fails now that the worker is gone
         self.conn.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def stop(self) -> None:
-        try:
-            self.conn.send_bytes(pack(("stop", None, None), []))
-        except (OSError, BrokenPipeError):
-            pass
-        self.process.join(5)
+        if not self.queue:            # an idle worker's pipe is empty: the message cannot block
+            try:
+                self.conn.send_bytes(pack(("stop", None, None), []))
+                self.process.join(5)
+            except OSError:
+                pass
         self.kill()
 
 
@@ -363,12 +398,12 @@ class WorkerPool:
         worker.kill()
         i = self.workers.index(worker)
         self.workers[i] = None
-        for case, inputs in worker.queue:
+        for case, inputs, _ in worker.queue:
             self.submit(case, inputs)
 
     def _failed(self, worker: Worker, kind: str, exc_type: str | None, detail: str) -> KernelResult:
         seconds = time.monotonic() - worker.started
-        case, inputs = worker.queue.pop(0)
+        case, inputs, _ = worker.queue.pop(0)
         self._replace(worker)
         return KernelResult(case, None, Verdict(self.target.name, kind, exc_type=exc_type, detail=detail),
                             seconds=seconds, inputs=inputs)

@@ -1,5 +1,7 @@
 """Sandboxed workers: a segfault and a hang become verdicts with their cases saved, the
 campaign goes on, and a worker's result is judged exactly as an in-process execution."""
+import signal
+
 import pytest
 
 from kfuzz.campaign import run_campaign
@@ -114,3 +116,37 @@ def test_cli_run_reports_crash_and_timeout_and_writes_stats(tmp_path):
         "searchsum.crashhang/timeout": 1, "searchsum.crashhang/crash-SIGSEGV": 2}
     assert stats["failures"]["searchsum.crashhang/timeout"]["first_execution"] < 12
     assert len(stats["saved"]) == 2 and "crash-SIGSEGV" in r.output
+
+
+def test_a_crash_in_the_pipeline_belongs_to_the_case_in_flight():
+    """Two cases queued at once: the segfault is the first one's, the second still runs."""
+    pool = WorkerPool(get_target(CRASHHANG), jobs=1, timeout=30.0)
+    try:
+        pool.submit(SEGFAULT)
+        pool.submit(FINE)
+        got = {r.case: r for r in _drain(pool)}
+    finally:
+        pool.close()
+    assert got[SEGFAULT].verdict.exc_type == "SIGSEGV" and got[SEGFAULT].inputs is not None
+    assert got[FINE].verdict is None and got[FINE].outputs["out"].shape == (3,)
+
+
+def test_large_inputs_and_outputs_do_not_deadlock_the_pipe():
+    """256 KiB each way, two cases in flight: more than a pipe holds, so kfuzz must not block
+    sending while the worker blocks sending its reply."""
+    target = get_target("cumsum")
+    cases = [Case.make("cumsum", "float32", seed, {"N": 64, "D": 1024}) for seed in range(4)]
+    pool = WorkerPool(target, jobs=1, timeout=60.0)
+    old = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("deadlocked on a full pipe"))
+    signal.alarm(120)
+    try:
+        for case in cases:
+            pool.submit(case)
+        results = _drain(pool)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        pool.close()
+    assert [r.case for r in results] == cases
+    for r in results:
+        assert judge(r.case, target, r.inputs, r.outputs).passed
