@@ -39,9 +39,9 @@ use it as feedback; torch itself is not traced.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import inspect
-import json
 import multiprocessing
 import os
 import pickle
@@ -154,20 +154,22 @@ def run_kernel(case: Case, target: Target, device: str = "cpu", coverage: Harnes
 
 # the wire: a pickled header, then the tensors' raw bytes ------------------------------------
 
-def pack(header: tuple, tensors: list[torch.Tensor]) -> bytearray:
+def _storage_buffer(t: torch.Tensor):
+    """The bytes of ``t``'s whole storage, without a copy where they are large."""
+    st = t.untyped_storage()
+    st = st if st.device.type == "cpu" else st.cpu()
+    n = st.nbytes()
+    if n <= 1 << 20:                 # small: one C-level copy is cheaper than a tensor view
+        return ctypes.string_at(st.data_ptr(), n) if n else b""
+    return torch.empty(0, dtype=torch.uint8).set_(st).numpy().data
+
+
+def pack(header: tuple, tensors: list[torch.Tensor]) -> bytes:
     """One message: ``header`` and each tensor's bytes (its whole storage for a view, so
     the receiver rebuilds the same layout, fillers and guard bytes included)."""
-    raws = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).cpu() for t in tensors]
-    head = pickle.dumps((header, [r.numel() for r in raws]), protocol=pickle.HIGHEST_PROTOCOL)
-    msg = bytearray(4 + len(head) + sum(r.numel() for r in raws))
-    msg[:4] = struct.pack("<I", len(head))
-    msg[4:4 + len(head)] = head
-    at = 4 + len(head)
-    for r in raws:
-        if r.numel():
-            msg[at:at + r.numel()] = r.numpy().data
-        at += r.numel()
-    return msg
+    raws = [_storage_buffer(t) for t in tensors]
+    head = pickle.dumps((header, [len(r) for r in raws]), protocol=pickle.HIGHEST_PROTOCOL)
+    return b"".join([struct.pack("<I", len(head)), head, *raws])
 
 
 def unpack(msg: bytes | bytearray) -> tuple[tuple, list[torch.Tensor]]:
@@ -233,10 +235,10 @@ def _worker_main(conn: Connection, target_name: str, module: str | None, device:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        (kind, case_json, geometry), storages = unpack(msg)
+        (kind, told, geometry), storages = unpack(msg)
         if kind == "stop":
             return
-        case = Case.from_json(json.loads(case_json))
+        case = Case(told[0], told[1], 0, told[2])
         inputs = {name: _rebuild(st, geo, device) for (name, geo), st in zip(geometry, storages)}
         sandbox.start_case(cpu_seconds)
         try:
@@ -268,10 +270,10 @@ def _sender(conn: Connection, outbox: Queue) -> None:
             outbox.task_done()
 
 
-def _worker_case(case: Case) -> str:
+def _worker_case(case: Case) -> tuple:
     """What a worker is told of a case: enough for the contract (target, dtype, dims), not
     the seed that would let a kernel predict its inputs."""
-    return Case.make(case.target, case.dtype, 0, case.dim).canonical()
+    return case.target, case.dtype, case.dims
 
 
 class Worker:

@@ -150,3 +150,21 @@ def test_large_inputs_and_outputs_do_not_deadlock_the_pipe():
     assert [r.case for r in results] == cases
     for r in results:
         assert judge(r.case, target, r.inputs, r.outputs).passed
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout("permuted", perm=(1, 0)), Layout("strided", step=(2, 3)),
+                                    Layout("offset", offset=5), Layout("expanded", dims=(0,))])
+def test_inputs_cross_the_pipe_bit_for_bit_with_their_layout(layout):
+    """What the worker rebuilds is the storage kfuzz materialized: values, NaN fillers of
+    strided views, offsets, strides."""
+    import torch
+
+    from kfuzz.workers import _geometry, _rebuild, pack, unpack
+    target = get_target("searchsum")
+    case = Case.make("searchsum", "bfloat16", 7, {"N": 5, "D": 9}, {"x": ArgCase(layout, inject=((4, "nan"),))})
+    x = materialize(case, target)["x"]
+    (_, geometry), (storage,) = unpack(pack(("case", _geometry(x)), [x]))
+    y = _rebuild(storage, geometry)
+    assert (y.shape, y.stride(), y.storage_offset(), y.dtype) == (x.shape, x.stride(), x.storage_offset(), x.dtype)
+    raw = lambda t: torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # noqa: E731
+    assert torch.equal(raw(x), raw(y))
