@@ -223,6 +223,12 @@ def main(argv=None) -> int:
     console = Console(stderr=True)
     args.out.mkdir(parents=True, exist_ok=True)
     corpus = Corpus.from_bytes(stdlib_bytes(args.data_bytes))
+    try:   # a machine without the standard library's sources fails here, not in every run
+        next(corpus.batches(1, args.batch, args.seq_len, args.seed))
+        corpus.heldout_windows(args.batch, args.seq_len, args.heldout_windows)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] standard-library text: {e}")
+        return 2
     env = versions(args.device)
     runs: dict[tuple[str, str], Run] = {}
     csv_path = args.out / "losses.csv"
