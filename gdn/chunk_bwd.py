@@ -42,6 +42,7 @@ Refuses: K or V over 256, cu_seqlens with B != 1; shapes follow gdn.oracle.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -53,7 +54,9 @@ from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _inv_unit_lower
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4}
+LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
+          "min_bv": 32}
+LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
 
 
 @triton.jit
@@ -655,7 +658,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     # BV >= 32: on the H200 (Triton 3.6) BK = 256 with BV = 16 compiled _states' W @ h
     # dot to out-of-range shared-memory addresses (compute-sanitizer; an illegal address
     # or NaN gradients at K=184 V=1, K=256 V=16, found by kfuzz); a wider tile masks V.
-    BV = min(64, max(32, _pow2(V)))
+    BV = min(64, max(LAUNCH["min_bv"], _pow2(V)))
     NV = triton.cdiv(V, BV)
     IS_VARLEN = cu_seqlens is not None
     if T == 0 or NC == 0:

@@ -285,6 +285,14 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
 
 
 @triton.jit
+def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+    """A product of the output kernel: bf16 operands for bf16 inputs on GPUs, else fp32 ones."""
+    if DT == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
 def _forced(ok, MODE: tl.constexpr):
     """The path decision under the bring-up switch GDN_FWD_MODE (1: matrix, 2: exact)."""
     if MODE == 1:
@@ -385,7 +393,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-                PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr):
+                PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr):
     """The parallel part, per (V tile, chunk, head): o = scale (Gamma q) S + (q k^T decay)
     v_new with S the stored state entering the chunk; token by token from that state where
     the state pass stepped the chunk (xflag) or q fails the matrix path's checks."""
@@ -407,34 +415,34 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
         vx = (rows[:, None] * H + i_h) * V + dv[None, :]
         cid = i_c.to(tl.int64)
         S = tl.load(hs + (cid * H + i_h) * K * V + dk[:, None].to(tl.int64) * V + dv[None, :],
-                    mask=smask, other=0.0).to(tl.float32)
-        qt = tl.load(q + kx, mask=mk, other=0.0).to(tl.float32)
+                    mask=smask, other=0.0)
+        qt = tl.load(q + kx, mask=mk, other=0.0)
         xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
         ok = _forced((tl.max(xf.to(tl.int32)) == 0) & _all_within(qt, BIG), MODE)
         if ok:
-            kt = tl.load(k + kx, mask=mk, other=0.0).to(tl.float32)
+            kt = tl.load(k + kx, mask=mk, other=0.0)
             causal = rr[:, None] >= rr[None, :]
             if GATE == 1:
                 G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
                 dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
-                Aqk = tl.dot(qt, tl.trans(kt), input_precision=PREC) * dec
+                Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
                 qg = qt * tl.exp(G + Glo)[:, None]
             elif GATE == 2:
                 G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
                 qg = qt * tl.exp(G)
-                Aqk = tl.dot(qg, tl.trans(kt * tl.exp(-G)), input_precision=PREC)
+                Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
             else:
-                Aqk = tl.dot(qt, tl.trans(kt), input_precision=PREC)
+                Aqk = _odot(qt, tl.trans(kt), DT, PREC)
                 qg = qt
             Aqk = tl.where(causal, Aqk, 0.0)
             if DELTA:
-                vt = tl.load(vn + vx, mask=mv, other=0.0).to(tl.float32)
+                vt = tl.load(vn + vx, mask=mv, other=0.0)
             else:
-                vt = tl.load(v + vx, mask=mv, other=0.0).to(tl.float32)
-            ot = (tl.dot(qg, S, input_precision=PREC) + tl.dot(Aqk, vt, input_precision=PREC)) * scale
+                vt = tl.load(v + vx, mask=mv, other=0.0)
+            ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
             tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
         else:
-            _exact_chunk(q, k, v, g, beta, o, S, scale, bos, eos, i_h, dk, kmask, dv, vmask,
+            _exact_chunk(q, k, v, g, beta, o, S.to(tl.float32), scale, bos, eos, i_h, dk, kmask, dv, vmask,
                          smask, H, K, V, BT, GATE, DELTA, True)
 
 
@@ -559,5 +567,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                  T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
                  STORE_HT=output_final_state, SBIG=SBIG, **common)
     _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
-                                            T, max(NT, 1), BV=BVP, num_warps=4, **common)
+                                            T, max(NT, 1), BV=BVP, num_warps=4,
+                                            DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET
+                                            else tl.float32, **common)
     return o, (hT if output_final_state else None)
