@@ -214,8 +214,10 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     if cache and entry.pair is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
     os.environ.setdefault("MAX_JOBS", str(max_jobs))
+    import warnings
     import torch
     torch.set_num_threads(threads)
+    warnings.simplefilter("ignore")     # the kernels' own warnings are not the audit's output
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)))
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
@@ -259,23 +261,42 @@ class _Running:
         return self.record
 
 
-def done_keys(out: str | Path) -> set[str]:
-    """Keys already recorded in ``out``'s results (a torn last line does not count)."""
-    path = Path(out) / RESULTS
-    keys = set()
+def read_results(path: str | Path) -> dict[str, dict]:
+    """The records of a results file by key, the last line of a key winning (a retried kernel
+    appends a new one); a torn line is skipped."""
+    records = {}
+    path = Path(path)
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
-                keys.add(json.loads(line)["key"])
+                rec = json.loads(line)
+                records[rec["key"]] = rec
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue
-    return keys
+    return records
+
+
+def needs_retry(record: dict) -> bool:
+    """A record the kernel's run did not finish: killed for time, or a gate that could not run."""
+    return (record.get("ended") or "").startswith("timeout") or any(
+        g.get("status") == "error" for g in record.get("gates", {}).values())
+
+
+def done_keys(out: str | Path, retry: bool = False) -> set[str]:
+    """Keys already recorded in ``out``'s results; with ``retry``, less those ``needs_retry``."""
+    return {k for k, r in read_results(Path(out) / RESULTS).items() if not (retry and needs_retry(r))}
 
 
 def append_record(out: str | Path, record: dict) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    fd = os.open(Path(out) / RESULTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    path = Path(out) / RESULTS
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = b"\n" + line      # a write cut short before: end its torn line first
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line)
         os.fsync(fd)
@@ -285,10 +306,10 @@ def append_record(out: str | Path, record: dict) -> None:
 
 def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str], jobs: int = 1,
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
-              threads: int = 1, max_jobs: int = 2,
-              on_record: Callable[[dict], None] | None = None) -> Iterator[dict]:
-    """Audit ``entries`` not yet recorded in ``out``; yields each record once appended."""
-    done = done_keys(out)
+              threads: int = 1, max_jobs: int = 2, retry: bool = False) -> Iterator[dict]:
+    """Audit ``entries`` not yet recorded in ``out`` (with ``retry``, also those whose run did not
+    finish); yields each record once appended."""
+    done = done_keys(out, retry)
     todo = [e for e in entries if e.key not in done]
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: G10 and model code import it on first use, 4 s in every kernel process

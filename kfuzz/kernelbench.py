@@ -354,7 +354,12 @@ class Bench:
     def reference_model(self, dims: dict, dtype: torch.dtype, device) -> torch.nn.Module:
         key = ("ref", tuple(sorted(dims.items())), dtype, str(device))
         if key not in self.models:
-            self.models[key] = copy.deepcopy(self._ref_cpu(dims)).to(device=device, dtype=dtype)
+            model = copy.deepcopy(self._ref_cpu(dims)).to(device=device, dtype=dtype)
+            for m in model.modules():     # plain tensor attributes (an LSTM's h0) too
+                for k, v in list(vars(m).items()):
+                    if isinstance(v, torch.Tensor) and v.is_floating_point():
+                        setattr(m, k, v.to(device=device, dtype=dtype))
+            self.models[key] = model
         return self.models[key]
 
     def solution_model(self, dims: dict, device) -> torch.nn.Module:
@@ -443,15 +448,19 @@ def load_weights(model: torch.nn.Module, reference: torch.nn.Module, strict: boo
     position`` (renamed, same shapes in order), or, when ``strict`` is False, ``seed only`` (the
     same-seed construction stays). A parameter missing or extra raises WeightsContractError."""
     want, have = reference.state_dict(), model.state_dict()
-    if set(want) == set(have) and all(want[k].shape == have[k].shape for k in want):
-        model.load_state_dict(want, strict=True)
-        return "exact"
-    if [v.shape for v in want.values()] == [v.shape for v in have.values()]:
-        model.load_state_dict(dict(zip(have, want.values())), strict=True)
-        return "by position"
+    detail = None
+    try:
+        if set(want) == set(have) and all(want[k].shape == have[k].shape for k in want):
+            model.load_state_dict(want, strict=True)
+            return "exact"
+        if [v.shape for v in want.values()] == [v.shape for v in have.values()]:
+            model.load_state_dict(dict(zip(have, want.values())), strict=True)
+            return "by position"
+    except RuntimeError as e:       # a custom load_state_dict hook that refuses
+        detail = f"ModelNew refuses Model's state_dict ({str(e)[:300]})"
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-    detail = (f"ModelNew's state_dict does not match Model's: missing {missing[:6]}, extra {extra[:6]}"
-              if missing or extra else "ModelNew's state_dict has the same names with other shapes")
+    detail = detail or (f"ModelNew's state_dict does not match Model's: missing {missing[:6]}, extra {extra[:6]}"
+                        if missing or extra else "ModelNew's state_dict has the same names with other shapes")
     if strict:
         raise WeightsContractError(detail)
     return f"seed only ({detail})"
@@ -489,9 +498,18 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
     def reference(**inputs):
         first = next(iter(inputs.values()))
         dtype = next((v.dtype for v in inputs.values() if v.is_floating_point()), torch.float32)
-        model = bench.reference_model(bench.dims_of(inputs), dtype, first.device)
-        with torch.no_grad():
-            return _outputs(model(*[inputs[n] for n in names]))
+        # the float64 oracle runs where the kernel runs: a level-3 network in float64 takes
+        # a CPU core minutes; the precision is the same on either device
+        where = torch.device(device) if dtype == torch.float64 else first.device
+        model = bench.reference_model(bench.dims_of(inputs), dtype, where)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)     # tensors made inside forward take the oracle's precision
+        try:
+            with torch.no_grad():
+                outs = _outputs(model(*[v.to(where) for v in (inputs[n] for n in names)]))
+        finally:
+            torch.set_default_dtype(old)
+        return tuple(o.to(first.device) for o in outs)
 
     int_args = [n for n, dt in zip(names, contract.arg_dtypes) if dt != "case"]
 
@@ -505,7 +523,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
             return f"the reference refuses these sizes ({type(e).__name__}: {str(e)[:200]})"
         return None
 
-    return KernelBenchTarget(
+    target = KernelBenchTarget(
         name=pair.target_name, kernel=kernel, reference=reference,
         args={n: Arg(shape=s, dtype=dt, differentiable=False)
               for n, s, dt in zip(names, contract.arg_shapes, contract.arg_dtypes)},
@@ -516,6 +534,23 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         domain=domain, constraint=constraint,
         description=f"KernelBench level {pair.level} problem {pair.problem} ({pair.model})",
         options={"bench": bench, "device": device, "fixed": contract.fixed})
+    target.options["nominal"] = nominal(target)
+    return target
+
+
+def nominal(target: KernelBenchTarget) -> dict[str, int]:
+    """kfuzz's nominal shape where the reference admits it, else the fixed shape divided by
+    8, 4, 2 or 1 (the first the reference admits): a network needs inputs big enough."""
+    from kfuzz.gates.base import inner_dims, fit_dims, NOMINAL, OUTER
+    inner = inner_dims(target)
+    wanted = {n: NOMINAL if n in inner else OUTER for n in target.dims}
+    if fit_dims(target, wanted) is not None:
+        return wanted
+    for k in (8, 4, 2, 1):
+        dims = {n: max(1, d.hi // k) for n, d in target.dims.items()}
+        if target.constraint(dims) is None:
+            return dims
+    return {n: d.hi for n, d in target.dims.items()}
 
 
 # finding a pair by name ---------------------------------------------------------------------------

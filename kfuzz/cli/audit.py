@@ -47,8 +47,10 @@ def _line(rec: dict) -> str:
               help="Compiled extensions, one folder per solution hash (default OUT/extensions).")
 @click.option("--max-jobs", type=int, default=2, show_default=True, help="MAX_JOBS for each extension build.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
+@click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
 @handles_bad_input
-def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, threads):
+def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, threads,
+              retry):
     """Audit the kernels of CORPORA (CUDA-L1 .jsonl, leaderboard .json, controls folder).
 
     Solutions that need no compile go first. Exit 1 if a control ends otherwise than planted
@@ -71,7 +73,7 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     cache = cache or str(Path(out) / "extensions")
     counts = {"audited": 0, "skipped": 0, "violation": 0, "broken": 0, "controls_wrong": 0}
     for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout,
-                         cache=cache, threads=threads, max_jobs=max_jobs):
+                         cache=cache, threads=threads, max_jobs=max_jobs, retry=retry):
         click.echo(_line(rec))
         if rec.get("skip"):
             counts["skipped"] += 1

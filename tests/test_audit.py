@@ -1,0 +1,109 @@
+"""The KernelBench adapter and the audit: controls caught, corpus rows as recorded, resumable."""
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kfuzz.audit import append_record, done_keys, judge_record, read_corpus, read_results, run_audit
+import kfuzz.cli.audit  # noqa: F401  (registers the verb)
+from kfuzz.cli import cli
+from kfuzz.kernelbench import (KernelBenchError, WeightsContractError, as_target, infer_contract, load_pair,
+                               load_weights, pair_module, size_constants, standard_test)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTROLS = ROOT / "harnesses" / "kernelbench_controls"
+CORPORA = ROOT.parent / "shared" / "corpora"
+CI_ROWS = ROOT / "audit" / "ci_rows.json"
+
+
+def control(stem):
+    return next(e for e in read_corpus(CONTROLS) if e.key.endswith(":" + stem))
+
+
+def test_load_pair_refuses_sources_it_cannot_use():
+    ref = (CONTROLS / "reference_sum.py").read_text()
+    with pytest.raises(KernelBenchError, match="defines no ModelNew"):
+        load_pair(ref, "import torch\n", "p")
+    with pytest.raises(KernelBenchError, match="does not parse"):
+        load_pair("def (:\n", "class ModelNew: pass\n", "p")
+    with pytest.raises(KernelBenchError, match="get_init_inputs"):
+        load_pair("class Model: pass\ndef get_inputs(): return []\n", "class ModelNew: pass\n", "p")
+
+
+def test_size_constants_become_dims_with_symbolic_shapes():
+    pair = control("correct_linear").pair
+    assert size_constants(pair.ref_code) == {"batch_size": 16, "in_features": 256, "out_features": 128}
+    c = infer_contract(pair)
+    # out_features sizes no input: it stays fixed; the others size x directly
+    assert c.arg_shapes == (("batch_size", "in_features"),) and c.fixed == ("out_features",)
+    t = as_target(pair)
+    assert t.shape_of(t.outputs["out"].shape, {"batch_size": 3, "in_features": 5}) == (3, 128)
+
+
+def test_standard_test_accepts_what_the_gates_reject():
+    # the planted bugs pass the standard test (that is the point of the audit) ...
+    for stem in ("zeros_under_tolerance", "fp16_accumulation", "drops_nan"):
+        v = standard_test(control(stem).pair)
+        assert v.passed and v.trials == 5, (stem, v)
+    # ... and a wrong kernel at the fixed shape does not
+    pair = control("skips_tail").pair
+    broken = load_pair(pair.ref_code, pair.custom_code.replace("// 256 * 256", "// 512 * 256"), "wrong")
+    v = standard_test(broken)
+    assert not v.passed and v.reason.startswith("mismatch")
+
+
+def test_weights_are_loaded_strictly():
+    ref = pair_module(control("drops_bias").pair, "ref").Model(8, 4)
+    dropped = pair_module(control("drops_bias").pair, "new").ModelNew(8, 4)
+    with pytest.raises(WeightsContractError, match="missing"):
+        load_weights(dropped, ref)
+    renamed = pair_module(control("correct_linear").pair, "new").ModelNew(8, 4)
+    assert load_weights(renamed, ref) == "by position"
+    assert torch.equal(renamed.w, ref.linear.weight)
+
+
+def test_resumable_results(tmp_path):
+    entries = [control("correct_sum"), control("drops_nan")]
+    first = list(run_audit(entries, tmp_path, ["G05"], jobs=2, timeout=120))
+    assert {r["key"] for r in first} == {e.key for e in entries}
+    assert list(run_audit(entries, tmp_path, ["G05"], jobs=2)) == []      # all done: nothing rerun
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write('{"key": "torn')                                            # a write cut short
+    assert done_keys(tmp_path) == {e.key for e in entries}
+    append_record(tmp_path, {**first[0], "ended": "timeout"})
+    assert done_keys(tmp_path, retry=True) == {e.key for e in entries} - {first[0]["key"]}
+
+
+def test_audit_cli_refuses_a_missing_corpus(tmp_path):
+    r = CliRunner().invoke(cli, ["audit", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "no such corpus" in r.output
+
+
+def test_ci_audit_controls_and_cpu_rows(tmp_path):
+    """The CPU-runnable CUDA-L1 rows named in audit/ci_rows.json end as recorded there, and
+    every control ends as planted (each kernel in its own sandboxed process)."""
+    spec = json.loads(CI_ROWS.read_text())
+    entries = read_corpus(CONTROLS)
+    corpus = CORPORA / spec["corpus"]
+    if corpus.is_file():
+        digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
+        assert digest == spec["sha256"], f"{corpus} changed (sha256 {digest}); re-measure audit/ci_rows.json"
+        entries += [e for e in read_corpus(corpus) if e.key.rsplit(":", 1)[1] in spec["rows"]]
+    records = list(run_audit(entries, tmp_path, spec["gates"], jobs=2, timeout=60))
+    assert len(records) == len(entries)
+    for r in records:
+        j = judge_record(r)
+        assert not r.get("ended") and all(g["status"] != "error" for g in r["gates"].values()), r["key"]
+        if r["expect"] is not None:
+            # G01, G05, G11 and the weights contract catch every planted bug on their own
+            assert j["violation"] == (r["expect"] != "none"), (r["key"], j)
+            assert r["standard"]["passed"], r["key"]
+        else:
+            want = spec["rows"][r["key"].rsplit(":", 1)[1]]
+            assert (j["standard"], j["violations"]) == (want["standard"], want["violations"]), r["key"]
+    if not corpus.is_file():
+        pytest.skip(f"controls audited; {corpus} is absent (the corpora are not in the repo), "
+                    f"so the {len(spec['rows'])} CUDA-L1 rows were not")

@@ -1,0 +1,182 @@
+"""The audit's report: markdown, a PNG and JSON from one or more ``results.jsonl`` files.
+
+    python tools/audit_report.py audit/results.jsonl --out audit
+
+writes ``report.md``, ``report.json`` (the totals and one row per kernel) and
+``report.png`` (violations by gate, by generating model, and the calibration
+sweep). A key recorded twice (a retried kernel) counts once, its last record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from kfuzz.audit import BROKEN_RATIO, judge_record, read_results
+from kfuzz.compare import BOUND_C
+from kfuzz.gates import GATES
+
+SWEEP = (0.5, 1, 2, 4, 8, 16, 64, 256, 1e3, 1e4, 1e6)
+BOUND_GATES = [g for g, gate in GATES.items() if not gate.tolerance_free]
+
+
+def _ratio(x) -> float:
+    return float("inf") if x == "inf" else float(x or 0)
+
+
+def worst_bound_ratio(rec: dict) -> float:
+    """The largest error/bound over the kernel's bound-judged gates (G01-G04)."""
+    return max((_ratio(g.get("worst_ratio")) for gid, g in rec.get("gates", {}).items()
+                if gid in BOUND_GATES and g.get("status") in ("pass", "fail")), default=0.0)
+
+
+def summarize(records: list[dict]) -> dict:
+    corpus = [r for r in records if r.get("expect") is None]
+    controls = [r for r in records if r.get("expect") is not None]
+    audited = [r for r in corpus if judge_record(r)["audited"]]
+    j = {r["key"]: judge_record(r) for r in records}
+    n = max(1, len(audited))
+    confusion = Counter((j[r["key"]]["standard"], j[r["key"]]["violation"]) for r in audited)
+    by_gate = Counter(v for r in audited for v in j[r["key"]]["violations"])
+    by_model: dict[str, Counter] = defaultdict(Counter)
+    for r in audited:
+        c = by_model[r.get("model", "?")]
+        c["kernels"] += 1
+        c["violation"] += j[r["key"]]["violation"]
+        c["broken"] += j[r["key"]]["broken"]
+        c["standard_pass"] += bool(j[r["key"]]["standard"])
+    # the calibration sweep: share of kernels over the bound if the bound were s times larger
+    ratios = [worst_bound_ratio(r) for r in audited]
+    sweep = [{"scale": s, "C": s * BOUND_C, "share_over": sum(x > s for x in ratios) / n} for s in SWEEP]
+    control_rows = []
+    for r in controls:
+        planted = r["expect"] != "none"
+        caught = j[r["key"]]["violation"]
+        control_rows.append({"key": r["key"], "planted": r["expect"], "standard_pass": j[r["key"]]["standard"],
+                             "violations": j[r["key"]]["violations"], "as_planted": caught == planted})
+    agree = sum(bool(j[r["key"]]["standard"]) for r in audited)
+    return {
+        "records": len(records), "corpus_records": len(corpus),
+        "skipped": sum("skip" in r for r in corpus),
+        "adapter_refused": sum("adapter" in r for r in corpus),
+        "audited": len(audited),
+        "incomplete": sum(j[r["key"]]["incomplete"] for r in audited),
+        "violation": sum(j[r["key"]]["violation"] for r in audited),
+        "broken": sum(j[r["key"]]["broken"] for r in audited),
+        "share_violation": sum(j[r["key"]]["violation"] for r in audited) / n,
+        "share_broken": sum(j[r["key"]]["broken"] for r in audited) / n,
+        "standard_agreement": agree / n,
+        "confusion": {f"standard_{'pass' if s else 'fail'}__gates_{'violation' if v else 'clean'}": c
+                      for (s, v), c in sorted(confusion.items(), key=str)},
+        "accepted_by_standard_rejected_by_gates": confusion[(True, True)],
+        "rejected_by_standard_clean_in_gates": confusion[(False, False)],
+        "by_gate": dict(sorted(by_gate.items())),
+        "by_model": {m: dict(c) for m, c in sorted(by_model.items())},
+        "weights": dict(Counter(r.get("weights", {}).get("status", "-") for r in audited)),
+        "sweep": sweep, "broken_ratio": BROKEN_RATIO, "controls": control_rows,
+        "controls_as_planted": all(c["as_planted"] for c in control_rows) if control_rows else None,
+    }
+
+
+def kernel_rows(records: list[dict]) -> list[dict]:
+    rows = []
+    for r in records:
+        jr = judge_record(r)
+        rows.append({"key": r["key"], "model": r.get("model"), "level": r.get("level"), "problem": r.get("problem"),
+                     "standard": r.get("standard", {}).get("reason"), "weights": r.get("weights", {}).get("status"),
+                     "gates": {g: d.get("status") for g, d in sorted(r.get("gates", {}).items())},
+                     "violations": jr["violations"], "broken": jr["broken"], "ended": r.get("ended"),
+                     "skip": r.get("skip"), "adapter": r.get("adapter", {}).get("error")})
+    return rows
+
+
+def markdown(s: dict) -> str:
+    pct = lambda x: f"{100 * x:.1f}%"
+    out = ["# Audit report", "",
+           f"{s['audited']} kernels audited ({s['incomplete']} incomplete: killed for time, judged on the gates "
+           f"that finished), {s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the "
+           f"adapter.", "",
+           "| measure | value |", "| --- | --- |",
+           f"| broken beyond any tolerance (a tolerance-free failure, or error > {s['broken_ratio']:g} x bound) | "
+           f"{s['broken']} ({pct(s['share_broken'])}) |",
+           f"| at least one violation (a gate failed or the weights contract) | {s['violation']} "
+           f"({pct(s['share_violation'])}) |",
+           f"| our standard test agrees with the corpora's (all rows accepted) | {pct(s['standard_agreement'])} |",
+           f"| accepted by our standard test, rejected by the gates | {s['accepted_by_standard_rejected_by_gates']} |",
+           f"| rejected by our standard test, clean in the gates | {s['rejected_by_standard_clean_in_gates']} |",
+           "", "## Confusion matrix against the standard test", "",
+           "| | gates: violation | gates: clean |", "| --- | --- | --- |"]
+    c = s["confusion"]
+    for std in ("pass", "fail"):
+        out.append(f"| standard {std} | {c.get(f'standard_{std}__gates_violation', 0)} | "
+                   f"{c.get(f'standard_{std}__gates_clean', 0)} |")
+    out += ["", "## Violations by gate", "", "| gate | kernels | share |", "| --- | --- | --- |"]
+    for g, k in s["by_gate"].items():
+        name = GATES[g].name if g in GATES else {"W": "weights contract", "crash": "kernel process died"}.get(g, g)
+        out.append(f"| {g} {name} | {k} | {pct(k / max(1, s['audited']))} |")
+    out += ["", "## By generating model", "", "| model | kernels | standard pass | violation | broken |",
+            "| --- | --- | --- | --- | --- |"]
+    for m, c in s["by_model"].items():
+        out.append(f"| {m} | {c['kernels']} | {c['standard_pass']} | {c['violation']} | {c['broken']} |")
+    out += ["", "## Calibration sweep", "",
+            f"Share of audited kernels whose worst error/bound over G01-G04 exceeds s, i.e. that a bound s times "
+            f"larger (C = s x {BOUND_C:g}) would still fail:", "", "| s | C | share over |", "| --- | --- | --- |"]
+    out += [f"| {r['scale']:g} | {r['C']:g} | {pct(r['share_over'])} |" for r in s["sweep"]]
+    out += ["", "## Positive controls", "", "| control | planted | standard | violations | as planted |",
+            "| --- | --- | --- | --- | --- |"]
+    for r in s["controls"]:
+        out.append(f"| {r['key']} | {r['planted']} | {'pass' if r['standard_pass'] else 'fail'} | "
+                   f"{','.join(r['violations']) or '-'} | {'yes' if r['as_planted'] else 'NO'} |")
+    out += ["", f"Weights contract: {s['weights']}", ""]
+    return "\n".join(out)
+
+
+def plot(s: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
+    gates = list(s["by_gate"])
+    ax[0].bar(gates, [s["by_gate"][g] / max(1, s["audited"]) for g in gates])
+    ax[0].set_title("kernels failing each gate (share)")
+    models = list(s["by_model"])
+    share = lambda m, k: s["by_model"][m][k] / max(1, s["by_model"][m]["kernels"])
+    x = range(len(models))
+    ax[1].bar([i - 0.2 for i in x], [share(m, "violation") for m in models], 0.4, label="violation")
+    ax[1].bar([i + 0.2 for i in x], [share(m, "broken") for m in models], 0.4, label="broken")
+    ax[1].set_xticks(list(x), [m.split("/")[-1][:18] for m in models], rotation=35, ha="right", fontsize=8)
+    ax[1].set_title("by generating model (share)")
+    ax[1].legend()
+    ax[2].semilogx([r["scale"] for r in s["sweep"]], [r["share_over"] for r in s["sweep"]], marker="o")
+    ax[2].axvline(1, color="gray", ls="--")
+    ax[2].set_xlabel(f"bound multiplier s (C = s x {BOUND_C:g})")
+    ax[2].set_title("share over the bound (G01-G04)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="results.jsonl file(s) from kfuzz audit")
+    ap.add_argument("--out", default="audit", help="folder for report.md, report.json, report.png")
+    a = ap.parse_args(argv)
+    records: dict[str, dict] = {}
+    for path in a.results:
+        if not Path(path).is_file():
+            ap.error(f"{path}: no such results file")
+        records.update(read_results(path))
+    recs = list(records.values())
+    s = summarize(recs)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown(s))
+    (out / "report.json").write_text(json.dumps({"summary": s, "kernels": kernel_rows(recs)}, indent=1,
+                                                default=str))
+    plot(s, out / "report.png")
+    print(f"{out / 'report.md'}: {s['audited']} audited, {s['violation']} with a violation, {s['broken']} broken")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
