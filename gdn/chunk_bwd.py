@@ -54,8 +54,7 @@ from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _inv_unit_lower
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
-          "min_bv": 32}
+LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
 
 
@@ -655,10 +654,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     F32, DT = _dot_mode(q.dtype)
     inter = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     BK = _pow2(K)
-    # BV >= 32: on the H200 (Triton 3.6) BK = 256 with BV = 16 compiled _states' W @ h
-    # dot to out-of-range shared-memory addresses (compute-sanitizer; an illegal address
-    # or NaN gradients at K=184 V=1, K=256 V=16, found by kfuzz); a wider tile masks V.
-    BV = min(64, max(LAUNCH["min_bv"], _pow2(V)))
+    # BK = 256 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
+    # sequential kernels' products compiled to out-of-range shared-memory addresses
+    # (compute-sanitizer) or silently wrong gradients (K=184 V=1: error 0.91); found by kfuzz
+    # (gdn_bwd, bf16 B4 T4095 H7 K184 V1). tests/test_gdn_backward.py holds the shapes.
+    BV = 64 if BK > 128 else min(64, _pow2(V))
     NV = triton.cdiv(V, BV)
     IS_VARLEN = cu_seqlens is not None
     if T == 0 or NC == 0:
