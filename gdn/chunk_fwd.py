@@ -1,7 +1,7 @@
 """The GDN-family forward in Triton: `chunk_gdn_fwd`.
 
 Algorithm: the chunked form written out in `gdn.reference` (its docstring is
-the statement this file follows).  Up to three launches:
+the statement this file follows).  Up to four launches:
 
   0. `_gate_prefix_kernel` (gated members), one program per (chunk, head): the
      chunk-local prefix sums of the gates, stored fp32, and one flag per
@@ -10,8 +10,13 @@ the statement this file follows).  Up to three launches:
      A = tril(beta k k^T * decay), its inverse T = (I + A)^-1 from 16x16 blocks,
      w = T (beta Gamma k), u = T (beta v), and one flag per (chunk, head) that
      says whether the chunk's k, v, beta admit the matrix path.
-  2. `_scan_kernel`, one program per (sequence, head, V tile), walks its
-     sequence chunk by chunk with the state S [K, BV] in registers, fp32.
+  2. `_state_kernel`, one program per (sequence, head, V tile), walks its
+     sequence chunk by chunk with the state S [K, BV] in registers, fp32: stores
+     the state entering each chunk and v_new = u - w S (delta), and marks the
+     chunks it had to step token by token (xflag, per V column).
+  3. `_out_kernel`, one program per (chunk, head, V tile), all parallel:
+     o = scale ((Gamma q) S + (q k^T decay) v_new) from the stored state, or
+     token by token from it where xflag is set or q fails the checks.
 
 The NaN/Inf contract (kfuzz G05: the NaN set and the Inf set equal those of
 `gdn.oracle.recurrence` exactly).  The matrix path mixes every position of a
