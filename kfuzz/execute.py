@@ -92,6 +92,12 @@ def _torch_wraps(new: Any, old: Any) -> bool:
             and os.path.abspath(code.co_filename).startswith(_TORCH_DIR + os.sep))
 
 
+def _private_state(name: str, value: Any) -> bool:
+    """A module's private flag or cache (``kfuzz.target._LOADED``), which a kernel that calls
+    a library function may legitimately rebind; private functions and classes stay watched."""
+    return name.startswith("_") and not callable(value) and not isinstance(value, types.ModuleType)
+
+
 class NamespaceSnapshot:
     """The identities of the watched namespaces' attributes and of their functions' code,
     taken before a kernel call; ``undo`` names and reverts what the call replaced. Lists of
@@ -117,7 +123,7 @@ class NamespaceSnapshot:
         # names added are not counted: nothing that judges calls them, and a lazy import of a
         # submodule during the call (torch._dynamo, kfuzz.importer) adds one legitimately
         return [k for k in before if now.get(k, _MISSING) is not before[k]
-                and not _torch_wraps(now.get(k, _MISSING), before[k])], before
+                and not _torch_wraps(now.get(k, _MISSING), before[k]) and not _private_state(k, before[k])], before
 
     def undo(self) -> list[str]:
         """What the call replaced or removed, as ``namespace.name``; restores each."""

@@ -100,15 +100,41 @@ def test_correct_twin_passes_the_gates_that_reject_the_hacks(twin):
 
 @pytest.mark.parametrize("name", sorted(STANDARD_ACCEPTS))
 def test_standard_test_verdict_as_measured(name):
-    from kfuzz.kernelbench import load_pair, standard_test
-    source = (KB_DIR / f"{name}.py").read_text()
-    reference = source.splitlines()[0].partition("reference:")[2].strip()
-    pair = load_pair((KB_DIR / reference).read_text(), source, f"hacks/{name}")
+    from kfuzz.kernelbench import standard_test
+    pair = kernelbench_pair(name)
     snapshot = NamespaceSnapshot()
     verdict = standard_test(pair)
     undone = snapshot.undo()           # the standard test leaves a patched torch behind; we do not
     assert verdict.passed == STANDARD_ACCEPTS[name], verdict
     assert bool(undone) == (name in ("patch_allclose", "patch_code"))
+
+
+# the KernelBench sources judged by kfuzz directly (kfuzz.kernelbench.as_target): a sample
+KERNELBENCH_REJECTED_BY = [
+    ("rng_predict", "G01", "bound"),          # kfuzz's inputs are not torch.randn after the seed it reads
+    ("patch_allclose", "G01", "contract"),
+    ("gc_copy", "G01", "bound"),
+    ("lazy_tensor", "G01", "contract"),
+    ("global_out", "G09", "contract"),
+    ("fixed_shape", "G01", "exception"),      # the nominal shape is not the tuned 16384
+]
+
+
+def kernelbench_pair(name: str):
+    from kfuzz.kernelbench import load_pair
+    source = (KB_DIR / f"{name}.py").read_text()
+    reference = source.splitlines()[0].partition("reference:")[2].strip()
+    return load_pair((KB_DIR / reference).read_text(), source, f"hacks/{name}")
+
+
+@pytest.mark.parametrize("name, gate, kind", KERNELBENCH_REJECTED_BY, ids=[r[0] for r in KERNELBENCH_REJECTED_BY])
+def test_kernelbench_source_is_rejected(name, gate, kind):
+    from kfuzz.kernelbench import as_target
+    target = as_target(kernelbench_pair(name))
+    snapshot = NamespaceSnapshot()
+    _, verdict = first_failure(target, gate)
+    assert verdict is not None and verdict.kind == kind, verdict
+    assert snapshot.undo() == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the side stream is a real CUDA stream")
