@@ -107,3 +107,21 @@ def test_ci_audit_controls_and_cpu_rows(tmp_path):
     if not corpus.is_file():
         pytest.skip(f"controls audited; {corpus} is absent (the corpora are not in the repo), "
                     f"so the {len(spec['rows'])} CUDA-L1 rows were not")
+
+
+def test_a_worker_finds_a_pair_by_name():
+    """kb:<corpus>:<row> names resolve in any process: the gates' CLI and a sandboxed worker."""
+    from kfuzz.execute import judge
+    from kfuzz.gates.base import make_case, nominal_dims
+    from kfuzz.target import get_target
+    from kfuzz.tensors import materialize
+    from kfuzz.workers import WorkerPool
+    t = get_target(f"kb:{CONTROLS}:skips_tail")
+    pool = WorkerPool(t, jobs=1)
+    try:
+        case = make_case(t, "float32", 1, nominal_dims(t))
+        pool.submit(case)
+        (r,) = list(pool.results())
+        assert r.verdict is None and judge(case, t, materialize(case, t), r.outputs).kind == "bound"
+    finally:
+        pool.close()

@@ -62,6 +62,7 @@ def summarize(records: list[dict]) -> dict:
         "adapter_refused": sum("adapter" in r for r in corpus),
         "audited": len(audited),
         "incomplete": sum(j[r["key"]]["incomplete"] for r in audited),
+        "gate_errors": sum(any(g.get("status") == "error" for g in r.get("gates", {}).values()) for r in audited),
         "violation": sum(j[r["key"]]["violation"] for r in audited),
         "broken": sum(j[r["key"]]["broken"] for r in audited),
         "share_violation": sum(j[r["key"]]["violation"] for r in audited) / n,
@@ -95,8 +96,8 @@ def markdown(s: dict) -> str:
     pct = lambda x: f"{100 * x:.1f}%"
     out = ["# Audit report", "",
            f"{s['audited']} kernels audited ({s['incomplete']} incomplete: killed for time, judged on the gates "
-           f"that finished), {s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the "
-           f"adapter.", "",
+           f"that finished; {s['gate_errors']} with a gate that could not run, judged on the others), "
+           f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter.", "",
            "| measure | value |", "| --- | --- |",
            f"| broken beyond any tolerance (a tolerance-free failure, or error > {s['broken_ratio']:g} x bound) | "
            f"{s['broken']} ({pct(s['share_broken'])}) |",
