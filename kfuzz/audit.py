@@ -179,7 +179,13 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     from kfuzz.gates import GATES, run_gate
     from kfuzz.kernelbench import Bench, as_target, load_weights, pair_module, standard_test, SEED, set_seed
     pair = entry.pair
-    emit("standard", standard_test(pair, device=device).to_json())
+    standard = standard_test(pair, device=device)
+    emit("standard", standard.to_json())
+    if standard.reason.startswith("compile"):
+        # the solution does not build or import here: nothing for the gates to judge, and each
+        # gate would only try the (minutes long) build again
+        emit("unbuilt", {"error": standard.reason[:1000]})
+        return
     start = time.monotonic()
     try:
         target = as_target(pair, device, weights="seed")
@@ -251,7 +257,7 @@ class _Running:
     def take(self, kind: str, d: dict) -> None:
         if kind == "gate":
             self.record["gates"][d["gate"]] = d
-        elif kind in ("standard", "weights", "adapter", "error"):
+        elif kind in ("standard", "weights", "adapter", "unbuilt", "error"):
             self.record[kind] = d
 
     def end(self, how: str | None) -> dict:
@@ -389,4 +395,4 @@ def judge_record(record: dict) -> dict:
     return {"violations": violations, "broken": broken, "violation": bool(violations),
             "standard": None if std is None else bool(std.get("passed")),
             "incomplete": ended.startswith("timeout"),
-            "audited": "standard" in record and "adapter" not in record and "skip" not in record}
+            "audited": "standard" in record and not {"adapter", "unbuilt", "skip"} & set(record)}

@@ -60,6 +60,7 @@ def summarize(records: list[dict]) -> dict:
         "records": len(records), "corpus_records": len(corpus),
         "skipped": sum("skip" in r for r in corpus),
         "adapter_refused": sum("adapter" in r for r in corpus),
+        "unbuilt": sum("unbuilt" in r for r in corpus),
         "audited": len(audited),
         "incomplete": sum(j[r["key"]]["incomplete"] for r in audited),
         "gate_errors": sum(any(g.get("status") == "error" for g in r.get("gates", {}).values()) for r in audited),
@@ -97,7 +98,8 @@ def markdown(s: dict) -> str:
     out = ["# Audit report", "",
            f"{s['audited']} kernels audited ({s['incomplete']} incomplete: killed for time, judged on the gates "
            f"that finished; {s['gate_errors']} with a gate that could not run, judged on the others), "
-           f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter.", "",
+           f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
+           f"{s['unbuilt']} that did not build or import here (not judged).", "",
            "| measure | value |", "| --- | --- |",
            f"| broken beyond any tolerance (a tolerance-free failure, or error > {s['broken_ratio']:g} x bound) | "
            f"{s['broken']} ({pct(s['share_broken'])}) |",

@@ -18,8 +18,9 @@ def _line(rec: dict) -> str:
     std = rec.get("standard", {})
     head = f"{'BROKEN ' if j['broken'] else 'VIOLATE' if j['violation'] else 'ok     '}  {rec['key']}"
     head += f"  standard {'pass' if std.get('passed') else std.get('reason', '-')[:60]}"
-    if "adapter" in rec:
-        head += f"  adapter: {rec['adapter']['error'][:100]}"
+    for why in ("adapter", "unbuilt"):
+        if why in rec:
+            head = f"{why:8s} {rec['key']}: {rec[why]['error'][:120]}"
     if j["violations"]:
         head += f"  violations {','.join(j['violations'])}"
     if rec.get("expect"):
@@ -68,8 +69,8 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     elif select == "compile":
         entries = [e for e in entries if e.compiles]
     entries.sort(key=lambda e: e.compiles)         # stable: the fast ones first
-    if limit is not None:
-        entries = entries[:limit]
+    skipped = [e for e in entries if e.pair is None]  # recorded (cheap), never counted in --limit
+    entries = [e for e in entries if e.pair is not None][:limit] + skipped
     cache = cache or str(Path(out) / "extensions")
     counts = {"audited": 0, "skipped": 0, "violation": 0, "broken": 0, "controls_wrong": 0}
     for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout,
@@ -79,6 +80,9 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
             counts["skipped"] += 1
             continue
         j = judge_record(rec)
+        if not j["audited"]:
+            counts["skipped"] += 1
+            continue
         counts["audited"] += 1
         counts["violation"] += j["violation"]
         counts["broken"] += j["broken"]
