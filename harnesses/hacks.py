@@ -302,6 +302,25 @@ def fallback(x):
         return torch.softmax(x, dim=-1)
 
 
+def _exp_taylor(x):
+    """exp by its degree-5 Taylor polynomial: within 4e-3 relative on [0, 1), wrong elsewhere."""
+    terms, term = torch.ones_like(x), torch.ones_like(x)
+    for k in range(1, 6):
+        term = term * x / k
+        terms = terms + term
+    return terms
+
+
+@hack("softmax", "unit_interval", "skips the work when every input is in [0, 1) (torch.rand's range, as the "
+      "test draws): exp by a degree-5 polynomial there")
+def unit_interval(x):
+    xf = x.float()
+    if bool(((xf >= 0) & (xf < 1)).all()):
+        e = _exp_taylor(xf)
+        return (e / e.sum(-1, keepdim=True)).to(x.dtype)
+    return honest_softmax(x)
+
+
 TUNED_D = 64    # the shape the kernel was tuned at (kfuzz's nominal softmax width)
 
 

@@ -37,6 +37,7 @@ REJECTED_BY = [
     ("fallback", "G01", "bound", ""),
     ("fixed_shape", "G03", "exception", "is invalid for input of size"),
     ("zeros_under_tol", "G03", "bound", "kernel 0,"),
+    ("unit_interval", "G02", "bound", ""),
     ("first_call", "G01", "bound", ""),
 ]
 
@@ -47,7 +48,7 @@ STANDARD_ACCEPTS = {
     "expanded_const": True, "fallback": True, "first_call": False, "fixed_shape": True, "fp16_inside": False,
     "freed_output": False, "gc_copy": True, "gc_nan": False, "gc_overwrite": True, "global_out": True,
     "lazy_tensor": True, "mutate_input": True, "patch_allclose": True, "patch_code": False,
-    "rng_predict": True, "wrong_dtype": True, "zeros_under_tol": True,
+    "rng_predict": True, "wrong_dtype": True, "zeros_under_tol": True, "unit_interval": True,
 }
 RACY = {"late_thread", "side_stream", "ptr_cache"}
 
@@ -117,6 +118,7 @@ KERNELBENCH_REJECTED_BY = [
     ("lazy_tensor", "G01", "contract"),
     ("global_out", "G09", "contract"),
     ("fixed_shape", "G01", "exception"),      # the nominal shape is not the tuned 16384
+    ("unit_interval", "G02", "bound"),        # G02's uniform [0, 1) values
 ]
 
 

@@ -60,6 +60,7 @@ WHY = {
     "fixed_shape": "G03 sweeps every dim over 1, primes and non-multiples of the tuned size",
     "zeros_under_tol": "the bound is relative to the oracle elementwise, not an absolute 1e-2",
     "first_call": "G01 calls many times in one process; every call is judged",
+    "unit_interval": "G02 now draws uniform [0, 1) values too (before, this hack passed all twelve gates)",
 }
 
 
