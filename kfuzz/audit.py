@@ -47,6 +47,7 @@ BROKEN_RATIO = 1e3
 # failure kinds that no threshold explains away, whatever gate met them
 TOLERANCE_FREE_KINDS = ("exception", "crash", "timeout", "contract", "nonfinite", "nondeterminism",
                         "mutation", "stale")
+_MODE_SENSITIVE = re.compile(r"BatchNorm|InstanceNorm|Dropout|dropout|\.training|\.eval\(|\.train\(")
 _GPU_ONLY = re.compile(r"load_inline|cpp_extension|\.cuda\(|device\s*=\s*['\"]cuda|torch\.cuda\.(Stream|Event|"
                        r"CUDAGraph|graph|stream)|import triton|from triton")
 
@@ -64,6 +65,11 @@ class CorpusEntry:
     def cpu_runnable(self) -> bool:
         """A cheap static check: the solution neither compiles CUDA nor asks for the GPU."""
         return self.pair is not None and not _GPU_ONLY.search(self.pair.custom_code)
+
+    @property
+    def mode_sensitive(self) -> bool:
+        """The reference behaves differently in train and eval mode (a static check)."""
+        return self.pair is not None and bool(_MODE_SENSITIVE.search(self.pair.ref_code))
 
     @property
     def compiles(self) -> bool:
@@ -103,7 +109,7 @@ def _cuda_l1(path: Path) -> list[CorpusEntry]:
     gpu = path.stem.removeprefix("cuda-l1-")
     return [_entry(f"{path.name}:{i}", r.get("ref_code"), r.get("custom_code"),
                    "custom_code is null (not accepted)", level=r.get("level_id"), problem=r.get("task_id"),
-                   model=f"cuda-l1/{gpu}", source=f"{path}:{i}")
+                   model=f"cuda-l1/{gpu}", source=f"{path}:{i}", eval_mode=True)
             for i, r in enumerate(_load_json_lines(path))]
 
 
@@ -238,7 +244,8 @@ def base_record(entry: CorpusEntry) -> dict:
     rec = {"key": entry.key, "expect": entry.expect}
     if p is not None:
         rec.update(name=p.name, model=p.model, level=p.level, problem=p.problem, sha=p.sha,
-                   target=p.target_name, compiles=entry.compiles, cpu_runnable=entry.cpu_runnable)
+                   target=p.target_name, compiles=entry.compiles, cpu_runnable=entry.cpu_runnable,
+                   mode="eval" if p.eval_mode else "train")
     if entry.skip:
         rec["skip"] = entry.skip
     return rec
@@ -282,15 +289,20 @@ def read_results(path: str | Path) -> dict[str, dict]:
     return records
 
 
-def needs_retry(record: dict) -> bool:
-    """A record the kernel's run did not finish: killed for time, or a gate that could not run."""
+def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
+    """A record the kernel's run did not finish (killed for time, a gate that could not run),
+    or one made before the audit kept the accepting harness's train/eval mode, of a reference
+    that the mode changes."""
     return (record.get("ended") or "").startswith("timeout") or any(
-        g.get("status") == "error" for g in record.get("gates", {}).values())
+        g.get("status") == "error" for g in record.get("gates", {}).values()) or (
+        "mode" not in record and entry is not None and entry.mode_sensitive)
 
 
-def done_keys(out: str | Path, retry: bool = False) -> set[str]:
+def done_keys(out: str | Path, retry: bool = False, entries: Iterable[CorpusEntry] = ()) -> set[str]:
     """Keys already recorded in ``out``'s results; with ``retry``, less those ``needs_retry``."""
-    return {k for k, r in read_results(Path(out) / RESULTS).items() if not (retry and needs_retry(r))}
+    by_key = {e.key: e for e in entries}
+    return {k for k, r in read_results(Path(out) / RESULTS).items()
+            if not (retry and needs_retry(r, by_key.get(k)))}
 
 
 def append_record(out: str | Path, record: dict) -> None:
@@ -315,7 +327,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               threads: int = 1, max_jobs: int = 2, retry: bool = False) -> Iterator[dict]:
     """Audit ``entries`` not yet recorded in ``out`` (with ``retry``, also those whose run did not
     finish); yields each record once appended."""
-    done = done_keys(out, retry)
+    entries = list(entries)
+    done = done_keys(out, retry, entries)
     todo = [e for e in entries if e.key not in done]
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: G10 and model code import it on first use, 4 s in every kernel process

@@ -14,7 +14,9 @@ that kfuzz's gates judge:
   and the trusted implementation the reference in float32, all three with
   the same weights: ``Model``'s, loaded into ``ModelNew`` strictly (a
   parameter missing or extra is a contract failure; renamed parameters of
-  identical shapes in the same order are loaded by position);
+  identical shapes in the same order are loaded by position), in the mode
+  the accepting harness used (``eval_mode``: CUDA-L1's calls ``.eval()``,
+  KernelBench's does not);
 - the symbolic dims are the reference's integer size constants that size an
   input directly (found by parsing the source with ``ast``, and told apart by
   re-running ``get_inputs`` on the meta device with one constant changed at a
@@ -82,6 +84,8 @@ class KernelBenchPair:
     problem: int | None = None
     model: str = ""              # the generating model
     source: str = ""             # "<corpus file>:<row>", how a worker finds the pair again
+    eval_mode: bool = False      # the accepting harness put both models in eval mode (CUDA-L1 does,
+                                 # KernelBench does not): BatchNorm's running statistics, no dropout
 
     @property
     def sha(self) -> str:
@@ -229,9 +233,9 @@ def standard_test(pair: KernelBenchPair, device: str = "cpu", trials: int = TRIA
             set_seed(seed)
             init = ref.get_init_inputs()
             set_seed(seed)
-            model = ref.Model(*init).to(device)
+            model = ref.Model(*init).to(device).train(not pair.eval_mode)
             set_seed(seed)
-            model_new = new.ModelNew(*init).to(device)
+            model_new = new.ModelNew(*init).to(device).train(not pair.eval_mode)
             set_seed(seed)
             trial_seeds = [int(torch.randint(0, 2**32 - 1, (1,)).item()) for _ in range(trials)]
     except Exception as e:
@@ -348,7 +352,7 @@ class Bench:
                 set_seed(SEED)
                 init = ref.get_init_inputs()
                 set_seed(SEED)
-                self.models[key] = (ref.Model(*init), init)
+                self.models[key] = (ref.Model(*init).train(not self.pair.eval_mode), init)
         return self.models[key][0]
 
     def reference_model(self, dims: dict, dtype: torch.dtype, device) -> torch.nn.Module:
@@ -371,7 +375,7 @@ class Bench:
             set_seed(SEED)
             model = new.ModelNew(*init)
             self.weights_status = load_weights(model, ref_model, strict=self.weights == "strict")
-            self.models[key] = model.to(device)
+            self.models[key] = model.to(device).train(not self.pair.eval_mode)
         return self.models[key]
 
     def structure(self, dims: dict) -> dict[str, tuple]:
@@ -435,7 +439,8 @@ def _output_specs(bench: Bench, dims: tuple) -> tuple[tuple, ...]:
     try:
         with sized(ref, d), torch.device("meta"), torch.no_grad():
             set_seed(SEED)
-            outs = _outputs(ref.Model(*ref.get_init_inputs())(*ref.get_inputs()))
+            model = ref.Model(*ref.get_init_inputs()).train(not bench.pair.eval_mode)
+            outs = _outputs(model(*ref.get_inputs()))
     except Exception:
         with sized(ref, d), torch.no_grad():
             set_seed(SEED)
