@@ -17,6 +17,7 @@ outside (0, 0.5].
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -197,3 +198,22 @@ def heldout_loss(model: ByteLM, corpus: Corpus, *, batch: int, seq_len: int,
     total = sum(model.loss(w.to(device)).item() * len(w) for w in windows)
     model.train()
     return total / sum(len(w) for w in windows)
+
+
+def gradient_gap(model: ByteLM, window: torch.Tensor, device: torch.device | str) -> dict[str, float]:
+    """Per parameter, ||grad through triton - grad through reference|| / ||grad through
+    reference|| of one batch's loss at ``model``'s weights (the absolute difference where the
+    reference gradient is 0).  Unlike the gap between two training curves, nothing here is
+    compounded by training: it is the op's own difference, seen through the whole model."""
+    grads = {}
+    for backend in ("triton", "reference"):
+        m = copy.deepcopy(model)
+        m.set_backend(backend)
+        m.train()
+        m.loss(window.to(device)).backward()
+        grads[backend] = {n: p.grad for n, p in m.named_parameters()}
+    out = {}
+    for name, ref in grads["reference"].items():
+        diff, norm = (grads["triton"][name] - ref).norm().item(), ref.norm().item()
+        out[name] = diff / norm if norm > 0 else diff
+    return out

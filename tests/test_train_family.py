@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gdn.layers import MEMBERS, FamilyMixer  # noqa: E402
-from gdn.lm import ByteLM, Corpus, heldout_loss, stdlib_bytes, train  # noqa: E402
+from gdn.lm import ByteLM, Corpus, gradient_gap, heldout_loss, stdlib_bytes, train  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = dict(d_model=32, layers=1, heads=1, head_dim=16)
@@ -64,16 +64,9 @@ def test_member_trains_alike_through_both_backends(member, corpus):
     torch.manual_seed(0)
     model0 = ByteLM(member, **TINY).to(DEV)
     before = _heldout(model0, corpus)
-    window = next(corpus.batches(1, BATCH, SEQ, seed=1)).to(DEV)
-    grads = {}
-    for backend in ("triton", "reference"):
-        model = copy.deepcopy(model0)
-        model.set_backend(backend)
-        model.loss(window).backward()
-        grads[backend] = {n: p.grad for n, p in model.named_parameters()}
-    for name, ref in grads["reference"].items():
-        err = (grads["triton"][name] - ref).norm().item()
-        assert err <= GRAD_RTOL * ref.norm().item() + 1e-12, f"{member}: d{name} off by {err:.3e}"
+    gaps = gradient_gap(model0, next(corpus.batches(1, BATCH, SEQ, seed=1)), DEV)
+    worst = max(gaps, key=gaps.get)
+    assert gaps[worst] <= GRAD_RTOL, f"{member}: d{worst} off by {gaps[worst]:.3e} (relative)"
     curves, after = {}, {}
     for backend in ("triton", "reference"):
         model = copy.deepcopy(model0)

@@ -48,6 +48,7 @@ class Run:
     tokens_per_s: list[float] = field(default_factory=list)
     heldout: float = float("nan")
     wall_s: float = 0.0
+    grad_gap: tuple[str, float] | None = None   # (parameter, relative gap), see gradient_gap
     error: str | None = None   # an exception that ended the run (the other runs still go on)
 
     @property
@@ -133,9 +134,10 @@ def summary_rows(runs: dict[tuple[str, str], Run], members) -> list[dict]:
             "member": m, "final_triton": final_loss(t), "final_reference": final_loss(r),
             "heldout_triton": t.heldout, "heldout_reference": r.heldout,
             "max_gap": gap, "max_gap_step": at or "-",
+            "grad_gap": f"{r.grad_gap[1]:.1e} ({r.grad_gap[0]})" if r.grad_gap else "-",
             "tok_s_triton": steady_tokens_per_s(t), "tok_s_reference": steady_tokens_per_s(r),
             "wall_triton": t.wall_s, "wall_reference": r.wall_s,
-            "nan": ",".join(nan) if nan else "none",
+            "nan": ", ".join(nan) if nan else "none",
         })
     return rows
 
@@ -145,6 +147,7 @@ COLUMNS = [("member", "member", "{}"), ("final_triton", "final loss (triton)", "
            ("heldout_triton", "held-out (triton)", "{:.4f}"),
            ("heldout_reference", "held-out (reference)", "{:.4f}"),
            ("max_gap", "max abs gap", "{:.2e}"), ("max_gap_step", "at step", "{}"),
+           ("grad_gap", "grad rel gap at end", "{}"),
            ("tok_s_triton", "tokens/s (triton)", "{:,.0f}"),
            ("tok_s_reference", "tokens/s (reference)", "{:,.0f}"),
            ("wall_triton", "wall s (triton)", "{:.1f}"),
@@ -167,7 +170,9 @@ def markdown(rows, args, env: dict, corpus_sizes) -> str:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device") + ".", "",
         "Final loss: mean training loss over the last tenth of the steps. Held-out: mean loss "
         f"over the first {args.heldout_windows} held-out windows after training. Max abs gap: "
-        "largest |triton - reference| training loss at one step (same batch). Tokens/s: median "
+        "largest |triton - reference| training loss at one step (same batch). Grad rel gap at end: the largest relative "
+        "difference of one parameter's gradient, triton vs reference, at the reference run's "
+        "final weights on a held-out batch (not compounded by training). Tokens/s: median "
         "over steps 2..N.", "",
         head, sep, *body, ""])
 
@@ -218,7 +223,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from gdn.lm import ByteLM, Corpus, heldout_loss, stdlib_bytes, train
+    from gdn.lm import ByteLM, Corpus, gradient_gap, heldout_loss, stdlib_bytes, train
 
     console = Console(stderr=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -264,6 +269,14 @@ def main(argv=None) -> int:
                     run.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     console.print_exception()
                 f.flush()
+                if backend == "reference" and not run.failed and not runs[(m, "triton")].failed:
+                    try:
+                        window = corpus.heldout_windows(args.batch, args.seq_len, args.batch)[0]
+                        gaps = gradient_gap(model, window, args.device)
+                        run.grad_gap = max(gaps.items(), key=lambda kv: kv[1])
+                    except Exception as e:
+                        run.error = f"gradient check: {type(e).__name__}: {e}".splitlines()[0]
+                        console.print_exception()
                 bar.console.log(f"{m} {backend}: {len(run.losses)} steps, final {final_loss(run):.4f}, "
                                 f"held-out {run.heldout:.4f}, {steady_tokens_per_s(run):,.0f} tok/s, "
                                 f"{run.wall_s:.1f} s" + (" [red]NaN/Inf loss[/red]" if run.nonfinite else "")
