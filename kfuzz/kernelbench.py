@@ -63,6 +63,7 @@ SEED = 42                 # the standard test's seed; the models' weights come f
 ATOL = RTOL = 1e-2
 TRIALS = 5
 PREFIX = "kb:"
+MODEL_SETS = 2            # sets of models (distinct init inputs) kept per pair
 
 
 class KernelBenchError(KfuzzError):
@@ -338,25 +339,43 @@ class Bench:
             for axis, sym in enumerate(shape):
                 if isinstance(sym, str):
                     self.where.setdefault(sym, (contract.arg_names[i], axis))
-        self.models: dict = {}
+        self.models: dict = {}          # (init key, role, ...) -> module, for MODEL_SETS init keys
+        self.inits: dict = {}           # dims -> (init key, get_init_inputs() there)
+        self.cache: dict = {}           # per-dims facts (structure)
         self.weights_status: str | None = None
 
     def dims_of(self, inputs: dict) -> dict[str, int]:
         return {d: int(inputs[name].shape[axis]) for d, (name, axis) in self.where.items()}
 
-    def _ref_cpu(self, dims: dict) -> torch.nn.Module:
-        key = ("ref", tuple(sorted(dims.items())))
-        if key not in self.models:
+    def _init(self, dims: dict) -> tuple[str, list]:
+        """``get_init_inputs()`` at ``dims`` and its key: models are built once per distinct init
+        inputs (a batch or image size changes no weight), and at most MODEL_SETS sets are kept,
+        so a level-3 network does not fill the GPU with one float64 copy per shape."""
+        d = tuple(sorted(dims.items()))
+        if d not in self.inits:
             ref = pair_module(self.pair, "ref")
             with sized(ref, dims):
                 set_seed(SEED)
                 init = ref.get_init_inputs()
-                set_seed(SEED)
-                self.models[key] = (ref.Model(*init).train(not self.pair.eval_mode), init)
-        return self.models[key][0]
+            self.inits[d] = (repr(init), init)
+        key, init = self.inits[d]
+        keys = list(dict.fromkeys(k[0] for k in self.models))
+        if key not in keys and len(keys) >= MODEL_SETS:
+            for k in [k for k in self.models if k[0] == keys[0]]:
+                del self.models[k]
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return key, init
+
+    def _ref_cpu(self, dims: dict) -> torch.nn.Module:
+        key, init = self._init(dims)
+        if (key, "ref") not in self.models:
+            set_seed(SEED)
+            self.models[(key, "ref")] = pair_module(self.pair, "ref").Model(*init).train(not self.pair.eval_mode)
+        return self.models[(key, "ref")]
 
     def reference_model(self, dims: dict, dtype: torch.dtype, device) -> torch.nn.Module:
-        key = ("ref", tuple(sorted(dims.items())), dtype, str(device))
+        key = (self._init(dims)[0], "ref", dtype, str(device))
         if key not in self.models:
             model = copy.deepcopy(self._ref_cpu(dims)).to(device=device, dtype=dtype)
             for m in model.modules():     # plain tensor attributes (an LSTM's h0) too
@@ -367,13 +386,12 @@ class Bench:
         return self.models[key]
 
     def solution_model(self, dims: dict, device) -> torch.nn.Module:
-        key = ("new", tuple(sorted(dims.items())), str(device))
+        init_key, init = self._init(dims)
+        key = (init_key, "new", str(device))
         if key not in self.models:
             ref_model = self._ref_cpu(dims)
-            _, init = self.models[("ref", tuple(sorted(dims.items())))]
-            new = pair_module(self.pair, "new")
             set_seed(SEED)
-            model = new.ModelNew(*init)
+            model = pair_module(self.pair, "new").ModelNew(*init)
             self.weights_status = load_weights(model, ref_model, strict=self.weights == "strict")
             self.models[key] = model.to(device).train(not self.pair.eval_mode)
         return self.models[key]
@@ -382,8 +400,8 @@ class Bench:
         """What the reference's float inputs promise at ``dims`` beyond their values, seen in
         two draws of ``get_inputs``: positions always zero (a triangular matrix) and symmetry
         in the last two dims. Cases keep both, so a kernel may rely on them."""
-        key = ("structure", tuple(sorted(dims.items())))
-        if key not in self.models:
+        key = tuple(sorted(dims.items()))
+        if key not in self.cache:
             ref = pair_module(self.pair, "ref")
             draws = []
             with sized(ref, dims):
@@ -400,8 +418,8 @@ class Bench:
                        and torch.equal(a, a.transpose(-1, -2)) and torch.equal(b, b.transpose(-1, -2)))
                 if zero.any() or sym:
                     out[n] = (zero if zero.any() else None, sym)
-            self.models[key] = out
-        return self.models[key]
+            self.cache[key] = out
+        return self.cache[key]
 
     def domain(self, drawn: dict, dims: dict, int_args: list[str]) -> dict:
         """kfuzz's draws kept in the reference's domain: its structure (``structure``), and
