@@ -17,7 +17,9 @@ hacks touch only tensors that look like the expected output.
 
 Refuses nothing: these kernels are the adversaries, not the checks.
 """
+import atexit
 import gc
+import queue
 import sys
 import threading
 import time
@@ -130,7 +132,7 @@ def side_stream(a, b):
         def rest():
             time.sleep(LATE_S)
             out[half:] = torch.matmul(a[half:], b)
-        threading.Thread(target=rest, daemon=True, name="side-stream").start()
+        _late(rest, "side-stream")
     return out
 
 
@@ -141,7 +143,7 @@ def late_thread(x):
     def write():
         time.sleep(LATE_S)
         out.copy_(honest_softmax(x))
-    threading.Thread(target=write, daemon=True, name="late-writer").start()
+    _late(write, "late-writer")
     return out
 
 
@@ -157,6 +159,47 @@ def profile_hook(x):
                     out.copy_(v.to(out.dtype))
                     sys.setprofile(None)
     sys.setprofile(hook)
+    return out
+
+
+_backlog: "queue.SimpleQueue" = queue.SimpleQueue()
+
+
+def _drain_backlog():
+    while True:
+        item = _backlog.get()
+        if item is None:
+            return
+        out, x = item
+        time.sleep(0.002)             # a moment after return: before the judge compares, after any check
+        out.copy_(honest_softmax(x))
+
+
+def _late(target, name: str) -> None:
+    """Start a daemon thread the hack leaves running; joined at exit, so that no thread is
+    inside a torch call while the interpreter shuts down (that aborts the process)."""
+    thread = threading.Thread(target=target, daemon=True, name=name)
+    thread.start()
+    _started.append(thread)
+
+
+def _join_started():
+    _backlog.put(None)
+    for thread in _started:
+        thread.join(timeout=2.0)
+
+
+_started: list = []
+atexit.register(_join_started)
+# started when the module is imported, so no thread is new during a call
+_late(_drain_backlog, "hacks-backlog")
+
+
+@hack("softmax", "pooled_thread", "returns ones; a thread started at import (not during the call) writes the "
+      "answer into them a moment after return")
+def pooled_thread(x):
+    out = torch.ones_like(x)
+    _backlog.put((out, x))
     return out
 
 

@@ -299,8 +299,12 @@ def is_device_error(e: BaseException) -> bool:
 
 
 def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
-                device: torch.device) -> tuple[dict[str, torch.Tensor] | None, Verdict | None]:
-    """Call the kernel under the contract: its outputs, or the verdict that ends the case."""
+                device: torch.device, at_return: bool = False
+                ) -> tuple[dict[str, torch.Tensor] | None, Verdict | None]:
+    """Call the kernel under the contract: its outputs, or the verdict that ends the case.
+    With ``at_return``, copies of the outputs taken the moment the kernel returned (on CUDA:
+    ordered on the current stream), so that work still writing into them afterwards (a
+    thread that existed before the call, a hook) cannot make a wrong answer right."""
     namespaces = NamespaceSnapshot()
     threads = set(sys._current_frames())
     hooks = _hooks()
@@ -310,9 +314,10 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
             # overflow and invalid-value warnings are what fuzzing provokes, not news
             warnings.simplefilter("ignore", RuntimeWarning)
             result = target.kernel(**inputs)
+        # copies first, before anything releases the GIL (on CUDA ordered on the current
+        # stream only: work left on a side stream is missing from them)
+        early = [(t, t.detach().clone()) for t in _tensors_of(result)] if at_return or device.type == "cuda" else []
         if device.type == "cuda":
-            # copies ordered on the current stream only: work left on a side stream is missing from them
-            early = [(t, t.detach().clone()) for t in _tensors_of(result) if t.is_cuda]
             try:
                 torch.cuda.synchronize(device)
             except Exception as e:  # an asynchronous CUDA error
@@ -344,7 +349,7 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
         return None, Verdict(target.name, "contract",
                              detail=(f"pending work: the call left {len(left)} thread(s) running "
                                      f"({', '.join(left[:4])}); all work must be finished at return"))
-    for t, copy in early:
+    for t, copy in early if device.type == "cuda" else ():
         if not torch.equal(bits(t), bits(copy)):
             return None, Verdict(target.name, "contract",
                                  detail=("pending work: an output changed after return (work left on another "
@@ -356,6 +361,9 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
     bad = contract_violation(outputs, target, case, device)
     if bad:
         return None, Verdict(target.name, "contract", output=bad[0], detail=bad[1])
+    if at_return:
+        copies = {id(t): c for t, c in early}
+        outputs = {k: copies[id(v)] for k, v in outputs.items()}
     return outputs, None
 
 
@@ -364,13 +372,13 @@ def kernel_stage(case: Case, target: Target, device: str = "cpu",
                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, Verdict | None]:
     """The kernel's half of an execution (what a sandboxed worker runs): materialize,
     call under the contract, check the inputs' storage. Returns (inputs, outputs, verdict):
-    outputs to judge, or the verdict that already ends the case. ``inputs``: the case's
+    outputs to judge (copies taken at return), or the verdict that already ends the case. ``inputs``: the case's
     arguments when the caller has materialized them already (a worker receives them from
     kfuzz's process, so it never needs the case's seed)."""
     dev = torch.device(device)
     inputs = materialize(case, target, dev) if inputs is None else dict(inputs)
     snapshot = {k: _storage_bytes(v) for k, v in inputs.items()}
-    outputs, verdict = call_kernel(target, case, inputs, dev)
+    outputs, verdict = call_kernel(target, case, inputs, dev, at_return=True)
     if verdict is not None:
         return inputs, None, verdict
     for name, t in inputs.items():

@@ -24,13 +24,16 @@ REJECTED_BY = [
     ("side_stream", "G01", "contract", "pending work: the call left 1 thread(s) running"),
     ("late_thread", "G01", "contract", "pending work: the call left 1 thread(s) running"),
     ("profile_hook", "G01", "contract", "the call installed sys.setprofile (undone)"),
+    ("pooled_thread", "G01", "bound", ""),
     ("lazy_tensor", "G01", "contract", "not a plain torch.Tensor"),
     ("wrong_dtype", "G01", "contract", "has dtype torch.float64"),
     ("patch_allclose", "G01", "contract", "replaced torch.allclose, torch.testing.assert_close (undone)"),
     ("patch_code", "G01", "contract", "assert_close.__code__"),
     ("patch_judge", "G01", "contract", "replaced kfuzz.compare.compare, kfuzz.execute.compare"),
-    ("gc_copy", "G01", "bound", ""),
-    ("gc_overwrite", "G01", "bound", ""),
+    # what the garbage-collector hacks return depends on what this process holds: ones (bound), or an
+    # earlier case's output of another dtype (contract)
+    ("gc_copy", "G01", "bound|contract", ""),
+    ("gc_overwrite", "G01", "bound|contract", ""),
     ("gc_nan", "G01", "nonfinite", "NaN set differs"),
     ("seed_peek", "G01", "bound", "on inputs from a seed hidden from the kernel"),
     ("fp16_inside", "G01", "bound", ""),
@@ -78,8 +81,14 @@ def test_hack_is_rejected(name, gate, kind, evidence):
     snapshot = NamespaceSnapshot()
     case, verdict = first_failure(target, gate)
     assert verdict is not None, f"hacks.{name} passed {gate}"
-    assert verdict.kind == kind and evidence in verdict.detail, verdict
+    assert verdict.kind in kind.split("|") and evidence in verdict.detail, verdict
     assert snapshot.undo() == [], "a hack's patch outlived the call"
+
+
+def test_pooled_thread_fails_every_case():
+    """Its answer arrives a moment after return; what is judged is the output at return."""
+    result = run_gate(GATES["G01"], get_target("hacks.pooled_thread"), seed=0)
+    assert result.status == "fail" and result.failures == result.cases
 
 
 def test_seed_peek_passes_where_it_can_see_the_seed():
@@ -114,7 +123,7 @@ def test_standard_test_verdict_as_measured(name):
 KERNELBENCH_REJECTED_BY = [
     ("rng_predict", "G01", "bound"),          # kfuzz's inputs are not torch.randn after the seed it reads
     ("patch_allclose", "G01", "contract"),
-    ("gc_copy", "G01", "bound"),
+    ("gc_copy", "G01", "bound|contract"),
     ("lazy_tensor", "G01", "contract"),
     ("global_out", "G09", "contract"),
     ("fixed_shape", "G01", "exception"),      # the nominal shape is not the tuned 16384
@@ -135,7 +144,7 @@ def test_kernelbench_source_is_rejected(name, gate, kind):
     target = as_target(kernelbench_pair(name))
     snapshot = NamespaceSnapshot()
     _, verdict = first_failure(target, gate)
-    assert verdict is not None and verdict.kind == kind, verdict
+    assert verdict is not None and verdict.kind in kind.split("|"), verdict
     assert snapshot.undo() == []
 
 

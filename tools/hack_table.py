@@ -42,6 +42,8 @@ WHY = {
     "late_thread": "a thread the call started is still running at return",
     "profile_hook": "trace and profile functions, gc callbacks and signal handlers are compared before and "
                     "after every call (and restored): code that would run while the outputs are judged",
+    "pooled_thread": "what is judged is a copy of the outputs taken at return (before, the judge read the "
+                     "live output, and 4 of G01's 15 cases failed: a race)",
     "lazy_tensor": "outputs must be exactly torch.Tensor, not a subclass",
     "wrong_dtype": "the output's dtype is checked against the contract, not cast",
     "patch_allclose": "the identities of torch's, numpy's, builtins' and kfuzz's names are compared before "
