@@ -16,7 +16,8 @@ def _line(rec: dict) -> str:
         return f"skip     {rec['key']}: {rec['skip'][:120]}"
     j = judge_record(rec)
     std = rec.get("standard", {})
-    head = f"{'BROKEN ' if j['broken'] else 'VIOLATE' if j['violation'] else 'ok     '}  {rec['key']}"
+    head = "BROKEN " if j["broken"] else "VIOLATE" if j["violation"] else "TIMEOUT" if j["incomplete"] else "ok     "
+    head += f"  {rec['key']}"
     head += f"  standard {'pass' if std.get('passed') else std.get('reason', '-')[:60]}"
     for why in ("adapter", "unbuilt"):
         if why in rec:
