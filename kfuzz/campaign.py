@@ -44,6 +44,7 @@ class CampaignStats:
     coverage: int = 0              # distinct harness edges seen
     new_coverage: int = 0          # executions that found an edge not seen before
     worker_restarts: int = 0
+    worker_cpu_seconds: float = 0.0   # CPU time of the workers' processes (0 in process)
     sandbox: dict = field(default_factory=dict)   # what confined the workers, layer by layer
 
     @property
@@ -56,6 +57,7 @@ class CampaignStats:
                 "execs_per_second": round(self.execs_per_second, 2),
                 "corpus_size": self.corpus_size, "coverage_edges": self.coverage,
                 "new_coverage_executions": self.new_coverage, "worker_restarts": self.worker_restarts,
+                "worker_cpu_seconds": round(self.worker_cpu_seconds, 3),
                 "sandbox": self.sandbox,
                 "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
                              for k, v in self.failures.items()},
@@ -128,6 +130,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                     on_progress(stats, verdict)
     finally:
         stats.worker_restarts = runner.restarts
+        stats.worker_cpu_seconds = runner.worker_cpu_seconds
         runner.close()
         if hasattr(engine, "close"):
             engine.close()

@@ -71,6 +71,9 @@ class Policy:
     processes: bool = False
     network: bool = False
     confine_writes: bool = True
+    # the audit hook that names escapes runs on every audit event of the process; a kernel
+    # contract that reads many functions' ``__code__`` (one event each) pays for it
+    name_escapes: bool = True
     writable: tuple[str, ...] = field(default=())   # more directories the kernel may write beneath
 
     @classmethod
@@ -139,13 +142,18 @@ class _Auditor:
             watched |= set(_WRITE_EVENTS)
         self.watched = frozenset(watched)
 
-    def hook(self, event: str, args: tuple) -> None:
-        if event not in self.watched:
-            return
-        found = self._judge(event, args)
-        if found is not None:
-            _violations.append(found)
-            raise SandboxViolation(*found)
+    def hook(self):
+        """The audit hook: a closure, since it runs on every audit event of the process (a
+        kernel's contract check reads functions' ``__code__``, one event each)."""
+        watched, judge, record = self.watched, self._judge, _violations.append
+
+        def audit(event: str, args: tuple) -> None:
+            if event in watched:
+                found = judge(event, args)
+                if found is not None:
+                    record(found)
+                    raise SandboxViolation(*found)
+        return audit
 
     def _judge(self, event: str, args: tuple) -> tuple[str, str] | None:
         if event in _SPAWN_EVENTS:
@@ -388,15 +396,14 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
             report["capabilities"] = "dropped (root)"
         except OSError as e:
             report["capabilities"] = f"kept ({e})"
-    auditor = _Auditor(policy, writable)
-    sys.addaudithook(auditor.hook)
+    if policy.name_escapes:
+        sys.addaudithook(_Auditor(policy, writable).hook())
+    named = " and named" if policy.name_escapes else ""
     for key, allowed in (("network", policy.network), ("writes", not policy.confine_writes),
-                         ("processes", policy.processes)):
+                         ("processes", policy.processes), ("signals", False)):
         blocked = "+".join(layers[key])
-        report[key] = "allowed" if allowed else (f"blocked ({blocked}) and named" if blocked
-                                                 else "named, not blocked (no OS layer here)")
-    report["signals"] = "blocked (" + "+".join(layers["signals"]) + ") and named" if layers["signals"] \
-        else "named, not blocked"
+        report[key] = "allowed" if allowed else (f"blocked ({blocked}){named}" if blocked else
+                                                 "named, not blocked (no OS layer here)" if named else "not blocked")
     return report
 
 

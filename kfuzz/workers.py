@@ -45,6 +45,7 @@ import inspect
 import multiprocessing
 import os
 import pickle
+import resource
 import shutil
 import struct
 import sys
@@ -249,8 +250,10 @@ def _worker_main(conn: Connection, target_name: str, module: str | None, device:
         if escape is not None:
             outputs, verdict = None, Verdict(target.name, "crash", exc_type=escape[0], detail=escape[1])
         sent = [] if outputs is None else _contiguous(outputs)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         conn.send_bytes(pack(("done", None if outputs is None else [(k, _geometry(t)) for k, t in zip(outputs, sent)],
-                              None if verdict is None else verdict.to_json(), sorted(edges)), sent))
+                              None if verdict is None else verdict.to_json(), sorted(edges),
+                              usage.ru_utime + usage.ru_stime), sent))
         if verdict is not None and verdict.kind == "crash":
             return   # an escape, a CUDA error or OOM may leave the process unusable: start afresh
 
@@ -315,7 +318,10 @@ class Worker:
         unread = sum(size for _, _, size in self.queue)   # at most: the worker reads a case before its reply
         self.queue.append((case, inputs, len(msg)))
         if unread + len(msg) <= DIRECT_SEND and (self.outbox is None or self.outbox.unfinished_tasks == 0):
-            self.conn.send_bytes(msg)
+            try:
+                self.conn.send_bytes(msg)
+            except OSError:   # the worker died on its head case: ``results`` finds out, requeues this
+                pass
             return
         # a large message could fill the pipe while the worker blocks on sending its reply
         # (a deadlock) or hangs (kfuzz could not enforce the timeout): a thread sends it
@@ -371,6 +377,13 @@ class WorkerPool:
         self.workers: list[Worker | None] = [self._spawn() for _ in range(jobs)]
         self.confinement = self.workers[0].confinement
         self.restarts = 0
+        self.cpu: dict[int, float] = {}   # worker pid -> CPU seconds it reported last
+
+    @property
+    def worker_cpu_seconds(self) -> float:
+        """CPU time the workers used (kernel calls and their own share of kfuzz's work),
+        as of each one's last answer."""
+        return sum(self.cpu.values())
 
     def _spawn(self) -> Worker:
         return Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device,
@@ -430,11 +443,12 @@ class WorkerPool:
         for w in busy:
             if w.conn in ready:
                 try:
-                    (_, geometry, verdict_json, edges), storages = unpack(w.conn.recv_bytes())
+                    (_, geometry, verdict_json, edges, cpu), storages = unpack(w.conn.recv_bytes())
                 except (EOFError, OSError):
                     yield self._died(w)
                     continue
                 seconds = time.monotonic() - w.started
+                self.cpu[w.process.pid] = cpu
                 case, inputs = w.finish_head()
                 verdict = None if verdict_json is None else Verdict.from_json(self.target.name, verdict_json)
                 outputs = None if geometry is None else {
@@ -462,6 +476,7 @@ class InProcess:
         self.pending: list[Case] = []
         self.restarts = 0
         self.confinement: dict[str, str] = {}
+        self.worker_cpu_seconds = 0.0
 
     idle = property(lambda self: 1 - len(self.pending))
     busy = property(lambda self: len(self.pending))
