@@ -505,13 +505,11 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
     contract = infer_contract(pair)
     bench = Bench(pair, contract, weights)
     names = contract.arg_names
-    base = dict(contract.dims)
     try:
-        out_dtypes = bench.output_dtypes(base)
+        out_dtypes = bench.output_dtypes(dict(contract.dims))
     except Exception as e:
         raise KernelBenchError(f"{pair.name}: the reference does not run at its own sizes "
                                f"({type(e).__name__}: {str(e)[:300]})") from None
-    outs = out_dtypes
 
     def kernel(**inputs):
         model = bench.solution_model(bench.dims_of(inputs), next(iter(inputs.values())).device)
@@ -558,7 +556,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         name=pair.target_name, kernel=kernel, reference=reference,
         args={n: Arg(shape=s, dtype=dt, differentiable=False)
               for n, s, dt in zip(names, contract.arg_shapes, contract.arg_dtypes)},
-        outputs={f"out{i}" if len(outs) > 1 else "out": Output(shape=(f"@{i}",),
+        outputs={f"out{i}" if len(out_dtypes) > 1 else "out": Output(shape=(f"@{i}",),
                                                                dtype="case" if dt == "float32" else dt)
                  for i, dt in enumerate(out_dtypes)},
         dims={d: Dim(1, v) for d, v in contract.dims.items()}, dtypes=("float32",),
