@@ -34,8 +34,9 @@ a ``BaseException`` so that a kernel's ``except Exception`` fallback does not sw
 a record the kernel swallows anyway still ends the case. A kernel that calls the system
 directly is blocked without a name (it sees ``EPERM``). On CUDA the path is permissive,
 untested here: limits on open files, file size and CPU time, the private directory and
-signals named; no memory, fork, network or write confinement (the driver's address space,
-Triton's ptxas, the driver's and Triton's caches).
+signals named; no memory, fork, network or write confinement and no privileges dropped
+(the driver's address space, Triton's ptxas, the driver's and Triton's caches, the
+driver's setuid helper).
 
 Refuses nothing at import: every layer that the running kernel does not allow is
 reported as such by ``confine`` instead of failing the worker.
@@ -74,6 +75,7 @@ class Policy:
     # the audit hook that names escapes runs on every audit event of the process; a kernel
     # contract that reads many functions' ``__code__`` (one event each) pays for it
     name_escapes: bool = True
+    drop_privileges: bool = True     # no_new_privs, and a root worker drops its capabilities
     writable: tuple[str, ...] = field(default=())   # more directories the kernel may write beneath
 
     @classmethod
@@ -81,7 +83,8 @@ class Policy:
         """The default policy for ``device``; on CUDA permissive (see the module docstring)."""
         base = {}
         if str(device).startswith("cuda"):
-            base = dict(memory=None, processes=True, network=True, confine_writes=False)
+            # the driver may need setuid helpers (nvidia-modprobe) and its device files
+            base = dict(memory=None, processes=True, network=True, confine_writes=False, drop_privileges=False)
         return cls(**{**base, **overrides})
 
 
@@ -374,7 +377,7 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
     if not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
         layers["network"].append("namespace")
     # each layer on its own: one the kernel refuses leaves the others in place
-    nnp = _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock and seccomp need it
+    nnp = policy.drop_privileges and _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock, seccomp need it
     abi = landlock_abi() if nnp else 0
     if abi and policy.confine_writes:
         try:
@@ -390,7 +393,7 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
                     layers[key].append("seccomp")
         except OSError as e:
             report["seccomp"] = f"refused: {e}"
-    if os.geteuid() == 0:
+    if policy.drop_privileges and os.geteuid() == 0:
         try:
             _drop_capabilities()
             report["capabilities"] = "dropped (root)"
