@@ -9,11 +9,14 @@ KernelBench ``ModelNew`` sources, and ``tools/hack_table.py`` runs both the
 standard KernelBench-style test and kfuzz's gates on every hack (HACKS.md).
 ``hacks.honest_softmax`` and ``matmul`` are the correct twins.
 
-Every hack is real: threads really run late, memory really is reused, torch
-really is patched (kfuzz undoes it after the call; the standard test does not,
-so callers of that test must, see ``tools/hack_table.py``). None harms the
-machine: nothing is written outside the process, and the garbage-collector
-hacks touch only tensors that look like the expected output.
+Every hack is real: threads really write late, memory really is returned
+unwritten, torch really is patched (kfuzz undoes it after the call; the
+standard test does not, so callers of that test must, see
+``tools/hack_table.py``). None harms the machine: nothing is written outside
+the process, and the garbage-collector hacks touch only tensors that look like
+the expected output. Importing this module starts one idle daemon thread (the
+one ``pooled_thread`` hands its late work to, so that no thread is new during
+its calls); it and every thread a hack starts are joined at exit.
 
 Refuses nothing: these kernels are the adversaries, not the checks.
 """
