@@ -93,7 +93,7 @@ class FamilyMixer(nn.Module):
         super().__init__()
         if not 16 <= head_dim <= 256:
             raise ValueError(f"head_dim must be in [16, 256] (the op's K, V); got {head_dim}")
-        self.m = m = member(member_name)
+        self.member = m = member(member_name)
         self.backend = backend   # checked at call time too: the switch is a plain attribute
         self._check_backend()
         self.op_dtype = op_dtype
@@ -129,7 +129,7 @@ class FamilyMixer(nn.Module):
 
     def _gate_and_dt(self, x, B, T):
         """(log gate g <= 0 in float32 or None, Mamba2's dt [B,T,H] or None)."""
-        m, H, K = self.m, self.H, self.K
+        m, H, K = self.member, self.H, self.K
         if m.gate == "scalar":
             dt = F.softplus(self.a_proj(x).float() + self.dt_bias)
             return -torch.exp(self.A_log) * dt, dt
@@ -143,7 +143,7 @@ class FamilyMixer(nn.Module):
 
     def forward(self, x):
         self._check_backend()
-        m, H, K = self.m, self.H, self.K
+        m, H, K = self.member, self.H, self.K
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if m.conv:

@@ -159,7 +159,7 @@ def markdown(rows, args, env: dict, corpus_sizes) -> str:
     sep = "|" + "|".join(" --- " for _ in COLUMNS) + "|"
     body = ["| " + " | ".join(f.format(r[k]) for k, _, f in COLUMNS) + " |" for r in rows]
     cfg = (f"steps {args.steps}, batch {args.batch} x seq {args.seq_len} bytes, d_model "
-           f"{args.d_model}, {args.layers} layers, {args.heads} heads x {args.head_dim}, op dtype "
+           f"{args.d_model}, {args.layers} layer{'s' * (args.layers != 1)}, {args.heads} heads x {args.head_dim}, op dtype "
            f"{str(args.op_dtype).removeprefix('torch.')}, lr {args.lr}, seed {args.seed}, "
            f"device {env['device']}")
     return "\n".join([
@@ -198,7 +198,7 @@ def plot(runs, members, path: Path) -> None:
         if t and r:
             gaps = [max(abs(x - y), 1e-9) for x, y in zip(t.losses, r.losses)]
             gap_ax.semilogy(range(1, len(gaps) + 1), gaps, lw=1, label=m)
-    gap_ax.set_title("|triton - reference| per step")
+    gap_ax.set_title("|triton - reference| per step (0 drawn at 1e-9)")
     gap_ax.set_xlabel("step")
     if gap_ax.lines:
         gap_ax.legend()
