@@ -60,8 +60,6 @@ GATE_FLOOR = -110.0     # exp(-110) == 0 in fp32: a clamped gate forgets exactly
 VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gate factoring
 BIG = 65536.0            # input magnitude above which a chunk runs the exact path
 SBIG = 1e30              # state magnitude above which a chunk runs the exact path
-# Build switch (device bring-up): 2-D-only block inverse.
-INV2D = os.environ.get("GDN_FWD_INV2D", "0") == "1"
 SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact path only
 # The gated members' matrix path (prefix sums loaded from launch 0, see
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
@@ -175,34 +173,6 @@ def _inv_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _inv_unit_lower_2d(A, BT: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 as `_inv_unit_lower`, with 2-D tensors only: each diagonal
-    block is cut out and put back by 0/1 selection products (exact in fp32)."""
-    NB: tl.constexpr = BT // 16
-    r = tl.arange(0, BT)
-    a = tl.arange(0, 16)
-    Dinv = tl.zeros((BT, BT), dtype=tl.float32)
-    for I in tl.static_range(NB):
-        P = tl.where(r[:, None] == I * 16 + a[None, :], 1.0, 0.0)                 # [BT, 16]
-        D = tl.dot(tl.trans(P), tl.dot(A, P, input_precision="ieee"), input_precision="ieee")
-        X = tl.where(a[:, None] == a[None, :], 1.0, 0.0)
-        for i in tl.static_range(1, 16):
-            row = tl.sum(tl.where(a[:, None] == i, D, 0.0), axis=0)               # D[i, :]
-            new = tl.sum(row[:, None] * X, axis=0)                                 # D[i, :] X
-            X = tl.where(a[:, None] == i, tl.where(a[None, :] == i, 1.0, 0.0) - new[None, :], X)
-        Dinv += tl.dot(P, tl.dot(X, tl.trans(P), input_precision="ieee"), input_precision="ieee")
-    if NB > 1:
-        eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-        F = tl.dot(Dinv, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0),
-                   input_precision=PREC)
-        P2 = eye - F
-        P2 = eye - tl.dot(F, P2, input_precision=PREC)
-        P2 = eye - tl.dot(F, P2, input_precision=PREC)
-        Dinv = tl.dot(P2, Dinv, input_precision=PREC)
-    return Dinv
-
-
-@triton.jit
 def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     if IS_VARLEN:
         bos = tl.load(cb_ptr + i_c)
@@ -219,7 +189,7 @@ def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                  GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 BIG: tl.constexpr, INV2D: tl.constexpr):
+                 BIG: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     rr = tl.arange(0, BT)
@@ -244,10 +214,7 @@ def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
         A = tl.dot(kt, tl.trans(kt), input_precision=PREC)
         kg = kt
     A = tl.where(rr[:, None] > rr[None, :], A * bt[:, None], 0.0)
-    if INV2D:
-        Tm = _inv_unit_lower_2d(A, BT, PREC)
-    else:
-        Tm = _inv_unit_lower(A, BT, PREC)
+    Tm = _inv_unit_lower(A, BT, PREC)
     wt = tl.dot(Tm, kg * bt[:, None], input_precision=PREC)
     tl.store(w + (rows[:, None] * H + i_h) * K + dk[None, :], wt.to(w.dtype.element_ty), mask=m2)
     for v0 in tl.static_range(0, V, BV):
@@ -558,7 +525,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         _prep_kernel[(NC, H)](k, v, gc, gcl, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
                               BK=BK, BV=BVP, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None,
-                              PREC=prec, BIG=BIG, INV2D=INV2D, num_warps=_prep_warps(BT, BK))
+                              PREC=prec, BIG=BIG, num_warps=_prep_warps(BT, BK))
     else:
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
@@ -572,7 +539,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                  T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
                  STORE_HT=output_final_state, SBIG=SBIG, **common)
     _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
-                                            T, max(NT, 1), BV=BVP, num_warps=4,
+                                            T, max(NT, 1), BV=BVP, num_warps=8,
                                             DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET
                                             else tl.float32, **common)
     return o, (hT if output_final_state else None)

@@ -1,0 +1,94 @@
+"""Registers, spills and shared memory of our Triton kernels, compiled for sm_90 without a GPU.
+
+    python tools/kernel_resources.py            # the GDN forward and backward kernels, bench shape
+
+Compiles each kernel (Triton's own ptxas) for an H100/H200 target on any machine
+and reads the cubin's resource usage with cuobjdump: registers per thread, stack
+bytes (spills), shared memory, and how many layout conversions and shared-memory
+buffers the Triton GPU IR holds. A tuning loop that costs no device time: a kernel
+at 255 registers with a stack frame is spilling, which the device profile then
+confirms or not. It measures no time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)   # a real compile, not the interpreter
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402,F401
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gdn.chunk_bwd as cb  # noqa: E402
+import gdn.chunk_fwd as cf  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> dict:
+    """Compile `fn` for sm_90 and return its resource usage."""
+    sig = dict(signature, **{n: "constexpr" for n in constexprs})
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+
+    def field(name):
+        m = re.search(rf"{name}:(\d+)", usage)
+        return int(m.group(1)) if m else -1
+    ttgir = k.asm["ttgir"]
+    return {"registers": field("REG"), "stack": field("STACK"), "shared": k.metadata.shared,
+            "convert_layout": ttgir.count("ttg.convert_layout"), "local_alloc": ttgir.count("ttg.local_alloc")}
+
+
+def _ptrs(names, dtype):
+    return {n: dtype for n in names}
+
+
+def gdn_kernels(K=128, V=128, gate=1, delta=True):
+    """(label, fn, signature, constexprs, warps, stages) of the GDN kernels at bf16."""
+    BT = 16 if gate == 2 else 64
+    common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
+                  IS_VARLEN=False, PREC="tf32", BIG=65536.0)
+    scal = {"T": "i32", "NT": "i32"}
+    prep_sig = {**_ptrs(["k", "v", "beta", "w", "u"], "*bf16"), **_ptrs(["gc", "gcl"], "*fp32"),
+                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
+    state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], "*bf16"),
+                 **_ptrs(["g", "gc", "gcl", "h0", "hT"], "*fp32"),
+                 **_ptrs(["gflag", "flag", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
+    out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], "*bf16"), **_ptrs(["g", "gc", "gcl"], "*fp32"),
+               "xflag": "*i8", **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal}
+    dt = dict(DELTA=delta, MODE=0)
+    yield ("fwd _prep_kernel", cf._prep_kernel, prep_sig, dict(common, V=V, BV=64), cf._prep_warps(BT, 128), 1)
+    yield ("fwd _state_kernel", cf._state_kernel, state_sig,
+           dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2)
+    yield ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 8, 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--V", type=int, default=128)
+    ap.add_argument("--gate", type=int, default=1, help="0 none, 1 scalar, 2 vector")
+    ap.add_argument("--no-delta", action="store_true")
+    a = ap.parse_args()
+    print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, fn, sig, const, warps, stages in gdn_kernels(a.K, a.V, a.gate, not a.no_delta):
+        r = resources(fn, sig, const, warps, stages)
+        print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
+              f"{r['convert_layout']} | {r['local_alloc']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
