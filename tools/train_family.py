@@ -4,7 +4,7 @@ through the float32 chunked reference, with the same seed and the same data orde
     python tools/train_family.py --out DIR [--members gated_deltanet,deltanet,kda,mamba2,gla]
         [--steps N] [--seq-len T] [--batch B] [--d-model D] [--layers L] [--heads H]
         [--head-dim K] [--device cuda|cpu] [--seed S] [--op-dtype float32|bfloat16]
-        [--lr LR] [--data-bytes N]
+        [--lr LR] [--data-bytes N] [--heldout-windows N]
 
 Writes under DIR, after every member (so a run cut short keeps what it finished):
 ``losses.csv`` (member, backend, step, loss, tokens_per_s), ``curves.png`` (every
@@ -217,13 +217,47 @@ def versions(device: str) -> dict:
             "python": platform.python_version()}
 
 
+def train_one(model, run: Run, corpus, args, log, progress) -> None:
+    """One member through one backend: the steps (logged as they come), then the held-out loss."""
+    from gdn.lm import heldout_loss, train
+    t0 = time.perf_counter()
+    for rec in train(model, corpus, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+                     seed=args.seed, device=args.device, lr=args.lr):
+        run.losses.append(rec.loss)
+        run.tokens_per_s.append(rec.tokens_per_s)
+        log.writerow([run.member, run.backend, rec.step, repr(rec.loss), f"{rec.tokens_per_s:.1f}"])
+        progress(rec.step, rec.loss)
+    run.wall_s = time.perf_counter() - t0
+    if not run.nonfinite:
+        run.heldout = heldout_loss(model, corpus, batch=args.batch, seq_len=args.seq_len,
+                                   device=args.device, max_windows=args.heldout_windows)
+
+
+def worst_gradient_gap(model, corpus, args) -> tuple[str, float]:
+    """(parameter, relative gap) of the parameter whose gradient differs most between the
+    backends, at ``model``'s weights, on the first held-out batch."""
+    from gdn.lm import gradient_gap
+    window = corpus.heldout_windows(args.batch, args.seq_len, args.batch)[0]
+    return max(gradient_gap(model, window, args.device).items(), key=lambda kv: kv[1])
+
+
+def guarded(run: Run, console, what: str, fn) -> None:
+    """Run ``fn``; an exception becomes the run's error (shown, then the other runs go on:
+    one member's failure must not hide the others' results)."""
+    try:
+        fn()
+    except Exception as e:
+        run.error = f"{what}: {type(e).__name__}: {e}".splitlines()[0]
+        console.print_exception()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":   # must precede the first import of the kernels (triton.jit reads it)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from gdn.lm import ByteLM, Corpus, gradient_gap, heldout_loss, stdlib_bytes, train
+    from gdn.lm import ByteLM, Corpus, stdlib_bytes
 
     console = Console(stderr=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -251,37 +285,19 @@ def main(argv=None) -> int:
                 model.set_backend(backend)
                 run = runs[(m, backend)] = Run(m, backend)
                 task = bar.add_task(f"{m:>15} {backend:>9}", total=args.steps, loss="-")
-                t0 = time.perf_counter()
-                try:
-                    for rec in train(model, corpus, steps=args.steps, batch=args.batch,
-                                     seq_len=args.seq_len, seed=args.seed, device=args.device,
-                                     lr=args.lr):
-                        run.losses.append(rec.loss)
-                        run.tokens_per_s.append(rec.tokens_per_s)
-                        log.writerow([m, backend, rec.step, repr(rec.loss), f"{rec.tokens_per_s:.1f}"])
-                        bar.update(task, completed=rec.step, loss=f"{rec.loss:.4f}")
-                    run.wall_s = time.perf_counter() - t0
-                    if not run.nonfinite:
-                        run.heldout = heldout_loss(model, corpus, batch=args.batch,
-                                                   seq_len=args.seq_len, device=args.device,
-                                                   max_windows=args.heldout_windows)
-                except Exception as e:   # one member's failure must not hide the others' results
-                    run.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                    console.print_exception()
+
+                def progress(step, loss, task=task):
+                    bar.update(task, completed=step, loss=f"{loss:.4f}")
+                guarded(run, console, "training",
+                        lambda: train_one(model, run, corpus, args, log, progress))
                 f.flush()
                 if backend == "reference" and not run.failed and not runs[(m, "triton")].failed:
-                    try:
-                        window = corpus.heldout_windows(args.batch, args.seq_len, args.batch)[0]
-                        gaps = gradient_gap(model, window, args.device)
-                        run.grad_gap = max(gaps.items(), key=lambda kv: kv[1])
-                    except Exception as e:
-                        run.error = f"gradient check: {type(e).__name__}: {e}".splitlines()[0]
-                        console.print_exception()
+                    guarded(run, console, "gradient check",
+                            lambda: setattr(run, "grad_gap", worst_gradient_gap(model, corpus, args)))
                 bar.console.log(f"{m} {backend}: {len(run.losses)} steps, final {final_loss(run):.4f}, "
                                 f"held-out {run.heldout:.4f}, {steady_tokens_per_s(run):,.0f} tok/s, "
                                 f"{run.wall_s:.1f} s" + (" [red]NaN/Inf loss[/red]" if run.nonfinite else "")
                                 + (f" [red]{run.error}[/red]" if run.error else ""))
-                del model
             table = markdown(summary_rows(runs, args.members), args, env,
                              (len(corpus.train), len(corpus.heldout)))
             (args.out / "summary.md").write_text(table)
