@@ -255,6 +255,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":   # must precede the first import of the kernels (triton.jit reads it)
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # cuDNN may pick a nondeterministic convolution backward (the short convolutions): noise
+    # in both curves that is not the op's
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from gdn.lm import ByteLM, Corpus, stdlib_bytes
