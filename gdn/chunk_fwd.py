@@ -539,7 +539,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                  T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
                  STORE_HT=output_final_state, SBIG=SBIG, **common)
     _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
-                                            T, max(NT, 1), BV=BVP, num_warps=8,
+                                            T, max(NT, 1), BV=BVP, num_warps=4,
                                             DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET
                                             else tl.float32, **common)
     return o, (hT if output_final_state else None)

@@ -72,7 +72,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
     yield ("fwd _prep_kernel", cf._prep_kernel, prep_sig, dict(common, V=V, BV=64), cf._prep_warps(BT, 128), 1)
     yield ("fwd _state_kernel", cf._state_kernel, state_sig,
            dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2)
-    yield ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 8, 1)
+    yield ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1)
 
 
 def main():
