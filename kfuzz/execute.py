@@ -66,20 +66,57 @@ def _watched_namespaces() -> tuple[list, list]:
     return spaces, [torch.nn.functional, torch.testing, np.testing] + kfuzz_modules
 
 
-_cache: list = []    # [len(sys.modules), namespaces, their keys, watched functions]
+def _dict_of(space: Any) -> dict:
+    """The dict behind a namespace (a class's ``__dict__`` is a read-only proxy of one)."""
+    d = vars(space)
+    if type(d) is dict:
+        return d
+    inner = [r for r in gc.get_referents(d) if type(r) is dict]
+    return inner[0] if inner else dict(d)
+
+
+_cache: list = []    # [len(sys.modules), namespaces, their dicts, watched functions]
 
 
 def _watched() -> tuple[list, list, list]:
-    """The namespaces, their keys (in dict order) and the watched Python functions;
-    recomputed when a module is imported or a namespace gains or loses a name."""
-    if not _cache or _cache[0] != len(sys.modules) or any(
-            len(vars(s)) != len(k) for s, k in zip(_cache[1], _cache[2])):
+    """The namespaces, their dicts and the watched Python functions; recomputed when a
+    module is imported."""
+    if not _cache or _cache[0] != len(sys.modules):
         spaces, code_spaces = _watched_namespaces()
         funcs = [f for s in code_spaces for f in list(vars(s).values()) if type(f) is types.FunctionType]
-        _cache[:] = [len(sys.modules), spaces, [list(vars(s)) for s in spaces], funcs]
+        _cache[:] = [len(sys.modules), spaces, [_dict_of(s) for s in spaces], funcs]
     return _cache[1], _cache[2], _cache[3]
 
 
+def _dict_version_reader():
+    """CPython's version tag of a dict (PEP 509: every change to the dict moves it), read
+    through ctypes, or None where a probe does not see it move as it should (another
+    interpreter or layout); the snapshot then compares every value on every call."""
+    if sys.implementation.name != "cpython":
+        return None
+    try:
+        import ctypes
+        offset = 3 * ctypes.sizeof(ctypes.c_ssize_t)        # after ob_refcnt, ob_type, ma_used
+
+        def read(d: dict) -> int:
+            return ctypes.c_uint64.from_address(id(d) + offset).value
+        probe = {"a": 1}
+        tags = [read(probe)]
+        probe["a"] = 2
+        tags.append(read(probe))
+        probe["b"] = 3
+        tags.append(read(probe))
+        del probe["b"]
+        tags.append(read(probe))
+        if len(set(tags)) == 4 and read(probe) == tags[-1] and read({}) != tags[-1]:
+            return read
+    except Exception:
+        pass
+    return None
+
+
+_version = _dict_version_reader()
+_seen: dict[int, tuple[int, list, list]] = {}    # id(dict) -> (version, keys, values) when last read
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
@@ -100,30 +137,52 @@ def _private_state(name: str, value: Any) -> bool:
 
 class NamespaceSnapshot:
     """The identities of the watched namespaces' attributes and of their functions' code,
-    taken before a kernel call; ``undo`` names and reverts what the call replaced. Lists of
-    values, not dict copies: a replaced attribute keeps its place in its namespace's dict,
-    so comparing the lists (identity first, in C) finds it, at a fraction of the cost; the
-    keys, which rarely change, are cached."""
+    taken before a kernel call; ``undo`` names and reverts what the call replaced.
 
-    __slots__ = ("spaces", "keys", "values", "funcs", "codes")
+    Cheap enough for every call: where CPython's dict version tags can be read, a namespace
+    whose tag did not move during the call is unchanged, and its values are listed only when
+    its tag moved since they were last listed; elsewhere every value is compared (identity
+    first, in C). A replaced attribute keeps its place in its dict, so listing keys and values
+    is enough to say which one it was."""
+
+    __slots__ = ("spaces", "dicts", "tags", "keys", "values", "funcs", "codes")
 
     def __init__(self):
-        self.spaces, self.keys, self.funcs = _watched()
-        self.values = [list(vars(s).values()) for s in self.spaces]
+        self.spaces, self.dicts, self.funcs = _watched()
+        self.tags = None if _version is None else [_version(d) for d in self.dicts]
+        if self.tags is None:
+            self.keys = [list(d) for d in self.dicts]
+            self.values = [list(d.values()) for d in self.dicts]
+        else:
+            self.keys, self.values = [], []
+            for d, tag in zip(self.dicts, self.tags):
+                seen = _seen.get(id(d))
+                if seen is None or seen[0] != tag:
+                    seen = _seen[id(d)] = (tag, list(d), list(d.values()))
+                self.keys.append(seen[1])
+                self.values.append(seen[2])
         self.codes = [f.__code__ for f in self.funcs]
 
     def _changed_keys(self, i: int) -> tuple[list[str], dict]:
-        now = vars(self.spaces[i])
-        try:
-            if len(now) == len(self.values[i]) and list(now.values()) == self.values[i]:
+        now = self.dicts[i]
+        if self.tags is not None:
+            if _version(now) == self.tags[i]:
                 return [], {}
-        except Exception:                    # a replacement whose __eq__ raises
-            pass
+        else:
+            try:
+                if len(now) == len(self.values[i]) and list(now.values()) == self.values[i]:
+                    return [], {}
+            except Exception:                    # a replacement whose __eq__ raises
+                pass
         before = dict(zip(self.keys[i], self.values[i]))
-        # names added are not counted: nothing that judges calls them, and a lazy import of a
-        # submodule during the call (torch._dynamo, kfuzz.importer) adds one legitimately
-        return [k for k in before if now.get(k, _MISSING) is not before[k]
-                and not _torch_wraps(now.get(k, _MISSING), before[k]) and not _private_state(k, before[k])], before
+        # names added are not counted (a lazy import of a submodule during the call adds one
+        # legitimately) unless they shadow an inherited one: torch.Tensor.__eq__ is TensorBase's
+        space = self.spaces[i]
+        inherited = [vars(b) for b in space.__mro__[1:]] if isinstance(space, type) else []
+        changed = [k for k in before if now.get(k, _MISSING) is not before[k]
+                   and not _torch_wraps(now.get(k, _MISSING), before[k]) and not _private_state(k, before[k])]
+        shadowing = [k for k in now if k not in before and any(k in d for d in inherited)]
+        return changed + shadowing, before
 
     def undo(self) -> list[str]:
         """What the call replaced or removed, as ``namespace.name``; restores each."""
@@ -133,7 +192,10 @@ class NamespaceSnapshot:
             for key in keys:
                 changed.append(f"{getattr(space, '__name__', space)}.{key}")
                 try:
-                    setattr(space, key, before[key])
+                    if key in before:
+                        setattr(space, key, before[key])
+                    else:
+                        delattr(space, key)
                 except (AttributeError, TypeError):
                     pass
         if [f.__code__ for f in self.funcs] != self.codes:
@@ -141,8 +203,6 @@ class NamespaceSnapshot:
                 if f.__code__ is not code:
                     changed.append(f"{f.__module__}.{f.__qualname__}.__code__")
                     f.__code__ = code
-        if changed:
-            _cache.clear()    # a restored name may sit elsewhere in its dict now
         return changed
 
 

@@ -85,10 +85,12 @@ def test_hack_is_rejected(name, gate, kind, evidence):
     assert snapshot.undo() == [], "a hack's patch outlived the call"
 
 
-def test_pooled_thread_fails_every_case():
-    """Its answer arrives a moment after return; what is judged is the output at return."""
+def test_pooled_thread_fails_where_judged_at_return():
+    """Its answer arrives 2 ms after return; what is judged is the output at return, so the
+    cases fail (all of them on an idle machine; a thread the OS runs first can still win the
+    race to the copy; judged live, 4 of 15 failed)."""
     result = run_gate(GATES["G01"], get_target("hacks.pooled_thread"), seed=0)
-    assert result.status == "fail" and result.failures == result.cases
+    assert result.status == "fail" and result.failures * 2 > result.cases
 
 
 def test_seed_peek_passes_where_it_can_see_the_seed():
@@ -99,6 +101,24 @@ def test_seed_peek_passes_where_it_can_see_the_seed():
     assert ordinary and all(gate.check(target, c).passed for c in ordinary[:3])
     case, verdict = first_failure(target, "G01")
     assert case.payload is not None         # the hidden inputs, saved so the failure replays
+
+
+def test_snapshot_names_and_undoes_replacements_it_must_see():
+    """Replaced names, names that shadow an inherited method, swapped code; not lazy imports."""
+    import numpy as np
+    eq, allclose, assert_allclose_code = torch.Tensor.__eq__, torch.allclose, np.testing.assert_allclose.__code__
+    snapshot = NamespaceSnapshot()
+    torch.allclose = lambda *a, **k: True
+    torch.Tensor.__eq__ = lambda a, b: True           # shadows TensorBase.__eq__: a name added to Tensor
+    np.testing.assert_allclose.__code__ = (lambda *a, **k: None).__code__
+    torch.kfuzz_test_added = 1                        # as a submodule import does: not a replacement
+    changed = snapshot.undo()
+    del torch.kfuzz_test_added
+    assert sorted(changed) == ["Tensor.__eq__", "numpy.testing._private.utils.assert_allclose.__code__",
+                               "torch.allclose"]
+    assert torch.Tensor.__eq__ is eq and torch.allclose is allclose
+    assert np.testing.assert_allclose.__code__ is assert_allclose_code
+    assert NamespaceSnapshot().undo() == []
 
 
 @pytest.mark.parametrize("twin", ["hacks.honest_softmax", "matmul"])
