@@ -9,8 +9,9 @@ does, and where the operating system cannot do it:
 - memory: ``RLIMIT_AS`` (address space). An allocation past it fails inside the call
   and the case is a ``crash`` with ``exc_type`` ``resource-memory``. Not on CUDA: the
   driver reserves far more address space than any limit a user would set;
-- CPU time: ``RLIMIT_CPU``, a fresh budget for each case; the kernel gets ``SIGXCPU``
-  (``resource-cpu``). The parent's wall-clock timeout stays the backstop;
+- CPU time: ``RLIMIT_CPU``, a budget for each case (at least the limit, at most twice);
+  the kernel gets ``SIGXCPU`` (``resource-cpu``). The parent's wall-clock timeout stays
+  the backstop;
 - open files, file size, core dumps: ``RLIMIT_NOFILE`` (``resource-files``),
   ``RLIMIT_FSIZE`` (``resource-filesize``), ``RLIMIT_CORE`` 0;
 - a private directory, made by the parent, is the cwd and ``TMPDIR``;
@@ -412,13 +413,20 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
 
 # each case ---------------------------------------------------------------------------------------
 
+_cpu_soft = [0]    # the RLIMIT_CPU soft limit as last set
+
+
 def start_case(cpu_seconds: int | None) -> None:
-    """A fresh CPU-time budget and no violation on record, before a kernel call."""
+    """No violation on record, and at least ``cpu_seconds`` of CPU time (at most twice that)
+    before ``SIGXCPU``: re-arming the limit costs ~40 us, so it is re-armed only when less
+    than one budget is left."""
     _violations.clear()
     if cpu_seconds:
         used = resource.getrusage(resource.RUSAGE_SELF)
-        soft = math.ceil(used.ru_utime + used.ru_stime) + int(cpu_seconds)
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+        used = math.ceil(used.ru_utime + used.ru_stime)
+        if _cpu_soft[0] - used < cpu_seconds:
+            _cpu_soft[0] = used + 2 * int(cpu_seconds)
+            resource.setrlimit(resource.RLIMIT_CPU, (_cpu_soft[0], resource.getrlimit(resource.RLIMIT_CPU)[1]))
 
 
 def violation() -> tuple[str, str] | None:
