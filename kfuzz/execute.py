@@ -237,11 +237,21 @@ def _restore_hooks(hooks: tuple) -> list[str]:
     return changed
 
 
+def _idle_pool_worker(frame) -> bool:
+    """A thread pool's worker waiting for work with none queued (torch.compile leaves one
+    behind after compiling): started by the call, but no work of the call is pending in it."""
+    code = frame.f_code
+    if code.co_name != "_worker" or not code.co_filename.endswith(os.path.join("concurrent", "futures", "thread.py")):
+        return False
+    queue = frame.f_locals.get("work_queue")
+    return queue is not None and queue.empty()
+
+
 def _threads_left(before: set[int]) -> list[str]:
     """Python threads started during the call and still running: ``name in function``."""
     left = []
     for ident, frame in sys._current_frames().items():
-        if ident in before:
+        if ident in before or _idle_pool_worker(frame):
             continue
         thread = threading._active.get(ident)
         name = thread.name if thread is not None else f"thread {ident}"

@@ -121,6 +121,39 @@ def test_snapshot_names_and_undoes_replacements_it_must_see():
     assert NamespaceSnapshot().undo() == []
 
 
+def test_an_idle_thread_pool_left_behind_is_not_pending_work():
+    """torch.compile leaves an idle ThreadPoolExecutor worker after compiling: no false alarm;
+    a pool still running the call's work is pending work."""
+    import dataclasses
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from kfuzz.execute import call_kernel
+    from kfuzz.gates.base import make_case, nominal_dims
+    from kfuzz.tensors import materialize
+    target = get_target("hacks.honest_softmax")
+    case = make_case(target, "float32", 1, nominal_dims(target))
+    pools = []
+
+    def idle(x):
+        pools.append(ThreadPoolExecutor(1))
+        pools[-1].submit(lambda: None).result()
+        return torch.softmax(x, -1)
+
+    def busy(x):
+        out = torch.ones_like(x)
+        pools.append(ThreadPoolExecutor(1))
+        pools[-1].submit(lambda: (time.sleep(0.05), out.copy_(torch.softmax(x, -1))))
+        return out
+    try:
+        for kernel, pending in ((idle, False), (busy, True)):
+            _, verdict = call_kernel(dataclasses.replace(target, kernel=kernel), case,
+                                     materialize(case, target), torch.device("cpu"))
+            assert (verdict is not None and "pending work" in verdict.detail) == pending, verdict
+    finally:
+        for pool in pools:
+            pool.shutdown(wait=True)
+
+
 @pytest.mark.parametrize("twin", ["hacks.honest_softmax", "matmul"])
 def test_correct_twin_passes_the_gates_that_reject_the_hacks(twin):
     for gate in ("G01", "G03", "G09", "G10", "G11"):
