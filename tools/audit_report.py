@@ -61,6 +61,7 @@ def summarize(records: list[dict]) -> dict:
         "skipped": sum("skip" in r for r in corpus),
         "adapter_refused": sum("adapter" in r for r in corpus),
         "unbuilt": sum("unbuilt" in r for r in corpus),
+        "without_mode": sum("mode" not in r for r in audited),
         "audited": len(audited),
         "incomplete": sum(j[r["key"]]["incomplete"] for r in audited),
         "gate_errors": sum(any(g.get("status") == "error" for g in r.get("gates", {}).values()) for r in audited),
@@ -100,6 +101,9 @@ def markdown(s: dict) -> str:
            f"that finished; {s['gate_errors']} with a gate that could not run, judged on the others), "
            f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
            f"{s['unbuilt']} that did not build or import here (not judged).", "",
+           *([f"{s['without_mode']} records predate the train/eval mode field: their models ran in train "
+              f"mode, which differs from CUDA-L1's eval mode for references with BatchNorm or dropout "
+              f"(AUDIT.md; `kfuzz audit --retry` redoes those).", ""] if s["without_mode"] else []),
            "| measure | value |", "| --- | --- |",
            f"| broken beyond any tolerance (a tolerance-free failure, or error > {s['broken_ratio']:g} x bound) | "
            f"{s['broken']} ({pct(s['share_broken'])}) |",
