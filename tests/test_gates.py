@@ -143,3 +143,12 @@ def test_g04_demands_an_error_for_a_refused_layout(kernel, status):
     assert r.status == status, r.reason
     if status == "fail":
         assert r.first_failure[1].kind == "contract" and "refuses" in r.first_failure[1].detail
+
+
+def test_range_gate_runs_on_a_target_without_dims(tmp_path):
+    """Fixed-size inputs (a KernelBench problem without size constants) have no dims to scale by."""
+    from kfuzz.target import Arg, Output, Target
+    t = Target(name="fixed_relu", kernel=lambda x: (torch.relu(x),), reference=lambda x: (torch.relu(x),),
+               args={"x": Arg((4, 3))}, outputs={"out": Output((4, 3))}, dims={}, dtypes=("float32",))
+    r = run_gate(GATES["G06"], t, seed=0, out=tmp_path)
+    assert r.status == "pass", r.reason

@@ -241,7 +241,7 @@ class Range(Gate):
 
     def cases(self, target, seed):
         dims = nominal_dims(target)
-        biggest = max(dims.values())
+        biggest = max(dims.values(), default=1)   # a target without dims (fixed-size inputs)
         i = 0
         for dtype in target.dtypes:
             table = special_value_table(dtype)
