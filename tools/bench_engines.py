@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -79,8 +80,10 @@ def detection(seeds: int, cap: int, configs: list[str], out: Path) -> dict:
 def throughput(runs: int, rounds: int = 5) -> dict:
     """Best of ``rounds`` interleaved rounds for each loop (the machine is shared, so a
     single pass of each measures the neighbours' load as much as kfuzz). Wall clock gives
-    executions per second; CPU time (kfuzz's process plus the workers') per execution is
-    what the same work costs on one core whatever the neighbours do."""
+    executions per second; CPU time (kfuzz's process plus the workers') per execution counts
+    the work whether or not a second core overlaps it, and is less sensitive to the
+    neighbours (they still cost it cache). The machine's load is recorded with the result."""
+    load_before = os.getloadavg()[0]
     target = get_target("searchsum")
     rng = random.Random(0)
     cases = [sample_case(target, rng) for _ in range(runs)]   # what RandomEngine(seed=0) proposes
@@ -104,7 +107,8 @@ def throughput(runs: int, rounds: int = 5) -> dict:
                 best[key] = max(best[key], stats.execs_per_second)
                 cpu[key] = min(cpu[key], (time.process_time() - start_cpu + stats.worker_cpu_seconds) / runs)
     out = {"bare_loop_execs_per_s": round(best["bare"], 1), "rounds": rounds, "runs": runs,
-           "bare_loop_cpu_us": round(cpu["bare"] * 1e6)}
+           "bare_loop_cpu_us": round(cpu["bare"] * 1e6), "cpus": os.cpu_count(),
+           "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
     for key in LOOPS:
         out[f"kfuzz_{key}_execs_per_s"] = round(best[key], 1)
         out[f"kfuzz_{key}_overhead"] = round(best["bare"] / best[key] - 1, 3)
@@ -175,8 +179,12 @@ def table(results: dict, cap: int, thr: dict | None) -> str:
             row.append(_cell(firsts, cap) if firsts else "-")
         lines.append("| " + " | ".join(row) + " |")
     if thr:
+        load = thr.get("load_average")
         lines += ["", f"Throughput on `searchsum` (CPU, random engine, {thr.get('runs')} executions, best of "
-                  f"{thr.get('rounds')} interleaved rounds; `python tools/bench_engines.py throughput`):", "",
+                  f"{thr.get('rounds')} interleaved rounds; `python tools/bench_engines.py throughput`"
+                  + (f"; {thr['cpus']} CPUs, load average {load[0]} before and {load[1]} after" if load else "")
+                  + "). Time per execution is the wall clock's; CPU per execution adds kfuzz's process and "
+                  "the workers', so it counts the work that a second core would overlap:", "",
                   "| loop | execs/s (wall) | time per exec vs bare loop | CPU per exec, all processes | CPU vs bare loop |",
                   "|---|---|---|---|---|",
                   f"| bare loop calling `execute` | {thr['bare_loop_execs_per_s']} | - | "
@@ -188,7 +196,30 @@ def table(results: dict, cap: int, thr: dict | None) -> str:
                    if f"kfuzz_{key}_cpu_us" in thr else "- | -")
             lines.append(f"| kfuzz campaign, {what} | {thr[f'kfuzz_{key}_execs_per_s']} | "
                          f"{thr[f'kfuzz_{key}_overhead']:+.0%} | {cpu} |")
+        over = thr["kfuzz_one_worker_overhead"]
+        lines += ["", THROUGHPUT_NOTES, "", f"Issue #3's target, kfuzz's overhead under 20% of the bare loop's time per "
+                  f"execution with the default sandboxed worker, is {'met' if over < 0.2 else 'not met'} in this "
+                  f"measurement ({over:+.0%})."]
     return "\n".join(lines) + "\n"
+
+
+THROUGHPUT_NOTES = """\
+How a sandboxed campaign spends its time (`kfuzz/workers.py`): kfuzz's process samples a case,
+materializes its inputs once, sends their storage bytes to the worker (~30 us to pack, ~20 us to
+unpack), and judges the previous case while the worker runs this one (two cases in flight); the
+worker runs the kernel under the call contract and sends the outputs back as raw bytes. So kfuzz's
+process does the bare loop's work minus the kernel call, and with a free core the worker's share
+overlaps it. What is extra: the messages, the worker's loop (~100 us), a worker's start (~45 ms,
+once per campaign and per crash), and the audit hook that names escapes: it runs on every audit
+event of the worker, and the call contract's namespace check reads each watched function's
+`__code__` (~700 reads a call, each an audit event), so naming costs what separates the two
+sandboxed rows (the OS layers themselves cost nothing measurable: ~0.6 ms a case for the worker's
+loop with or without them, measured in one process). With no free
+core the two processes' work adds up (the CPU column), and on this shared 2-CPU machine the
+neighbours' load sets the wall clock more than kfuzz does: the rounds of one run vary by 2x. The
+same command on an idle machine with spare cores measures the design rather than the neighbours:
+`python tools/bench_engines.py throughput --runs 2000 --throughput-json $OUT/bench_throughput.json`.\
+"""
 
 
 def write_section(text: str, path: Path = Path("BENCHMARKS.md")) -> None:
