@@ -8,267 +8,45 @@ The call contract, checked on every call:
   lazy tensor, no view whose elements overlap, as an expanded constant's do)
   of the declared shape, dtype and device;
 - all work is finished at return: no Python thread that the call started is
-  still running, and on CUDA the outputs copied on the current stream right
-  at return equal the outputs after the device is synchronized (work left on
-  a side stream shows as a difference; an error that surfaces there is a
-  ``crash``);
+  still running (an idle thread-pool worker with nothing queued is not work),
+  and on CUDA the outputs copied on the current stream right at return equal
+  the outputs after the device is synchronized (work left on a side stream
+  shows as a difference; an error that surfaces there is a ``crash``); what
+  ``kernel_stage`` returns to be judged is those copies taken at return, so
+  work that finishes later cannot make a wrong answer right;
 - no hook was installed that runs code after return without a thread (trace
   or profile functions, garbage-collection callbacks, signal handlers); each
   is undone;
 - nothing in the namespaces a comparison relies on was replaced: the
   attributes of torch, torch.nn.functional, torch.testing, torch.Tensor,
   numpy, numpy.testing, builtins, math and kfuzz's own modules keep their
-  identities (names added are not counted: a lazy import adds submodules),
-  and their Python functions keep their code. A replacement is undone before
-  the verdict, so it does not outlive the call;
+  identities (names added are not counted, as a lazy import adds submodules,
+  unless they shadow a class's inherited attribute), and their Python
+  functions keep their code. A replacement is undone before the verdict, so
+  it does not outlive the call;
 - inputs, including the storage around strided and offset views, are bitwise
   unchanged (``mutation``).
 
-This module does not isolate the kernel: a kernel that segfaults takes the
-process down. Sandboxed workers are the engines' concern.
+The tripwires behind the hooks, threads, overlap and namespace checks are in
+``kfuzz.contract``. This module does not isolate the kernel: a kernel that
+segfaults takes the process down. Sandboxed workers are the engines' concern.
 """
 from __future__ import annotations
 
-import builtins
-import gc
-import math
 import os
-import signal
 import sys
-import threading
 import traceback
-import types
 import warnings
 from typing import Any, Mapping
-
-import numpy as np
 
 import torch
 
 from kfuzz.case import Case
 from kfuzz.compare import BOUND_C, compare
+from kfuzz.contract import NamespaceSnapshot, current_hooks, overlapping, restore_hooks, threads_left
 from kfuzz.target import Target, get_target
 from kfuzz.tensors import materialize, torch_dtype
 from kfuzz.verdict import Verdict
-
-_MISSING = object()
-
-
-def _watched_namespaces() -> tuple[list, list]:
-    """What a kernel could patch to fool a comparison made in its process: torch's and
-    numpy's comparisons, builtins, kfuzz's own judging code. (torch._C.TensorBase and
-    numpy.ndarray are immutable types.) Second: the namespaces whose functions' code is
-    watched too (torch's top level has hundreds, each cheap to check but not free)."""
-    kfuzz_modules = [m for n, m in list(sys.modules.items())
-                     if isinstance(m, types.ModuleType) and (n == "kfuzz" or n.startswith("kfuzz."))]
-    spaces = [torch, torch.nn.functional, torch.testing, torch.Tensor, torch.cuda, np, np.testing,
-              builtins, math] + kfuzz_modules
-    return spaces, [torch.nn.functional, torch.testing, np.testing] + kfuzz_modules
-
-
-def _dict_of(space: Any) -> dict:
-    """The dict behind a namespace (a class's ``__dict__`` is a read-only proxy of one)."""
-    d = vars(space)
-    if type(d) is dict:
-        return d
-    inner = [r for r in gc.get_referents(d) if type(r) is dict]
-    return inner[0] if inner else dict(d)
-
-
-_cache: list = []    # [len(sys.modules), namespaces, their dicts, watched functions]
-
-
-def _watched() -> tuple[list, list, list]:
-    """The namespaces, their dicts and the watched Python functions; recomputed when a
-    module is imported."""
-    if not _cache or _cache[0] != len(sys.modules):
-        spaces, code_spaces = _watched_namespaces()
-        funcs = [f for s in code_spaces for f in list(vars(s).values()) if type(f) is types.FunctionType]
-        _cache[:] = [len(sys.modules), spaces, [_dict_of(s) for s in spaces], funcs]
-    return _cache[1], _cache[2], _cache[3]
-
-
-def _dict_version_reader():
-    """CPython's version tag of a dict (PEP 509: every change to the dict moves it), read
-    through ctypes, or None where a probe does not see it move as it should (another
-    interpreter or layout); the snapshot then compares every value on every call."""
-    if sys.implementation.name != "cpython":
-        return None
-    try:
-        import ctypes
-        offset = 3 * ctypes.sizeof(ctypes.c_ssize_t)        # after ob_refcnt, ob_type, ma_used
-
-        def read(d: dict) -> int:
-            return ctypes.c_uint64.from_address(id(d) + offset).value
-        probe = {"a": 1}
-        tags = [read(probe)]
-        probe["a"] = 2
-        tags.append(read(probe))
-        probe["b"] = 3
-        tags.append(read(probe))
-        del probe["b"]
-        tags.append(read(probe))
-        if len(set(tags)) == 4 and read(probe) == tags[-1] and read({}) != tags[-1]:
-            return read
-    except Exception:
-        pass
-    return None
-
-
-_version = _dict_version_reader()
-_seen: dict[int, tuple[int, list, list]] = {}    # id(dict) -> (version, keys, values) when last read
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
-
-def _torch_wraps(new: Any, old: Any) -> bool:
-    """Whether ``new`` is torch's own wrapper around ``old``: importing torch._dynamo (lazily,
-    perhaps inside a kernel's first call) replaces torch.manual_seed with one. A wrapper
-    whose code lives in torch's files and that wraps the very original is harmless."""
-    code = getattr(new, "__code__", None)
-    return (getattr(new, "__wrapped__", None) is old and code is not None
-            and os.path.abspath(code.co_filename).startswith(_TORCH_DIR + os.sep))
-
-
-def _private_state(name: str, value: Any) -> bool:
-    """A module's private flag or cache (``kfuzz.target._LOADED``), which a kernel that calls
-    a library function may legitimately rebind; private functions and classes stay watched."""
-    return name.startswith("_") and not callable(value) and not isinstance(value, types.ModuleType)
-
-
-class NamespaceSnapshot:
-    """The identities of the watched namespaces' attributes and of their functions' code,
-    taken before a kernel call; ``undo`` names and reverts what the call replaced.
-
-    Cheap enough for every call: where CPython's dict version tags can be read, a namespace
-    whose tag did not move during the call is unchanged, and its values are listed only when
-    its tag moved since they were last listed; elsewhere every value is compared (identity
-    first, in C). A replaced attribute keeps its place in its dict, so listing keys and values
-    is enough to say which one it was."""
-
-    __slots__ = ("spaces", "dicts", "tags", "keys", "values", "funcs", "codes")
-
-    def __init__(self):
-        self.spaces, self.dicts, self.funcs = _watched()
-        self.tags = None if _version is None else [_version(d) for d in self.dicts]
-        if self.tags is None:
-            self.keys = [list(d) for d in self.dicts]
-            self.values = [list(d.values()) for d in self.dicts]
-        else:
-            self.keys, self.values = [], []
-            for d, tag in zip(self.dicts, self.tags):
-                seen = _seen.get(id(d))
-                if seen is None or seen[0] != tag:
-                    seen = _seen[id(d)] = (tag, list(d), list(d.values()))
-                self.keys.append(seen[1])
-                self.values.append(seen[2])
-        self.codes = [f.__code__ for f in self.funcs]
-
-    def _changed_keys(self, i: int) -> tuple[list[str], dict]:
-        now = self.dicts[i]
-        if self.tags is not None:
-            if _version(now) == self.tags[i]:
-                return [], {}
-        else:
-            try:
-                if len(now) == len(self.values[i]) and list(now.values()) == self.values[i]:
-                    return [], {}
-            except Exception:                    # a replacement whose __eq__ raises
-                pass
-        before = dict(zip(self.keys[i], self.values[i]))
-        # names added are not counted (a lazy import of a submodule during the call adds one
-        # legitimately) unless they shadow an inherited one: torch.Tensor.__eq__ is TensorBase's
-        space = self.spaces[i]
-        inherited = [vars(b) for b in space.__mro__[1:]] if isinstance(space, type) else []
-        changed = [k for k in before if now.get(k, _MISSING) is not before[k]
-                   and not _torch_wraps(now.get(k, _MISSING), before[k]) and not _private_state(k, before[k])]
-        shadowing = [k for k in now if k not in before and any(k in d for d in inherited)]
-        return changed + shadowing, before
-
-    def undo(self) -> list[str]:
-        """What the call replaced or removed, as ``namespace.name``; restores each."""
-        changed = []
-        for i, space in enumerate(self.spaces):
-            keys, before = self._changed_keys(i)
-            for key in keys:
-                changed.append(f"{getattr(space, '__name__', space)}.{key}")
-                try:
-                    if key in before:
-                        setattr(space, key, before[key])
-                    else:
-                        delattr(space, key)
-                except (AttributeError, TypeError):
-                    pass
-        if [f.__code__ for f in self.funcs] != self.codes:
-            for f, code in zip(self.funcs, self.codes):
-                if f.__code__ is not code:
-                    changed.append(f"{f.__module__}.{f.__qualname__}.__code__")
-                    f.__code__ = code
-        return changed
-
-
-_SIGNALS = tuple(getattr(signal, n) for n in ("SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2")
-                 if hasattr(signal, n))
-
-
-def _hooks() -> tuple:
-    """The ways to run code later without a thread: trace and profile functions (this
-    thread's and new threads'), garbage-collection callbacks, timer and user signal handlers."""
-    return (sys.gettrace(), sys.getprofile(), getattr(threading, "_trace_hook", None),
-            getattr(threading, "_profile_hook", None), tuple(gc.callbacks),
-            tuple(signal.getsignal(s) for s in _SIGNALS))
-
-
-def _restore_hooks(hooks: tuple) -> list[str]:
-    """Put back the hooks of ``_hooks()``; returns the names of those that had changed."""
-    trace, profile, thread_trace, thread_profile, callbacks, handlers = hooks
-    now = _hooks()
-    names = ["sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile", "gc.callbacks",
-             "signal handlers"]
-    changed = [n for n, a, b in zip(names, hooks, now) if a != b]
-    if changed:
-        sys.settrace(trace)
-        sys.setprofile(profile)
-        threading._trace_hook, threading._profile_hook = thread_trace, thread_profile
-        gc.callbacks[:] = callbacks
-        if threading.current_thread() is threading.main_thread():
-            for s, h in zip(_SIGNALS, handlers):
-                if h is not None:
-                    signal.signal(s, h)
-    return changed
-
-
-def _idle_pool_worker(frame) -> bool:
-    """A thread pool's worker waiting for work with none queued (torch.compile leaves one
-    behind after compiling): started by the call, but no work of the call is pending in it."""
-    code = frame.f_code
-    if code.co_name != "_worker" or not code.co_filename.endswith(os.path.join("concurrent", "futures", "thread.py")):
-        return False
-    queue = frame.f_locals.get("work_queue")
-    return queue is not None and queue.empty()
-
-
-def _threads_left(before: set[int]) -> list[str]:
-    """Python threads started during the call and still running: ``name in function``."""
-    left = []
-    for ident, frame in sys._current_frames().items():
-        if ident in before or _idle_pool_worker(frame):
-            continue
-        thread = threading._active.get(ident)
-        name = thread.name if thread is not None else f"thread {ident}"
-        left.append(f"{name} in {frame.f_code.co_name}")
-    return left
-
-
-def _overlapping(t: torch.Tensor) -> bool:
-    """Whether two indices of ``t`` address the same element (a stride-0 or overlapping view)."""
-    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
-    span = 1
-    for stride, n in dims:
-        if stride < span:
-            return True
-        span = stride * n
-    return False
-
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's values as raw bytes in logical order (NaN payloads and -0 included)."""
@@ -317,7 +95,7 @@ def contract_violation(outputs: Mapping[str, Any], target: Target, case: Case,
             return name, f"output {name!r} is a {type(out).__module__}.{type(out).__qualname__}, not a plain torch.Tensor"
         if out.layout != torch.strided:
             return name, f"output {name!r} has layout {out.layout}, not a dense strided tensor"
-        if _overlapping(out):
+        if overlapping(out):
             return name, (f"output {name!r} is a view whose elements overlap (strides {list(out.stride())} "
                           f"for shape {list(out.shape)}: an expanded or aliased view, not a dense tensor)")
         shape = target.shape_of(spec.shape, dims)
@@ -377,7 +155,7 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
     thread that existed before the call, a hook) cannot make a wrong answer right."""
     namespaces = NamespaceSnapshot()
     threads = set(sys._current_frames())
-    hooks = _hooks()
+    hooks = current_hooks()
     early: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         with warnings.catch_warnings():
@@ -401,11 +179,11 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
             return None, Verdict(target.name, "crash", detail=f"CUDA error in the call: {e}"[:2000],
                                  exc_type=type(e).__name__)
         namespaces.undo()
-        _restore_hooks(hooks)
+        restore_hooks(hooks)
         return None, Verdict(target.name, "exception", detail=f"{type(e).__name__}: {e}"[:2000],
                              exc_type=type(e).__name__, frame=raising_frame(e))
     replaced = namespaces.undo()
-    hooked = _restore_hooks(hooks)
+    hooked = restore_hooks(hooks)
     if hooked:
         return None, Verdict(target.name, "contract",
                              detail=(f"pending work: the call installed {', '.join(hooked)} (undone): code that "
@@ -414,7 +192,7 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
         return None, Verdict(target.name, "contract", detail=f"the call replaced {', '.join(sorted(replaced)[:8])}"
                              + (f" and {len(replaced) - 8} more" if len(replaced) > 8 else "")
                              + " (undone)")
-    left = _threads_left(threads)
+    left = threads_left(threads)
     if left:
         return None, Verdict(target.name, "contract",
                              detail=(f"pending work: the call left {len(left)} thread(s) running "

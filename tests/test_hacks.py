@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harnesses.hacks import HACKS
-from kfuzz.execute import NamespaceSnapshot
+from kfuzz.contract import NamespaceSnapshot
 from kfuzz.gates import GATES, run_gate
 from kfuzz.target import get_target
 

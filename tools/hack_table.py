@@ -70,7 +70,7 @@ def _standard(name: str, device: str, runs: int) -> dict | None:
     """The standard test on the hack's KernelBench source, ``runs`` times (a hack racing a
     thread against the comparison, or depending on where the allocator puts the next
     trial's inputs, can go either way)."""
-    from kfuzz.execute import NamespaceSnapshot
+    from kfuzz.contract import NamespaceSnapshot
     from kfuzz.kernelbench import standard_test
     path, pair = _kb_pair(name)
     if pair is None:
