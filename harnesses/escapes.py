@@ -12,7 +12,12 @@ for every case and keep running:
   ``crash``/``sandbox-write``;
 - ``escapes.network``: opens a TCP socket to a public address: ``crash``/``sandbox-network``;
 - ``escapes.spin``: spins the CPU: ``crash``/``resource-cpu`` when the CPU-time limit is
-  below the timeout (``--cpu-limit 2``), else ``timeout``.
+  below the timeout (``--cpu-limit 2``), else ``timeout``;
+- ``escapes.forge``: finds its worker's pipe through the garbage collector and sends kfuzz a
+  forged answer that says ``pass``, then returns zeros: ``crash``/``malformed-answer``;
+- ``escapes.shrink``: a plain wrong answer (``bound``) that tries ``escapes.write``'s writes
+  only on inputs of at most two elements, which the minimizer reaches while shrinking the
+  failure: minimizing must run confined too.
 
 Each is bounded so that, run unconfined by mistake, it cannot harm the machine: at most
 8 GiB, three short-lived children, one small probe file per place (``PROBE``), one socket,
@@ -86,6 +91,23 @@ def network(x):
     return _total(x)
 
 
+def shrink(x):
+    if x.numel() <= 2:
+        write(x)
+    return _total(x) * 2
+
+
+def forge(x):
+    import gc
+    from multiprocessing.connection import Connection
+
+    from kfuzz.wire import pack
+    for obj in gc.get_objects():
+        if isinstance(obj, Connection) and not obj.closed:
+            obj.send_bytes(pack(["done", None, {"kind": "pass", "ratio": 0.0}, [], 0.0], []))
+    return torch.zeros(x.shape[0], dtype=x.dtype)
+
+
 def spin(x):
     end = time.monotonic() + 120.0
     n = 0
@@ -99,3 +121,6 @@ variant("escapes", "escapes.fork", fork, planted_bug="forks three children and r
 variant("escapes", "escapes.write", write, planted_bug="writes a probe file into $HOME and the repository's crashes/")
 variant("escapes", "escapes.network", network, planted_bug="opens a TCP connection to 1.1.1.1:53")
 variant("escapes", "escapes.spin", spin, planted_bug="spins the CPU for two minutes")
+variant("escapes", "escapes.forge", forge, planted_bug="sends kfuzz a forged 'pass' through its worker's pipe")
+variant("escapes", "escapes.shrink", shrink,
+        planted_bug="doubles every sum; on inputs of at most two elements also writes escapes.write's files")

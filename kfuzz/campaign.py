@@ -27,7 +27,7 @@ from kfuzz.sandbox import Policy
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
-from kfuzz.workers import InProcess, WorkerPool
+from kfuzz.workers import InProcess, WorkerPool, minimize_confined
 
 
 @dataclass
@@ -120,8 +120,10 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                     if not corpus.has_signature(verdict.signature):   # minimize new failures only
                         # a timed campaign ends near its time: minimizing gets what is left (5 s at least)
                         left = None if seconds is None else max(5.0, seconds - (time.monotonic() - start))
-                        kept, kept_verdict, note = minimize_failure(case, target, verdict, device=device,
-                                                                    max_seconds=left)
+                        # a sandboxed campaign minimizes in a sandbox too: shrunk cases run the kernel
+                        kept, kept_verdict, note = (
+                            minimize_failure(case, target, verdict, device=device, max_seconds=left) if jobs == 0
+                            else minimize_confined(case, target, verdict, device, left, runner.policy))
                         path = corpus.save_failure(kept, kept_verdict, device=device, **note)
                     if path is not None:
                         stats.saved.append(path)

@@ -27,7 +27,10 @@ a fresh worker:
 - no answer within ``timeout`` seconds: the worker is killed, ``timeout``;
 - an escape the sandbox stopped, an allocation past the memory limit, a CUDA
   error or out-of-memory inside the call: ``crash`` with its ``exc_type``
-  (``sandbox-write``, ``resource-memory``, ...), and the worker is replaced.
+  (``sandbox-write``, ``resource-memory``, ...), and the worker is replaced;
+- an answer that is not one (a kernel can reach its worker's pipe): ``crash``,
+  ``malformed-answer``. Answers are JSON and raw bytes, never pickles, and a worker
+  may report only the failures of the call itself (never a pass: kfuzz judges).
 
 ``InProcess`` runs the same kernel half in kfuzz's own process, without any of
 this protection; it is for trusted kernels and measurements.
@@ -39,15 +42,12 @@ use it as feedback; torch itself is not traced.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import inspect
 import multiprocessing
 import os
-import pickle
 import resource
 import shutil
-import struct
 import sys
 import tempfile
 import threading
@@ -62,11 +62,15 @@ import torch
 
 from kfuzz import sandbox
 from kfuzz.case import Case
+from kfuzz.errors import KfuzzError
 from kfuzz.execute import kernel_stage
 from kfuzz.target import Target, get_target, prepare_triton
-from kfuzz.tensors import materialize, torch_dtype
+from kfuzz.tensors import materialize
+from kfuzz.wire import dense_outputs, geometry, pack, rebuild, unpack
 from kfuzz.verdict import Verdict
 
+# what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
+_WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
 STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded machine is slow
 # bytes that may wait unread in a worker's pipe without blocking kfuzz's send (Linux buffers
 # ~200 KiB); more goes through a sender thread, so that kfuzz never blocks on a worker
@@ -153,59 +157,6 @@ def run_kernel(case: Case, target: Target, device: str = "cpu", coverage: Harnes
     return inputs, outputs, resource_crash(verdict), edges
 
 
-# the wire: a pickled header, then the tensors' raw bytes ------------------------------------
-
-def _storage_buffer(t: torch.Tensor):
-    """The bytes of ``t``'s whole storage, without a copy where they are large."""
-    st = t.untyped_storage()
-    st = st if st.device.type == "cpu" else st.cpu()
-    n = st.nbytes()
-    if n <= 1 << 20:                 # small: one C-level copy is cheaper than a tensor view
-        return ctypes.string_at(st.data_ptr(), n) if n else b""
-    return torch.empty(0, dtype=torch.uint8).set_(st).numpy().data
-
-
-def pack(header: tuple, tensors: list[torch.Tensor]) -> bytes:
-    """One message: ``header`` and each tensor's bytes (its whole storage for a view, so
-    the receiver rebuilds the same layout, fillers and guard bytes included)."""
-    raws = [_storage_buffer(t) for t in tensors]
-    head = pickle.dumps((header, [len(r) for r in raws]), protocol=pickle.HIGHEST_PROTOCOL)
-    return b"".join([struct.pack("<I", len(head)), head, *raws])
-
-
-def unpack(msg: bytes | bytearray) -> tuple[tuple, list[torch.Tensor]]:
-    """The header and each tensor's storage (uint8, owning its memory) of a ``pack`` message."""
-    (n,) = struct.unpack_from("<I", msg)
-    header, sizes = pickle.loads(memoryview(msg)[4:4 + n])
-    buf, at, out = bytearray(msg) if isinstance(msg, bytes) else msg, 4 + n, []
-    for size in sizes:
-        out.append(torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=at) if size
-                   else torch.empty(0, dtype=torch.uint8))
-        at += size
-    return header, out
-
-
-def _geometry(t: torch.Tensor) -> tuple:
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset()
-
-
-def _rebuild(storage: torch.Tensor, geometry: tuple, device: str | torch.device = "cpu") -> torch.Tensor:
-    dtype, shape, stride, offset = geometry
-    flat = storage.view(torch_dtype(dtype)) if storage.numel() else torch.empty(0, dtype=torch_dtype(dtype))
-    if str(device) != "cpu":
-        flat = flat.to(device)
-    return flat.as_strided(shape, stride, offset)
-
-
-def _contiguous(outputs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Each output dense and alone in its storage (a view of a larger buffer is copied)."""
-    out = []
-    for t in outputs.values():
-        t = t.detach().contiguous()
-        out.append(t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone())
-    return out
-
-
 # the worker process ------------------------------------------------------------------------
 
 def _load_target(name: str, module: str | None) -> Target:
@@ -236,11 +187,11 @@ def _worker_main(conn: Connection, target_name: str, module: str | None, device:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        (kind, told, geometry), storages = unpack(msg)
+        (kind, told, layouts), storages = unpack(msg)
         if kind == "stop":
             return
-        case = Case(told[0], told[1], 0, told[2])
-        inputs = {name: _rebuild(st, geo, device) for (name, geo), st in zip(geometry, storages)}
+        case = Case(told[0], told[1], 0, tuple((k, int(v)) for k, v in told[2]))
+        inputs = {name: rebuild(st, geo, device) for (name, geo), st in zip(layouts, storages)}
         sandbox.start_case(cpu_seconds)
         try:
             _, outputs, verdict, edges = run_kernel(case, target, device, coverage, inputs)
@@ -249,9 +200,9 @@ def _worker_main(conn: Connection, target_name: str, module: str | None, device:
         escape = sandbox.violation()    # recorded even when the kernel caught it
         if escape is not None:
             outputs, verdict = None, Verdict(target.name, "crash", exc_type=escape[0], detail=escape[1])
-        sent = [] if outputs is None else _contiguous(outputs)
+        sent = [] if outputs is None else dense_outputs(outputs)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        conn.send_bytes(pack(("done", None if outputs is None else [(k, _geometry(t)) for k, t in zip(outputs, sent)],
+        conn.send_bytes(pack(("done", None if outputs is None else [(k, geometry(t)) for k, t in zip(outputs, sent)],
                               None if verdict is None else verdict.to_json(), sorted(edges),
                               usage.ru_utime + usage.ru_stime), sent))
         if verdict is not None and verdict.kind == "crash":
@@ -311,7 +262,7 @@ class Worker:
         assert kind == "ready"
 
     def submit(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
-        msg = pack(("case", _worker_case(case), [(k, _geometry(t)) for k, t in inputs.items()]),
+        msg = pack(("case", _worker_case(case), [(k, geometry(t)) for k, t in inputs.items()]),
                    list(inputs.values()))
         if not self.queue:
             self.started = time.monotonic()
@@ -443,19 +394,27 @@ class WorkerPool:
         for w in busy:
             if w.conn in ready:
                 try:
-                    (_, geometry, verdict_json, edges, cpu), storages = unpack(w.conn.recv_bytes())
+                    msg = w.conn.recv_bytes()
                 except (EOFError, OSError):
                     yield self._died(w)
+                    continue
+                try:   # the worker's answer is data from the kernel's process: parsed, checked
+                    (_, layouts, verdict_json, edges, cpu), storages = unpack(msg)
+                    verdict = None if verdict_json is None else Verdict.from_json(self.target.name, verdict_json)
+                    if verdict is not None and verdict.kind not in _WORKER_VERDICTS:
+                        raise ValueError(f"a worker may not report {verdict.kind!r}; kfuzz judges")
+                    outputs = None if layouts is None else {
+                        name: rebuild(st, geo) for (name, geo), st in zip(layouts, storages)}
+                    edges, cpu = frozenset(int(e) for e in edges), float(cpu)
+                except (ValueError, TypeError, KeyError, RuntimeError, KfuzzError) as e:
+                    yield self._failed(w, "crash", "malformed-answer", f"the worker's answer is malformed: {e}"[:2000])
                     continue
                 seconds = time.monotonic() - w.started
                 self.cpu[w.process.pid] = cpu
                 case, inputs = w.finish_head()
-                verdict = None if verdict_json is None else Verdict.from_json(self.target.name, verdict_json)
-                outputs = None if geometry is None else {
-                    name: _rebuild(st, geo) for (name, geo), st in zip(geometry, storages)}
                 if verdict is not None and verdict.kind == "crash":
                     self._replace(w)   # the worker ends itself after a crash verdict
-                yield KernelResult(case, outputs, verdict, frozenset(edges), seconds, inputs)
+                yield KernelResult(case, outputs, verdict, edges, seconds, inputs)
             elif time.monotonic() >= w.started + self.timeout:
                 yield self._failed(w, "timeout", None,
                                    f"no answer within {self.timeout:g} s; the worker was killed")
@@ -464,6 +423,51 @@ class WorkerPool:
         for w in self.workers:
             if w is not None:
                 w.stop()
+
+
+def _minimize_main(conn: Connection, target_name: str, module: str | None, case_json: dict, verdict_json: dict,
+                   device: str, max_seconds: float | None, policy: sandbox.Policy, workdir: str) -> None:
+    from kfuzz.minimize import minimize_failure   # here: the worker's own start stays light
+    try:
+        target = _load_target(target_name, module)
+        sandbox.confine(policy, workdir)
+        case, verdict, note = minimize_failure(Case.from_json(case_json), target,
+                                               Verdict.from_json(target_name, verdict_json), device, max_seconds=max_seconds)
+        conn.send(("ok", case.to_json(), verdict.to_json(), note))
+    except BaseException as e:  # noqa: BLE001 - an escape, an exception: the case is kept as found
+        conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
+
+
+def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
+                      max_seconds: float | None = None, policy: sandbox.Policy | None = None,
+                      timeout: float = 600.0) -> tuple[Case, Verdict, dict]:
+    """``minimize.minimize_failure`` in a confined worker: minimizing runs the kernel on
+    shrunk cases, which an untrusted kernel could use to act outside a campaign's worker.
+    The case as found when that worker escapes, dies or runs past ``timeout`` (plus
+    ``max_seconds``)."""
+    ctx = multiprocessing.get_context("forkserver")
+    workdir = tempfile.mkdtemp(prefix="kfuzz-minimize-")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_minimize_main, daemon=True, name=f"kfuzz-minimize-{target.name}",
+                       args=(child, target.name, getattr(target.kernel, "__module__", None), case.to_json(),
+                             verdict.to_json(), device, max_seconds, policy or sandbox.Policy.for_device(device),
+                             workdir))
+    proc.start()
+    child.close()
+    try:
+        got = conn.recv() if conn.poll(timeout + (max_seconds or 0)) else ("error", f"no answer within {timeout:g} s")
+    except EOFError:
+        proc.join(10)
+        got = ("error", f"the minimizing worker died ({sandbox.death_name(proc.exitcode)})")
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        conn.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if got[0] != "ok":
+        return case, verdict, {"minimize": {"error": f"minimizing in a sandboxed worker failed: {got[1]}"}}
+    return Case.from_json(got[1]), Verdict.from_json(target.name, got[2]), got[3]
 
 
 class InProcess:

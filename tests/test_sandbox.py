@@ -31,7 +31,7 @@ def _corpus_files() -> dict:
 
 @pytest.mark.parametrize("name, exc_type", [
     ("escapes.memory", sandbox.MEMORY), ("escapes.fork", sandbox.FORK), ("escapes.write", sandbox.WRITE),
-    ("escapes.network", sandbox.NETWORK), ("escapes.spin", sandbox.CPU)])
+    ("escapes.network", sandbox.NETWORK), ("escapes.spin", sandbox.CPU), ("escapes.forge", "malformed-answer")])
 def test_each_escape_is_a_crash_verdict_and_the_campaign_goes_on(tmp_path, name, exc_type):
     before = _corpus_files()
     stats = run_campaign(get_target(name), RandomEngine(get_target(name), seed=0), Corpus(tmp_path), runs=2,
@@ -46,6 +46,18 @@ def test_each_escape_is_a_crash_verdict_and_the_campaign_goes_on(tmp_path, name,
     assert {p: after.get(p) for p in before} == before
     for probe in probe_paths():
         assert not probe.exists(), f"{probe} was written from inside the sandbox"
+
+
+def test_minimizing_a_failure_runs_confined_too(tmp_path):
+    """``escapes.shrink`` fails plainly on any input and writes outside only on the tiny inputs
+    that shrinking reaches: the campaign's minimizer must not run it unconfined."""
+    target = get_target("escapes.shrink")
+    stats = run_campaign(target, RandomEngine(target, seed=0), Corpus(tmp_path), runs=1, jobs=1, policy=POLICY)
+    assert [s.kind for s in stats.failures] == ["bound"] and len(stats.saved) == 1
+    note = load(stats.saved[0])[1]["minimize"]
+    assert "sandbox-write" in note.get("error", ""), note
+    for probe in probe_paths():
+        assert not probe.exists(), f"{probe} was written by the minimizer"
 
 
 def _in_confined_child(attempt, workdir, policy=sandbox.Policy(memory=None)) -> str:

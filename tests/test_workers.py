@@ -159,12 +159,12 @@ def test_inputs_cross_the_pipe_bit_for_bit_with_their_layout(layout):
     strided views, offsets, strides."""
     import torch
 
-    from kfuzz.workers import _geometry, _rebuild, pack, unpack
+    from kfuzz.wire import geometry, pack, rebuild, unpack
     target = get_target("searchsum")
     case = Case.make("searchsum", "bfloat16", 7, {"N": 5, "D": 9}, {"x": ArgCase(layout, inject=((4, "nan"),))})
     x = materialize(case, target)["x"]
-    (_, geometry), (storage,) = unpack(pack(("case", _geometry(x)), [x]))
-    y = _rebuild(storage, geometry)
+    (_, geo), (storage,) = unpack(pack(("case", geometry(x)), [x]))
+    y = rebuild(storage, geo)
     assert (y.shape, y.stride(), y.storage_offset(), y.dtype) == (x.shape, x.stride(), x.storage_offset(), x.dtype)
     raw = lambda t: torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # noqa: E731
     assert torch.equal(raw(x), raw(y))
