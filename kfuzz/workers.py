@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import multiprocessing
 import os
 import resource
@@ -433,9 +434,9 @@ def _minimize_main(conn: Connection, target_name: str, module: str | None, case_
         sandbox.confine(policy, workdir)
         case, verdict, note = minimize_failure(Case.from_json(case_json), target,
                                                Verdict.from_json(target_name, verdict_json), device, max_seconds=max_seconds)
-        conn.send(("ok", case.to_json(), verdict.to_json(), note))
+        conn.send_bytes(json.dumps(["ok", case.to_json(), verdict.to_json(), note]).encode())
     except BaseException as e:  # noqa: BLE001 - an escape, an exception: the case is kept as found
-        conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
+        conn.send_bytes(json.dumps(["error", f"{type(e).__name__}: {e}"[:500]]).encode())
 
 
 def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
@@ -454,11 +455,19 @@ def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str 
                              workdir))
     proc.start()
     child.close()
-    try:
-        got = conn.recv() if conn.poll(timeout + (max_seconds or 0)) else ("error", f"no answer within {timeout:g} s")
+    try:   # JSON, checked: the answer comes from the kernel's process
+        got = (json.loads(conn.recv_bytes()) if conn.poll(timeout + (max_seconds or 0))
+               else ["error", f"no answer within {timeout:g} s"])
+        if got[0] == "ok":
+            kept, kept_verdict = Case.from_json(got[1]), Verdict.from_json(target.name, got[2])
+            target.validate(kept)
+            if kept_verdict.signature != verdict.signature or not isinstance(got[3], dict):
+                raise ValueError("the minimized case does not keep the failure's signature")
     except EOFError:
         proc.join(10)
-        got = ("error", f"the minimizing worker died ({sandbox.death_name(proc.exitcode)})")
+        got = ["error", f"the minimizing worker died ({sandbox.death_name(proc.exitcode)})"]
+    except (ValueError, TypeError, KeyError, IndexError, KfuzzError) as e:
+        got = ["error", f"its answer is malformed ({e})"]
     finally:
         if proc.is_alive():
             proc.kill()
@@ -467,7 +476,7 @@ def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str 
         shutil.rmtree(workdir, ignore_errors=True)
     if got[0] != "ok":
         return case, verdict, {"minimize": {"error": f"minimizing in a sandboxed worker failed: {got[1]}"}}
-    return Case.from_json(got[1]), Verdict.from_json(target.name, got[2]), got[3]
+    return kept, kept_verdict, got[3]
 
 
 class InProcess:
