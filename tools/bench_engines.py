@@ -211,7 +211,7 @@ worker runs the kernel under the call contract and sends the outputs back as raw
 process does the bare loop's work minus the kernel call, and with a free core the worker's share
 overlaps it. What is extra: the messages, the worker's loop (~100 us), a worker's start (~45 ms,
 once per campaign and per crash), and the audit hook that names escapes: it runs on every audit
-event of the worker, and the call contract's namespace check reads each watched function's
+event of the worker, and the call contract's namespace snapshot (`kfuzz/contract.py`) reads each watched function's
 `__code__` (~700 reads a call, each an audit event), so naming costs what separates the two
 sandboxed rows (the OS layers themselves cost nothing measurable: ~0.6 ms a case for the worker's
 loop with or without them, measured in one process). With no free
