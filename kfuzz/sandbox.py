@@ -213,7 +213,8 @@ def _is_inet(args: tuple) -> bool:
 # the operating system's layers ------------------------------------------------------------------
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_X86_64 = platform.machine() in ("x86_64", "AMD64")
+_LINUX = sys.platform.startswith("linux")     # the OS layers are Linux's; elsewhere only limits and names
+_X86_64 = _LINUX and platform.machine() in ("x86_64", "AMD64")
 _SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD, _SYS_LANDLOCK_RESTRICT = 444, 445, 446   # the same on every arch
 _PR_SET_NO_NEW_PRIVS, _CLONE_NEWNET = 38, 0x40000000
 
@@ -228,6 +229,8 @@ def _syscall(*args) -> int:
 
 def landlock_abi() -> int:
     """Landlock's ABI version on this kernel, 0 if it has none (the probe syscall 444)."""
+    if not _LINUX:
+        return 0
     try:
         return _syscall(_SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
     except OSError:
@@ -375,10 +378,10 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
         except OSError:
             pass
     layers: dict[str, list[str]] = {"network": [], "writes": [], "processes": [], "signals": []}
-    if not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
+    if _LINUX and not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
         layers["network"].append("namespace")
     # each layer on its own: one the kernel refuses leaves the others in place
-    nnp = policy.drop_privileges and _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock, seccomp need it
+    nnp = _LINUX and policy.drop_privileges and _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock, seccomp
     abi = landlock_abi() if nnp else 0
     if abi and policy.confine_writes:
         try:
@@ -394,7 +397,7 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
                     layers[key].append("seccomp")
         except OSError as e:
             report["seccomp"] = f"refused: {e}"
-    if policy.drop_privileges and os.geteuid() == 0:
+    if _LINUX and policy.drop_privileges and os.geteuid() == 0:
         try:
             _drop_capabilities()
             report["capabilities"] = "dropped (root)"
