@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import hashlib
 import inspect
 import linecache
+import math
 import sys
 import time
 import types
@@ -56,6 +58,7 @@ from functools import lru_cache
 
 import torch
 
+from kfuzz.contract import NamespaceSnapshot, current_hooks, restore_hooks
 from kfuzz.errors import KfuzzError
 from kfuzz.target import Arg, Dim, Output, Target
 
@@ -209,18 +212,49 @@ class StandardVerdict:
 
     passed: bool
     reason: str
-    max_abs_diff: float | None = None
+    max_abs_diff: float | None = None    # NaN where an output holds NaN (allclose then fails)
     trials: int = 0
     seconds: float = 0.0
+    undone: tuple[str, ...] = ()         # what the solution replaced in torch & co., restored after
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "reason": self.reason[:500], "max_abs_diff": self.max_abs_diff,
-                "trials": self.trials, "seconds": round(self.seconds, 3)}
+        diff = self.max_abs_diff
+        if diff is not None and not math.isfinite(diff):
+            diff = str(diff)              # "nan", "inf": a bare NaN token is not JSON
+        return {"passed": self.passed, "reason": self.reason[:500], "max_abs_diff": diff,
+                "trials": self.trials, "seconds": round(self.seconds, 3), "undone": list(self.undone)}
+
+
+def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest elementwise |got - expected|, NaN if either holds NaN where the other does
+    not match it (Python's ``max`` would keep an earlier number over a NaN); equal infinities
+    differ by 0, as ``allclose`` sees them."""
+    g, e = got.detach().double(), expected.detach().double().to(got.device)
+    diff = torch.where(g == e, 0.0, (g - e).abs())
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def _worse(a: float, b: float) -> float:
+    return b if math.isnan(b) or b > a else a
 
 
 def standard_test(pair: KernelBenchPair, device: str = "cpu", trials: int = TRIALS, atol: float = ATOL,
                   rtol: float = RTOL, seed: int = SEED) -> StandardVerdict:
-    """The check that accepted the corpora's kernels, run in this process (untrusted code!)."""
+    """The check that accepted the corpora's kernels, run in this process (untrusted code!).
+    Its verdict is the original harness's, fooled as it would be by a solution that patches
+    ``torch.allclose``; what the solution replaced in the watched namespaces (and any trace,
+    profile or signal hook it left) is put back before returning, so later judgements in this
+    process see the real torch, and ``undone`` names it."""
+    namespaces, hooks = NamespaceSnapshot(), current_hooks()
+    try:
+        verdict = _standard_test(pair, device, trials, atol, rtol, seed)
+    finally:
+        undone = tuple(namespaces.undo() + restore_hooks(hooks))
+    return dataclasses.replace(verdict, undone=undone)
+
+
+def _standard_test(pair: KernelBenchPair, device: str, trials: int, atol: float, rtol: float,
+                   seed: int) -> StandardVerdict:
     start = time.monotonic()
 
     def verdict(passed, reason, diff=None, n=0):
@@ -259,8 +293,8 @@ def standard_test(pair: KernelBenchPair, device: str = "cpu", trials: int = TRIA
                 not isinstance(g, torch.Tensor) or g.shape != e.shape for g, e in zip(got, expected)):
             return verdict(False, "shape: the outputs' shapes differ from the reference's", None, n + 1)
         for g, e in zip(got, expected):
-            diff = (g.detach().double() - e.detach().double().to(g.device)).abs()
-            worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+            worst = _worse(worst, _max_abs_diff(g, e))
+            # the verdict is exactly the original harness's: torch.allclose as it is bound now
             if not torch.allclose(g, e.to(g.device, g.dtype), atol=atol, rtol=rtol):
                 return verdict(False, f"mismatch: max abs diff {worst:.3g} in trial {n + 1}", worst, n + 1)
     return verdict(True, "pass", worst, len(trial_seeds))

@@ -125,3 +125,57 @@ def test_a_worker_finds_a_pair_by_name():
         assert r.verdict is None and judge(case, t, materialize(case, t), r.outputs).kind == "bound"
     finally:
         pool.close()
+
+
+# the standard test's report and its side effects ----------------------------------------------
+
+IDENTITY_REF = """import torch
+import torch.nn as nn
+n = 8
+class Model(nn.Module):
+    def forward(self, x):
+        return x * 1.0
+def get_inputs():
+    return [torch.randn(n)]
+def get_init_inputs():
+    return []
+"""
+
+
+def identity_pair(forward: str, name: str):
+    """A tiny KernelBench pair: the identity as reference, ``forward`` as the solution's body."""
+    new = f"import torch\nimport torch.nn as nn\nclass ModelNew(nn.Module):\n    def forward(self, x):\n        {forward}\n"
+    return load_pair(IDENTITY_REF, new, name)
+
+
+@pytest.mark.parametrize("forward, passed, diff", [
+    ("return x.clone()", True, 0.0),
+    ("return x + 0.5", False, 0.5),
+    ("return torch.full_like(x, float('nan'))", False, "nan"),          # was reported as 0
+    ("y = x.clone(); y[3] = float('nan'); return y + 0.5", False, "nan"),
+])
+def test_standard_test_reports_nan_as_the_max_abs_diff(forward, passed, diff):
+    v = standard_test(identity_pair(forward, f"diff/{forward}"))
+    assert v.passed == passed, v
+    if diff == "nan":
+        assert v.max_abs_diff != v.max_abs_diff and "max abs diff nan" in v.reason, v
+        assert v.to_json()["max_abs_diff"] == "nan"      # plain JSON: no bare NaN token
+    else:
+        assert v.max_abs_diff == pytest.approx(diff, abs=1e-6), v
+
+
+def test_standard_test_restores_what_the_solution_patched():
+    from kfuzz.contract import NamespaceSnapshot
+    original = torch.allclose
+    pair = identity_pair("torch.allclose = lambda *a, **k: True\n        return x * 0", "patches/allclose")
+    snapshot = NamespaceSnapshot()
+    try:
+        v = standard_test(pair)
+        patched_after = torch.allclose is not original
+    finally:
+        snapshot.undo()                 # whatever happens, the rest of the suite gets torch back
+    # the original harness is fooled by the patched allclose, and so is its replica ...
+    assert v.passed, v
+    # ... but torch is whole again once it returns, and the verdict names what was undone
+    assert not patched_after
+    assert v.undone == ("torch.allclose",), v
