@@ -1,7 +1,12 @@
 """The corpus on disk: seeds and minimized failures, content-addressed and written atomically.
 
-    seeds/<target>/<hash>.case.zst
-    crashes/<target>/<signature>/<hash>.case.zst
+    seeds/<target folder>/<hash>.case.zst
+    crashes/<target folder>/<signature>/<hash>.case.zst
+
+``<target folder>`` is the target's name made one safe path component
+(``target_folder``): a ``kb:<corpus file>:<row>`` name holds ``/`` and ``:``.
+Nothing reads a target back from a folder's name: a case file names its
+target in its own ``target`` field, and replay takes it from there.
 
 ``<hash>`` is the case's own hash (the record does not enter it), so saving the
 same case twice writes one file. A failure file carries a record: the verdict,
@@ -17,6 +22,7 @@ stops the others from loading.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -30,6 +36,23 @@ from kfuzz.errors import CaseError
 from kfuzz.verdict import Signature, Verdict
 
 SUFFIX = ".case.zst"
+FOLDER_MAX = 200          # characters of a target folder's name (file systems allow 255 bytes)
+_PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+
+
+def target_folder(target: str) -> str:
+    """The folder of ``target``'s cases: one path component, the same for the same name and
+    different for different names. Letters, digits, ``_ . -`` stay (every name kfuzz's own
+    targets use is its own folder); any other character is percent-encoded as its UTF-8
+    bytes (``kb%3A%2Fwork...``), and so is a leading dot (``..`` must not climb out). A name
+    longer than FOLDER_MAX keeps its start and, after a ``~`` (which encoding never leaves),
+    a hash of the whole name."""
+    folder = "".join(c if c in _PLAIN else "".join(f"%{b:02X}" for b in c.encode()) for c in target)
+    if folder.startswith("."):
+        folder = "%2E" + folder[1:]
+    if len(folder) > FOLDER_MAX:
+        folder = folder[:FOLDER_MAX - 17] + "~" + hashlib.sha256(target.encode()).hexdigest()[:16]
+    return folder or "%"
 
 
 def versions(device: str = "cpu") -> dict:
@@ -93,11 +116,17 @@ class Corpus:
         self.crashes = self.root / "crashes"
         self.seeds = self.root / "seeds"
 
+    def crash_folder(self, target: str) -> Path:
+        return self.crashes / target_folder(target)
+
+    def seed_folder(self, target: str) -> Path:
+        return self.seeds / target_folder(target)
+
     def failure_path(self, case: Case, signature: Signature) -> Path:
-        return self.crashes / case.target / signature.slug / f"{case.hash}{SUFFIX}"
+        return self.crash_folder(case.target) / signature.slug / f"{case.hash}{SUFFIX}"
 
     def has_signature(self, signature: Signature) -> bool:
-        folder = self.crashes / signature.target / signature.slug
+        folder = self.crash_folder(signature.target) / signature.slug
         return folder.is_dir() and any(folder.glob(f"*{SUFFIX}"))
 
     def save_failure(self, case: Case, verdict: Verdict, expect: str = "fail", device: str = "cpu",
@@ -116,16 +145,18 @@ class Corpus:
         return path
 
     def save_seed(self, case: Case) -> Path:
-        path = self.seeds / case.target / f"{case.hash}{SUFFIX}"
+        path = self.seed_folder(case.target) / f"{case.hash}{SUFFIX}"
         if not path.exists():
             write_atomic(path, encode(case))
         return path
 
     def seeds_of(self, target: str) -> list[Case]:
-        out = []
-        for f in iter_case_files([self.seeds / target]) if (self.seeds / target).is_dir() else []:
+        out, folder = [], self.seed_folder(target)
+        for f in iter_case_files([folder]) if folder.is_dir() else []:
             try:
-                out.append(load(f)[0])
+                case = load(f)[0]
             except CaseError:
                 continue
+            if case.target == target:       # the case's own field says whose it is, not the folder
+                out.append(case)
         return out

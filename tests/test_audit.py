@@ -179,3 +179,36 @@ def test_standard_test_restores_what_the_solution_patched():
     # ... but torch is whole again once it returns, and the verdict names what was undone
     assert not patched_after
     assert v.undone == ("torch.allclose",), v
+
+
+# gate cases of kb: targets on disk -------------------------------------------------------------
+
+def test_a_kb_target_saves_its_cases_in_one_folder_and_replays_them(tmp_path):
+    """A kb: name holds '/' and ':'; its corpus folder is one path component, and replay finds
+    the target from the case's own target field."""
+    from kfuzz.corpus import SUFFIX, Corpus, target_folder
+    from kfuzz.gates import GATES, replay_gate_case, run_gate
+    from kfuzz.target import get_target
+    for name in ("kb:/a/b.jsonl:3", "kb:..:x", "..", ".", "a%2Fb", "a/b", "C:\\x"):
+        folder = target_folder(name)
+        assert folder and "/" not in folder and "\\" not in folder and ":" not in folder
+        assert folder not in (".", "..") and not folder.startswith(".")
+    assert len({target_folder(n) for n in ("a/b", "a%2Fb", "a:b", "a_b", "a%3Ab")}) == 5    # unambiguous
+    assert [target_folder(n) for n in ("gdn_bwd", "hacks.patch_allclose")] == ["gdn_bwd", "hacks.patch_allclose"]
+    assert len(target_folder("kb:" + "/x" * 400 + ":1")) <= 200
+    target = get_target(f"kb:{CONTROLS}:drops_nan")
+    r = run_gate(GATES["G05"], target, seed=0, out=tmp_path)
+    assert r.status == "fail" and r.saved, r.reason
+    crashes = tmp_path / "gates" / "G05" / "crashes"
+    for path in r.saved:
+        rel = path.relative_to(crashes).parts
+        assert len(rel) == 3 and rel[0] == target_folder(target.name) and rel[2].endswith(SUFFIX), rel
+        assert Corpus(tmp_path / "gates" / "G05").has_signature(load_signature(path))
+        ok, verdict, message = replay_gate_case(path)
+        assert ok and verdict.target == target.name, message
+
+
+def load_signature(path):
+    from kfuzz.corpus import load
+    from kfuzz.verdict import Signature
+    return Signature.from_json(load(path)[1]["signature"])

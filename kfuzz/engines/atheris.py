@@ -51,6 +51,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
+from kfuzz.corpus import target_folder
 from kfuzz.engines.random import EDGE_SIZES, sample_case, sample_layout, sample_size
 from kfuzz.errors import KfuzzError
 from kfuzz.target import Target, get_target, prepare_triton
@@ -378,10 +379,10 @@ class AtherisEngine:
         self.corpus = None
 
     def start(self, corpus=None, parallel: int = 1) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"kfuzz-atheris-{self.target.name}-"))
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"kfuzz-atheris-{target_folder(self.target.name)}-"))
         (self.workdir / "corpus").mkdir()
         if corpus is not None and self.mode == "hand":
-            seeds = corpus.seeds / self.target.name
+            seeds = corpus.seed_folder(self.target.name)
             for f in sorted(seeds.glob("*.case.zst")) if seeds.is_dir() else []:
                 shutil.copyfile(f, self.workdir / "corpus" / f.name)
         if self.mode == "hand":
