@@ -1,14 +1,4 @@
-"""KernelBench pairs: the standard test that accepted them, and the same pair as a kfuzz target.
-
-A KernelBench problem is a reference file (``Model``, ``get_inputs``,
-``get_init_inputs`` and module-level size constants such as ``batch_size =
-16``); a generated solution is a file defining ``ModelNew``, a drop-in
-replacement for ``Model``. ``load_pair`` checks both sources' shape (without
-running them), ``standard_test`` runs the check that accepted the solution
-(same-seed models, 5 trials of fresh ``get_inputs()`` at the fixed shape, a
-shape check, ``allclose(atol=1e-2, rtol=1e-2)``, both models in one process,
-as the original harness ran them) and ``as_target`` makes the pair a target
-that kfuzz's gates judge:
+"""A KernelBench pair as a kfuzz target, which the gates judge.
 
 - the kernel is ``ModelNew``, the oracle the reference ``Model`` in float64
   and the trusted implementation the reference in float32, all three with
@@ -18,10 +8,10 @@ that kfuzz's gates judge:
   the accepting harness used (``eval_mode``: CUDA-L1's calls ``.eval()``,
   KernelBench's does not);
 - the symbolic dims are the reference's integer size constants that size an
-  input directly (found by parsing the source with ``ast``, and told apart by
-  re-running ``get_inputs`` on the meta device with one constant changed at a
-  time); each admits 1 up to its fixed value. A constant that sizes an input
-  only through arithmetic stays fixed, and so do constants that size no input
+  input directly (``source.size_constants``, told apart by re-running
+  ``get_inputs`` on the meta device with one constant changed at a time);
+  each admits 1 up to its fixed value. A constant that sizes an input only
+  through arithmetic stays fixed, and so do constants that size no input
   (they reach ``get_init_inputs`` only, and a kernel call cannot name them);
 - inputs come from kfuzz's cases (distributions, special values, layouts),
   kept in the reference's domain where ``get_inputs`` shows one: positions
@@ -30,277 +20,34 @@ that kfuzz's gates judge:
   ``get_inputs`` itself at the case's dims. Value ranges are not kept: that
   KernelBench draws ``torch.rand`` in [0, 1) is the weakness the gates probe.
 
-Generated code is untrusted: nothing here runs ``custom_code`` except the
-kernel half and ``standard_test``, which callers run in a sandboxed worker.
-A worker finds a pair by its target name, ``kb:<corpus file>:<row>``
-(``resolve``; ``kfuzz.target.get_target`` calls it for names starting ``kb:``).
+``as_target`` runs the reference to learn its contract; ``custom_code`` runs
+only when the kernel is first called (in a sandboxed worker). ``resolve``
+builds the target named ``kb:<corpus file>:<row>``.
 
-Refuses (``KernelBenchError``): sources that do not parse or lack ``Model``,
-``get_inputs``, ``get_init_inputs`` or ``ModelNew``; references whose inputs are
-not tensors, or floating point other than float32.
+Refuses (``KernelBenchError``): references whose inputs are not tensors, are
+floating point other than float32, or that do not run at their own sizes.
 """
 from __future__ import annotations
 
-import ast
 import copy
-import dataclasses
-import hashlib
 import inspect
-import linecache
-import math
-import sys
-import time
 import types
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from kfuzz.contract import NamespaceSnapshot, current_hooks, restore_hooks
-from kfuzz.errors import KfuzzError
+from kfuzz.kernelbench.source import (PREFIX, SEED, KernelBenchError, KernelBenchPair, outputs_of, pair_module,
+                                      set_seed, size_constants, sized)
 from kfuzz.target import Arg, Dim, Output, Target
 
-SEED = 42                 # the standard test's seed; the models' weights come from it
-ATOL = RTOL = 1e-2
-TRIALS = 5
-PREFIX = "kb:"
 MODEL_SETS = 2            # sets of models (distinct init inputs) kept per pair
-
-
-class KernelBenchError(KfuzzError):
-    """A KernelBench source the adapter cannot use; the message says which and why."""
 
 
 class WeightsContractError(RuntimeError):
     """``ModelNew``'s parameters and buffers do not match ``Model``'s (raised in the kernel's call)."""
 
-
-@dataclass(frozen=True)
-class KernelBenchPair:
-    """A reference and a generated solution, with where they came from."""
-
-    name: str
-    ref_code: str
-    custom_code: str
-    level: int | None = None
-    problem: int | None = None
-    model: str = ""              # the generating model
-    source: str = ""             # "<corpus file>:<row>", how a worker finds the pair again
-    eval_mode: bool = False      # the accepting harness put both models in eval mode (CUDA-L1 does,
-                                 # KernelBench does not): BatchNorm's running statistics, no dropout
-
-    @property
-    def sha(self) -> str:
-        return hashlib.sha256(f"{self.ref_code}\0{self.custom_code}".encode()).hexdigest()[:16]
-
-    @property
-    def custom_sha(self) -> str:
-        """The solution's own hash: the compile cache's key."""
-        return hashlib.sha256(self.custom_code.encode()).hexdigest()[:16]
-
-    @property
-    def target_name(self) -> str:
-        return PREFIX + (self.source or self.name)
-
-
-def _top_level_names(tree: ast.Module) -> set[str]:
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    return names
-
-
-def _parse(code: str, what: str, name: str, needs: tuple[str, ...]) -> ast.Module:
-    if not isinstance(code, str) or not code.strip():
-        raise KernelBenchError(f"{name}: {what} is empty")
-    try:
-        tree = ast.parse(code)
-    except SyntaxError as e:
-        raise KernelBenchError(f"{name}: {what} does not parse (line {e.lineno}: {e.msg})") from None
-    missing = [n for n in needs if n not in _top_level_names(tree)]
-    if missing:
-        raise KernelBenchError(f"{name}: {what} defines no {', '.join(missing)}")
-    return tree
-
-
-def load_pair(ref_code: str, custom_code: str, name: str, **meta) -> KernelBenchPair:
-    """A pair from its two sources (checked by parsing only; nothing is run)."""
-    _parse(ref_code, "the reference", name, ("Model", "get_inputs", "get_init_inputs"))
-    _parse(custom_code, "the solution", name, ("ModelNew",))
-    return KernelBenchPair(name=name, ref_code=ref_code, custom_code=custom_code, **meta)
-
-
-def size_constants(ref_code: str) -> dict[str, int]:
-    """The reference's module-level ``NAME = <positive int>`` assignments, in source order."""
-    out = {}
-    for node in ast.parse(ref_code).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            value = node.value
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-            value = node.value
-        else:
-            continue
-        name = node.targets[0].id if isinstance(node, ast.Assign) else node.target.id
-        if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
-            out[name] = value.value
-        else:
-            out.pop(name, None)      # reassigned to something else: not a size constant
-    return out
-
-
-# running the sources -------------------------------------------------------------------------
-
-_MODULES: dict[tuple[str, str], types.ModuleType] = {}
-
-
-def pair_module(pair: KernelBenchPair, role: str) -> types.ModuleType:
-    """The reference (``role="ref"``) or the solution (``"new"``) executed as a module, once
-    per process. Its filename, ``kb_<role>_<sha>.py``, names it in tracebacks and signatures."""
-    key = (pair.sha, role)
-    if key not in _MODULES:
-        code = pair.ref_code if role == "ref" else pair.custom_code
-        modname = f"kfuzz_kb_{role}_{pair.sha}"
-        filename = f"kb_{role}_{pair.sha}.py"
-        mod = types.ModuleType(modname)
-        mod.__file__ = filename
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        sys.modules[modname] = mod       # dataclasses, pickling and inspect look a module up by name
-        try:
-            exec(compile(code, filename, "exec"), mod.__dict__)
-        except BaseException:
-            sys.modules.pop(modname, None)
-            raise
-        _MODULES[key] = mod
-    return _MODULES[key]
-
-
-@contextmanager
-def sized(mod: types.ModuleType, values: dict[str, int]):
-    """The module's size constants set to ``values`` for the duration."""
-    old = {k: mod.__dict__[k] for k in values}
-    mod.__dict__.update(values)
-    try:
-        yield
-    finally:
-        mod.__dict__.update(old)
-
-
-def set_seed(seed: int) -> None:
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed(seed)
-
-
-def _outputs(result) -> tuple:
-    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-
-
-# the standard test ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StandardVerdict:
-    """The standard test's verdict: ``reason`` is ``pass`` or compile, init, runtime, shape,
-    mismatch, with the detail after a colon."""
-
-    passed: bool
-    reason: str
-    max_abs_diff: float | None = None    # NaN where an output holds NaN (allclose then fails)
-    trials: int = 0
-    seconds: float = 0.0
-    undone: tuple[str, ...] = ()         # what the solution replaced in torch & co., restored after
-
-    def to_json(self) -> dict:
-        diff = self.max_abs_diff
-        if diff is not None and not math.isfinite(diff):
-            diff = str(diff)              # "nan", "inf": a bare NaN token is not JSON
-        return {"passed": self.passed, "reason": self.reason[:500], "max_abs_diff": diff,
-                "trials": self.trials, "seconds": round(self.seconds, 3), "undone": list(self.undone)}
-
-
-def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """The largest elementwise |got - expected|, NaN if either holds NaN where the other does
-    not match it (Python's ``max`` would keep an earlier number over a NaN); equal infinities
-    differ by 0, as ``allclose`` sees them."""
-    g, e = got.detach().double(), expected.detach().double().to(got.device)
-    diff = torch.where(g == e, 0.0, (g - e).abs())
-    return float(diff.max()) if diff.numel() else 0.0
-
-
-def _worse(a: float, b: float) -> float:
-    return b if math.isnan(b) or b > a else a
-
-
-def standard_test(pair: KernelBenchPair, device: str = "cpu", trials: int = TRIALS, atol: float = ATOL,
-                  rtol: float = RTOL, seed: int = SEED) -> StandardVerdict:
-    """The check that accepted the corpora's kernels, run in this process (untrusted code!).
-    Its verdict is the original harness's, fooled as it would be by a solution that patches
-    ``torch.allclose``; what the solution replaced in the watched namespaces (and any trace,
-    profile or signal hook it left) is put back before returning, so later judgements in this
-    process see the real torch, and ``undone`` names it."""
-    namespaces, hooks = NamespaceSnapshot(), current_hooks()
-    try:
-        verdict = _standard_test(pair, device, trials, atol, rtol, seed)
-    finally:
-        undone = tuple(namespaces.undo() + restore_hooks(hooks))
-    return dataclasses.replace(verdict, undone=undone)
-
-
-def _standard_test(pair: KernelBenchPair, device: str, trials: int, atol: float, rtol: float,
-                   seed: int) -> StandardVerdict:
-    start = time.monotonic()
-
-    def verdict(passed, reason, diff=None, n=0):
-        return StandardVerdict(passed, reason, diff, n, time.monotonic() - start)
-    try:
-        ref, new = pair_module(pair, "ref"), pair_module(pair, "new")
-    except Exception as e:
-        return verdict(False, f"compile: {type(e).__name__}: {e}")
-    try:
-        with torch.no_grad():
-            set_seed(seed)
-            init = ref.get_init_inputs()
-            set_seed(seed)
-            model = ref.Model(*init).to(device).train(not pair.eval_mode)
-            set_seed(seed)
-            model_new = new.ModelNew(*init).to(device).train(not pair.eval_mode)
-            set_seed(seed)
-            trial_seeds = [int(torch.randint(0, 2**32 - 1, (1,)).item()) for _ in range(trials)]
-    except Exception as e:
-        return verdict(False, f"init: {type(e).__name__}: {e}")
-    worst = 0.0
-    for n, trial_seed in enumerate(trial_seeds):
-        with torch.no_grad():
-            set_seed(trial_seed)
-            inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in ref.get_inputs()]
-            set_seed(trial_seed)
-            expected = _outputs(model(*inputs))
-            try:
-                set_seed(trial_seed)
-                got = _outputs(model_new(*inputs))
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-            except Exception as e:
-                return verdict(False, f"runtime: {type(e).__name__}: {e}", None, n + 1)
-        if len(got) != len(expected) or any(
-                not isinstance(g, torch.Tensor) or g.shape != e.shape for g, e in zip(got, expected)):
-            return verdict(False, "shape: the outputs' shapes differ from the reference's", None, n + 1)
-        for g, e in zip(got, expected):
-            worst = _worse(worst, _max_abs_diff(g, e))
-            # the verdict is exactly the original harness's: torch.allclose as it is bound now
-            if not torch.allclose(g, e.to(g.device, g.dtype), atol=atol, rtol=rtol):
-                return verdict(False, f"mismatch: max abs diff {worst:.3g} in trial {n + 1}", worst, n + 1)
-    return verdict(True, "pass", worst, len(trial_seeds))
-
-
-# the pair as a target ----------------------------------------------------------------------------
 
 def _meta_inputs(ref: types.ModuleType, values: dict[str, int]) -> list:
     with sized(ref, values), torch.device("meta"):
@@ -495,14 +242,14 @@ def _output_specs(bench: Bench, dims: tuple) -> tuple[tuple, ...]:
             model = ref.Model(*ref.get_init_inputs()).train(not bench.pair.eval_mode)
             # recurrent layers decompose step by step on the meta device: a minute at 512 steps
             if not any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
-                outs = _outputs(model(*ref.get_inputs()))
+                outs = outputs_of(model(*ref.get_inputs()))
     except Exception:
         pass
     if outs is None:
         with sized(ref, d), torch.no_grad():
             set_seed(SEED)
             model = bench.reference_model(d, torch.float32, bench.device)
-            outs = _outputs(model(*[x.to(bench.device) for x in ref.get_inputs()]))
+            outs = outputs_of(model(*[x.to(bench.device) for x in ref.get_inputs()]))
     return tuple((tuple(o.shape), str(o.dtype).removeprefix("torch.")) for o in outs)
 
 
@@ -554,7 +301,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
     def kernel(**inputs):
         model = bench.solution_model(bench.dims_of(inputs), next(iter(inputs.values())).device)
         with torch.no_grad():
-            return _outputs(model(*[inputs[n] for n in names]))
+            return outputs_of(model(*[inputs[n] for n in names]))
 
     def run_reference(inputs, dtype, where):
         model = bench.reference_model(bench.dims_of(inputs), dtype, where)
@@ -562,7 +309,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         torch.set_default_dtype(dtype)     # tensors made inside forward take the oracle's precision
         try:
             with torch.no_grad():
-                return _outputs(model(*[inputs[n].to(where) for n in names]))
+                return outputs_of(model(*[inputs[n].to(where) for n in names]))
         finally:
             torch.set_default_dtype(old)
 
@@ -621,8 +368,6 @@ def nominal(target: KernelBenchTarget) -> dict[str, int]:
             return dims
     return {n: d.hi for n, d in target.dims.items()}
 
-
-# finding a pair by name ---------------------------------------------------------------------------
 
 def resolve(name: str) -> Target:
     """The target named ``kb:<corpus file>:<row>`` (how a sandboxed worker finds its pair)."""

@@ -1,0 +1,157 @@
+"""A KernelBench pair's two sources: checked by parsing, and run as modules.
+
+``load_pair`` checks that the reference defines ``Model``, ``get_inputs`` and
+``get_init_inputs`` and the solution ``ModelNew`` (parsing only: nothing is
+run); ``size_constants`` reads the reference's module-level ``NAME = <positive
+int>`` constants with ``ast``; ``pair_module`` executes a source as a module,
+once per process, and ``sized`` sets its size constants for a while.
+``pair_module(pair, "new")`` runs untrusted code: call it in a sandboxed worker.
+
+Refuses (``KernelBenchError``): sources that are empty, do not parse, or lack
+the names above.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import linecache
+import sys
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kfuzz.errors import KfuzzError
+
+SEED = 42                 # the standard test's seed; the models' weights come from it
+PREFIX = "kb:"            # target names kb:<corpus file>:<row>
+
+
+class KernelBenchError(KfuzzError):
+    """A KernelBench source the adapter cannot use; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class KernelBenchPair:
+    """A reference and a generated solution, with where they came from."""
+
+    name: str
+    ref_code: str
+    custom_code: str
+    level: int | None = None
+    problem: int | None = None
+    model: str = ""              # the generating model
+    source: str = ""             # "<corpus file>:<row>", how a worker finds the pair again
+    eval_mode: bool = False      # the accepting harness put both models in eval mode (CUDA-L1 does,
+                                 # KernelBench does not): BatchNorm's running statistics, no dropout
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha256(f"{self.ref_code}\0{self.custom_code}".encode()).hexdigest()[:16]
+
+    @property
+    def custom_sha(self) -> str:
+        """The solution's own hash: the compile cache's key."""
+        return hashlib.sha256(self.custom_code.encode()).hexdigest()[:16]
+
+    @property
+    def target_name(self) -> str:
+        return PREFIX + (self.source or self.name)
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _parse(code: str, what: str, name: str, needs: tuple[str, ...]) -> ast.Module:
+    if not isinstance(code, str) or not code.strip():
+        raise KernelBenchError(f"{name}: {what} is empty")
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as e:
+        raise KernelBenchError(f"{name}: {what} does not parse (line {e.lineno}: {e.msg})") from None
+    missing = [n for n in needs if n not in _top_level_names(tree)]
+    if missing:
+        raise KernelBenchError(f"{name}: {what} defines no {', '.join(missing)}")
+    return tree
+
+
+def load_pair(ref_code: str, custom_code: str, name: str, **meta) -> KernelBenchPair:
+    """A pair from its two sources (checked by parsing only; nothing is run)."""
+    _parse(ref_code, "the reference", name, ("Model", "get_inputs", "get_init_inputs"))
+    _parse(custom_code, "the solution", name, ("ModelNew",))
+    return KernelBenchPair(name=name, ref_code=ref_code, custom_code=custom_code, **meta)
+
+
+def size_constants(ref_code: str) -> dict[str, int]:
+    """The reference's module-level ``NAME = <positive int>`` assignments, in source order."""
+    out = {}
+    for node in ast.parse(ref_code).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            value = node.value
+        else:
+            continue
+        name = node.targets[0].id if isinstance(node, ast.Assign) else node.target.id
+        if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
+            out[name] = value.value
+        else:
+            out.pop(name, None)      # reassigned to something else: not a size constant
+    return out
+
+
+_MODULES: dict[tuple[str, str], types.ModuleType] = {}
+
+
+def pair_module(pair: KernelBenchPair, role: str) -> types.ModuleType:
+    """The reference (``role="ref"``) or the solution (``"new"``) executed as a module, once
+    per process. Its filename, ``kb_<role>_<sha>.py``, names it in tracebacks and signatures."""
+    key = (pair.sha, role)
+    if key not in _MODULES:
+        code = pair.ref_code if role == "ref" else pair.custom_code
+        modname = f"kfuzz_kb_{role}_{pair.sha}"
+        filename = f"kb_{role}_{pair.sha}.py"
+        mod = types.ModuleType(modname)
+        mod.__file__ = filename
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        sys.modules[modname] = mod       # dataclasses, pickling and inspect look a module up by name
+        try:
+            exec(compile(code, filename, "exec"), mod.__dict__)
+        except BaseException:
+            sys.modules.pop(modname, None)
+            raise
+        _MODULES[key] = mod
+    return _MODULES[key]
+
+
+@contextmanager
+def sized(mod: types.ModuleType, values: dict[str, int]):
+    """The module's size constants set to ``values`` for the duration."""
+    old = {k: mod.__dict__[k] for k in values}
+    mod.__dict__.update(values)
+    try:
+        yield
+    finally:
+        mod.__dict__.update(old)
+
+
+def set_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+
+
+def outputs_of(result) -> tuple:
+    """A model's result as a tuple of outputs (one tensor, or a tuple or list of them)."""
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
