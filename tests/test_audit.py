@@ -7,7 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kfuzz.audit import append_record, done_keys, judge_record, read_corpus, read_results, run_audit
+from kfuzz.audit import append_record, done_keys, judge_record, read_corpus, run_audit
 import kfuzz.cli.audit  # noqa: F401  (registers the verb)
 from kfuzz.cli import cli
 from kfuzz.kernelbench import (KernelBenchError, WeightsContractError, as_target, infer_contract, load_pair,

@@ -52,9 +52,10 @@ class StandardVerdict:
 
 
 def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """The largest elementwise |got - expected|, NaN if either holds NaN where the other does
-    not match it (Python's ``max`` would keep an earlier number over a NaN); equal infinities
-    differ by 0, as ``allclose`` sees them."""
+    """The largest elementwise |got - expected|: NaN where either holds a NaN (``allclose``
+    without ``equal_nan`` fails there too; Python's ``max`` would keep an earlier number over
+    a NaN, so the caller folds with ``_worse``); equal infinities differ by 0, as ``allclose``
+    sees them."""
     g, e = got.detach().double(), expected.detach().double().to(got.device)
     diff = torch.where(g == e, 0.0, (g - e).abs())
     return float(diff.max()) if diff.numel() else 0.0
