@@ -60,6 +60,9 @@ GATE_FLOOR = -110.0     # exp(-110) == 0 in fp32: a clamped gate forgets exactly
 VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gate factoring
 BIG = 65536.0            # input magnitude above which a chunk runs the exact path
 SBIG = 1e30              # state magnitude above which a chunk runs the exact path
+# Bring-up switch, to be measured on a GPU and then removed: the WY prep as two launches
+# (A and T, then w and u) instead of one (see gdn/NOTES.md, "Offline resource reports").
+PREP_SPLIT = os.environ.get("GDN_FWD_PREP") == "split"
 SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact path only
 # The gated members' matrix path (prefix sums loaded from launch 0, see
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
@@ -185,13 +188,12 @@ def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.cons
 
 
 @triton.jit
-def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                 GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 BIG: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+def _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H: tl.constexpr, K: tl.constexpr,
+                      BK: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
+                      BIG: tl.constexpr):
+    """A chunk's keys kt [BT, BK] fp32, beta, cumulative gates (G, Glo; zeros without a
+    gate), T = (I + A)^-1 with A = strict_lower(diag(beta) (K Gamma)(K / Gamma)^T), and
+    "k and beta admit the matrix path"."""
     rr = tl.arange(0, BT)
     rows = (bos + rr).to(tl.int64)
     rmask = rows < eos
@@ -200,23 +202,26 @@ def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
     kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0).to(tl.float32)
     bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
     ok = _all_within(kt, BIG) & _all_within(bt, BIG)
+    G = tl.zeros((BT, BK) if GATE == 2 else (BT,), dtype=tl.float32)
+    Glo = G
     if GATE != 0:
         G, Glo = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
     if GATE == 1:
         dG = (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :])
-        dec = tl.exp(tl.where(rr[:, None] > rr[None, :], dG, 0.0))
-        A = tl.dot(kt, tl.trans(kt), input_precision=PREC) * dec
-        kg = kt * tl.exp(G)[:, None]
+        A = tl.dot(kt, tl.trans(kt), input_precision=PREC) * tl.exp(tl.where(rr[:, None] > rr[None, :], dG, 0.0))
     elif GATE == 2:
-        kg = kt * tl.exp(G)
-        A = tl.dot(kg, tl.trans(kt * tl.exp(-G)), input_precision=PREC)
+        A = tl.dot(kt * tl.exp(G), tl.trans(kt * tl.exp(-G)), input_precision=PREC)
     else:
         A = tl.dot(kt, tl.trans(kt), input_precision=PREC)
-        kg = kt
     A = tl.where(rr[:, None] > rr[None, :], A * bt[:, None], 0.0)
-    Tm = _inv_unit_lower(A, BT, PREC)
-    wt = tl.dot(Tm, kg * bt[:, None], input_precision=PREC)
-    tl.store(w + (rows[:, None] * H + i_h) * K + dk[None, :], wt.to(w.dtype.element_ty), mask=m2)
+    return kt, bt, G, _inv_unit_lower(A, BT, PREC), ok
+
+
+@triton.jit
+def _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H: tl.constexpr, V: tl.constexpr,
+                     BV: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
+    """u = T diag(beta) v of a chunk, stored in BV-wide tiles; returns ok and "v admits the
+    matrix path"."""
     for v0 in tl.static_range(0, V, BV):
         dv = v0 + tl.arange(0, BV)
         mv = rmask[:, None] & (dv[None, :] < V)
@@ -224,6 +229,83 @@ def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
         ok = ok & _all_within(vt, BIG)
         ut = tl.dot(Tm, vt * bt[:, None], input_precision=PREC)
         tl.store(u + (rows[:, None] * H + i_h) * V + dv[None, :], ut.to(u.dtype.element_ty), mask=mv)
+    return ok
+
+
+@triton.jit
+def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                 GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                 BIG: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    kt, bt, G, Tm, ok = _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H, K, BK, BT, GATE, PREC, BIG)
+    rr = tl.arange(0, BT)
+    rows = (bos + rr).to(tl.int64)
+    rmask = rows < eos
+    dk = tl.arange(0, BK)
+    m2 = rmask[:, None] & (dk[None, :] < K)
+    if GATE == 1:
+        kg = kt * tl.exp(G)[:, None]
+    elif GATE == 2:
+        kg = kt * tl.exp(G)
+    else:
+        kg = kt
+    wt = tl.dot(Tm, kg * bt[:, None], input_precision=PREC)
+    tl.store(w + (rows[:, None] * H + i_h) * K + dk[None, :], wt.to(w.dtype.element_ty), mask=m2)
+    ok = _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H, V, BV, PREC, BIG)
+    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
+
+
+@triton.jit
+def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
+                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                     BIG: tl.constexpr):
+    """Split prep, part 1 (GDN_FWD_PREP=split): A and T = (I + A)^-1 of a chunk, T stored
+    [BT rows, BT] fp32 in the chunk's rows; the flag covers k and beta."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    _, _, _, Tm, ok = _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H, K, BK, BT, GATE, PREC, BIG)
+    rr = tl.arange(0, BT)
+    rows = (bos + rr).to(tl.int64)
+    rmask = rows < eos
+    tl.store(tm + (rows[:, None] * H + i_h) * BT + rr[None, :], Tm, mask=rmask[:, None])
+    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
+
+
+@triton.jit
+def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                    GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                    BIG: tl.constexpr):
+    """Split prep, part 2: w = T (beta Gamma k), u = T (beta v) from the stored T; the flag
+    gains v's check."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    rr = tl.arange(0, BT)
+    rows = (bos + rr).to(tl.int64)
+    rmask = rows < eos
+    Tm = tl.load(tm + (rows[:, None] * H + i_h) * BT + rr[None, :], mask=rmask[:, None], other=0.0)
+    bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+    if GATE == 1:
+        G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, rr, rmask[:, None], H, K, GATE)
+        bt = bt * tl.exp(G)
+    for k0 in tl.static_range(0, BK, BV):   # K in BV-wide tiles: fewer live registers
+        dk = k0 + tl.arange(0, BV)
+        m2 = rmask[:, None] & (dk[None, :] < K)
+        kx = (rows[:, None] * H + i_h) * K + dk[None, :]
+        kg = tl.load(k + kx, mask=m2, other=0.0).to(tl.float32) * bt[:, None]
+        if GATE == 2:
+            G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
+            kg = kg * tl.exp(G)
+        tl.store(w + kx, tl.dot(Tm, kg, input_precision=PREC).to(w.dtype.element_ty), mask=m2)
+    if GATE == 1:
+        bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+    ok = tl.load(flag + i_c * H + i_h) != 0
+    ok = _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H, V, BV, PREC, BIG)
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
 
@@ -523,9 +605,17 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         u = torch.empty(B, T, H, V, dtype=inter, device=dev)
         vn = torch.empty(B, T, H, V, dtype=inter, device=dev)
         flag = torch.empty(NC, H, dtype=i32, device=dev)
-        _prep_kernel[(NC, H)](k, v, gc, gcl, beta, w, u, flag, cb, ce, T, max(NT, 1), H=H, K=K, V=V,
-                              BK=BK, BV=BVP, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None,
-                              PREC=prec, BIG=BIG, num_warps=_prep_warps(BT, BK))
+        prep = dict(H=H, K=K, BK=BK, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None, PREC=prec, BIG=BIG)
+        if PREP_SPLIT:
+            tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
+            # warps from tools/kernel_resources.py: the fewest with no spill at the bench shape
+            _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, max(NT, 1),
+                                      num_warps=4, **prep)
+            _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
+                                     num_warps=8, **prep)
+        else:
+            _prep_kernel[(NC, H)](k, v, gc, gcl, beta, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
+                                  num_warps=_prep_warps(BT, BK), **prep)
     else:
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
