@@ -31,14 +31,12 @@ exact path).  Once a NaN enters S it never leaves (0 * NaN = NaN), so the rest
 of that sequence's V tile then runs exactly, which is slow: pathological inputs
 are slow, normal ones fast.
 
-Precision: states and accumulation in fp32.  LOWP (see LOWP_GPU) feeds the scan's tensor cores operands in the
-input dtype (S and v_new cast to it, w and u stored in it); otherwise products
-take tf32 operands (fp16: an fp16 cast of S could overflow), and fp32 inputs
-three-pass tf32 ("tf32x3", about fp32 accuracy; "ieee" products compile for a
-minute and run slowly).  The prep's products are tf32.  Under the Triton
-interpreter (TRITON_INTERPRET=1) products are "ieee", no autotuning runs, and
-fp16 inputs take LOWP in place of bf16 (the interpreter's bf16 tl.dot is
-wrong, its fp16 one right), so the LOWP code is tested on CPUs.
+Precision: states and accumulation in fp32; products on fp32 operands (tf32 on
+GPUs, "tf32x3" for fp32 inputs, about fp32 accuracy), except the output
+kernel's, which take bf16 operands for bf16 inputs; the tensors handed between
+launches are bf16 for bf16 inputs and fp32 otherwise.  Under the Triton
+interpreter (TRITON_INTERPRET=1) products are "ieee" (its bf16 tl.dot is wrong)
+and no autotuning runs.
 
 GPU status (gdn/NOTES.md): on the H200 (Triton 3.6) gated members faulted
 (illegal address) while their prefix sums were computed next to the products;
