@@ -85,14 +85,22 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
         engine.start(corpus, parallel=max(1, jobs))
     seen_edges: set[int] = set()
     submitted = 0
+    first_result = 0.0
     try:
         while True:
             stats.seconds = time.monotonic() - start
+            # a timed campaign submits a case only while it should finish in time (after the
+            # cases in flight, at the mean time a case has taken): slow targets under the
+            # interpreter otherwise overran --time by a case or two in flight
+            # seconds a case takes, between results (the first result also paid the workers' start)
+            per_case = (stats.seconds - first_result) / (stats.executions - 1) if stats.executions > 1 else 0.0
             open_ = ((seconds is None or stats.seconds < seconds) and (runs is None or submitted < runs)
                      and not (stop_on_failure and stats.failures))
             capacity = getattr(engine, "capacity", None)   # cases it can have out at once
             while (open_ and runner.idle > 0 and (runs is None or submitted < runs)
-                   and (capacity is None or runner.busy < capacity)):
+                   and (capacity is None or runner.busy < capacity)
+                   and (seconds is None or submitted == 0
+                        or stats.seconds + (runner.busy + 1) * per_case <= seconds)):
                 runner.submit(engine.next_case())
                 submitted += 1
             if runner.busy == 0:
@@ -104,6 +112,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                     inputs = result.inputs if result.inputs is not None else materialize(case, target, "cpu")
                     verdict = judge(case, target, inputs, result.outputs)
                 stats.executions += 1
+                if stats.executions == 1:
+                    first_result = time.monotonic() - start
                 new_edges = result.coverage - seen_edges
                 if new_edges:
                     seen_edges |= new_edges
