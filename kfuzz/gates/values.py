@@ -92,19 +92,23 @@ class Reference(Gate):
         return bound_check(target, case, device, c)
 
 
+def distribution_cases(target, seed, gate_id, dims, dists):
+    """One case per dtype and distribution, every float argument drawn from it."""
+    i = 0
+    for dtype in target.dtypes:
+        for dist in dists:
+            yield make_case(target, dtype, gate_seed(seed, gate_id, i), dims,
+                            _all_float(target, dtype, ArgCase(dist=dist)))
+            i += 1
+
+
 class Distributions(Reference):
     id, name = "G02", "distributions"
     property = ("within the bound under scaled x1e2 and x1e-2, shifted +5, heavy-tailed, all-equal and "
                 "uniform [0, 1) values")
 
     def cases(self, target, seed):
-        dims = nominal_dims(target)
-        i = 0
-        for dtype in target.dtypes:
-            for dist in G02_DISTS:
-                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims,
-                                _all_float(target, dtype, ArgCase(dist=dist)))
-                i += 1
+        return distribution_cases(target, seed, self.id, nominal_dims(target), G02_DISTS)
 
 
 def shape_sweep(target) -> list[dict[str, int]]:
@@ -297,13 +301,7 @@ class Accumulation(Gate):
                 "is representable and the trusted implementation gets it exactly, the kernel returns it bit for bit")
 
     def cases(self, target, seed):
-        dims = accumulation_dims(target)
-        i = 0
-        for dtype in target.dtypes:
-            for dist in G07_DISTS:
-                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims,
-                                _all_float(target, dtype, ArgCase(dist=dist)))
-                i += 1
+        return distribution_cases(target, seed, self.id, accumulation_dims(target), G07_DISTS)
 
     def not_applicable(self, target):
         return None if accumulation_dims(target) else "no large shape fits the contract"
