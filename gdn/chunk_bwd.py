@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _inv_unit_lower
+from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _inv_unit_lower, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
@@ -652,7 +652,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     N, NC, tab, coff = chunk_plan(cu_seqlens, B, T, C)
     cu = cu_seqlens.to(torch.int32).contiguous() if cu_seqlens is not None else None
     F32, DT = _dot_mode(q.dtype)
-    inter = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    inter = handoff_dtype(q.dtype)
     BK = _pow2(K)
     # BK = 256 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
     # sequential kernels' products compiled to out-of-range shared-memory addresses

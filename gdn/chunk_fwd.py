@@ -71,7 +71,11 @@ GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # bf16 inputs (as fla does; the outputs are bf16 anyway) and in fp32 otherwise (an
 # fp16 state could overflow).  Version 3's bf16-operand products (LOWP) were wrong on
 # the H200 (Triton 3.6) for two members (a miscompile not pinned down), so they are gone.
-INTER_DTYPE = {torch.bfloat16: torch.bfloat16}
+
+
+def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the tensors one launch hands to the next (forward and backward)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 @triton.jit
@@ -578,7 +582,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         h0 = initial_state.contiguous()
     else:
         h0 = q.new_zeros(1, dtype=torch.float32)
-    inter = INTER_DTYPE.get(q.dtype, torch.float32)
+    inter = handoff_dtype(q.dtype)
     prec = "ieee" if INTERPRET else ("tf32x3" if q.dtype == torch.float32 else "tf32")
     mode = int(SCAN_MODE) if SCAN_MODE else (0 if gate == 0 or GATED_FAST else 2)
     o = torch.empty_like(v, dtype=q.dtype)

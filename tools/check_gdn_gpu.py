@@ -55,7 +55,7 @@ def _inputs(gate, delta, B, T, H, K, V, cu, dtype, device, seed=0):
     return x
 
 
-def child(gate, delta, dname, tune, tag, device, shapes):
+def child(gate, delta, dname, tune, device, shapes):
     """One member and dtype, every shape; prints one line per case, exits 1 on a bound miss."""
     import torch
     import gdn.chunk_fwd as cf
@@ -77,7 +77,7 @@ def child(gate, delta, dname, tune, tag, device, shapes):
         es = ((s.double() - rs).norm() / rs.norm()).item()
         ok = eo < BOUND[dname] and es < BOUND[dname]   # NaN fails
         bad += not ok
-        print(f"{tag}{gate}-{'delta' if delta else 'linear'} {dname} {sname}: o {eo:.2e} "
+        print(f"{gate}-{'delta' if delta else 'linear'} {dname} {sname}: o {eo:.2e} "
               f"state {es:.2e} bound {BOUND[dname]:.0e} (first call {dt:.1f}s) "
               f"{'ok' if ok else 'FAIL'}", flush=True)
     sys.exit(1 if bad else 0)
@@ -89,11 +89,10 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of this script")
     ap.add_argument("--small", action="store_true", help="tiny shapes (with --device cpu)")
     ap.add_argument("--member", help=argparse.SUPPRESS)
-    ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.member:
         gate, delta, dname = a.member.split(",")
-        child(gate, delta == "1", dname, a.tune, a.tag, a.device, SMALL if a.small else SHAPES)
+        child(gate, delta == "1", dname, a.tune, a.device, SMALL if a.small else SHAPES)
         return
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = dict(os.environ, GDN_FWD_MODE="1", GDN_FWD_GATED_FAST="1", PYTHONPATH=root)
@@ -101,31 +100,30 @@ def main():
         base["TRITON_INTERPRET"] = "1"
     else:
         base.pop("TRITON_INTERPRET", None)
-    runs = [(m, d, "", base) for m in MEMBERS for d in BOUND]
     procs = []
-    for (gate, delta), dname, tag, env in runs:   # all at once: compiling is most of the time
+    for (gate, delta), dname in [(m, d) for m in MEMBERS for d in BOUND]:   # all at once: compiling dominates
         cmd = [sys.executable, os.path.abspath(__file__), "--member", f"{gate},{int(delta)},{dname}",
-               "--tag", tag, "--device", a.device] + (["--tune"] if a.tune else []) + \
+               "--device", a.device] + (["--tune"] if a.tune else []) + \
             (["--small"] if a.small else [])
-        procs.append(((gate, delta), tag, subprocess.Popen(
-            cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-    verdict = {"": True}
-    for (gate, delta), tag, p in procs:
+        procs.append(((gate, delta), subprocess.Popen(
+            cmd, env=base, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    ok = True
+    for (gate, delta), p in procs:
         try:
             out, _ = p.communicate(timeout=600)
         except subprocess.TimeoutExpired:
             p.kill()
             out, _ = p.communicate()
             out += "\nTIMEOUT"
-        name = f"{tag}{gate}-{'delta' if delta else 'linear'}"
+        name = f"{gate}-{'delta' if delta else 'linear'}"
         lines = out.splitlines()
         print("\n".join(ln for ln in lines if ln.startswith(name)))
         if p.returncode != 0:
-            verdict[tag] = False
+            ok = False
             if not any(ln.endswith("FAIL") for ln in lines):   # a crash, not a bound miss
                 print(f"{name}: CRASH rc={p.returncode}; last output:")
                 print("\n".join("    " + ln for ln in lines[-15:]))
-    print("ALLOK" if verdict[""] else "NOTOK")
+    print("ALLOK" if ok else "NOTOK")
 
 
 if __name__ == "__main__":
