@@ -131,6 +131,13 @@ def _private_state(name: str, value: Any) -> bool:
     return name.startswith("_") and not callable(value) and not isinstance(value, types.ModuleType)
 
 
+def _cuda_lazy_init(space: Any, name: str, value: Any) -> bool:
+    """Whether ``name`` is state torch's own CUDA initialization sets: the first CUDA call in a
+    process (perhaps the kernel's) fills ``torch.cuda.default_generators``, empty until then.
+    Putting the empty tuple back would break every later ``torch.cuda.manual_seed``."""
+    return space is torch.cuda and name == "default_generators" and value == ()
+
+
 class NamespaceSnapshot:
     """The identities of the watched namespaces' attributes and of their functions' code,
     taken before a kernel call; ``undo`` names and reverts what the call replaced.
@@ -176,7 +183,8 @@ class NamespaceSnapshot:
         space = self.spaces[i]
         inherited = [vars(b) for b in space.__mro__[1:]] if isinstance(space, type) else []
         changed = [k for k in before if now.get(k, _MISSING) is not before[k]
-                   and not _torch_wraps(now.get(k, _MISSING), before[k]) and not _private_state(k, before[k])]
+                   and not _torch_wraps(now.get(k, _MISSING), before[k]) and not _private_state(k, before[k])
+                   and not _cuda_lazy_init(space, k, before[k])]
         shadowing = [k for k in now if k not in before and any(k in d for d in inherited)]
         return changed + shadowing, before
 
