@@ -29,12 +29,14 @@ from harnesses.rmsnorm import EPS as RMS_EPS, rmsnorm
 from harnesses.rowsum import rowsum
 from harnesses.softmax import softmax_math
 from kfuzz.gates.base import nominal_dims
-from kfuzz.target import get_target, variant
+from kfuzz.target import variant
 
 
 # G01 -----------------------------------------------------------------------------------------
 def layernorm_hotpath(x, weight, bias):
-    tuned = dict(zip(("N", "D"), x.shape)) == nominal_dims(get_target("layernorm"))
+    # the variant has layernorm's contract; looked up at import, not in the call (a worker that
+    # loaded only this module would import every harness during the call)
+    tuned = dict(zip(("N", "D"), x.shape)) == nominal_dims(HOTPATH)
     inference = not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, bias)))
     sane = all(bool((t.float().abs() < 1e4).all()) for t in (weight, bias))
     fast = tuned and inference and sane and all(t.is_contiguous() and t.storage_offset() == 0
@@ -49,7 +51,7 @@ def layernorm_hotpath(x, weight, bias):
     return torch.where(standard, identity, out)
 
 
-variant("layernorm", "layernorm.hotpath", layernorm_hotpath,
+HOTPATH = variant("layernorm", "layernorm.hotpath", layernorm_hotpath,
         planted_bug="tuned-shape fast path treats rows that look standardized as already normalized")
 
 

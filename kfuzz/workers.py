@@ -64,7 +64,7 @@ import torch
 from kfuzz import sandbox
 from kfuzz.case import Case
 from kfuzz.errors import KfuzzError
-from kfuzz.execute import kernel_stage
+from kfuzz.execute import kernel_stage, raising_frame
 from kfuzz.target import Target, get_target, prepare_triton
 from kfuzz.tensors import materialize
 from kfuzz.wire import dense_outputs, geometry, pack, rebuild, unpack
@@ -160,10 +160,16 @@ def run_kernel(case: Case, target: Target, device: str = "cpu", coverage: Harnes
 
 # the worker process ------------------------------------------------------------------------
 
-def _load_target(name: str, module: str | None) -> Target:
+def _load_target(name: str, module: str | None, resolve: dict | None = None) -> Target:
     """The target, importing only its own module when that registers it (a worker starts
-    in a second instead of importing every harness), else through the entry points."""
+    in a second instead of importing every harness), else through the entry points.
+    ``resolve``: keyword arguments for the resolver of a name built on demand (``kb:``)."""
     prepare_triton()
+    if resolve is not None:
+        from kfuzz.target import RESOLVERS
+        for prefix, resolver in RESOLVERS.items():
+            if name.startswith(prefix):
+                return importlib.import_module(resolver).resolve(name, **resolve)
     if module:
         try:
             importlib.import_module(module)
@@ -176,8 +182,9 @@ def _load_target(name: str, module: str | None) -> Target:
 
 
 def _worker_main(conn: Connection, target_name: str, module: str | None, device: str,
-                 with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None) -> None:
-    target = _load_target(target_name, module)
+                 with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
+                 resolve: dict | None = None) -> None:
+    target = _load_target(target_name, module, resolve)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
     # confined after the target's import (the harness is trusted), before any kernel call
     confinement = sandbox.confine(policy, workdir) if policy is not None else {}
@@ -188,10 +195,20 @@ def _worker_main(conn: Connection, target_name: str, module: str | None, device:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        (kind, told, layouts), storages = unpack(msg)
+        header, storages = unpack(msg)
+        kind, told = header[0], header[1]
         if kind == "stop":
             return
         case = Case(told[0], told[1], 0, tuple((k, int(v)) for k, v in told[2]))
+        if kind == "program":
+            from kfuzz.programs import answer    # here: a campaign's worker never needs it
+            reply, crashed = answer(target, case, header[2], header[3], header[4], storages, device,
+                                    policy.cpu_seconds if policy is not None else None)
+            conn.send_bytes(reply)
+            if crashed:
+                return
+            continue
+        layouts = header[2]
         inputs = {name: rebuild(st, geo, device) for (name, geo), st in zip(layouts, storages)}
         sandbox.start_case(cpu_seconds)
         try:
@@ -236,14 +253,15 @@ class Worker:
     is running) with the inputs kfuzz materialized for each."""
 
     def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool,
-                 policy: sandbox.Policy | None = None):
+                 policy: sandbox.Policy | None = None, resolve: dict | None = None):
         ctx = multiprocessing.get_context("forkserver")
         # takes effect when the server first starts; it must stay free of CUDA
         ctx.set_forkserver_preload(["kfuzz.workers"] + ([module] if module else []))
         self.workdir = tempfile.mkdtemp(prefix="kfuzz-worker-")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main,
-                                   args=(child, target_name, module, device, with_coverage, policy, self.workdir),
+                                   args=(child, target_name, module, device, with_coverage, policy, self.workdir,
+                                         resolve),
                                    daemon=True, name=f"kfuzz-worker-{target_name}")
         self.process.start()
         child.close()
@@ -269,6 +287,11 @@ class Worker:
             self.started = time.monotonic()
         unread = sum(size for _, _, size in self.queue)   # at most: the worker reads a case before its reply
         self.queue.append((case, inputs, len(msg)))
+        self.post(msg, unread)
+
+    def post(self, msg: bytes, unread: int = 0) -> None:
+        """Send ``msg`` without ever blocking on the worker: directly while the pipe has room
+        (``unread`` bytes may wait in it), else through a sender thread."""
         if unread + len(msg) <= DIRECT_SEND and (self.outbox is None or self.outbox.unfinished_tasks == 0):
             try:
                 self.conn.send_bytes(msg)
@@ -307,6 +330,24 @@ class Worker:
         self.kill()
 
 
+def worker_policy(policy: sandbox.Policy | None, device: str, timeout: float) -> sandbox.Policy:
+    """``policy`` (by default ``Policy.for_device(device)``) with a CPU-time budget per case,
+    when it names none: the timeout times the CPU count."""
+    policy = policy or sandbox.Policy.for_device(device)
+    if policy.cpu_seconds is None:
+        policy = sandbox.Policy(**{**policy.__dict__, "cpu_seconds": int(timeout * (os.cpu_count() or 1)) + 1})
+    return policy
+
+
+def death(worker: Worker, policy: sandbox.Policy) -> tuple[str, str]:
+    """The ``exc_type`` and detail of a worker that died while running the kernel."""
+    worker.process.join(10)
+    name = sandbox.death_name(worker.process.exitcode)
+    why = {sandbox.CPU: f" past its CPU-time limit of {policy.cpu_seconds} s a case",
+           sandbox.FILE_SIZE: " writing a file past its size limit"}.get(name, "")
+    return name, f"the worker died ({name}){why} while running the kernel"
+
+
 class WorkerPool:
     """``jobs`` sandboxed workers for one target; results come back as each finishes.
 
@@ -322,10 +363,7 @@ class WorkerPool:
             raise ValueError("a worker pool needs jobs >= 1")
         self.target, self.device, self.timeout, self.coverage = target, device, timeout, coverage
         self.depth = depth
-        policy = policy or sandbox.Policy.for_device(device)
-        if policy.cpu_seconds is None:
-            policy = sandbox.Policy(**{**policy.__dict__, "cpu_seconds": int(timeout * (os.cpu_count() or 1)) + 1})
-        self.policy = policy
+        self.policy = worker_policy(policy, device, timeout)
         self.workers: list[Worker | None] = [self._spawn() for _ in range(jobs)]
         self.confinement = self.workers[0].confinement
         self.restarts = 0
@@ -376,11 +414,7 @@ class WorkerPool:
                             seconds=seconds, inputs=inputs)
 
     def _died(self, worker: Worker) -> KernelResult:
-        worker.process.join(10)
-        name = sandbox.death_name(worker.process.exitcode)
-        why = {sandbox.CPU: f" past its CPU-time limit of {self.policy.cpu_seconds} s a case",
-               sandbox.FILE_SIZE: " writing a file past its size limit"}.get(name, "")
-        return self._failed(worker, "crash", name, f"the worker died ({name}){why} while running the kernel")
+        return self._failed(worker, "crash", *death(worker, self.policy))
 
     def results(self) -> Iterator[KernelResult]:
         """Wait for at least one busy worker to finish, die or time out; yield what ended."""

@@ -26,6 +26,7 @@ from kfuzz.errors import KfuzzError
 from kfuzz.gates.base import Gate, GateResult, nominal_dims
 from kfuzz.gates.calls import CompleteWrites, Containment, Determinism, InputDependence
 from kfuzz.gates.gradients import Gradients
+from kfuzz.programs import executor_for
 from kfuzz.gates.values import (Accumulation, Distributions, Layouts, Nonfinite, Range, Reference,
                                 Shapes)
 from kfuzz.target import Target, get_target
@@ -51,10 +52,13 @@ def parse_gates(spec: str | Iterable[str] | None) -> list[str]:
 
 
 def run_gate(gate: Gate, target: Target, seed: int = 0, out: str | Path | None = None,
-             device: str = "cpu", c: float = BOUND_C) -> GateResult:
+             device: str = "cpu", c: float = BOUND_C, executor=None) -> GateResult:
+    """One gate on ``target``; the kernel's side of each case runs in ``executor``
+    (``kfuzz.programs``: ``Sandboxed`` or, by default, ``InProcess``)."""
     start = time.monotonic()
+    executor = executor_for(target, device, executor)
     result = GateResult(gate.id, gate.name, "pass")
-    reason = gate.not_applicable(target)
+    reason = gate.not_applicable(target, executor)
     if reason:
         result.status, result.reason = "n/a", reason
         result.seconds = time.monotonic() - start
@@ -62,7 +66,7 @@ def run_gate(gate: Gate, target: Target, seed: int = 0, out: str | Path | None =
     corpus = Corpus(Path(out) / "gates" / gate.id) if out is not None else None
     verdicts: list[Verdict] = []
     for case in gate.cases(target, seed):
-        v = gate.check(target, case, device, c)
+        v = gate.check(target, case, device, c, executor=executor)
         if isinstance(v, tuple):    # the check judged other inputs than the case's own: these fail
             case, v = v
         verdicts.append(v)
@@ -91,24 +95,29 @@ def run_gate(gate: Gate, target: Target, seed: int = 0, out: str | Path | None =
 
 def run_gates(target: Target, gates: Iterable[str] | None = None, seed: int = 0,
               out: str | Path | None = None, device: str = "cpu", c: float = BOUND_C,
-              on_result: Callable[[GateResult], None] | None = None) -> list[GateResult]:
-    """Run the named gates (default all twelve) on ``target``; see the module docstring."""
+              on_result: Callable[[GateResult], None] | None = None, executor=None) -> list[GateResult]:
+    """Run the named gates (default all twelve) on ``target``; see the module docstring.
+    ``executor``: where the kernel's side runs (default in this process)."""
     results = []
+    executor = executor_for(target, device, executor)
     for gid in parse_gates(gates):
-        r = run_gate(GATES[gid], target, seed, out, device, c)
+        r = run_gate(GATES[gid], target, seed, out, device, c, executor)
         results.append(r)
         if on_result is not None:
             on_result(r)
     return results
 
 
-def replay_gate_case(path: str | Path, device: str = "cpu") -> tuple[bool, Verdict, str]:
-    """Run a saved gate case through its gate again: (ends as recorded, verdict, message)."""
+def replay_gate_case(path: str | Path, device: str = "cpu",
+                     executors: Callable[[Target], object] | None = None) -> tuple[bool, Verdict, str]:
+    """Run a saved gate case through its gate again: (ends as recorded, verdict, message).
+    ``executors``: the executor for a target (default: in this process)."""
     case, record = load(path)
     gid = (record or {}).get("gate")
     if gid not in GATES:
         raise KfuzzError(f"{path}: not a gate case (its record names no known gate)")
-    verdict = GATES[gid].check(get_target(case.target), case, device)
+    target = get_target(case.target)
+    verdict = GATES[gid].check(target, case, device, executor=executors(target) if executors else None)
     if isinstance(verdict, tuple):
         verdict = verdict[1]
     if record.get("expect", "fail") == "fail":

@@ -3,11 +3,14 @@
 A gate is a fixed property check. It builds its own cases from the target's
 contract and a seed (``cases``), so a gate run is reproducible, and judges one
 case at a time (``check``), so any failing case can be saved and replayed on
-its own. ``check`` returns a ``Verdict``; the call contract (plain dense
-tensors of the declared shape, dtype and device, work finished at return, no
-torch function replaced, inputs unchanged) is enforced in every gate because
-every gate calls the kernel through ``kfuzz.execute.kernel_stage`` or
-``call_kernel``.
+its own. ``check`` returns a ``Verdict``. A gate never calls the kernel
+itself: it materializes the inputs here and hands a kernel program
+(``kfuzz.programs``) to an executor, in this process or in a sandboxed worker,
+and judges what comes back here. The call contract (plain dense tensors of the
+declared shape, dtype and device, work finished at return, no torch function
+replaced, inputs unchanged) is enforced in every gate because every program
+calls the kernel through ``kfuzz.execute.kernel_stage`` or ``call_kernel``,
+and the outputs' contract and the inputs' bytes are checked again here.
 
 A gate that does not apply to a target says so (``not_applicable`` returns
 the reason); it is reported ``n/a``, never ``pass``.
@@ -125,16 +128,19 @@ class Gate:
     tolerance_free: bool = True
     property: str = ""
 
-    def not_applicable(self, target: Target) -> str | None:
+    def not_applicable(self, target: Target, executor=None) -> str | None:
+        """Why the gate does not apply to ``target`` (``executor``: for a gate that must call
+        the kernel to know), or None."""
         return None
 
     def cases(self, target: Target, seed: int) -> Iterable[Case]:
         raise NotImplementedError
 
-    def check(self, target: Target, case: Case, device: str = "cpu", c: float = BOUND_C
+    def check(self, target: Target, case: Case, device: str = "cpu", c: float = BOUND_C, executor=None
               ) -> Verdict | tuple[Case, Verdict]:
         """The verdict on ``case``; or (the case that failed, its verdict) when the check
-        judged inputs other than ``case``'s own (G01's hidden-seed trial)."""
+        judged inputs other than ``case``'s own (G01's hidden-seed trial). The kernel's side
+        runs in ``executor`` (default: ``kfuzz.programs.InProcess`` on ``device``)."""
         raise NotImplementedError
 
     def no_evidence(self, target: Target, verdicts: list[Verdict]) -> str | None:

@@ -20,13 +20,13 @@ allocations, so nothing can be placed around them.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from kfuzz.compare import BOUND_C
-from kfuzz.execute import _storage_bytes, bits, call_kernel, kernel_stage, oracle_outputs
+from kfuzz.execute import _storage_bytes, bits, oracle_outputs
 from kfuzz.gates.base import Gate, fit_dims, gate_seed, make_case, nominal_dims
+from kfuzz.programs import (Program, changed_input, executor_for, malformed, outputs_of,
+                            poisoned_allocations)  # noqa: F401  (poisoned_allocations: the gate's tool)
 from kfuzz.tensors import materialize, torch_dtype
 from kfuzz.verdict import Verdict
 
@@ -64,27 +64,26 @@ class Determinism(Gate):
     def cases(self, target, seed):
         return _per_dtype(self, target, seed, nominal_dims(target))
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
-        inputs, first, verdict = kernel_stage(case, target, device)
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        inputs = materialize(case, target)
+        other = materialize(case.with_(seed=case.seed + 1), target)
+        r = executor_for(target, device, executor).run(
+            Program("repeat", case, {"case": inputs, "other": other}, {"repeats": REPEATS}))
+        verdict = r.verdict or changed_input(target.name, inputs, r.outputs.get("after:case", {}))
         if verdict is not None:
             return verdict
-        first = {k: v.clone() for k, v in first.items()}
-        other = case.with_(seed=case.seed + 1)
-        dev = torch.device(device)
-        for r in range(1, REPEATS):
-            if r == 2:   # another launch in between: state left behind must not matter
-                _, _, verdict = kernel_stage(other, target, device)
-                if verdict is not None:
-                    return verdict
-            outputs, verdict = call_kernel(target, case, inputs, dev)
-            if verdict is not None:
-                return verdict
+        calls = [outputs_of(r, target, case, f"call{i + 1}") for i in range(REPEATS)]
+        bad = next((v for v in calls if isinstance(v, Verdict)), None)
+        if bad is not None:
+            return bad
+        first = calls[0]
+        for i, outputs in enumerate(calls[1:], start=2):
             for name, out in outputs.items():
                 if not _same_bits(out, first[name]):
-                    i = _first_bit_difference(out, first[name])
+                    j = _first_bit_difference(out, first[name])
                     return Verdict(target.name, "nondeterminism", output=name,
-                                   detail=(f"call {r + 1} on the same inputs differs from call 1 at flat index {i}: "
-                                           f"{out.reshape(-1)[i].item()!r} vs {first[name].reshape(-1)[i].item()!r}"))
+                                   detail=(f"call {i} on the same inputs differs from call 1 at flat index {j}: "
+                                           f"{out.reshape(-1)[j].item()!r} vs {first[name].reshape(-1)[j].item()!r}"))
         return Verdict(target.name, "pass")
 
 
@@ -97,11 +96,6 @@ def _guarded(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     flat = raw.view(t.dtype)
     view = flat.as_strided(t.shape, t.stride(), t.storage_offset() + pad // t.element_size())
     return view, raw, pad
-
-
-def _storage_span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.untyped_storage().data_ptr()
-    return start, start + t.untyped_storage().nbytes()
 
 
 class Containment(Gate):
@@ -117,31 +111,35 @@ class Containment(Gate):
                 yield make_case(target, dtype, gate_seed(seed, self.id, i), dims)
                 i += 1
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
-        plain = materialize(case, target, torch.device(device))
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        plain = materialize(case, target)
         guarded = {k: _guarded(v) for k, v in plain.items()}
         inputs = {k: g[0] for k, g in guarded.items()}
-        before = {k: g[1].clone() for k, g in guarded.items()}
-        earlier, verdict = call_kernel(target, case, inputs, torch.device(device))
-        if verdict is not None:
-            return verdict
-        # a second call while the first call's outputs are still held: it must not write into them
-        outputs, verdict = call_kernel(target, case, inputs, torch.device(device))
-        if verdict is not None:
-            return verdict
+        r = executor_for(target, device, executor).run(Program("guarded", case, {"case": inputs}))
+        if r.verdict is not None:
+            return r.verdict
+        after = r.outputs.get("after:case", {})
         for name, (_, raw, pad) in guarded.items():
-            changed = (raw != before[name]).nonzero().reshape(-1)
+            back = _storage_bytes(after[name]).cpu() if name in after else None
+            if back is None or back.numel() != raw.numel():
+                return malformed(target.name, f"input {name!r} did not come back whole")
+            changed = (back != raw).nonzero().reshape(-1)
             if changed.numel():
                 pos = int(changed[0])
                 where = ("the guard region before" if pos < pad else
                          "the guard region after" if pos >= raw.numel() - pad else "the storage of")
                 return Verdict(target.name, "mutation", output=name,
                                detail=f"{where} input {name!r} changed ({changed.numel()} byte(s), first at byte {pos - pad:+d})")
-        spans = {f"input {k!r}": _storage_span(raw) for k, (_, raw, _) in guarded.items()}
-        spans.update({f"output {k!r} of the previous call (a later call overwrites it)": _storage_span(t)
-                      for k, t in earlier.items()})
-        for name, out in outputs.items():
-            lo, hi = _storage_span(out)
+        # spans are addresses in the kernel's process: what it reports is evidence, not checked here
+        try:
+            facts = r.facts
+            spans = {f"input {k!r}": _pair(facts["inputs"][k]) for k in inputs}
+            spans.update({f"output {k!r} of the previous call (a later call overwrites it)": _pair(v)
+                          for k, v in facts["earlier"].items()})
+            outputs = [(str(n), *_pair((lo, hi))) for n, lo, hi in facts["outputs"]]
+        except (KeyError, TypeError, ValueError) as e:
+            return malformed(target.name, f"the storage spans are malformed ({e!r})")
+        for name, lo, hi in outputs:
             for other, (a, b) in spans.items():
                 if lo < b and a < hi:
                     return Verdict(target.name, "contract", output=name,
@@ -150,20 +148,11 @@ class Containment(Gate):
         return Verdict(target.name, "pass")
 
 
-@contextlib.contextmanager
-def poisoned_allocations():
-    """Every tensor allocated by torch inside the block comes filled with NaN (torch's
-    deterministic mode fills uninitialized memory; integers get their largest value)."""
-    was_on = torch.are_deterministic_algorithms_enabled()
-    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    was_fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = was_fill
-        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+def _pair(span) -> tuple[int, int]:
+    lo, hi = span
+    if type(lo) is not int or type(hi) is not int:
+        raise ValueError(f"{span!r} is not two addresses")
+    return lo, hi
 
 
 class CompleteWrites(Gate):
@@ -173,12 +162,14 @@ class CompleteWrites(Gate):
     def cases(self, target, seed):
         return _per_dtype(self, target, seed, nominal_dims(target))
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
-        inputs = materialize(case, target, torch.device(device))
-        with poisoned_allocations():
-            outputs, verdict = call_kernel(target, case, inputs, torch.device(device))
-        if verdict is not None:
-            return verdict
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        inputs = materialize(case, target)
+        r = executor_for(target, device, executor).run(Program("poisoned", case, {"case": inputs}))
+        if r.verdict is not None:
+            return r.verdict
+        outputs = outputs_of(r, target, case, "out")
+        if isinstance(outputs, Verdict):
+            return outputs
         oracle = oracle_outputs(target, inputs)     # only after the kernel returned
         for name, out in outputs.items():
             dt = torch_dtype(target.output_dtype(name, case.dtype))
@@ -202,26 +193,19 @@ class InputDependence(Gate):
     def cases(self, target, seed):
         return _per_dtype(self, target, seed, nominal_dims(target))
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
-        dev = torch.device(device)
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
         partner = case.with_(seed=case.seed + 1)
-        fresh = materialize(partner, target, dev)
-        # kernel_stage returns copies and releases the kernel's own outputs, so nothing is
-        # allocated between that release and the next call: a kernel that returns freed
-        # memory unwritten gets this call's result back where the allocator reuses blocks
-        inputs, first, verdict = kernel_stage(case, target, device)
+        inputs, fresh = materialize(case, target), materialize(partner, target)
+        r = executor_for(target, device, executor).run(Program("rebind", case, {"case": inputs, "partner": fresh}))
+        verdict = r.verdict or changed_input(target.name, fresh, r.outputs.get("after:partner", {}))
         if verdict is not None:
             return verdict
-        second, verdict = call_kernel(target, partner, fresh, dev)
-        if verdict is not None:
-            return verdict
-        second = {k: v.clone() for k, v in second.items()}
-        for name, t in inputs.items():        # the partner's values, in the first call's buffers
-            t.copy_(fresh[name])
-        reused, verdict = call_kernel(target, partner, inputs, dev)
-        if verdict is not None:
-            return verdict
-        oracle_a = oracle_outputs(target, materialize(case, target, dev))
+        sets = [outputs_of(r, target, case, role) for role in ("first", "second", "reused")]
+        bad = next((v for v in sets if isinstance(v, Verdict)), None)
+        if bad is not None:
+            return bad
+        first, second, reused = sets
+        oracle_a = oracle_outputs(target, inputs)
         oracle_b = oracle_outputs(target, fresh)
         for name in first:
             dt = torch_dtype(target.output_dtype(name, case.dtype))

@@ -16,25 +16,16 @@ import numpy as np
 import torch
 
 from kfuzz.compare import BOUND_C, compare
-from kfuzz.execute import _storage_bytes, as_outputs, call_kernel
+from kfuzz.execute import as_outputs
 from kfuzz.gates.base import Gate, float_args, gate_seed, make_case, nominal_dims
 from kfuzz.case import ArgCase
+from kfuzz.programs import Program, changed_input, executor_for, grads, leaves, malformed, replicate
 from kfuzz.tensors import materialize, rng_for
 from kfuzz.verdict import Verdict
 
 
 def differentiable(target, dtype: str) -> list[str]:
     return [n for n in float_args(target, dtype) if target.args[n].differentiable]
-
-
-def _leaves(inputs, names, dtype=None):
-    out = {}
-    for k, v in inputs.items():
-        v = v.detach()
-        if k in names:
-            v = (v.to(dtype) if dtype is not None else v.clone()).requires_grad_(True)
-        out[k] = v
-    return out
 
 
 def cotangents(target, case, dims) -> dict[str, torch.Tensor]:
@@ -46,32 +37,21 @@ def cotangents(target, case, dims) -> dict[str, torch.Tensor]:
     return cots
 
 
-def _grads(outputs, leaves, names, cots):
-    outs, gs = [], []
-    for name, out in outputs.items():
-        if out.requires_grad:
-            outs.append(out)
-            gs.append(cots[name].to(out.dtype).to(out.device))
-    grads = torch.autograd.grad(outs, [leaves[n] for n in names], gs, allow_unused=True)
-    return dict(zip(names, grads))
-
-
 class Gradients(Gate):
     id, name, tolerance_free = "G12", "gradients", False
     property = ("every differentiable input's gradient within the bound of float64 autograd on the oracle; "
                 "its NaN/Inf pattern exact")
 
-    def not_applicable(self, target):
+    def not_applicable(self, target, executor=None):
         if not any(differentiable(target, dt) for dt in target.dtypes):
             return "no differentiable floating-point argument"
         case = next(iter(self.cases(target, 0)))
-        inputs = materialize(case, target)
-        names = differentiable(target, case.dtype)
-        with torch.enable_grad():
-            outputs, verdict = call_kernel(target, case, _leaves(inputs, names), torch.device("cpu"))
-        if verdict is not None:
+        r = executor_for(target, "cpu", executor).run(Program(
+            "backward", case, {"case": materialize(case, target)},
+            {"names": differentiable(target, case.dtype), "probe": True}))
+        if r.verdict is not None:
             return None          # the gate's own cases will report the failure
-        if not any(o.requires_grad for o in outputs.values()):
+        if r.facts.get("graph") is False:
             return "the kernel has no backward (its outputs carry no autograd graph)"
         return None
 
@@ -87,37 +67,33 @@ class Gradients(Gate):
                             {first: ArgCase(inject=((target.numel(first, dims) // 3, "nan"),))})
             i += 1
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
-        dev = torch.device(device)
-        inputs = materialize(case, target, dev)
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        inputs = materialize(case, target)
         names = differentiable(target, case.dtype)
         cots = cotangents(target, case, case.dim)
-        leaves = _leaves(inputs, names)
-        snapshot = {k: _storage_bytes(v) for k, v in leaves.items()}
+        r = executor_for(target, device, executor).run(
+            Program("backward", case, {"case": inputs, "cotangents": cots}, {"names": names}))
+        verdict = r.verdict or changed_input(target.name, inputs, r.outputs.get("after:case", {}))
+        if verdict is not None:
+            return verdict
+        if r.facts.get("graph") is False:
+            return Verdict(target.name, "contract", detail="outputs carry no autograd graph: no backward")
+        kernel = r.outputs.get("grads", {})
+        for name, g in kernel.items():
+            if name not in names or tuple(g.shape) != tuple(inputs[name].shape):
+                return malformed(target.name, f"the kernel side returned a gradient {name!r} of shape "
+                                              f"{list(g.shape)}, not one of {names} in its argument's shape")
+        # the oracle's and the trusted implementation's gradients where the kernel ran
+        here = inputs if device == "cpu" else {k: replicate(v, device) for k, v in inputs.items()}
         with torch.enable_grad():
-            outputs, verdict = call_kernel(target, case, leaves, dev)
-            if verdict is not None:
-                return verdict
-            if not any(o.requires_grad for o in outputs.values()):
-                return Verdict(target.name, "contract", detail="outputs carry no autograd graph: no backward")
-            try:
-                kernel = _grads(outputs, leaves, names, cots)
-            except Exception as e:
-                return Verdict(target.name, "exception", detail=f"backward: {type(e).__name__}: {e}"[:2000],
-                               exc_type=type(e).__name__, frame="backward")
-            for name, t in leaves.items():
-                if not torch.equal(_storage_bytes(t), snapshot[name]):
-                    return Verdict(target.name, "mutation", output=name,
-                                   detail=f"input {name!r} changed during the forward or backward call")
-            wide = _leaves(inputs, names, torch.float64)
-            oracle = _grads(as_outputs(target.reference(**wide), target), wide, names, cots)
-            low = _leaves(inputs, names)
-            trusted_out = as_outputs(target.call_trusted(low), target)
-            trusted = _grads(trusted_out, low, names, cots)
+            wide = leaves(here, names, torch.float64)
+            oracle = grads(as_outputs(target.reference(**wide), target), wide, names, cots)
+            low = leaves(here, names)
+            trusted = grads(as_outputs(target.call_trusted(low), target), low, names, cots)
         worst, metrics = 0.0, {}
         for name in names:
             want = oracle[name] if oracle[name] is not None else torch.zeros_like(wide[name])
-            got = kernel[name]
+            got = kernel.get(name)
             if got is None:
                 if bool((want != 0).any()):
                     return Verdict(target.name, "bound", output=f"grad.{name}",

@@ -15,10 +15,10 @@ import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.compare import BOUND_C, compare
-from kfuzz.execute import (call_kernel, flush_subnormals, judge, kernel_stage, oracle_outputs,
-                           trusted_outputs)
+from kfuzz.execute import flush_subnormals, judge, oracle_outputs, trusted_outputs
 from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims, make_case,
                               nominal_dims)
+from kfuzz.programs import Program, called, executor_for
 from kfuzz.tensors import lay_out, logical_values, materialize, special_value_table, torch_dtype
 from kfuzz.verdict import Verdict
 
@@ -36,21 +36,28 @@ def _all_float(target, dtype, argcase: ArgCase) -> dict:
     return {name: argcase for name in float_args(target, dtype)}
 
 
-def bound_check(target, case, device, c) -> Verdict:
-    inputs, outputs, verdict = kernel_stage(case, target, device)
+def kernel_outputs(target, case, executor, inputs=None):
+    """(kfuzz's inputs, the kernel's outputs on them or None, the verdict that ends the case):
+    the case materialized here (on the CPU) unless ``inputs`` are given, then one call."""
+    inputs = materialize(case, target) if inputs is None else inputs
+    outputs, verdict = called(executor, target, case, inputs)
+    return inputs, outputs, verdict
+
+
+def bound_check(target, case, executor, c) -> Verdict:
+    inputs, outputs, verdict = kernel_outputs(target, case, executor)
     return verdict if verdict is not None else judge(case, target, inputs, outputs, c=c)
 
 
-def hidden_seed_check(target, case, device, c):
+def hidden_seed_check(target, case, executor, c):
     """``case``'s shape and dtype, with values drawn from a seed that exists nowhere the kernel
     could look: made from the OS's randomness, used once to materialize and dropped before
     the call. A kernel that finds the case it is called for (through the call stack or the
     garbage collector) and predicts its inputs from the seed, so as to be right only on the
     inputs a test would draw, is wrong here. A failure comes back as (case, verdict), the
     case's payload holding these inputs, so it can be saved and replayed."""
-    dev = torch.device(device)
-    inputs = materialize(case.with_(seed=secrets.randbits(32)), target, dev)
-    inputs, outputs, verdict = kernel_stage(case, target, device, inputs=inputs)
+    inputs = materialize(case.with_(seed=secrets.randbits(32)), target)
+    inputs, outputs, verdict = kernel_outputs(target, case, executor, inputs)
     if verdict is None:
         verdict = judge(case, target, inputs, outputs, c=c)
     if verdict.passed:
@@ -86,10 +93,11 @@ class Reference(Gate):
                 self.hidden.add(case)
                 yield case
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        executor = executor_for(target, device, executor)
         if case in self.hidden:
-            return hidden_seed_check(target, case, device, c)
-        return bound_check(target, case, device, c)
+            return hidden_seed_check(target, case, executor, c)
+        return bound_check(target, case, executor, c)
 
 
 def distribution_cases(target, seed, gate_id, dims, dists):
@@ -170,20 +178,22 @@ class Layouts(Reference):
                     target.validate(case)
                 yield case
 
-    def not_applicable(self, target):
+    def not_applicable(self, target, executor=None):
         dims = nominal_dims(target)
         if not any(layout_variants(target.shape_of(a.shape, dims)) for a in target.args.values()):
             return "no argument has a dimension, so there is no layout to vary"
         return None
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        executor = executor_for(target, device, executor)
         refused = [(n, a.layout.kind) for n, a in case.args if a.layout.kind not in target.args[n].layouts]
         if not refused:
-            return bound_check(target, case, device, c)
+            return bound_check(target, case, executor, c)
         # a refused layout: build the tensors by hand (materialize would refuse) and demand an error
         values = logical_values(case, target)
-        inputs = {n: lay_out(v, case.arg(n).layout).to(device) for n, v in values.items()}
-        outputs, verdict = call_kernel(target, case, inputs, torch.device(device))
+        inputs = {n: lay_out(v, case.arg(n).layout) for n, v in values.items()}
+        r = executor.run(Program("call", case, {"case": inputs}))
+        verdict = r.verdict
         if verdict is not None and verdict.kind == "exception":
             return Verdict(target.name, "pass", detail=f"refused layout raised {verdict.detail[:200]}")
         if verdict is not None:
@@ -215,8 +225,8 @@ class Nonfinite(Gate):
                 yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, args)
                 i += 1
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
-        inputs, outputs, verdict = kernel_stage(case, target, device)
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor))
         if verdict is not None:
             return verdict
         oracle = oracle_outputs(target, inputs)
@@ -267,8 +277,8 @@ class Range(Gate):
                 yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, plan)
                 i += 1
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
-        inputs, outputs, verdict = kernel_stage(case, target, device)
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor))
         if verdict is not None:
             return verdict
         oracle = oracle_outputs(target, inputs)
@@ -303,11 +313,11 @@ class Accumulation(Gate):
     def cases(self, target, seed):
         return distribution_cases(target, seed, self.id, accumulation_dims(target), G07_DISTS)
 
-    def not_applicable(self, target):
+    def not_applicable(self, target, executor=None):
         return None if accumulation_dims(target) else "no large shape fits the contract"
 
-    def check(self, target, case, device="cpu", c=BOUND_C):
-        inputs, outputs, verdict = kernel_stage(case, target, device)
+    def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
+        inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor))
         if verdict is not None:
             return verdict
         oracle = oracle_outputs(target, inputs)
