@@ -1,4 +1,8 @@
-"""kfuzz verify --target NAME: the twelve gates, one line each, and a summary."""
+"""kfuzz verify --target NAME: the twelve gates, one line each, and a summary.
+
+The kernel runs in a sandboxed worker (``kfuzz.programs.Sandboxed``): the oracle and its
+outputs stay in this process, a crash or hang is that case's verdict and the gates go on.
+``--in-process`` runs it here instead, for trusted kernels and speed."""
 import json
 import sys
 import time
@@ -8,6 +12,7 @@ import click
 
 from kfuzz.cli import cli, handles_bad_input
 from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gates
+from kfuzz.programs import InProcess, Sandboxed
 from kfuzz.target import get_target
 
 
@@ -49,14 +54,35 @@ def _junit(target, results, seconds) -> str:
               help="Failing cases go to OUT/gates/<gate>/crashes/<target>/<signature>/.")
 @click.option("--replay", "replay_paths", multiple=True, type=click.Path(),
               help="Replay saved gate cases through their gates instead (repeatable).")
+@click.option("--in-process", "in_process", is_flag=True,
+              help="Run the kernel in this process, not in a sandboxed worker: for trusted kernels (faster, "
+                   "but a crash ends kfuzz and the kernel shares a process with the oracle).")
+@click.option("--timeout", type=float, default=120.0, show_default=True,
+              help="Seconds one case's kernel program may take in the worker before it is a timeout.")
 @handles_bad_input
-def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths):
+def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout):
     """Judge a target against the twelve gates. Exit 1 if any gate fails, 2 on bad input."""
+    if timeout <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--timeout")
+    executors: dict = {}
+
+    def executor(target):
+        if target.name not in executors:
+            executors[target.name] = InProcess(target, device) if in_process else Sandboxed(target, device, timeout)
+        return executors[target.name]
+    try:
+        _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor)
+    finally:
+        for ex in executors.values():
+            ex.close()
+
+
+def _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor):
     if replay_paths:
         from kfuzz.corpus import iter_case_files
         changed = 0
         for path in iter_case_files(replay_paths):
-            ok, _, message = replay_gate_case(path, device)
+            ok, _, message = replay_gate_case(path, device, executor)
             changed += not ok
             click.echo(f"{'ok      ' if ok else 'CHANGED '} {path}: {message}")
         sys.exit(1 if changed else 0)
@@ -66,7 +92,8 @@ def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths):
     ids = parse_gates(gates)
     start = time.monotonic()
     on_result = (lambda r: click.echo(_text_line(r))) if fmt == "text" else None
-    results = run_gates(target, ids, seed=seed, out=out, device=device, on_result=on_result)
+    results = run_gates(target, ids, seed=seed, out=out, device=device, on_result=on_result,
+                        executor=executor(target))
     seconds = time.monotonic() - start
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "n/a")}
     if fmt == "text":
