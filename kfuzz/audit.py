@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -105,12 +106,12 @@ def _entry(key: str, ref: str | None, custom: str | None, skip_null: str, **meta
         return CorpusEntry(key, None, str(e), expect)
 
 
-def _cuda_l1(path: Path) -> list[CorpusEntry]:
+def _cuda_l1(path: Path, only: str | None = None) -> list[CorpusEntry]:
     gpu = path.stem.removeprefix("cuda-l1-")
     return [_entry(f"{path.name}:{i}", r.get("ref_code"), r.get("custom_code"),
                    "custom_code is null (not accepted)", level=r.get("level_id"), problem=r.get("task_id"),
                    model=f"cuda-l1/{gpu}", source=f"{path}:{i}", eval_mode=True)
-            for i, r in enumerate(_load_json_lines(path))]
+            for i, r in enumerate(_load_json_lines(path)) if only is None or str(i) == only]
 
 
 def _references(folder: Path) -> dict[tuple[int, int], str]:
@@ -141,9 +142,9 @@ def _header(text: str, field: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _controls(folder: Path) -> list[CorpusEntry]:
+def _controls(folder: Path, only: str | None = None) -> list[CorpusEntry]:
     entries = []
-    for f in sorted(folder.glob("*.py")):
+    for f in sorted(folder.glob("*.py" if only is None else f"{only}.py")):
         text = f.read_text()
         ref_name = _header(text, "reference")
         if ref_name is None:
@@ -169,8 +170,12 @@ def read_corpus(path: str | Path) -> list[CorpusEntry]:
 
 
 def read_row(path: str | Path, row: str | int) -> CorpusEntry:
-    """One row of a corpus by its index (a control by its file stem)."""
-    for e in read_corpus(path):
+    """One row of a corpus by its index (a control by its file stem); only that row's sources are
+    parsed where the format allows (a worker resolves its pair in a fraction of a second)."""
+    p = Path(path)
+    entries = (_controls(p, str(row)) if p.is_dir() else _cuda_l1(p, str(row)) if p.suffix == ".jsonl"
+               and p.is_file() else read_corpus(p))
+    for e in entries:
         if e.key.rsplit(":", 1)[1] == str(row):
             return e
     raise KfuzzError(f"{path}: no row {row}")
@@ -178,60 +183,103 @@ def read_row(path: str | Path, row: str | int) -> CorpusEntry:
 
 # one kernel, in its own process ------------------------------------------------------------------
 
+# the kernel side's processes: forked from a forkserver of their own (started by the kernel's
+# oracle process, never touching CUDA) with what every kernel needs imported once
+KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench", "kfuzz.audit", "torch._dynamo")
+
+
+def kernel_policy(device: str, cache: str | None = None) -> "sandbox.Policy":
+    """The confinement of an audited kernel's processes: ``Policy.for_device``, less what a
+    KernelBench solution needs that a campaign's kernel does not: building an extension
+    (``load_inline`` runs ninja and the compiler: new processes, writes beneath ``cache``) and
+    memory as the model needs (a level-3 network's weights; the per-kernel timeout stays)."""
+    from kfuzz import sandbox
+    return sandbox.Policy.for_device(device, memory=None, processes=True,
+                                     writable=(cache,) if cache else ())
+
+
 def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
-                 emit: Callable[[str, dict], None]) -> None:
-    """The standard test, the weights contract and each gate on one kernel, each result
-    handed to ``emit`` as it ends. Runs the untrusted solution: call it in a sandbox."""
+                 emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None) -> None:
+    """The standard test, the weights contract and each gate on one kernel, each result handed
+    to ``emit`` as it ends. This process is the oracle's: it never runs the solution's source.
+    The standard test runs in a sandboxed worker of its own (reference and solution in one
+    process, as the original harness ran them); the weights contract and the gates' kernel
+    programs in a second one (``kfuzz.programs.Sandboxed``) that resolves the same ``kb:``
+    name, while the oracle, the trusted implementation and every comparison run here."""
+    from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
-    from kfuzz.kernelbench import Bench, as_target, load_weights, pair_module, standard_test, SEED, set_seed
+    from kfuzz.kernelbench import as_target
+    from kfuzz.kernelbench.target import StandardOnly
+    from kfuzz.programs import Program, Sandboxed, malformed
     pair = entry.pair
-    standard = standard_test(pair, device=device)
-    emit("standard", standard.to_json())
-    if standard.reason.startswith("compile"):
+    policy = kernel_policy(device, cache)
+    with Sandboxed(StandardOnly(pair.target_name, {"pair": pair}), device, timeout, policy,
+                   resolve={"standard": True}, preload=KERNEL_PRELOAD) as ex:
+        r = ex.run(Program("standard", Case(pair.target_name, "float32", 0, ()), {}))
+    standard, v = r.facts, r.verdict
+    if v is None and not (isinstance(standard.get("passed"), bool) and isinstance(standard.get("reason"), str)):
+        v = malformed(pair.target_name, f"the standard test's verdict is malformed: {str(standard)[:200]}")
+    if v is not None:
+        # the standard test's process died or hung: what a kernel's process doing so was before
+        emit("ended", {"how": f"{v.kind} ({v.exc_type or v.detail[:200]}) in the standard test"})
+        return
+    emit("standard", standard)
+    if standard["reason"].startswith("compile"):
         # the solution does not build or import here: nothing for the gates to judge, and each
         # gate would only try the (minutes long) build again
-        emit("unbuilt", {"error": standard.reason[:1000]})
+        emit("unbuilt", {"error": standard["reason"][:1000]})
         return
     start = time.monotonic()
     try:
-        target = as_target(pair, device, weights="seed")
+        target = as_target(pair, device, weights="seed", solution=False)
     except Exception as e:
         emit("adapter", {"error": f"{type(e).__name__}: {e}"[:1000]})
         return
-    bench: Bench = target.options["bench"]
-    try:
-        model = bench.solution_model(dict(bench.contract.dims), "cpu" if device == "cpu" else device)
-        del model
-        status = bench.weights_status or ""
-        emit("weights", {"status": "fail" if status.startswith("seed only") else status, "detail": status,
-                         "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
-                         "seconds": round(time.monotonic() - start, 3)})
-    except Exception as e:
-        emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000]})
-    for gid in gates:
+    bench = target.options["bench"]
+    with Sandboxed(target, device, timeout, policy, resolve={"weights": "seed", "device": device},
+                   preload=KERNEL_PRELOAD) as ex:
         try:
-            r = run_gate(GATES[gid], target, seed=seed, out=None, device=device)
-            d = r.to_json()
-            d.pop("saved", None)
-            d["kind"] = r.first_failure[1].kind if r.first_failure else None
-            d["reason"] = d["reason"][:600]
-        except Exception as e:    # the gate itself could not run (the reference failed, say)
-            d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
-                 "where": traceback.format_exc(limit=-3)[-800:]}
-        emit("gate", d)
+            w = ex.run(Program("weights", Case(target.name, "float32", 0, tuple(sorted(bench.contract.dims.items())))))
+            status = w.facts.get("status") if w.verdict is None else None
+            if not isinstance(status, str):
+                raise RuntimeError(w.verdict.detail if w.verdict is not None else "no weights status came back")
+            # the kernel process's word (it ran ModelNew to load the weights)
+            emit("weights", {"status": "fail" if status.startswith("seed only") else status, "detail": status,
+                             "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
+                             "seconds": round(time.monotonic() - start, 3)})
+        except Exception as e:
+            emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000]})
+        for gid in gates:
+            try:
+                r = run_gate(GATES[gid], target, seed=seed, out=None, device=device, executor=ex)
+                d = r.to_json()
+                d.pop("saved", None)
+                d["kind"] = r.first_failure[1].kind if r.first_failure else None
+                d["reason"] = d["reason"][:600]
+            except Exception as e:    # the gate itself could not run (the reference failed, say)
+                d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
+                     "where": traceback.format_exc(limit=-3)[-800:]}
+            emit("gate", d)
 
 
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
-           threads: int, max_jobs: int) -> None:
+           threads: int, max_jobs: int, timeout: float) -> None:
+    os.setsid()     # one process group a kernel: its workers and their forkserver end with it
+    from kfuzz.workers import fork_server_here
+    # the kernel's workers are forked from a copy of this process as it is now: everything
+    # imported, no CUDA yet, nothing of the oracle's, and no pipe to the audit's parent
+    fork_server_here(close=(conn.fileno(),))
     if cache and entry.pair is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
     os.environ.setdefault("MAX_JOBS", str(max_jobs))
+    os.environ["OMP_NUM_THREADS"] = str(threads)     # the workers' torch reads it at import
     import warnings
     import torch
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")     # the kernels' own warnings are not the audit's output
     try:
-        audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)))
+        audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
+                     os.environ.get("TORCH_EXTENSIONS_DIR"))
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
         conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000]}))
     conn.send(("done", {}))
@@ -256,7 +304,8 @@ class _Running:
         self.entry, self.start = entry, time.monotonic()
         self.record = {**base_record(entry), "gates": {}, "device": args[0]}
         self.conn, child = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_child, args=(child, entry, *args), daemon=True,
+        # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
+        self.proc = ctx.Process(target=_child, args=(child, entry, *args), daemon=False,
                                 name=f"kfuzz-audit-{entry.key}")
         self.proc.start()
         child.close()
@@ -266,6 +315,16 @@ class _Running:
             self.record["gates"][d["gate"]] = d
         elif kind in ("standard", "weights", "adapter", "unbuilt", "error"):
             self.record[kind] = d
+        elif kind == "ended":
+            self.record["ended"] = str(d.get("how"))
+
+    def kill(self) -> None:
+        """End the kernel's process group: its oracle process, the workers and their forkserver."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.kill()
 
     def end(self, how: str | None) -> dict:
         if how is not None:
@@ -332,52 +391,56 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     todo = [e for e in entries if e.key not in done]
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: G10 and model code import it on first use, 4 s in every kernel process
-    ctx.set_forkserver_preload(["kfuzz.audit", "kfuzz.kernelbench", "kfuzz.gates", "torch._dynamo"])
+    ctx.set_forkserver_preload(["kfuzz.audit", "kfuzz.kernelbench", "kfuzz.gates", "kfuzz.programs", "torch._dynamo"])
     cache = str(Path(cache).resolve()) if cache else None
-    args = (device, gates, seed, cache, threads, max_jobs)
+    args = (device, gates, seed, cache, threads, max_jobs, timeout)
     running: list[_Running] = []
     queue = list(todo)
-    while queue or running:
-        while queue and len(running) < jobs:
-            entry = queue.pop(0)
-            if entry.pair is None:
-                record = base_record(entry)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                entry = queue.pop(0)
+                if entry.pair is None:
+                    record = base_record(entry)
+                    append_record(out, record)
+                    yield record
+                    continue
+                running.append(_Running(ctx, entry, args))
+            if not running:
+                continue
+            deadline = min(r.start + timeout for r in running)
+            wait([r.conn for r in running] + [r.proc.sentinel for r in running],
+                 timeout=max(0.0, deadline - time.monotonic()))
+            for r in list(running):
+                how = None
+                try:
+                    while r.conn.poll():
+                        kind, d = r.conn.recv()
+                        if kind == "done":
+                            how = "done"
+                            break
+                        r.take(kind, d)
+                except (EOFError, OSError):
+                    how = "crash"
+                if how is None and not r.proc.is_alive() and not r.conn.poll():
+                    how = "crash"
+                if how is None and time.monotonic() >= r.start + timeout:
+                    how = "timeout"
+                if how is None:
+                    continue
+                r.kill()          # also after "done": nothing of the kernel outlives its record
+                r.proc.join(10)
+                if how == "crash":
+                    how = f"crash (exit {r.proc.exitcode})"
+                record = r.end(None if how == "done" else how)
+                running.remove(r)
+                r.conn.close()
                 append_record(out, record)
                 yield record
-                continue
-            running.append(_Running(ctx, entry, args))
-        if not running:
-            continue
-        deadline = min(r.start + timeout for r in running)
-        wait([r.conn for r in running] + [r.proc.sentinel for r in running],
-             timeout=max(0.0, deadline - time.monotonic()))
-        for r in list(running):
-            how = None
-            try:
-                while r.conn.poll():
-                    kind, d = r.conn.recv()
-                    if kind == "done":
-                        how = "done"
-                        break
-                    r.take(kind, d)
-            except (EOFError, OSError):
-                how = "crash"
-            if how is None and not r.proc.is_alive() and not r.conn.poll():
-                how = "crash"
-            if how is None and time.monotonic() >= r.start + timeout:
-                how = "timeout"
-            if how is None:
-                continue
-            if how != "done":
-                r.proc.kill()
+    finally:   # a caller that stops early (an interrupt): no kernel outlives the audit
+        for r in running:
+            r.kill()
             r.proc.join(10)
-            if how == "crash":
-                how = f"crash (exit {r.proc.exitcode})"
-            record = r.end(None if how == "done" else how)
-            running.remove(r)
-            r.conn.close()
-            append_record(out, record)
-            yield record
 
 
 # judging a record -------------------------------------------------------------------------------

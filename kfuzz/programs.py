@@ -229,7 +229,8 @@ def _weights(target, program, inputs, device):
 
 def _standard(target, program, inputs, device):
     from kfuzz.kernelbench import standard_test
-    return None, {}, standard_test(target.options["bench"].pair, device=str(device)).to_json()
+    pair = target.options["pair"] if "pair" in target.options else target.options["bench"].pair
+    return None, {}, standard_test(pair, device=str(device)).to_json()
 
 
 # name -> (target, program, inputs on the device by role, device) -> (verdict, outputs by role, facts)
@@ -397,15 +398,15 @@ class Sandboxed:
     resolver such as ``kb:``'s), so the target must be registered or resolvable by name."""
 
     def __init__(self, target: Target, device: str = "cpu", timeout: float = 120.0,
-                 policy: sandbox.Policy | None = None, resolve: dict | None = None):
-        self.target, self.device, self.timeout, self.resolve = target, device, timeout, resolve
+                 policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = ()):
+        self.target, self.device, self.timeout, self.resolve, self.preload = target, device, timeout, resolve, preload
         self.policy = worker_policy(policy, device, timeout)
         self.worker = None
         self.restarts = 0
 
     def _spawn(self):
         return Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device, False,
-                      self.policy, self.resolve)
+                      self.policy, self.resolve, self.preload)
 
     def restart(self) -> None:
         """End the current worker; the next program starts a fresh one."""

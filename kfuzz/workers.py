@@ -253,10 +253,10 @@ class Worker:
     is running) with the inputs kfuzz materialized for each."""
 
     def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool,
-                 policy: sandbox.Policy | None = None, resolve: dict | None = None):
+                 policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = ()):
         ctx = multiprocessing.get_context("forkserver")
         # takes effect when the server first starts; it must stay free of CUDA
-        ctx.set_forkserver_preload(["kfuzz.workers"] + ([module] if module else []))
+        ctx.set_forkserver_preload(["kfuzz.workers"] + ([module] if module else []) + list(preload))
         self.workdir = tempfile.mkdtemp(prefix="kfuzz-worker-")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main,
@@ -328,6 +328,41 @@ class Worker:
             except OSError:
                 pass
         self.kill()
+
+
+def fork_server_here(close: tuple[int, ...] = ()) -> bool:
+    """Make this process's forkserver a fork of this process as it is now, instead of a fresh
+    interpreter that imports torch again (seconds a process): for a short-lived process that
+    starts workers and has imported what they need. Call it before touching CUDA and before
+    holding anything a kernel must not see: every worker is a copy of this moment. ``close``:
+    descriptors the server (so every worker) must not inherit, such as a pipe to a parent that
+    unpickles what it reads. False (nothing done) where this Python's forkserver is not the
+    one this is written for; workers then come from a fresh server, as usual."""
+    import socket
+    from multiprocessing import connection, forkserver
+    server = forkserver._forkserver
+    if not hasattr(server, "_forkserver_address") or hasattr(server, "_forkserver_authkey") \
+            or server._forkserver_pid is not None:
+        return False
+    inherited = server._forkserver_alive_fd    # a fork of a forkserver's child holds its server's
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:    # the server: it ends when this process (its only client) does
+            try:
+                os.close(alive_w)
+                for fd in (*close, *([inherited] if inherited is not None else [])):
+                    os.close(fd)
+                forkserver.main(listener.fileno(), alive_r, [])
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
 
 
 def worker_policy(policy: sandbox.Policy | None, device: str, timeout: float) -> sandbox.Policy:

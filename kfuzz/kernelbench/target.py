@@ -285,7 +285,8 @@ class KernelBenchTarget(Target):
         return super().shape_of(symbolic, dims)
 
 
-def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict") -> KernelBenchTarget:
+def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict",
+              solution: bool = True) -> KernelBenchTarget:
     """The pair as a target for kfuzz's gates (see the module docstring). Runs the reference to
     learn its contract; runs ``custom_code`` only when the kernel is first called.
     ``device`` is where the kernel is meant to run (gates pass it on each call)."""
@@ -299,6 +300,9 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
                                f"({type(e).__name__}: {str(e)[:300]})") from None
 
     def kernel(**inputs):
+        if not solution:
+            raise KernelBenchError(f"{pair.name}: this process is the oracle's; the solution runs only in "
+                                   f"a sandboxed worker (kfuzz.programs.Sandboxed)")
         model = bench.solution_model(bench.dims_of(inputs), next(iter(inputs.values())).device)
         with torch.no_grad():
             return outputs_of(model(*[inputs[n] for n in names]))
@@ -369,8 +373,11 @@ def nominal(target: KernelBenchTarget) -> dict[str, int]:
     return {n: d.hi for n, d in target.dims.items()}
 
 
-def resolve(name: str) -> Target:
-    """The target named ``kb:<corpus file>:<row>`` (how a sandboxed worker finds its pair)."""
+def resolve(name: str, weights: str = "strict", device: str = "cpu", standard: bool = False):
+    """The target named ``kb:<corpus file>:<row>`` (how a sandboxed worker finds its pair), with
+    ``weights`` as in ``as_target``. With ``standard``, only what the standard test needs
+    (``StandardOnly``: the pair, nothing run), so that a reference the adapter refuses still
+    gets its standard test."""
     from kfuzz.audit import read_row
     if not name.startswith(PREFIX) or ":" not in name[len(PREFIX):]:
         raise KernelBenchError(f"{name!r}: a KernelBench target is named kb:<corpus file>:<row>")
@@ -378,4 +385,19 @@ def resolve(name: str) -> Target:
     entry = read_row(path, row)
     if entry.pair is None:
         raise KernelBenchError(f"{name!r}: {entry.skip}")
-    return as_target(entry.pair)
+    if standard:
+        return StandardOnly(name, {"pair": entry.pair})
+    return as_target(entry.pair, device, weights)
+
+
+@dataclass(frozen=True)
+class StandardOnly:
+    """A KernelBench pair seen by a worker that runs only its standard test (the ``standard``
+    kernel program): a name and the pair, no contract."""
+
+    name: str
+    options: dict
+
+    @property
+    def kernel(self):
+        return None
