@@ -49,8 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _inv_unit_lower, handoff_dtype
+from gdn.chunk_fwd import BIG, GATE_FLOOR, SBIG, VECTOR_DECAY_MAX, _inv_unit_lower, handoff_dtype
 
+_FLOOR = tl.constexpr(GATE_FLOOR)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
@@ -114,9 +115,34 @@ def _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE: tl.constexpr):
 
 
 @triton.jit
-def _pair_decay(G, mask):
-    """exp(G_i - G_j) under a causal mask, 0 elsewhere (scalar gate)."""
-    return tl.exp(tl.where(mask, G[:, None] - G[None, :], float("-inf")))
+def _gate_sums(g, tok, rv, ih, H):
+    """A scalar gate's in-chunk prefix sums as the forward keeps them: gates clamped at
+    GATE_FLOOR, summed in float64, held as hi + lo fp32: (G, G lo, G_C, G_C lo).  The
+    differences G_i - G_j and G_C - G_i then keep their digits when the sums are large: an
+    fp32 running sum of gates ~ -100 a step (G ~ -1e3) put ~1e-4 relative errors in decay
+    factors, every gradient 5-14x the trusted reference's error (crashes/gdn_bwd/bound-dv).  Clamping
+    changes no fp32 decay (exp(-110) is 0) and keeps a huge finite gate from absorbing its
+    neighbours.  A scan here, not the forward's stored sums: loading those added spills to
+    the sequential kernels (sm_90 offline: _dstates 2248 -> 4168 stack bytes; this 2504)."""
+    rows = tl.arange(0, tok.shape[0])
+    b_g = tl.load(g + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
+    G64 = tl.cumsum(tl.maximum(b_g, _FLOOR).to(tl.float64), 0)
+    G = G64.to(tl.float32)
+    Gl = (G64 - G.to(tl.float64)).to(tl.float32)
+    last = rows == tok.shape[0] - 1
+    return G, Gl, tl.sum(tl.where(last, G, 0.), 0), tl.sum(tl.where(last, Gl, 0.), 0)
+
+
+@triton.jit
+def _pair_decay(G, Gl, mask):
+    """exp(G_i - G_j) under a causal mask, 0 elsewhere (scalar gate, sums as hi + lo)."""
+    return tl.exp(tl.where(mask, (G[:, None] - G[None, :]) + (Gl[:, None] - Gl[None, :]), float("-inf")))
+
+
+@triton.jit
+def _end_decay(G, Gl, GC, GCl):
+    """exp(G_C - G_i) (scalar gate, sums as hi + lo)."""
+    return tl.exp((GC - G) + (GCl - Gl))
 
 
 @triton.jit
@@ -151,8 +177,9 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
     if GATE == 1:
         G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
         bad += _outside(G[:, None], 3.0e38)
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         kb = b_k * (b_beta * tl.exp(G))[:, None]
-        araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, strict)
+        araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, strict)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
         bad += _outside(G, 3.0e38)
@@ -231,8 +258,8 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
             else:
                 b_u = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
             if GATE == 1:
-                G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
-                h = h * tl.exp(GC) + _mm(tl.trans(b_k * tl.exp(GC - G)[:, None]), b_u, F32, DT)
+                G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+                h = h * tl.exp(GC) + _mm(tl.trans(b_k * _end_decay(G, Gl, GC, GCl)[:, None]), b_u, F32, DT)
             elif GATE == 2:
                 G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
                 h = h * tl.exp(GC)[:, None] + _mm(tl.trans(b_k * tl.exp(GC[None, :] - G)), b_u, F32, DT)
@@ -326,10 +353,10 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
             b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
             b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
             if GATE == 1:
-                G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
-                p = _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, incl)
+                G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+                p = _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)
                 qg = b_q * tl.exp(G)[:, None]
-                ke = b_k * tl.exp(GC - G)[:, None]
+                ke = b_k * _end_decay(G, Gl, GC, GCl)[:, None]
                 decay = tl.exp(GC)
                 du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
                 dh = dh * decay
@@ -429,10 +456,10 @@ def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, cu, 
     dp = tl.where(incl, acc_dp, 0.)
     dG = tl.zeros([C], dtype=tl.float32)
     if GATE == 1:
-        G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         eG = tl.exp(G)
-        eE = tl.exp(GC - G)
-        E = _pair_decay(G, incl)
+        eE = _end_decay(G, Gl, GC, GCl)
+        E = _pair_decay(G, Gl, incl)
         p = _mm(b_q, tl.trans(b_k), F32, DT) * E
         dqk = dp * E
         dqs = acc_dqh * eG[:, None] + _mm(dqk, b_k, F32, DT)

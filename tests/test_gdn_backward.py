@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 from gdn.chunk_bwd import chunk_gdn_bwd  # noqa: E402
 from gdn.op import gdn_attention  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
+from gdn.reference import chunked  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -38,15 +39,16 @@ def make_inputs(B, T, H, K, V, gate, delta, dtype, *, cu=None, h0=True, seed=0):
                 do=low(do), dht=f32(dht))
 
 
-def oracle_grads(x, cu, delta):
-    """Float64 autograd through the oracle: the truth for every gradient."""
+def oracle_grads(x, cu, delta, fn=recurrence, dtype=torch.float64):
+    """Float64 autograd through the oracle: the truth for every gradient (or autograd through
+    another ``fn`` at ``dtype``)."""
     names = ("q", "k", "v", "g", "beta", "h0")
-    ins = {n: x[n].detach().double().requires_grad_() for n in names if x[n] is not None}
-    o, ht = recurrence(ins["q"], ins["k"], ins["v"], ins.get("g"), ins.get("beta"),
-                       initial_state=ins.get("h0"), cu_seqlens=cu, delta=delta)
-    loss = (o * x["do"].double()).sum()
+    ins = {n: x[n].detach().to(dtype).requires_grad_() for n in names if x[n] is not None}
+    o, ht = fn(ins["q"], ins["k"], ins["v"], ins.get("g"), ins.get("beta"),
+               initial_state=ins.get("h0"), cu_seqlens=cu, delta=delta)
+    loss = (o * x["do"].to(dtype)).sum()
     if x["dht"] is not None:
-        loss = loss + (ht * x["dht"].double()).sum()
+        loss = loss + (ht * x["dht"].to(dtype)).sum()
     grads = torch.autograd.grad(loss, list(ins.values()))
     got = dict(zip(ins, grads))
     return [got.get(n) for n in names]
@@ -186,11 +188,12 @@ def test_minus_inf_gate_chunk_everywhere():
                  [None if w is None else torch.nan_to_num(w) for w in want], 1e-4)
 
 
-def shifted_inputs(T, K, V, delta, shift, seed):
-    """Gate G02's shifted distribution (every input drawn as randn + shift), then the domain
-    rules of harnesses/gdn.py: at shift 5, |dk| ~1e4 while dg ~1 and g ~ -5 a step."""
+def g02_inputs(T, K, V, delta, seed, *, shift=0.0, factor=1.0):
+    """Gate G02's distributions (every input drawn as randn * factor + shift), then the domain
+    rules of harnesses/gdn.py.  Shift 5: |dk| ~1e4 while dg ~1, g ~ -5 a step; factor 100:
+    gates up to ~ -300 a step, so in-chunk gate sums reach ~ -1e4."""
     gen = torch.Generator().manual_seed(seed)
-    rn = lambda *s: torch.randn(*s, generator=gen) + shift  # noqa: E731
+    rn = lambda *s: torch.randn(*s, generator=gen) * factor + shift  # noqa: E731
     x = dict(q=rn(1, T, 1, K), k=torch.nn.functional.normalize(rn(1, T, 1, K), dim=-1),
              v=rn(1, T, 1, V), g=-torch.nn.functional.softplus(rn(1, T, 1)),
              beta=torch.sigmoid(rn(1, T, 1)) if delta else None, h0=rn(1, 1, K, V),
@@ -198,14 +201,32 @@ def shifted_inputs(T, K, V, delta, shift, seed):
     return {n: None if t is None else t.to(DEV) for n, t in x.items()}
 
 
-@pytest.mark.parametrize("delta", [True, False])
-def test_gate_gradient_does_not_cancel(delta):
-    """dg as the sum of the decay terms spanning each step (crashes/gdn_bwd/bound-dg): the
-    row-minus-column form was 1.9e-4 (delta) and 5.7e-6 (no delta) off here, this 2.2e-6 and
-    1.3e-6; the float32 autograd of the chunked reference (the bound's scale) ~1e-6."""
-    x = shifted_inputs(40, 16, 16, delta, 5.0, 1)
-    got = kernel_grads(x, None, delta, 16)
+def relative_errors(got, want):
+    return {n: ((a.double().cpu() - b.cpu()).norm() / b.norm()).item()
+            for n, a, b in zip(NAMES, got, want) if b is not None}
+
+
+# (name, inputs, chunk, gradients checked); the errors below are in units of the trusted one
+PRECISION = [
+    # dg from row sums minus column sums of the pair terms (crashes/gdn_bwd/bound-dg): 95x,
+    # 155x; that fixed, with fp32 in-chunk gate sums still: 1.1x, 18x
+    ("shifted-delta", dict(T=40, K=16, V=16, delta=True, seed=1, shift=5.0), 16, ("dg",)),
+    ("shifted", dict(T=40, K=16, V=16, delta=False, seed=1, shift=5.0), 16, ("dg",)),
+    # fp32 in-chunk gate sums (crashes/gdn_bwd/bound-dv): 10-14x (delta), 4.9-13x on every
+    # gradient but dh0
+    ("scaled-delta", dict(T=64, K=16, V=16, delta=True, seed=2, factor=100.0), 64, NAMES[:5]),
+    ("scaled", dict(T=64, K=16, V=16, delta=False, seed=2, factor=100.0), 64, NAMES[:4]),
+]
+
+
+@pytest.mark.parametrize("name,spec,chunk,checked", PRECISION, ids=[p[0] for p in PRECISION])
+def test_gradients_as_precise_as_the_trusted_reference(name, spec, chunk, checked):
+    """Within 3x the error of float32 autograd through gdn.reference.chunked (kfuzz's trusted
+    implementation, whose error x 32 is the gdn_bwd bound)."""
+    x = g02_inputs(**spec)
+    delta = spec["delta"]
     want = oracle_grads(x, None, delta)
-    err = ((got[3].double().cpu() - want[3].cpu()).norm() / want[3].norm()).item()
-    assert err < 4e-6, f"dg: normwise relative error {err:.2e}"
-    assert_close(got, want, 1e-4)
+    err = relative_errors(kernel_grads(x, None, delta, chunk), want)
+    trusted = relative_errors(oracle_grads(x, None, delta, chunked, torch.float32), want)
+    for n in checked:
+        assert err[n] <= 3 * trusted[n], f"{n}: {err[n]:.2e} vs trusted {trusted[n]:.2e}"
