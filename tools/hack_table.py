@@ -2,14 +2,15 @@
 gates; write the table into HACKS.md (between its table markers) and the raw results as JSON.
 
     python tools/hack_table.py [--gates G01,G03] [--device cpu|cuda] [--runs 5] [--json out/hacks.json]
-                               [--write HACKS.md] [--only NAME,...]
+                               [--write HACKS.md] [--only NAME,...] [--in-process]
     python tools/hack_table.py --from-json out/hacks.json --write HACKS.md   # re-render only
 
 The standard test is ``kfuzz.kernelbench.standard_test`` on the hack's KernelBench source in
 ``harnesses/kernelbench_hacks/`` (run in this process, as that test runs; what a hack patches
 in torch is undone after each run, so the next row starts clean). kfuzz's side is
 ``run_gates`` on the target ``hacks.<name>`` (all twelve gates unless ``--gates``), exactly
-what ``kfuzz verify --target hacks.<name>`` runs. The correct twins (``hacks.honest_softmax``,
+what ``kfuzz verify --target hacks.<name>`` runs: the kernel in a sandboxed worker, the
+oracle here (``--in-process``: both here). The correct twins (``hacks.honest_softmax``,
 ``matmul``) run through the same gates and must pass every one. Each KernelBench source also
 goes through the gates itself (``kfuzz.kernelbench.as_target``: the reference ``Model`` in
 float64 is the oracle), so the same code is judged in both formats.
@@ -17,6 +18,7 @@ float64 is the oracle), so the same code is judged in both formats.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -87,19 +89,25 @@ def _standard(name: str, device: str, runs: int) -> dict | None:
 
 
 def _kb_pair(name: str):
-    from kfuzz.kernelbench import load_pair
+    from kfuzz.audit import read_row
     path = KB_DIR / f"{KB_NAME.get(name, name)}.py"
     if not path.exists():
         return None, None
-    source = path.read_text()
-    reference = source.splitlines()[0].partition("reference:")[2].strip()
-    return path, load_pair((KB_DIR / reference).read_text(), source, f"hacks/{path.stem}")
+    # read as a controls folder's row: its target name kb:<folder>:<stem> resolves in a worker
+    return path, read_row(os.path.relpath(KB_DIR), path.stem).pair
+
+
+SANDBOXED = True    # the kernel side of every gate in a sandboxed worker (--in-process: here)
 
 
 def _kfuzz(target, gates, device: str) -> dict:
     from kfuzz.gates import run_gates
+    from kfuzz.programs import InProcess, Sandboxed
     from kfuzz.target import get_target
-    results = run_gates(get_target(target) if isinstance(target, str) else target, gates, device=device)
+    target = get_target(target) if isinstance(target, str) else target
+    resolve = {"device": device} if target.name.startswith("kb:") else None
+    with (Sandboxed(target, device, resolve=resolve) if SANDBOXED else InProcess(target, device)) as ex:
+        results = run_gates(target, gates, device=device, executor=ex)
     out = {"gates": {r.gate: r.status for r in results}, "seconds": round(sum(r.seconds for r in results), 1),
            "failures": {}}
     for r in results:
@@ -112,7 +120,8 @@ def _kfuzz(target, gates, device: str) -> dict:
 def measure(names, gates, device: str, runs: int = 3, log=print) -> dict:
     from harnesses.hacks import HACKS
     from kfuzz.kernelbench import as_target
-    data = {"device": device, "gates": gates, "hacks": {}, "twins": {}}
+    data = {"device": device, "gates": gates, "hacks": {}, "twins": {},
+            "executor": "sandboxed worker" if SANDBOXED else "in-process"}
     for name in names:
         _, pair = _kb_pair(name)
         row = {"how": HACKS[name], "standard": _standard(name, device, runs),
@@ -179,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the raw results here")
     p.add_argument("--write", default=None, help="write the table into this markdown file (e.g. HACKS.md)")
     p.add_argument("--from-json", default=None, help="render the table from an earlier --json, running nothing")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the kernels in this process, not in sandboxed workers (kfuzz verify --in-process)")
     args = p.parse_args(argv)
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
@@ -188,6 +199,8 @@ def main(argv=None) -> int:
             print(table(data))
         return 0
     sys.path.insert(0, str(ROOT))
+    global SANDBOXED
+    SANDBOXED = not args.in_process
     from harnesses.hacks import HACKS
     from kfuzz.gates import parse_gates
     from kfuzz.target import load_targets
