@@ -1,15 +1,19 @@
 """The GDN-family forward in Triton: `chunk_gdn_fwd`.
 
 Algorithm: the chunked form written out in `gdn.reference` (its docstring is
-the statement this file follows).  Up to four launches:
+the statement this file follows).  Up to five launches:
 
   0. `_gate_prefix_kernel` (gated members), one program per (chunk, head): the
      chunk-local prefix sums of the gates, stored fp32, and one flag per
      (chunk, head) that says whether the gates admit the matrix path.
-  1. `_prep_kernel` (delta members), one program per (chunk, head): builds
-     A = tril(beta k k^T * decay), its inverse T = (I + A)^-1 from 16x16 blocks,
-     w = T (beta Gamma k), u = T (beta v), and one flag per (chunk, head) that
-     says whether the chunk's k, v, beta admit the matrix path.
+  1. `_prep_inv_kernel` (delta members), one program per (chunk, head): builds
+     A = tril(beta k k^T * decay) and its inverse T = (I + A)^-1 from 16x16
+     blocks, stores T (fp32), and one flag per (chunk, head) that says whether
+     the chunk's k and beta admit the matrix path;
+  1b. `_prep_wu_kernel`, same grid: w = T (beta Gamma k), u = T (beta v) from
+     the stored T; the flag gains v's check.  (One fused launch spilled at 255
+     registers and took 1.40 ms on the H200 at B8 T4096 H16 K=V=128 bf16; the
+     two take 0.41 + 0.32 ms, the T round trip included.)
   2. `_state_kernel`, one program per (sequence, head, V tile), walks its
      sequence chunk by chunk with the state S [K, BV] in registers, fp32: stores
      the state entering each chunk and v_new = u - w S (delta), and marks the
@@ -58,9 +62,6 @@ GATE_FLOOR = -110.0     # exp(-110) == 0 in fp32: a clamped gate forgets exactly
 VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gate factoring
 BIG = 65536.0            # input magnitude above which a chunk runs the exact path
 SBIG = 1e30              # state magnitude above which a chunk runs the exact path
-# Bring-up switch, to be measured on a GPU and then removed: the WY prep as two launches
-# (A and T, then w and u) instead of one (see gdn/NOTES.md, "Offline resource reports").
-PREP_SPLIT = os.environ.get("GDN_FWD_PREP") == "split"
 SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact path only
 # The gated members' matrix path (prefix sums loaded from launch 0, see
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
@@ -193,9 +194,8 @@ def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.cons
 def _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H: tl.constexpr, K: tl.constexpr,
                       BK: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
                       BIG: tl.constexpr):
-    """A chunk's keys kt [BT, BK] fp32, beta, cumulative gates (G, Glo; zeros without a
-    gate), T = (I + A)^-1 with A = strict_lower(diag(beta) (K Gamma)(K / Gamma)^T), and
-    "k and beta admit the matrix path"."""
+    """A chunk's T = (I + A)^-1 with A = strict_lower(diag(beta) (K Gamma)(K / Gamma)^T),
+    and "k and beta admit the matrix path"."""
     rr = tl.arange(0, BT)
     rows = (bos + rr).to(tl.int64)
     rmask = rows < eos
@@ -216,7 +216,7 @@ def _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H: tl.constexpr, K: tl.co
     else:
         A = tl.dot(kt, tl.trans(kt), input_precision=PREC)
     A = tl.where(rr[:, None] > rr[None, :], A * bt[:, None], 0.0)
-    return kt, bt, G, _inv_unit_lower(A, BT, PREC), ok
+    return _inv_unit_lower(A, BT, PREC), ok
 
 
 @triton.jit
@@ -235,41 +235,15 @@ def _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H: tl.constexpr, V: tl.
 
 
 @triton.jit
-def _prep_kernel(k, v, gc, gcl, beta, w, u, flag, cb_ptr, ce_ptr, T, NT,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                 GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 BIG: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
-    kt, bt, G, Tm, ok = _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H, K, BK, BT, GATE, PREC, BIG)
-    rr = tl.arange(0, BT)
-    rows = (bos + rr).to(tl.int64)
-    rmask = rows < eos
-    dk = tl.arange(0, BK)
-    m2 = rmask[:, None] & (dk[None, :] < K)
-    if GATE == 1:
-        kg = kt * tl.exp(G)[:, None]
-    elif GATE == 2:
-        kg = kt * tl.exp(G)
-    else:
-        kg = kt
-    wt = tl.dot(Tm, kg * bt[:, None], input_precision=PREC)
-    tl.store(w + (rows[:, None] * H + i_h) * K + dk[None, :], wt.to(w.dtype.element_ty), mask=m2)
-    ok = _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H, V, BV, PREC, BIG)
-    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
-
-
-@triton.jit
 def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                      GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                      BIG: tl.constexpr):
-    """Split prep, part 1 (GDN_FWD_PREP=split): A and T = (I + A)^-1 of a chunk, T stored
+    """The WY prep, part 1: A and T = (I + A)^-1 of a chunk, T stored
     [BT rows, BT] fp32 in the chunk's rows; the flag covers k and beta."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
-    _, _, _, Tm, ok = _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H, K, BK, BT, GATE, PREC, BIG)
+    Tm, ok = _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H, K, BK, BT, GATE, PREC, BIG)
     rr = tl.arange(0, BT)
     rows = (bos + rr).to(tl.int64)
     rmask = rows < eos
@@ -283,7 +257,7 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                     BIG: tl.constexpr):
-    """Split prep, part 2: w = T (beta Gamma k), u = T (beta v) from the stored T; the flag
+    """The WY prep, part 2: w = T (beta Gamma k), u = T (beta v) from the stored T; the flag
     gains v's check."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
@@ -524,10 +498,6 @@ _state = triton.autotune(configs=_state_configs(),
                          prune_configs_by={"early_config_prune": _prune})(_state_kernel)
 
 
-def _prep_warps(BT, BK):
-    return 4 if BT * BK <= 64 * 64 else 8
-
-
 def _pow2(n):
     return max(16, triton.next_power_of_2(n))
 
@@ -608,16 +578,11 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         vn = torch.empty(B, T, H, V, dtype=inter, device=dev)
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         prep = dict(H=H, K=K, BK=BK, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None, PREC=prec, BIG=BIG)
-        if PREP_SPLIT:
-            tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
-            # warps from tools/kernel_resources.py: the fewest with no spill at the bench shape
-            _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, max(NT, 1),
-                                      num_warps=4, **prep)
-            _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
-                                     num_warps=8, **prep)
-        else:
-            _prep_kernel[(NC, H)](k, v, gc, gcl, beta, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
-                                  num_warps=_prep_warps(BT, BK), **prep)
+        tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
+        # warps from tools/kernel_resources.py: the fewest with no spill at the bench shape
+        _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, max(NT, 1), num_warps=4, **prep)
+        _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
+                                 num_warps=8, **prep)
     else:
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)

@@ -61,22 +61,19 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
     common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
                   IS_VARLEN=False, PREC="tf32", BIG=65536.0)
     scal = {"T": "i32", "NT": "i32"}
-    prep_sig = {**_ptrs(["k", "v", "beta", "w", "u"], "*bf16"), **_ptrs(["gc", "gcl"], "*fp32"),
-                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], "*bf16"),
                  **_ptrs(["g", "gc", "gcl", "h0", "hT"], "*fp32"),
                  **_ptrs(["gflag", "flag", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], "*bf16"), **_ptrs(["g", "gc", "gcl"], "*fp32"),
                "xflag": "*i8", **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal}
     dt = dict(DELTA=delta, MODE=0)
-    yield ("fwd _prep_kernel", cf._prep_kernel, prep_sig, dict(common, V=V, BV=64), cf._prep_warps(BT, 128), 1)
     inv_sig = {**_ptrs(["k", "beta"], "*bf16"), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], "*bf16"), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
-    yield ("fwd _prep_inv_kernel (GDN_FWD_PREP=split)", cf._prep_inv_kernel, inv_sig, split, 4, 1)
-    yield ("fwd _prep_wu_kernel (GDN_FWD_PREP=split)", cf._prep_wu_kernel, wu_sig, dict(split, V=V, BV=64), 8, 1)
+    yield ("fwd _prep_inv_kernel", cf._prep_inv_kernel, inv_sig, split, 4, 1)
+    yield ("fwd _prep_wu_kernel", cf._prep_wu_kernel, wu_sig, dict(split, V=V, BV=64), 8, 1)
     yield ("fwd _state_kernel", cf._state_kernel, state_sig,
            dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2)
     yield ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1)
