@@ -270,16 +270,17 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
 @triton.jit
 def _exact_step(S, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE: tl.constexpr,
                 DELTA: tl.constexpr):
-    """One step of the recurrence on a [BK, BV] block of S, as gdn.oracle writes it."""
+    """One step of the recurrence on a [BK, BV] block of S, as gdn.oracle writes it, in S's
+    precision (fp32 in the sequential kernels, float64 in _exact)."""
     tt = (t * H + ih).to(tl.int64)
-    b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float32)
-    b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(tl.float32)
+    b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(S.dtype)
+    b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(S.dtype)
     if GATE == 1:
-        S = tl.exp(tl.load(g + tt).to(tl.float32)) * S
+        S = tl.exp(tl.load(g + tt).to(S.dtype)) * S
     elif GATE == 2:
-        S = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float32))[:, None] * S
+        S = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(S.dtype))[:, None] * S
     if DELTA:
-        bk = tl.load(beta + tt).to(tl.float32) * b_k
+        bk = tl.load(beta + tt).to(S.dtype) * b_k
         x = tl.sum(b_k[:, None] * S, 0)
         S = S - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :]
     else:
@@ -538,11 +539,13 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
            scale, T, H, K, V, NV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Step-by-step gradients of a flagged chunk: autograd of gdn.oracle's step,
-    op for op.  The state before each step is recomputed from the chunk's entry
-    state (quadratic in C, but only special-value chunks come here)."""
+    op for op, in float64 as the oracle computes, each gradient rounded once when stored.
+    (In fp32, dbeta k = dS v - dS x overflowed at near-max q where the oracle's dk, 1e38,
+    is finite: crashes/gdn_bwd/nonfinite-dk.)  The state before each step is recomputed
+    from the chunk's entry state (quadratic in C, but only special-value chunks come here)."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
-    cv0 = tl.arange(0, BV)
+    cv0 = tl.arange(0, BV)   # NV (the sequential kernels' V tiles) <= 16 <= BV
     fl = tl.load(hflag + (cid * H + ih) * NV + cv0, mask=cv0 < NV, other=0)
     fl += tl.load(dflag + (cid * H + ih) * NV + cv0, mask=cv0 < NV, other=0)
     bad = tl.load(flag + cid * H + ih) + tl.sum(fl, 0)
@@ -557,19 +560,19 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
         mk = ck < K
         mqk = rv[:, None] & mk[None, :]
         tq = tok[:, None].to(tl.int64) * H + ih
-        acc_dq = tl.zeros([C, BK], dtype=tl.float32)
-        acc_dk = tl.zeros([C, BK], dtype=tl.float32)
-        acc_dgv = tl.zeros([C, BK], dtype=tl.float32)
-        acc_dg = tl.zeros([C], dtype=tl.float32)
-        acc_db = tl.zeros([C], dtype=tl.float32)
+        acc_dq = tl.zeros([C, BK], dtype=tl.float64)
+        acc_dk = tl.zeros([C, BK], dtype=tl.float64)
+        acc_dgv = tl.zeros([C, BK], dtype=tl.float64)
+        acc_dg = tl.zeros([C], dtype=tl.float64)
+        acc_db = tl.zeros([C], dtype=tl.float64)
         hbase = (cid * H + ih).to(tl.int64) * K * V
-        for iv in range(0, NV):
+        for iv in range(0, tl.cdiv(V, BV)):
             cv = iv * BV + tl.arange(0, BV)
             mv = cv < V
             mkv = mk[:, None] & mv[None, :]
             offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
-            h = tl.load(hs + hbase + offkv, mask=mkv, other=0.).to(tl.float32)
-            dS = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(tl.float32)
+            h = tl.load(hs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
+            dS = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
             for s in range(0, te - t0):
                 t = te - 1 - s
                 r = t - t0
@@ -577,20 +580,20 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
                 for u in range(t0, t):
                     S = _exact_step(S, k, v, g, beta, u, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
                 tt = (t * H + ih).to(tl.int64)
-                b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float32)
-                b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(tl.float32)
-                b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float32) * scale
-                b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float32)
+                b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float64)
+                b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(tl.float64)
+                b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float64) * scale
+                b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float64)
                 if GATE == 1:
-                    a = tl.exp(tl.load(g + tt).to(tl.float32))
+                    a = tl.exp(tl.load(g + tt).to(tl.float64))
                     S1 = a * S
                 elif GATE == 2:
-                    av = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float32))
+                    av = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float64))
                     S1 = av[:, None] * S
                 else:
                     S1 = S
                 if DELTA:
-                    bt = tl.load(beta + tt).to(tl.float32)
+                    bt = tl.load(beta + tt).to(tl.float64)
                     bk = bt * b_k
                     x = tl.sum(b_k[:, None] * S1, 0)
                     S2 = S1 - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :]
@@ -750,5 +753,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     **dict(common, BV=min(LAUNCH["grads_bv"], BV)))
     _exact[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                     dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
-                    cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps, **common)
+                    cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,
+                    # float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
+                    # BK 128: 1512 bytes at BV 16, 14504 at 64; fp32 at 64 was 6760)
+                    **dict(common, BV=min(BV, max(16, 2048 // BK))))
     return dq, dk, dv, dg, dbeta, dh0
