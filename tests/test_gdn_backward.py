@@ -189,6 +189,18 @@ def test_exact_path_over_several_value_tiles():
     assert_close(got, want, 1e-6)
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="a GPU compile question: 16-wide float64 tiles at wide keys")
+@pytest.mark.parametrize("K,V", [(184, 64), (256, 16), (128, 128)])
+def test_exact_path_wide_keys_on_gpu(K, V):
+    x = make_inputs(1, 64, 1, K, V, 1, True, torch.float32)
+    x["v"] = x["v"].clone()
+    x["v"][0, 21, 0, 3] = 1e6
+    got = kernel_grads(x, None, True, 16)
+    want = oracle_grads(x, None, True)
+    assert_same_specials(got, want)
+    assert_close(got, want, 1e-4)
+
+
 def test_minus_inf_gate_chunk_everywhere():
     """A whole sequence of -inf scalar gates: every step forgets exactly."""
     x = make_inputs(1, 20, 1, 16, 16, 1, True, torch.float32)
