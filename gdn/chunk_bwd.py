@@ -19,8 +19,8 @@ chunk by chunk (C tokens), in five launches.
    from h_c, its end-state gradient, U and dU: dq, dk, dv, dbeta, dg.
 5. ``_exact``  (chunks in parallel)  rewrites the gradients of flagged chunks
    with the step-by-step recurrence, the same operations as gdn.oracle in the
-   same order, so the NaN/Inf pattern of a special value is the one float64
-   autograd through the oracle gives.  Kernels 2 and 3 take the same exact
+   same order and in float64, so the NaN/Inf pattern of a special value is the
+   one float64 autograd through the oracle gives.  Kernels 2 and 3 take the same exact
    step path inside flagged chunks, and for any chunk whose incoming state or
    state gradient is not finite.
 
@@ -29,8 +29,9 @@ kernels split V across programs.  No atomics: every output element is written
 by exactly one program, so results are bitwise reproducible.
 
 Chunk algebra (one chunk, G the in-chunk cumulative log gate, scale folded
-into q; for the scalar gate the pair factors exp(G_i - G_j) are formed
-elementwise under the causal mask, so nothing overflows):
+into q; for the scalar gate G is a float64 sum kept as hi + lo fp32, the pair
+factors exp(G_i - G_j) are formed elementwise under the causal mask, so nothing
+overflows, and dg_t sums the decay terms spanning step t, see ``_gate_grad``):
 
     A = strict_lower(diag(beta) (K_g K_n^T)),  T = (I + A)^-1
     U = T diag(beta) V - T diag(beta) K_g h     (U = V without delta)
