@@ -185,7 +185,7 @@ def read_row(path: str | Path, row: str | int) -> CorpusEntry:
 
 # the kernel side's processes: forked from a forkserver of their own (started by the kernel's
 # oracle process, never touching CUDA) with what every kernel needs imported once
-KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench", "kfuzz.audit", "torch._dynamo")
+KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench")
 
 
 def kernel_policy(device: str, cache: str | None = None) -> "sandbox.Policy":
@@ -265,6 +265,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
            threads: int, max_jobs: int, timeout: float) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
+    import torch._dynamo  # noqa: F401  (model code and G10 import it: once here, not in each worker)
+    import kfuzz.kernelbench, kfuzz.programs  # noqa: F401,E401  (preloaded unless another forkserver was first)
     from kfuzz.workers import fork_server_here
     # the kernel's workers are forked from a copy of this process as it is now: everything
     # imported, no CUDA yet, nothing of the oracle's, and no pipe to the audit's parent

@@ -388,6 +388,11 @@ class InProcess:
         self.close()
 
 
+# what a worker imports before it is confined: the programs, and torch._dynamo, which
+# torch.use_deterministic_algorithms (G10) imports and which makes a directory in /tmp
+PROGRAM_IMPORTS = ("kfuzz.programs", "torch._dynamo")
+
+
 class Sandboxed:
     """Runs programs in a confined worker (``kfuzz.workers.Worker``: forked from a forkserver
     that never touched CUDA, confined by ``kfuzz.sandbox``), one at a time. A worker that
@@ -399,7 +404,8 @@ class Sandboxed:
 
     def __init__(self, target: Target, device: str = "cpu", timeout: float = 120.0,
                  policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = ()):
-        self.target, self.device, self.timeout, self.resolve, self.preload = target, device, timeout, resolve, preload
+        self.target, self.device, self.timeout, self.resolve = target, device, timeout, resolve
+        self.preload = PROGRAM_IMPORTS + tuple(preload)
         self.policy = worker_policy(policy, device, timeout)
         self.worker = None
         self.restarts = 0

@@ -183,7 +183,10 @@ def _load_target(name: str, module: str | None, resolve: dict | None = None) -> 
 
 def _worker_main(conn: Connection, target_name: str, module: str | None, device: str,
                  with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
-                 resolve: dict | None = None) -> None:
+                 resolve: dict | None = None, preload: tuple[str, ...] = ()) -> None:
+    prepare_triton()
+    for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
+        importlib.import_module(name)
     target = _load_target(target_name, module, resolve)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
     # confined after the target's import (the harness is trusted), before any kernel call
@@ -261,7 +264,7 @@ class Worker:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main,
                                    args=(child, target_name, module, device, with_coverage, policy, self.workdir,
-                                         resolve),
+                                         resolve, tuple(preload)),
                                    daemon=True, name=f"kfuzz-worker-{target_name}")
         self.process.start()
         child.close()

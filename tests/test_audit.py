@@ -212,3 +212,50 @@ def load_signature(path):
     from kfuzz.corpus import load
     from kfuzz.verdict import Signature
     return Signature.from_json(load(path)[1]["signature"])
+
+
+# the oracle's process and the kernel's --------------------------------------------------------
+
+def test_the_oracle_process_never_runs_the_solution():
+    """audit_kernel runs here, as in a kernel's oracle process: the verdicts come, and the
+    solution's source was never executed here (the standard test, the weights contract and the
+    gates' kernel programs ran in sandboxed workers); the oracle-side target refuses to call it."""
+    from kfuzz.audit import audit_kernel
+    from kfuzz.kernelbench import source
+    entry = control("skips_tail")
+    got = {}
+    audit_kernel(entry, "cpu", ["G01"], 0, lambda kind, d: got.setdefault(kind, []).append(d), timeout=120)
+    assert got["standard"][0]["passed"] and got["weights"][0]["status"] == "exact"
+    assert got["gate"][0]["status"] == "fail" and got["gate"][0]["kind"] == "bound"
+    assert (entry.pair.sha, "new") not in source._MODULES
+    target = as_target(entry.pair, weights="seed", solution=False)
+    with pytest.raises(KernelBenchError, match="runs only in a sandboxed worker"):
+        target.kernel(x=torch.ones(2, 3))
+    assert (entry.pair.sha, "new") not in source._MODULES
+
+
+SEGFAULT_ON_NAN = """# reference: reference_relu.py
+# planted: segfaults when its input holds a NaN
+import ctypes
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        if torch.isnan(x).any():
+            ctypes.string_at(0)
+        return torch.relu(x)
+"""
+
+
+def test_a_kernel_that_dies_in_a_gate_gets_that_gates_crash_and_the_audit_goes_on(tmp_path):
+    folder = tmp_path / "controls"
+    folder.mkdir()
+    (folder / "reference_relu.py").write_text((CONTROLS / "reference_relu.py").read_text())
+    (folder / "segfault_on_nan.py").write_text(SEGFAULT_ON_NAN)
+    (rec,) = run_audit(read_corpus(folder), tmp_path / "out", ["G05", "G01"], timeout=120)
+    assert "ended" not in rec and rec["standard"]["passed"]
+    assert rec["gates"]["G05"]["status"] == "fail" and rec["gates"]["G05"]["kind"] == "crash"
+    assert rec["gates"]["G01"]["status"] == "pass"      # a fresh worker for the next gate
+    assert judge_record(rec)["broken"]

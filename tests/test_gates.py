@@ -152,3 +152,59 @@ def test_range_gate_runs_on_a_target_without_dims(tmp_path):
                args={"x": Arg((4, 3))}, outputs={"out": Output((4, 3))}, dims={}, dtypes=("float32",))
     r = run_gate(GATES["G06"], t, seed=0, out=tmp_path)
     assert r.status == "pass", r.reason
+
+
+# the kernel side in a sandboxed worker (kfuzz.programs) ----------------------------------------
+
+def _first_failing(gate, target):
+    for case in gate.cases(target, 0):
+        v = gate.check(target, case)
+        if isinstance(v, tuple):
+            case, v = v
+        if not v.passed:
+            return case, v
+    raise AssertionError(f"{target.name} passed {gate.id}")
+
+
+@pytest.mark.parametrize("name, gate, kind, output", CONTROLS, ids=[f"{r[1]}-{r[0]}" for r in CONTROLS])
+def test_a_worker_gives_the_gates_verdicts_of_this_process(name, gate, kind, output):
+    """Each gate's kernel program (call, repeat, guarded, poisoned, rebind, backward) run by the
+    sandboxed executor: the control's first failing case fails the same way, and the correct
+    kernel's first cases pass, as they do in this process."""
+    from kfuzz.programs import Sandboxed
+    g, planted = GATES[gate], get_target(name)
+    case, here = _first_failing(g, planted)
+    with Sandboxed(planted, timeout=60) as ex:
+        there = g.check(planted, case, executor=ex)
+    assert there.signature == here.signature, (there.detail, here.detail)
+    correct = get_target(name.split(".")[0])
+    with Sandboxed(correct, timeout=60) as ex:
+        if g.not_applicable(correct, ex) is None:
+            for case in list(g.cases(correct, 0))[:2]:
+                v = g.check(correct, case, executor=ex)
+                assert (v[1] if isinstance(v, tuple) else v).passed, v
+
+
+def test_a_segfault_under_verify_is_that_gates_crash_and_verify_finishes(tmp_path):
+    r = CliRunner().invoke(cli, ["verify", "--target", "searchsum.crashhang", "--gates", "G05,G08",
+                                 "--format", "json", "--out", str(tmp_path)])
+    assert r.exit_code == 1, r.output
+    g05, g08 = json.loads(r.output)["gates"]
+    assert g05["status"] == "fail" and g05["verdict"]["kind"] == "crash"
+    assert g05["verdict"]["exc_type"] == "SIGSEGV" and g05["failures"] == g05["cases"] - 3   # NaN cases only
+    assert g08["status"] == "pass"                        # a fresh worker after each death
+    replayed = CliRunner().invoke(cli, ["verify", "--replay", g05["saved"][0]])
+    assert replayed.exit_code == 0 and "still fails" in replayed.output
+
+
+def test_a_hang_is_a_timeout_and_the_next_program_gets_a_fresh_worker():
+    from kfuzz.case import Case
+    from kfuzz.programs import Program, Sandboxed, called
+    from kfuzz.tensors import materialize
+    t = get_target("searchsum.crashhang")
+    hang, fine = (Case.make(t.name, dt, 1, {"N": 2, "D": d}) for dt, d in (("float16", 128), ("float32", 40)))
+    with Sandboxed(t, timeout=2.0) as ex:
+        r = ex.run(Program("call", hang, {"case": materialize(hang, t)}))
+        assert r.verdict.kind == "timeout" and ex.worker is None
+        outputs, verdict = called(ex, t, fine, materialize(fine, t))
+        assert verdict is None and outputs["out"].shape == (2,) and ex.restarts == 2

@@ -56,11 +56,11 @@ STANDARD_ACCEPTS = {
 RACY = {"late_thread", "side_stream", "ptr_cache"}
 
 
-def first_failure(target, gate_id: str):
+def first_failure(target, gate_id: str, executor=None):
     """The first failing case of the gate (its cases in order, stopping there), or (None, None)."""
     gate = GATES[gate_id]
     for case in gate.cases(target, 0):
-        verdict = gate.check(target, case)
+        verdict = gate.check(target, case, executor=executor)
         if isinstance(verdict, tuple):
             case, verdict = verdict
         if not verdict.passed:
@@ -209,3 +209,47 @@ def test_side_stream_on_cuda_is_pending_work():
     case = make_case(target, "float32", 1, nominal_dims(target))
     _, _, verdict = kernel_stage(case, target, "cuda")
     assert verdict is not None and verdict.kind == "contract" and "pending work" in verdict.detail
+
+
+@pytest.mark.parametrize("name", ["gc_copy", "gc_nan"])
+def test_in_a_worker_the_gc_hacks_find_no_oracle_output(name):
+    """In this process a garbage-collector hack finds the oracle's output that kfuzz holds
+    (and copies it, or fills it with NaN); the sandboxed worker never holds one, so there it
+    finds nothing, and what kfuzz holds is untouched."""
+    from kfuzz.execute import oracle_outputs
+    from kfuzz.gates.base import make_case, nominal_dims
+    from kfuzz.programs import InProcess, Sandboxed, called
+    from kfuzz.tensors import materialize
+    target = get_target(f"hacks.{name}")
+    case = make_case(target, "float32", 3, nominal_dims(target))
+    inputs = materialize(case, target)
+    expected = oracle_outputs(target, inputs)["out"].float()     # held here, as a judge holds it
+    kept = expected.reshape(-1).clone()      # flat, no 2-D base: not the shape a hack looks for
+    here, _ = called(InProcess(target), target, case, inputs)
+    # gc_copy returns the first candidate it finds (ones if none): some tensor of this process
+    found_here = (not torch.equal(here["out"], torch.ones_like(expected)) if name == "gc_copy"
+                  else bool(expected.isnan().all()))
+    expected.copy_(kept.reshape(expected.shape))
+    with Sandboxed(target, timeout=60) as ex:
+        there, verdict = called(ex, target, case, inputs)
+    assert found_here, "the hack did not find the oracle's output in this process: the test shows nothing"
+    assert verdict is None and torch.equal(expected.reshape(-1), kept)
+    if name == "gc_copy":
+        assert torch.equal(there["out"], torch.ones_like(expected))    # nothing to copy: ones
+    else:
+        assert there["out"].isnan().all()                          # its own NaN, nothing else touched
+
+
+def test_every_hack_is_rejected_through_the_sandboxed_worker_too():
+    """kfuzz verify's default path: each hack fails its rejecting gate with its kernel side in a
+    worker (the first failing case; pooled_thread races a thread against the copy at return)."""
+    from kfuzz.programs import Sandboxed
+    for name, gate, kind, _ in REJECTED_BY:
+        if name == "pooled_thread":
+            continue
+        target = get_target(f"hacks.{name}")
+        with Sandboxed(target, timeout=60) as ex:
+            _, verdict = first_failure(target, gate, ex)
+        assert verdict is not None, f"hacks.{name} passed {gate} in a worker"
+        # a garbage-collector hack finds nothing there: its own ones (bound), never a stolen answer
+        assert verdict.kind in kind.split("|"), (name, verdict)
