@@ -536,6 +536,14 @@ def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, cu, 
 
 
 @triton.jit
+def _rounded(x, out):
+    """A float64 gradient in ``out``'s dtype, through fp32: Triton 3.9's interpreter turns
+    float64 into bf16 wrongly (kfuzz G02 on gdn_bwd_kda: inf and 2x-off dq), and fp32 holds
+    every bf16/fp16 value and overflow the same way."""
+    return x.to(tl.float32).to(out.dtype.element_ty)
+
+
+@triton.jit
 def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab,
            scale, T, H, K, V, NV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -623,15 +631,15 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
                     dS = dS1
                 acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)
                 acc_dk += tl.where(rows[:, None] == r, dkt[None, :], 0.)
-                tl.store(dv + tt * V + cv, dvt.to(dv.dtype.element_ty), mask=mv)
-        tl.store(dq + tq * K + ck[None, :], (acc_dq * scale).to(dq.dtype.element_ty), mask=mqk)
-        tl.store(dk + tq * K + ck[None, :], acc_dk.to(dk.dtype.element_ty), mask=mqk)
+                tl.store(dv + tt * V + cv, _rounded(dvt, dv), mask=mv)
+        tl.store(dq + tq * K + ck[None, :], _rounded(acc_dq * scale, dq), mask=mqk)
+        tl.store(dk + tq * K + ck[None, :], _rounded(acc_dk, dk), mask=mqk)
         if GATE == 1:
-            tl.store(dg + tok.to(tl.int64) * H + ih, acc_dg.to(dg.dtype.element_ty), mask=rv)
+            tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg, dg), mask=rv)
         elif GATE == 2:
-            tl.store(dg + tq * K + ck[None, :], acc_dgv.to(dg.dtype.element_ty), mask=mqk)
+            tl.store(dg + tq * K + ck[None, :], _rounded(acc_dgv, dg), mask=mqk)
         if DELTA:
-            tl.store(dbeta + tok.to(tl.int64) * H + ih, acc_db.to(dbeta.dtype.element_ty), mask=rv)
+            tl.store(dbeta + tok.to(tl.int64) * H + ih, _rounded(acc_db, dbeta), mask=rv)
 
 
 def _pow2(x: int) -> int:

@@ -177,16 +177,17 @@ def test_special_values_reach_exactly_the_oracle_gradients(name, value, gate, de
     assert_same_specials(got, want)
 
 
-def test_exact_path_over_several_value_tiles():
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_exact_path_over_several_value_tiles(dtype, tol):
     """A flagged chunk's gradients (the float64 step path, BK 64: two 32-wide V tiles) match
-    the oracle's values, not only its NaN/Inf pattern."""
-    x = make_inputs(1, 37, 1, 64, 64, 1, True, torch.float32)
+    the oracle's values, not only its NaN/Inf pattern, and reach bf16 outputs rounded right."""
+    x = make_inputs(1, 37, 1, 64, 64, 1, True, dtype)
     x["v"] = x["v"].clone()
     x["v"][0, 21, 0, 3] = 1e6   # over BIG: the exact path for the chunk of token 21
     got = kernel_grads(x, None, True, 16)
     want = oracle_grads(x, None, True)
     assert_same_specials(got, want)
-    assert_close(got, want, 1e-6)
+    assert_close(got, want, tol)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="a GPU compile question: 16-wide float64 tiles at wide keys")
