@@ -10,10 +10,15 @@ A corpus is a file or folder of KernelBench pairs (``read_corpus``):
 - a folder of controls: ``*.py`` solutions whose header names their reference
   (``# reference: <file>``) and the planted bug (``# planted: <bug>`` or ``none``).
 
-Every kernel runs in its own sandboxed process (forked from a forkserver that
-never touches CUDA): the standard test, the weights contract, then each gate;
-the process streams each result as it ends, so a crash or hang (killed after
-``timeout`` seconds) costs only what was left, and becomes the verdict. CUDA
+Every kernel gets its own process, forked from a forkserver that never touches
+CUDA: the oracle's side, which never runs the solution's source. It runs the
+standard test in a sandboxed worker (reference and solution in one process, as the
+accepting harness ran them), then the weights contract and each gate with their
+kernel programs in a second worker (``kfuzz.programs.Sandboxed``: the oracle and its
+outputs stay in the oracle's process) and streams each result as it ends. A worker
+that dies in a gate is that case's ``crash`` and the gates go on; the kernel's
+processes are one process group, killed after ``timeout`` seconds (what finished is
+kept) or once its record is written. CUDA
 extensions built by ``load_inline`` go to ``TORCH_EXTENSIONS_DIR`` =
 ``<cache>/<hash of the solution's source>``, so a rerun never rebuilds one and
 kernels with the same extension name never collide; ``jobs`` processes build at

@@ -28,8 +28,12 @@ The call contract, checked on every call:
   unchanged (``mutation``).
 
 The tripwires behind the hooks, threads, overlap and namespace checks are in
-``kfuzz.contract``. This module does not isolate the kernel: a kernel that
-segfaults takes the process down. Sandboxed workers are the engines' concern.
+``kfuzz.contract``. This module does not isolate the kernel: ``kernel_stage`` and
+``call_kernel`` are the kernel's side, which ``kfuzz.workers`` (campaigns) and
+``kfuzz.programs.Sandboxed`` (the gates, ``kfuzz verify``, the audit) run in a
+sandboxed worker; ``judge`` and the oracle's functions are kfuzz's side. Called
+directly (``execute``), both run in this process, and a kernel that segfaults takes
+it down.
 """
 from __future__ import annotations
 

@@ -35,6 +35,12 @@ a fresh worker:
 ``InProcess`` runs the same kernel half in kfuzz's own process, without any of
 this protection; it is for trusted kernels and measurements.
 
+The same worker also runs the gates' kernel programs (``kfuzz.programs``: several calls
+on inputs kfuzz sent, the results sent back for kfuzz to judge), one at a time, for
+``kfuzz.programs.Sandboxed``. ``fork_server_here`` lets a short-lived process that
+starts workers (an audited kernel's oracle process) fork its forkserver from itself
+instead of importing torch again.
+
 Harness coverage: on request a worker records the line-to-line edges it
 executes in the target's own source file (the kernel, its launcher and, under
 the Triton interpreter, the Triton kernel body), as stable integer ids. Engines
