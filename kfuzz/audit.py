@@ -270,20 +270,22 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
            threads: int, max_jobs: int, timeout: float) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
+    if cache and entry.pair is not None:
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
+        # made now: a worker may write only beneath directories that exist when it is confined
+        os.makedirs(os.environ["TORCH_EXTENSIONS_DIR"], exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", str(max_jobs))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import warnings
+    import torch
     import torch._dynamo  # noqa: F401  (model code and G10 import it: once here, not in each worker)
     import kfuzz.kernelbench, kfuzz.programs  # noqa: F401,E401  (preloaded unless another forkserver was first)
     from kfuzz.workers import fork_server_here
-    # the kernel's workers are forked from a copy of this process as it is now: everything
-    # imported, no CUDA yet, nothing of the oracle's, and no pipe to the audit's parent
-    fork_server_here(close=(conn.fileno(),))
-    if cache and entry.pair is not None:
-        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
-    os.environ.setdefault("MAX_JOBS", str(max_jobs))
-    os.environ["OMP_NUM_THREADS"] = str(threads)     # the workers' torch reads it at import
-    import warnings
-    import torch
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")     # the kernels' own warnings are not the audit's output
+    # the kernel's workers are forked from a copy of this process as it is now (all of the above
+    # set): everything imported, no CUDA yet, nothing of the oracle's, no pipe to the audit's parent
+    fork_server_here(close=(conn.fileno(),))
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
                      os.environ.get("TORCH_EXTENSIONS_DIR"))

@@ -275,12 +275,18 @@ def sendable(outputs: dict[str, Tensors]) -> dict[str, Tensors]:
 
 # judging what came back, in kfuzz's process -------------------------------------------------------
 
+def malformed(target_name: str, detail: str) -> Verdict:
+    """The verdict on an answer that cannot be an honest one (an honest kernel side reports a
+    contract failure itself): a kernel that reached its worker's pipe."""
+    return Verdict(target_name, "crash", exc_type="malformed-answer", detail=detail[:2000])
+
+
 def changed_input(target_name: str, sent: Tensors, after: Tensors) -> Verdict | None:
     """``mutation`` if an input (or the storage around it) differs from what kfuzz sent."""
     for name, t in sent.items():
         a = after.get(name)
         if a is None:
-            return Verdict(target_name, "mutation", output=name, detail=f"input {name!r} did not come back")
+            return malformed(target_name, f"input {name!r} did not come back from the kernel side")
         if geometry(a) == geometry(t) and a.untyped_storage().nbytes() == t.untyped_storage().nbytes():
             same = torch.equal(_storage_bytes(a).cpu(), _storage_bytes(t).cpu())
         else:    # a copy of another layout (a grad-enabled leaf): its values bit for bit
@@ -289,12 +295,6 @@ def changed_input(target_name: str, sent: Tensors, after: Tensors) -> Verdict | 
             return Verdict(target_name, "mutation", output=name,
                            detail=f"input {name!r} (or the storage around it) changed during the call")
     return None
-
-
-def malformed(target_name: str, detail: str) -> Verdict:
-    """The verdict on an answer that cannot be an honest one (an honest kernel side reports a
-    contract failure itself): a kernel that reached its worker's pipe."""
-    return Verdict(target_name, "crash", exc_type="malformed-answer", detail=detail[:2000])
 
 
 def outputs_of(result: ProgramResult, target: Target, case: Case, role: str) -> Tensors | Verdict:
@@ -408,7 +408,7 @@ class Sandboxed:
         self.preload = PROGRAM_IMPORTS + tuple(preload)
         self.policy = worker_policy(policy, device, timeout)
         self.worker = None
-        self.restarts = 0
+        self.spawned = 0          # workers started (the first, then one after each death or hang)
 
     def _spawn(self):
         return Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device, False,
@@ -429,7 +429,7 @@ class Sandboxed:
     def run(self, program: Program) -> ProgramResult:
         if self.worker is None:
             self.worker = self._spawn()
-            self.restarts += 1
+            self.spawned += 1
         layouts, tensors = [], []
         for role, ts in program.inputs.items():
             for arg, t in ts.items():

@@ -41,25 +41,20 @@ on inputs kfuzz sent, the results sent back for kfuzz to judge), one at a time, 
 starts workers (an audited kernel's oracle process) fork its forkserver from itself
 instead of importing torch again.
 
-Harness coverage: on request a worker records the line-to-line edges it
-executes in the target's own source file (the kernel, its launcher and, under
-the Triton interpreter, the Triton kernel body), as stable integer ids. Engines
-use it as feedback; torch itself is not traced.
+Harness coverage (``kfuzz.coverage``): on request a worker records the edges it
+executes in the target's own source file, as engines' feedback.
 """
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import multiprocessing
 import os
 import resource
 import shutil
-import sys
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from queue import Queue
@@ -69,6 +64,7 @@ import torch
 
 from kfuzz import sandbox
 from kfuzz.case import Case
+from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.errors import KfuzzError
 from kfuzz.execute import kernel_stage, raising_frame
 from kfuzz.target import Target, get_target, prepare_triton
@@ -94,50 +90,6 @@ class KernelResult:
     coverage: frozenset[int] = frozenset()
     seconds: float = 0.0
     inputs: dict[str, torch.Tensor] | None = None   # kfuzz's own copy, for the judge
-
-
-# harness coverage -------------------------------------------------------------------------
-
-def harness_files(target: Target) -> set[str]:
-    """The source files whose lines count as the target's coverage."""
-    files = set()
-    for fn in (target.kernel, target.reference):
-        try:
-            files.add(inspect.getsourcefile(fn) or "")
-        except TypeError:
-            continue
-    files.discard("")
-    return {os.path.realpath(f) for f in files} | files
-
-
-class HarnessCoverage:
-    """Line-to-line edges executed in ``files``, as ids stable across processes."""
-
-    def __init__(self, files: set[str]):
-        self.ids = {f: zlib.crc32(os.path.basename(f).encode()) << 32 for f in files}
-        self.edges: set[int] = set()
-
-    def __enter__(self) -> "HarnessCoverage":
-        self.edges = set()
-        self._old = sys.gettrace()
-        sys.settrace(self._call)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        sys.settrace(self._old)
-
-    def _call(self, frame, event, arg):
-        base = self.ids.get(frame.f_code.co_filename)
-        if base is None:
-            return None
-        prev = [frame.f_lineno]
-
-        def line(frame, event, arg):
-            if event == "line":
-                self.edges.add(base | (prev[0] << 16) | (frame.f_lineno & 0xFFFF))
-                prev[0] = frame.f_lineno
-            return line
-        return line
 
 
 def resource_crash(verdict: Verdict | None) -> Verdict | None:

@@ -207,4 +207,4 @@ def test_a_hang_is_a_timeout_and_the_next_program_gets_a_fresh_worker():
         r = ex.run(Program("call", hang, {"case": materialize(hang, t)}))
         assert r.verdict.kind == "timeout" and ex.worker is None
         outputs, verdict = called(ex, t, fine, materialize(fine, t))
-        assert verdict is None and outputs["out"].shape == (2,) and ex.restarts == 2
+        assert verdict is None and outputs["out"].shape == (2,) and ex.spawned == 2
