@@ -43,9 +43,12 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from kfuzz.errors import KfuzzError
+
+if TYPE_CHECKING:
+    from kfuzz import sandbox
 
 RESULTS = "results.jsonl"
 # error/bound beyond which no plausible tolerance explains a bound failure

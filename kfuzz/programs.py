@@ -41,11 +41,10 @@ Refuses: an unknown program name (KeyError on the kernel side is a malformed req
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
-
-import resource
 
 import torch
 
@@ -257,8 +256,7 @@ def is_storage_role(role: str) -> bool:
 
 def replicate(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
     """A copy of ``t`` with its own storage: the same bytes, layout and bytes around the view."""
-    return rebuild(_storage_bytes(t.detach()).cpu() if str(device) == "cpu" else _storage_bytes(t.detach()),
-                   geometry(t), device)
+    return rebuild(_storage_bytes(t.detach()).cpu(), geometry(t), device)
 
 
 def sendable(outputs: dict[str, Tensors]) -> dict[str, Tensors]:

@@ -66,7 +66,7 @@ from kfuzz import sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.errors import KfuzzError
-from kfuzz.execute import kernel_stage, raising_frame
+from kfuzz.execute import kernel_stage
 from kfuzz.target import Target, get_target, prepare_triton
 from kfuzz.tensors import materialize
 from kfuzz.wire import dense_outputs, geometry, pack, rebuild, unpack
