@@ -107,13 +107,17 @@ def test_verify_cli_exit_codes_and_formats(tmp_path):
     assert g08["status"] == "fail" and g08["verdict"]["kind"] == "nondeterminism" and g08["saved"]
     replayed = runner.invoke(cli, ["verify", "--replay", g08["saved"][0]])
     assert replayed.exit_code == 0 and "still fails" in replayed.output
+    here = runner.invoke(cli, ["verify", "--target", "rowsum.shuffled", "--gates", "G08", "--in-process",
+                               "--out", str(tmp_path)])
+    assert here.exit_code == 1 and "FAIL" in here.output
 
     junit = runner.invoke(cli, ["verify", "--target", "softmax", "--gates", "G12", "--format", "junit"])
     assert junit.exit_code == 0
     suite = ET.fromstring(junit.output)
     assert suite.get("skipped") == "1" and suite.find("testcase/skipped") is not None
 
-    for args in (["verify", "--target", "cumsum", "--gates", "G99"], ["verify", "--target", "nosuch"]):
+    for args in (["verify", "--target", "cumsum", "--gates", "G99"], ["verify", "--target", "nosuch"],
+                 ["verify", "--target", "cumsum", "--timeout", "0"]):
         r = runner.invoke(cli, args)
         assert r.exit_code == 2 and "kfuzz: error:" in r.output
 

@@ -11,6 +11,7 @@ from xml.sax.saxutils import escape, quoteattr
 import click
 
 from kfuzz.cli import cli, handles_bad_input
+from kfuzz.errors import KfuzzError
 from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gates
 from kfuzz.programs import InProcess, Sandboxed
 from kfuzz.target import get_target
@@ -63,7 +64,7 @@ def _junit(target, results, seconds) -> str:
 def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout):
     """Judge a target against the twelve gates. Exit 1 if any gate fails, 2 on bad input."""
     if timeout <= 0:
-        raise click.BadParameter("must be > 0", param_hint="--timeout")
+        raise KfuzzError(f"--timeout must be > 0 seconds, not {timeout:g}")
     executors: dict = {}
 
     def executor(target):
