@@ -314,7 +314,8 @@ def base_record(entry: CorpusEntry) -> dict:
 class _Running:
     def __init__(self, ctx, entry, args):
         self.entry, self.start = entry, time.monotonic()
-        self.record = {**base_record(entry), "gates": {}, "device": args[0]}
+        # kernel_side: where the solution ran (records before it ran it beside the oracle)
+        self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers"}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
         self.proc = ctx.Process(target=_child, args=(child, entry, *args), daemon=False,
