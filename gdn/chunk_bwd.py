@@ -764,6 +764,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
                     cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,
                     # float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
-                    # BK 128: 1512 bytes at BV 16, 14504 at 64; fp32 at 64 was 6760)
+                    # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
                     **dict(common, BV=min(BV, max(16, 2048 // BK))))
     return dq, dk, dv, dg, dbeta, dh0
