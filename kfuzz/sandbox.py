@@ -6,9 +6,12 @@ the escape a kernel tried.
 the first case; ``start_case`` and ``violation`` bracket each call. What each layer
 does, and where the operating system cannot do it:
 
-- memory: ``RLIMIT_AS`` (address space). An allocation past it fails inside the call
-  and the case is a ``crash`` with ``exc_type`` ``resource-memory``. Not on CUDA: the
-  driver reserves far more address space than any limit a user would set;
+- memory: ``RLIMIT_AS`` (address space), set to what the worker maps at confinement
+  (torch, the target) plus ``Policy.memory``: the limit is on what the kernel adds. (An
+  absolute 4 GiB failed on the H200 machine, whose torch build maps its CUDA libraries even
+  in a CPU run: the worker could not start a thread.) An allocation past it fails inside
+  the call and the case is a ``crash`` with ``exc_type`` ``resource-memory``. Not on CUDA:
+  the driver reserves far more address space than any limit a user would set;
 - CPU time: ``RLIMIT_CPU``, a budget for each case (at least the limit, at most twice);
   the kernel gets ``SIGXCPU`` (``resource-cpu``). The parent's wall-clock timeout stays
   the backstop;
@@ -351,6 +354,18 @@ def _limit(which: int, value: int | None) -> None:
     resource.setrlimit(which, (value, value))
 
 
+def address_space() -> int:
+    """Bytes of address space this process maps now (``VmSize``); 0 where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def triton_cache_dir() -> str:
     return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton")
 
@@ -363,11 +378,13 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
     os.environ["TMPDIR"] = tempfile.tempdir = workdir
     sys.dont_write_bytecode = True      # an import may not write __pycache__ outside
     report["directory"] = workdir
-    _limit(resource.RLIMIT_AS, policy.memory)
+    mapped = address_space()
+    _limit(resource.RLIMIT_AS, policy.memory and mapped + policy.memory)
     _limit(resource.RLIMIT_NOFILE, policy.open_files)
     _limit(resource.RLIMIT_FSIZE, policy.file_size)
     _limit(resource.RLIMIT_CORE, 0)
-    report["memory"] = f"RLIMIT_AS {policy.memory / GiB:g} GiB" if policy.memory else "no limit"
+    report["memory"] = (f"RLIMIT_AS {mapped / GiB:.2f} GiB mapped + {policy.memory / GiB:g} GiB"
+                        if policy.memory else "no limit")
     report["files"] = f"RLIMIT_NOFILE {policy.open_files}, RLIMIT_FSIZE " + \
         (f"{policy.file_size / GiB:g} GiB" if policy.file_size else "none")
     writable = [workdir, *(p for p in policy.writable if os.path.isdir(p))]

@@ -38,7 +38,8 @@ def _render(stats: CampaignStats, limit: str) -> Table:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds one kernel call may take before it is a `timeout` failure (workers only).")
 @click.option("--memory-limit", default=None,
-              help="Address space a worker may use (4G, 512M, none); default 4G on CPU, none on CUDA.")
+              help=("Address space a worker's kernel may add to what the worker maps when its target "
+                    "is loaded (4G, 512M, none); default 4G on CPU, none on CUDA."))
 @click.option("--cpu-limit", type=click.IntRange(min=1), default=None,
               help="CPU seconds a kernel call may use (default: the timeout times the CPU count).")
 @click.option("--seed", type=int, default=0, show_default=True, help="The engine's seed.")
