@@ -244,6 +244,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
         emit("adapter", {"error": f"{type(e).__name__}: {e}"[:1000]})
         return
     bench = target.options["bench"]
+    # the reference has float weights the case does not set: G07 is n/a (kfuzz.kernelbench.float_weights)
+    params = bool(target.options.get("no_exact_answers"))
     with Sandboxed(target, device, timeout, policy, resolve={"weights": "seed", "device": device},
                    preload=KERNEL_PRELOAD) as ex:
         try:
@@ -254,9 +256,9 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
             # the kernel process's word (it ran ModelNew to load the weights)
             emit("weights", {"status": "fail" if status.startswith("seed only") else status, "detail": status,
                              "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
-                             "seconds": round(time.monotonic() - start, 3)})
+                             "params": params, "seconds": round(time.monotonic() - start, 3)})
         except Exception as e:
-            emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000]})
+            emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000], "params": params})
         for gid in gates:
             try:
                 r = run_gate(GATES[gid], target, seed=seed, out=None, device=device, executor=ex)
@@ -461,11 +463,16 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
 def judge_record(record: dict) -> dict:
     """A record's verdicts: ``violations`` (gate ids failed, ``W`` for the weights contract,
     ``crash`` for a kernel process that died), ``broken`` (a tolerance-free failure,
-    or an error over BROKEN_RATIO times the bound), ``standard`` (the standard test passed)."""
+    or an error over BROKEN_RATIO times the bound), ``standard`` (the standard test passed).
+
+    G07 counts only where it applies: not on a reference with float weights (the weights
+    record's ``params``; records made before G07 was n/a there say ``params`` only if the
+    report tool filled it in from the corpus), whose G07 result is ``g07_not_applicable``."""
     from kfuzz.gates import GATES
     violations, broken = [], False
+    g07_na = record.get("weights", {}).get("params") is True and "G07" in record.get("gates", {})
     for gid, g in sorted(record.get("gates", {}).items()):
-        if g.get("status") != "fail":
+        if g.get("status") != "fail" or (gid == "G07" and g07_na):
             continue
         violations.append(gid)
         ratio = g.get("worst_ratio", 0)
@@ -483,5 +490,5 @@ def judge_record(record: dict) -> dict:
     # CPU (or a slow oracle) looks the same as a hang from outside
     return {"violations": violations, "broken": broken, "violation": bool(violations),
             "standard": None if std is None else bool(std.get("passed")),
-            "incomplete": ended.startswith("timeout"),
+            "incomplete": ended.startswith("timeout"), "g07_not_applicable": g07_na,
             "audited": "standard" in record and not {"adapter", "unbuilt", "skip"} & set(record)}

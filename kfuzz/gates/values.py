@@ -306,6 +306,10 @@ def accumulation_dims(target) -> dict[str, int] | None:
 
 
 class Accumulation(Gate):
+    """G07. Applies where exactness is by construction: every value an output depends on is set
+    by the case (exact-answer inputs). A target whose outputs also depend on other floats names
+    why in ``options["no_exact_answers"]`` and the gate is n/a there."""
+
     id, name = "G07", "accumulation"
     property = ("exact-answer inputs (ones, 0/1, small integers) at the largest sizes: where the true result "
                 "is representable and the trusted implementation gets it exactly, the kernel returns it bit for bit")
@@ -314,6 +318,12 @@ class Accumulation(Gate):
         return distribution_cases(target, seed, self.id, accumulation_dims(target), G07_DISTS)
 
     def not_applicable(self, target, executor=None):
+        # exactness must come from the case: a target whose outputs also depend on values the case
+        # does not set (a model's float weights) names why in options["no_exact_answers"], for there
+        # an output is exact only by the luck of one summation order, which a correct kernel may not share
+        reason = target.options.get("no_exact_answers")
+        if reason:
+            return reason
         return None if accumulation_dims(target) else "no large shape fits the contract"
 
     def check(self, target, case, device="cpu", c=BOUND_C, executor=None):

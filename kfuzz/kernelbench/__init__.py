@@ -27,10 +27,11 @@ not tensors, or floating point other than float32.
 from kfuzz.kernelbench.source import (PREFIX, SEED, KernelBenchError, KernelBenchPair, load_pair, pair_module,
                                       set_seed, size_constants, sized)
 from kfuzz.kernelbench.standard import ATOL, RTOL, TRIALS, StandardVerdict, standard_test
-from kfuzz.kernelbench.target import (MODEL_SETS, Bench, Contract, KernelBenchTarget, WeightsContractError,
-                                      as_target, infer_contract, load_weights, nominal, resolve)
+from kfuzz.kernelbench.target import (FLOAT_WEIGHTS, MODEL_SETS, Bench, Contract, KernelBenchTarget,
+                                      WeightsContractError, as_target, float_weights, infer_contract, load_weights,
+                                      nominal, resolve)
 
-__all__ = ["ATOL", "MODEL_SETS", "PREFIX", "RTOL", "SEED", "TRIALS", "Bench", "Contract", "KernelBenchError",
+__all__ = ["ATOL", "FLOAT_WEIGHTS", "MODEL_SETS", "PREFIX", "RTOL", "SEED", "TRIALS", "Bench", "Contract", "KernelBenchError",
            "KernelBenchPair", "KernelBenchTarget", "StandardVerdict", "WeightsContractError", "as_target",
-           "infer_contract", "load_pair", "load_weights", "nominal", "pair_module", "resolve", "set_seed",
-           "size_constants", "sized", "standard_test"]
+           "float_weights", "infer_contract", "load_pair", "load_weights", "nominal", "pair_module", "resolve",
+           "set_seed", "size_constants", "sized", "standard_test"]

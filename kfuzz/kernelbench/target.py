@@ -19,6 +19,12 @@
   symmetric, and integer inputs (indices, class labels) are drawn by
   ``get_inputs`` itself at the case's dims. Value ranges are not kept: that
   KernelBench draws ``torch.rand`` in [0, 1) is the weakness the gates probe.
+- G07 (exact accumulation) is n/a for a reference with float weights
+  (``float_weights``: parameters, buffers, tensor attributes), through
+  ``options["no_exact_answers"]``: the case sets the inputs, not the weights, so
+  no output is exact by construction, and a correct kernel that sums in another
+  order (a tiled loop, another library algorithm) loses what one order got
+  exactly by chance (``harnesses/kernelbench_controls/correct_linear_blocked.py``).
 
 ``as_target`` runs the reference to learn its contract; ``custom_code`` runs
 only when the kernel is first called (in a sandboxed worker). ``resolve``
@@ -30,6 +36,7 @@ floating point other than float32, or that do not run at their own sizes.
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
 import types
 import zlib
@@ -43,6 +50,8 @@ from kfuzz.kernelbench.source import (PREFIX, SEED, KernelBenchError, KernelBenc
 from kfuzz.target import Arg, Dim, Output, Target
 
 MODEL_SETS = 2            # sets of models (distinct init inputs) kept per pair
+# why G07 does not apply to a model with float weights (``float_weights``)
+FLOAT_WEIGHTS = "outputs depend on float weights the case does not set; no exact answer by construction"
 
 
 class WeightsContractError(RuntimeError):
@@ -276,6 +285,33 @@ def load_weights(model: torch.nn.Module, reference: torch.nn.Module, strict: boo
     return f"seed only ({detail})"
 
 
+_FLOAT_WEIGHTS: dict[str, tuple[str, ...]] = {}    # sha256 of the reference -> its float weights
+
+
+def float_weights(pair: KernelBenchPair) -> tuple[str, ...]:
+    """The reference ``Model``'s floating parameters, buffers and plain tensor attributes (an
+    LSTM's ``h0``), by name, at its own sizes. Their values come from the seed, not from the
+    case, so an output that depends on them is exact only by the chance of one summation order:
+    G07 does not apply (``FLOAT_WEIGHTS``). Built on the meta device (the CPU where ``__init__``
+    needs values), once per reference text in a process."""
+    key = hashlib.sha256(pair.ref_code.encode()).hexdigest()
+    if key not in _FLOAT_WEIGHTS:
+        ref = pair_module(pair, "ref")
+        try:
+            with torch.device("meta"):
+                set_seed(SEED)
+                model = ref.Model(*ref.get_init_inputs())
+        except Exception:
+            set_seed(SEED)
+            model = ref.Model(*ref.get_init_inputs())
+        names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+        for prefix, m in model.named_modules():
+            names += [f"{prefix}.{k}".lstrip(".") for k, v in vars(m).items()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        _FLOAT_WEIGHTS[key] = tuple(names)
+    return _FLOAT_WEIGHTS[key]
+
+
 class KernelBenchTarget(Target):
     """A target whose output shapes are the reference's at the case's dims (``@i`` = output i)."""
 
@@ -353,7 +389,9 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         dims={d: Dim(1, v) for d, v in contract.dims.items()}, dtypes=("float32",),
         domain=domain, constraint=constraint,
         description=f"KernelBench level {pair.level} problem {pair.problem} ({pair.model})",
-        options={"bench": bench, "device": device, "fixed": contract.fixed})
+        options={"bench": bench, "device": device, "fixed": contract.fixed,
+                 # G07 applies where exactness is by construction: not through float weights
+                 "no_exact_answers": FLOAT_WEIGHTS if float_weights(pair) else None})
     target.options["nominal"] = nominal(target)
     return target
 
