@@ -1,19 +1,29 @@
 """The audit's report: markdown, a PNG and JSON from one or more ``results.jsonl`` files.
 
-    python tools/audit_report.py audit/results.jsonl --out audit
+    python tools/audit_report.py audit/results.jsonl --out audit [--corpora DIR]
 
 writes ``report.md``, ``report.json`` (the totals and one row per kernel) and
 ``report.png`` (violations by gate, by generating model, and the calibration
 sweep). A key recorded twice (a retried kernel) counts once, its last record.
+
+G07 is judged as the audit now runs it: n/a on a reference with float weights
+(``kfuzz.kernelbench.float_weights``). Records made before say nothing of the
+weights (no ``params`` in their weights record), so the fact is computed from
+the corpus row (meta device, once per reference): the row is found by the
+record's key in ``--corpora`` (default ``.corpora``, then ``../shared/corpora``)
+or at the path in its target name, and must have the record's ``sha``. Where no
+row is found, the record's G07 result counts as recorded and the report says
+how many such records there are.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from kfuzz.audit import BROKEN_RATIO, judge_record, read_results
+from kfuzz.audit import BROKEN_RATIO, judge_record, read_corpus, read_results
 from kfuzz.compare import BOUND_C
 from kfuzz.gates import GATES
 
@@ -31,7 +41,63 @@ def worst_bound_ratio(rec: dict) -> float:
                 if gid in BOUND_GATES and g.get("status") in ("pass", "fail")), default=0.0)
 
 
-def summarize(records: list[dict]) -> dict:
+DEFAULT_CORPORA = (Path(".corpora"), Path("../shared/corpora"))
+
+
+class CorpusWeights:
+    """Whether a record's reference has float weights, from its corpus row, for records that
+    predate the weights record's ``params``. Each corpus file is read once."""
+
+    def __init__(self, dirs):
+        self.dirs = [Path(d) for d in dirs]
+        self.corpora: dict[Path, dict] = {}
+
+    def _row(self, rec: dict):
+        name, _ = rec["key"].rsplit(":", 1)
+        target = rec.get("target") or ""
+        places = [Path(target[3:].rsplit(":", 1)[0])] if target.startswith("kb:") and ":" in target[3:] else []
+        for path in places + [d / name for d in self.dirs]:
+            if path.name != name or not path.exists():
+                continue
+            if path not in self.corpora:
+                self.corpora[path] = {e.key: e for e in read_corpus(path)}
+            entry = self.corpora[path].get(rec["key"])
+            if entry is not None and entry.pair is not None and entry.pair.sha == rec.get("sha"):
+                return entry.pair
+        return None
+
+    def params(self, rec: dict) -> bool | None:
+        """True/False, or None where no corpus row with the record's sha is found or its
+        reference does not build."""
+        from kfuzz.kernelbench import float_weights
+        pair = self._row(rec)
+        if pair is None:
+            return None
+        try:
+            with warnings.catch_warnings():      # the references' own warnings are not the report's
+                warnings.simplefilter("ignore")
+                return bool(float_weights(pair))
+        except Exception:       # the reference does not build here (a module it imports is missing)
+            return None
+
+
+def fill_params(records: list[dict], weights: CorpusWeights) -> dict:
+    """Give each record with a G07 result and no ``params`` the fact from its corpus row
+    (``params_from: "corpus"``); returns the counts (filled, unknown)."""
+    filled = unknown = 0
+    for r in records:
+        if "G07" not in r.get("gates", {}) or "params" in r.get("weights", {}):
+            continue
+        p = weights.params(r)
+        if p is None:
+            unknown += 1
+            continue
+        r["weights"] = {**r.get("weights", {}), "params": p, "params_from": "corpus"}
+        filled += 1
+    return {"filled_from_corpus": filled, "unknown": unknown}
+
+
+def summarize(records: list[dict], params: dict | None = None) -> dict:
     corpus = [r for r in records if r.get("expect") is None]
     controls = [r for r in records if r.get("expect") is not None]
     audited = [r for r in corpus if judge_record(r)["audited"]]
@@ -77,6 +143,12 @@ def summarize(records: list[dict]) -> dict:
         "by_gate": dict(sorted(by_gate.items())),
         "by_model": {m: dict(c) for m, c in sorted(by_model.items())},
         "weights": dict(Counter(r.get("weights", {}).get("status", "-") for r in audited)),
+        "g07_not_applicable": sum(j[r["key"]]["g07_not_applicable"] for r in audited),
+        "g07_failures_not_applicable": sum(j[r["key"]]["g07_not_applicable"]
+                                           and r["gates"]["G07"].get("status") == "fail" for r in audited),
+        "g07_params_unknown": sum(r.get("gates", {}).get("G07", {}).get("status") == "fail"
+                                  and "params" not in r.get("weights", {}) for r in audited),
+        "params": params or {},
         "sweep": sweep, "broken_ratio": BROKEN_RATIO, "controls": control_rows,
         "controls_as_planted": all(c["as_planted"] for c in control_rows) if control_rows else None,
     }
@@ -89,6 +161,7 @@ def kernel_rows(records: list[dict]) -> list[dict]:
         rows.append({"key": r["key"], "model": r.get("model"), "level": r.get("level"), "problem": r.get("problem"),
                      "standard": r.get("standard", {}).get("reason"), "weights": r.get("weights", {}).get("status"),
                      "gates": {g: d.get("status") for g, d in sorted(r.get("gates", {}).items())},
+                     "params": r.get("weights", {}).get("params"),
                      "violations": jr["violations"], "broken": jr["broken"], "ended": r.get("ended"),
                      "skip": r.get("skip"), "adapter": r.get("adapter", {}).get("error")})
     return rows
@@ -104,6 +177,15 @@ def markdown(s: dict) -> str:
            *([f"{s['without_mode']} records predate the train/eval mode field: their models ran in train "
               f"mode, which differs from CUDA-L1's eval mode for references with BatchNorm or dropout "
               f"(AUDIT.md; `kfuzz audit --retry` redoes those).", ""] if s["without_mode"] else []),
+           f"G07 (exact accumulation) is n/a on a reference with float weights (no exact answer by "
+           f"construction): {s['g07_not_applicable']} kernels, {s['g07_failures_not_applicable']} of them with a "
+           f"G07 failure recorded before that rule, counted as n/a"
+           + (f" (the fact came from the corpus rows for {s['params']['filled_from_corpus']} older records)"
+              if s["params"].get("filled_from_corpus") else "")
+           + (f". For {s['g07_params_unknown']} kernels with a G07 failure no corpus row was found (or their "
+              f"reference does not build here), so whether it has float weights is unknown and the failure "
+              f"counts as recorded."
+              if s["g07_params_unknown"] else "."), "",
            "| measure | value |", "| --- | --- |",
            f"| broken beyond any tolerance (a tolerance-free failure, or error > {s['broken_ratio']:g} x bound) | "
            f"{s['broken']} ({pct(s['share_broken'])}) |",
@@ -167,21 +249,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="results.jsonl file(s) from kfuzz audit")
     ap.add_argument("--out", default="audit", help="folder for report.md, report.json, report.png")
+    ap.add_argument("--corpora", help="folder of the corpus files, for whether older records' references have "
+                    "float weights (default .corpora, then ../shared/corpora)")
     a = ap.parse_args(argv)
+    if a.corpora and not Path(a.corpora).is_dir():
+        ap.error(f"--corpora {a.corpora}: no such folder")
     records: dict[str, dict] = {}
     for path in a.results:
         if not Path(path).is_file():
             ap.error(f"{path}: no such results file")
         records.update(read_results(path))
     recs = list(records.values())
-    s = summarize(recs)
+    params = fill_params(recs, CorpusWeights([a.corpora] if a.corpora else DEFAULT_CORPORA))
+    s = summarize(recs, params)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(markdown(s))
     (out / "report.json").write_text(json.dumps({"summary": s, "kernels": kernel_rows(recs)}, indent=1,
                                                 default=str))
     plot(s, out / "report.png")
-    print(f"{out / 'report.md'}: {s['audited']} audited, {s['violation']} with a violation, {s['broken']} broken")
+    print(f"{out / 'report.md'}: {s['audited']} audited, {s['violation']} with a violation, {s['broken']} broken; "
+          f"G07 n/a for float weights on {s['g07_not_applicable']} ({params['filled_from_corpus']} from the corpus, "
+          f"{params['unknown']} unknown)")
     return 0
 
 
