@@ -259,3 +259,92 @@ def test_a_kernel_that_dies_in_a_gate_gets_that_gates_crash_and_the_audit_goes_o
     assert rec["gates"]["G05"]["status"] == "fail" and rec["gates"]["G05"]["kind"] == "crash"
     assert rec["gates"]["G01"]["status"] == "pass"      # a fresh worker for the next gate
     assert judge_record(rec)["broken"]
+
+
+# G07 where exactness is by construction --------------------------------------------------------
+
+WIDE_SUM = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x.sum(dim=-1)
+
+
+batch_size = 8
+width = 64 * 64      # not a size constant: the sum always runs over 4096 columns
+
+
+def get_inputs():
+    return [torch.rand(batch_size, width)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+FP16_RUNNING_TOTAL = """import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        acc = torch.zeros(x.shape[0], dtype=torch.float16)
+        for k in range(x.shape[1]):      # the running total in float16: stalls at 2048
+            acc = acc + x[:, k].half()
+        return acc.float()
+"""
+
+
+def test_g07_does_not_apply_where_outputs_depend_on_float_weights():
+    """correct_linear_blocked (a Linear as a tiled matmul, correct) loses answers that one fused
+    sum gets exact only by chance, as the weights are floats the case does not set: G07 would
+    fail it, so on a model with float weights G07 is n/a, and the control is clean."""
+    from dataclasses import replace
+    from kfuzz.gates import GATES, run_gate
+    from kfuzz.kernelbench import FLOAT_WEIGHTS, float_weights
+    pair = control("correct_linear_blocked").pair
+    assert float_weights(pair) == ("linear.weight", "linear.bias")
+    target = as_target(pair)
+    r = run_gate(GATES["G07"], target, seed=0)
+    assert (r.status, r.reason, r.cases) == ("n/a", FLOAT_WEIGHTS, 0)
+    # the false positive the rule removes: the same target with G07 applied
+    applied = replace(target, options={**target.options, "no_exact_answers": None})
+    r = run_gate(GATES["G07"], applied, seed=0)
+    assert r.status == "fail" and "exact answers lost" in r.reason, r.reason
+
+
+def test_g07_still_catches_a_float16_running_total_on_a_parameter_free_reference():
+    from kfuzz.gates import GATES, run_gate
+    from kfuzz.kernelbench import float_weights
+    wrong = load_pair(WIDE_SUM, FP16_RUNNING_TOTAL, "fp16_running_total")
+    assert float_weights(wrong) == ()
+    r = run_gate(GATES["G07"], as_target(wrong), seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason
+    assert "kernel 2048.0, exact 4096.0" in r.reason, r.reason       # the sum of 4096 ones
+    # ... and the reference's own float32 sum passes with exact answers checked
+    right = load_pair(WIDE_SUM, WIDE_SUM.replace("class Model(", "class ModelNew("), "fp32_sum")
+    assert run_gate(GATES["G07"], as_target(right), seed=0).status == "pass"
+
+
+def test_old_records_get_the_float_weights_fact_from_the_corpus_row():
+    """A record made before G07 was n/a on float weights says nothing of them: its G07 failure
+    counts until the report tool fills ``params`` from the corpus row (the record's sha must
+    match); a record whose row is not found stays as recorded, and is counted as unknown."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("audit_report", ROOT / "tools" / "audit_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    g07 = {"G07": {"status": "fail", "kind": "bound", "worst_ratio": "inf"}}
+    recs = [{"key": f"kernelbench_controls:{stem}", "sha": control(stem).pair.sha, "gates": dict(g07),
+             "weights": {"status": "exact"}, "standard": {"passed": True},
+             "target": f"kb:{CONTROLS}:{stem}"} for stem in ("correct_linear_blocked", "correct_sum")]
+    recs.append({**recs[0], "key": "kernelbench_controls:gone", "target": "kb:/nowhere:gone"})
+    assert all(judge_record(r)["violations"] == ["G07"] for r in recs)
+    counts = report.fill_params(recs, report.CorpusWeights([CONTROLS.parent]))
+    assert counts == {"filled_from_corpus": 2, "unknown": 1}
+    assert [r["weights"].get("params") for r in recs] == [True, False, None]
+    assert [judge_record(r)["violations"] for r in recs] == [[], ["G07"], ["G07"]]
+    assert judge_record(recs[0])["g07_not_applicable"] and not judge_record(recs[0])["broken"]
+    assert report.summarize(recs)["g07_params_unknown"] == 1
