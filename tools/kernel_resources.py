@@ -20,6 +20,7 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)   # a real compile, not the interpreter
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402,F401
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -79,6 +80,39 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
     yield ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1)
 
 
+# pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
+# inputs, gradients or bf16 hand-off tensors: gdn.chunk_fwd.handoff_dtype)
+_BWD_FP32 = {"g", "dg", "Tm", "h0", "dht", "dh0"}
+_BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff"}
+
+
+def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
+    """(label, fn, signature, constexprs, warps, stages) of the GDN backward kernels as
+    gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and LAUNCH), with an
+    initial state and a final-state gradient."""
+    C = 16 if gate == 2 else 64
+    F32, DT = cb._dot_mode(torch.bfloat16)
+    tile = cb.tiles(K, V)
+    consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
+                  GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
+                  HAS_H0=True, HAS_DHT=True)
+    seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
+    # stages 3 is Triton's default: the launcher sets none for the sequential kernels and _exact
+    for fn, bv, warps, stages in (
+            (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2),
+            (cb._states, tile["BV"], seq, 3),
+            (cb._dstates, tile["BV"], seq, 3),
+            (cb._grads, tile["grads_BV"], launch["grads_warps"], 1 if F32 else launch["grads_stages"]),
+            (cb._exact, tile["exact_BV"], seq, 3)):
+        const = {a: v for a, v in dict(consts, BV=bv).items() if a in fn.arg_names}
+        # T, H, K, V are runtime arguments of the backward (constexprs in the forward); the
+        # launch's divisibility-by-16 hints are not modelled here
+        sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
+                   else "*i32" if a in _BWD_I32 else "*fp32" if a in _BWD_FP32 else "*bf16")
+               for a in fn.arg_names if a not in const}
+        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--K", type=int, default=128)
@@ -88,7 +122,8 @@ def main():
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for label, fn, sig, const, warps, stages in gdn_kernels(a.K, a.V, a.gate, not a.no_delta):
+    shape = (a.K, a.V, a.gate, not a.no_delta)
+    for label, fn, sig, const, warps, stages in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
         r = resources(fn, sig, const, warps, stages)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
               f"{r['convert_layout']} | {r['local_alloc']} |", flush=True)

@@ -1,0 +1,61 @@
+"""Where each chunk of the GDN backward lies: the chunk table of a fixed-length or varlen batch.
+
+The host side (``chunk_plan``) numbers the chunks of every sequence globally; the Triton
+helpers turn a global chunk id (``_coords``, the chunk-parallel kernels) or a sequence
+index (``_seq``, the sequential kernels) back into token ranges.  Varlen batches need
+B == 1 and int32 offsets; nothing here checks shapes (the launcher does).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _coords(cid, T, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(sequence, chunk within it, first token, end token) of a global chunk id."""
+    if IS_VARLEN:
+        n = tl.load(tab + cid * 2).to(tl.int32)
+        ic = tl.load(tab + cid * 2 + 1).to(tl.int32)
+        bos = tl.load(cu + n).to(tl.int32)
+        eos = tl.load(cu + n + 1).to(tl.int32)
+    else:
+        nt = tl.cdiv(T, C)
+        n = cid // nt
+        ic = cid % nt
+        bos = n * T
+        eos = bos + T
+    return n, ic, bos, eos
+
+
+@triton.jit
+def _seq(n, T, cu, coff, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first token, end token, global id of its first chunk) of sequence n."""
+    if IS_VARLEN:
+        bos = tl.load(cu + n).to(tl.int32)
+        eos = tl.load(cu + n + 1).to(tl.int32)
+        cbase = tl.load(coff + n).to(tl.int32)
+    else:
+        bos = n * T
+        eos = bos + T
+        cbase = n * tl.cdiv(T, C)
+    return bos, eos, cbase
+
+
+def chunk_plan(cu_seqlens, B: int, T: int, C: int):
+    """(sequences, total chunks, chunk table [NC, 2] int32 or None, first chunk
+    of each sequence [N] int32 or None) for fixed-length or varlen batches."""
+    if cu_seqlens is None:
+        return B, B * triton.cdiv(T, C), None, None
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    counts = (lens + C - 1) // C
+    N = len(lens)
+    coff = torch.cumsum(counts, 0) - counts
+    NC = int(counts.sum().item())
+    seq = torch.repeat_interleave(torch.arange(N, device=cu.device), counts)
+    within = torch.arange(NC, device=cu.device) - coff[seq]
+    tab = torch.stack([seq, within], 1).to(torch.int32).contiguous()
+    return N, NC, tab, coff.to(torch.int32).contiguous()
+

@@ -1,0 +1,165 @@
+"""The step-by-step path of the GDN backward: the recurrence one token at a time, as gdn.oracle writes it.
+
+``_exact_step`` and ``_exact_dstep`` advance the state, or carry the state gradient
+back, by one token: the sequential kernels (gdn.bwd_matrix ``_states``, ``_dstates``)
+take them inside flagged chunks and wherever the incoming state or its gradient is
+outside +-SBIG.  ``_exact`` then rewrites every gradient of a flagged chunk by autograd
+of the oracle's step, op for op, in float64, so the NaN/Inf pattern of a special value
+is the one float64 autograd through the oracle gives.  It is quadratic in the chunk
+length and meant only for the few chunks the flags name, never for the bulk.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gdn.bwd_chunks import _coords
+
+
+@triton.jit
+def _exact_step(S, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE: tl.constexpr,
+                DELTA: tl.constexpr):
+    """One step of the recurrence on a [BK, BV] block of S, as gdn.oracle writes it, in S's
+    precision (fp32 in the sequential kernels, float64 in _exact)."""
+    tt = (t * H + ih).to(tl.int64)
+    b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(S.dtype)
+    b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(S.dtype)
+    if GATE == 1:
+        S = tl.exp(tl.load(g + tt).to(S.dtype)) * S
+    elif GATE == 2:
+        S = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(S.dtype))[:, None] * S
+    if DELTA:
+        bk = tl.load(beta + tt).to(S.dtype) * b_k
+        x = tl.sum(b_k[:, None] * S, 0)
+        S = S - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :]
+    else:
+        S = S + b_k[:, None] * b_v[None, :]
+    return S
+
+
+@triton.jit
+def _exact_dstep(dS, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv, mv,
+                 GATE: tl.constexpr, DELTA: tl.constexpr):
+    """The state gradient before step t from the one after it (autograd's order)."""
+    tt = (t * H + ih).to(tl.int64)
+    b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float32) * scale
+    b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float32)
+    dS = dS + b_q[:, None] * b_do[None, :]
+    if DELTA:
+        b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float32)
+        bk = tl.load(beta + tt).to(tl.float32) * b_k
+        dx = tl.sum(-dS * bk[:, None], 0)
+        dS = dS + b_k[:, None] * dx[None, :]
+    if GATE == 1:
+        dS = tl.exp(tl.load(g + tt).to(tl.float32)) * dS
+    elif GATE == 2:
+        dS = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float32))[:, None] * dS
+    return dS
+
+
+@triton.jit
+def _rounded(x, out):
+    """A float64 gradient in ``out``'s dtype, through fp32: Triton 3.9's interpreter turns
+    float64 into bf16 wrongly (kfuzz G02 on gdn_bwd_kda: inf and 2x-off dq), and fp32 holds
+    every bf16/fp16 value and overflow the same way."""
+    return x.to(tl.float32).to(out.dtype.element_ty)
+
+
+@triton.jit
+def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab,
+           scale, T, H, K, V, NV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+           GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Step-by-step gradients of a flagged chunk: autograd of gdn.oracle's step,
+    op for op, in float64 as the oracle computes, each gradient rounded once when stored.
+    (In fp32, dbeta k = dS v - dS x overflowed at near-max q where the oracle's dk, 1e38,
+    is finite: crashes/gdn_bwd/nonfinite-dk.)  The state before each step is recomputed
+    from the chunk's entry state (quadratic in C, but only special-value chunks come here)."""
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    cv0 = tl.arange(0, BV)   # NV (the sequential kernels' V tiles) <= 16 <= BV
+    fl = tl.load(hflag + (cid * H + ih) * NV + cv0, mask=cv0 < NV, other=0)
+    fl += tl.load(dflag + (cid * H + ih) * NV + cv0, mask=cv0 < NV, other=0)
+    bad = tl.load(flag + cid * H + ih) + tl.sum(fl, 0)
+    if bad > 0:
+        n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+        rows = tl.arange(0, C)
+        t0 = bos + ic * C
+        te = tl.minimum(t0 + C, eos)
+        tok = t0 + rows
+        rv = tok < eos
+        ck = tl.arange(0, BK)
+        mk = ck < K
+        mqk = rv[:, None] & mk[None, :]
+        tq = tok[:, None].to(tl.int64) * H + ih
+        acc_dq = tl.zeros([C, BK], dtype=tl.float64)
+        acc_dk = tl.zeros([C, BK], dtype=tl.float64)
+        acc_dgv = tl.zeros([C, BK], dtype=tl.float64)
+        acc_dg = tl.zeros([C], dtype=tl.float64)
+        acc_db = tl.zeros([C], dtype=tl.float64)
+        hbase = (cid * H + ih).to(tl.int64) * K * V
+        for iv in range(0, tl.cdiv(V, BV)):
+            cv = iv * BV + tl.arange(0, BV)
+            mv = cv < V
+            mkv = mk[:, None] & mv[None, :]
+            offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+            h = tl.load(hs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
+            dS = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
+            for s in range(0, te - t0):
+                t = te - 1 - s
+                r = t - t0
+                S = h
+                for u in range(t0, t):
+                    S = _exact_step(S, k, v, g, beta, u, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
+                tt = (t * H + ih).to(tl.int64)
+                b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float64)
+                b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(tl.float64)
+                b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float64) * scale
+                b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float64)
+                if GATE == 1:
+                    a = tl.exp(tl.load(g + tt).to(tl.float64))
+                    S1 = a * S
+                elif GATE == 2:
+                    av = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float64))
+                    S1 = av[:, None] * S
+                else:
+                    S1 = S
+                if DELTA:
+                    bt = tl.load(beta + tt).to(tl.float64)
+                    bk = bt * b_k
+                    x = tl.sum(b_k[:, None] * S1, 0)
+                    S2 = S1 - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :]
+                else:
+                    S2 = S1 + b_k[:, None] * b_v[None, :]
+                dS2 = dS + b_q[:, None] * b_do[None, :]
+                dqt = tl.sum(S2 * b_do[None, :], 1)
+                if DELTA:
+                    dbk = tl.sum(dS2 * b_v[None, :], 1) + tl.sum(-dS2 * x[None, :], 1)
+                    dvt = tl.sum(dS2 * bk[:, None], 0)
+                    dx = tl.sum(-dS2 * bk[:, None], 0)
+                    dkt = tl.sum(S1 * dx[None, :], 1) + bt * dbk
+                    acc_db += tl.where(rows == r, tl.sum(dbk * b_k, 0), 0.)
+                    dS1 = dS2 + b_k[:, None] * dx[None, :]
+                else:
+                    dkt = tl.sum(dS2 * b_v[None, :], 1)
+                    dvt = tl.sum(dS2 * b_k[:, None], 0)
+                    dS1 = dS2
+                if GATE == 1:
+                    acc_dg += tl.where(rows == r, tl.sum(tl.sum(dS1 * S, 1), 0) * a, 0.)
+                    dS = a * dS1
+                elif GATE == 2:
+                    acc_dgv += tl.where(rows[:, None] == r, (tl.sum(dS1 * S, 1) * av)[None, :], 0.)
+                    dS = av[:, None] * dS1
+                else:
+                    dS = dS1
+                acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)
+                acc_dk += tl.where(rows[:, None] == r, dkt[None, :], 0.)
+                tl.store(dv + tt * V + cv, _rounded(dvt, dv), mask=mv)
+        tl.store(dq + tq * K + ck[None, :], _rounded(acc_dq * scale, dq), mask=mqk)
+        tl.store(dk + tq * K + ck[None, :], _rounded(acc_dk, dk), mask=mqk)
+        if GATE == 1:
+            tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg, dg), mask=rv)
+        elif GATE == 2:
+            tl.store(dg + tq * K + ck[None, :], _rounded(acc_dgv, dg), mask=mqk)
+        if DELTA:
+            tl.store(dbeta + tok.to(tl.int64) * H + ih, _rounded(acc_db, dbeta), mask=rv)
+

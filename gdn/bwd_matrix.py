@@ -1,0 +1,372 @@
+"""The matrix (chunked) path of the GDN backward: four kernels that hold most of its work.
+
+``_prep`` (chunks in parallel) flags chunks for the exact path and builds the WY form;
+``_states`` (sequential over chunks) recomputes each chunk's entry state and U;
+``_dstates`` (sequential, reverse time) carries the state gradient back and stores dU
+(or dv); ``_grads`` (chunks in parallel) forms dq, dk, dv, dbeta, dg of each chunk.
+Flagged chunks take the step path of gdn.bwd_exact and are rewritten by its ``_exact``.
+
+Chunk algebra (one chunk, G the in-chunk cumulative log gate, scale folded
+into q; for the scalar gate G is a float64 sum kept as hi + lo fp32, the pair
+factors exp(G_i - G_j) are formed elementwise under the causal mask, so nothing
+overflows, and dg_t sums the decay terms spanning step t, see
+``gdn.bwd_gate._gate_grad``):
+
+    A = strict_lower(diag(beta) (K_g K_n^T)),  T = (I + A)^-1
+    U = T diag(beta) V - T diag(beta) K_g h     (U = V without delta)
+    O = Q_g h + incl_lower(Q_g K_n^T) U
+    S_end = exp(G_C) h + K_end^T U
+with K_g = K exp(G), K_n = K exp(-G), K_end = K exp(G_C - G).
+
+Refuses nothing itself: tile sizes, dtypes and launch grids come from gdn.chunk_bwd.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gdn.bwd_chunks import _coords, _seq
+from gdn.bwd_exact import _exact_dstep, _exact_step
+from gdn.bwd_gate import _end_decay, _gate_grad, _gate_sums, _load_gate, _pair_decay
+from gdn.chunk_fwd import _inv_unit_lower
+
+
+@triton.jit
+def _mm(a, b, F32: tl.constexpr, DT: tl.constexpr):
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def _outside(x, bound):
+    """How many elements of a 2-D block are not within [-bound, bound] (NaN counts)."""
+    return tl.sum(tl.sum(tl.where(tl.abs(x) <= bound, 0, 1), 1), 0)
+
+
+@triton.jit
+def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+          C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+          DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
+          GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mqk = rv[:, None] & mk[None, :]
+    tq = tok[:, None].to(tl.int64) * H + ih
+    b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+    b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+    bad = _outside(b_q, BIG) + _outside(b_k, BIG)
+    b_beta = tl.zeros([C], dtype=tl.float32)
+    if DELTA:
+        b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
+        bad += _outside(b_beta[:, None], BIG)
+    strict = rows[:, None] > rows[None, :]
+    if GATE == 1:
+        G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+        bad += _outside(G[:, None], 3.0e38)
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+        kb = b_k * (b_beta * tl.exp(G))[:, None]
+        araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, strict)
+    elif GATE == 2:
+        G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+        bad += _outside(G, 3.0e38)
+        bad += tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
+        kg = b_k * tl.exp(G)
+        kb = kg * b_beta[:, None]
+        araw = tl.where(strict, _mm(kg, tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
+    else:
+        kb = b_k * b_beta[:, None]
+        araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
+    for iv in range(0, tl.cdiv(V, BV)):
+        cv = iv * BV + tl.arange(0, BV)
+        mcv = rv[:, None] & (cv < V)[None, :]
+        tv = tok[:, None].to(tl.int64) * H + ih
+        b_v = tl.load(v + tv * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+        b_do = tl.load(do + tv * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
+    if DELTA:
+        a = araw * b_beta[:, None]
+        # T = (I + A)^-1, by the forward's blocked substitution
+        tm = _inv_unit_lower(a, C, PREC)
+        tl.store(Tm + tq * C + rows[None, :], tm, mask=rv[:, None])
+        w = _mm(tm, kb, F32, DT)
+        tl.store(W + tq * K + ck[None, :], w.to(W.dtype.element_ty), mask=mqk)
+        for iv in range(0, tl.cdiv(V, BV)):
+            cv = iv * BV + tl.arange(0, BV)
+            mcv = rv[:, None] & (cv < V)[None, :]
+            b_v = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+            u = _mm(tm, b_v * b_beta[:, None], F32, DT)
+            tl.store(U + tq * V + cv[None, :], u.to(U.dtype.element_ty), mask=mcv)
+
+
+@triton.jit
+def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
+            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+            DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
+            F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr):
+    iv = tl.program_id(0)
+    inh = tl.program_id(1)
+    n = inh // H
+    ih = inh % H
+    NV = tl.num_programs(0)
+    bos, eos, cbase = _seq(n, T, cu, coff, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    cv = iv * BV + tl.arange(0, BV)
+    mv = cv < V
+    mkv = mk[:, None] & mv[None, :]
+    offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        h = tl.load(h0 + (n * H + ih).to(tl.int64) * K * V + offkv, mask=mkv, other=0.).to(tl.float32)
+    for ic in range(0, tl.cdiv(eos - bos, C)):
+        cid = cbase + ic
+        tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, h.to(hs.dtype.element_ty), mask=mkv)
+        hbad = _outside(h, SBIG)
+        tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32))
+        slow = (tl.load(flag + cid * H + ih) + hbad) > 0
+        tok = bos + ic * C + rows
+        rv = tok < eos
+        tq = tok[:, None].to(tl.int64) * H + ih
+        mqk = rv[:, None] & mk[None, :]
+        mcv = rv[:, None] & mv[None, :]
+        if slow:
+            for t in range(bos + ic * C, tl.minimum(bos + ic * C + C, eos)):
+                h = _exact_step(h, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
+        else:
+            b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+            if DELTA:
+                b_w = tl.load(W + tq * K + ck[None, :], mask=mqk, other=0.)
+                b_u = tl.load(U + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+                b_u = b_u - _mm(b_w, h, F32, DT)
+                tl.store(U + tq * V + cv[None, :], b_u.to(U.dtype.element_ty), mask=mcv)
+            else:
+                b_u = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+            if GATE == 1:
+                G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+                h = h * tl.exp(GC) + _mm(tl.trans(b_k * _end_decay(G, Gl, GC, GCl)[:, None]), b_u, F32, DT)
+            elif GATE == 2:
+                G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+                h = h * tl.exp(GC)[:, None] + _mm(tl.trans(b_k * tl.exp(GC[None, :] - G)), b_u, F32, DT)
+            else:
+                h = h + _mm(tl.trans(b_k), b_u, F32, DT)
+
+
+@triton.jit
+def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, scale, T, H, K, V,
+             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+             DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
+             HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr):
+    iv = tl.program_id(0)
+    inh = tl.program_id(1)
+    n = inh // H
+    ih = inh % H
+    NV = tl.num_programs(0)
+    bos, eos, cbase = _seq(n, T, cu, coff, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    cv = iv * BV + tl.arange(0, BV)
+    mv = cv < V
+    mkv = mk[:, None] & mv[None, :]
+    offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+    incl = rows[:, None] >= rows[None, :]
+    dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dh = tl.load(dht + (n * H + ih).to(tl.int64) * K * V + offkv, mask=mkv, other=0.).to(tl.float32)
+    nc = tl.cdiv(eos - bos, C)
+    for j in range(0, nc):
+        ic = nc - 1 - j
+        cid = cbase + ic
+        tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, dh.to(dhs.dtype.element_ty), mask=mkv)
+        dbad = _outside(dh, SBIG)
+        tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
+        slow = (tl.load(flag + cid * H + ih) + dbad) > 0
+        t0 = bos + ic * C
+        if slow:
+            for s in range(0, tl.minimum(C, eos - t0)):
+                t = tl.minimum(t0 + C, eos) - 1 - s
+                dh = _exact_dstep(dh, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv, mv,
+                                  GATE, DELTA)
+        else:
+            tok = t0 + rows
+            rv = tok < eos
+            tq = tok[:, None].to(tl.int64) * H + ih
+            mqk = rv[:, None] & mk[None, :]
+            mcv = rv[:, None] & mv[None, :]
+            b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32) * scale
+            b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+            b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+            if GATE == 1:
+                G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+                p = _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)
+                qg = b_q * tl.exp(G)[:, None]
+                ke = b_k * _end_decay(G, Gl, GC, GCl)[:, None]
+                decay = tl.exp(GC)
+                du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
+                dh = dh * decay
+            elif GATE == 2:
+                G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+                qg = b_q * tl.exp(G)
+                p = tl.where(incl, _mm(qg, tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
+                ke = b_k * tl.exp(GC[None, :] - G)
+                du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
+                dh = dh * tl.exp(GC)[:, None]
+            else:
+                qg = b_q
+                p = tl.where(incl, _mm(b_q, tl.trans(b_k), F32, DT), 0.)
+                du = _mm(tl.trans(p), b_do, F32, DT) + _mm(b_k, dh, F32, DT)
+            tl.store(dU + tq * V + cv[None, :], du.to(dU.dtype.element_ty), mask=mcv)
+            dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
+            if DELTA:
+                b_w = tl.load(W + tq * K + ck[None, :], mask=mqk, other=0.)
+                dh = dh - _mm(tl.trans(b_w), du, F32, DT)
+    if HAS_H0:
+        tl.store(dh0 + (n * H + ih).to(tl.int64) * K * V + offkv, dh.to(dh0.dtype.element_ty), mask=mkv)
+
+
+@triton.jit
+def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab, scale,
+           T, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mqk = rv[:, None] & mk[None, :]
+    tq = tok[:, None].to(tl.int64) * H + ih
+    incl = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32) * scale
+    b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+    b_beta = tl.zeros([C], dtype=tl.float32)
+    tm = tl.zeros([C, C], dtype=tl.float32)
+    if DELTA:
+        b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
+        tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
+    acc_dqh = tl.zeros([C, BK], dtype=tl.float32)   # dO h^T
+    acc_dke = tl.zeros([C, BK], dtype=tl.float32)   # U dS_end^T
+    acc_dw = tl.zeros([C, BK], dtype=tl.float32)    # -dU h^T
+    acc_dp = tl.zeros([C, C], dtype=tl.float32)     # dO U^T
+    acc_dt = tl.zeros([C, C], dtype=tl.float32)     # dU (beta V)^T
+    acc_dgc = tl.zeros([BK], dtype=tl.float32)      # rowsum(h * dS_end)
+    d_beta = tl.zeros([C], dtype=tl.float32)
+    hbase = (cid * H + ih).to(tl.int64) * K * V
+    for iv in range(0, tl.cdiv(V, BV)):
+        cv = iv * BV + tl.arange(0, BV)
+        mv = cv < V
+        mkv = mk[:, None] & mv[None, :]
+        mcv = rv[:, None] & mv[None, :]
+        offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+        b_h = tl.load(hs + hbase + offkv, mask=mkv, other=0.)
+        b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.)
+        b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.)
+        if DELTA:
+            b_u = tl.load(U + tq * V + cv[None, :], mask=mcv, other=0.)
+        else:
+            b_u = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.)
+        acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
+        acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
+        acc_dp += _mm(b_do, tl.trans(b_u), F32, DT)
+        if GATE > 0:
+            acc_dgc += tl.sum(b_h.to(tl.float32) * b_dsc.to(tl.float32), 1)
+        if DELTA:
+            b_du = tl.load(dU + tq * V + cv[None, :], mask=mcv, other=0.)
+            b_v = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+            acc_dw -= _mm(b_du, tl.trans(b_h), F32, DT)
+            dvb = _mm(tl.trans(tm), b_du, F32, DT)
+            tl.store(dv + tq * V + cv[None, :], (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
+            d_beta += tl.sum(dvb * b_v, 1)
+            acc_dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
+    dp = tl.where(incl, acc_dp, 0.)
+    dG = tl.zeros([C], dtype=tl.float32)
+    if GATE == 1:
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+        eG = tl.exp(G)
+        eE = _end_decay(G, Gl, GC, GCl)
+        E = _pair_decay(G, Gl, incl)
+        p = _mm(b_q, tl.trans(b_k), F32, DT) * E
+        dqk = dp * E
+        dqs = acc_dqh * eG[:, None] + _mm(dqk, b_k, F32, DT)
+        dkk = _mm(tl.trans(dqk), b_q, F32, DT) + acc_dke * eE[:, None]
+        # dg_t sums the pair terms whose decay spans step t (see _gate_grad)
+        pairs = tl.where(strict, dp * p, 0.)
+        dke_k = tl.sum(acc_dke * b_k, 1) * eE
+        dG = tl.sum(acc_dqh * b_q, 1) * eG
+        if DELTA:
+            kk = _mm(b_k, tl.trans(b_k), F32, DT)
+            araw = tl.where(strict, kk * E, 0.)
+            kb = b_k * (b_beta * eG)[:, None]
+            dt = acc_dt + _mm(acc_dw, tl.trans(kb), F32, DT)
+            dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
+            da = -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT)
+            da = tl.where(strict, da, 0.)
+            d_beta += tl.sum(da * araw, 1) + tl.sum(dkb * b_k, 1) * eG
+            dar = da * b_beta[:, None]
+            dkk2 = dar * E
+            dkk += _mm(dkk2, b_k, F32, DT) + _mm(tl.trans(dkk2), b_k, F32, DT) + dkb * (b_beta * eG)[:, None]
+            pairs += dar * araw
+            dG += tl.sum(dkb * kb, 1)
+        dgo = _gate_grad(dG, pairs, dke_k, tl.exp(GC) * tl.sum(acc_dgc, 0), strict)
+        tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)
+    elif GATE == 2:
+        G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+        eG = tl.exp(G)
+        eN = tl.exp(-G)
+        eE = tl.exp(GC[None, :] - G)
+        qg = b_q * eG
+        kg = b_k * eG
+        kn = b_k * eN
+        ke = b_k * eE
+        dqg = acc_dqh + _mm(dp, kn, F32, DT)
+        dkn = _mm(tl.trans(dp), qg, F32, DT)
+        dkg = tl.zeros([C, BK], dtype=tl.float32)
+        if DELTA:
+            araw = tl.where(strict, _mm(kg, tl.trans(kn), F32, DT), 0.)
+            kb = kg * b_beta[:, None]
+            dt = acc_dt + _mm(acc_dw, tl.trans(kb), F32, DT)
+            dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
+            da = -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT)
+            da = tl.where(strict, da, 0.)
+            d_beta += tl.sum(da * araw, 1) + tl.sum(dkb * kg, 1)
+            dar = da * b_beta[:, None]
+            dkg = _mm(dar, kn, F32, DT) + dkb * b_beta[:, None]
+            dkn += _mm(tl.trans(dar), kg, F32, DT)
+        dqs = dqg * eG
+        dkk = dkg * eG + dkn * eN + acc_dke * eE
+        dGv = dqg * qg + dkg * kg - dkn * kn - acc_dke * ke
+        dGC = tl.sum(acc_dke * ke, 0) + tl.exp(GC) * acc_dgc
+        dGv += tl.where(rows[:, None] == C - 1, dGC[None, :], 0.)
+        dgo = tl.cumsum(dGv, 0, reverse=True)
+        tl.store(dg + tq * K + ck[None, :], dgo.to(dg.dtype.element_ty), mask=mqk)
+    else:
+        dqs = acc_dqh + _mm(dp, b_k, F32, DT)
+        dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke
+        if DELTA:
+            araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
+            kb = b_k * b_beta[:, None]
+            dt = acc_dt + _mm(acc_dw, tl.trans(kb), F32, DT)
+            dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
+            da = -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT)
+            da = tl.where(strict, da, 0.)
+            d_beta += tl.sum(da * araw, 1) + tl.sum(dkb * b_k, 1)
+            dar = da * b_beta[:, None]
+            dkk += _mm(dar, b_k, F32, DT) + _mm(tl.trans(dar), b_k, F32, DT) + dkb * b_beta[:, None]
+    tl.store(dq + tq * K + ck[None, :], (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
+    tl.store(dk + tq * K + ck[None, :], dkk.to(dk.dtype.element_ty), mask=mqk)
+    if DELTA:
+        tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
+
