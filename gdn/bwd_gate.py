@@ -14,7 +14,7 @@ import triton.language as tl
 
 from gdn.chunk_fwd import GATE_FLOOR
 
-_FLOOR = tl.constexpr(GATE_FLOOR)
+_FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other module globals
 
 
 @triton.jit
