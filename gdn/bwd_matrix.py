@@ -1,6 +1,7 @@
 """The matrix (chunked) path of the GDN backward: four kernels that hold most of its work.
 
-``_prep`` (chunks in parallel) flags chunks for the exact path and builds the WY form;
+``_prep`` (chunks in parallel) flags chunks for the exact path and builds the WY form
+(or, under the bring-up switch GDN_BWD_PREP=split, ``_prep_inv`` then ``_prep_wu``);
 ``_states`` (sequential over chunks) recomputes each chunk's entry state and U;
 ``_dstates`` (sequential, reverse time) carries the state gradient back and stores dU
 (or dv); ``_grads`` (chunks in parallel) forms dq, dk, dv, dbeta, dg of each chunk.
@@ -46,18 +47,24 @@ def _outside(x, bound):
 
 
 @triton.jit
-def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
-          C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-          DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
-          GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
-    cid = tl.program_id(0)
-    ih = tl.program_id(1)
-    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+def _gated_keys(b_k, b_beta, G, GATE: tl.constexpr):
+    """diag(beta) K_g of a chunk (any K tile of it): the right factor of W = T diag(beta) K_g."""
+    if GATE == 1:
+        return b_k * (b_beta * tl.exp(G))[:, None]
+    elif GATE == 2:
+        return (b_k * tl.exp(G)) * b_beta[:, None]
+    else:
+        return b_k * b_beta[:, None]
+
+
+@triton.jit
+def _wy_system(q, k, g, beta, tok, rv, ih, H, K, ck, mk, C: tl.constexpr, GATE: tl.constexpr,
+               DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, GLIM: tl.constexpr,
+               BIG: tl.constexpr):
+    """A chunk's count of entries that send it to the exact path among q, k, beta and the
+    gate (v and do are the caller's), its beta, diag(beta) K_g and
+    A_raw = strict_lower(K_g K_n^T) (A = diag(beta) A_raw)."""
     rows = tl.arange(0, C)
-    tok = bos + ic * C + rows
-    rv = tok < eos
-    ck = tl.arange(0, BK)
-    mk = ck < K
     mqk = rv[:, None] & mk[None, :]
     tq = tok[:, None].to(tl.int64) * H + ih
     b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
@@ -72,18 +79,37 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
         G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
         bad += _outside(G[:, None], 3.0e38)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-        kb = b_k * (b_beta * tl.exp(G))[:, None]
+        kb = _gated_keys(b_k, b_beta, G, GATE)
         araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, strict)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
         bad += _outside(G, 3.0e38)
         bad += tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
-        kg = b_k * tl.exp(G)
-        kb = kg * b_beta[:, None]
-        araw = tl.where(strict, _mm(kg, tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
+        kb = _gated_keys(b_k, b_beta, G, GATE)
+        araw = tl.where(strict, _mm(b_k * tl.exp(G), tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
     else:
-        kb = b_k * b_beta[:, None]
+        kb = _gated_keys(b_k, b_beta, b_beta, GATE)   # no gate: the third argument is unused
         araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
+    return bad, b_beta, kb, araw
+
+
+@triton.jit
+def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+          C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+          DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
+          GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mqk = rv[:, None] & mk[None, :]
+    tq = tok[:, None].to(tl.int64) * H + ih
+    bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, rv, ih, H, K, ck, mk, C, GATE, DELTA,
+                                       F32, DT, GLIM, BIG)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
@@ -105,6 +131,73 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
             b_v = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
             tl.store(U + tq * V + cv[None, :], u.to(U.dtype.element_ty), mask=mcv)
+
+
+# The prep in two launches (bring-up switch GDN_BWD_PREP=split in gdn.chunk_bwd, delta only),
+# as the forward's (gdn.chunk_fwd: one fused prep spilled at 255 registers there): part 1 keeps
+# only A and its inverse live, part 2 forms W and Uu from the stored T in BW-wide tiles.  Same
+# operations in the same order as _prep, tile by tile.
+@triton.jit
+def _prep_inv(q, k, g, beta, flag, Tm, cu, tab, T, H, K,
+              C: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+              F32: tl.constexpr, DT: tl.constexpr, GLIM: tl.constexpr, PREC: tl.constexpr,
+              BIG: tl.constexpr):
+    """The WY prep, part 1: T = (I + A)^-1 of a chunk, stored [C rows, C] fp32 in its rows;
+    the flag covers q, k, beta and the gate."""
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    ck = tl.arange(0, BK)
+    bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, rv, ih, H, K, ck, ck < K, C, GATE, True,
+                                       F32, DT, GLIM, BIG)
+    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
+    tm = _inv_unit_lower(araw * b_beta[:, None], C, PREC)
+    tq = tok[:, None].to(tl.int64) * H + ih
+    tl.store(Tm + tq * C + rows[None, :], tm, mask=rv[:, None])
+
+
+@triton.jit
+def _prep_wu(k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+             C: tl.constexpr, BW: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+             F32: tl.constexpr, DT: tl.constexpr, BIG: tl.constexpr):
+    """The WY prep, part 2: W = T diag(beta) K_g and Uu = T diag(beta) V from the stored T,
+    in BW-wide tiles of K and of V; the flag gains v's and do's checks."""
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    tq = tok[:, None].to(tl.int64) * H + ih
+    tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
+    b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
+    G = tl.zeros([C], dtype=tl.float32)
+    if GATE == 1:
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+    for ik in range(0, tl.cdiv(K, BW)):
+        ck = ik * BW + tl.arange(0, BW)
+        mk = ck < K
+        mqk = rv[:, None] & mk[None, :]
+        b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+        if GATE == 2:
+            Gk, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+            kb = _gated_keys(b_k, b_beta, Gk, GATE)
+        else:
+            kb = _gated_keys(b_k, b_beta, G, GATE)
+        tl.store(W + tq * K + ck[None, :], _mm(tm, kb, F32, DT).to(W.dtype.element_ty), mask=mqk)
+    bad = tl.load(flag + cid * H + ih)
+    for iv in range(0, tl.cdiv(V, BW)):
+        cv = iv * BW + tl.arange(0, BW)
+        mcv = rv[:, None] & (cv < V)[None, :]
+        b_v = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+        b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+        u = _mm(tm, b_v * b_beta[:, None], F32, DT)
+        tl.store(U + tq * V + cv[None, :], u.to(U.dtype.element_ty), mask=mcv)
+    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
 
 
 @triton.jit

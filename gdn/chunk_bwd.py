@@ -11,7 +11,8 @@ launches the kernels, which live in the modules named after their concept:
    finite (or whose cumulative gate is too steep for the factored vector-gate
    form), and for the delta rule builds the WY form of the chunk: the inverse
    T = (I + A)^-1 of the unit lower triangular system, W = T diag(beta) K_g and
-   Uu = T diag(beta) V.
+   Uu = T diag(beta) V.  (GDN_BWD_PREP=split, delta only: two launches, ``_prep_inv``
+   for T and ``_prep_wu`` for W and Uu from the stored T; off by default.)
 2. ``_states`` (sequential over chunks)  recomputes the state entering every
    chunk, h_c, and the chunk's effective values U = Uu - W h_c.
 3. ``_dstates`` (sequential, reverse time)  carries the state gradient dS
@@ -47,7 +48,7 @@ import triton.language as tl
 
 from gdn.bwd_chunks import chunk_plan
 from gdn.bwd_exact import _exact
-from gdn.bwd_matrix import _dstates, _grads, _prep, _states
+from gdn.bwd_matrix import _dstates, _grads, _prep, _prep_inv, _prep_wu, _states
 from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -55,6 +56,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # class, and the interpreter runs the same code); benchmarks may override it
 LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
+# Bring-up switch GDN_BWD_PREP=split (read at import; tests flip PREP_SPLIT): the delta rule's
+# prep in two launches, _prep_inv (A, T) then _prep_wu (W, Uu from the stored T), as the
+# forward's (1.40 -> 0.41 + 0.32 ms on the H200).  Off by default: not yet run on a GPU.
+_PREP = os.environ.get("GDN_BWD_PREP", "fused")
+if _PREP not in ("fused", "split"):
+    raise ValueError(f"GDN_BWD_PREP must be 'fused' or 'split'; got {_PREP!r}")
+PREP_SPLIT = _PREP == "split"
+# warps and tile width of the split prep, from tools/kernel_resources.py (sm_90, bench shape)
+LAUNCH_SPLIT = {"prep_inv_warps": 4, "prep_wu_warps": 4, "prep_wu_bw": 64}
 
 
 def tiles(K: int, V: int) -> dict:
@@ -150,10 +160,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     seq_warps = LAUNCH["seq_warps"]
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    _prep[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
-                   F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                   PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
-                   num_stages=1 if F32 else 2, **common)
+    if delta and PREP_SPLIT:
+        _prep_inv[(NC, H)](q, k, gp, bp, flag, Tm, cu, tab, T, H, K, C=C, BK=BK, GATE=GATE,
+                           IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX,
+                           PREC="ieee" if F32 else "tf32", BIG=BIG,
+                           num_warps=LAUNCH_SPLIT["prep_inv_warps"], num_stages=1)
+        _prep_wu[(NC, H)](k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V, C=C,
+                          BW=min(LAUNCH_SPLIT["prep_wu_bw"], BK, BV), GATE=GATE, IS_VARLEN=IS_VARLEN,
+                          F32=F32, DT=DT, BIG=BIG, num_warps=LAUNCH_SPLIT["prep_wu_warps"],
+                          num_stages=1 if F32 else 2)
+    else:
+        _prep[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+                       F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
+                       PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
+                       num_stages=1 if F32 else 2, **common)
     _states[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
                          **common)
