@@ -54,7 +54,9 @@ from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4}
+LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
+          # the split prep (PREP_SPLIT below): from tools/kernel_resources.py (sm_90, bench shape)
+          "prep_inv_warps": 8, "prep_wu_warps": 8, "prep_wu_bw": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
 # Bring-up switch GDN_BWD_PREP=split (read at import; tests flip PREP_SPLIT): the delta rule's
 # prep in two launches, _prep_inv (A, T) then _prep_wu (W, Uu from the stored T), as the
@@ -63,8 +65,6 @@ _PREP = os.environ.get("GDN_BWD_PREP", "fused")
 if _PREP not in ("fused", "split"):
     raise ValueError(f"GDN_BWD_PREP must be 'fused' or 'split'; got {_PREP!r}")
 PREP_SPLIT = _PREP == "split"
-# warps and tile width of the split prep, from tools/kernel_resources.py (sm_90, bench shape)
-LAUNCH_SPLIT = {"prep_inv_warps": 4, "prep_wu_warps": 4, "prep_wu_bw": 64}
 
 
 def tiles(K: int, V: int) -> dict:
@@ -164,10 +164,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         _prep_inv[(NC, H)](q, k, gp, bp, flag, Tm, cu, tab, T, H, K, C=C, BK=BK, GATE=GATE,
                            IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX,
                            PREC="ieee" if F32 else "tf32", BIG=BIG,
-                           num_warps=LAUNCH_SPLIT["prep_inv_warps"], num_stages=1)
+                           num_warps=LAUNCH["prep_inv_warps"], num_stages=1)
         _prep_wu[(NC, H)](k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V, C=C,
-                          BW=min(LAUNCH_SPLIT["prep_wu_bw"], BK, BV), GATE=GATE, IS_VARLEN=IS_VARLEN,
-                          F32=F32, DT=DT, BIG=BIG, num_warps=LAUNCH_SPLIT["prep_wu_warps"],
+                          BW=min(LAUNCH["prep_wu_bw"], BK, BV), GATE=GATE, IS_VARLEN=IS_VARLEN,
+                          F32=F32, DT=DT, BIG=BIG, num_warps=LAUNCH["prep_wu_warps"],
                           num_stages=1 if F32 else 2)
     else:
         _prep[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,

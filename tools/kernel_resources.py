@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of our Triton kernels, compiled for sm_90 without a GPU.
 
     python tools/kernel_resources.py            # the GDN forward and backward kernels, bench shape
+    python tools/kernel_resources.py --only "bwd _prep" --warps 8 --gate 2   # a sweep point
 
 Compiles each kernel (Triton's own ptxas) for an H100/H200 target on any machine
 and reads the cubin's resource usage with cuobjdump: registers per thread, stack
@@ -103,8 +104,12 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
             (cb._states, tile["BV"], seq, 3),
             (cb._dstates, tile["BV"], seq, 3),
             (cb._grads, tile["grads_BV"], launch["grads_warps"], 1 if F32 else launch["grads_stages"]),
-            (cb._exact, tile["exact_BV"], seq, 3)):
-        const = {a: v for a, v in dict(consts, BV=bv).items() if a in fn.arg_names}
+            (cb._exact, tile["exact_BV"], seq, 3),
+            # the split prep (GDN_BWD_PREP=split), delta only
+            *(((cb._prep_inv, None, cb.LAUNCH["prep_inv_warps"], 1),
+               (cb._prep_wu, None, cb.LAUNCH["prep_wu_warps"], 1 if F32 else 2)) if delta else ())):
+        bw = min(cb.LAUNCH["prep_wu_bw"], tile["BK"], tile["BV"])
+        const = {a: v for a, v in dict(consts, BV=bv, BW=bw).items() if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward); the
         # launch's divisibility-by-16 hints are not modelled here
         sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
@@ -119,11 +124,16 @@ def main():
     ap.add_argument("--V", type=int, default=128)
     ap.add_argument("--gate", type=int, default=1, help="0 none, 1 scalar, 2 vector")
     ap.add_argument("--no-delta", action="store_true")
+    ap.add_argument("--only", default="", help="only kernels whose label contains this (e.g. _prep)")
+    ap.add_argument("--warps", type=int, default=0, help="compile with this many warps instead of the launch's")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta)
     for label, fn, sig, const, warps, stages in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
+        if a.only not in label:
+            continue
+        warps = a.warps or warps
         r = resources(fn, sig, const, warps, stages)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
               f"{r['convert_layout']} | {r['local_alloc']} |", flush=True)
