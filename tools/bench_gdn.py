@@ -2,7 +2,7 @@
 chunk_gated_delta_rule on a GPU: time, floors, accuracy against the float64
 oracle, and the NaN/Inf contract on the device.
 
-    python tools/bench_gdn.py --out OUT.md [--no-fla] [--budget SECONDS] [--stages fwd,bwd]
+    python tools/bench_gdn.py --out OUT.md [--no-fla] [--budget SECONDS] [--stages fwd,bwd,bwdprof]
 
 The ``bwd`` stage times our backward (gdn.chunk_bwd) and forward+backward
 (gdn.op.gdn_attention through autograd) against fla's chunk_gated_delta_rule
@@ -11,6 +11,9 @@ autograd through the oracle. fla 0.6.0 refuses its gated backward on Hopper
 with Triton < 3.7.1 (a guard in fla/ops/common/chunk_o.py, for fla issue #640:
 wrong db/dg); the stage lifts that guard at run time, in this process only, to
 time it, so fla's db/dg errors below are what that guard warns of.
+
+The ``bwdprof`` stage (not in the default) times our backward per kernel (torch
+profiler) with the fused WY prep and with GDN_BWD_PREP=split, on the same inputs.
 
 Writes a Markdown section (pasted into BENCHMARKS.md, "GDN forward") after
 every stage, so a run cut short still leaves what it measured.
@@ -152,12 +155,55 @@ def backward_stage(rep, fla_module):
         rep.add(f"| {name} | " + " | ".join(f"{rel(a, w):.2e}" for a, w in zip(grads, want)) + " |")
 
 
+def kernel_times(fn, runs=5):
+    """{kernel name: mean device ms per call} of `fn` over `runs` calls (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in p.events():
+        if e.device_type.name == "CUDA":
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / runs / 1000
+    return times
+
+
+def backward_profile_stage(rep):
+    """Our backward per kernel, fused prep (default) and split prep (GDN_BWD_PREP=split),
+    B8 T4096 H16 K=V=128 bf16 (GDN); and how far the split's gradients are from the fused's."""
+    import gdn.chunk_bwd as cb
+    q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16)
+    do = torch.randn(8, 4096, 16, 128, device="cuda").to(torch.bfloat16)
+    rep.add("### Backward per kernel (bf16, GDN, B8 T4096 H16 K=V=128; do_bench median; "
+            "torch profiler, mean of 5)\n\n| prep | bwd ms | per kernel ms |\n| --- | --- | --- |")
+    saved, got = cb.PREP_SPLIT, {}
+    for split in (False, True):
+        cb.PREP_SPLIT = split
+        try:
+            bwd = lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do)  # noqa: E731
+            got[split] = bwd()
+            t = do_bench(bwd, warmup=50, rep=200, return_mode="median")
+            ks = sorted(kernel_times(bwd).items(), key=lambda x: -x[1])
+            rep.add(f"| {'split' if split else 'fused'} | {t:.3f} | "
+                    + ", ".join(f"{n[:20]} {ms:.3f}" for n, ms in ks) + " |")
+        except Exception:  # noqa: BLE001
+            rep.add(f"| {'split' if split else 'fused'} | failed: {traceback.format_exc(limit=3)!r} |")
+    cb.PREP_SPLIT = saved
+    if len(got) == 2:
+        rep.add("\nsplit vs fused, normwise rel. diff: " + ", ".join(
+            f"{n} {rel(a, b):.1e}" for n, a, b in zip(GRADS, got[True], got[False]) if a is not None))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_fwd.md")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
-    ap.add_argument("--stages", default="fwd,bwd", help="comma-separated: fwd, bwd")
+    ap.add_argument("--stages", default="fwd,bwd",
+                    help="comma-separated: fwd, bwd, bwdprof (backward per kernel, fused and split prep)")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
     t_start = time.time()
@@ -173,6 +219,9 @@ def main():
             f"python {platform.python_version()}; fla {'yes' if fla else 'no'}.\n")
     if "bwd" in stages:
         backward_stage(rep, fla)
+        rep.add("")
+    if "bwdprof" in stages:
+        backward_profile_stage(rep)
         rep.add("")
     if "fwd" not in stages:
         return
