@@ -69,7 +69,7 @@ PREP_SPLIT = _PREP == "split"
 
 def tiles(K: int, V: int) -> dict:
     """The tile sizes the kernels launch with: BK; BV of _prep, _states and _dstates
-    (NV = ceil(V / BV) programs split V); BV of _grads and of _exact."""
+    (NV = ceil(V / BV) programs split V); BV of _grads and of _exact; BW of _prep_wu."""
     BK = _pow2(K)
     # BK = 256 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
     # sequential kernels' products compiled to out-of-range shared-memory addresses
@@ -78,8 +78,9 @@ def tiles(K: int, V: int) -> dict:
     BV = 64 if BK > 128 else min(64, _pow2(V))
     # _exact's float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
     # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
+    # the split prep's _prep_wu (GDN_BWD_PREP=split) forms W and Uu in prep_wu_BW-wide tiles
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
-            "exact_BV": min(BV, max(16, 2048 // BK))}
+            "exact_BV": min(BV, max(16, 2048 // BK)), "prep_wu_BW": min(LAUNCH["prep_wu_bw"], BK, BV)}
 
 
 def _dot_mode(dtype):
@@ -166,7 +167,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                            PREC="ieee" if F32 else "tf32", BIG=BIG,
                            num_warps=LAUNCH["prep_inv_warps"], num_stages=1)
         _prep_wu[(NC, H)](k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V, C=C,
-                          BW=min(LAUNCH["prep_wu_bw"], BK, BV), GATE=GATE, IS_VARLEN=IS_VARLEN,
+                          BW=tile["prep_wu_BW"], GATE=GATE, IS_VARLEN=IS_VARLEN,
                           F32=F32, DT=DT, BIG=BIG, num_warps=LAUNCH["prep_wu_warps"],
                           num_stages=1 if F32 else 2)
     else:

@@ -108,8 +108,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
             # the split prep (GDN_BWD_PREP=split), delta only
             *(((cb._prep_inv, None, cb.LAUNCH["prep_inv_warps"], 1),
                (cb._prep_wu, None, cb.LAUNCH["prep_wu_warps"], 1 if F32 else 2)) if delta else ())):
-        bw = min(cb.LAUNCH["prep_wu_bw"], tile["BK"], tile["BV"])
-        const = {a: v for a, v in dict(consts, BV=bv, BW=bw).items() if a in fn.arg_names}
+        const = {a: v for a, v in dict(consts, BV=bv, BW=tile["prep_wu_BW"]).items() if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward); the
         # launch's divisibility-by-16 hints are not modelled here
         sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
