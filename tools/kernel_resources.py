@@ -124,7 +124,8 @@ def main():
     ap.add_argument("--gate", type=int, default=1, help="0 none, 1 scalar, 2 vector")
     ap.add_argument("--no-delta", action="store_true")
     ap.add_argument("--only", default="", help="only kernels whose label contains this (e.g. _prep)")
-    ap.add_argument("--warps", type=int, default=0, help="compile with this many warps instead of the launch's")
+    ap.add_argument("--warps", type=int, default=0,
+                    help="compile with this many warps instead of the launch's")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
