@@ -11,6 +11,7 @@ import signal
 import socket
 
 import pytest
+import torch
 
 from harnesses.escapes import REPO, probe_paths
 from kfuzz import sandbox
@@ -70,6 +71,7 @@ def _in_confined_child(attempt, workdir, policy=sandbox.Policy(memory=None)) -> 
     if pid == 0:   # the child: never returns into pytest
         try:
             os.close(r)
+            signal.alarm(30)    # a child stuck past its limits dies: the parent reads nothing
             out = repr(attempt(sandbox.confine(policy, str(workdir))))
         except BaseException as e:  # noqa: BLE001 - everything must come back to the parent
             out = f"{type(e).__name__}: {e}"
@@ -133,6 +135,29 @@ def test_the_confinement_report_names_each_layer(tmp_path):
         assert "seccomp" in report["network"]
     if LANDLOCK:
         assert report["writes"] == f"blocked (landlock-{LANDLOCK}) and named"
+
+
+def _thread_then_allocations(report):
+    import threading
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+    small = torch.ones(64 << 20, dtype=torch.uint8)     # inside the headroom
+    try:
+        torch.ones(512 << 20, dtype=torch.uint8)        # past it
+    except (MemoryError, RuntimeError):
+        return f"ok {small.numel()}"
+    return "the limit did not bite"
+
+
+def test_the_memory_limit_is_headroom_over_what_the_worker_maps(tmp_path):
+    """A 256 MiB limit in a process that already maps more (torch: ~0.6 GiB here, several GiB
+    where torch loads its CUDA libraries): the kernel still gets 256 MiB of its own (a thread,
+    a 64 MiB tensor), and no more. An absolute limit left no room at all: on the H200 host a
+    CPU worker could not start a thread."""
+    assert sandbox.address_space() > 256 << 20
+    got = _in_confined_child(_thread_then_allocations, tmp_path, sandbox.Policy(memory=256 << 20))
+    assert got == repr(f"ok {64 << 20}"), got
 
 
 @pytest.mark.parametrize("text, want", [("4G", 4 << 30), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("none", None)])
