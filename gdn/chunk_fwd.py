@@ -67,6 +67,9 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
+# Bring-up switch of version 5.3 (gdn/NOTES.md; default off until measured on the H200):
+# the WY prep of gdn.fwd_prep.  A module attribute, so a test can flip it.
+V53 = os.environ.get("GDN_FWD_V53") == "1"
 # Products take fp32 operands (tf32 on GPUs; fp32 inputs tf32x3).  The tensors one
 # launch hands to the next (w, u, the chunk states, v_new) are stored in bf16 for
 # bf16 inputs (as fla does; the outputs are bf16 anyway) and in fp32 otherwise (an
@@ -579,10 +582,14 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         prep = dict(H=H, K=K, BK=BK, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None, PREC=prec, BIG=BIG)
         tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
-        # warps from tools/kernel_resources.py: the fewest with no spill at the bench shape
-        _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, max(NT, 1), num_warps=4, **prep)
-        _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
-                                 num_warps=8, **prep)
+        if V53:
+            from gdn import fwd_prep
+            fwd_prep.launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
+                                 lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET, **prep)
+        else:   # warps from tools/kernel_resources.py: the fewest with no spill at the bench shape
+            _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, max(NT, 1), num_warps=4, **prep)
+            _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
+                                     num_warps=8, **prep)
     else:
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)

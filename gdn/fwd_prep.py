@@ -1,0 +1,190 @@
+"""The GDN forward's WY prep, version 5.3 (behind `gdn.chunk_fwd.V53`, default off).
+
+Same two launches and the same outputs as `gdn.chunk_fwd`'s `_prep_inv_kernel` and
+`_prep_wu_kernel` (T = (I + A)^-1 stored fp32, w = T diag(beta Gamma) k, u = T diag(beta) v,
+the per-(chunk, head) flag), with two changes aimed at the H200's time per chunk:
+
+- The 16x16 diagonal blocks of T by forward substitution on a [16, BT] tile that holds
+  column c of block b in column 16 b + c, so that with 2 warps every column of the tile
+  lies in one thread: a step reads row i of each block's A (stored first in T's place,
+  read back through the cache) and sums over j inside the thread, with no shuffle and no
+  barrier.  The v5.2 substitution on a [4, 16, 16] tensor spread the summed axis over the
+  warps: about 7 barriers a step, 107 in all (offline sm_90 SASS).  The block merges stay
+  the products of `_inv_unit_lower` (tf32), run by the launch's 4 warps.
+- For bf16 inputs and no gate or a scalar gate, products on bf16 operands where that loses
+  nothing: k k^T on the raw keys (each product exact in the fp32 sum; the decay and beta
+  scale the [BT, BT] result), and w, u as (T_hi + T_lo) k, (T_hi + T_lo) v with T diag(beta
+  Gamma) split into two bf16 parts (T to about 2^-16, the raw k, v exact: more precise
+  than v5.2's tf32 operands, which round both to 2^-11).  fp16 and fp32 inputs and the
+  vector gate keep v5.2's operands: an fp16 T could overflow, and a per-key decay cannot
+  be moved off the keys.
+
+Under the Triton interpreter the bf16 operands are rounded to bf16 and multiplied in fp32
+("ieee"): the same products (exact) as a bf16 tensor-core product, since the
+interpreter's own bf16 tl.dot is wrong.
+
+Refuses nothing of its own: `gdn.chunk_fwd.chunk_gdn_fwd` checks the inputs.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gdn.chunk_fwd import _all_within, _chunk_span, _load_gates, _store_wy_values
+
+
+@triton.jit
+def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+    """a b on bf16 operands (LOWP; fp32 totals) or on fp32 ones at PREC."""
+    if LOWP:
+        a = a.to(tl.bfloat16)
+        b = b.to(tl.bfloat16)
+        if INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _split_dot(t, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+    """t x with t fp32 and x exact in bf16 (LOWP): t = hi + lo in bf16, two bf16 products;
+    else one product on fp32 operands at PREC."""
+    if LOWP:
+        hi = t.to(tl.bfloat16).to(tl.float32)
+        return _bdot(hi, x, True, INTERP, PREC) + _bdot(t - hi, x, True, INTERP, PREC)
+    return tl.dot(t, x.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _diag_inverse(tm, rows0, eos, i_h, H: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
+    """(I + D_b)^-1 of the BT // 16 diagonal 16x16 blocks D_b of the strictly lower A whose
+    transpose is stored at tm (rows bos.., BT columns), as a [16, W] tile X[j, 16 b + c] =
+    (I + D_b)^-1[j, c] (W = 2 BT: the tile twice, so that each of 4 warps' threads holds
+    one column).  Row i:  X_b[i, :] = e_i - sum_{j < i} D_b[i, j] X_b[j, :]."""
+    jj = tl.arange(0, 16)[:, None]
+    cc = tl.arange(0, W)[None, :] % BT
+    b16 = (cc // 16) * 16
+    X = tl.where(jj == cc - b16, 1.0, 0.0)
+    for i in tl.static_range(1, 16):
+        # D_b[i, j] = A^T[16 b + j, 16 b + i]: strided in j, so the load's layout keeps
+        # the column j of the tile in one thread (a contiguous j would spread it over lanes)
+        r = rows0 + b16 + jj
+        d = tl.load(tm + (r * H + i_h) * BT + b16 + i, mask=(jj < i) & (r < eos), other=0.0)
+        new = tl.sum(d * X, axis=0)
+        X = tl.where(jj == i, tl.where(cc - b16 == i, 1.0, 0.0) - new[None, :], X)
+    return X
+
+
+@triton.jit
+def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
+                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+    """The WY prep, part 1: A, stored in T's place; T's diagonal blocks (`_diag_inverse`);
+    the block merges; T stored fp32 [BT rows, BT]; the flag covers k and beta."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    rr = tl.arange(0, BT)
+    rows = (bos + rr).to(tl.int64)
+    rmask = rows < eos
+    dk = tl.arange(0, BK)
+    m2 = rmask[:, None] & (dk[None, :] < K)
+    kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0)
+    bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+    ok = _all_within(kt, BIG) & _all_within(bt, BIG)
+    lower = rr[:, None] > rr[None, :]
+    if GATE == 2:
+        G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
+        kf = kt.to(tl.float32)
+        A = tl.dot(kf * tl.exp(G), tl.trans(kf * tl.exp(-G)), input_precision=PREC)
+    else:
+        A = _bdot(kt, tl.trans(kt), LOWP, INTERP, PREC)
+        if GATE == 1:
+            G, Glo = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
+            A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
+    A = tl.where(lower, A * bt[:, None], 0.0)
+    tptr = tm + (rows[:, None] * H + i_h) * BT + rr[None, :]
+    ttr = tm + (rows[None, :] * H + i_h) * BT + rr[:, None]   # the transpose's place
+    tl.store(ttr, A, mask=rmask[None, :])
+    tl.debug_barrier()   # A's rows, stored by other threads, are read back below
+    X = _diag_inverse(tm, bos.to(tl.int64), eos, i_h, H, BT, 2 * BT)
+    jj = tl.arange(0, 16)[:, None]
+    cc = tl.arange(0, 2 * BT)[None, :]
+    xr = bos.to(tl.int64) + cc   # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
+    tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
+    if BT == 16:   # one block: T itself
+        xr = bos.to(tl.int64) + jj
+        tl.store(tm + (xr * H + i_h) * BT + cc, X, mask=(cc < BT) & (xr < eos))
+    else:
+        tl.store(tm + (xr * H + i_h) * BT + (cc // 16) * 16 + jj, X, mask=(cc < BT) & (xr < eos))
+        tl.debug_barrier()
+        M = tl.load(ttr, mask=rmask[None, :], other=0.0)   # Dinv on the diagonal, A below
+        same = (rr[:, None] // 16) == (rr[None, :] // 16)
+        eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+        Dinv = tl.where(same, M, 0.0)
+        F = tl.dot(Dinv, tl.where((rr[:, None] // 16) > (rr[None, :] // 16), M, 0.0),
+                   input_precision=PREC)
+        P = eye - F
+        P = eye - tl.dot(F, P, input_precision=PREC)
+        P = eye - tl.dot(F, P, input_precision=PREC)
+        tl.debug_barrier()   # every thread has read M before T overwrites it
+        tl.store(tptr, tl.dot(P, Dinv, input_precision=PREC), mask=rmask[:, None])
+    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
+
+
+@triton.jit
+def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                    GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+    """The WY prep, part 2: w = (T diag(beta Gamma)) k, u = (T diag(beta)) v (the diagonal
+    scales on T's columns, so that k and v enter the products as loaded); the flag gains
+    v's check."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    rr = tl.arange(0, BT)
+    rows = (bos + rr).to(tl.int64)
+    rmask = rows < eos
+    Tm = tl.load(tm + (rows[:, None] * H + i_h) * BT + rr[None, :], mask=rmask[:, None], other=0.0)
+    bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+    sc = bt
+    if GATE == 1:
+        G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, rr, rmask[:, None], H, K, GATE)
+        sc = bt * tl.exp(G)
+    Tk = Tm * sc[None, :]
+    for k0 in tl.static_range(0, BK, BV):   # K in BV-wide tiles: fewer live registers
+        dk = k0 + tl.arange(0, BV)
+        m2 = rmask[:, None] & (dk[None, :] < K)
+        kx = (rows[:, None] * H + i_h) * K + dk[None, :]
+        kt = tl.load(k + kx, mask=m2, other=0.0)
+        if GATE == 2:
+            G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
+            kt = kt.to(tl.float32) * tl.exp(G)
+        tl.store(w + kx, _split_dot(Tk, kt, LOWP, INTERP, PREC).to(w.dtype.element_ty), mask=m2)
+    ok = tl.load(flag + i_c * H + i_h) != 0
+    if LOWP:
+        Tv = Tm * bt[None, :]
+        for v0 in tl.static_range(0, V, BV):
+            dv = v0 + tl.arange(0, BV)
+            mv = rmask[:, None] & (dv[None, :] < V)
+            vx = (rows[:, None] * H + i_h) * V + dv[None, :]
+            vt = tl.load(v + vx, mask=mv, other=0.0)
+            ok = ok & _all_within(vt, BIG)
+            tl.store(u + vx, _split_dot(Tv, vt, True, INTERP, PREC).to(u.dtype.element_ty), mask=mv)
+    else:
+        ok = _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H, V, BV, PREC, BIG)
+    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
+
+
+def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
+    """The two v5.3 prep launches, as gdn.chunk_fwd.chunk_gdn_fwd's v5.2 ones."""
+    NC, H = flag.shape
+    _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
+                              num_warps=INV_WARPS, **prep)
+    _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
+                             LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)
+
+
+INV_WARPS = 4
+WU_WARPS = 8
