@@ -1,10 +1,10 @@
-"""The matrix (chunked) path of the GDN backward: four kernels that hold most of its work.
+"""The matrix (chunked) path of the GDN backward: the WY prep and the two passes over time.
 
 ``_prep`` (chunks in parallel) flags chunks for the exact path and builds the WY form
 (or, under the bring-up switch GDN_BWD_PREP=split, ``_prep_inv`` then ``_prep_wu``);
 ``_states`` (sequential over chunks) recomputes each chunk's entry state and U;
 ``_dstates`` (sequential, reverse time) carries the state gradient back and stores dU
-(or dv); ``_grads`` (chunks in parallel) forms dq, dk, dv, dbeta, dg of each chunk.
+(or dv); gdn.bwd_grads then forms every chunk's gradients from those hand-offs.
 Flagged chunks take the step path of gdn.bwd_exact and are rewritten by its ``_exact``.
 
 Chunk algebra (one chunk, G the in-chunk cumulative log gate, scale folded
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from gdn.bwd_chunks import _coords, _seq
 from gdn.bwd_exact import _exact_dstep, _exact_step
-from gdn.bwd_gate import _end_decay, _gate_grad, _gate_sums, _load_gate, _pair_decay
+from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _inv_unit_lower
 
 
@@ -325,141 +325,3 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
                 dh = dh - _mm(tl.trans(b_w), du, F32, DT)
     if HAS_H0:
         tl.store(dh0 + (n * H + ih).to(tl.int64) * K * V + offkv, dh.to(dh0.dtype.element_ty), mask=mkv)
-
-
-@triton.jit
-def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab, scale,
-           T, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
-    cid = tl.program_id(0)
-    ih = tl.program_id(1)
-    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    tok = bos + ic * C + rows
-    rv = tok < eos
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    mqk = rv[:, None] & mk[None, :]
-    tq = tok[:, None].to(tl.int64) * H + ih
-    incl = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
-    b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32) * scale
-    b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
-    b_beta = tl.zeros([C], dtype=tl.float32)
-    tm = tl.zeros([C, C], dtype=tl.float32)
-    if DELTA:
-        b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-        tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
-    acc_dqh = tl.zeros([C, BK], dtype=tl.float32)   # dO h^T
-    acc_dke = tl.zeros([C, BK], dtype=tl.float32)   # U dS_end^T
-    acc_dw = tl.zeros([C, BK], dtype=tl.float32)    # -dU h^T
-    acc_dp = tl.zeros([C, C], dtype=tl.float32)     # dO U^T
-    acc_dt = tl.zeros([C, C], dtype=tl.float32)     # dU (beta V)^T
-    acc_dgc = tl.zeros([BK], dtype=tl.float32)      # rowsum(h * dS_end)
-    d_beta = tl.zeros([C], dtype=tl.float32)
-    hbase = (cid * H + ih).to(tl.int64) * K * V
-    for iv in range(0, tl.cdiv(V, BV)):
-        cv = iv * BV + tl.arange(0, BV)
-        mv = cv < V
-        mkv = mk[:, None] & mv[None, :]
-        mcv = rv[:, None] & mv[None, :]
-        offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
-        b_h = tl.load(hs + hbase + offkv, mask=mkv, other=0.)
-        b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.)
-        b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.)
-        if DELTA:
-            b_u = tl.load(U + tq * V + cv[None, :], mask=mcv, other=0.)
-        else:
-            b_u = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.)
-        acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
-        acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
-        acc_dp += _mm(b_do, tl.trans(b_u), F32, DT)
-        if GATE > 0:
-            acc_dgc += tl.sum(b_h.to(tl.float32) * b_dsc.to(tl.float32), 1)
-        if DELTA:
-            b_du = tl.load(dU + tq * V + cv[None, :], mask=mcv, other=0.)
-            b_v = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
-            acc_dw -= _mm(b_du, tl.trans(b_h), F32, DT)
-            dvb = _mm(tl.trans(tm), b_du, F32, DT)
-            tl.store(dv + tq * V + cv[None, :], (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
-            d_beta += tl.sum(dvb * b_v, 1)
-            acc_dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
-    dp = tl.where(incl, acc_dp, 0.)
-    dG = tl.zeros([C], dtype=tl.float32)
-    if GATE == 1:
-        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-        eG = tl.exp(G)
-        eE = _end_decay(G, Gl, GC, GCl)
-        E = _pair_decay(G, Gl, incl)
-        p = _mm(b_q, tl.trans(b_k), F32, DT) * E
-        dqk = dp * E
-        dqs = acc_dqh * eG[:, None] + _mm(dqk, b_k, F32, DT)
-        dkk = _mm(tl.trans(dqk), b_q, F32, DT) + acc_dke * eE[:, None]
-        # dg_t sums the pair terms whose decay spans step t (see _gate_grad)
-        pairs = tl.where(strict, dp * p, 0.)
-        dke_k = tl.sum(acc_dke * b_k, 1) * eE
-        dG = tl.sum(acc_dqh * b_q, 1) * eG
-        if DELTA:
-            kk = _mm(b_k, tl.trans(b_k), F32, DT)
-            araw = tl.where(strict, kk * E, 0.)
-            kb = b_k * (b_beta * eG)[:, None]
-            dt = acc_dt + _mm(acc_dw, tl.trans(kb), F32, DT)
-            dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
-            da = -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT)
-            da = tl.where(strict, da, 0.)
-            d_beta += tl.sum(da * araw, 1) + tl.sum(dkb * b_k, 1) * eG
-            dar = da * b_beta[:, None]
-            dkk2 = dar * E
-            dkk += _mm(dkk2, b_k, F32, DT) + _mm(tl.trans(dkk2), b_k, F32, DT) + dkb * (b_beta * eG)[:, None]
-            pairs += dar * araw
-            dG += tl.sum(dkb * kb, 1)
-        dgo = _gate_grad(dG, pairs, dke_k, tl.exp(GC) * tl.sum(acc_dgc, 0), strict)
-        tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)
-    elif GATE == 2:
-        G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
-        eG = tl.exp(G)
-        eN = tl.exp(-G)
-        eE = tl.exp(GC[None, :] - G)
-        qg = b_q * eG
-        kg = b_k * eG
-        kn = b_k * eN
-        ke = b_k * eE
-        dqg = acc_dqh + _mm(dp, kn, F32, DT)
-        dkn = _mm(tl.trans(dp), qg, F32, DT)
-        dkg = tl.zeros([C, BK], dtype=tl.float32)
-        if DELTA:
-            araw = tl.where(strict, _mm(kg, tl.trans(kn), F32, DT), 0.)
-            kb = kg * b_beta[:, None]
-            dt = acc_dt + _mm(acc_dw, tl.trans(kb), F32, DT)
-            dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
-            da = -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT)
-            da = tl.where(strict, da, 0.)
-            d_beta += tl.sum(da * araw, 1) + tl.sum(dkb * kg, 1)
-            dar = da * b_beta[:, None]
-            dkg = _mm(dar, kn, F32, DT) + dkb * b_beta[:, None]
-            dkn += _mm(tl.trans(dar), kg, F32, DT)
-        dqs = dqg * eG
-        dkk = dkg * eG + dkn * eN + acc_dke * eE
-        dGv = dqg * qg + dkg * kg - dkn * kn - acc_dke * ke
-        dGC = tl.sum(acc_dke * ke, 0) + tl.exp(GC) * acc_dgc
-        dGv += tl.where(rows[:, None] == C - 1, dGC[None, :], 0.)
-        dgo = tl.cumsum(dGv, 0, reverse=True)
-        tl.store(dg + tq * K + ck[None, :], dgo.to(dg.dtype.element_ty), mask=mqk)
-    else:
-        dqs = acc_dqh + _mm(dp, b_k, F32, DT)
-        dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke
-        if DELTA:
-            araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
-            kb = b_k * b_beta[:, None]
-            dt = acc_dt + _mm(acc_dw, tl.trans(kb), F32, DT)
-            dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
-            da = -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT)
-            da = tl.where(strict, da, 0.)
-            d_beta += tl.sum(da * araw, 1) + tl.sum(dkb * b_k, 1)
-            dar = da * b_beta[:, None]
-            dkk += _mm(dar, b_k, F32, DT) + _mm(tl.trans(dar), b_k, F32, DT) + dkb * b_beta[:, None]
-    tl.store(dq + tq * K + ck[None, :], (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
-    tl.store(dk + tq * K + ck[None, :], dkk.to(dk.dtype.element_ty), mask=mqk)
-    if DELTA:
-        tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
-

@@ -83,7 +83,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
 # inputs, gradients or bf16 hand-off tensors: gdn.chunk_fwd.handoff_dtype)
-_BWD_FP32 = {"g", "dg", "Tm", "h0", "dht", "dh0"}
+_BWD_FP32 = {"g", "dg", "Tm", "h0", "dht", "dh0", "dkp", "dgp"}
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff"}
 
 
@@ -99,22 +99,28 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
                   HAS_H0=True, HAS_DHT=True)
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
     # stages 3 is Triton's default: the launcher sets none for the sequential kernels and _exact
-    for fn, bv, warps, stages in (
-            (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2),
-            (cb._states, tile["BV"], seq, 3),
-            (cb._dstates, tile["BV"], seq, 3),
-            (cb._grads, tile["grads_BV"], launch["grads_warps"], 1 if F32 else launch["grads_stages"]),
-            (cb._exact, tile["exact_BV"], seq, 3),
-            # the split prep (GDN_BWD_PREP=split), delta only
-            *(((cb._prep_inv, None, cb.LAUNCH["prep_inv_warps"], 1),
-               (cb._prep_wu, None, cb.LAUNCH["prep_wu_warps"], 1 if F32 else 2)) if delta else ())):
-        const = {a: v for a, v in dict(consts, BV=bv, BW=tile["prep_wu_BW"]).items() if a in fn.arg_names}
+    grads_stages = 1 if F32 else launch["grads_stages"]
+    for fn, bv, warps, stages, extra in (
+            (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2, {}),
+            (cb._states, tile["BV"], seq, 3, {}),
+            (cb._dstates, tile["BV"], seq, 3, {}),
+            (cb._grads, tile["grads_BV"], launch["grads_warps"], grads_stages, {"WY_PARTIAL": False}),
+            (cb._exact, tile["exact_BV"], seq, 3, {}),
+            # the split prep (GDN_BWD_PREP=split) and gradients (GDN_BWD_GRADS=split), delta only
+            *(((cb._prep_inv, None, launch["prep_inv_warps"], 1, {}),
+               (cb._prep_wu, None, launch["prep_wu_warps"], 1 if F32 else 2, {}),
+               (cb._grads_wy, tile["grads_wy_BV"], launch["grads_wy_warps"], grads_stages, {}),
+               (cb._grads, tile["grads_BV"], launch["grads_warps"], grads_stages, {"WY_PARTIAL": True}))
+              if delta else ())):
+        const = {a: v for a, v in dict(consts, BV=bv, BW=tile["prep_wu_BW"], **extra).items()
+                 if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward); the
         # launch's divisibility-by-16 hints are not modelled here
         sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
                    else "*i32" if a in _BWD_I32 else "*fp32" if a in _BWD_FP32 else "*bf16")
                for a in fn.arg_names if a not in const}
-        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages)
+        label = f"bwd {fn.__name__}" + (" (WY_PARTIAL)" if extra.get("WY_PARTIAL") else "")
+        yield (label, fn, sig, const, warps, stages)
 
 
 def main():

@@ -1,0 +1,294 @@
+"""The chunk-parallel gradients of the GDN backward: dq, dk, dv, dbeta and dg of every chunk.
+
+They come from four hand-offs of gdn.bwd_matrix: the chunk's entry state h (``_states``),
+its end-state gradient dS_end and dU, the full gradient of U (``_dstates``), and U itself;
+with the delta rule also T = (I + A)^-1 (``_prep``).  Two groups of terms:
+
+- the P terms (causal products and state terms): dO h^T, U dS_end^T, dO U^T give dq, most of
+  dk and dg;
+- the WY terms (everything that goes through T): -dU h^T and dU (beta V)^T give dv, dbeta,
+  and the rest of dk and dg (``_wy_tile`` over V, ``_wy_terms`` at the end).
+
+``_grads`` forms both in one launch (the default).  Under the bring-up switch
+GDN_BWD_GRADS=split (gdn.chunk_bwd) the WY terms move to their own launch, ``_grads_wy``,
+which stores dv and dbeta and hands its share of dk and dg to ``_grads`` as fp32 partials;
+``_grads`` (WY_PARTIAL) then holds two [C, K] accumulators instead of three, and neither
+launch keeps T live beside the P terms.  The sums are the same terms in another order:
+dk bitwise as the fused form; dg rounds differently (the WY share is summed over its own
+decay spans, then added).
+
+Formulas (one chunk, see gdn.bwd_matrix's docstring for A, T, U, K_g, K_n):
+    dT = dU (beta V - beta K_g h)^T,  dA = -strict_lower(T^T dT T^T),
+    d(beta K_g) = T^T (-dU h^T),  dv = beta T^T dU,
+and dA, d(beta K_g) reach k, beta and the gate as A and W were built from them.
+Refuses nothing itself: tile sizes, dtypes and launch grids come from gdn.chunk_bwd.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gdn.bwd_chunks import _coords
+from gdn.bwd_gate import _end_decay, _gate_grad, _gate_sums, _load_gate, _pair_decay
+from gdn.bwd_matrix import _mm
+
+
+@triton.jit
+def _wy_tile(tm, b_beta, b_h, dU, v, dv, tq, V, cv, mcv, acc_dw, acc_dt, d_beta,
+             F32: tl.constexpr, DT: tl.constexpr):
+    """One V tile of the WY terms: stores the tile's dv; returns the running -dU h^T,
+    dU (beta V)^T and dbeta's sum over V of (T^T dU) * V."""
+    b_du = tl.load(dU + tq * V + cv[None, :], mask=mcv, other=0.)
+    b_v = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
+    acc_dw -= _mm(b_du, tl.trans(b_h), F32, DT)
+    dvb = _mm(tl.trans(tm), b_du, F32, DT)
+    tl.store(dv + tq * V + cv[None, :], (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
+    d_beta += tl.sum(dvb * b_v, 1)
+    acc_dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
+    return acc_dw, acc_dt, d_beta
+
+
+@triton.jit
+def _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, kg, kn, strict, GATE: tl.constexpr,
+              F32: tl.constexpr, DT: tl.constexpr):
+    """The WY terms of a chunk from T, dU (beta V)^T and -dU h^T, once V is summed:
+    (dbeta's rest [C], dk's share [C, BK] (vector gate: of dK_g), the vector gate's share of
+    dK_n [C, BK], the scalar gate's pair terms [C, C] and step terms [C] of dg).
+    E: the scalar gate's exp(G_i - G_j) (causal); eG: exp(G); kg, kn: the vector gate's K_g, K_n."""
+    pairs = tl.zeros([tm.shape[0], tm.shape[0]], dtype=tl.float32)
+    dG = tl.zeros([tm.shape[0]], dtype=tl.float32)
+    dk2 = tl.zeros(acc_dw.shape, dtype=tl.float32)
+    if GATE == 1:
+        kk = _mm(b_k, tl.trans(b_k), F32, DT)
+        araw = tl.where(strict, kk * E, 0.)
+        kb = b_k * (b_beta * eG)[:, None]
+    elif GATE == 2:
+        araw = tl.where(strict, _mm(kg, tl.trans(kn), F32, DT), 0.)
+        kb = kg * b_beta[:, None]
+    else:
+        araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
+        kb = b_k * b_beta[:, None]
+    dt = acc_dt + _mm(acc_dw, tl.trans(kb), F32, DT)
+    dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
+    da = -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT)
+    da = tl.where(strict, da, 0.)
+    dar = da * b_beta[:, None]
+    if GATE == 1:
+        d_beta = tl.sum(da * araw, 1) + tl.sum(dkb * b_k, 1) * eG
+        dkk2 = dar * E
+        dk = _mm(dkk2, b_k, F32, DT) + _mm(tl.trans(dkk2), b_k, F32, DT) + dkb * (b_beta * eG)[:, None]
+        pairs = dar * araw
+        dG = tl.sum(dkb * kb, 1)
+    elif GATE == 2:
+        d_beta = tl.sum(da * araw, 1) + tl.sum(dkb * kg, 1)
+        dk = _mm(dar, kn, F32, DT) + dkb * b_beta[:, None]
+        dk2 = _mm(tl.trans(dar), kg, F32, DT)
+    else:
+        d_beta = tl.sum(da * araw, 1) + tl.sum(dkb * b_k, 1)
+        dk = _mm(dar, b_k, F32, DT) + _mm(tl.trans(dar), b_k, F32, DT) + dkb * b_beta[:, None]
+    return d_beta, dk, dk2, pairs, dG
+
+
+@triton.jit
+def _load_qk(q, k, tq, ck, mqk, K, scale):
+    """A chunk's q (scaled) and k, fp32 [C, BK]."""
+    b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32) * scale
+    return b_q, tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, dkp, dgp, cu, tab, scale,
+           T, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
+           WY_PARTIAL: tl.constexpr):
+    """A chunk's dq, dk, dv, dbeta, dg; with WY_PARTIAL (delta only) dq, dk and dg only, the
+    WY terms' share of dk and dg added from _grads_wy's partials dkp, dgp."""
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mqk = rv[:, None] & mk[None, :]
+    tq = tok[:, None].to(tl.int64) * H + ih
+    incl = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    if not (DELTA and WY_PARTIAL):   # (q and k loaded after the V loop spill more here, less there)
+        b_q, b_k = _load_qk(q, k, tq, ck, mqk, K, scale)
+    b_beta = tl.zeros([C], dtype=tl.float32)
+    tm = tl.zeros([C, C], dtype=tl.float32)
+    if DELTA:
+        if not WY_PARTIAL:
+            b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
+            tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
+    acc_dqh = tl.zeros([C, BK], dtype=tl.float32)   # dO h^T
+    acc_dke = tl.zeros([C, BK], dtype=tl.float32)   # U dS_end^T
+    acc_dw = tl.zeros([C, BK], dtype=tl.float32)    # -dU h^T
+    acc_dp = tl.zeros([C, C], dtype=tl.float32)     # dO U^T
+    acc_dt = tl.zeros([C, C], dtype=tl.float32)     # dU (beta V)^T
+    acc_dgc = tl.zeros([BK], dtype=tl.float32)      # rowsum(h * dS_end)
+    d_beta = tl.zeros([C], dtype=tl.float32)
+    hbase = (cid * H + ih).to(tl.int64) * K * V
+    for iv in range(0, tl.cdiv(V, BV)):
+        cv = iv * BV + tl.arange(0, BV)
+        mv = cv < V
+        mkv = mk[:, None] & mv[None, :]
+        mcv = rv[:, None] & mv[None, :]
+        offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+        b_h = tl.load(hs + hbase + offkv, mask=mkv, other=0.)
+        b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.)
+        b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.)
+        if DELTA:
+            b_u = tl.load(U + tq * V + cv[None, :], mask=mcv, other=0.)
+        else:
+            b_u = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.)
+        acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
+        acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
+        acc_dp += _mm(b_do, tl.trans(b_u), F32, DT)
+        if GATE > 0:
+            acc_dgc += tl.sum(b_h.to(tl.float32) * b_dsc.to(tl.float32), 1)
+        if DELTA:
+            if not WY_PARTIAL:
+                acc_dw, acc_dt, d_beta = _wy_tile(tm, b_beta, b_h, dU, v, dv, tq, V, cv, mcv,
+                                                  acc_dw, acc_dt, d_beta, F32, DT)
+    if DELTA and WY_PARTIAL:
+        b_q, b_k = _load_qk(q, k, tq, ck, mqk, K, scale)
+    dp = tl.where(incl, acc_dp, 0.)
+    dG = tl.zeros([C], dtype=tl.float32)
+    if GATE == 1:
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+        eG = tl.exp(G)
+        eE = _end_decay(G, Gl, GC, GCl)
+        E = _pair_decay(G, Gl, incl)
+        p = _mm(b_q, tl.trans(b_k), F32, DT) * E
+        dqk = dp * E
+        dqs = acc_dqh * eG[:, None] + _mm(dqk, b_k, F32, DT)
+        dkk = _mm(tl.trans(dqk), b_q, F32, DT) + acc_dke * eE[:, None]
+        # dg_t sums the pair terms whose decay spans step t (see _gate_grad)
+        pairs = tl.where(strict, dp * p, 0.)
+        dke_k = tl.sum(acc_dke * b_k, 1) * eE
+        dG = tl.sum(acc_dqh * b_q, 1) * eG
+        if DELTA:
+            if not WY_PARTIAL:
+                wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, b_k, b_k,
+                                                    strict, GATE, F32, DT)
+                d_beta += wb
+                dkk += wk
+                pairs += wpairs
+                dG += wG
+        dgo = _gate_grad(dG, pairs, dke_k, tl.exp(GC) * tl.sum(acc_dgc, 0), strict)
+        if DELTA:
+            if WY_PARTIAL:
+                dgo += tl.load(dgp + tok.to(tl.int64) * H + ih, mask=rv, other=0.)
+        tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)
+    elif GATE == 2:
+        G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+        eG = tl.exp(G)
+        eN = tl.exp(-G)
+        eE = tl.exp(GC[None, :] - G)
+        qg = b_q * eG
+        kg = b_k * eG
+        kn = b_k * eN
+        ke = b_k * eE
+        dqg = acc_dqh + _mm(dp, kn, F32, DT)
+        dkn = _mm(tl.trans(dp), qg, F32, DT)
+        dkg = tl.zeros([C, BK], dtype=tl.float32)
+        if DELTA:
+            if not WY_PARTIAL:
+                wb, dkg, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, eG, eG, kg, kn,
+                                                     strict, GATE, F32, DT)
+                d_beta += wb
+                dkn += wk2
+        dqs = dqg * eG
+        if DELTA and WY_PARTIAL:   # dK_g's share is all in the partials
+            dkk = dkn * eN + acc_dke * eE
+            dGv = dqg * qg - dkn * kn - acc_dke * ke
+        else:
+            dkk = dkg * eG + dkn * eN + acc_dke * eE
+            dGv = dqg * qg + dkg * kg - dkn * kn - acc_dke * ke
+        dGC = tl.sum(acc_dke * ke, 0) + tl.exp(GC) * acc_dgc
+        dGv += tl.where(rows[:, None] == C - 1, dGC[None, :], 0.)
+        if DELTA:
+            if WY_PARTIAL:
+                dGv += tl.load(dgp + tq * K + ck[None, :], mask=mqk, other=0.)
+        dgo = tl.cumsum(dGv, 0, reverse=True)
+        tl.store(dg + tq * K + ck[None, :], dgo.to(dg.dtype.element_ty), mask=mqk)
+    else:
+        dqs = acc_dqh + _mm(dp, b_k, F32, DT)
+        dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke
+        if DELTA:
+            if not WY_PARTIAL:
+                wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, b_beta, b_beta,
+                                                    b_k, b_k, strict, GATE, F32, DT)
+                d_beta += wb
+                dkk += wk
+    tl.store(dq + tq * K + ck[None, :], (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
+    if DELTA:
+        if WY_PARTIAL:
+            dkk += tl.load(dkp + tq * K + ck[None, :], mask=mqk, other=0.)
+    tl.store(dk + tq * K + ck[None, :], dkk.to(dk.dtype.element_ty), mask=mqk)
+    if DELTA:
+        if not WY_PARTIAL:
+            tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
+
+
+@triton.jit
+def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+              IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+    """The WY terms of a chunk (delta only, GDN_BWD_GRADS=split): stores dv and dbeta, and its
+    shares of dk (dkp [.., K]) and dg (dgp: the scalar gate's [..] after its decay spans, the
+    vector gate's [.., K] before the reverse cumsum), fp32, for _grads to add."""
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mqk = rv[:, None] & mk[None, :]
+    tq = tok[:, None].to(tl.int64) * H + ih
+    strict = rows[:, None] > rows[None, :]
+    b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
+    tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
+    acc_dw = tl.zeros([C, BK], dtype=tl.float32)    # -dU h^T
+    acc_dt = tl.zeros([C, C], dtype=tl.float32)     # dU (beta V)^T
+    d_beta = tl.zeros([C], dtype=tl.float32)
+    hbase = (cid * H + ih).to(tl.int64) * K * V
+    for iv in range(0, tl.cdiv(V, BV)):
+        cv = iv * BV + tl.arange(0, BV)
+        mv = cv < V
+        mcv = rv[:, None] & mv[None, :]
+        b_h = tl.load(hs + hbase + ck[:, None].to(tl.int64) * V + cv[None, :],
+                      mask=mk[:, None] & mv[None, :], other=0.)
+        acc_dw, acc_dt, d_beta = _wy_tile(tm, b_beta, b_h, dU, v, dv, tq, V, cv, mcv,
+                                          acc_dw, acc_dt, d_beta, F32, DT)
+    b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+    if GATE == 1:
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+        eG = tl.exp(G)
+        E = _pair_decay(G, Gl, rows[:, None] >= rows[None, :])
+        wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, b_k, b_k,
+                                            strict, GATE, F32, DT)
+        tl.store(dkp + tq * K + ck[None, :], wk, mask=mqk)
+        dgw = _gate_grad(wG, wpairs, tl.zeros([C], dtype=tl.float32), 0., strict)
+        tl.store(dgp + tok.to(tl.int64) * H + ih, dgw, mask=rv)
+    elif GATE == 2:
+        G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+        eG = tl.exp(G)
+        eN = tl.exp(-G)
+        kg = b_k * eG
+        kn = b_k * eN
+        wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, eG, eG, kg, kn,
+                                            strict, GATE, F32, DT)
+        tl.store(dkp + tq * K + ck[None, :], wk * eG + wk2 * eN, mask=mqk)
+        tl.store(dgp + tq * K + ck[None, :], wk * kg - wk2 * kn, mask=mqk)
+    else:
+        wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, b_beta, b_beta,
+                                            b_k, b_k, strict, GATE, F32, DT)
+        tl.store(dkp + tq * K + ck[None, :], wk, mask=mqk)
+    d_beta += wb
+    tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
