@@ -90,19 +90,10 @@ def _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, kg, kn, strict, GATE: tl.c
 
 
 @triton.jit
-def _load_qk(q, k, tq, ck, mqk, K, scale):
-    """A chunk's q (scaled) and k, fp32 [C, BK]."""
-    b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32) * scale
-    return b_q, tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
-
-
-@triton.jit
-def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, dkp, dgp, cu, tab, scale,
+def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab, scale,
            T, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
-           WY_PARTIAL: tl.constexpr):
-    """A chunk's dq, dk, dv, dbeta, dg; with WY_PARTIAL (delta only) dq, dk and dg only, the
-    WY terms' share of dk and dg added from _grads_wy's partials dkp, dgp."""
+           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+    """A chunk's dq, dk, dv, dbeta, dg in one launch (the default)."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
@@ -115,14 +106,13 @@ def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, dkp,
     tq = tok[:, None].to(tl.int64) * H + ih
     incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
-    if not (DELTA and WY_PARTIAL):   # (q and k loaded after the V loop spill more here, less there)
-        b_q, b_k = _load_qk(q, k, tq, ck, mqk, K, scale)
+    b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32) * scale
+    b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
     b_beta = tl.zeros([C], dtype=tl.float32)
     tm = tl.zeros([C, C], dtype=tl.float32)
     if DELTA:
-        if not WY_PARTIAL:
-            b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-            tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
+        b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
+        tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
     acc_dqh = tl.zeros([C, BK], dtype=tl.float32)   # dO h^T
     acc_dke = tl.zeros([C, BK], dtype=tl.float32)   # U dS_end^T
     acc_dw = tl.zeros([C, BK], dtype=tl.float32)    # -dU h^T
@@ -150,11 +140,8 @@ def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, dkp,
         if GATE > 0:
             acc_dgc += tl.sum(b_h.to(tl.float32) * b_dsc.to(tl.float32), 1)
         if DELTA:
-            if not WY_PARTIAL:
-                acc_dw, acc_dt, d_beta = _wy_tile(tm, b_beta, b_h, dU, v, dv, tq, V, cv, mcv,
-                                                  acc_dw, acc_dt, d_beta, F32, DT)
-    if DELTA and WY_PARTIAL:
-        b_q, b_k = _load_qk(q, k, tq, ck, mqk, K, scale)
+            acc_dw, acc_dt, d_beta = _wy_tile(tm, b_beta, b_h, dU, v, dv, tq, V, cv, mcv,
+                                              acc_dw, acc_dt, d_beta, F32, DT)
     dp = tl.where(incl, acc_dp, 0.)
     dG = tl.zeros([C], dtype=tl.float32)
     if GATE == 1:
@@ -171,17 +158,13 @@ def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, dkp,
         dke_k = tl.sum(acc_dke * b_k, 1) * eE
         dG = tl.sum(acc_dqh * b_q, 1) * eG
         if DELTA:
-            if not WY_PARTIAL:
-                wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, b_k, b_k,
-                                                    strict, GATE, F32, DT)
-                d_beta += wb
-                dkk += wk
-                pairs += wpairs
-                dG += wG
+            wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, b_k, b_k,
+                                                strict, GATE, F32, DT)
+            d_beta += wb
+            dkk += wk
+            pairs += wpairs
+            dG += wG
         dgo = _gate_grad(dG, pairs, dke_k, tl.exp(GC) * tl.sum(acc_dgc, 0), strict)
-        if DELTA:
-            if WY_PARTIAL:
-                dgo += tl.load(dgp + tok.to(tl.int64) * H + ih, mask=rv, other=0.)
         tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
@@ -196,42 +179,29 @@ def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, dkp,
         dkn = _mm(tl.trans(dp), qg, F32, DT)
         dkg = tl.zeros([C, BK], dtype=tl.float32)
         if DELTA:
-            if not WY_PARTIAL:
-                wb, dkg, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, eG, eG, kg, kn,
-                                                     strict, GATE, F32, DT)
-                d_beta += wb
-                dkn += wk2
+            wb, dkg, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, eG, eG, kg, kn,
+                                                 strict, GATE, F32, DT)
+            d_beta += wb
+            dkn += wk2
         dqs = dqg * eG
-        if DELTA and WY_PARTIAL:   # dK_g's share is all in the partials
-            dkk = dkn * eN + acc_dke * eE
-            dGv = dqg * qg - dkn * kn - acc_dke * ke
-        else:
-            dkk = dkg * eG + dkn * eN + acc_dke * eE
-            dGv = dqg * qg + dkg * kg - dkn * kn - acc_dke * ke
+        dkk = dkg * eG + dkn * eN + acc_dke * eE
+        dGv = dqg * qg + dkg * kg - dkn * kn - acc_dke * ke
         dGC = tl.sum(acc_dke * ke, 0) + tl.exp(GC) * acc_dgc
         dGv += tl.where(rows[:, None] == C - 1, dGC[None, :], 0.)
-        if DELTA:
-            if WY_PARTIAL:
-                dGv += tl.load(dgp + tq * K + ck[None, :], mask=mqk, other=0.)
         dgo = tl.cumsum(dGv, 0, reverse=True)
         tl.store(dg + tq * K + ck[None, :], dgo.to(dg.dtype.element_ty), mask=mqk)
     else:
         dqs = acc_dqh + _mm(dp, b_k, F32, DT)
         dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke
         if DELTA:
-            if not WY_PARTIAL:
-                wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, b_beta, b_beta,
-                                                    b_k, b_k, strict, GATE, F32, DT)
-                d_beta += wb
-                dkk += wk
+            wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, b_beta, b_beta,
+                                                b_k, b_k, strict, GATE, F32, DT)
+            d_beta += wb
+            dkk += wk
     tl.store(dq + tq * K + ck[None, :], (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
-    if DELTA:
-        if WY_PARTIAL:
-            dkk += tl.load(dkp + tq * K + ck[None, :], mask=mqk, other=0.)
     tl.store(dk + tq * K + ck[None, :], dkk.to(dk.dtype.element_ty), mask=mqk)
     if DELTA:
-        if not WY_PARTIAL:
-            tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
+        tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
 
 
 @triton.jit
@@ -292,3 +262,109 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
         tl.store(dkp + tq * K + ck[None, :], wk, mask=mqk)
     d_beta += wb
     tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
+
+
+@triton.jit
+def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V,
+             C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+             GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
+             F32: tl.constexpr, DT: tl.constexpr):
+    """The P terms of a chunk (GDN_BWD_GRADS=split): dq, dk, dg, with _grads_wy's partials
+    added (delta).  K in BKS-wide slices, each with its own pass over V, so two [C, BKS]
+    accumulators are live instead of two [C, K]: every output column of dq and dk needs its
+    own columns of h and dS_end only; what mixes the columns (dO U^T, and the scalar gate's
+    Q K^T and its row sums for dg) is formed before the slices or summed across them."""
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    tq = tok[:, None].to(tl.int64) * H + ih
+    incl = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    hbase = (cid * H + ih).to(tl.int64) * K * V
+    acc_dp = tl.zeros([C, C], dtype=tl.float32)     # dO U^T
+    for iv in range(0, tl.cdiv(V, BV)):
+        cv = iv * BV + tl.arange(0, BV)
+        mcv = rv[:, None] & (cv < V)[None, :]
+        b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.)
+        b_u = tl.load((U if DELTA else v) + tq * V + cv[None, :], mask=mcv, other=0.)
+        acc_dp += _mm(b_do, tl.trans(b_u), F32, DT)
+    dp = tl.where(incl, acc_dp, 0.)
+    if GATE == 1:
+        cf = tl.arange(0, BK)
+        mqf = rv[:, None] & (cf < K)[None, :]
+        f_q = tl.load(q + tq * K + cf[None, :], mask=mqf, other=0.).to(tl.float32) * scale
+        f_k = tl.load(k + tq * K + cf[None, :], mask=mqf, other=0.).to(tl.float32)
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+        eG = tl.exp(G)
+        eE = _end_decay(G, Gl, GC, GCl)
+        E = _pair_decay(G, Gl, incl)
+        p = _mm(f_q, tl.trans(f_k), F32, DT) * E
+        # dg_t sums the pair terms whose decay spans step t (see _gate_grad)
+        pairs = tl.where(strict, dp * p, 0.)
+        dp = dp * E                                  # now d(Q K^T) under the decay
+    qh = tl.zeros([C], dtype=tl.float32)            # rowsum(dO h^T * Q)
+    ke = tl.zeros([C], dtype=tl.float32)            # rowsum(U dS_end^T * K)
+    hd = tl.zeros([BKS], dtype=tl.float32)          # rowsum(h * dS_end), slices summed
+    for ik in range(0, tl.cdiv(K, BKS)):
+        ck = ik * BKS + tl.arange(0, BKS)
+        mk = ck < K
+        mqk = rv[:, None] & mk[None, :]
+        acc_dqh = tl.zeros([C, BKS], dtype=tl.float32)   # dO h^T
+        acc_dke = tl.zeros([C, BKS], dtype=tl.float32)   # U dS_end^T
+        acc_dgc = tl.zeros([BKS], dtype=tl.float32)      # rowsum(h * dS_end)
+        for iv in range(0, tl.cdiv(V, BV)):
+            cv = iv * BV + tl.arange(0, BV)
+            mv = cv < V
+            mkv = mk[:, None] & mv[None, :]
+            mcv = rv[:, None] & mv[None, :]
+            offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+            b_h = tl.load(hs + hbase + offkv, mask=mkv, other=0.)
+            b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.)
+            b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.)
+            b_u = tl.load((U if DELTA else v) + tq * V + cv[None, :], mask=mcv, other=0.)
+            acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
+            acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
+            if GATE > 0:
+                acc_dgc += tl.sum(b_h.to(tl.float32) * b_dsc.to(tl.float32), 1)
+        b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32) * scale
+        b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
+        if GATE == 1:
+            dqs = acc_dqh * eG[:, None] + _mm(dp, b_k, F32, DT)
+            dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke * eE[:, None]
+            qh += tl.sum(acc_dqh * b_q, 1)
+            ke += tl.sum(acc_dke * b_k, 1)
+            hd += acc_dgc
+        elif GATE == 2:
+            G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
+            eG = tl.exp(G)
+            eN = tl.exp(-G)
+            eE = tl.exp(GC[None, :] - G)
+            qg = b_q * eG
+            kn = b_k * eN
+            ke2 = b_k * eE
+            dqg = acc_dqh + _mm(dp, kn, F32, DT)
+            dkn = _mm(tl.trans(dp), qg, F32, DT)
+            dqs = dqg * eG
+            dkk = dkn * eN + acc_dke * eE
+            dGv = dqg * qg - dkn * kn - acc_dke * ke2
+            dGC = tl.sum(acc_dke * ke2, 0) + tl.exp(GC) * acc_dgc
+            dGv += tl.where(rows[:, None] == C - 1, dGC[None, :], 0.)
+            if DELTA:
+                dGv += tl.load(dgp + tq * K + ck[None, :], mask=mqk, other=0.)
+            dgo = tl.cumsum(dGv, 0, reverse=True)
+            tl.store(dg + tq * K + ck[None, :], dgo.to(dg.dtype.element_ty), mask=mqk)
+        else:
+            dqs = acc_dqh + _mm(dp, b_k, F32, DT)
+            dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke
+        tl.store(dq + tq * K + ck[None, :], (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
+        if DELTA:
+            dkk += tl.load(dkp + tq * K + ck[None, :], mask=mqk, other=0.)
+        tl.store(dk + tq * K + ck[None, :], dkk.to(dk.dtype.element_ty), mask=mqk)
+    if GATE == 1:
+        dgo = _gate_grad(qh * eG, pairs, ke * eE, tl.exp(GC) * tl.sum(hd, 0), strict)
+        if DELTA:
+            dgo += tl.load(dgp + tok.to(tl.int64) * H + ih, mask=rv, other=0.)
+        tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)

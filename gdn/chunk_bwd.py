@@ -48,7 +48,7 @@ import triton.language as tl
 
 from gdn.bwd_chunks import chunk_plan
 from gdn.bwd_exact import _exact
-from gdn.bwd_grads import _grads, _grads_wy
+from gdn.bwd_grads import _grads, _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _prep_inv, _prep_wu, _states
 from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
@@ -59,7 +59,7 @@ LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, 
           # the split prep (PREP_SPLIT below): from tools/kernel_resources.py (sm_90, bench shape)
           "prep_inv_warps": 8, "prep_wu_warps": 8, "prep_wu_bw": 64,
           # the split gradients (GRADS_SPLIT below): from tools/kernel_resources.py
-          "grads_wy_warps": 8, "grads_wy_bv": 64}
+          "grads_wy_warps": 8, "grads_p_warps": 8, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
 # Bring-up switch GDN_BWD_PREP=split (read at import; tests flip PREP_SPLIT): the delta rule's
 # prep in two launches, _prep_inv (A, T) then _prep_wu (W, Uu from the stored T), as the
@@ -80,7 +80,7 @@ GRADS_SPLIT = _GRADS == "split"
 
 def tiles(K: int, V: int) -> dict:
     """The tile sizes the kernels launch with: BK; BV of _prep, _states and _dstates
-    (NV = ceil(V / BV) programs split V); BV of _grads, _grads_wy and _exact; BW of _prep_wu."""
+    (NV = ceil(V / BV) programs split V); BV of _grads (_grads_wy, _grads_p) and of _exact; BW of _prep_wu; BKS, the K slice of _grads_p."""
     BK = _pow2(K)
     # BK = 256 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
     # sequential kernels' products compiled to out-of-range shared-memory addresses
@@ -92,7 +92,7 @@ def tiles(K: int, V: int) -> dict:
     # the split prep's _prep_wu (GDN_BWD_PREP=split) forms W and Uu in prep_wu_BW-wide tiles
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
             "exact_BV": min(BV, max(16, 2048 // BK)), "prep_wu_BW": min(LAUNCH["prep_wu_bw"], BK, BV),
-            "grads_wy_BV": min(LAUNCH["grads_wy_bv"], BV)}
+            "grads_BKS": min(LAUNCH["grads_p_bk"], BK)}
 
 
 def _dot_mode(dtype):
@@ -194,23 +194,30 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                           cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
                           **common)
-    wy_split = delta and GRADS_SPLIT
-    dkp = dgp = dummy
-    if wy_split:
-        # fp32 partials: the WY share of dk and dg, added once more by _grads (kept in fp32 so
-        # the split rounds dk and dg once, at their store, as the fused form does)
-        dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
-        if g is not None:
-            dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
-        _grads_wy[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
-                           C=C, BK=BK, BV=tile["grads_wy_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
-                           F32=F32, DT=DT, num_warps=LAUNCH["grads_wy_warps"],
-                           num_stages=1 if F32 else LAUNCH["grads_stages"])
-    _grads[(NC, H)](q, k, v, gp, bp, do, Tm, U, dU, hs, dhs, dq, dk, dv,
-                    dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
-                    dkp, dgp, cu, tab, scale, T, H, K, V, F32=F32, DT=DT, WY_PARTIAL=wy_split,
-                    num_warps=LAUNCH["grads_warps"], num_stages=1 if F32 else LAUNCH["grads_stages"],
-                    **dict(common, BV=tile["grads_BV"]))
+    dgx = dg if dg is not None else dummy
+    if GRADS_SPLIT:
+        dkp = dgp = dummy
+        if delta:
+            # fp32 partials: the WY share of dk and dg, added by _grads_p (kept in fp32 so the
+            # split rounds dk and dg once, at their store, as the fused form does)
+            dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
+            if g is not None:
+                dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
+            _grads_wy[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+                               C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
+                               F32=F32, DT=DT, num_warps=LAUNCH["grads_wy_warps"],
+                               num_stages=1 if F32 else LAUNCH["grads_stages"])
+        _grads_p[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
+                          T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
+                          GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
+                          num_warps=LAUNCH["grads_p_warps"],
+                          num_stages=1 if F32 else LAUNCH["grads_stages"])
+    else:
+        _grads[(NC, H)](q, k, v, gp, bp, do, Tm, U, dU, hs, dhs, dq, dk, dv, dgx,
+                        dbeta if dbeta is not None else dummy, cu, tab, scale, T, H, K, V,
+                        F32=F32, DT=DT, num_warps=LAUNCH["grads_warps"],
+                        num_stages=1 if F32 else LAUNCH["grads_stages"],
+                        **dict(common, BV=tile["grads_BV"]))
     _exact[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                     dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
                     cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,

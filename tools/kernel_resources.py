@@ -104,13 +104,14 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
             (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2, {}),
             (cb._states, tile["BV"], seq, 3, {}),
             (cb._dstates, tile["BV"], seq, 3, {}),
-            (cb._grads, tile["grads_BV"], launch["grads_warps"], grads_stages, {"WY_PARTIAL": False}),
+            (cb._grads, tile["grads_BV"], launch["grads_warps"], grads_stages, {}),
+            # the split gradients (GDN_BWD_GRADS=split): _grads_p (and _grads_wy with delta)
+            (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages, {"BKS": tile["grads_BKS"]}),
             (cb._exact, tile["exact_BV"], seq, 3, {}),
-            # the split prep (GDN_BWD_PREP=split) and gradients (GDN_BWD_GRADS=split), delta only
+            # the split prep (GDN_BWD_PREP=split) and gradients, delta only
             *(((cb._prep_inv, None, launch["prep_inv_warps"], 1, {}),
                (cb._prep_wu, None, launch["prep_wu_warps"], 1 if F32 else 2, {}),
-               (cb._grads_wy, tile["grads_wy_BV"], launch["grads_wy_warps"], grads_stages, {}),
-               (cb._grads, tile["grads_BV"], launch["grads_warps"], grads_stages, {"WY_PARTIAL": True}))
+               (cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages, {}))
               if delta else ())):
         const = {a: v for a, v in dict(consts, BV=bv, BW=tile["prep_wu_BW"], **extra).items()
                  if a in fn.arg_names}
@@ -119,8 +120,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
         sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
                    else "*i32" if a in _BWD_I32 else "*fp32" if a in _BWD_FP32 else "*bf16")
                for a in fn.arg_names if a not in const}
-        label = f"bwd {fn.__name__}" + (" (WY_PARTIAL)" if extra.get("WY_PARTIAL") else "")
-        yield (label, fn, sig, const, warps, stages)
+        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages)
 
 
 def main():
