@@ -1,7 +1,6 @@
 """The matrix (chunked) path of the GDN backward: the WY prep and the two passes over time.
 
-``_prep`` (chunks in parallel) flags chunks for the exact path and builds the WY form
-(or, under the bring-up switch GDN_BWD_PREP=split, ``_prep_inv`` then ``_prep_wu``);
+``_prep`` (chunks in parallel) flags chunks for the exact path and builds the WY form;
 ``_states`` (sequential over chunks) recomputes each chunk's entry state and U;
 ``_dstates`` (sequential, reverse time) carries the state gradient back and stores dU
 (or dv); gdn.bwd_grads then forms every chunk's gradients from those hand-offs.
@@ -131,73 +130,6 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
             b_v = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
             tl.store(U + tq * V + cv[None, :], u.to(U.dtype.element_ty), mask=mcv)
-
-
-# The prep in two launches (bring-up switch GDN_BWD_PREP=split in gdn.chunk_bwd, delta only),
-# as the forward's (gdn.chunk_fwd: one fused prep spilled at 255 registers there): part 1 keeps
-# only A and its inverse live, part 2 forms W and Uu from the stored T in BW-wide tiles.  Same
-# operations in the same order as _prep, tile by tile.
-@triton.jit
-def _prep_inv(q, k, g, beta, flag, Tm, cu, tab, T, H, K,
-              C: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-              F32: tl.constexpr, DT: tl.constexpr, GLIM: tl.constexpr, PREC: tl.constexpr,
-              BIG: tl.constexpr):
-    """The WY prep, part 1: T = (I + A)^-1 of a chunk, stored [C rows, C] fp32 in its rows;
-    the flag covers q, k, beta and the gate."""
-    cid = tl.program_id(0)
-    ih = tl.program_id(1)
-    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    tok = bos + ic * C + rows
-    rv = tok < eos
-    ck = tl.arange(0, BK)
-    bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, rv, ih, H, K, ck, ck < K, C, GATE, True,
-                                       F32, DT, GLIM, BIG)
-    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
-    tm = _inv_unit_lower(araw * b_beta[:, None], C, PREC)
-    tq = tok[:, None].to(tl.int64) * H + ih
-    tl.store(Tm + tq * C + rows[None, :], tm, mask=rv[:, None])
-
-
-@triton.jit
-def _prep_wu(k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
-             C: tl.constexpr, BW: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-             F32: tl.constexpr, DT: tl.constexpr, BIG: tl.constexpr):
-    """The WY prep, part 2: W = T diag(beta) K_g and Uu = T diag(beta) V from the stored T,
-    in BW-wide tiles of K and of V; the flag gains v's and do's checks."""
-    cid = tl.program_id(0)
-    ih = tl.program_id(1)
-    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    tok = bos + ic * C + rows
-    rv = tok < eos
-    tq = tok[:, None].to(tl.int64) * H + ih
-    tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
-    b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-    G = tl.zeros([C], dtype=tl.float32)
-    if GATE == 1:
-        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-    for ik in range(0, tl.cdiv(K, BW)):
-        ck = ik * BW + tl.arange(0, BW)
-        mk = ck < K
-        mqk = rv[:, None] & mk[None, :]
-        b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
-        if GATE == 2:
-            Gk, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
-            kb = _gated_keys(b_k, b_beta, Gk, GATE)
-        else:
-            kb = _gated_keys(b_k, b_beta, G, GATE)
-        tl.store(W + tq * K + ck[None, :], _mm(tm, kb, F32, DT).to(W.dtype.element_ty), mask=mqk)
-    bad = tl.load(flag + cid * H + ih)
-    for iv in range(0, tl.cdiv(V, BW)):
-        cv = iv * BW + tl.arange(0, BW)
-        mcv = rv[:, None] & (cv < V)[None, :]
-        b_v = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
-        b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.).to(tl.float32)
-        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
-        u = _mm(tm, b_v * b_beta[:, None], F32, DT)
-        tl.store(U + tq * V + cv[None, :], u.to(U.dtype.element_ty), mask=mcv)
-    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
 
 
 @triton.jit

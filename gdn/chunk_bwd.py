@@ -11,8 +11,7 @@ launches the kernels, which live in the modules named after their concept:
    finite (or whose cumulative gate is too steep for the factored vector-gate
    form), and for the delta rule builds the WY form of the chunk: the inverse
    T = (I + A)^-1 of the unit lower triangular system, W = T diag(beta) K_g and
-   Uu = T diag(beta) V.  (GDN_BWD_PREP=split, delta only: two launches, ``_prep_inv``
-   for T and ``_prep_wu`` for W and Uu from the stored T; off by default.)
+   Uu = T diag(beta) V.
 2. ``_states`` (sequential over chunks)  recomputes the state entering every
    chunk, h_c, and the chunk's effective values U = Uu - W h_c.
 3. ``_dstates`` (sequential, reverse time)  carries the state gradient dS
@@ -49,25 +48,16 @@ import triton.language as tl
 from gdn.bwd_chunks import chunk_plan
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads, _grads_p, _grads_wy
-from gdn.bwd_matrix import _dstates, _prep, _prep_inv, _prep_wu, _states
+from gdn.bwd_matrix import _dstates, _prep, _states
 from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
 LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
-          # the split prep (PREP_SPLIT below): from tools/kernel_resources.py (sm_90, bench shape)
-          "prep_inv_warps": 8, "prep_wu_warps": 8, "prep_wu_bw": 64,
           # the split gradients (GRADS_SPLIT below): from tools/kernel_resources.py
           "grads_wy_warps": 8, "grads_p_warps": 8, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
-# Bring-up switch GDN_BWD_PREP=split (read at import; tests flip PREP_SPLIT): the delta rule's
-# prep in two launches, _prep_inv (A, T) then _prep_wu (W, Uu from the stored T), as the
-# forward's (1.40 -> 0.41 + 0.32 ms on the H200).  Off by default: not yet run on a GPU.
-_PREP = os.environ.get("GDN_BWD_PREP", "fused")
-if _PREP not in ("fused", "split"):
-    raise ValueError(f"GDN_BWD_PREP must be 'fused' or 'split'; got {_PREP!r}")
-PREP_SPLIT = _PREP == "split"
 # Bring-up switch GDN_BWD_GRADS=split (read at import; tests flip GRADS_SPLIT): the delta rule's
 # gradients in two launches, _grads_wy (dv, dbeta, the WY share of dk and dg as fp32 partials)
 # then _grads (dq, dk, dg), so each holds fewer live tiles (the fused _grads spills at 255
@@ -80,7 +70,7 @@ GRADS_SPLIT = _GRADS == "split"
 
 def tiles(K: int, V: int) -> dict:
     """The tile sizes the kernels launch with: BK; BV of _prep, _states and _dstates
-    (NV = ceil(V / BV) programs split V); BV of _grads (_grads_wy, _grads_p) and of _exact; BW of _prep_wu; BKS, the K slice of _grads_p."""
+    (NV = ceil(V / BV) programs split V); BV of _grads (_grads_wy, _grads_p) and of _exact; BKS, the K slice of _grads_p."""
     BK = _pow2(K)
     # BK = 256 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
     # sequential kernels' products compiled to out-of-range shared-memory addresses
@@ -89,9 +79,8 @@ def tiles(K: int, V: int) -> dict:
     BV = 64 if BK > 128 else min(64, _pow2(V))
     # _exact's float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
     # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
-    # the split prep's _prep_wu (GDN_BWD_PREP=split) forms W and Uu in prep_wu_BW-wide tiles
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
-            "exact_BV": min(BV, max(16, 2048 // BK)), "prep_wu_BW": min(LAUNCH["prep_wu_bw"], BK, BV),
+            "exact_BV": min(BV, max(16, 2048 // BK)),
             "grads_BKS": min(LAUNCH["grads_p_bk"], BK)}
 
 
@@ -173,20 +162,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     seq_warps = LAUNCH["seq_warps"]
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    if delta and PREP_SPLIT:
-        _prep_inv[(NC, H)](q, k, gp, bp, flag, Tm, cu, tab, T, H, K, C=C, BK=BK, GATE=GATE,
-                           IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX,
-                           PREC="ieee" if F32 else "tf32", BIG=BIG,
-                           num_warps=LAUNCH["prep_inv_warps"], num_stages=1)
-        _prep_wu[(NC, H)](k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V, C=C,
-                          BW=tile["prep_wu_BW"], GATE=GATE, IS_VARLEN=IS_VARLEN,
-                          F32=F32, DT=DT, BIG=BIG, num_warps=LAUNCH["prep_wu_warps"],
-                          num_stages=1 if F32 else 2)
-    else:
-        _prep[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
-                       F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                       PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
-                       num_stages=1 if F32 else 2, **common)
+    _prep[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+                   F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
+                   PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
+                   num_stages=1 if F32 else 2, **common)
     _states[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
                          **common)

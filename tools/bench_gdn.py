@@ -13,7 +13,7 @@ wrong db/dg); the stage lifts that guard at run time, in this process only, to
 time it, so fla's db/dg errors below are what that guard warns of.
 
 The ``bwdprof`` stage (not in the default) times our backward per kernel (torch
-profiler) with the fused WY prep and with GDN_BWD_PREP=split, on the same inputs.
+profiler) with the fused gradients and with GDN_BWD_GRADS=split, on the same inputs.
 
 Writes a Markdown section (pasted into BENCHMARKS.md, "GDN forward") after
 every stage, so a run cut short still leaves what it measured.
@@ -172,16 +172,16 @@ def kernel_times(fn, runs=5):
 
 
 def backward_profile_stage(rep):
-    """Our backward per kernel, fused prep (default) and split prep (GDN_BWD_PREP=split),
+    """Our backward per kernel, fused gradients (default) and split (GDN_BWD_GRADS=split),
     B8 T4096 H16 K=V=128 bf16 (GDN); and how far the split's gradients are from the fused's."""
     import gdn.chunk_bwd as cb
     q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16)
     do = torch.randn(8, 4096, 16, 128, device="cuda").to(torch.bfloat16)
     rep.add("### Backward per kernel (bf16, GDN, B8 T4096 H16 K=V=128; do_bench median; "
-            "torch profiler, mean of 5)\n\n| prep | bwd ms | per kernel ms |\n| --- | --- | --- |")
-    saved, got = cb.PREP_SPLIT, {}
+            "torch profiler, mean of 5)\n\n| grads | bwd ms | per kernel ms |\n| --- | --- | --- |")
+    saved, got = cb.GRADS_SPLIT, {}
     for split in (False, True):
-        cb.PREP_SPLIT = split
+        cb.GRADS_SPLIT = split
         try:
             bwd = lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do)  # noqa: E731
             got[split] = bwd()
@@ -191,7 +191,7 @@ def backward_profile_stage(rep):
                     + ", ".join(f"{n[:20]} {ms:.3f}" for n, ms in ks) + " |")
         except Exception:  # noqa: BLE001
             rep.add(f"| {'split' if split else 'fused'} | failed: {traceback.format_exc(limit=3)!r} |")
-    cb.PREP_SPLIT = saved
+    cb.GRADS_SPLIT = saved
     if len(got) == 2:
         rep.add("\nsplit vs fused, normwise rel. diff: " + ", ".join(
             f"{n} {rel(a, b):.1e}" for n, a, b in zip(GRADS, got[True], got[False]) if a is not None))
@@ -203,7 +203,7 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
     ap.add_argument("--stages", default="fwd,bwd",
-                    help="comma-separated: fwd, bwd, bwdprof (backward per kernel, fused and split prep)")
+                    help="comma-separated: fwd, bwd, bwdprof (backward per kernel, fused and split gradients)")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
     t_start = time.time()

@@ -108,12 +108,9 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
             # the split gradients (GDN_BWD_GRADS=split): _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages, {"BKS": tile["grads_BKS"]}),
             (cb._exact, tile["exact_BV"], seq, 3, {}),
-            # the split prep (GDN_BWD_PREP=split) and gradients, delta only
-            *(((cb._prep_inv, None, launch["prep_inv_warps"], 1, {}),
-               (cb._prep_wu, None, launch["prep_wu_warps"], 1 if F32 else 2, {}),
-               (cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages, {}))
+            *(((cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages, {}),)
               if delta else ())):
-        const = {a: v for a, v in dict(consts, BV=bv, BW=tile["prep_wu_BW"], **extra).items()
+        const = {a: v for a, v in dict(consts, BV=bv, **extra).items()
                  if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward); the
         # launch's divisibility-by-16 hints are not modelled here
