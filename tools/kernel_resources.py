@@ -34,10 +34,16 @@ import gdn.chunk_fwd as cf  # noqa: E402
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> dict:
-    """Compile `fn` for sm_90 and return its resource usage."""
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1,
+              aligned=()) -> dict:
+    """Compile `fn` for sm_90 and return its resource usage.  `aligned`: the arguments a launch
+    would specialize as divisible by 16 (pointers from torch, integers that are multiples of 16);
+    without the hint every offset built from a runtime integer is assumed unaligned, loads are
+    not vectorized and the stack is far larger than the launch's (the backward's _grads_p at the
+    bench shape: 1376 bytes without, see gdn/NOTES_BWD.md)."""
     sig = dict(signature, **{n: "constexpr" for n in constexprs})
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
@@ -58,7 +64,8 @@ def _ptrs(names, dtype):
 
 
 def gdn_kernels(K=128, V=128, gate=1, delta=True):
-    """(label, fn, signature, constexprs, warps, stages) of the GDN kernels at bf16."""
+    """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN kernels at bf16
+    (no alignment hints: as measured so far)."""
     BT = 16 if gate == 2 else 64
     common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
                   IS_VARLEN=False, PREC="tf32", BIG=65536.0)
@@ -74,11 +81,11 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
     wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], "*bf16"), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
-    yield ("fwd _prep_inv_kernel", cf._prep_inv_kernel, inv_sig, split, 4, 1)
-    yield ("fwd _prep_wu_kernel", cf._prep_wu_kernel, wu_sig, dict(split, V=V, BV=64), 8, 1)
+    yield ("fwd _prep_inv_kernel", cf._prep_inv_kernel, inv_sig, split, 4, 1, ())
+    yield ("fwd _prep_wu_kernel", cf._prep_wu_kernel, wu_sig, dict(split, V=V, BV=64), 8, 1, ())
     yield ("fwd _state_kernel", cf._state_kernel, state_sig,
-           dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2)
-    yield ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1)
+           dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2, ())
+    yield ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1, ())
 
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
@@ -88,9 +95,10 @@ _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff"}
 
 
 def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
-    """(label, fn, signature, constexprs, warps, stages) of the GDN backward kernels as
-    gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and LAUNCH), with an
-    initial state and a final-state gradient."""
+    """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN backward kernels
+    as gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and LAUNCH), with an
+    initial state and a final-state gradient; `aligned` as a launch at T=4096 H=16 (B8 T4096,
+    the bench shape) specializes: every pointer, and T, H, K, V where multiples of 16."""
     C = 16 if gate == 2 else 64
     F32, DT = cb._dot_mode(torch.bfloat16)
     tile = cb.tiles(K, V)
@@ -112,12 +120,13 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
               if delta else ())):
         const = {a: v for a, v in dict(consts, BV=bv, **extra).items()
                  if a in fn.arg_names}
-        # T, H, K, V are runtime arguments of the backward (constexprs in the forward); the
-        # launch's divisibility-by-16 hints are not modelled here
+        # T, H, K, V are runtime arguments of the backward (constexprs in the forward)
         sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
                    else "*i32" if a in _BWD_I32 else "*fp32" if a in _BWD_FP32 else "*bf16")
                for a in fn.arg_names if a not in const}
-        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages)
+        ints = {"T": 4096, "H": 16, "K": K, "V": V}
+        aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
+        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned)
 
 
 def main():
@@ -127,17 +136,19 @@ def main():
     ap.add_argument("--gate", type=int, default=1, help="0 none, 1 scalar, 2 vector")
     ap.add_argument("--no-delta", action="store_true")
     ap.add_argument("--only", default="", help="only kernels whose label contains this (e.g. _prep)")
+    ap.add_argument("--unaligned", action="store_true",
+                    help="compile the backward without the launch's divisibility-by-16 hints")
     ap.add_argument("--warps", type=int, default=0,
                     help="compile with this many warps instead of the launch's")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta)
-    for label, fn, sig, const, warps, stages in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
+    for label, fn, sig, const, warps, stages, aligned in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
         if a.only not in label:
             continue
         warps = a.warps or warps
-        r = resources(fn, sig, const, warps, stages)
+        r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
               f"{r['convert_layout']} | {r['local_alloc']} |", flush=True)
 
