@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import _all_within, _chunk_span, _load_gates, _store_wy_values
+from gdn.chunk_fwd import _all_within, _chunk_span, _load_gates
 
 
 @triton.jit
@@ -138,43 +138,41 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
-    """The WY prep, part 2: w = (T diag(beta Gamma)) k, u = (T diag(beta)) v (the diagonal
-    scales on T's columns, so that k and v enter the products as loaded); the flag gains
-    v's check."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    """The WY prep, part 2, one BV-wide tile of w or u per program (grid: K tiles then V
+    tiles, chunks, heads; the few live registers let several programs share an SM, where
+    v5.2's one program per chunk held a whole SM): w = (T diag(beta Gamma)) k or
+    u = (T diag(beta)) v, the diagonal scales on T's columns so that k and v enter the
+    products as loaded.  A V tile with a value over BIG clears the chunk's flag."""
+    i_t, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
+    # int64 offset per element costs two registers each
+    row0 = bos.to(tl.int64) * H + i_h
     rr = tl.arange(0, BT)
-    rows = (bos + rr).to(tl.int64)
-    rmask = rows < eos
-    Tm = tl.load(tm + (rows[:, None] * H + i_h) * BT + rr[None, :], mask=rmask[:, None], other=0.0)
-    bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
-    sc = bt
-    if GATE == 1:
-        G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, rr, rmask[:, None], H, K, GATE)
-        sc = bt * tl.exp(G)
-    Tk = Tm * sc[None, :]
-    for k0 in tl.static_range(0, BK, BV):   # K in BV-wide tiles: fewer live registers
-        dk = k0 + tl.arange(0, BV)
-        m2 = rmask[:, None] & (dk[None, :] < K)
-        kx = (rows[:, None] * H + i_h) * K + dk[None, :]
-        kt = tl.load(k + kx, mask=m2, other=0.0)
-        if GATE == 2:
-            G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
-            kt = kt.to(tl.float32) * tl.exp(G)
-        tl.store(w + kx, _split_dot(Tk, kt, LOWP, INTERP, PREC).to(w.dtype.element_ty), mask=m2)
-    ok = tl.load(flag + i_c * H + i_h) != 0
-    if LOWP:
-        Tv = Tm * bt[None, :]
-        for v0 in tl.static_range(0, V, BV):
-            dv = v0 + tl.arange(0, BV)
-            mv = rmask[:, None] & (dv[None, :] < V)
-            vx = (rows[:, None] * H + i_h) * V + dv[None, :]
-            vt = tl.load(v + vx, mask=mv, other=0.0)
-            ok = ok & _all_within(vt, BIG)
-            tl.store(u + vx, _split_dot(Tv, vt, True, INTERP, PREC).to(u.dtype.element_ty), mask=mv)
+    rmask = bos + rr < eos
+    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
+    sc = tl.load(beta + row0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
+    NK: tl.constexpr = (K + BV - 1) // BV
+    cb = tl.arange(0, BV)
+    if i_t < NK:
+        m2 = rmask[:, None] & (i_t * BV + cb[None, :] < K)
+        kx = rr[:, None] * (H * K) + i_t * BV + cb[None, :]
+        kt = tl.load(k + row0 * K + kx, mask=m2, other=0.0)
+        if GATE == 1:
+            G = tl.load(gc + row0 + rr * H, mask=rmask, other=0.0)   # padding rows: T's columns are 0
+            sc = sc * tl.exp(G)
+        elif GATE == 2:
+            kt = kt.to(tl.float32) * tl.exp(tl.load(gc + row0 * K + kx, mask=m2, other=0.0))
+        tl.store(w + row0 * K + kx, _split_dot(Tm * sc[None, :], kt, LOWP, INTERP, PREC).to(w.dtype.element_ty),
+                 mask=m2)
     else:
-        ok = _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H, V, BV, PREC, BIG)
-    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
+        mv = rmask[:, None] & ((i_t - NK) * BV + cb[None, :] < V)
+        vx = rr[:, None] * (H * V) + (i_t - NK) * BV + cb[None, :]
+        vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
+        tl.store(u + row0 * V + vx, _split_dot(Tm * sc[None, :], vt, LOWP, INTERP, PREC).to(u.dtype.element_ty),
+                 mask=mv)
+        if not _all_within(vt, BIG):
+            tl.store(flag + i_c * H + i_h, 0)   # every writer writes 0: no race
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
@@ -182,9 +180,10 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     NC, H = flag.shape
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               num_warps=INV_WARPS, **prep)
-    _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                             LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)
+    tiles = triton.cdiv(prep["K"], BV) + triton.cdiv(V, BV)
+    _prep_wu_kernel[(tiles, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
+                                    LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)
 
 
 INV_WARPS = 4
-WU_WARPS = 8
+WU_WARPS = 4

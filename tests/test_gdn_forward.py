@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import gdn.chunk_fwd as cf  # noqa: E402
 from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 from gdn.reference import chunked  # noqa: E402
@@ -127,6 +128,13 @@ CASES = [(shape, dtype) for shape in SHAPES
          for dtype in (torch.float32, torch.bfloat16, torch.float16)]
 
 
+@pytest.fixture(params=[False, True], ids=["v52", "v53"])
+def version(request, monkeypatch):
+    """The forward's default path and its v5.3 bring-up (gdn.chunk_fwd.V53)."""
+    monkeypatch.setattr(cf, "V53", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
 @pytest.mark.parametrize("shape,dtype", CASES, ids=[f"{s}-{str(d)[6:]}" for s, d in CASES])
 def test_triton_matches_oracle(shape, gate, delta, dtype):
@@ -182,7 +190,7 @@ def assert_same_nonfinite(out, ref, bound=1e-4):
 
 
 @pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
-def test_triton_nonfinite_sets_equal_oracle(gate, delta):
+def test_triton_nonfinite_sets_equal_oracle(gate, delta, version):
     names = ["q", "k", "v", "initial_state"] + (["g"] if gate != "none" else []) + \
         (["beta"] if delta else [])
     for name in names:
@@ -235,3 +243,24 @@ def test_triton_nonfinite_in_one_sequence_stays_there():
     assert_same_nonfinite(o2, o)
     assert_same_nonfinite(s2, s)
     assert o2[0, :40].isfinite().all() and s2[:2].isfinite().all()
+
+
+@pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
+def test_triton_v53_matches_oracle_and_default(gate, delta, monkeypatch):
+    """The v5.3 bring-up path (GDN_FWD_V53) on an odd shape and a varlen one: within the
+    oracle's bound, and close to the default path (both are fp32-accurate for fp32 inputs)."""
+    for shape, dtype in [(s, d) for s in ("T77-K24-V20", "varlen3") for d in (torch.float32, torch.bfloat16)]:
+        kw = dict(SHAPES[shape])
+        cu = kw.get("cu_seqlens")
+        x = make_inputs(gate, delta, dtype=dtype, seed=hash(shape) % 1000, **kw)
+        cu = None if cu is None else cu.to(DEV)
+        o, s = call(recurrence, x, cu_seqlens=cu, delta=delta)
+        got = {}
+        for v53 in (False, True):
+            monkeypatch.setattr(cf, "V53", v53)
+            got[v53] = call(chunk_gdn_fwd, x, cu_seqlens=cu, delta=delta)
+        o2, s2 = got[True]
+        assert o2.dtype == dtype and s2.dtype == torch.float32
+        assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (shape, dtype, rel(o2, o), rel(s2, s))
+        if dtype == torch.float32:
+            assert rel(o2, got[False][0]) < 1e-5 and rel(s2, got[False][1]) < 1e-5, shape

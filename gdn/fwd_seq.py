@@ -1,0 +1,162 @@
+"""The GDN forward's state pass and output kernel, version 5.3 (behind `gdn.chunk_fwd.V53`,
+default off).
+
+The same algorithm, checks, exact path and outputs as `gdn.chunk_fwd._state_kernel` and
+`_out_kernel`, with one change: a tile's addresses are a 64-bit base per chunk (or per
+state) plus 32-bit offsets inside it (BT H max(K, V) and K V are far below 2^31), where
+v5.2 carried a 64-bit offset per element: at K = 128 and 4 warps, an int64 offset tile of
+a [64, 128] chunk alone is 128 registers a thread, and both kernels sat at 255 registers
+with 1280 / 752 bytes of stack (offline sm_90 compile, tools/kernel_resources.py).  The
+state pass also loads k only on the matrix path for the delta members (their checks come
+from the prep's flag).  When v5.3 is adopted these replace the v5.2 kernels (no two
+copies kept).
+
+Refuses nothing of its own: `gdn.chunk_fwd.chunk_gdn_fwd` checks the inputs.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gdn.chunk_fwd import (_all_within, _chunk_span, _exact_chunk, _forced, _load_gates, _odot,
+                           _prune, _seq_span, _state_configs)
+
+
+@triton.jit
+def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
+                  T, NT, OCC,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                  GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
+                  STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
+                  MODE: tl.constexpr):
+    """gdn.chunk_fwd._state_kernel with chunk-base addressing (module docstring)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    bos, eos, c_first = _seq_span(i_n, T, NT, cu, choff, IS_VARLEN)
+    dk = tl.arange(0, BK)
+    kmask = dk < K
+    dv = i_v * BV + tl.arange(0, BV)
+    vmask = dv < V
+    smask = kmask[:, None] & vmask[None, :]
+    kv_off = dk[:, None] * V + dv[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + i_nh.to(tl.int64) * (K * V) + kv_off, mask=smask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+    rr = tl.arange(0, BT)
+    kx = rr[:, None] * (H * K) + dk[None, :]
+    vx = rr[:, None] * (H * V) + dv[None, :]
+    for c in range(0, tl.cdiv(eos - bos, BT)):
+        cid = (c_first + c).to(tl.int64)
+        tl.store(hs + (cid * H + i_h) * (K * V) + kv_off, S.to(hs.dtype.element_ty), mask=smask)
+        t0 = bos + c * BT
+        row0 = t0.to(tl.int64) * H + i_h
+        rows = (t0 + rr).to(tl.int64)
+        rmask = t0 + rr < eos
+        last = t0 + rr == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
+        mk = rmask[:, None] & kmask[None, :]
+        mv = rmask[:, None] & vmask[None, :]
+        ok = _all_within(S, SBIG)
+        if DELTA:
+            ok = ok & (tl.load(flag + cid * H + i_h) != 0)
+        else:
+            ok = ok & _all_within(tl.load(k + row0 * K + kx, mask=mk, other=0.0), BIG) & \
+                _all_within(tl.load(v + row0 * V + vx, mask=mv, other=0.0), BIG)
+        if GATE != 0:
+            ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
+        ok = _forced(ok, MODE)
+        tl.store(xflag + (cid * H + i_h) * V + dv, tl.zeros([BV], dtype=tl.int8) + tl.where(ok, 0, 1).to(tl.int8),
+                 mask=vmask)
+        if ok:
+            kt = tl.load(k + row0 * K + kx, mask=mk, other=0.0).to(tl.float32)
+            if DELTA:
+                wt = tl.load(w + row0 * K + kx, mask=mk, other=0.0).to(tl.float32)
+                vt = tl.load(u + row0 * V + vx, mask=mv, other=0.0).to(tl.float32) - \
+                    tl.dot(wt, S, input_precision=PREC)
+                tl.store(vn + row0 * V + vx, vt.to(vn.dtype.element_ty), mask=mv)
+            else:
+                vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0).to(tl.float32)
+            if GATE == 1:   # the decay on v_new's rows, not on k's: [BT, BV] not [BT, BK]
+                G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
+                Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
+                vt = vt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
+                kl = kt
+                S = S * tl.exp(Gl + Gll)
+            elif GATE == 2:
+                G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
+                kl = kt * tl.exp(Gl[None, :] - G)
+                S = S * tl.exp(Gl)[:, None]
+            else:
+                kl = kt
+            S = S + tl.dot(tl.trans(kl), vt, input_precision=PREC)
+        else:
+            S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
+                             smask, H, K, V, BT, GATE, DELTA, False)
+    if STORE_HT:
+        tl.store(hT + i_nh.to(tl.int64) * (K * V) + kv_off, S, mask=smask)
+
+
+@triton.jit
+def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, scale, T, NT,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
+                PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr):
+    """gdn.chunk_fwd._out_kernel with chunk-base addressing (module docstring)."""
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    if bos < eos:
+        rr = tl.arange(0, BT)
+        rows = (bos + rr).to(tl.int64)
+        rmask = bos + rr < eos
+        last = bos + rr == eos - 1
+        row0 = bos.to(tl.int64) * H + i_h
+        dk = tl.arange(0, BK)
+        kmask = dk < K
+        dv = i_v * BV + tl.arange(0, BV)
+        vmask = dv < V
+        smask = kmask[:, None] & vmask[None, :]
+        mk = rmask[:, None] & kmask[None, :]
+        mv = rmask[:, None] & vmask[None, :]
+        kx = rr[:, None] * (H * K) + dk[None, :]
+        vx = rr[:, None] * (H * V) + dv[None, :]
+        cid = i_c.to(tl.int64)
+        S = tl.load(hs + (cid * H + i_h) * (K * V) + dk[:, None] * V + dv[None, :], mask=smask, other=0.0)
+        qt = tl.load(q + row0 * K + kx, mask=mk, other=0.0)
+        xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
+        ok = _forced((tl.max(xf.to(tl.int32)) == 0) & _all_within(qt, BIG), MODE)
+        if ok:
+            kt = tl.load(k + row0 * K + kx, mask=mk, other=0.0)
+            causal = rr[:, None] >= rr[None, :]
+            if GATE == 1:
+                G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
+                Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
+                qg = qt * tl.exp(G + Glo)[:, None]
+            elif GATE == 2:
+                G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                qg = qt * tl.exp(G)
+                Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
+            else:
+                Aqk = _odot(qt, tl.trans(kt), DT, PREC)
+                qg = qt
+            Aqk = tl.where(causal, Aqk, 0.0)
+            if DELTA:
+                vt = tl.load(vn + row0 * V + vx, mask=mv, other=0.0)
+            else:
+                vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
+            ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
+            tl.store(o + row0 * V + vx, ot.to(o.dtype.element_ty), mask=mv)
+        else:
+            _exact_chunk(q, k, v, g, beta, o, S.to(tl.float32), scale, bos, eos, i_h, dk, kmask, dv, vmask,
+                         smask, H, K, V, BT, GATE, DELTA, True)
+
+
+_state = triton.autotune(configs=_state_configs(),
+                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "OCC"],
+                         prune_configs_by={"early_config_prune": _prune})(_state_kernel)
