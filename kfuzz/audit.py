@@ -6,7 +6,11 @@ A corpus is a file or folder of KernelBench pairs (``read_corpus``):
   ``custom_code``; a null ``custom_code`` was not accepted and is skipped);
 - a KernelBench leaderboard ``*.json`` (a list of ``level``, ``problem_id``,
   ``code``, ``model``), joined on (level, problem) with the ``ref_code`` of the
-  CUDA-L1 ``*.jsonl`` files beside it;
+  CUDA-L1 ``*.jsonl`` files beside it. The leaderboard counts problems from 0 and
+  CUDA-L1 (like KernelBench's file names) from 1: problem ``problem_id + 1``
+  (``LEADERBOARD_FIRST_PROBLEM``; on the shipped corpus, 412 of 413 solutions take
+  the ``__init__`` and ``forward`` arguments of the reference one further on, none
+  only of the same number);
 - a folder of controls: ``*.py`` solutions whose header names their reference
   (``# reference: <file>``) and the planted bug (``# planted: <bug>`` or ``none``).
 
@@ -131,6 +135,9 @@ def _references(folder: Path) -> dict[tuple[int, int], str]:
     return refs
 
 
+LEADERBOARD_FIRST_PROBLEM = 1   # the KernelBench problem number of the leaderboard's problem_id 0
+
+
 def _leaderboard(path: Path) -> list[CorpusEntry]:
     try:
         rows = json.loads(path.read_text())
@@ -139,8 +146,11 @@ def _leaderboard(path: Path) -> list[CorpusEntry]:
     if not isinstance(rows, list):
         raise KfuzzError(f"{path}: a leaderboard is a JSON list of entries")
     refs = _references(path.parent)
-    return [_entry(f"{path.name}:{i}", refs.get((int(r.get("level", -1)), int(r.get("problem_id", -1)))),
-                   r.get("code"), "code is null", level=r.get("level"), problem=r.get("problem_id"),
+
+    def problem(r: dict) -> int:
+        return int(r.get("problem_id", -1)) + LEADERBOARD_FIRST_PROBLEM
+    return [_entry(f"{path.name}:{i}", refs.get((int(r.get("level", -1)), problem(r))),
+                   r.get("code"), "code is null", level=r.get("level"), problem=problem(r),
                    model=str(r.get("model", "")), source=f"{path}:{i}")
             for i, r in enumerate(rows)]
 

@@ -197,7 +197,8 @@ def _sender(conn: Connection, outbox: Queue) -> None:
             if msg is None:
                 return
             conn.send_bytes(msg)
-        except (OSError, ValueError):   # the worker died or was killed; keep draining to None
+        except (OSError, ValueError, TypeError):   # the worker died or was killed (a connection closed
+            # under this thread has no handle: TypeError); keep draining to None
             pass
         finally:
             outbox.task_done()

@@ -348,3 +348,23 @@ def test_old_records_get_the_float_weights_fact_from_the_corpus_row():
     assert [judge_record(r)["violations"] for r in recs] == [[], ["G07"], ["G07"]]
     assert judge_record(recs[0])["g07_not_applicable"] and not judge_record(recs[0])["broken"]
     assert report.summarize(recs)["g07_params_unknown"] == 1
+
+
+def test_the_leaderboard_counts_problems_from_zero(tmp_path):
+    """KernelBench leaderboard problem_id 0 is CUDA-L1's (and KernelBench's) problem 1: the
+    first leaderboard rows of the shipped corpus failed ModelNew(*get_init_inputs()) against
+    the reference of the same number (an L2 norm for a LayerNorm solution)."""
+    def ref(doc):
+        return (f"import torch\nclass Model(torch.nn.Module):\n    # {doc}\n"
+                "    def forward(self, x):\n        return x + 1\n"
+                "def get_inputs():\n    return [torch.rand(4)]\ndef get_init_inputs():\n    return []\n")
+    new = "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x + 1\n"
+    with open(tmp_path / "cuda-l1-x.jsonl", "w") as f:
+        for task, doc in ((1, "first"), (2, "second")):
+            f.write(json.dumps({"level_id": 1, "task_id": task, "ref_code": ref(doc), "custom_code": None}) + "\n")
+    (tmp_path / "board.json").write_text(json.dumps(
+        [{"level": 1, "problem_id": 0, "code": new, "model": "m"},
+         {"level": 1, "problem_id": 2, "code": new, "model": "m"}]))
+    first, beyond = read_corpus(tmp_path / "board.json")
+    assert "first" in first.pair.ref_code and first.pair.problem == 1
+    assert beyond.pair is None and "no reference" in beyond.skip     # problem 3 has none here
