@@ -18,7 +18,8 @@ launches the kernels, which live in the modules named after their concept:
    backward over the chunks; stores dS at every chunk end and dU, the full
    gradient of U (delta rule) or dv (no delta); writes dh0.
 4. ``_grads``  (chunks in parallel)  all the remaining gradients of a chunk
-   from h_c, its end-state gradient, U and dU: dq, dk, dv, dbeta, dg.
+   from h_c, its end-state gradient, U and dU: dq, dk, dv, dbeta, dg.  (GDN_BWD_GRADS=split:
+   ``_grads_wy`` for the terms through T, then ``_grads_p`` for the rest; off by default.)
 5. ``_exact``  (chunks in parallel)  rewrites the gradients of flagged chunks
    with the step-by-step recurrence, the same operations as gdn.oracle in the
    same order and in float64, so the NaN/Inf pattern of a special value is the
@@ -26,7 +27,7 @@ launches the kernels, which live in the modules named after their concept:
    step path inside flagged chunks, and for any chunk whose incoming state or
    state gradient is not finite.
 
-Kernels 1-4 and the chunk algebra: gdn.bwd_matrix; kernel 5 and the step path:
+Kernels 1-3 and the chunk algebra: gdn.bwd_matrix; kernel 4: gdn.bwd_grads; kernel 5 and the step path:
 gdn.bwd_exact; the in-chunk gate sums and the scalar gate's gradient:
 gdn.bwd_gate; the chunk table (fixed-length or varlen): gdn.bwd_chunks.
 
@@ -55,13 +56,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
 LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
-          # the split gradients (GRADS_SPLIT below): from tools/kernel_resources.py
+          # the split gradients (GRADS_SPLIT below): from tools/kernel_resources.py (no spill
+          # in _grads_p at 8 warps, BKS 64; 4 warps spill in both)
           "grads_wy_warps": 8, "grads_p_warps": 8, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
-# Bring-up switch GDN_BWD_GRADS=split (read at import; tests flip GRADS_SPLIT): the delta rule's
-# gradients in two launches, _grads_wy (dv, dbeta, the WY share of dk and dg as fp32 partials)
-# then _grads (dq, dk, dg), so each holds fewer live tiles (the fused _grads spills at 255
-# registers).  Off by default: not yet run on a GPU.
+# Bring-up switch GDN_BWD_GRADS=split (read at import; tests flip GRADS_SPLIT): the gradients in
+# two launches, _grads_wy (delta only: dv, dbeta, the WY share of dk and dg as fp32 partials)
+# then _grads_p (dq, dk, dg, K in slices), each holding fewer live tiles than the fused _grads
+# (sm_90 offline at the bench shape: 255 registers / 1264 stack bytes; split 255 / 256 and
+# 246 / 0).  Off by default: not yet run on a GPU.
 _GRADS = os.environ.get("GDN_BWD_GRADS", "fused")
 if _GRADS not in ("fused", "split"):
     raise ValueError(f"GDN_BWD_GRADS must be 'fused' or 'split'; got {_GRADS!r}")
@@ -70,7 +73,8 @@ GRADS_SPLIT = _GRADS == "split"
 
 def tiles(K: int, V: int) -> dict:
     """The tile sizes the kernels launch with: BK; BV of _prep, _states and _dstates
-    (NV = ceil(V / BV) programs split V); BV of _grads (_grads_wy, _grads_p) and of _exact; BKS, the K slice of _grads_p."""
+    (NV = ceil(V / BV) programs split V); BV of _grads (_grads_wy, _grads_p) and of _exact;
+    BKS, the K slice of _grads_p."""
     BK = _pow2(K)
     # BK = 256 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
     # sequential kernels' products compiled to out-of-range shared-memory addresses

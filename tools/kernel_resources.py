@@ -114,7 +114,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
             (cb._dstates, tile["BV"], seq, 3, {}),
             (cb._grads, tile["grads_BV"], launch["grads_warps"], grads_stages, {}),
             # the split gradients (GDN_BWD_GRADS=split): _grads_p (and _grads_wy with delta)
-            (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages, {"BKS": tile["grads_BKS"]}),
+            (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
+             {"BKS": tile["grads_BKS"]}),
             (cb._exact, tile["exact_BV"], seq, 3, {}),
             *(((cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages, {}),)
               if delta else ())):
