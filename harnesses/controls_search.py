@@ -17,13 +17,18 @@ dtype-specific fast path, a layout-specific load):
   each one met is new harness coverage for a guided one;
 - ``searchsum.crashhang``: segfaults (a null pointer read) when the input holds a NaN
   and hangs when the input is float16 with more than 100 columns: the sandbox's
-  controls, not numerical bugs.
+  controls, not numerical bugs;
+- ``searchsum.slowjit``: a JIT's first call, without a GPU to compile for: its first
+  call in a process announces a compile (``kfuzz.jit.compiling``) and takes
+  ``SLOW_JIT`` seconds, then it is correct; a float16 input wider than 100 columns
+  announces a compile that never ends. The control of the compile allowance.
 """
 import ctypes
 import time
 
 import torch
 
+from kfuzz import jit
 from kfuzz.target import Arg, Dim, Output, target, variant
 
 TAIL = 16
@@ -93,6 +98,23 @@ def crashhang(x):
     return _total(x)
 
 
+SLOW_JIT = 2.0
+_compiled = []
+
+
+def slowjit(x):
+    if x.dtype == torch.float16 and x.shape[-1] > 100:
+        jit.compiling(True)
+        while True:                          # a compile that never ends
+            time.sleep(0.05)
+    if not _compiled:
+        jit.compiling(True)
+        time.sleep(SLOW_JIT)
+        _compiled.append(True)
+        jit.compiling(False)
+    return _total(x)
+
+
 variant("searchsum", "searchsum.tailinf", tailinf,
         planted_bug="last dim > 16, not a multiple of 16, and an Inf in the tail: the Inf is dropped")
 variant("searchsum", "searchsum.transbf16", transbf16,
@@ -103,3 +125,5 @@ variant("searchsum", "searchsum.deep", deep,
         planted_bug="a transposed 16-bit input with an Inf in the tail (last dim > 16, not a multiple of 16)")
 variant("searchsum", "searchsum.crashhang", crashhang,
         planted_bug="segfaults on a NaN input; hangs on float16 inputs wider than 100 columns")
+variant("searchsum", "searchsum.slowjit", slowjit,
+        planted_bug="a compile that never ends on float16 inputs wider than 100 columns")

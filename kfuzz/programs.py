@@ -435,13 +435,20 @@ class Sandboxed:
                 tensors.append(t)
         w, start = self.worker, time.monotonic()
         w.started = start
+        w.credit.reset()
         w.post(pack(("program", _worker_case(program.case), program.name, program.params, layouts), tensors))
-        if not w.conn.poll(self.timeout):
-            return self._lost("timeout", None, f"no answer within {self.timeout:g} s; the worker was killed", start)
-        try:
-            msg = w.conn.recv_bytes()
-        except (EOFError, OSError):
-            return self._lost("crash", *death(w, self.policy), start)
+        while True:   # the deadline moves on while the kernel compiles (kfuzz.jit)
+            if not w.conn.poll(max(0.0, w.deadline(self.timeout) - time.monotonic())):
+                if time.monotonic() < w.deadline(self.timeout):
+                    continue
+                return self._lost("timeout", None, f"no answer within {self.timeout:g} s; the worker was killed",
+                                  start)
+            try:
+                msg = w.conn.recv_bytes()
+            except (EOFError, OSError):
+                return self._lost("crash", *death(w, self.policy), start)
+            if not w.compile_note(msg):
+                break
         try:   # the answer is data from the kernel's process: parsed, checked
             (kind, back, verdict_json, facts, _cpu), storages = unpack(msg)
             if kind != "program-done" or not isinstance(facts, dict) or len(back) != len(storages):

@@ -24,7 +24,9 @@ a fresh worker:
 - the worker dies (segfault, abort, ``os._exit``, the OOM killer): ``crash``,
   its ``exc_type`` the signal name (``SIGSEGV``), ``exit-N``, or the limit it
   hit (``resource-cpu``, ``resource-filesize``);
-- no answer within ``timeout`` seconds: the worker is killed, ``timeout``;
+- no answer within ``timeout`` seconds: the worker is killed, ``timeout``; the
+  seconds the case spent in JIT compiles (the worker's compile notes, capped:
+  ``kfuzz.jit``) do not count;
 - an escape the sandbox stopped, an allocation past the memory limit, a CUDA
   error or out-of-memory inside the call: ``crash`` with its ``exc_type``
   (``sandbox-write``, ``resource-memory``, ...), and the worker is replaced;
@@ -62,11 +64,12 @@ from typing import Iterator, Mapping
 
 import torch
 
-from kfuzz import sandbox
+from kfuzz import jit, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.errors import KfuzzError
 from kfuzz.execute import kernel_stage
+from kfuzz.jit import COMPILE_ALLOWANCE, Credit
 from kfuzz.target import Target, get_target, prepare_triton
 from kfuzz.tensors import materialize
 from kfuzz.wire import dense_outputs, geometry, pack, rebuild, unpack
@@ -146,6 +149,7 @@ def _worker_main(conn: Connection, target_name: str, module: str | None, device:
     for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
         importlib.import_module(name)
     target = _load_target(target_name, module, resolve)
+    jit.report_compiles(conn.send_bytes)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
     # confined after the target's import (the harness is trusted), before any kernel call
     confinement = sandbox.confine(policy, workdir) if policy is not None else {}
@@ -229,6 +233,7 @@ class Worker:
         child.close()
         self.queue: list[tuple[Case, dict, int]] = []   # case, kfuzz's inputs, message size
         self.started = 0.0            # when the head case began to run
+        self.credit = Credit()        # the head case's compile time (kfuzz.jit)
         self.outbox: Queue | None = None                 # the sender thread's, once needed
         if not self.conn.poll(STARTUP_TIMEOUT):
             self.kill()
@@ -247,6 +252,7 @@ class Worker:
                    list(inputs.values()))
         if not self.queue:
             self.started = time.monotonic()
+            self.credit.reset()
         unread = sum(size for _, _, size in self.queue)   # at most: the worker reads a case before its reply
         self.queue.append((case, inputs, len(msg)))
         self.post(msg, unread)
@@ -271,7 +277,16 @@ class Worker:
     def finish_head(self) -> tuple[Case, dict]:
         case, inputs, _ = self.queue.pop(0)
         self.started = time.monotonic()
+        self.credit.reset()
         return case, inputs
+
+    def compile_note(self, msg: bytes) -> bool:
+        """Whether ``msg`` is a compile note about the head case (kfuzz.jit), now accounted for."""
+        return self.credit.take(msg, time.monotonic())
+
+    def deadline(self, timeout: float) -> float:
+        """When the head case has run ``timeout`` seconds, its compiles not counted."""
+        return self.started + timeout + self.credit.extension(time.monotonic())
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -352,14 +367,16 @@ class WorkerPool:
     process judges the last, so the two processes overlap. When a worker dies or hangs,
     the case it was running gets the verdict and the ones queued behind it go to its
     replacement. ``policy`` confines the workers (``kfuzz.sandbox``; by default
-    ``Policy.for_device(device)``, its CPU time per case the timeout times the CPU count)."""
+    ``Policy.for_device(device)``, its CPU time per case the timeout times the CPU count).
+    A case's JIT compiles stop its clock for at most ``compile_allowance`` seconds (kfuzz.jit)."""
 
     def __init__(self, target: Target, jobs: int = 1, device: str = "cpu", timeout: float = 60.0,
-                 coverage: bool = False, depth: int = 2, policy: sandbox.Policy | None = None):
+                 coverage: bool = False, depth: int = 2, policy: sandbox.Policy | None = None,
+                 compile_allowance: float = COMPILE_ALLOWANCE):
         if jobs < 1:
             raise ValueError("a worker pool needs jobs >= 1")
         self.target, self.device, self.timeout, self.coverage = target, device, timeout, coverage
-        self.depth = depth
+        self.depth, self.compile_allowance = depth, compile_allowance
         self.policy = worker_policy(policy, device, timeout)
         self.workers: list[Worker | None] = [self._spawn() for _ in range(jobs)]
         self.confinement = self.workers[0].confinement
@@ -373,8 +390,10 @@ class WorkerPool:
         return sum(self.cpu.values())
 
     def _spawn(self) -> Worker:
-        return Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device,
-                      self.coverage, self.policy)
+        worker = Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device,
+                        self.coverage, self.policy)
+        worker.credit.allowance = self.compile_allowance
+        return worker
 
     @property
     def idle(self) -> int:
@@ -418,7 +437,7 @@ class WorkerPool:
         busy = [w for w in self.workers if w is not None and w.queue]
         if not busy:
             return
-        wait_for = max(0.0, min(w.started + self.timeout for w in busy) - time.monotonic())
+        wait_for = max(0.0, min(w.deadline(self.timeout) for w in busy) - time.monotonic())
         if len(busy) == 1:    # one pipe: poll it directly, cheaper than a selector
             ready = [busy[0].conn] if busy[0].conn.poll(wait_for) else []
         else:
@@ -429,6 +448,8 @@ class WorkerPool:
                     msg = w.conn.recv_bytes()
                 except (EOFError, OSError):
                     yield self._died(w)
+                    continue
+                if w.compile_note(msg):
                     continue
                 try:   # the worker's answer is data from the kernel's process: parsed, checked
                     (_, layouts, verdict_json, edges, cpu), storages = unpack(msg)
@@ -447,7 +468,7 @@ class WorkerPool:
                 if verdict is not None and verdict.kind == "crash":
                     self._replace(w)   # the worker ends itself after a crash verdict
                 yield KernelResult(case, outputs, verdict, edges, seconds, inputs)
-            elif time.monotonic() >= w.started + self.timeout:
+            elif time.monotonic() >= w.deadline(self.timeout):
                 yield self._failed(w, "timeout", None,
                                    f"no answer within {self.timeout:g} s; the worker was killed")
 

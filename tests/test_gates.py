@@ -212,3 +212,16 @@ def test_a_hang_is_a_timeout_and_the_next_program_gets_a_fresh_worker():
         assert r.verdict.kind == "timeout" and ex.worker is None
         outputs, verdict = called(ex, t, fine, materialize(fine, t))
         assert verdict is None and outputs["out"].shape == (2,) and ex.spawned == 2
+
+
+def test_a_gates_program_does_not_count_a_jit_compile_as_run_time():
+    """The verify/audit executor stops a program's clock while its kernel compiles (kfuzz.jit):
+    searchsum.slowjit's first call compiles for 2 s, over the 1 s timeout."""
+    from kfuzz.case import Case
+    from kfuzz.programs import Sandboxed, called
+    from kfuzz.tensors import materialize
+    t = get_target("searchsum.slowjit")
+    fine = Case.make(t.name, "float32", 1, {"N": 2, "D": 40})
+    with Sandboxed(t, timeout=1.0) as ex:
+        outputs, verdict = called(ex, t, fine, materialize(fine, t))
+        assert verdict is None and outputs["out"].shape == (2,) and ex.spawned == 1

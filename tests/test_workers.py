@@ -168,3 +168,25 @@ def test_inputs_cross_the_pipe_bit_for_bit_with_their_layout(layout):
     assert (y.shape, y.stride(), y.storage_offset(), y.dtype) == (x.shape, x.stride(), x.storage_offset(), x.dtype)
     raw = lambda t: torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # noqa: E731
     assert torch.equal(raw(x), raw(y))
+
+
+def test_a_jit_compile_longer_than_the_timeout_is_not_a_hang():
+    """The first call compiles for SLOW_JIT = 2 s (announced as kfuzz.jit notes), over the
+    1 s timeout: the clock stops while it compiles, so the case passes."""
+    pool = WorkerPool(get_target("searchsum.slowjit"), jobs=1, timeout=1.0)
+    try:
+        pool.submit(Case.make("searchsum.slowjit", "float32", 1, {"N": 3, "D": 40}))
+        (result,) = _drain(pool)
+        assert result.verdict is None and result.seconds >= 2.0
+    finally:
+        pool.close()
+
+
+def test_a_compile_that_never_ends_is_a_hang_past_the_allowance():
+    pool = WorkerPool(get_target("searchsum.slowjit"), jobs=1, timeout=1.0, compile_allowance=1.5)
+    try:
+        pool.submit(Case.make("searchsum.slowjit", "float16", 1, {"N": 2, "D": 128}))
+        (result,) = _drain(pool)
+        assert result.verdict.kind == "timeout" and 2.5 <= result.seconds < 10
+    finally:
+        pool.close()

@@ -1,0 +1,72 @@
+"""JIT compiles in a worker: a kernel's first call at a new specialization compiles it, and
+that time is not the kernel's run time.
+
+A Triton kernel meets a new shape, dtype or flag and compiles for seconds (tens of seconds
+for a large kernel on a loaded machine); a worker's per-case ``timeout`` would call that a
+hang and save it as the kernel's failure. In a worker, ``report_compiles`` installs Triton's
+JIT hooks, which send a note when a compile begins and one when it ends (``compiling``);
+kfuzz stops the case's clock in between, timed by its own clock (``Credit``).
+
+The notes come from the kernel's process, so they are only the kernel's word: a case's
+clock stops for at most ``COMPILE_ALLOWANCE`` seconds in all, after which a hang is a hang
+again. Under the Triton interpreter nothing compiles and no note is sent.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+COMPILE_ALLOWANCE = 600.0        # seconds a case's clock may stop for compiles, in all
+BEGIN, END = b"kfuzz-jit:begin", b"kfuzz-jit:end"
+_send: Callable[[bytes], None] | None = None
+
+
+def compiling(begins: bool) -> None:
+    """Tell kfuzz that a JIT compile begins (or has ended), where a worker reports them."""
+    if _send is not None:
+        _send(BEGIN if begins else END)
+
+
+def report_compiles(send: Callable[[bytes], None]) -> None:
+    """Send the notes through ``send`` around every Triton JIT compile in this process
+    (without Triton, or a Triton without these hooks, compiles count as run time)."""
+    global _send
+    _send = send
+    try:
+        from triton import knobs
+
+        def before(**kw) -> bool:
+            compiling(True)
+            return False             # compile as usual
+
+        knobs.runtime.jit_cache_hook = before
+        knobs.runtime.jit_post_compile_hook = lambda **kw: compiling(False)
+    except (ImportError, AttributeError):
+        pass
+
+
+class Credit:
+    """The time a worker's running case spent compiling by its notes, on kfuzz's clock,
+    capped at ``allowance``."""
+
+    def __init__(self, allowance: float = COMPILE_ALLOWANCE):
+        self.allowance, self.earned, self.since = allowance, 0.0, None
+
+    def reset(self) -> None:
+        """A new case starts: nothing earned, no compile running."""
+        self.earned, self.since = 0.0, None
+
+    def take(self, msg: bytes, now: float) -> bool:
+        """Whether ``msg`` is a compile note (and if so, account for it at ``now``)."""
+        if msg == BEGIN:
+            if self.since is None:
+                self.since = now
+        elif msg == END:
+            self.earned, self.since = self.extension(now), None
+        else:
+            return False
+        return True
+
+    def extension(self, now: float) -> float:
+        """Seconds the case's deadline moves on by at ``now``."""
+        running = now - self.since if self.since is not None else 0.0
+        return min(self.allowance, self.earned + running)
