@@ -22,12 +22,12 @@ from typing import Callable
 
 from kfuzz.corpus import Corpus
 from kfuzz.execute import judge
-from kfuzz.minimize import minimize_failure
+from kfuzz.minimize import minimize_confined, minimize_failure
 from kfuzz.sandbox import Policy
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
-from kfuzz.workers import InProcess, WorkerPool, minimize_confined
+from kfuzz.workers import InProcess, WorkerPool
 
 
 @dataclass

@@ -29,19 +29,28 @@ Where cases come from hypothesis strategies, hypothesis's own shrinker shrinks
 them (it sees the choice sequence); these passes cover what it cannot reach:
 cases read from the corpus and imported payloads, which have no choice sequence.
 
+``minimize_confined`` runs the minimizer in a confined process of its own, as a
+campaign does for an untrusted kernel: the shrunk cases run that kernel too.
+
 This module refuses (``NotReproducible``): a case that passes, or does not fail
 with the signature asked for on every run.
 """
 from __future__ import annotations
 
+import json
+import multiprocessing
+import shutil
+import tempfile
 import time
 
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
+from kfuzz import sandbox
 from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.errors import KfuzzError
 from kfuzz.execute import execute
@@ -415,3 +424,58 @@ def minimize_failure(case: Case, target: Target, verdict: Verdict, device: str =
     except NotReproducible as e:
         return case, verdict, {"minimize": {"error": str(e)}}
     return m.case, m.verdict, {"minimize": m.to_json()}
+
+
+# the minimizer in a confined process -------------------------------------------------------------
+
+def _minimize_main(conn: Connection, target_name: str, module: str | None, case_json: dict, verdict_json: dict,
+                   device: str, max_seconds: float | None, policy: sandbox.Policy, workdir: str) -> None:
+    from kfuzz.workers import _load_target
+    try:
+        target = _load_target(target_name, module)
+        sandbox.confine(policy, workdir)
+        case, verdict, note = minimize_failure(Case.from_json(case_json), target,
+                                               Verdict.from_json(target_name, verdict_json), device, max_seconds=max_seconds)
+        conn.send_bytes(json.dumps(["ok", case.to_json(), verdict.to_json(), note]).encode())
+    except BaseException as e:  # noqa: BLE001 - an escape, an exception: the case is kept as found
+        conn.send_bytes(json.dumps(["error", f"{type(e).__name__}: {e}"[:500]]).encode())
+
+
+def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
+                      max_seconds: float | None = None, policy: sandbox.Policy | None = None,
+                      timeout: float = 600.0) -> tuple[Case, Verdict, dict]:
+    """``minimize.minimize_failure`` in a confined worker: minimizing runs the kernel on
+    shrunk cases, which an untrusted kernel could use to act outside a campaign's worker.
+    The case as found when that worker escapes, dies or runs past ``timeout`` (plus
+    ``max_seconds``)."""
+    ctx = multiprocessing.get_context("forkserver")
+    workdir = tempfile.mkdtemp(prefix="kfuzz-minimize-")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_minimize_main, daemon=True, name=f"kfuzz-minimize-{target.name}",
+                       args=(child, target.name, getattr(target.kernel, "__module__", None), case.to_json(),
+                             verdict.to_json(), device, max_seconds, policy or sandbox.Policy.for_device(device),
+                             workdir))
+    proc.start()
+    child.close()
+    try:   # JSON, checked: the answer comes from the kernel's process
+        got = (json.loads(conn.recv_bytes()) if conn.poll(timeout + (max_seconds or 0))
+               else ["error", f"no answer within {timeout:g} s"])
+        if got[0] == "ok":
+            kept, kept_verdict = Case.from_json(got[1]), Verdict.from_json(target.name, got[2])
+            target.validate(kept)
+            if kept_verdict.signature != verdict.signature or not isinstance(got[3], dict):
+                raise ValueError("the minimized case does not keep the failure's signature")
+    except EOFError:
+        proc.join(10)
+        got = ["error", f"the minimizing worker died ({sandbox.death_name(proc.exitcode)})"]
+    except (ValueError, TypeError, KeyError, IndexError, KfuzzError) as e:
+        got = ["error", f"its answer is malformed ({e})"]
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        conn.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if got[0] != "ok":
+        return case, verdict, {"minimize": {"error": f"minimizing in a sandboxed worker failed: {got[1]}"}}
+    return kept, kept_verdict, got[3]

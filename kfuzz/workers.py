@@ -49,7 +49,6 @@ executes in the target's own source file, as engines' feedback.
 from __future__ import annotations
 
 import importlib
-import json
 import multiprocessing
 import os
 import resource
@@ -476,59 +475,6 @@ class WorkerPool:
         for w in self.workers:
             if w is not None:
                 w.stop()
-
-
-def _minimize_main(conn: Connection, target_name: str, module: str | None, case_json: dict, verdict_json: dict,
-                   device: str, max_seconds: float | None, policy: sandbox.Policy, workdir: str) -> None:
-    from kfuzz.minimize import minimize_failure   # here: the worker's own start stays light
-    try:
-        target = _load_target(target_name, module)
-        sandbox.confine(policy, workdir)
-        case, verdict, note = minimize_failure(Case.from_json(case_json), target,
-                                               Verdict.from_json(target_name, verdict_json), device, max_seconds=max_seconds)
-        conn.send_bytes(json.dumps(["ok", case.to_json(), verdict.to_json(), note]).encode())
-    except BaseException as e:  # noqa: BLE001 - an escape, an exception: the case is kept as found
-        conn.send_bytes(json.dumps(["error", f"{type(e).__name__}: {e}"[:500]]).encode())
-
-
-def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
-                      max_seconds: float | None = None, policy: sandbox.Policy | None = None,
-                      timeout: float = 600.0) -> tuple[Case, Verdict, dict]:
-    """``minimize.minimize_failure`` in a confined worker: minimizing runs the kernel on
-    shrunk cases, which an untrusted kernel could use to act outside a campaign's worker.
-    The case as found when that worker escapes, dies or runs past ``timeout`` (plus
-    ``max_seconds``)."""
-    ctx = multiprocessing.get_context("forkserver")
-    workdir = tempfile.mkdtemp(prefix="kfuzz-minimize-")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_minimize_main, daemon=True, name=f"kfuzz-minimize-{target.name}",
-                       args=(child, target.name, getattr(target.kernel, "__module__", None), case.to_json(),
-                             verdict.to_json(), device, max_seconds, policy or sandbox.Policy.for_device(device),
-                             workdir))
-    proc.start()
-    child.close()
-    try:   # JSON, checked: the answer comes from the kernel's process
-        got = (json.loads(conn.recv_bytes()) if conn.poll(timeout + (max_seconds or 0))
-               else ["error", f"no answer within {timeout:g} s"])
-        if got[0] == "ok":
-            kept, kept_verdict = Case.from_json(got[1]), Verdict.from_json(target.name, got[2])
-            target.validate(kept)
-            if kept_verdict.signature != verdict.signature or not isinstance(got[3], dict):
-                raise ValueError("the minimized case does not keep the failure's signature")
-    except EOFError:
-        proc.join(10)
-        got = ["error", f"the minimizing worker died ({sandbox.death_name(proc.exitcode)})"]
-    except (ValueError, TypeError, KeyError, IndexError, KfuzzError) as e:
-        got = ["error", f"its answer is malformed ({e})"]
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
-        conn.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-    if got[0] != "ok":
-        return case, verdict, {"minimize": {"error": f"minimizing in a sandboxed worker failed: {got[1]}"}}
-    return kept, kept_verdict, got[3]
 
 
 class InProcess:
