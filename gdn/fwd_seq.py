@@ -40,7 +40,8 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
     kmask = dk < K
     dv = i_v * BV + tl.arange(0, BV)
     vmask = dv < V
-    smask = kmask[:, None] & vmask[None, :]
+    # masks only where a dimension has padding (a [BK, BV] mask costs registers)
+    smask = vmask[None, :] if K == BK else kmask[:, None] & vmask[None, :]
     kv_off = dk[:, None] * V + dv[None, :]
     if HAS_H0:
         S = tl.load(h0 + i_nh.to(tl.int64) * (K * V) + kv_off, mask=smask, other=0.0).to(tl.float32)
@@ -57,43 +58,52 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
         rows = (t0 + rr).to(tl.int64)
         rmask = t0 + rr < eos
         last = t0 + rr == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
-        mk = rmask[:, None] & kmask[None, :]
-        mv = rmask[:, None] & vmask[None, :]
+        mk = rmask[:, None] if K == BK else rmask[:, None] & kmask[None, :]
+        mv = rmask[:, None] if V % BV == 0 else rmask[:, None] & vmask[None, :]
+        # the chunk's tiles first, outside the branches: the loop's pipeliner can then fetch
+        # chunk c + 1's tiles while chunk c computes (loads inside `if ok` cannot be)
+        kt = tl.load(k + row0 * K + kx, mask=mk, other=0.0)
+        if DELTA:
+            wt = tl.load(w + row0 * K + kx, mask=mk, other=0.0)
+            vt = tl.load(u + row0 * V + vx, mask=mv, other=0.0)
+        else:
+            vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
         ok = _all_within(S, SBIG)
         if DELTA:
             ok = ok & (tl.load(flag + cid * H + i_h) != 0)
         else:
-            ok = ok & _all_within(tl.load(k + row0 * K + kx, mask=mk, other=0.0), BIG) & \
-                _all_within(tl.load(v + row0 * V + vx, mask=mv, other=0.0), BIG)
+            ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
         if GATE != 0:
             ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
         ok = _forced(ok, MODE)
         tl.store(xflag + (cid * H + i_h) * V + dv, tl.zeros([BV], dtype=tl.int8) + tl.where(ok, 0, 1).to(tl.int8),
                  mask=vmask)
+        # the matrix path unconditionally, so that its products sit at the loop's top level
+        # (where the pipeliner prefetches their operands); a chunk that fails the checks
+        # drops its result and is stepped exactly
+        kf = kt.to(tl.float32)
+        vf = vt.to(tl.float32)
+        if DELTA:
+            vf = vf - tl.dot(wt.to(tl.float32), S, input_precision=PREC)
+            tl.store(vn + row0 * V + vx, vf.to(vn.dtype.element_ty), mask=mv)
+        Sd = S
+        if GATE == 1:   # the decay on v_new's rows, not on k's: [BT, BV] not [BT, BK]
+            G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+            Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
+            Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
+            vf = vf * tl.exp((Gl - G) + (Gll - Glo))[:, None]
+            kl = kf
+            Sd = S * tl.exp(Gl + Gll)
+        elif GATE == 2:
+            G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+            Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
+            kl = kf * tl.exp(Gl[None, :] - G)
+            Sd = S * tl.exp(Gl)[:, None]
+        else:
+            kl = kf
+        Sm = Sd + tl.dot(tl.trans(kl), vf, input_precision=PREC)
         if ok:
-            kt = tl.load(k + row0 * K + kx, mask=mk, other=0.0).to(tl.float32)
-            if DELTA:
-                wt = tl.load(w + row0 * K + kx, mask=mk, other=0.0).to(tl.float32)
-                vt = tl.load(u + row0 * V + vx, mask=mv, other=0.0).to(tl.float32) - \
-                    tl.dot(wt, S, input_precision=PREC)
-                tl.store(vn + row0 * V + vx, vt.to(vn.dtype.element_ty), mask=mv)
-            else:
-                vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0).to(tl.float32)
-            if GATE == 1:   # the decay on v_new's rows, not on k's: [BT, BV] not [BT, BK]
-                G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-                Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
-                Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
-                vt = vt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
-                kl = kt
-                S = S * tl.exp(Gl + Gll)
-            elif GATE == 2:
-                G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-                Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
-                kl = kt * tl.exp(Gl[None, :] - G)
-                S = S * tl.exp(Gl)[:, None]
-            else:
-                kl = kt
-            S = S + tl.dot(tl.trans(kl), vt, input_precision=PREC)
+            S = Sm
         else:
             S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
                              smask, H, K, V, BT, GATE, DELTA, False)
@@ -120,9 +130,9 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
         kmask = dk < K
         dv = i_v * BV + tl.arange(0, BV)
         vmask = dv < V
-        smask = kmask[:, None] & vmask[None, :]
-        mk = rmask[:, None] & kmask[None, :]
-        mv = rmask[:, None] & vmask[None, :]
+        smask = vmask[None, :] if K == BK else kmask[:, None] & vmask[None, :]
+        mk = rmask[:, None] if K == BK else rmask[:, None] & kmask[None, :]
+        mv = rmask[:, None] if V % BV == 0 else rmask[:, None] & vmask[None, :]
         kx = rr[:, None] * (H * K) + dk[None, :]
         vx = rr[:, None] * (H * V) + dv[None, :]
         cid = i_c.to(tl.int64)

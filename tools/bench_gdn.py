@@ -197,6 +197,35 @@ def backward_profile_stage(rep):
             f"{n} {rel(a, b):.1e}" for n, a, b in zip(GRADS, got[True], got[False]) if a is not None))
 
 
+def forward_profile_stage(rep):
+    """Our forward per kernel (torch profiler), the default (v5.2) and the v5.3 bring-up
+    (GDN_FWD_V53, flipped in this process), bf16 GDN and KDA at B8 T4096 H16 K=V=128; and
+    how far v5.3's outputs are from the default's."""
+    rep.add("### Forward per kernel, v5.2 (default) and v5.3 (GDN_FWD_V53) (bf16, B8 T4096 H16 "
+            "K=V=128; do_bench median; torch profiler, mean of 5)\n\n"
+            "| member | version | fwd ms | per kernel ms |\n| --- | --- | --- | --- |")
+    saved = fwd.V53
+    for gate, delta in (("scalar", True), ("vector", True)):
+        q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
+        got = {}
+        for v53 in (False, True):
+            fwd.V53 = v53
+            name = "v5.3" if v53 else "v5.2"
+            try:
+                f = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta)  # noqa: E731
+                got[v53] = f()
+                t = do_bench(f, warmup=50, rep=200, return_mode="median")
+                ks = sorted(kernel_times(f).items(), key=lambda x: -x[1])
+                rep.add(f"| {NAMES[gate, delta]} | {name} | {t:.3f} | "
+                        + ", ".join(f"{n[:22]} {ms:.3f}" for n, ms in ks) + " |")
+            except Exception:  # noqa: BLE001
+                rep.add(f"| {NAMES[gate, delta]} | {name} | failed: {traceback.format_exc(limit=3)!r} |")
+        if len(got) == 2:
+            rep.add(f"| {NAMES[gate, delta]} | v5.3 vs v5.2, rel. diff | o {rel(got[True][0], got[False][0]):.1e}, "
+                    f"state {rel(got[True][1], got[False][1]):.1e} | |")
+    fwd.V53 = saved
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_fwd.md")
@@ -222,6 +251,9 @@ def main():
         rep.add("")
     if "bwdprof" in stages:
         backward_profile_stage(rep)
+        rep.add("")
+    if "fwdprof" in stages:
+        forward_profile_stage(rep)
         rep.add("")
     if "fwd" not in stages:
         return

@@ -4,6 +4,7 @@ Run on a CUDA machine from the repository root:
 
     python tools/check_gdn_gpu.py            # fixed (first) autotune config
     python tools/check_gdn_gpu.py --tune     # also let the autotuner try every config
+    GDN_FWD_V53=1 python tools/check_gdn_gpu.py   # the v5.3 bring-up (gdn/NOTES.md)
 
 Every member (gate none/scalar/vector x delta on/off) and dtype runs in its own
 fresh subprocess (an illegal memory access kills the CUDA context, so one
@@ -123,6 +124,8 @@ def main():
             if not any(ln.endswith("FAIL") for ln in lines):   # a crash, not a bound miss
                 print(f"{name}: CRASH rc={p.returncode}; last output:")
                 print("\n".join("    " + ln for ln in lines[-15:]))
+    if os.environ.get("GDN_FWD_V53") == "1":
+        print("(forward v5.3: GDN_FWD_V53=1)")
     print("ALLOK" if ok else "NOTOK")
 
 
