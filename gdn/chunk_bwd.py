@@ -56,6 +56,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
 LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
+          "seq_bv": 64,   # BV of _prep, _states, _dstates (BK <= 128; NV = V / BV programs a sequence)
           # the split gradients (GRADS_SPLIT below): from tools/kernel_resources.py (no spill
           # in _grads_p at 8 warps, BKS 64; 4 warps spill in both)
           "grads_wy_warps": 8, "grads_p_warps": 8, "grads_p_bk": 64}
@@ -80,7 +81,7 @@ def tiles(K: int, V: int) -> dict:
     # sequential kernels' products compiled to out-of-range shared-memory addresses
     # (compute-sanitizer) or silently wrong gradients (K=184 V=1: error 0.91); found by kfuzz
     # (gdn_bwd, bf16 B4 T4095 H7 K184 V1). tests/test_gdn_backward.py holds the shapes.
-    BV = 64 if BK > 128 else min(64, _pow2(V))
+    BV = 64 if BK > 128 else min(LAUNCH["seq_bv"], _pow2(V))
     # _exact's float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
     # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
