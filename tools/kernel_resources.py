@@ -64,8 +64,7 @@ def _ptrs(names, dtype):
 
 
 def gdn_kernels(K=128, V=128, gate=1, delta=True):
-    """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN kernels at bf16
-    (no alignment hints: as measured so far)."""
+    """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN kernels at bf16."""
     BT = 16 if gate == 2 else 64
     common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
                   IS_VARLEN=False, PREC="tf32", BIG=65536.0)
@@ -81,11 +80,15 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
     wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], "*bf16"), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
-    yield ("fwd _prep_inv_kernel", cf._prep_inv_kernel, inv_sig, split, 4, 1, ())
-    yield ("fwd _prep_wu_kernel", cf._prep_wu_kernel, wu_sig, dict(split, V=V, BV=64), 8, 1, ())
-    yield ("fwd _state_kernel", cf._state_kernel, state_sig,
-           dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2, ())
-    yield ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1, ())
+    for label, fn, sig, const, warps, stages in (
+            ("fwd _prep_inv_kernel", cf._prep_inv_kernel, inv_sig, split, 4, 1),
+            ("fwd _prep_wu_kernel", cf._prep_wu_kernel, wu_sig, dict(split, V=V, BV=64), 8, 1),
+            ("fwd _state_kernel", cf._state_kernel, state_sig,
+             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2),
+            ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1)):
+        # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
+        aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
+        yield (label, fn, sig, const, warps, stages, aligned)
 
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
@@ -138,7 +141,7 @@ def main():
     ap.add_argument("--no-delta", action="store_true")
     ap.add_argument("--only", default="", help="only kernels whose label contains this (e.g. _prep)")
     ap.add_argument("--unaligned", action="store_true",
-                    help="compile the backward without the launch's divisibility-by-16 hints")
+                    help="compile without the launch's divisibility-by-16 hints (numbers before 2026-11-30)")
     ap.add_argument("--warps", type=int, default=0,
                     help="compile with this many warps instead of the launch's")
     a = ap.parse_args()
