@@ -57,6 +57,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # class, and the interpreter runs the same code); benchmarks may override it
 LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
           "seq_bv": 64,   # BV of _prep, _states, _dstates (BK <= 128; NV = V / BV programs a sequence)
+          "dstates_warps": 4,   # sm_90 offline at the bench shape: 4 warps 456 stack bytes, 8: 240
           # the split gradients (GRADS_SPLIT below): from tools/kernel_resources.py (no spill
           # in _grads_p at 8 warps, BKS 64; 4 warps spill in both)
           "grads_wy_warps": 8, "grads_p_warps": 8, "grads_p_bk": 64}
@@ -176,8 +177,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                          **common)
     _dstates[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, dhs,
                           cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
-                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
-                          **common)
+                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
+                          num_warps=LAUNCH["dstates_warps"], **common)
     dgx = dg if dg is not None else dummy
     if GRADS_SPLIT:
         dkp = dgp = dummy

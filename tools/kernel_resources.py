@@ -114,7 +114,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
     for fn, bv, warps, stages, extra in (
             (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2, {}),
             (cb._states, tile["BV"], seq, 3, {}),
-            (cb._dstates, tile["BV"], seq, 3, {}),
+            (cb._dstates, tile["BV"], launch["dstates_warps"], 3, {}),
             (cb._grads, tile["grads_BV"], launch["grads_warps"], grads_stages, {}),
             # the split gradients (GDN_BWD_GRADS=split): _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
