@@ -59,8 +59,8 @@ def _split_dot(t, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexp
 def _diag_inverse(tm, rows0, eos, i_h, H: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
     """(I + D_b)^-1 of the BT // 16 diagonal 16x16 blocks D_b of the strictly lower A whose
     transpose is stored at tm (rows bos.., BT columns), as a [16, W] tile X[j, 16 b + c] =
-    (I + D_b)^-1[j, c] (W = 2 BT: the tile twice, so that each of 4 warps' threads holds
-    one column).  Row i:  X_b[i, :] = e_i - sum_{j < i} D_b[i, j] X_b[j, :]."""
+    (I + D_b)^-1[j, c] (W = 32 x warps, a multiple of BT: the tile repeated, so that each
+    thread holds one column).  Row i:  X_b[i, :] = e_i - sum_{j < i} D_b[i, j] X_b[j, :]."""
     jj = tl.arange(0, 16)[:, None]
     cc = tl.arange(0, W)[None, :] % BT
     b16 = (cc // 16) * 16
@@ -79,7 +79,7 @@ def _diag_inverse(tm, rows0, eos, i_h, H: tl.constexpr, BT: tl.constexpr, W: tl.
 def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                      GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
     """The WY prep, part 1: A, stored in T's place; T's diagonal blocks (`_diag_inverse`);
     the block merges; T stored fp32 [BT rows, BT]; the flag covers k and beta."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -107,9 +107,9 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     ttr = tm + (rows[None, :] * H + i_h) * BT + rr[:, None]   # the transpose's place
     tl.store(ttr, A, mask=rmask[None, :])
     tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-    X = _diag_inverse(tm, bos.to(tl.int64), eos, i_h, H, BT, 2 * BT)
+    X = _diag_inverse(tm, bos.to(tl.int64), eos, i_h, H, BT, W)
     jj = tl.arange(0, 16)[:, None]
-    cc = tl.arange(0, 2 * BT)[None, :]
+    cc = tl.arange(0, W)[None, :]
     xr = bos.to(tl.int64) + cc   # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
     tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
     if BT == 16:   # one block: T itself
@@ -133,27 +133,17 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
-def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                    GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
-    """The WY prep, part 2, one BV-wide tile of w or u per program (grid: K tiles then V
-    tiles, chunks, heads; the few live registers let several programs share an SM, where
-    v5.2's one program per chunk held a whole SM): w = (T diag(beta Gamma)) k or
-    u = (T diag(beta)) v, the diagonal scales on T's columns so that k and v enter the
-    products as loaded.  A V tile with a value over BIG clears the chunk's flag."""
-    i_t, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
-    # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
-    # int64 offset per element costs two registers each
-    row0 = bos.to(tl.int64) * H + i_h
+def _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
+             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+             GATE: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
+             INTERP: tl.constexpr):
+    """Tile i_t of w (K tiles first) or u: w = (T diag(beta Gamma)) k, u = (T diag(beta)) v,
+    the diagonal scales on T's columns so that k and v enter the products as loaded.  A V
+    tile with a value over BIG clears the chunk's flag."""
     rr = tl.arange(0, BT)
-    rmask = bos + rr < eos
-    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
+    cb = tl.arange(0, BV)
     sc = tl.load(beta + row0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
     NK: tl.constexpr = (K + BV - 1) // BV
-    cb = tl.arange(0, BV)
     if i_t < NK:
         m2 = rmask[:, None] & (i_t * BV + cb[None, :] < K)
         kx = rr[:, None] * (H * K) + i_t * BV + cb[None, :]
@@ -175,15 +165,46 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
             tl.store(flag + i_c * H + i_h, 0)   # every writer writes 0: no race
 
 
+@triton.jit
+def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                    GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr,
+                    PER_TILE: tl.constexpr):
+    """The WY prep, part 2 (`_wu_tile`): one BV-wide tile of w or u per program (PER_TILE;
+    grid: tiles, chunks, heads), or all of a chunk's tiles in turn (grid: 1, chunks, heads)."""
+    i_t, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
+    # int64 offset per element costs two registers each
+    row0 = bos.to(tl.int64) * H + i_h
+    rr = tl.arange(0, BT)
+    rmask = bos + rr < eos
+    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
+    if PER_TILE:
+        _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+                 GATE, PREC, BIG, LOWP, INTERP)
+    else:
+        for j in tl.static_range(0, (K + BV - 1) // BV + (V + BV - 1) // BV):
+            _wu_tile(j, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+                     GATE, PREC, BIG, LOWP, INTERP)
+
+
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
-    """The two v5.3 prep launches, as gdn.chunk_fwd.chunk_gdn_fwd's v5.2 ones."""
+    """The two v5.3 prep launches, as gdn.chunk_fwd.chunk_gdn_fwd's v5.2 ones (warps and the
+    wu layout: the module's LAUNCH, which bench_gdn's fwdprof stage varies)."""
     NC, H = flag.shape
+    lowp = lowp and LAUNCH["bf16_operands"]
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              num_warps=INV_WARPS, **prep)
-    tiles = triton.cdiv(prep["K"], BV) + triton.cdiv(V, BV)
+                              W=max(32 * LAUNCH["inv_warps"], prep["BT"]), num_warps=LAUNCH["inv_warps"],
+                              **prep)
+    tiles = triton.cdiv(prep["K"], BV) + triton.cdiv(V, BV) if LAUNCH["wu_per_tile"] else 1
     _prep_wu_kernel[(tiles, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                    LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)
+                                    LOWP=lowp, INTERP=interp, PER_TILE=LAUNCH["wu_per_tile"],
+                                    num_warps=LAUNCH["wu_warps"], **prep)
 
 
-INV_WARPS = 4
-WU_WARPS = 4
+# from the offline sm_90 compile at the bench shape (with the launch's alignment): _prep_inv
+# 154 registers at 4 warps (3 programs an SM), no spill; _prep_wu one tile a program at 4 warps
+LAUNCH = {"inv_warps": 4, "wu_per_tile": True, "wu_warps": 4, "bf16_operands": True}
