@@ -170,3 +170,8 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
 _state = triton.autotune(configs=_state_configs(),
                          key=["K", "V", "BT", "GATE", "DELTA", "PREC", "OCC"],
                          prune_configs_by={"early_config_prune": _prune})(_state_kernel)
+
+
+# The output kernel's V tile and warps (bench_gdn's fwdprof stage also times BV 128 at 8
+# warps: q and k read once per chunk, not once per V tile; 192 registers, no spill offline)
+LAUNCH = {"out_bv": 64, "out_warps": 4}

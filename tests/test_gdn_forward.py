@@ -267,15 +267,19 @@ def test_triton_v53_matches_oracle_and_default(gate, delta, monkeypatch):
 
 
 @pytest.mark.parametrize("launch", [{"wu_per_tile": False, "wu_warps": 8, "bf16_operands": False},
-                                    {"wu_per_tile": False, "inv_warps": 8}], ids=["chunk-tf32", "chunk-bf16"])
+                                    {"wu_per_tile": False, "inv_warps": 8, "out_bv": 128, "out_warps": 8}],
+                         ids=["chunk-tf32", "chunk-bf16-out128"])
 def test_triton_v53_launch_variants_match_oracle(launch, monkeypatch):
-    """The v5.3 prep's other layouts (gdn.fwd_prep.LAUNCH, which bench_gdn's fwdprof stage
-    times on the device): w and u a chunk per program, tf32 or bf16 operands."""
+    """v5.3's other launch layouts (gdn.fwd_prep.LAUNCH, gdn.fwd_seq.LAUNCH, which
+    bench_gdn's fwdprof stage times on the device): w and u a chunk per program, tf32 or
+    bf16 operands, the output kernel over one V tile of 128 (V = 80: masked columns)."""
     import gdn.fwd_prep as fp
+    import gdn.fwd_seq as fs
     monkeypatch.setattr(cf, "V53", True)
-    monkeypatch.setattr(fp, "LAUNCH", dict(fp.LAUNCH, **launch))
+    for mod in (fp, fs):
+        monkeypatch.setattr(mod, "LAUNCH", dict(mod.LAUNCH, **{n: x for n, x in launch.items() if n in mod.LAUNCH}))
     for dtype in (torch.float32, torch.bfloat16):
-        x = make_inputs("scalar", True, B=1, T=77, H=1, K=24, V=20, dtype=dtype, seed=5)
+        x = make_inputs("scalar", True, B=1, T=77, H=1, K=24, V=80, dtype=dtype, seed=5)
         o, s = call(recurrence, x)
         o2, s2 = call(chunk_gdn_fwd, x)
         assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (dtype, rel(o2, o), rel(s2, s))

@@ -197,9 +197,10 @@ def backward_profile_stage(rep):
             f"{n} {rel(a, b):.1e}" for n, a, b in zip(GRADS, got[True], got[False]) if a is not None))
 
 
-# v5.3's prep layouts timed besides its default (gdn.fwd_prep.LAUNCH), GDN only
+# v5.3's launch layouts timed besides its default (gdn.fwd_prep.LAUNCH, gdn.fwd_seq.LAUNCH),
+# GDN only
 V53_VARIANTS = ({"wu_per_tile": False, "wu_warps": 8}, {"wu_warps": 8}, {"bf16_operands": False},
-                {"inv_warps": 8})
+                {"inv_warps": 8}, {"out_bv": 128, "out_warps": 8})
 
 
 def forward_profile_stage(rep):
@@ -208,10 +209,11 @@ def forward_profile_stage(rep):
     V53_VARIANTS), bf16 GDN and KDA at B8 T4096 H16 K=V=128; and how far v5.3's outputs
     are from the default's."""
     import gdn.fwd_prep as fp
+    import gdn.fwd_seq as fs
     rep.add("### Forward per kernel, v5.2 (default) and v5.3 (GDN_FWD_V53) (bf16, B8 T4096 H16 "
             "K=V=128; do_bench median; torch profiler, mean of 5)\n\n"
             "| member | version | fwd ms | per kernel ms |\n| --- | --- | --- | --- |")
-    saved, launch = fwd.V53, dict(fp.LAUNCH)
+    saved, launch = fwd.V53, dict(fp.LAUNCH, **fs.LAUNCH)
     for gate, delta in (("scalar", True), ("vector", True)):
         q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
         got = {}
@@ -220,16 +222,15 @@ def forward_profile_stage(rep):
             runs += [(f"v5.3 {var}", True, var) for var in V53_VARIANTS]
         for name, v53, var in runs:
             fwd.V53 = v53
-            fp.LAUNCH.clear()
-            fp.LAUNCH.update(launch, **var)
+            for lk in (fp.LAUNCH, fs.LAUNCH):   # each module keeps its own keys
+                lk.update({n: x for n, x in dict(launch, **var).items() if n in lk})
             try:
                 f = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta)  # noqa: E731
                 out = f()
                 got.setdefault(v53, out)
                 t = do_bench(f, warmup=50, rep=200, return_mode="median")
                 ks = sorted(kernel_times(f).items(), key=lambda x: -x[1])
-                from gdn import fwd_seq
-                best = getattr(fwd_seq._state if v53 else fwd._state, "best_config", None)
+                best = getattr(fs._state if v53 else fwd._state, "best_config", None)
                 rep.add(f"| {NAMES[gate, delta]} | {name} | {t:.3f} | "
                         + ", ".join(f"{n[:22]} {ms:.3f}" for n, ms in ks) + f"; state config {best} |")
             except Exception:  # noqa: BLE001
@@ -238,8 +239,8 @@ def forward_profile_stage(rep):
             rep.add(f"| {NAMES[gate, delta]} | v5.3 vs v5.2, rel. diff | o {rel(got[True][0], got[False][0]):.1e}, "
                     f"state {rel(got[True][1], got[False][1]):.1e} | |")
     fwd.V53 = saved
-    fp.LAUNCH.clear()
-    fp.LAUNCH.update(launch)
+    for lk in (fp.LAUNCH, fs.LAUNCH):
+        lk.update({n: x for n, x in launch.items() if n in lk})
 
 
 def main():
