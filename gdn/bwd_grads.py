@@ -9,13 +9,13 @@ with the delta rule also T = (I + A)^-1 (``_prep``).  Two groups of terms:
 - the WY terms (everything that goes through T): -dU h^T and dU (beta V)^T give dv, dbeta,
   and the rest of dk and dg (``_wy_tile`` over V, ``_wy_terms`` at the end).
 
-``_grads`` forms both in one launch (the default).  Under the bring-up switch
-GDN_BWD_GRADS=split (gdn.chunk_bwd) the WY terms move to their own launch, ``_grads_wy``,
-which stores dv and dbeta and hands its share of dk and dg to ``_grads`` as fp32 partials;
-``_grads`` (WY_PARTIAL) then holds two [C, K] accumulators instead of three, and neither
-launch keeps T live beside the P terms.  The sums are the same terms in another order:
-dk bitwise as the fused form; dg rounds differently (the WY share is summed over its own
-decay spans, then added).
+``_grads`` forms both in one launch (the default; it spills at the bench shape).  Under the
+bring-up switch GDN_BWD_GRADS=split (gdn.chunk_bwd) two launches: ``_grads_wy`` (delta only)
+stores dv and dbeta and hands its share of dk and dg on as fp32 partials; ``_grads_p`` forms
+the P terms with K in slices (two [C, BKS] accumulators live instead of the fused form's three
+[C, K]) and adds the partials.  Neither keeps T live beside the P terms.  dv and dbeta are
+the fused form's operations in the same order; dq, dk, dg the same terms in another order
+(the WY share of dg summed over its own decay spans, then added; K-slice row sums added).
 
 Formulas (one chunk, see gdn.bwd_matrix's docstring for A, T, U, K_g, K_n):
     dT = dU (beta V - beta K_g h)^T,  dA = -strict_lower(T^T dT T^T),
