@@ -139,28 +139,31 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
         S = tl.load(hs + (cid * H + i_h) * (K * V) + dk[:, None] * V + dv[None, :], mask=smask, other=0.0)
         qt = tl.load(q + row0 * K + kx, mask=mk, other=0.0)
         xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
+        # every tile loaded and the matrix path computed before the decision, so the loads
+        # overlap (v5.2 loaded k and v_new only after q's check); a chunk that takes the
+        # exact path drops the result
+        kt = tl.load(k + row0 * K + kx, mask=mk, other=0.0)
+        if DELTA:
+            vt = tl.load(vn + row0 * V + vx, mask=mv, other=0.0)
+        else:
+            vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
         ok = _forced((tl.max(xf.to(tl.int32)) == 0) & _all_within(qt, BIG), MODE)
+        causal = rr[:, None] >= rr[None, :]
+        if GATE == 1:
+            G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+            dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
+            Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
+            qg = qt * tl.exp(G + Glo)[:, None]
+        elif GATE == 2:
+            G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+            qg = qt * tl.exp(G)
+            Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
+        else:
+            Aqk = _odot(qt, tl.trans(kt), DT, PREC)
+            qg = qt
+        Aqk = tl.where(causal, Aqk, 0.0)
+        ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
         if ok:
-            kt = tl.load(k + row0 * K + kx, mask=mk, other=0.0)
-            causal = rr[:, None] >= rr[None, :]
-            if GATE == 1:
-                G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-                dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
-                Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
-                qg = qt * tl.exp(G + Glo)[:, None]
-            elif GATE == 2:
-                G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-                qg = qt * tl.exp(G)
-                Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
-            else:
-                Aqk = _odot(qt, tl.trans(kt), DT, PREC)
-                qg = qt
-            Aqk = tl.where(causal, Aqk, 0.0)
-            if DELTA:
-                vt = tl.load(vn + row0 * V + vx, mask=mv, other=0.0)
-            else:
-                vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
-            ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
             tl.store(o + row0 * V + vx, ot.to(o.dtype.element_ty), mask=mv)
         else:
             _exact_chunk(q, k, v, g, beta, o, S.to(tl.float32), scale, bos, eos, i_h, dk, kmask, dv, vmask,
