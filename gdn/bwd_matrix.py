@@ -121,7 +121,9 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
         a = araw * b_beta[:, None]
         # T = (I + A)^-1, by the forward's blocked substitution
         tm = _inv_unit_lower(a, C, PREC)
-        tl.store(Tm + tq * C + rows[None, :], tm, mask=rv[:, None])
+        # T is only ever a dot operand: stored in the dots' operand dtype (bf16 for bf16
+        # inputs), the very rounding every dot applies to it, so no result changes
+        tl.store(Tm + tq * C + rows[None, :], tm.to(Tm.dtype.element_ty), mask=rv[:, None])
         w = _mm(tm, kb, F32, DT)
         tl.store(W + tq * K + ck[None, :], w.to(W.dtype.element_ty), mask=mqk)
         for iv in range(0, tl.cdiv(V, BV)):

@@ -152,7 +152,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     dflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     if delta:
-        Tm = torch.empty(B, T, H, C, device=dev, dtype=torch.float32)
+        # T = (I + A)^-1 in the dots' operand dtype (see _prep)
+        Tm = torch.empty(B, T, H, C, device=dev, dtype=torch.float32 if F32 else torch.bfloat16)
         W = torch.empty(B, T, H, K, device=dev, dtype=inter)
         U = torch.empty(B, T, H, V, device=dev, dtype=inter)
         dU = torch.empty(B, T, H, V, device=dev, dtype=inter)
