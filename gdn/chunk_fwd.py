@@ -598,17 +598,18 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, MODE=mode)
 
-    state, out, obv, owarps = _state, _out_kernel, BVP, 4
+    state, out, obv, owarps, v53_state = _state, _out_kernel, BVP, 4, {}
     if V53:
         from gdn import fwd_seq
         state, out, obv, owarps = (fwd_seq._state, fwd_seq._out_kernel,
                                    min(_pow2(V), fwd_seq.LAUNCH["out_bv"]), fwd_seq.LAUNCH["out_warps"])
+        v53_state = dict(LOWP=fwd_seq.LAUNCH["state_bf16"] and inter == torch.bfloat16, INTERP=INTERPRET)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
     state[grid](k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
                  T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
-                 STORE_HT=output_final_state, SBIG=SBIG, **common)
+                 STORE_HT=output_final_state, SBIG=SBIG, **common, **v53_state)
     out[(triton.cdiv(V, obv), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
                                       T, max(NT, 1), BV=obv, num_warps=owarps,
                                       DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET

@@ -20,6 +20,15 @@ import triton.language as tl
 
 from gdn.chunk_fwd import (_all_within, _chunk_span, _exact_chunk, _forced, _load_gates, _odot,
                            _prune, _seq_span, _state_configs)
+from gdn.fwd_prep import _bdot
+
+
+@triton.jit
+def _xdot(x, t, INTERP: tl.constexpr):
+    """x t for x exact in bf16 and t fp32: t = hi + lo in bf16, two bf16 products (t to
+    about 2^-16, more precise than one tf32 product's 2^-11 on both operands)."""
+    hi = t.to(tl.bfloat16).to(tl.float32)
+    return _bdot(x, hi, True, INTERP, "ieee") + _bdot(x, t - hi, True, INTERP, "ieee")
 
 
 @triton.jit
@@ -30,8 +39,10 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr):
-    """gdn.chunk_fwd._state_kernel with chunk-base addressing (module docstring)."""
+                  MODE: tl.constexpr, LOWP: tl.constexpr = False, INTERP: tl.constexpr = False):
+    """gdn.chunk_fwd._state_kernel with chunk-base addressing (module docstring); LOWP:
+    the products on bf16 operands, k and w as loaded (bf16 inputs) times S and v_new split
+    into bf16 hi + lo (`_xdot`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -84,7 +95,10 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
         kf = kt.to(tl.float32)
         vf = vt.to(tl.float32)
         if DELTA:
-            vf = vf - tl.dot(wt.to(tl.float32), S, input_precision=PREC)
+            if LOWP:
+                vf = vf - _xdot(wt, S, INTERP)
+            else:
+                vf = vf - tl.dot(wt.to(tl.float32), S, input_precision=PREC)
             tl.store(vn + row0 * V + vx, vf.to(vn.dtype.element_ty), mask=mv)
         Sd = S
         if GATE == 1:   # the decay on v_new's rows, not on k's: [BT, BV] not [BT, BK]
@@ -101,7 +115,10 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             Sd = S * tl.exp(Gl)[:, None]
         else:
             kl = kf
-        Sm = Sd + tl.dot(tl.trans(kl), vf, input_precision=PREC)
+        if LOWP and GATE != 2:
+            Sm = Sd + _xdot(tl.trans(kt), vf, INTERP)
+        else:
+            Sm = Sd + tl.dot(tl.trans(kl), vf, input_precision=PREC)
         if ok:
             S = Sm
         else:
@@ -177,4 +194,6 @@ _state = triton.autotune(configs=_state_configs(),
 
 # The output kernel's V tile and warps (bench_gdn's fwdprof stage also times BV 128 at 8
 # warps: q and k read once per chunk, not once per V tile; 192 registers, no spill offline)
-LAUNCH = {"out_bv": 64, "out_warps": 4}
+# state_bf16: the state pass's products on bf16 operands for bf16 inputs (`_xdot`; off: a
+# bf16-operand sequential scan was wrong on the H200 in v3, a cause never found)
+LAUNCH = {"out_bv": 64, "out_warps": 4, "state_bf16": False}

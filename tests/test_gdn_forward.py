@@ -267,12 +267,14 @@ def test_triton_v53_matches_oracle_and_default(gate, delta, monkeypatch):
 
 
 @pytest.mark.parametrize("launch", [{"wu_per_tile": False, "wu_warps": 8, "bf16_operands": False},
-                                    {"wu_per_tile": False, "inv_warps": 8, "out_bv": 128, "out_warps": 8}],
-                         ids=["chunk-tf32", "chunk-bf16-out128"])
+                                    {"wu_per_tile": False, "inv_warps": 8, "out_bv": 128, "out_warps": 8,
+                                     "state_bf16": True}],
+                         ids=["chunk-tf32", "chunk-bf16-out128-statebf16"])
 def test_triton_v53_launch_variants_match_oracle(launch, monkeypatch):
     """v5.3's other launch layouts (gdn.fwd_prep.LAUNCH, gdn.fwd_seq.LAUNCH, which
     bench_gdn's fwdprof stage times on the device): w and u a chunk per program, tf32 or
-    bf16 operands, the output kernel over one V tile of 128 (V = 80: masked columns)."""
+    bf16 operands, the output kernel over one V tile of 128 (V = 80: masked columns), the
+    state pass on bf16 operands."""
     import gdn.fwd_prep as fp
     import gdn.fwd_seq as fs
     monkeypatch.setattr(cf, "V53", True)
