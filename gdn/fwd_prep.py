@@ -2,20 +2,23 @@
 
 Same two launches and the same outputs as `gdn.chunk_fwd`'s `_prep_inv_kernel` and
 `_prep_wu_kernel` (T = (I + A)^-1 stored fp32, w = T diag(beta Gamma) k, u = T diag(beta) v,
-the per-(chunk, head) flag), with two changes aimed at the H200's time per chunk:
+the per-(chunk, head) flag), with these changes aimed at the H200's time per chunk:
 
-- The 16x16 diagonal blocks of T by forward substitution on a [16, BT] tile that holds
-  column c of block b in column 16 b + c, so that with 2 warps every column of the tile
-  lies in one thread: a step reads row i of each block's A (stored first in T's place,
-  read back through the cache) and sums over j inside the thread, with no shuffle and no
-  barrier.  The v5.2 substitution on a [4, 16, 16] tensor spread the summed axis over the
-  warps: about 7 barriers a step, 107 in all (offline sm_90 SASS).  The block merges stay
-  the products of `_inv_unit_lower` (tf32), run by the launch's 4 warps.
-- For bf16 inputs and no gate or a scalar gate, products on bf16 operands where that loses
-  nothing: k k^T on the raw keys (each product exact in the fp32 sum; the decay and beta
-  scale the [BT, BT] result), and w, u as (T_hi + T_lo) k, (T_hi + T_lo) v with T diag(beta
-  Gamma) split into two bf16 parts (T to about 2^-16, the raw k, v exact: more precise
-  than v5.2's tf32 operands, which round both to 2^-11).  fp16 and fp32 inputs and the
+- The 16x16 diagonal blocks of T by forward substitution on a [16, W] tile that holds
+  column c of block b in column 16 b + c (the BT columns repeated up to W = 32 x warps),
+  so that every column of the tile lies in one thread: a step reads row i of each block's
+  A (stored transposed in T's place first, read back through the cache; strided in j, so
+  the load's layout keeps a column in one thread) and sums over j inside the thread, with
+  no shuffle and no barrier.  The v5.2 substitution on a [4, 16, 16] tensor spread the
+  summed axis over the warps: 107 barriers and 437 shuffles in the sm_90 SASS, against 28
+  and 77 here.  The block merges are v5.2's (tf32 products).
+- w and u one BV-wide tile a program (LAUNCH["wu_per_tile"]; a chunk a program as in
+  v5.2 otherwise): 106 registers at 4 warps.
+- For bf16 inputs and no gate or a scalar gate (LAUNCH["bf16_operands"]), products on bf16
+  operands where that loses nothing: k k^T on the raw keys (each product exact in the fp32
+  sum; the decay and beta scale the [BT, BT] result), and w, u as (T_hi + T_lo) k,
+  (T_hi + T_lo) v with T diag(beta Gamma) split into two bf16 parts (T to about 2^-16, the
+  raw k, v exact: more precise than v5.2's tf32 operands, which round both to 2^-11).  fp16 and fp32 inputs and the
   vector gate keep v5.2's operands: an fp16 T could overflow, and a per-key decay cannot
   be moved off the keys.
 

@@ -2,14 +2,22 @@
 default off).
 
 The same algorithm, checks, exact path and outputs as `gdn.chunk_fwd._state_kernel` and
-`_out_kernel`, with one change: a tile's addresses are a 64-bit base per chunk (or per
-state) plus 32-bit offsets inside it (BT H max(K, V) and K V are far below 2^31), where
-v5.2 carried a 64-bit offset per element: at K = 128 and 4 warps, an int64 offset tile of
-a [64, 128] chunk alone is 128 registers a thread, and both kernels sat at 255 registers
-with 1280 / 752 bytes of stack (offline sm_90 compile, tools/kernel_resources.py).  The
-state pass also loads k only on the matrix path for the delta members (their checks come
-from the prep's flag).  When v5.3 is adopted these replace the v5.2 kernels (no two
-copies kept).
+`_out_kernel`, arranged for the H200's latency (gdn/NOTES.md, v5.3):
+
+- Both load every tile of a chunk and compute the matrix path before the path decision; a
+  chunk that fails the checks drops that result and runs token by token.  In the state pass
+  the products then sit at the loop's top level, where Triton's pipeliner prefetches chunk
+  c + 1's tiles while chunk c computes (loads inside v5.2's `if ok` were not pipelined); in
+  the output kernel k and v_new are fetched together with q, not after q's check.  The state
+  pass's v_new of a dropped chunk is garbage, but its columns are flagged in xflag, so the
+  output kernel never reads it.
+- A scalar decay multiplies v_new's rows ([BT, BV]) instead of k's ([BT, K]).
+- Addresses are a 64-bit base per chunk plus 32-bit offsets inside it; masks only on padded
+  dimensions.
+- Optional (LAUNCH["state_bf16"], off): the state pass's products on bf16 operands for bf16
+  inputs, k and w as loaded times S and v_new split into bf16 hi + lo (`_xdot`).
+
+When v5.3 is adopted these replace the v5.2 kernels (no two copies kept).
 
 Refuses nothing of its own: `gdn.chunk_fwd.chunk_gdn_fwd` checks the inputs.
 """
@@ -40,7 +48,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
                   MODE: tl.constexpr, LOWP: tl.constexpr = False, INTERP: tl.constexpr = False):
-    """gdn.chunk_fwd._state_kernel with chunk-base addressing (module docstring); LOWP:
+    """gdn.chunk_fwd._state_kernel arranged as the module docstring says; LOWP:
     the products on bf16 operands, k and w as loaded (bf16 inputs) times S and v_new split
     into bf16 hi + lo (`_xdot`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -134,7 +142,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
                 PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr):
-    """gdn.chunk_fwd._out_kernel with chunk-base addressing (module docstring)."""
+    """gdn.chunk_fwd._out_kernel arranged as the module docstring says."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     if bos < eos:
