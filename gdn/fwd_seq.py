@@ -196,7 +196,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
 
 
 _state = triton.autotune(configs=_state_configs(),
-                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "OCC"],
+                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "OCC", "LOWP"],
                          prune_configs_by={"early_config_prune": _prune})(_state_kernel)
 
 
