@@ -11,7 +11,8 @@ the per-(chunk, head) flag), with these changes aimed at the H200's time per chu
   the load's layout keeps a column in one thread) and sums over j inside the thread, with
   no shuffle and no barrier.  The v5.2 substitution on a [4, 16, 16] tensor spread the
   summed axis over the warps: 107 barriers and 437 shuffles in the sm_90 SASS, against 28
-  and 77 here.  The block merges are v5.2's (tf32 products).
+  and 77 here.  The block merges are v5.2's (tf32 products).  A 16-token chunk (vector
+  gate) keeps v5.2's substitution, leaner for one block (offline).
 - w and u one BV-wide tile a program (LAUNCH["wu_per_tile"]; a chunk a program as in
   v5.2 otherwise): 106 registers at 4 warps.
 - For bf16 inputs and no gate or a scalar gate (LAUNCH["bf16_operands"]), products on bf16
@@ -33,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import _all_within, _chunk_span, _load_gates
+from gdn.chunk_fwd import _all_within, _chunk_span, _inv_unit_lower, _load_gates
 
 
 @triton.jit
@@ -107,18 +108,17 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
             A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
     A = tl.where(lower, A * bt[:, None], 0.0)
     tptr = tm + (rows[:, None] * H + i_h) * BT + rr[None, :]
-    ttr = tm + (rows[None, :] * H + i_h) * BT + rr[:, None]   # the transpose's place
-    tl.store(ttr, A, mask=rmask[None, :])
-    tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-    X = _diag_inverse(tm, bos.to(tl.int64), eos, i_h, H, BT, W)
-    jj = tl.arange(0, 16)[:, None]
-    cc = tl.arange(0, W)[None, :]
-    xr = bos.to(tl.int64) + cc   # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
-    tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
-    if BT == 16:   # one block: T itself
-        xr = bos.to(tl.int64) + jj
-        tl.store(tm + (xr * H + i_h) * BT + cc, X, mask=(cc < BT) & (xr < eos))
+    if BT == 16:   # one block (vector gate): v5.2's substitution on A in registers is leaner
+        tl.store(tptr, _inv_unit_lower(A, BT, PREC), mask=rmask[:, None])
     else:
+        ttr = tm + (rows[None, :] * H + i_h) * BT + rr[:, None]   # the transpose's place
+        tl.store(ttr, A, mask=rmask[None, :])
+        tl.debug_barrier()   # A's rows, stored by other threads, are read back below
+        X = _diag_inverse(tm, bos.to(tl.int64), eos, i_h, H, BT, W)
+        jj = tl.arange(0, 16)[:, None]
+        cc = tl.arange(0, W)[None, :]
+        xr = bos.to(tl.int64) + cc   # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
+        tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
         tl.store(tm + (xr * H + i_h) * BT + (cc // 16) * 16 + jj, X, mask=(cc < BT) & (xr < eos))
         tl.debug_barrier()
         M = tl.load(ttr, mask=rmask[None, :], other=0.0)   # Dinv on the diagonal, A below
