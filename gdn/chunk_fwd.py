@@ -608,8 +608,8 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
     state[grid](k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
-                 T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
-                 STORE_HT=output_final_state, SBIG=SBIG, **common, **v53_state)
+                T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
+                STORE_HT=output_final_state, SBIG=SBIG, **common, **v53_state)
     out[(triton.cdiv(V, obv), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
                                       T, max(NT, 1), BV=obv, num_warps=owarps,
                                       DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET
