@@ -44,6 +44,7 @@ class CampaignStats:
     coverage: int = 0              # distinct harness edges seen
     new_coverage: int = 0          # executions that found an edge not seen before
     worker_restarts: int = 0
+    unfinished: int = 0            # cases still running --timeout after the time limit: dropped
     worker_cpu_seconds: float = 0.0   # CPU time of the workers' processes (0 in process)
     sandbox: dict = field(default_factory=dict)   # what confined the workers, layer by layer
 
@@ -57,7 +58,7 @@ class CampaignStats:
                 "execs_per_second": round(self.execs_per_second, 2),
                 "corpus_size": self.corpus_size, "coverage_edges": self.coverage,
                 "new_coverage_executions": self.new_coverage, "worker_restarts": self.worker_restarts,
-                "worker_cpu_seconds": round(self.worker_cpu_seconds, 3),
+                "unfinished": self.unfinished, "worker_cpu_seconds": round(self.worker_cpu_seconds, 3),
                 "sandbox": self.sandbox,
                 "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
                              for k, v in self.failures.items()},
@@ -105,7 +106,14 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 submitted += 1
             if runner.busy == 0:
                 break
-            for result in runner.results():
+            # past the time limit, the cases in flight get --timeout more, compiles included
+            # (kfuzz.jit stops a case's clock while it compiles, for up to 10 minutes): then
+            # they are dropped, unjudged, rather than called hangs or waited for
+            until = None if seconds is None else start + seconds + timeout
+            if until is not None and time.monotonic() >= until and jobs > 0:
+                stats.unfinished = runner.abandon()
+                break
+            for result in runner.results(until):
                 case = result.case
                 verdict = result.verdict
                 if verdict is None:

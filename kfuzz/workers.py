@@ -431,12 +431,14 @@ class WorkerPool:
     def _died(self, worker: Worker) -> KernelResult:
         return self._failed(worker, "crash", *death(worker, self.policy))
 
-    def results(self) -> Iterator[KernelResult]:
-        """Wait for at least one busy worker to finish, die or time out; yield what ended."""
+    def results(self, until: float | None = None) -> Iterator[KernelResult]:
+        """Wait for at least one busy worker to finish, die or time out (or for the clock to
+        reach ``until``); yield what ended."""
         busy = [w for w in self.workers if w is not None and w.queue]
         if not busy:
             return
-        wait_for = max(0.0, min(w.deadline(self.timeout) for w in busy) - time.monotonic())
+        wait_for = max(0.0, min([w.deadline(self.timeout) for w in busy] + ([until] if until else []))
+                       - time.monotonic())
         if len(busy) == 1:    # one pipe: poll it directly, cheaper than a selector
             ready = [busy[0].conn] if busy[0].conn.poll(wait_for) else []
         else:
@@ -471,6 +473,16 @@ class WorkerPool:
                 yield self._failed(w, "timeout", None,
                                    f"no answer within {self.timeout:g} s; the worker was killed")
 
+    def abandon(self) -> int:
+        """Kill the busy workers; their cases get no verdict. How many cases that was."""
+        dropped = 0
+        for i, w in enumerate(self.workers):
+            if w is not None and w.queue:
+                dropped += len(w.queue)
+                w.kill()
+                self.workers[i] = None
+        return dropped
+
     def close(self) -> None:
         for w in self.workers:
             if w is not None:
@@ -495,7 +507,7 @@ class InProcess:
     def submit(self, case: Case) -> None:
         self.pending.append(case)
 
-    def results(self) -> Iterator[KernelResult]:
+    def results(self, until: float | None = None) -> Iterator[KernelResult]:
         while self.pending:
             case = self.pending.pop(0)
             start = time.perf_counter()

@@ -1,6 +1,7 @@
 """Sandboxed workers: a segfault and a hang become verdicts with their cases saved, the
 campaign goes on, and a worker's result is judged exactly as an in-process execution."""
 import signal
+import time
 
 import pytest
 
@@ -190,3 +191,14 @@ def test_a_compile_that_never_ends_is_a_hang_past_the_allowance():
         assert result.verdict.kind == "timeout" and 2.5 <= result.seconds < 10
     finally:
         pool.close()
+
+
+def test_a_timed_campaign_ends_timeout_seconds_after_its_limit_even_while_compiling(tmp_path):
+    """A case whose compile never ends holds the clock for up to the allowance (600 s); the
+    campaign still ends --timeout after --time and drops that case unjudged."""
+    forever = Case.make("searchsum.slowjit", "float16", 1, {"N": 2, "D": 128})
+    start = time.monotonic()
+    stats = run_campaign(get_target("searchsum.slowjit"), ListEngine([forever]), Corpus(tmp_path),
+                         seconds=1.0, jobs=1, timeout=2.0)
+    assert time.monotonic() - start < 30
+    assert stats.unfinished >= 1 and stats.executions == 0 and not stats.failures
