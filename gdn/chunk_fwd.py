@@ -68,8 +68,8 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # Bring-up switch of version 5.3 (gdn/NOTES.md; default off until measured on the H200):
-# the WY prep of gdn.fwd_prep, the state and output kernels of gdn.fwd_seq.  A module
-# attribute, so a test can flip it.
+# the WY prep of gdn.fwd_prep, the state and output kernels of gdn.fwd_seq (or v5.2's on
+# v5.3's prep: gdn.fwd_seq.LAUNCH["seq"]).  A module attribute, so a test can flip it.
 V53 = os.environ.get("GDN_FWD_V53") == "1"
 # Products take fp32 operands (tf32 on GPUs; fp32 inputs tf32x3).  The tensors one
 # launch hands to the next (w, u, the chunk states, v_new) are stored in bf16 for
@@ -598,18 +598,20 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, MODE=mode)
 
-    state, out, obv, owarps, v53_state = _state, _out_kernel, BVP, 4, {}
+    state, out, obv, owarps = _state, _out_kernel, BVP, 4
     if V53:
         from gdn import fwd_seq
-        state, out, obv, owarps = (fwd_seq._state, fwd_seq._out_kernel,
-                                   min(_pow2(V), fwd_seq.LAUNCH["out_bv"]), fwd_seq.LAUNCH["out_warps"])
-        v53_state = dict(LOWP=fwd_seq.LAUNCH["state_bf16"] and inter == torch.bfloat16, INTERP=INTERPRET)
+        if fwd_seq.LAUNCH["seq"] == "v5.3":   # "v5.2": v5.3's prep, v5.2's state and output kernels
+            state, out, obv, owarps = (fwd_seq._state, fwd_seq._out_kernel,
+                                       min(_pow2(V), fwd_seq.LAUNCH["out_bv"]), fwd_seq.LAUNCH["out_warps"])
+        elif fwd_seq.LAUNCH["seq"] != "v5.2":
+            raise ValueError(f'gdn.fwd_seq.LAUNCH["seq"] must be "v5.3" or "v5.2"; got {fwd_seq.LAUNCH["seq"]!r}')
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
     state[grid](k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
                 T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
-                STORE_HT=output_final_state, SBIG=SBIG, **common, **v53_state)
+                STORE_HT=output_final_state, SBIG=SBIG, **common)
     out[(triton.cdiv(V, obv), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
                                       T, max(NT, 1), BV=obv, num_warps=owarps,
                                       DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET

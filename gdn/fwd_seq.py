@@ -14,8 +14,11 @@ The same algorithm, checks, exact path and outputs as `gdn.chunk_fwd._state_kern
 - A scalar decay multiplies v_new's rows ([BT, BV]) instead of k's ([BT, K]).
 - Addresses are a 64-bit base per chunk plus 32-bit offsets inside it; masks only on padded
   dimensions.
-- Optional (LAUNCH["state_bf16"], off): the state pass's products on bf16 operands for bf16
-  inputs, k and w as loaded times S and v_new split into bf16 hi + lo (`_xdot`).
+
+LAUNCH["seq"] = "v5.2" keeps v5.3's WY prep (gdn.fwd_prep) but runs v5.2's state and output
+kernels on its w, u and flag (the same buffers, layouts and dtypes): on the H200 v5.3's prep
+was faster and its state pass slower (gdn/NOTES.md, v5.3).  A bf16-operand state pass
+(session 4's LAUNCH["state_bf16"]) faulted on the H200 and is gone.
 
 When v5.3 is adopted these replace the v5.2 kernels (no two copies kept).
 
@@ -28,15 +31,6 @@ import triton.language as tl
 
 from gdn.chunk_fwd import (_all_within, _chunk_span, _exact_chunk, _forced, _load_gates, _odot,
                            _prune, _seq_span, _state_configs)
-from gdn.fwd_prep import _bdot
-
-
-@triton.jit
-def _xdot(x, t, INTERP: tl.constexpr):
-    """x t for x exact in bf16 and t fp32: t = hi + lo in bf16, two bf16 products (t to
-    about 2^-16, more precise than one tf32 product's 2^-11 on both operands)."""
-    hi = t.to(tl.bfloat16).to(tl.float32)
-    return _bdot(x, hi, True, INTERP, "ieee") + _bdot(x, t - hi, True, INTERP, "ieee")
 
 
 @triton.jit
@@ -47,10 +41,8 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, LOWP: tl.constexpr = False, INTERP: tl.constexpr = False):
-    """gdn.chunk_fwd._state_kernel arranged as the module docstring says; LOWP:
-    the products on bf16 operands, k and w as loaded (bf16 inputs) times S and v_new split
-    into bf16 hi + lo (`_xdot`)."""
+                  MODE: tl.constexpr):
+    """gdn.chunk_fwd._state_kernel arranged as the module docstring says."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -103,10 +95,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
         kf = kt.to(tl.float32)
         vf = vt.to(tl.float32)
         if DELTA:
-            if LOWP:
-                vf = vf - _xdot(wt, S, INTERP)
-            else:
-                vf = vf - tl.dot(wt.to(tl.float32), S, input_precision=PREC)
+            vf = vf - tl.dot(wt.to(tl.float32), S, input_precision=PREC)
             tl.store(vn + row0 * V + vx, vf.to(vn.dtype.element_ty), mask=mv)
         Sd = S
         if GATE == 1:   # the decay on v_new's rows, not on k's: [BT, BV] not [BT, BK]
@@ -123,10 +112,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             Sd = S * tl.exp(Gl)[:, None]
         else:
             kl = kf
-        if LOWP and GATE != 2:
-            Sm = Sd + _xdot(tl.trans(kt), vf, INTERP)
-        else:
-            Sm = Sd + tl.dot(tl.trans(kl), vf, input_precision=PREC)
+        Sm = Sd + tl.dot(tl.trans(kl), vf, input_precision=PREC)
         if ok:
             S = Sm
         else:
@@ -196,12 +182,15 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
 
 
 _state = triton.autotune(configs=_state_configs(),
-                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "OCC", "LOWP"],
+                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "OCC"],
                          prune_configs_by={"early_config_prune": _prune})(_state_kernel)
 
 
 # The output kernel's V tile and warps (bench_gdn's fwdprof stage also times BV 128 at 8
-# warps: q and k read once per chunk, not once per V tile; 192 registers, no spill offline)
-# state_bf16: the state pass's products on bf16 operands for bf16 inputs (`_xdot`; off: a
-# bf16-operand sequential scan was wrong on the H200 in v3, a cause never found)
-LAUNCH = {"out_bv": 64, "out_warps": 4, "state_bf16": False}
+# warps: q and k read once per chunk, not once per V tile; 192 registers, no spill offline;
+# on the H200 0.591 ms against 0.495).
+# seq: "v5.3" runs this module's state and output kernels; "v5.2" runs gdn.chunk_fwd's
+# (`_state`, `_out_kernel` at its own V tile and warps; out_bv and out_warps unused) on v5.3's
+# prep, which took 0.56 ms on the H200 against v5.2's 0.74, while this state pass took 0.69
+# against v5.2's 0.54 (gdn/NOTES.md, v5.3).
+LAUNCH = {"out_bv": 64, "out_warps": 4, "seq": "v5.3"}

@@ -267,14 +267,12 @@ def test_triton_v53_matches_oracle_and_default(gate, delta, monkeypatch):
 
 
 @pytest.mark.parametrize("launch", [{"wu_per_tile": False, "wu_warps": 8, "bf16_operands": False},
-                                    {"wu_per_tile": False, "inv_warps": 8, "out_bv": 128, "out_warps": 8,
-                                     "state_bf16": True}],
-                         ids=["chunk-tf32", "chunk-bf16-out128-statebf16"])
+                                    {"wu_per_tile": False, "inv_warps": 8, "out_bv": 128, "out_warps": 8}],
+                         ids=["chunk-tf32", "chunk-bf16-out128"])
 def test_triton_v53_launch_variants_match_oracle(launch, monkeypatch):
     """v5.3's other launch layouts (gdn.fwd_prep.LAUNCH, gdn.fwd_seq.LAUNCH, which
     bench_gdn's fwdprof stage times on the device): w and u a chunk per program, tf32 or
-    bf16 operands, the output kernel over one V tile of 128 (V = 80: masked columns), the
-    state pass on bf16 operands."""
+    bf16 operands, the output kernel over one V tile of 128 (V = 80: masked columns)."""
     import gdn.fwd_prep as fp
     import gdn.fwd_seq as fs
     monkeypatch.setattr(cf, "V53", True)
@@ -285,3 +283,37 @@ def test_triton_v53_launch_variants_match_oracle(launch, monkeypatch):
         o, s = call(recurrence, x)
         o2, s2 = call(chunk_gdn_fwd, x)
         assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (dtype, rel(o2, o), rel(s2, s))
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
+def test_triton_v53_prep_with_v52_scan(gate, monkeypatch):
+    """fwd_seq.LAUNCH["seq"] = "v5.2": v5.3's WY prep feeding v5.2's state and output
+    kernels (the hybrid bench_gdn's fwdprof times first).  Delta rule: within the oracle's
+    bound, and for fp32 inputs within 1e-5 of v5.2; no delta rule (no prep runs): v5.2's
+    kernels, so v5.2's outputs bitwise.  Any other value is refused."""
+    import gdn.fwd_seq as fs
+    monkeypatch.setattr(cf, "V53", True)
+    monkeypatch.setattr(fs, "LAUNCH", dict(fs.LAUNCH, seq="v5.2"))
+    for shape, dtype in (("T77-K24-V20", torch.float32), ("varlen3", torch.bfloat16)):
+        kw = dict(SHAPES[shape])
+        cu = kw.get("cu_seqlens")
+        cu = None if cu is None else cu.to(DEV)
+        x = make_inputs(gate, True, dtype=dtype, seed=hash(shape) % 1000, **kw)
+        o, s = call(recurrence, x, cu_seqlens=cu)
+        o2, s2 = call(chunk_gdn_fwd, x, cu_seqlens=cu)
+        assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (shape, rel(o2, o), rel(s2, s))
+        if dtype == torch.float32:
+            monkeypatch.setattr(cf, "V53", False)
+            o3, s3 = call(chunk_gdn_fwd, x, cu_seqlens=cu)
+            monkeypatch.setattr(cf, "V53", True)
+            assert rel(o2, o3) < 1e-5 and rel(s2, s3) < 1e-5, shape
+    if gate == "scalar":
+        x = make_inputs(gate, False, B=1, T=77, H=1, K=24, V=20, dtype=torch.float32, seed=3)
+        got = call(chunk_gdn_fwd, x, delta=False)
+        monkeypatch.setattr(cf, "V53", False)
+        want = call(chunk_gdn_fwd, x, delta=False)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        monkeypatch.setattr(cf, "V53", True)
+        monkeypatch.setattr(fs, "LAUNCH", dict(fs.LAUNCH, seq="v6"))
+        with pytest.raises(ValueError, match="seq"):
+            call(chunk_gdn_fwd, x, delta=False)
