@@ -198,16 +198,27 @@ def backward_profile_stage(rep):
 
 
 # v5.3's launch layouts timed besides its default (gdn.fwd_prep.LAUNCH, gdn.fwd_seq.LAUNCH),
-# GDN only
-V53_VARIANTS = ({"wu_per_tile": False, "wu_warps": 8}, {"wu_warps": 8}, {"bf16_operands": False},
-                {"inv_warps": 8}, {"out_bv": 128, "out_warps": 8}, {"state_bf16": True})
+# both members.  First: v5.3's prep with v5.2's state and output kernels.  Layouts measured
+# slower on the H200 are dropped (gdn/NOTES.md, v5.3).
+V53_VARIANTS = ({"seq": "v5.2"},)
+
+
+def _cuda_alive():
+    """False once the CUDA context is lost (an illegal address poisons every later call)."""
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def forward_profile_stage(rep):
     """Our forward per kernel (torch profiler): the default (v5.2) and the v5.3 bring-up
-    (GDN_FWD_V53, flipped in this process; for GDN also its other prep layouts,
-    V53_VARIANTS), bf16 GDN and KDA at B8 T4096 H16 K=V=128; and how far each one's outputs
-    are from the default's."""
+    (GDN_FWD_V53, flipped in this process, with its layouts V53_VARIANTS), bf16 KDA then GDN
+    at B8 T4096 H16 K=V=128; and how far each one's outputs are from the default's.  A row
+    that fails is written with its traceback; a failure that loses the CUDA context ends the
+    stage with a row that says so (KDA runs first, so one GDN layout cannot hide it)."""
     import gdn.fwd_prep as fp
     import gdn.fwd_seq as fs
     rep.add("### Forward per kernel, v5.2 (default) and v5.3 (GDN_FWD_V53) (bf16, B8 T4096 H16 "
@@ -215,31 +226,38 @@ def forward_profile_stage(rep):
             "| member | version | fwd ms | o, state rel. diff vs v5.2 | per kernel ms |\n"
             "| --- | --- | --- | --- | --- |")
     saved, launch = fwd.V53, dict(fp.LAUNCH, **fs.LAUNCH)
-    for gate, delta in (("scalar", True), ("vector", True)):
-        q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
-        ref = None
-        runs = [("v5.2", False, {}), ("v5.3", True, {})]
-        if gate == "scalar":
-            runs += [(f"v5.3 {var}", True, var) for var in V53_VARIANTS]
-        for name, v53, var in runs:
-            fwd.V53 = v53
-            for lk in (fp.LAUNCH, fs.LAUNCH):   # each module keeps its own keys
-                lk.update({n: x for n, x in dict(launch, **var).items() if n in lk})
-            try:
-                f = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta)  # noqa: E731
-                o1, s1 = f()
-                ref = ref or (o1, s1)   # v5.2's: a wrong variant shows here
-                diff = f"{rel(o1, ref[0]):.1e}, {rel(s1, ref[1]):.1e}"
-                t = do_bench(f, warmup=50, rep=200, return_mode="median")
-                ks = sorted(kernel_times(f).items(), key=lambda x: -x[1])
-                best = getattr(fs._state if v53 else fwd._state, "best_config", None)
-                rep.add(f"| {NAMES[gate, delta]} | {name} | {t:.3f} | {diff} | "
-                        + ", ".join(f"{n[:22]} {ms:.3f}" for n, ms in ks) + f"; state config {best} |")
-            except Exception:  # noqa: BLE001
-                rep.add(f"| {NAMES[gate, delta]} | {name} | failed: {traceback.format_exc(limit=3)!r} |")
-    fwd.V53 = saved
-    for lk in (fp.LAUNCH, fs.LAUNCH):
-        lk.update({n: x for n, x in launch.items() if n in lk})
+    try:
+        for gate, delta in (("vector", True), ("scalar", True)):
+            q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
+            ref = None
+            runs = [("v5.2", False, {}), ("v5.3", True, {})] + \
+                [(f"v5.3 {var}", True, var) for var in V53_VARIANTS]
+            for name, v53, var in runs:
+                fwd.V53 = v53
+                for lk in (fp.LAUNCH, fs.LAUNCH):   # each module keeps its own keys
+                    lk.update({n: x for n, x in dict(launch, **var).items() if n in lk})
+                print(f"(fwdprof: {NAMES[gate, delta]} {name} running)", flush=True)
+                try:
+                    f = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta)  # noqa: E731
+                    o1, s1 = f()
+                    ref = ref or (o1, s1)   # v5.2's: a wrong variant shows here
+                    diff = f"{rel(o1, ref[0]):.1e}, {rel(s1, ref[1]):.1e}"
+                    t = do_bench(f, warmup=50, rep=200, return_mode="median")
+                    ks = sorted(kernel_times(f).items(), key=lambda x: -x[1])
+                    own = v53 and fs.LAUNCH["seq"] == "v5.3"   # else v5.2's state kernel ran
+                    best = getattr(fs._state if own else fwd._state, "best_config", None)
+                    rep.add(f"| {NAMES[gate, delta]} | {name} | {t:.3f} | {diff} | "
+                            + ", ".join(f"{n[:22]} {ms:.3f}" for n, ms in ks) + f"; state config {best} |")
+                except Exception:  # noqa: BLE001
+                    rep.add(f"| {NAMES[gate, delta]} | {name} | failed: {traceback.format_exc(limit=3)!r} |")
+                    if not _cuda_alive():
+                        rep.add("\nThe CUDA context is lost after this failure: the rows after it "
+                                "were not run.")
+                        return
+    finally:
+        fwd.V53 = saved
+        for lk in (fp.LAUNCH, fs.LAUNCH):
+            lk.update({n: x for n, x in launch.items() if n in lk})
 
 
 def main():
