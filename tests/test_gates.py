@@ -225,3 +225,15 @@ def test_a_gates_program_does_not_count_a_jit_compile_as_run_time():
     with Sandboxed(t, timeout=1.0) as ex:
         outputs, verdict = called(ex, t, fine, materialize(fine, t))
         assert verdict is None and outputs["out"].shape == (2,) and ex.spawned == 1
+
+
+def test_verify_jobs_runs_gates_at_once_with_the_same_results(tmp_path):
+    """--jobs 2: each gate in its own process; the same verdicts, cases and order as one by one."""
+    args = ["verify", "--target", "rowsum.shuffled", "--gates", "G05,G08,G01", "--format", "json"]
+    one = CliRunner().invoke(cli, args + ["--out", str(tmp_path / "one")])
+    two = CliRunner().invoke(cli, args + ["--out", str(tmp_path / "two"), "--jobs", "2"])
+    assert one.exit_code == two.exit_code == 1, two.output
+    a, b = json.loads(one.output)["gates"], json.loads(two.output)["gates"]
+    assert [g["gate"] for g in b] == ["G05", "G08", "G01"]
+    assert [(g["status"], g["cases"], g.get("case")) for g in a] == [(g["status"], g["cases"], g.get("case")) for g in b]
+    assert b[1]["status"] == "fail" and b[1]["saved"]

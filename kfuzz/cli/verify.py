@@ -2,17 +2,22 @@
 
 The kernel runs in a sandboxed worker (``kfuzz.programs.Sandboxed``): the oracle and its
 outputs stay in this process, a crash or hang is that case's verdict and the gates go on.
-``--in-process`` runs it here instead, for trusted kernels and speed."""
+``--in-process`` runs it here instead, for trusted kernels and speed. ``--jobs N`` runs N
+gates at once, each in a process of its own with its own worker: for kernels that spend
+their time compiling (a Triton target on a GPU compiles at every new specialization), not
+for the oracle's share, which each process computes anew."""
 import json
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from xml.sax.saxutils import escape, quoteattr
 
 import click
 
 from kfuzz.cli import cli, handles_bad_input
 from kfuzz.errors import KfuzzError
-from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gates
+from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gate, run_gates
 from kfuzz.programs import InProcess, Sandboxed
 from kfuzz.target import get_target
 
@@ -59,9 +64,12 @@ def _junit(target, results, seconds) -> str:
               help="Run the kernel in this process, not in a sandboxed worker: for trusted kernels (faster, "
                    "but a crash ends kfuzz and the kernel shares a process with the oracle).")
 @click.option("--timeout", type=float, default=120.0, show_default=True,
-              help="Seconds one case's kernel program may take in the worker before it is a timeout.")
+              help="Seconds one case's kernel program may take in the worker before it is a timeout "
+                   "(its JIT compiles not counted).")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Gates run at once, each in its own process (lines come as gates end).")
 @handles_bad_input
-def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout):
+def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout, jobs):
     """Judge a target against the twelve gates. Exit 1 if any gate fails, 2 on bad input."""
     if timeout <= 0:
         raise KfuzzError(f"--timeout must be > 0 seconds, not {timeout:g}")
@@ -69,16 +77,43 @@ def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_proc
 
     def executor(target):
         if target.name not in executors:
-            executors[target.name] = InProcess(target, device) if in_process else Sandboxed(target, device, timeout)
+            executors[target.name] = _executor(target, device, in_process, timeout)
         return executors[target.name]
     try:
-        _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor)
+        _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor,
+                jobs=jobs, in_process=in_process, timeout=timeout)
     finally:
         for ex in executors.values():
             ex.close()
 
 
-def _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor):
+def _executor(target, device, in_process, timeout):
+    return InProcess(target, device) if in_process else Sandboxed(target, device, timeout)
+
+
+def _gate_alone(target_name, gid, seed, out, device, in_process, timeout):
+    """One gate in a process of its own (``--jobs``), with its own executor."""
+    target = get_target(target_name)
+    with _executor(target, device, in_process, timeout) as ex:
+        return run_gate(GATES[gid], target, seed, out, device, executor=ex)
+
+
+def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout):
+    # spawned, not forked: this process may hold CUDA (an oracle on the GPU) and threads
+    ctx = multiprocessing.get_context("spawn")
+    results = {}
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(_gate_alone, target.name, gid, seed, out, device, in_process, timeout): gid
+                   for gid in ids}
+        for done in as_completed(futures):
+            r = results[futures[done]] = done.result()
+            if on_result is not None:
+                on_result(r)
+    return [results[gid] for gid in ids]
+
+
+def _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor, jobs=1, in_process=False,
+            timeout=120.0):
     if replay_paths:
         from kfuzz.corpus import iter_case_files
         changed = 0
@@ -93,8 +128,11 @@ def _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor):
     ids = parse_gates(gates)
     start = time.monotonic()
     on_result = (lambda r: click.echo(_text_line(r))) if fmt == "text" else None
-    results = run_gates(target, ids, seed=seed, out=out, device=device, on_result=on_result,
-                        executor=executor(target))
+    if jobs > 1 and len(ids) > 1:
+        results = _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout)
+    else:
+        results = run_gates(target, ids, seed=seed, out=out, device=device, on_result=on_result,
+                            executor=executor(target))
     seconds = time.monotonic() - start
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "n/a")}
     if fmt == "text":
