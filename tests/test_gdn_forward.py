@@ -3,6 +3,7 @@
 Without a GPU the Triton kernel runs under the interpreter (TRITON_INTERPRET=1,
 set before gdn.chunk_fwd is imported, since triton.jit reads it then)."""
 import os
+import zlib
 
 import pytest
 import torch
@@ -135,12 +136,17 @@ def version(request, monkeypatch):
     return request.param
 
 
+def _seed(shape: str) -> int:
+    """A seed per shape name, the same in every run (str's hash() is salted per process)."""
+    return zlib.crc32(shape.encode()) % 1000
+
+
 @pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
 @pytest.mark.parametrize("shape,dtype", CASES, ids=[f"{s}-{str(d)[6:]}" for s, d in CASES])
 def test_triton_matches_oracle(shape, gate, delta, dtype):
     kw = dict(SHAPES[shape])
     cu = kw.get("cu_seqlens")
-    x = make_inputs(gate, delta, dtype=dtype, seed=hash(shape) % 1000, **kw)
+    x = make_inputs(gate, delta, dtype=dtype, seed=_seed(shape), **kw)
     if cu is not None:
         cu = cu.to(DEV)
     o, s = call(recurrence, x, cu_seqlens=cu, delta=delta)
@@ -252,7 +258,7 @@ def test_triton_v53_matches_oracle_and_default(gate, delta, monkeypatch):
     for shape, dtype in (("T77-K24-V20", torch.float32), ("varlen3", torch.bfloat16)):
         kw = dict(SHAPES[shape])
         cu = kw.get("cu_seqlens")
-        x = make_inputs(gate, delta, dtype=dtype, seed=hash(shape) % 1000, **kw)
+        x = make_inputs(gate, delta, dtype=dtype, seed=_seed(shape), **kw)
         cu = None if cu is None else cu.to(DEV)
         o, s = call(recurrence, x, cu_seqlens=cu, delta=delta)
         got = {}
@@ -298,7 +304,7 @@ def test_triton_v53_prep_with_v52_scan(gate, monkeypatch):
         kw = dict(SHAPES[shape])
         cu = kw.get("cu_seqlens")
         cu = None if cu is None else cu.to(DEV)
-        x = make_inputs(gate, True, dtype=dtype, seed=hash(shape) % 1000, **kw)
+        x = make_inputs(gate, True, dtype=dtype, seed=_seed(shape), **kw)
         o, s = call(recurrence, x, cu_seqlens=cu)
         o2, s2 = call(chunk_gdn_fwd, x, cu_seqlens=cu)
         assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (shape, rel(o2, o), rel(s2, s))
