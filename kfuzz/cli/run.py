@@ -22,6 +22,9 @@ def _render(stats: CampaignStats, limit: str) -> Table:
     table.add_row("corpus", f"{stats.corpus_size} kept, {stats.coverage} harness edges "
                             f"({stats.new_coverage} runs found new ones)")
     table.add_row("workers restarted", str(stats.worker_restarts))
+    if stats.unfinished:
+        table.add_row("unfinished", f"{stats.unfinished} case(s) still running --timeout after the time limit: "
+                                    "dropped, not judged")
     for sig, n in sorted(stats.failures.items(), key=lambda kv: str(kv[0])):
         table.add_row(f"[red]failure[/red] {sig.slug}", f"x{n} (first at execution {stats.first_seen[sig]})")
     return table
