@@ -36,6 +36,8 @@ def test_real_bugs_read_from_the_gdn_records(cal, monkeypatch):
         assert b["ratio"] == record["verdict"]["ratio"] and b["output"] == record["verdict"]["output"]
     assert bugs["bound-ht"]["target"] == "gdn_fwd" and bugs["bound-ht"]["output"] == "ht"
     assert 2.2 < bugs["bound-ht"]["ratio"] < 2.4                          # "2.29x" in its detail
+    # found at C x 4 = 32: its normwise bound over the floor-dominated denominator
+    assert bugs["bound-ht"]["c_found"] == pytest.approx(cal.BOUND_C * 4, rel=1e-6)
 
 
 def test_a_record_without_ratio_says_so(cal, tmp_path):

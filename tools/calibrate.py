@@ -32,16 +32,18 @@ import math
 import sys
 from pathlib import Path
 
-from kfuzz.compare import BOUND_C
+from kfuzz.compare import BOUND_C, FLOOR_ULPS
 from kfuzz.corpus import iter_case_files, load
 from kfuzz.gates import GATES, run_gate
 from kfuzz.target import load_targets
+from kfuzz.tensors import unit_roundoff
 
 TOLERANCE_GATES = ("G01", "G02", "G03", "G04", "G12")
 FACTORS = [2.0 ** k for k in range(-4, 11)]          # 1/16 ... 1024
 OPERATORS = ("softmax", "rowsum", "layernorm", "rmsnorm", "matmul", "cumsum")
 # GDN default: ~20 CPU-minutes at 3 seeds on a 2-core CPU (the five gates a seed: gdn_fwd and
-# gdn_fwd_kda ~90 s, gdn_bwd ~3 min); the other members share these kernels' code paths
+# gdn_fwd_kda ~90 s, gdn_bwd ~3 min): the scalar gate with delta both ways, and the vector gate (KDA);
+# the other members (--targets) are not in the default for time
 GDN_DEFAULT = ("gdn_fwd", "gdn_bwd", "gdn_fwd_kda")
 GDN_CRASHES = ("crashes/gdn_fwd", "crashes/gdn_bwd")
 
@@ -103,10 +105,26 @@ def check_flip(names, rows, seed, log, mismatches):
     return checked
 
 
+def bound_when_found(case, metrics: dict, targets) -> float | None:
+    """The C x scale in force when a verdict was recorded, from its metrics: each output's
+    bound_norm / max(trusted_err_norm, FLOOR_ULPS u ||o||) (||o|| = err_norm / rel_err), the least
+    over the outputs (the smallest-normal term, left out, only adds to it). None if unreadable."""
+    implied = []
+    for out in {k.rsplit(".", 1)[0] for k in metrics}:
+        m = {k: metrics.get(f"{out}.{k}") for k in ("bound_norm", "err_norm", "rel_err", "trusted_err_norm")}
+        if None in m.values() or not m["rel_err"] or case.target not in targets:
+            continue
+        u = unit_roundoff(targets[case.target].output_dtype(out, case.dtype))
+        den = max(m["trusted_err_norm"], FLOOR_ULPS * u * m["err_norm"] / m["rel_err"])
+        if den > 0:
+            implied.append(m["bound_norm"] / den)
+    return min(implied, default=None)
+
+
 def real_bugs(folders) -> list[dict]:
     """The ``bound-*`` records under ``folders``: the kernel bugs the bound caught, with the
-    ratio each verdict had when found (None where the record lacks it)."""
-    bugs = []
+    ratio each verdict had when found (None where the record lacks it) and the bound then."""
+    bugs, targets = [], load_targets()
     for path in iter_case_files(f for f in folders if Path(f).is_dir()):
         if not path.parent.name.startswith("bound-"):
             continue
@@ -114,6 +132,7 @@ def real_bugs(folders) -> list[dict]:
         verdict = (record or {}).get("verdict") or {}
         bugs.append({"path": str(path), "target": case.target, "output": verdict.get("output"),
                      "gate": (record or {}).get("gate"), "ratio": verdict.get("ratio"),
+                     "c_found": bound_when_found(case, verdict.get("metrics") or {}, targets),
                      "time": (record or {}).get("time"), "expect": (record or {}).get("expect"),
                      "detail": verdict.get("detail")})
     return bugs
@@ -188,18 +207,21 @@ def _gdn_constants(need_ok, scale, checked, mismatches, bugs) -> list[str]:
     lines += ["", "## Real bugs the bound caught", "",
               "The `bound-*` records under " + ", ".join(f"`{f}/`" for f in GDN_CRASHES) + ": kernel bugs "
               "found by a gate or a campaign, since fixed (the record now expects a pass). The ratio is the "
-              "verdict's error/bound when the bug was found, as stored in the record; the record does not "
-              "store the C in force, only its time. A ratio r means the bug would have passed with the "
-              "bound r times wider.", "",
-              "| record | target | output | gate | ratio when found | found (UTC) |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "verdict's error/bound when the bug was found, as stored in the record. The record does not "
+              "store the C in force; the column C x scale reads it back from the record's metrics "
+              "(bound_norm / max(trusted_err_norm, FLOOR_ULPS u ||o||), the least over the outputs; a "
+              "little over where the smallest-normal term counts, as in fp16). A ratio r means the bug "
+              "would have passed with the bound r times wider.", "",
+              "| record | target | output | gate | ratio when found | C x scale then | found (UTC) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for b in sorted(bugs, key=lambda b: (b["ratio"] is None, b["ratio"] or 0)):
         lines.append(f"| `{b['path']}` | `{b['target']}` | `{b['output']}` | "
                      f"{b['gate'] or 'not in the record'} | "
                      f"{'not in the record' if b['ratio'] is None else format(b['ratio'], '.3g')} | "
+                     f"{'not readable' if b['c_found'] is None else format(b['c_found'], '.3g')} | "
                      f"{b['time'] or 'not in the record'} |")
     if not bugs:
-        lines.append("| (no bound-* records found) | | | | | |")
+        lines.append("| (no bound-* records found) | | | | | | |")
     return lines
 
 
