@@ -141,7 +141,8 @@ def real_bugs(folders) -> list[dict]:
 def render(rows, seeds, chosen, checked, mismatches=(), scale=None, bugs=()) -> str:
     """The calibration document. ``scale``: the targets' ``bound_scale`` when it is not 1 (the GDN
     family): the bound in force is then C x scale and the readings are against it (``chosen`` is
-    not used then: the constant discussed is the scale); ``bugs``: ``real_bugs`` records, the evidence that the bound catches real bugs."""
+    not used then: the constant discussed is the scale); ``bugs``: ``real_bugs`` records, the
+    evidence that the bound catches real bugs."""
     correct = {n: r for n, r in rows.items() if "." not in n}
     planted = {n: r for n, r in rows.items() if "." in n}
     need_ok = max((c["ratio"] for r in correct.values() for c in r.values() if c["status"] != "n/a"), default=0)
@@ -206,22 +207,22 @@ def _gdn_constants(need_ok, scale, checked, mismatches, bugs) -> list[str]:
         lines += ["- Re-runs that did not flip where the reading says: " + "; ".join(mismatches) + "."]
     lines += ["", "## Real bugs the bound caught", "",
               "The `bound-*` records under " + ", ".join(f"`{f}/`" for f in GDN_CRASHES) + ": kernel bugs "
-              "found by a gate or a campaign, since fixed (the record now expects a pass). The ratio is the "
+              "found by a gate or a campaign (expect now: pass once the kernel was fixed). The ratio is the "
               "verdict's error/bound when the bug was found, as stored in the record. The record does not "
               "store the C in force; the column C x scale reads it back from the record's metrics "
               "(bound_norm / max(trusted_err_norm, FLOOR_ULPS u ||o||), the least over the outputs; a "
               "little over where the smallest-normal term counts, as in fp16). A ratio r means the bug "
               "would have passed with the bound r times wider.", "",
-              "| record | target | output | gate | ratio when found | C x scale then | found (UTC) |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "| record | target | output | gate | ratio when found | C x scale then | found (UTC) | expect now |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for b in sorted(bugs, key=lambda b: (b["ratio"] is None, b["ratio"] or 0)):
         lines.append(f"| `{b['path']}` | `{b['target']}` | `{b['output']}` | "
                      f"{b['gate'] or 'not in the record'} | "
                      f"{'not in the record' if b['ratio'] is None else format(b['ratio'], '.3g')} | "
                      f"{'not readable' if b['c_found'] is None else format(b['c_found'], '.3g')} | "
-                     f"{b['time'] or 'not in the record'} |")
+                     f"{b['time'] or 'not in the record'} | {b['expect'] or 'not in the record'} |")
     if not bugs:
-        lines.append("| (no bound-* records found) | | | | | | |")
+        lines.append("| (no bound-* records found) | | | | | | | |")
     return lines
 
 
