@@ -51,6 +51,11 @@ def test_a_record_without_ratio_says_so(cal, tmp_path):
     text = cal.render({"gdn_fwd": {g: {"status": "pass", "ratio": 0.25, "kinds": []}
                                    for g in cal.TOLERANCE_GATES}}, [0], cal.BOUND_C, 0, scale=4.0, bugs=bugs)
     assert "| not in the record |" in text
+    assert "a margin of 4x above the worst correct kernel" in text
+    rows = {"gdn_bwd": {g: {"status": "pass", "ratio": 0.25, "kinds": []} for g in cal.TOLERANCE_GATES}}
+    rows["gdn_bwd"]["G03"] = {"status": "fail", "ratio": 2.5, "kinds": ["bound"]}
+    text = cal.render(rows, [0], cal.BOUND_C, 0, scale=4.0, bugs=bugs)
+    assert "2.5x too tight for the worst correct kernel" in text and "| 4 (2.5) |" in text
 
 
 def test_gdn_render_from_a_measured_gate(cal, monkeypatch):
@@ -64,7 +69,7 @@ def test_gdn_render_from_a_measured_gate(cal, monkeypatch):
     assert f"need `BOUND_SCALE` >= {worst * 4:.3g}" in text
     assert "## Real bugs the bound caught" in text and "crashes/gdn_fwd/bound-ht/" in text
     weakest = min(b["ratio"] for b in bugs)
-    assert f"{weakest:.3g}x below the weakest real bug" in text
+    assert f"the weakest real bug in the records reads {weakest:.3g}" in text
     row = next(line for line in text.splitlines() if line.startswith("| `rowsum` |"))
     assert row.count("|") == len(cal.TOLERANCE_GATES) + 2
     # the operators' document is the other form: no GDN section, its own constants

@@ -196,9 +196,11 @@ def _gdn_constants(need_ok, scale, checked, mismatches, bugs) -> list[str]:
     lines = ["", "## The constant", "",
              f"- Correct kernels reach at most {need_ok:.3g} x the bound in force, i.e. they need "
              f"`BOUND_SCALE` >= {need_ok * scale:.3g} (C x scale >= {need_ok * scale * BOUND_C:.3g}).",
-             f"- In force: `BOUND_SCALE` = {scale:g}, a margin of {1 / max(need_ok, 1e-300):.3g}x above the "
-             "worst correct kernel measured here" + (
-                 f" and {weakest:.3g}x below the weakest real bug in the records (a bound that much wider "
+             (f"- In force: `BOUND_SCALE` = {scale:g}, a margin of {1 / max(need_ok, 1e-300):.3g}x above the "
+              "worst correct kernel measured here" if need_ok <= 1 else
+              f"- In force: `BOUND_SCALE` = {scale:g}, {need_ok:.3g}x too tight for the worst correct kernel "
+              "measured here (its gate fails: a false alarm at this bound, or a kernel bug to look into)") + (
+                 f"; the weakest real bug in the records reads {weakest:.3g} (a bound that much wider "
                  "would have passed it)." if weakest is not None else "."),
              f"- {checked} verdicts were re-run at the grid factors on either side of their reading "
              "and flipped where the table says (`--check`)." if checked else
