@@ -48,6 +48,12 @@ class Finding:
     metrics: tuple = ()
 
 
+def error_scale(trusted_err_norm: float, u: float, oracle_norm: float) -> float:
+    """What C multiplies in the normwise bound: the trusted implementation's error, floored at
+    FLOOR_ULPS units of roundoff of the answer (tools/calibrate.py reads C back through it)."""
+    return max(trusted_err_norm, FLOOR_ULPS * u * oracle_norm)
+
+
 def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float64)
 
@@ -114,7 +120,7 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     t_norm = float(terr.norm()) if terr.numel() else 0.0
     t_max = float(terr.max()) if terr.numel() else 0.0
     o_norm = float(of.norm())
-    norm_bound = c * max(t_norm, FLOOR_ULPS * u * o_norm) + FLOOR_ULPS * tiny * math.sqrt(n)
+    norm_bound = c * error_scale(t_norm, u, o_norm) + FLOOR_ULPS * tiny * math.sqrt(n)
     elem_bound = c * torch.maximum(torch.full_like(of, t_max), FLOOR_ULPS * u * of.abs()) + FLOOR_ULPS * tiny
     e_norm = float(err.norm())
     norm_ratio = e_norm / norm_bound if norm_bound > 0 else (math.inf if e_norm > 0 else 0.0)

@@ -32,7 +32,7 @@ import math
 import sys
 from pathlib import Path
 
-from kfuzz.compare import BOUND_C, FLOOR_ULPS
+from kfuzz.compare import BOUND_C, error_scale
 from kfuzz.corpus import iter_case_files, load
 from kfuzz.gates import GATES, run_gate
 from kfuzz.target import load_targets
@@ -115,7 +115,7 @@ def bound_when_found(case, metrics: dict, targets) -> float | None:
         if None in m.values() or not m["rel_err"] or case.target not in targets:
             continue
         u = unit_roundoff(targets[case.target].output_dtype(out, case.dtype))
-        den = max(m["trusted_err_norm"], FLOOR_ULPS * u * m["err_norm"] / m["rel_err"])
+        den = error_scale(m["trusted_err_norm"], u, m["err_norm"] / m["rel_err"])
         if den > 0:
             implied.append(m["bound_norm"] / den)
     return min(implied, default=None)
