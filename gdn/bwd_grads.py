@@ -9,13 +9,12 @@ with the delta rule also T = (I + A)^-1 (``_prep``).  Two groups of terms:
 - the WY terms (everything that goes through T): -dU h^T and dU (beta V)^T give dv, dbeta,
   and the rest of dk and dg (``_wy_tile`` over V, ``_wy_terms`` at the end).
 
-``_grads`` forms both in one launch (the default; it spills at the bench shape).  Under the
-bring-up switch GDN_BWD_GRADS=split (gdn.chunk_bwd) two launches: ``_grads_wy`` (delta only)
-stores dv and dbeta and hands its share of dk and dg on as fp32 partials; ``_grads_p`` forms
-the P terms with K in slices (two [C, BKS] accumulators live instead of the fused form's three
-[C, K]) and adds the partials.  Neither keeps T live beside the P terms.  dv and dbeta are
-the fused form's operations in the same order; dq, dk, dg the same terms in another order
-(the WY share of dg summed over its own decay spans, then added; K-slice row sums added).
+Two launches: ``_grads_wy`` (delta only) stores dv and dbeta and hands its share of dk and dg
+on as fp32 partials; ``_grads_p`` forms the P terms with K in slices (two [C, BKS]
+accumulators live) and adds the partials.  Neither keeps T live beside the P terms.  (Session
+5 deleted the one-launch form, which held three [C, K] accumulators and T at once and spilled:
+on the H200 at bf16 B8 T4096 H16 K=V=128 it took 2.57 ms against these two's 1.26 + 1.00 ms,
+with the same dq, dk, dv, dbeta there and dg within 1.3e-7; gdn/NOTES_BWD.md.)
 
 Formulas (one chunk, see gdn.bwd_matrix's docstring for A, T, U, K_g, K_n):
     dT = dU (beta V - beta K_g h)^T,  dA = -strict_lower(T^T dT T^T),
@@ -90,127 +89,12 @@ def _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, kg, kn, strict, GATE: tl.c
 
 
 @triton.jit
-def _grads(q, k, v, g, beta, do, Tm, U, dU, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab, scale,
-           T, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
-    """A chunk's dq, dk, dv, dbeta, dg in one launch (the default)."""
-    cid = tl.program_id(0)
-    ih = tl.program_id(1)
-    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    tok = bos + ic * C + rows
-    rv = tok < eos
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    mqk = rv[:, None] & mk[None, :]
-    tq = tok[:, None].to(tl.int64) * H + ih
-    incl = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
-    b_q = tl.load(q + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32) * scale
-    b_k = tl.load(k + tq * K + ck[None, :], mask=mqk, other=0.).to(tl.float32)
-    b_beta = tl.zeros([C], dtype=tl.float32)
-    tm = tl.zeros([C, C], dtype=tl.float32)
-    if DELTA:
-        b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-        tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
-    acc_dqh = tl.zeros([C, BK], dtype=tl.float32)   # dO h^T
-    acc_dke = tl.zeros([C, BK], dtype=tl.float32)   # U dS_end^T
-    acc_dw = tl.zeros([C, BK], dtype=tl.float32)    # -dU h^T
-    acc_dp = tl.zeros([C, C], dtype=tl.float32)     # dO U^T
-    acc_dt = tl.zeros([C, C], dtype=tl.float32)     # dU (beta V)^T
-    acc_dgc = tl.zeros([BK], dtype=tl.float32)      # rowsum(h * dS_end)
-    d_beta = tl.zeros([C], dtype=tl.float32)
-    hbase = (cid * H + ih).to(tl.int64) * K * V
-    for iv in range(0, tl.cdiv(V, BV)):
-        cv = iv * BV + tl.arange(0, BV)
-        mv = cv < V
-        mkv = mk[:, None] & mv[None, :]
-        mcv = rv[:, None] & mv[None, :]
-        offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
-        b_h = tl.load(hs + hbase + offkv, mask=mkv, other=0.)
-        b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.)
-        b_do = tl.load(do + tq * V + cv[None, :], mask=mcv, other=0.)
-        if DELTA:
-            b_u = tl.load(U + tq * V + cv[None, :], mask=mcv, other=0.)
-        else:
-            b_u = tl.load(v + tq * V + cv[None, :], mask=mcv, other=0.)
-        acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
-        acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
-        acc_dp += _mm(b_do, tl.trans(b_u), F32, DT)
-        if GATE > 0:
-            acc_dgc += tl.sum(b_h.to(tl.float32) * b_dsc.to(tl.float32), 1)
-        if DELTA:
-            acc_dw, acc_dt, d_beta = _wy_tile(tm, b_beta, b_h, dU, v, dv, tq, V, cv, mcv,
-                                              acc_dw, acc_dt, d_beta, F32, DT)
-    dp = tl.where(incl, acc_dp, 0.)
-    dG = tl.zeros([C], dtype=tl.float32)
-    if GATE == 1:
-        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-        eG = tl.exp(G)
-        eE = _end_decay(G, Gl, GC, GCl)
-        E = _pair_decay(G, Gl, incl)
-        p = _mm(b_q, tl.trans(b_k), F32, DT) * E
-        dqk = dp * E
-        dqs = acc_dqh * eG[:, None] + _mm(dqk, b_k, F32, DT)
-        dkk = _mm(tl.trans(dqk), b_q, F32, DT) + acc_dke * eE[:, None]
-        # dg_t sums the pair terms whose decay spans step t (see _gate_grad)
-        pairs = tl.where(strict, dp * p, 0.)
-        dke_k = tl.sum(acc_dke * b_k, 1) * eE
-        dG = tl.sum(acc_dqh * b_q, 1) * eG
-        if DELTA:
-            wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, b_k, b_k,
-                                                strict, GATE, F32, DT)
-            d_beta += wb
-            dkk += wk
-            pairs += wpairs
-            dG += wG
-        dgo = _gate_grad(dG, pairs, dke_k, tl.exp(GC) * tl.sum(acc_dgc, 0), strict)
-        tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)
-    elif GATE == 2:
-        G, GC = _load_gate(g, tok, rv, ih, H, K, ck, mk, GATE)
-        eG = tl.exp(G)
-        eN = tl.exp(-G)
-        eE = tl.exp(GC[None, :] - G)
-        qg = b_q * eG
-        kg = b_k * eG
-        kn = b_k * eN
-        ke = b_k * eE
-        dqg = acc_dqh + _mm(dp, kn, F32, DT)
-        dkn = _mm(tl.trans(dp), qg, F32, DT)
-        dkg = tl.zeros([C, BK], dtype=tl.float32)
-        if DELTA:
-            wb, dkg, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, eG, eG, kg, kn,
-                                                 strict, GATE, F32, DT)
-            d_beta += wb
-            dkn += wk2
-        dqs = dqg * eG
-        dkk = dkg * eG + dkn * eN + acc_dke * eE
-        dGv = dqg * qg + dkg * kg - dkn * kn - acc_dke * ke
-        dGC = tl.sum(acc_dke * ke, 0) + tl.exp(GC) * acc_dgc
-        dGv += tl.where(rows[:, None] == C - 1, dGC[None, :], 0.)
-        dgo = tl.cumsum(dGv, 0, reverse=True)
-        tl.store(dg + tq * K + ck[None, :], dgo.to(dg.dtype.element_ty), mask=mqk)
-    else:
-        dqs = acc_dqh + _mm(dp, b_k, F32, DT)
-        dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke
-        if DELTA:
-            wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, b_beta, b_beta,
-                                                b_k, b_k, strict, GATE, F32, DT)
-            d_beta += wb
-            dkk += wk
-    tl.store(dq + tq * K + ck[None, :], (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
-    tl.store(dk + tq * K + ck[None, :], dkk.to(dk.dtype.element_ty), mask=mqk)
-    if DELTA:
-        tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
-
-
-@triton.jit
 def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
               C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
               IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
-    """The WY terms of a chunk (delta only, GDN_BWD_GRADS=split): stores dv and dbeta, and its
+    """The WY terms of a chunk (delta only): stores dv and dbeta, and its
     shares of dk (dkp [.., K]) and dg (dgp: the scalar gate's [..] after its decay spans, the
-    vector gate's [.., K] before the reverse cumsum), fp32, for _grads to add."""
+    vector gate's [.., K] before the reverse cumsum), fp32, for _grads_p to add."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
@@ -269,7 +153,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
              F32: tl.constexpr, DT: tl.constexpr):
-    """The P terms of a chunk (GDN_BWD_GRADS=split): dq, dk, dg, with _grads_wy's partials
+    """The P terms of a chunk: dq, dk, dg, with _grads_wy's partials
     added (delta).  K in BKS-wide slices, each with its own pass over V, so two [C, BKS]
     accumulators are live instead of two [C, K]: every output column of dq and dk needs its
     own columns of h and dS_end only; what mixes the columns (dO U^T, and the scalar gate's

@@ -17,9 +17,10 @@ launches the kernels, which live in the modules named after their concept:
 3. ``_dstates`` (sequential, reverse time)  carries the state gradient dS
    backward over the chunks; stores dS at every chunk end and dU, the full
    gradient of U (delta rule) or dv (no delta); writes dh0.
-4. ``_grads``  (chunks in parallel)  all the remaining gradients of a chunk
-   from h_c, its end-state gradient, U and dU: dq, dk, dv, dbeta, dg.  (GDN_BWD_GRADS=split:
-   ``_grads_wy`` for the terms through T, then ``_grads_p`` for the rest; off by default.)
+4. ``_grads_wy`` then ``_grads_p``  (chunks in parallel)  all the remaining
+   gradients of a chunk from h_c, its end-state gradient, U and dU: the terms
+   through T (dv, dbeta, partials of dk and dg; delta rule only), then the rest
+   (dq, dk, dg).
 5. ``_exact``  (chunks in parallel)  rewrites the gradients of flagged chunks
    with the step-by-step recurrence, the same operations as gdn.oracle in the
    same order and in float64, so the NaN/Inf pattern of a special value is the
@@ -27,7 +28,7 @@ launches the kernels, which live in the modules named after their concept:
    step path inside flagged chunks, and for any chunk whose incoming state or
    state gradient is not finite.
 
-Kernels 1-3 and the chunk algebra: gdn.bwd_matrix; kernel 4: gdn.bwd_grads; kernel 5 and the step path:
+Kernels 1-3 and the chunk algebra: gdn.bwd_matrix; kernels 4: gdn.bwd_grads; kernel 5 and the step path:
 gdn.bwd_exact; the in-chunk gate sums and the scalar gate's gradient:
 gdn.bwd_gate; the chunk table (fixed-length or varlen): gdn.bwd_chunks.
 
@@ -48,41 +49,34 @@ import triton.language as tl
 
 from gdn.bwd_chunks import chunk_plan
 from gdn.bwd_exact import _exact
-from gdn.bwd_grads import _grads, _grads_p, _grads_wy
+from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
 from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "grads_warps": 8, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
-          "seq_bv": 64,   # BV of _prep, _states, _dstates (BK <= 128; NV = V / BV programs a sequence)
+LAUNCH = {"prep_warps": 4, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
           "dstates_warps": 4,   # sm_90 offline at the bench shape: 4 warps 456 stack bytes, 8: 240
-          # the split gradients (GRADS_SPLIT below): from tools/kernel_resources.py (no spill
-          # in _grads_p at 8 warps, BKS 64; 4 warps spill in both)
+          # (8 measured slower on the H200: _dstates 0.760 -> 1.037 ms)
+          # the gradients: from tools/kernel_resources.py (no spill in _grads_p at 8 warps,
+          # BKS 64; 4 warps spill in both)
           "grads_wy_warps": 8, "grads_p_warps": 8, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
-# Bring-up switch GDN_BWD_GRADS=split (read at import; tests flip GRADS_SPLIT): the gradients in
-# two launches, _grads_wy (delta only: dv, dbeta, the WY share of dk and dg as fp32 partials)
-# then _grads_p (dq, dk, dg, K in slices), each holding fewer live tiles than the fused _grads
-# (sm_90 offline at the bench shape: 255 registers / 1264 stack bytes; split 255 / 256 and
-# 246 / 0).  Off by default: not yet run on a GPU.
-_GRADS = os.environ.get("GDN_BWD_GRADS", "fused")
-if _GRADS not in ("fused", "split"):
-    raise ValueError(f"GDN_BWD_GRADS must be 'fused' or 'split'; got {_GRADS!r}")
-GRADS_SPLIT = _GRADS == "split"
 
 
 def tiles(K: int, V: int) -> dict:
     """The tile sizes the kernels launch with: BK; BV of _prep, _states and _dstates
-    (NV = ceil(V / BV) programs split V); BV of _grads (_grads_wy, _grads_p) and of _exact;
+    (NV = ceil(V / BV) programs split V); BV of _grads_wy, _grads_p and of _exact;
     BKS, the K slice of _grads_p."""
     BK = _pow2(K)
-    # BK = 256 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
+    # BK >= 128 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
     # sequential kernels' products compiled to out-of-range shared-memory addresses
     # (compute-sanitizer) or silently wrong gradients (K=184 V=1: error 0.91); found by kfuzz
-    # (gdn_bwd, bf16 B4 T4095 H7 K184 V1). tests/test_gdn_backward.py holds the shapes.
-    BV = 64 if BK > 128 else min(LAUNCH["seq_bv"], _pow2(V))
+    # (gdn_bwd, bf16 B4 T4095 H7 K184 V1). At BK 128, BV 32 (session 5, bf16 B8 T4096
+    # H16 K=V=128 forced to BV 32) every chunk went to the exact path and dq, dk, dg, dbeta
+    # came out NaN. tests/test_gdn_backward.py holds the shapes.
+    BV = 64 if BK >= 128 else min(64, _pow2(V))
     # _exact's float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
     # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
@@ -181,29 +175,22 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                           num_warps=LAUNCH["dstates_warps"], **common)
     dgx = dg if dg is not None else dummy
-    if GRADS_SPLIT:
-        dkp = dgp = dummy
-        if delta:
-            # fp32 partials: the WY share of dk and dg, added by _grads_p (kept in fp32 so the
-            # split rounds dk and dg once, at their store, as the fused form does)
-            dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
-            if g is not None:
-                dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
-            _grads_wy[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
-                               C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
-                               F32=F32, DT=DT, num_warps=LAUNCH["grads_wy_warps"],
-                               num_stages=1 if F32 else LAUNCH["grads_stages"])
-        _grads_p[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
-                          T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
-                          GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
-                          num_warps=LAUNCH["grads_p_warps"],
-                          num_stages=1 if F32 else LAUNCH["grads_stages"])
-    else:
-        _grads[(NC, H)](q, k, v, gp, bp, do, Tm, U, dU, hs, dhs, dq, dk, dv, dgx,
-                        dbeta if dbeta is not None else dummy, cu, tab, scale, T, H, K, V,
-                        F32=F32, DT=DT, num_warps=LAUNCH["grads_warps"],
-                        num_stages=1 if F32 else LAUNCH["grads_stages"],
-                        **dict(common, BV=tile["grads_BV"]))
+    dkp = dgp = dummy
+    if delta:
+        # fp32 partials: the WY share of dk and dg, added by _grads_p (kept in fp32 so that dk
+        # and dg are rounded once, at their store)
+        dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
+        if g is not None:
+            dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
+        _grads_wy[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+                           C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
+                           F32=F32, DT=DT, num_warps=LAUNCH["grads_wy_warps"],
+                           num_stages=1 if F32 else LAUNCH["grads_stages"])
+    _grads_p[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
+                      T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
+                      GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
+                      num_warps=LAUNCH["grads_p_warps"],
+                      num_stages=1 if F32 else LAUNCH["grads_stages"])
     _exact[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                     dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
                     cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,

@@ -6,14 +6,15 @@ the statement this file follows).  Up to five launches:
   0. `_gate_prefix_kernel` (gated members), one program per (chunk, head): the
      chunk-local prefix sums of the gates, stored fp32, and one flag per
      (chunk, head) that says whether the gates admit the matrix path.
-  1. `_prep_inv_kernel` (delta members), one program per (chunk, head): builds
-     A = tril(beta k k^T * decay) and its inverse T = (I + A)^-1 from 16x16
-     blocks, stores T (fp32), and one flag per (chunk, head) that says whether
-     the chunk's k and beta admit the matrix path;
-  1b. `_prep_wu_kernel`, same grid: w = T (beta Gamma k), u = T (beta v) from
-     the stored T; the flag gains v's check.  (One fused launch spilled at 255
-     registers and took 1.40 ms on the H200 at B8 T4096 H16 K=V=128 bf16; the
-     two take 0.41 + 0.32 ms, the T round trip included.)
+  1. `gdn.fwd_prep._prep_inv_kernel` (delta members), one program per (chunk,
+     head): builds A = tril(beta k k^T * decay) and its inverse T = (I + A)^-1
+     from 16x16 blocks, stores T (fp32), and one flag per (chunk, head) that
+     says whether the chunk's k and beta admit the matrix path;
+  1b. `gdn.fwd_prep._prep_wu_kernel`, one program per (w or u tile, chunk,
+     head): w = T (beta Gamma k), u = T (beta v) from the stored T; the flag
+     gains v's check.  (One fused prep launch spilled at 255 registers and took
+     1.40 ms on the H200 at B8 T4096 H16 K=V=128 bf16; the two take 0.257 +
+     0.305 ms, the T round trip included.)
   2. `_state_kernel`, one program per (sequence, head, V tile), walks its
      sequence chunk by chunk with the state S [K, BV] in registers, fp32: stores
      the state entering each chunk and v_new = u - w S (delta), and marks the
@@ -67,11 +68,8 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
-# Bring-up switch of version 5.3 (gdn/NOTES.md; default off until measured on the H200):
-# the WY prep of gdn.fwd_prep, the state and output kernels of gdn.fwd_seq (or v5.2's on
-# v5.3's prep: gdn.fwd_seq.LAUNCH["seq"]).  A module attribute, so a test can flip it.
-V53 = os.environ.get("GDN_FWD_V53") == "1"
-# Products take fp32 operands (tf32 on GPUs; fp32 inputs tf32x3).  The tensors one
+# Products take fp32 operands (tf32 on GPUs; fp32 inputs tf32x3), except the WY prep's
+# (gdn.fwd_prep: exact bf16 splits for bf16 inputs) and the output kernel's.  The tensors one
 # launch hands to the next (w, u, the chunk states, v_new) are stored in bf16 for
 # bf16 inputs (as fla does; the outputs are bf16 anyway) and in fp32 otherwise (an
 # fp16 state could overflow).  Version 3's bf16-operand products (LOWP) were wrong on
@@ -192,101 +190,6 @@ def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.cons
         bos = i_b * T + (i_c % NT) * BT
         eos = tl.minimum(bos + BT, i_b * T + T)
     return bos, eos
-
-
-@triton.jit
-def _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H: tl.constexpr, K: tl.constexpr,
-                      BK: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
-                      BIG: tl.constexpr):
-    """A chunk's T = (I + A)^-1 with A = strict_lower(diag(beta) (K Gamma)(K / Gamma)^T),
-    and "k and beta admit the matrix path"."""
-    rr = tl.arange(0, BT)
-    rows = (bos + rr).to(tl.int64)
-    rmask = rows < eos
-    dk = tl.arange(0, BK)
-    m2 = rmask[:, None] & (dk[None, :] < K)
-    kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0).to(tl.float32)
-    bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
-    ok = _all_within(kt, BIG) & _all_within(bt, BIG)
-    G = tl.zeros((BT, BK) if GATE == 2 else (BT,), dtype=tl.float32)
-    Glo = G
-    if GATE != 0:
-        G, Glo = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
-    if GATE == 1:
-        dG = (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :])
-        A = tl.dot(kt, tl.trans(kt), input_precision=PREC) * tl.exp(tl.where(rr[:, None] > rr[None, :], dG, 0.0))
-    elif GATE == 2:
-        A = tl.dot(kt * tl.exp(G), tl.trans(kt * tl.exp(-G)), input_precision=PREC)
-    else:
-        A = tl.dot(kt, tl.trans(kt), input_precision=PREC)
-    A = tl.where(rr[:, None] > rr[None, :], A * bt[:, None], 0.0)
-    return _inv_unit_lower(A, BT, PREC), ok
-
-
-@triton.jit
-def _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H: tl.constexpr, V: tl.constexpr,
-                     BV: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
-    """u = T diag(beta) v of a chunk, stored in BV-wide tiles; returns ok and "v admits the
-    matrix path"."""
-    for v0 in tl.static_range(0, V, BV):
-        dv = v0 + tl.arange(0, BV)
-        mv = rmask[:, None] & (dv[None, :] < V)
-        vt = tl.load(v + (rows[:, None] * H + i_h) * V + dv[None, :], mask=mv, other=0.0).to(tl.float32)
-        ok = ok & _all_within(vt, BIG)
-        ut = tl.dot(Tm, vt * bt[:, None], input_precision=PREC)
-        tl.store(u + (rows[:, None] * H + i_h) * V + dv[None, :], ut.to(u.dtype.element_ty), mask=mv)
-    return ok
-
-
-@triton.jit
-def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
-                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     BIG: tl.constexpr):
-    """The WY prep, part 1: A and T = (I + A)^-1 of a chunk, T stored
-    [BT rows, BT] fp32 in the chunk's rows; the flag covers k and beta."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
-    Tm, ok = _chunk_wy_inverse(k, gc, gcl, beta, bos, eos, i_h, H, K, BK, BT, GATE, PREC, BIG)
-    rr = tl.arange(0, BT)
-    rows = (bos + rr).to(tl.int64)
-    rmask = rows < eos
-    tl.store(tm + (rows[:, None] * H + i_h) * BT + rr[None, :], Tm, mask=rmask[:, None])
-    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
-
-
-@triton.jit
-def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                    GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr):
-    """The WY prep, part 2: w = T (beta Gamma k), u = T (beta v) from the stored T; the flag
-    gains v's check."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
-    rr = tl.arange(0, BT)
-    rows = (bos + rr).to(tl.int64)
-    rmask = rows < eos
-    Tm = tl.load(tm + (rows[:, None] * H + i_h) * BT + rr[None, :], mask=rmask[:, None], other=0.0)
-    bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
-    if GATE == 1:
-        G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, rr, rmask[:, None], H, K, GATE)
-        bt = bt * tl.exp(G)
-    for k0 in tl.static_range(0, BK, BV):   # K in BV-wide tiles: fewer live registers
-        dk = k0 + tl.arange(0, BV)
-        m2 = rmask[:, None] & (dk[None, :] < K)
-        kx = (rows[:, None] * H + i_h) * K + dk[None, :]
-        kg = tl.load(k + kx, mask=m2, other=0.0).to(tl.float32) * bt[:, None]
-        if GATE == 2:
-            G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
-            kg = kg * tl.exp(G)
-        tl.store(w + kx, tl.dot(Tm, kg, input_precision=PREC).to(w.dtype.element_ty), mask=m2)
-    if GATE == 1:
-        bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
-    ok = tl.load(flag + i_c * H + i_h) != 0
-    ok = _store_wy_values(v, u, Tm, bt, rows, rmask, i_h, ok, H, V, BV, PREC, BIG)
-    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
 
 @triton.jit
@@ -583,14 +486,9 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         prep = dict(H=H, K=K, BK=BK, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None, PREC=prec, BIG=BIG)
         tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
-        if V53:
-            from gdn import fwd_prep
-            fwd_prep.launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
-                                 lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET, **prep)
-        else:   # warps from tools/kernel_resources.py: the fewest with no spill at the bench shape
-            _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, max(NT, 1), num_warps=4, **prep)
-            _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
-                                     num_warps=8, **prep)
+        from gdn import fwd_prep   # here: gdn.fwd_prep imports this module's helpers
+        fwd_prep.launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
+                             lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET, **prep)
     else:
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
@@ -598,22 +496,13 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, MODE=mode)
 
-    state, out, obv, owarps = _state, _out_kernel, BVP, 4
-    if V53:
-        from gdn import fwd_seq
-        if fwd_seq.LAUNCH["seq"] == "v5.3":   # "v5.2": v5.3's prep, v5.2's state and output kernels
-            state, out, obv, owarps = (fwd_seq._state, fwd_seq._out_kernel,
-                                       min(_pow2(V), fwd_seq.LAUNCH["out_bv"]), fwd_seq.LAUNCH["out_warps"])
-        elif fwd_seq.LAUNCH["seq"] != "v5.2":
-            raise ValueError(f'gdn.fwd_seq.LAUNCH["seq"] must be "v5.3" or "v5.2"; got {fwd_seq.LAUNCH["seq"]!r}')
-
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
-    state[grid](k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
-                T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
-                STORE_HT=output_final_state, SBIG=SBIG, **common)
-    out[(triton.cdiv(V, obv), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
-                                      T, max(NT, 1), BV=obv, num_warps=owarps,
-                                      DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET
-                                      else tl.float32, **common)
+    _state[grid](k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
+                 T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
+                 STORE_HT=output_final_state, SBIG=SBIG, **common)
+    _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
+                                              T, max(NT, 1), BV=BVP, num_warps=4,
+                                              DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET
+                                              else tl.float32, **common)
     return o, (hT if output_final_state else None)

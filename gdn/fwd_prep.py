@@ -1,8 +1,9 @@
-"""The GDN forward's WY prep, version 5.3 (behind `gdn.chunk_fwd.V53`, default off).
+"""The GDN forward's WY prep (version 5.3 of it; adopted in session 5, gdn/NOTES.md).
 
-Same two launches and the same outputs as `gdn.chunk_fwd`'s `_prep_inv_kernel` and
-`_prep_wu_kernel` (T = (I + A)^-1 stored fp32, w = T diag(beta Gamma) k, u = T diag(beta) v,
-the per-(chunk, head) flag), with these changes aimed at the H200's time per chunk:
+Two launches: `_prep_inv_kernel` (A, T = (I + A)^-1 stored fp32, the per-(chunk, head) flag)
+and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
+`gdn.chunk_fwd.chunk_gdn_fwd` runs before its state and output kernels.  Against v5.2's prep
+(measured on the H200, bf16 GDN B8 T4096 H16 K=V=128: 0.413 + 0.321 ms -> 0.257 + 0.305 ms):
 
 - The 16x16 diagonal blocks of T by forward substitution on a [16, W] tile that holds
   column c of block b in column 16 b + c (the BT columns repeated up to W = 32 x warps),
@@ -13,9 +14,9 @@ the per-(chunk, head) flag), with these changes aimed at the H200's time per chu
   summed axis over the warps: 107 barriers and 437 shuffles in the sm_90 SASS, against 28
   and 77 here.  The block merges are v5.2's (tf32 products).  A 16-token chunk (vector
   gate) keeps v5.2's substitution, leaner for one block (offline).
-- w and u one BV-wide tile a program (LAUNCH["wu_per_tile"]; a chunk a program as in
-  v5.2 otherwise): 106 registers at 4 warps.
-- For bf16 inputs and no gate or a scalar gate (LAUNCH["bf16_operands"]), products on bf16
+- w and u one BV-wide tile a program: 106 registers at 4 warps (a chunk a program: 0.761 ms
+  on the H200; 8 warps: 0.615).
+- For bf16 inputs and no gate or a scalar gate, products on bf16
   operands where that loses nothing: k k^T on the raw keys (each product exact in the fp32
   sum; the decay and beta scale the [BT, BT] result), and w, u as (T_hi + T_lo) k,
   (T_hi + T_lo) v with T diag(beta Gamma) split into two bf16 parts (T to about 2^-16, the
@@ -173,10 +174,9 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr,
-                    PER_TILE: tl.constexpr):
-    """The WY prep, part 2 (`_wu_tile`): one BV-wide tile of w or u per program (PER_TILE;
-    grid: tiles, chunks, heads), or all of a chunk's tiles in turn (grid: 1, chunks, heads)."""
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+    """The WY prep, part 2 (`_wu_tile`): one BV-wide tile of w or u per program (grid: tiles,
+    chunks, heads)."""
     i_t, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
@@ -185,29 +185,19 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     rr = tl.arange(0, BT)
     rmask = bos + rr < eos
     Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
-    if PER_TILE:
-        _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-                 GATE, PREC, BIG, LOWP, INTERP)
-    else:
-        for j in tl.static_range(0, (K + BV - 1) // BV + (V + BV - 1) // BV):
-            _wu_tile(j, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-                     GATE, PREC, BIG, LOWP, INTERP)
+    _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+             GATE, PREC, BIG, LOWP, INTERP)
+
+
+INV_WARPS = 4   # offline sm_90 at the bench shape: 154 registers, no spill, 3 programs an SM
+WU_WARPS = 4    # 106 registers; on the H200 8 warps took 0.615 ms against 0.305 at 4
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
-    """The two v5.3 prep launches, as gdn.chunk_fwd.chunk_gdn_fwd's v5.2 ones (warps and the
-    wu layout: the module's LAUNCH, which bench_gdn's fwdprof stage varies)."""
+    """The two prep launches (grids: chunks x heads; w and u tiles x chunks x heads)."""
     NC, H = flag.shape
-    lowp = lowp and LAUNCH["bf16_operands"]
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=max(32 * LAUNCH["inv_warps"], prep["BT"]), num_warps=LAUNCH["inv_warps"],
-                              **prep)
-    tiles = triton.cdiv(prep["K"], BV) + triton.cdiv(V, BV) if LAUNCH["wu_per_tile"] else 1
+                              W=max(32 * INV_WARPS, prep["BT"]), num_warps=INV_WARPS, **prep)
+    tiles = triton.cdiv(prep["K"], BV) + triton.cdiv(V, BV)
     _prep_wu_kernel[(tiles, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                    LOWP=lowp, INTERP=interp, PER_TILE=LAUNCH["wu_per_tile"],
-                                    num_warps=LAUNCH["wu_warps"], **prep)
-
-
-# from the offline sm_90 compile at the bench shape (with the launch's alignment): _prep_inv
-# 154 registers at 4 warps (3 programs an SM), no spill; _prep_wu one tile a program at 4 warps
-LAUNCH = {"inv_warps": 4, "wu_per_tile": True, "wu_warps": 4, "bf16_operands": True}
+                                    LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)

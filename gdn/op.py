@@ -56,8 +56,10 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     recomputed state at every chunk start and the state gradient at every
     chunk end, 2 * ceil(T/C) * B*H*K*V elements (bf16 for bf16 inputs, fp32
     otherwise; C = 64, 16 for a vector gate), and with the delta rule the WY
-    factors: W, U, dU [B,T,H,K|V] in the same dtype and T^-1 [B,T,H,C] fp32.
-    At B=8, T=4096, H=16, K=V=128 bf16 that is about 1.1 GB.
+    factors: W, U, dU [B,T,H,K|V] in the same dtype, T^-1 [B,T,H,C] (bf16 for bf16
+    inputs, fp32 otherwise) and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32.
+    At B=8, T=4096, H=16, K=V=128 bf16 that is about 1.3 GB (BENCHMARKS.md has the peak
+    measured over a forward and backward).
     """
     if not delta:
         beta = None

@@ -11,7 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import gdn.chunk_fwd as cf  # noqa: E402
 from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 from gdn.reference import chunked  # noqa: E402
@@ -129,13 +128,6 @@ CASES = [(shape, dtype) for shape in SHAPES
          for dtype in (torch.float32, torch.bfloat16, torch.float16)]
 
 
-@pytest.fixture(params=[False, True], ids=["v52", "v53"])
-def version(request, monkeypatch):
-    """The forward's default path and its v5.3 bring-up (gdn.chunk_fwd.V53)."""
-    monkeypatch.setattr(cf, "V53", request.param)
-    return request.param
-
-
 def _seed(shape: str) -> int:
     """A seed per shape name, the same in every run (str's hash() is salted per process)."""
     return zlib.crc32(shape.encode()) % 1000
@@ -196,7 +188,7 @@ def assert_same_nonfinite(out, ref, bound=1e-4):
 
 
 @pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
-def test_triton_nonfinite_sets_equal_oracle(gate, delta, version):
+def test_triton_nonfinite_sets_equal_oracle(gate, delta):
     names = ["q", "k", "v", "initial_state"] + (["g"] if gate != "none" else []) + \
         (["beta"] if delta else [])
     for name in names:
@@ -251,75 +243,3 @@ def test_triton_nonfinite_in_one_sequence_stays_there():
     assert o2[0, :40].isfinite().all() and s2[:2].isfinite().all()
 
 
-@pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
-def test_triton_v53_matches_oracle_and_default(gate, delta, monkeypatch):
-    """The v5.3 bring-up path (GDN_FWD_V53) on an odd shape and a varlen one: within the
-    oracle's bound, and close to the default path (both are fp32-accurate for fp32 inputs)."""
-    for shape, dtype in (("T77-K24-V20", torch.float32), ("varlen3", torch.bfloat16)):
-        kw = dict(SHAPES[shape])
-        cu = kw.get("cu_seqlens")
-        x = make_inputs(gate, delta, dtype=dtype, seed=_seed(shape), **kw)
-        cu = None if cu is None else cu.to(DEV)
-        o, s = call(recurrence, x, cu_seqlens=cu, delta=delta)
-        got = {}
-        for v53 in (False, True):
-            monkeypatch.setattr(cf, "V53", v53)
-            got[v53] = call(chunk_gdn_fwd, x, cu_seqlens=cu, delta=delta)
-        o2, s2 = got[True]
-        assert o2.dtype == dtype and s2.dtype == torch.float32
-        assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (shape, dtype, rel(o2, o), rel(s2, s))
-        if dtype == torch.float32:
-            assert rel(o2, got[False][0]) < 1e-5 and rel(s2, got[False][1]) < 1e-5, shape
-
-
-@pytest.mark.parametrize("launch", [{"wu_per_tile": False, "wu_warps": 8, "bf16_operands": False},
-                                    {"wu_per_tile": False, "inv_warps": 8, "out_bv": 128, "out_warps": 8}],
-                         ids=["chunk-tf32", "chunk-bf16-out128"])
-def test_triton_v53_launch_variants_match_oracle(launch, monkeypatch):
-    """v5.3's other launch layouts (gdn.fwd_prep.LAUNCH, gdn.fwd_seq.LAUNCH, which
-    bench_gdn's fwdprof stage times on the device): w and u a chunk per program, tf32 or
-    bf16 operands, the output kernel over one V tile of 128 (V = 80: masked columns)."""
-    import gdn.fwd_prep as fp
-    import gdn.fwd_seq as fs
-    monkeypatch.setattr(cf, "V53", True)
-    for mod in (fp, fs):
-        monkeypatch.setattr(mod, "LAUNCH", dict(mod.LAUNCH, **{n: x for n, x in launch.items() if n in mod.LAUNCH}))
-    for dtype in (torch.float32, torch.bfloat16):
-        x = make_inputs("scalar", True, B=1, T=77, H=1, K=24, V=80, dtype=dtype, seed=5)
-        o, s = call(recurrence, x)
-        o2, s2 = call(chunk_gdn_fwd, x)
-        assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (dtype, rel(o2, o), rel(s2, s))
-
-
-@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
-def test_triton_v53_prep_with_v52_scan(gate, monkeypatch):
-    """fwd_seq.LAUNCH["seq"] = "v5.2": v5.3's WY prep feeding v5.2's state and output
-    kernels (the hybrid bench_gdn's fwdprof times first).  Delta rule: within the oracle's
-    bound, and for fp32 inputs within 1e-5 of v5.2; no delta rule (no prep runs): v5.2's
-    kernels, so v5.2's outputs bitwise.  Any other value is refused."""
-    import gdn.fwd_seq as fs
-    monkeypatch.setattr(cf, "V53", True)
-    monkeypatch.setattr(fs, "LAUNCH", dict(fs.LAUNCH, seq="v5.2"))
-    for shape, dtype in (("T77-K24-V20", torch.float32), ("varlen3", torch.bfloat16)):
-        kw = dict(SHAPES[shape])
-        cu = kw.get("cu_seqlens")
-        cu = None if cu is None else cu.to(DEV)
-        x = make_inputs(gate, True, dtype=dtype, seed=_seed(shape), **kw)
-        o, s = call(recurrence, x, cu_seqlens=cu)
-        o2, s2 = call(chunk_gdn_fwd, x, cu_seqlens=cu)
-        assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (shape, rel(o2, o), rel(s2, s))
-        if dtype == torch.float32:
-            monkeypatch.setattr(cf, "V53", False)
-            o3, s3 = call(chunk_gdn_fwd, x, cu_seqlens=cu)
-            monkeypatch.setattr(cf, "V53", True)
-            assert rel(o2, o3) < 1e-5 and rel(s2, s3) < 1e-5, shape
-    if gate == "scalar":
-        x = make_inputs(gate, False, B=1, T=77, H=1, K=24, V=20, dtype=torch.float32, seed=3)
-        got = call(chunk_gdn_fwd, x, delta=False)
-        monkeypatch.setattr(cf, "V53", False)
-        want = call(chunk_gdn_fwd, x, delta=False)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        monkeypatch.setattr(cf, "V53", True)
-        monkeypatch.setattr(fs, "LAUNCH", dict(fs.LAUNCH, seq="v6"))
-        with pytest.raises(ValueError, match="seq"):
-            call(chunk_gdn_fwd, x, delta=False)

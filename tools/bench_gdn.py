@@ -12,8 +12,8 @@ with Triton < 3.7.1 (a guard in fla/ops/common/chunk_o.py, for fla issue #640:
 wrong db/dg); the stage lifts that guard at run time, in this process only, to
 time it, so fla's db/dg errors below are what that guard warns of.
 
-The ``bwdprof`` stage (not in the default) times our backward per kernel (torch
-profiler) with the fused gradients and with GDN_BWD_GRADS=split, on the same inputs.
+The ``bwdprof`` and ``fwdprof`` stages (not in the default) time our backward and
+forward per kernel (torch profiler).
 
 Writes a Markdown section (pasted into BENCHMARKS.md, "GDN forward") after
 every stage, so a run cut short still leaves what it measured.
@@ -172,35 +172,20 @@ def kernel_times(fn, runs=5):
 
 
 def backward_profile_stage(rep):
-    """Our backward per kernel, fused gradients (default) and split (GDN_BWD_GRADS=split),
-    B8 T4096 H16 K=V=128 bf16 (GDN); and how far the split's gradients are from the fused's."""
+    """Our backward per kernel (torch profiler), B8 T4096 H16 K=V=128 bf16 (GDN)."""
     import gdn.chunk_bwd as cb
     q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16)
     do = torch.randn(8, 4096, 16, 128, device="cuda").to(torch.bfloat16)
     rep.add("### Backward per kernel (bf16, GDN, B8 T4096 H16 K=V=128; do_bench median; "
-            "torch profiler, mean of 5)\n\n| grads | bwd ms | per kernel ms |\n| --- | --- | --- |")
-    saved, got = cb.GRADS_SPLIT, {}
-    for split in (False, True):
-        cb.GRADS_SPLIT = split
-        try:
-            bwd = lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do)  # noqa: E731
-            got[split] = bwd()
-            t = do_bench(bwd, warmup=50, rep=200, return_mode="median")
-            ks = sorted(kernel_times(bwd).items(), key=lambda x: -x[1])
-            rep.add(f"| {'split' if split else 'fused'} | {t:.3f} | "
-                    + ", ".join(f"{n[:20]} {ms:.3f}" for n, ms in ks) + " |")
-        except Exception:  # noqa: BLE001
-            rep.add(f"| {'split' if split else 'fused'} | failed: {traceback.format_exc(limit=3)!r} |")
-    cb.GRADS_SPLIT = saved
-    if len(got) == 2:
-        rep.add("\nsplit vs fused, normwise rel. diff: " + ", ".join(
-            f"{n} {rel(a, b):.1e}" for n, a, b in zip(GRADS, got[True], got[False]) if a is not None))
-
-
-# v5.3's launch layouts timed besides its default (gdn.fwd_prep.LAUNCH, gdn.fwd_seq.LAUNCH),
-# both members.  First: v5.3's prep with v5.2's state and output kernels.  Layouts measured
-# slower on the H200 are dropped (gdn/NOTES.md, v5.3).
-V53_VARIANTS = ({"seq": "v5.2"},)
+            "torch profiler, mean of 5)\n\n| bwd ms | per kernel ms |\n| --- | --- |")
+    try:
+        bwd = lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do)  # noqa: E731
+        bwd()
+        t = do_bench(bwd, warmup=50, rep=200, return_mode="median")
+        ks = sorted(kernel_times(bwd).items(), key=lambda x: -x[1])
+        rep.add(f"| {t:.3f} | " + ", ".join(f"{n[:20]} {ms:.3f}" for n, ms in ks) + " |")
+    except Exception:  # noqa: BLE001
+        rep.add(f"| failed: {traceback.format_exc(limit=3)!r} |")
 
 
 def _cuda_alive():
@@ -214,50 +199,27 @@ def _cuda_alive():
 
 
 def forward_profile_stage(rep):
-    """Our forward per kernel (torch profiler): the default (v5.2) and the v5.3 bring-up
-    (GDN_FWD_V53, flipped in this process, with its layouts V53_VARIANTS), bf16 KDA then GDN
-    at B8 T4096 H16 K=V=128; and how far each one's outputs are from the default's.  A row
-    that fails is written with its traceback; a failure that loses the CUDA context ends the
-    stage with a row that says so (KDA runs first, so one GDN layout cannot hide it)."""
-    import gdn.fwd_prep as fp
-    import gdn.fwd_seq as fs
-    rep.add("### Forward per kernel, v5.2 (default) and v5.3 (GDN_FWD_V53) (bf16, B8 T4096 H16 "
-            "K=V=128; do_bench median; torch profiler, mean of 5)\n\n"
-            "| member | version | fwd ms | o, state rel. diff vs v5.2 | per kernel ms |\n"
-            "| --- | --- | --- | --- | --- |")
-    saved, launch = fwd.V53, dict(fp.LAUNCH, **fs.LAUNCH)
-    try:
-        for gate, delta in (("vector", True), ("scalar", True)):
-            q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
-            ref = None
-            runs = [("v5.2", False, {}), ("v5.3", True, {})] + \
-                [(f"v5.3 {var}", True, var) for var in V53_VARIANTS]
-            for name, v53, var in runs:
-                fwd.V53 = v53
-                for lk in (fp.LAUNCH, fs.LAUNCH):   # each module keeps its own keys
-                    lk.update({n: x for n, x in dict(launch, **var).items() if n in lk})
-                print(f"(fwdprof: {NAMES[gate, delta]} {name} running)", flush=True)
-                try:
-                    f = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta)  # noqa: E731
-                    o1, s1 = f()
-                    ref = ref or (o1, s1)   # v5.2's: a wrong variant shows here
-                    diff = f"{rel(o1, ref[0]):.1e}, {rel(s1, ref[1]):.1e}"
-                    t = do_bench(f, warmup=50, rep=200, return_mode="median")
-                    ks = sorted(kernel_times(f).items(), key=lambda x: -x[1])
-                    own = v53 and fs.LAUNCH["seq"] == "v5.3"   # else v5.2's state kernel ran
-                    best = getattr(fs._state if own else fwd._state, "best_config", None)
-                    rep.add(f"| {NAMES[gate, delta]} | {name} | {t:.3f} | {diff} | "
-                            + ", ".join(f"{n[:22]} {ms:.3f}" for n, ms in ks) + f"; state config {best} |")
-                except Exception:  # noqa: BLE001
-                    rep.add(f"| {NAMES[gate, delta]} | {name} | failed: {traceback.format_exc(limit=3)!r} |")
-                    if not _cuda_alive():
-                        rep.add("\nThe CUDA context is lost after this failure: the rows after it "
-                                "were not run.")
-                        return
-    finally:
-        fwd.V53 = saved
-        for lk in (fp.LAUNCH, fs.LAUNCH):
-            lk.update({n: x for n, x in launch.items() if n in lk})
+    """Our forward per kernel (torch profiler), bf16 KDA then GDN at B8 T4096 H16 K=V=128,
+    with the state kernel's autotune pick.  A row that fails is written with its traceback;
+    a failure that loses the CUDA context ends the stage with a row that says so."""
+    rep.add("### Forward per kernel (bf16, B8 T4096 H16 K=V=128; do_bench median; torch "
+            "profiler, mean of 5)\n\n| member | fwd ms | per kernel ms |\n| --- | --- | --- |")
+    for gate, delta in (("vector", True), ("scalar", True)):
+        q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
+        print(f"(fwdprof: {NAMES[gate, delta]} running)", flush=True)
+        try:
+            f = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta)  # noqa: E731
+            f()
+            t = do_bench(f, warmup=50, rep=200, return_mode="median")
+            ks = sorted(kernel_times(f).items(), key=lambda x: -x[1])
+            best = getattr(fwd._state, "best_config", None)
+            rep.add(f"| {NAMES[gate, delta]} | {t:.3f} | "
+                    + ", ".join(f"{n[:22]} {ms:.3f}" for n, ms in ks) + f"; state config {best} |")
+        except Exception:  # noqa: BLE001
+            rep.add(f"| {NAMES[gate, delta]} | failed: {traceback.format_exc(limit=3)!r} |")
+            if not _cuda_alive():
+                rep.add("\nThe CUDA context is lost after this failure: the rows after it were not run.")
+                return
 
 
 def main():
@@ -266,7 +228,7 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
     ap.add_argument("--stages", default="fwd,bwd",
-                    help="comma-separated: fwd, bwd, bwdprof (backward per kernel, fused and split gradients)")
+                    help="comma-separated: fwd, bwd, bwdprof, fwdprof (per kernel)")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
     t_start = time.time()

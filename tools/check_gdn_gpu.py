@@ -4,11 +4,6 @@ Run on a CUDA machine from the repository root:
 
     python tools/check_gdn_gpu.py            # fixed (first) autotune config
     python tools/check_gdn_gpu.py --tune     # also let the autotuner try every config
-    GDN_FWD_V53=1 python tools/check_gdn_gpu.py   # the v5.3 bring-up (gdn/NOTES.md)
-    GDN_FWD_V53=1 python tools/check_gdn_gpu.py --launch seq=v5.2   # one of its layouts
-
-`--launch KEY=VALUE` (repeatable) sets a key of v5.3's `gdn.fwd_prep.LAUNCH` or
-`gdn.fwd_seq.LAUNCH` in every case (VALUE a Python literal, else a string).
 
 Every member (gate none/scalar/vector x delta on/off) and dtype runs in its own
 fresh subprocess (an illegal memory access kills the CUDA context, so one
@@ -23,7 +18,6 @@ interpreter (tiny shapes).
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import subprocess
 import sys
@@ -61,33 +55,12 @@ def _inputs(gate, delta, B, T, H, K, V, cu, dtype, device, seed=0):
     return x
 
 
-def parse_launch(items):
-    """{key: value} from KEY=VALUE strings, each key one of v5.3's LAUNCH keys."""
-    import gdn.fwd_prep as fp
-    import gdn.fwd_seq as fs
-    out = {}
-    for item in items:
-        key, eq, text = item.partition("=")
-        if not eq or key not in fp.LAUNCH and key not in fs.LAUNCH:
-            raise ValueError(f"--launch {item!r}: need KEY=VALUE with KEY one of "
-                             f"{sorted(fp.LAUNCH) + sorted(fs.LAUNCH)}")
-        try:
-            out[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            out[key] = text
-    return out
-
-
-def child(gate, delta, dname, tune, device, shapes, launch):
+def child(gate, delta, dname, tune, device, shapes):
     """One member and dtype, every shape; prints one line per case, exits 1 on a bound miss."""
     import torch
     import gdn.chunk_fwd as cf
-    import gdn.fwd_prep as fp
-    import gdn.fwd_seq as fs
     from gdn.oracle import recurrence
     cf.TUNE = tune
-    for lk in (fp.LAUNCH, fs.LAUNCH):
-        lk.update({n: x for n, x in launch.items() if n in lk})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     bad = 0
@@ -115,17 +88,11 @@ def main():
     ap.add_argument("--tune", action="store_true", help="autotune over every scan config")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of this script")
     ap.add_argument("--small", action="store_true", help="tiny shapes (with --device cpu)")
-    ap.add_argument("--launch", action="append", default=[], metavar="KEY=VALUE",
-                    help="a key of gdn.fwd_prep.LAUNCH or gdn.fwd_seq.LAUNCH (v5.3), e.g. seq=v5.2")
     ap.add_argument("--member", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    try:
-        launch = parse_launch(a.launch)
-    except ValueError as e:
-        ap.error(str(e))
     if a.member:
         gate, delta, dname = a.member.split(",")
-        child(gate, delta == "1", dname, a.tune, a.device, SMALL if a.small else SHAPES, launch)
+        child(gate, delta == "1", dname, a.tune, a.device, SMALL if a.small else SHAPES)
         return
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = dict(os.environ, GDN_FWD_MODE="1", GDN_FWD_GATED_FAST="1", PYTHONPATH=root)
@@ -137,7 +104,7 @@ def main():
     for (gate, delta), dname in [(m, d) for m in MEMBERS for d in BOUND]:   # all at once: compiling dominates
         cmd = [sys.executable, os.path.abspath(__file__), "--member", f"{gate},{int(delta)},{dname}",
                "--device", a.device] + (["--tune"] if a.tune else []) + \
-            (["--small"] if a.small else []) + [f"--launch={x}" for x in a.launch]
+            (["--small"] if a.small else [])
         procs.append(((gate, delta), subprocess.Popen(
             cmd, env=base, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     ok = True
@@ -156,10 +123,6 @@ def main():
             if not any(ln.endswith("FAIL") for ln in lines):   # a crash, not a bound miss
                 print(f"{name}: CRASH rc={p.returncode}; last output:")
                 print("\n".join("    " + ln for ln in lines[-15:]))
-    if os.environ.get("GDN_FWD_V53") == "1":
-        print(f"(forward v5.3: GDN_FWD_V53=1; launch {launch or 'default'})")
-    elif launch:
-        print(f"(--launch {launch} has no effect without GDN_FWD_V53=1)")
     print("ALLOK" if ok else "NOTOK")
 
 

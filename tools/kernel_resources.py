@@ -30,6 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gdn.chunk_bwd as cb  # noqa: E402
 import gdn.chunk_fwd as cf  # noqa: E402
+import gdn.fwd_prep as fp  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -80,9 +81,12 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
     wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], "*bf16"), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
+    lowp = gate != 2   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
     for label, fn, sig, const, warps, stages in (
-            ("fwd _prep_inv_kernel", cf._prep_inv_kernel, inv_sig, split, 4, 1),
-            ("fwd _prep_wu_kernel", cf._prep_wu_kernel, wu_sig, dict(split, V=V, BV=64), 8, 1),
+            ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
+             dict(split, LOWP=lowp, INTERP=False, W=32 * fp.INV_WARPS), fp.INV_WARPS, 1),
+            ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
+             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.WU_WARPS, 1),
             ("fwd _state_kernel", cf._state_kernel, state_sig,
              dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2),
             ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1)):
@@ -115,8 +119,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
             (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2, {}),
             (cb._states, tile["BV"], seq, 3, {}),
             (cb._dstates, tile["BV"], launch["dstates_warps"], 3, {}),
-            (cb._grads, tile["grads_BV"], launch["grads_warps"], grads_stages, {}),
-            # the split gradients (GDN_BWD_GRADS=split): _grads_p (and _grads_wy with delta)
+            # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
              {"BKS": tile["grads_BKS"]}),
             (cb._exact, tile["exact_BV"], seq, 3, {}),
