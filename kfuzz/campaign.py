@@ -47,6 +47,7 @@ class CampaignStats:
     unfinished: int = 0            # cases still running --timeout after the time limit: dropped
     worker_cpu_seconds: float = 0.0   # CPU time of the workers' processes (0 in process)
     sandbox: dict = field(default_factory=dict)   # what confined the workers, layer by layer
+    interrupted: bool = False      # stopped by KeyboardInterrupt (kfuzz run: SIGINT, SIGTERM, SIGHUP)
 
     @property
     def execs_per_second(self) -> float:
@@ -58,7 +59,8 @@ class CampaignStats:
                 "execs_per_second": round(self.execs_per_second, 2),
                 "corpus_size": self.corpus_size, "coverage_edges": self.coverage,
                 "new_coverage_executions": self.new_coverage, "worker_restarts": self.worker_restarts,
-                "unfinished": self.unfinished, "worker_cpu_seconds": round(self.worker_cpu_seconds, 3),
+                "unfinished": self.unfinished, "interrupted": self.interrupted,
+                "worker_cpu_seconds": round(self.worker_cpu_seconds, 3),
                 "sandbox": self.sandbox,
                 "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
                              for k, v in self.failures.items()},
@@ -71,7 +73,9 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                  policy: Policy | None = None) -> CampaignStats:
     """Execute cases from ``engine`` until ``seconds`` pass or ``runs`` cases ran (or, with
     ``stop_on_failure``, the first failure). ``policy`` confines the workers (``kfuzz.sandbox``;
-    by default the device's)."""
+    by default the device's).  A KeyboardInterrupt ends the campaign as a time limit would,
+    with ``interrupted`` set: the cases in flight are dropped, the failures already saved stay,
+    and the stats are returned."""
     if seconds is None and runs is None:
         raise ValueError("give seconds or runs")
     if jobs < 0:
@@ -148,6 +152,9 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 stats.seconds = time.monotonic() - start
                 if on_progress is not None:
                     on_progress(stats, verdict)
+    except KeyboardInterrupt:
+        stats.interrupted = True
+        stats.unfinished = runner.busy
     finally:
         stats.worker_restarts = runner.restarts
         stats.worker_cpu_seconds = runner.worker_cpu_seconds

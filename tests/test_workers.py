@@ -202,3 +202,29 @@ def test_a_timed_campaign_ends_timeout_seconds_after_its_limit_even_while_compil
                          seconds=1.0, jobs=1, timeout=2.0)
     assert time.monotonic() - start < 30
     assert stats.unfinished >= 1 and stats.executions == 0 and not stats.failures
+
+
+def test_a_terminated_campaign_still_writes_its_summary(tmp_path):
+    """SIGTERM (a machine's end, a scheduler) stops `kfuzz run` as Ctrl-C does: the cases in
+    flight are dropped, the summary and --stats-json are written, and the exit code is 130."""
+    import json
+    import subprocess
+    import sys
+    stats_json = tmp_path / "stats.json"
+    p = subprocess.Popen([sys.executable, "-c", "from kfuzz.cli import main; main()", "run", "--target",
+                          "softmax", "--engine", "atheris", "--time", "300", "--jobs", "1", "--root", str(tmp_path),
+                          "--stats-json", str(stats_json)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any((tmp_path / "seeds").rglob("*.zst")) and time.monotonic() < deadline:
+            time.sleep(0.5)   # running: the coverage engine has kept a case
+        time.sleep(1.0)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, out
+    stats = json.loads(stats_json.read_text())
+    assert stats["interrupted"] is True and stats["executions"] > 0 and not stats["failures"]
+    assert "interrupted" in out

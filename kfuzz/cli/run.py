@@ -1,5 +1,7 @@
 """kfuzz run --target NAME: a fuzzing campaign; new failures are saved in crashes/."""
+import contextlib
 import json
+import signal
 import sys
 
 import click
@@ -22,12 +24,28 @@ def _render(stats: CampaignStats, limit: str) -> Table:
     table.add_row("corpus", f"{stats.corpus_size} kept, {stats.coverage} harness edges "
                             f"({stats.new_coverage} runs found new ones)")
     table.add_row("workers restarted", str(stats.worker_restarts))
-    if stats.unfinished:
+    if stats.interrupted:
+        table.add_row("[yellow]interrupted[/yellow]", f"{stats.unfinished} case(s) in flight dropped, not judged")
+    elif stats.unfinished:
         table.add_row("unfinished", f"{stats.unfinished} case(s) still running --timeout after the time limit: "
                                     "dropped, not judged")
     for sig, n in sorted(stats.failures.items(), key=lambda kv: str(kv[0])):
         table.add_row(f"[red]failure[/red] {sig.slug}", f"x{n} (first at execution {stats.first_seen[sig]})")
     return table
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt():
+    """SIGTERM and SIGHUP raise KeyboardInterrupt, as SIGINT does, while the campaign runs: a
+    campaign killed by its machine's end or a job scheduler still writes its summary."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    saved = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 @cli.command("run")
@@ -52,7 +70,8 @@ def _render(stats: CampaignStats, limit: str) -> Table:
 @handles_bad_input
 def run_cmd(target_name, seconds, runs, device, engine, jobs, timeout, memory_limit, cpu_limit, seed, root,
             stats_json):
-    """Fuzz a target. Exit 1 if a failure was found, 0 if none."""
+    """Fuzz a target. Exit 1 if a failure was found, else 130 if interrupted (SIGINT, SIGTERM,
+    SIGHUP: the summary and --stats-json are still written), else 0."""
     if seconds is None and runs is None:
         seconds = 30.0
     limits = {} if cpu_limit is None else {"cpu_seconds": cpu_limit}
@@ -73,8 +92,8 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, timeout, memory_li
             shown[0] = stats.seconds
             live.update(_render(stats, limit))
 
-    with Live(_render(CampaignStats(target.name, engine, jobs), limit), console=console,
-              refresh_per_second=4, transient=False) as live:
+    with _stop_signals_interrupt(), Live(_render(CampaignStats(target.name, engine, jobs), limit),
+                                         console=console, refresh_per_second=4, transient=False) as live:
         stats = run_campaign(target, eng, Corpus(root), seconds=seconds, runs=runs, device=device,
                              jobs=jobs, timeout=timeout, on_progress=on_progress, policy=policy)
         live.update(_render(stats, limit))
@@ -83,8 +102,9 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, timeout, memory_li
     for p in stats.saved:
         click.echo(f"saved    {p}")
     click.echo(f"{stats.executions} executions in {stats.seconds:.1f} s "
-               f"({stats.execs_per_second:.1f}/s), {len(stats.failures)} failure signature(s)")
+               f"({stats.execs_per_second:.1f}/s), {len(stats.failures)} failure signature(s)"
+               + (f"; interrupted ({stats.unfinished} case(s) in flight dropped)" if stats.interrupted else ""))
     if stats_json:
         with open(stats_json, "w") as f:
             json.dump(stats.to_json(), f, indent=2)
-    sys.exit(1 if stats.failures else 0)
+    sys.exit(1 if stats.failures else 130 if stats.interrupted else 0)
