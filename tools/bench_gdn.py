@@ -13,7 +13,7 @@ wrong db/dg); the stage lifts that guard at run time, in this process only, to
 time it, so fla's db/dg errors below are what that guard warns of.
 
 The ``bwdprof`` and ``fwdprof`` stages (not in the default) time our backward and
-forward per kernel (torch profiler).
+forward per kernel (torch profiler); ``flaprof`` does the same for fla.
 
 Writes a Markdown section (pasted into BENCHMARKS.md, "GDN forward") after
 every stage, so a run cut short still leaves what it measured.
@@ -188,6 +188,33 @@ def backward_profile_stage(rep):
         rep.add(f"| failed: {traceback.format_exc(limit=3)!r} |")
 
 
+def fla_profile_stage(rep, fla):
+    """fla's forward and forward+backward per kernel (torch profiler), bf16 GDN B8 T4096 H16
+    K=V=128: the stage-by-stage yardstick for ours (fwdprof, bwdprof).  Lifts fla's Hopper
+    guard as backward_stage does."""
+    import fla.ops.common.chunk_o as chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16)
+    do = torch.randn(8, 4096, 16, 128, device="cuda").to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+
+    def fwd_only():
+        with torch.no_grad():
+            return fla(q, k, v, g, beta, scale=128 ** -0.5)
+
+    def fwdbwd():
+        o, _ = fla(*leaves, scale=128 ** -0.5)
+        return torch.autograd.grad(o, leaves, do)
+    rep.add("### fla per kernel (bf16, GDN, B8 T4096 H16 K=V=128; torch profiler, mean of 5)\n\n"
+            "| pass | per kernel ms |\n| --- | --- |")
+    for name, fn in (("forward", fwd_only), ("forward+backward", fwdbwd)):
+        try:
+            ks = sorted(kernel_times(fn).items(), key=lambda x: -x[1])
+            rep.add(f"| {name} | " + ", ".join(f"{n[:40]} {ms:.3f}" for n, ms in ks if ms >= 0.002) + " |")
+        except Exception:  # noqa: BLE001
+            rep.add(f"| {name} | failed: {traceback.format_exc(limit=3)!r} |")
+
+
 def _cuda_alive():
     """False once the CUDA context is lost (an illegal address poisons every later call)."""
     try:
@@ -228,7 +255,8 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
     ap.add_argument("--stages", default="fwd,bwd",
-                    help="comma-separated: fwd, bwd, bwdprof, fwdprof (per kernel)")
+                    help="comma-separated: fwd, bwd, bwdprof, fwdprof (ours per kernel), "
+                         "flaprof (fla per kernel)")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
     t_start = time.time()
@@ -250,6 +278,9 @@ def main():
         rep.add("")
     if "fwdprof" in stages:
         forward_profile_stage(rep)
+        rep.add("")
+    if "flaprof" in stages and fla is not None:
+        fla_profile_stage(rep, fla)
         rep.add("")
     if "fwd" not in stages:
         return
