@@ -1,8 +1,9 @@
 """Where each chunk of the GDN backward lies: the chunk table of a fixed-length or varlen batch.
 
 The host side (``chunk_plan``) numbers the chunks of every sequence globally; the Triton
-helpers turn a global chunk id (``_coords``, the chunk-parallel kernels) or a sequence
-index (``_seq``, the sequential kernels) back into token ranges.  Varlen batches need
+helpers turn a global chunk id (``_coords``, and ``_chunk_rows`` for the chunk-parallel
+kernels) or a sequence index (``_seq``, and ``_seq_tile`` for the sequential kernels) back
+into token ranges.  Varlen batches need
 B == 1 and int32 offsets; nothing here checks shapes (the launcher does).
 """
 from __future__ import annotations
@@ -41,6 +42,33 @@ def _seq(n, T, cu, coff, C: tl.constexpr, IS_VARLEN: tl.constexpr):
         eos = bos + T
         cbase = n * tl.cdiv(T, C)
     return bos, eos, cbase
+
+
+@triton.jit
+def _chunk_rows(cid, ih, T, H, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A chunk-parallel program's rows: (sequence, chunk within it, first token, end token,
+    row index [C], token [C], row valid [C], int64 row of a [.., H, ..] tensor [C, 1])."""
+    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    tok = bos + ic * C + rows
+    rv = tok < eos
+    return n, ic, bos, eos, rows, tok, rv, tok[:, None].to(tl.int64) * H + ih
+
+
+@triton.jit
+def _seq_tile(inh, iv, T, H, K, V, cu, coff, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              IS_VARLEN: tl.constexpr):
+    """A sequential program's sequence and [BK, BV] state tile: (sequence, head, first token, end token,
+    first chunk's global id, row index [C], key index [BK], key valid, value index [BV],
+    value valid, tile valid [BK, BV], int64 offset in a [K, V] state [BK, BV])."""
+    n = inh // H
+    bos, eos, cbase = _seq(n, T, cu, coff, C, IS_VARLEN)
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    cv = iv * BV + tl.arange(0, BV)
+    mv = cv < V
+    return (n, inh % H, bos, eos, cbase, tl.arange(0, C), ck, mk, cv, mv, mk[:, None] & mv[None, :],
+            ck[:, None].to(tl.int64) * V + cv[None, :])
 
 
 def chunk_plan(cu_seqlens, B: int, T: int, C: int):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import _coords
+from gdn.bwd_chunks import _chunk_rows
 from gdn.bwd_gate import _end_decay, _gate_grad, _gate_sums, _load_gate, _pair_decay
 from gdn.bwd_matrix import _mm
 
@@ -97,14 +97,10 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     vector gate's [.., K] before the reverse cumsum), fp32, for _grads_p to add."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
-    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    tok = bos + ic * C + rows
-    rv = tok < eos
+    n, ic, bos, eos, rows, tok, rv, tq = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     ck = tl.arange(0, BK)
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
-    tq = tok[:, None].to(tl.int64) * H + ih
     strict = rows[:, None] > rows[None, :]
     b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
     tm = tl.load(Tm + tq * C + rows[None, :], mask=rv[:, None], other=0.)
@@ -160,11 +156,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
     Q K^T and its row sums for dg) is formed before the slices or summed across them."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
-    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    tok = bos + ic * C + rows
-    rv = tok < eos
-    tq = tok[:, None].to(tl.int64) * H + ih
+    n, ic, bos, eos, rows, tok, rv, tq = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     hbase = (cid * H + ih).to(tl.int64) * K * V

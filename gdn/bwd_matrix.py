@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import _coords, _seq
+from gdn.bwd_chunks import _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _inv_unit_lower
@@ -99,14 +99,10 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
     cid = tl.program_id(0)
     ih = tl.program_id(1)
-    n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    tok = bos + ic * C + rows
-    rv = tok < eos
+    n, ic, bos, eos, rows, tok, rv, tq = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     ck = tl.arange(0, BK)
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
-    tq = tok[:, None].to(tl.int64) * H + ih
     bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, rv, ih, H, K, ck, mk, C, GATE, DELTA,
                                        F32, DT, GLIM, BIG)
     for iv in range(0, tl.cdiv(V, BV)):
@@ -141,17 +137,9 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
             F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr):
     iv = tl.program_id(0)
     inh = tl.program_id(1)
-    n = inh // H
-    ih = inh % H
     NV = tl.num_programs(0)
-    bos, eos, cbase = _seq(n, T, cu, coff, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    cv = iv * BV + tl.arange(0, BV)
-    mv = cv < V
-    mkv = mk[:, None] & mv[None, :]
-    offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+    n, ih, bos, eos, cbase, rows, ck, mk, cv, mv, mkv, offkv = _seq_tile(inh, iv, T, H, K, V, cu, coff,
+                                                                         C, BK, BV, IS_VARLEN)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         h = tl.load(h0 + (n * H + ih).to(tl.int64) * K * V + offkv, mask=mkv, other=0.).to(tl.float32)
@@ -195,17 +183,9 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
              HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr):
     iv = tl.program_id(0)
     inh = tl.program_id(1)
-    n = inh // H
-    ih = inh % H
     NV = tl.num_programs(0)
-    bos, eos, cbase = _seq(n, T, cu, coff, C, IS_VARLEN)
-    rows = tl.arange(0, C)
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    cv = iv * BV + tl.arange(0, BV)
-    mv = cv < V
-    mkv = mk[:, None] & mv[None, :]
-    offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+    n, ih, bos, eos, cbase, rows, ck, mk, cv, mv, mkv, offkv = _seq_tile(inh, iv, T, H, K, V, cu, coff,
+                                                                         C, BK, BV, IS_VARLEN)
     incl = rows[:, None] >= rows[None, :]
     dh = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
