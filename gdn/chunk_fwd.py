@@ -196,28 +196,34 @@ def _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.cons
 def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask, smask,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  GATE: tl.constexpr, DELTA: tl.constexpr, STORE_O: tl.constexpr):
-    """One chunk token by token with the oracle's formulas (fp32); stores its
-    outputs when STORE_O, returns the new state."""
+    """One chunk token by token with the oracle's formulas, each step in float64 as the oracle
+    computes (so that a value the oracle keeps inside fp32's range is not an fp32 overflow of
+    an intermediate: G06, beta at bf16's maximum), the state kept in S's dtype between steps
+    (fp32 in the state kernel, float64 in the output kernel); stores its outputs when STORE_O
+    (rounded through fp32: Triton 3.9's interpreter rounds float64 to bf16 wrongly), returns
+    the new state."""
     for t in range(0, tl.minimum(BT, eos - t0)):
         tok = (t0 + t).to(tl.int64)
-        kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
-        vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float32)
+        Sd = S.to(tl.float64)
+        kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
+        vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float64)
         if GATE == 1:
-            S = tl.exp(tl.load(g + tok * H + i_h).to(tl.float32)) * S
+            Sd = tl.exp(tl.load(g + tok * H + i_h).to(tl.float64)) * Sd
         elif GATE == 2:
-            av = tl.exp(tl.load(g + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32))
-            S = av[:, None] * S
+            av = tl.exp(tl.load(g + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64))
+            Sd = av[:, None] * Sd
         if DELTA:
-            bk = tl.load(beta + tok * H + i_h).to(tl.float32) * kv
-            kS = tl.sum(kv[:, None] * S, axis=0)
-            S = S - bk[:, None] * kS[None, :] + bk[:, None] * vv[None, :]
+            bk = tl.load(beta + tok * H + i_h).to(tl.float64) * kv
+            kS = tl.sum(kv[:, None] * Sd, axis=0)
+            Sd = Sd - bk[:, None] * kS[None, :] + bk[:, None] * vv[None, :]
         else:
-            S = S + kv[:, None] * vv[None, :]
-        S = tl.where(smask, S, 0.0)   # padding stays 0 (no 0 * inf in it)
+            Sd = Sd + kv[:, None] * vv[None, :]
+        Sd = tl.where(smask, Sd, 0.0)   # padding stays 0 (no 0 * inf in it)
+        S = Sd.to(S.dtype)
         if STORE_O:
-            qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float32)
-            ov = tl.sum(qv[:, None] * S, axis=0)
-            tl.store(o + (tok * H + i_h) * V + dv, ov.to(o.dtype.element_ty), mask=vmask)
+            qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
+            ov = tl.sum(qv[:, None] * Sd, axis=0)
+            tl.store(o + (tok * H + i_h) * V + dv, ov.to(tl.float32).to(o.dtype.element_ty), mask=vmask)
     return S
 
 
@@ -318,7 +324,8 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             else:
                 kl = kt
             S = S + tl.dot(tl.trans(kl), vt, input_precision=PREC)
-        else:
+        else:   # float64 steps, the state kept fp32 between them (a scratch round trip in
+            # 16-column slices, as the output kernel takes, spilled more at sm_90: 312 B vs 40)
             S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
                              smask, H, K, V, BT, GATE, DELTA, False)
     if STORE_HT:
@@ -379,8 +386,17 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
             ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
             tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
         else:
-            _exact_chunk(q, k, v, g, beta, o, S.to(tl.float32), scale, bos, eos, i_h, dk, kmask, dv, vmask,
-                         smask, H, K, V, BT, GATE, DELTA, True)
+            # float64 on 16-column slices of the entering state (the recurrence is separable
+            # in V): a [BK, 16] float64 tile live, not [BK, BV] (sm_90, K=V=256: no more stack)
+            XV: tl.constexpr = 16 if BV > 16 else BV
+            for j in range(0, BV // XV):
+                dvj = i_v * BV + j * XV + tl.arange(0, XV)
+                vmj = dvj < V
+                smj = kmask[:, None] & vmj[None, :]
+                Sj = tl.load(hs + (cid * H + i_h) * K * V + dk[:, None].to(tl.int64) * V + dvj[None, :],
+                             mask=smj, other=0.0)
+                _exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64), scale, bos, eos, i_h, dk, kmask,
+                             dvj, vmj, smj, H, K, V, BT, GATE, DELTA, True)
 
 
 TUNE = True  # False: every new key takes the first config (benchmarks' accuracy sweeps)
