@@ -237,3 +237,24 @@ def test_verify_jobs_runs_gates_at_once_with_the_same_results(tmp_path):
     assert [g["gate"] for g in b] == ["G05", "G08", "G01"]
     assert [(g["status"], g["cases"], g.get("case")) for g in a] == [(g["status"], g["cases"], g.get("case")) for g in b]
     assert b[1]["status"] == "fail" and b[1]["saved"]
+
+
+def test_the_cache_warmer_calls_the_kernel_on_every_case_the_gates_run(capsys):
+    """tools/warm_triton_cache.py (a device verify's compiles, spread over processes first)
+    enumerates exactly the cases the gates judge, and calls the kernel on each."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from kfuzz.gates import GATES, run_gate
+    from kfuzz.target import get_target
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))   # spawned children inherit it
+    try:
+        warm = importlib.import_module("warm_triton_cache")
+        want = sum(run_gate(GATES[g], get_target("softmax")).cases for g in ("G03", "G05"))
+        assert len(warm.gate_cases("softmax", "G03,G05", 0)) == want > 0
+        assert warm.main(["--target", "softmax", "--device", "cpu", "--jobs", "2", "--gates", "G05"]) == 0
+    finally:
+        sys.path.pop(0)
+    n = sum(1 for _ in GATES["G05"].cases(get_target("softmax"), 0))
+    assert f"softmax: {n} case(s) called in 2 process(es), 0 raised" in capsys.readouterr().out

@@ -1,0 +1,78 @@
+"""Compile a target's Triton kernels for every case of the gates, in parallel, before a
+`kfuzz verify` on a GPU.
+
+    python tools/warm_triton_cache.py --target gdn_bwd --device cuda --jobs 14 [--gates G01,G03] [--seed 0]
+    kfuzz verify --target gdn_bwd --device cuda --jobs 12
+
+Why: on the H200 a gdn_bwd gate case costs about 45 s of Triton compiles (every case is a new
+shape class: the forward's H, K, V are constexprs, the backward specializes T, H, K, V), and
+`kfuzz verify --jobs N` runs gates, not cases, in parallel, so its longest gate (G03 or G04,
+about 30 cases) took the time (session 5: G05's 9 cases alone 437 s, BENCHMARKS.md).  Triton's
+on-disk cache (TRITON_CACHE_DIR, default ~/.triton/cache) is shared by every process on the
+machine, so this tool spreads all the gates' cases over --jobs processes, each calling the
+kernel once per case (compiling what the case needs), and the verify that follows finds them
+compiled.  Same seed, same cases: the gates draw theirs from (gate, seed, index).
+
+The kernel's result is not judged here and an exception is counted, not fatal (the gate
+judges it).  Prints the cases run, the calls that raised, and the seconds; exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def gate_cases(target_name: str, gates: str | None, seed: int) -> list:
+    """Every case the named gates (default all twelve) would run on the target."""
+    from kfuzz.gates import GATES, parse_gates
+    from kfuzz.target import get_target
+    target = get_target(target_name)
+    return [case for gid in parse_gates(gates) for case in GATES[gid].cases(target, seed)]
+
+
+def _call_each(args) -> tuple[int, int]:
+    """(cases called, calls that raised) for one process's share of the cases."""
+    target_name, device, cases = args
+    import torch
+    from kfuzz.target import get_target, prepare_triton
+    from kfuzz.tensors import materialize
+    prepare_triton()
+    target = get_target(target_name)
+    raised = 0
+    for case in cases:
+        try:
+            target.kernel(**materialize(case, target, device))
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001  (the gate judges it; here only the compile matters)
+            raised += 1
+    return len(cases), raised
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    ap.add_argument("--gates", default=None, help="comma-separated gate ids (default: all twelve)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    start = time.monotonic()
+    cases = gate_cases(a.target, a.gates, a.seed)
+    jobs = max(1, min(a.jobs, len(cases)))
+    shares = [(a.target, a.device, cases[i::jobs]) for i in range(jobs)]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:   # spawn: CUDA in children
+        done = pool.map(_call_each, shares)
+    print(f"{a.target}: {sum(n for n, _ in done)} case(s) called in {jobs} process(es), "
+          f"{sum(r for _, r in done)} raised, {time.monotonic() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
