@@ -28,7 +28,7 @@ launches the kernels, which live in the modules named after their concept:
    step path inside flagged chunks, and for any chunk whose incoming state or
    state gradient is not finite.
 
-Kernels 1-3 and the chunk algebra: gdn.bwd_matrix; kernels 4: gdn.bwd_grads; kernel 5 and the step path:
+Kernels 1-3 and the chunk algebra: gdn.bwd_matrix; kernel 4 (two launches): gdn.bwd_grads; kernel 5 and the step path:
 gdn.bwd_exact; the in-chunk gate sums and the scalar gate's gradient:
 gdn.bwd_gate; the chunk table (fixed-length or varlen): gdn.bwd_chunks.
 
