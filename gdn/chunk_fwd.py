@@ -198,13 +198,20 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
                  GATE: tl.constexpr, DELTA: tl.constexpr, STORE_O: tl.constexpr):
     """One chunk token by token with the oracle's formulas, each step in float64 as the oracle
     computes (so that a value the oracle keeps inside fp32's range is not an fp32 overflow of
-    an intermediate: G06, beta at bf16's maximum), the state kept in S's dtype between steps
-    (fp32 in the state kernel, float64 in the output kernel); stores its outputs when STORE_O
-    (rounded through fp32: Triton 3.9's interpreter rounds float64 to bf16 wrongly), returns
-    the new state."""
+    an intermediate: G06, beta at bf16's maximum); stores its outputs when STORE_O (rounded
+    through fp32: Triton 3.9's interpreter rounds float64 to bf16 wrongly), returns the new
+    state.  Between steps the state is kept in S's dtype (float64 in the output kernel); an
+    fp32 one (the state kernel's, whose [BK, BV] tile in float64 spilled at sm_90) as
+    S_true / 2^e, e > 0 only while the state's largest finite element is past 2^100, so a
+    state that leaves fp32's range inside the chunk and comes back, as the oracle's may, is
+    carried across (G06: final state 1.6e32 after a step past 3.4e38)."""
+    RESCALE: tl.constexpr = S.dtype == tl.float32
+    e = tl.full([], 0.0, tl.float64)
     for t in range(0, tl.minimum(BT, eos - t0)):
         tok = (t0 + t).to(tl.int64)
         Sd = S.to(tl.float64)
+        if RESCALE:
+            Sd = Sd * tl.exp2(e)
         kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
         vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float64)
         if GATE == 1:
@@ -219,11 +226,19 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
         else:
             Sd = Sd + kv[:, None] * vv[None, :]
         Sd = tl.where(smask, Sd, 0.0)   # padding stays 0 (no 0 * inf in it)
-        S = Sd.to(S.dtype)
         if STORE_O:
             qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
             ov = tl.sum(qv[:, None] * Sd, axis=0)
             tl.store(o + (tok * H + i_h) * V + dv, ov.to(tl.float32).to(o.dtype.element_ty), mask=vmask)
+        if RESCALE:
+            a = tl.where(tl.abs(Sd) < float("inf"), tl.abs(Sd), 0.0)   # NaN and Inf keep no scale
+            big = tl.max(tl.max(a, axis=1), axis=0)
+            e = tl.where(big > 1.2676506002282294e30, tl.ceil(tl.log2(big)) - 100.0, 0.0)   # 2^100
+            S = (Sd * tl.exp2(-e)).to(S.dtype)
+        else:
+            S = Sd.to(S.dtype)
+    if RESCALE:
+        S = (S.to(tl.float64) * tl.exp2(e)).to(S.dtype)
     return S
 
 

@@ -243,3 +243,20 @@ def test_triton_nonfinite_in_one_sequence_stays_there():
     assert o2[0, :40].isfinite().all() and s2[:2].isfinite().all()
 
 
+
+
+def test_a_state_past_fp32_range_inside_a_chunk_comes_back_as_the_oracles_does():
+    """G06 (range, strict) on its seed-0 case, kept in crashes/: beta at bf16's maximum sends
+    the chunk to the exact path, whose state passes fp32's range between two steps and comes
+    back (the oracle's final state 1.6e32); the fp32 step gave NaN (o -Inf before the float64
+    steps).  The q-at-fp32-max case (crashes/gdn_fwd/nonfinite-o/) is replayed by CI."""
+    from pathlib import Path
+
+    from kfuzz.corpus import load
+    from kfuzz.gates import GATES
+    from kfuzz.target import get_target
+    case, record = load(Path(__file__).resolve().parents[1] / "crashes" / "gdn_fwd" / "nonfinite-ht" /
+                        "f758b859b313ac96.case.zst")
+    assert record["fixed_from"]["output"] == "ht"
+    verdict = GATES["G06"].check(get_target("gdn_fwd"), case, DEV)
+    assert verdict.passed, verdict.detail
