@@ -31,8 +31,8 @@ NaN.  So each chunk takes the matrix path only when its q, k, v, beta are all
 finite and at most BIG in magnitude, its gates are <= 0 (scalar: -inf allowed,
 clamped at -110 where exp is already 0 in fp32; vector: the chunk's total decay
 at most 60 per key), and the incoming state is finite and at most SBIG.
-Otherwise it runs token by token with the oracle's own formulas in fp32 (the
-exact path).  Once a NaN enters S it never leaves (0 * NaN = NaN), so the rest
+Otherwise it runs token by token with the oracle's own formulas, each step in
+float64 (the exact path, `_exact_chunk`).  Once a NaN enters S it never leaves (0 * NaN = NaN), so the rest
 of that sequence's V tile then runs exactly, which is slow: pathological inputs
 are slow, normal ones fast.
 
