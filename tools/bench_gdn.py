@@ -171,21 +171,27 @@ def kernel_times(fn, runs=5):
     return times
 
 
+def profile_row(label, fn, note=lambda: ""):
+    """A table row for ``fn``: | label | do_bench median ms | kernels by device time | (or
+    | label | failed: traceback |).  True when it ran."""
+    try:
+        fn()
+        t = f"{do_bench(fn, warmup=50, rep=200, return_mode='median'):.3f} | "
+        ks = sorted(kernel_times(fn).items(), key=lambda x: -x[1])
+        return f"| {label} | {t}" + ", ".join(f"{n[:40]} {ms:.3f}" for n, ms in ks if ms >= 0.002) \
+            + f"{note()} |", True
+    except Exception:  # noqa: BLE001
+        return f"| {label} | failed: {traceback.format_exc(limit=3)!r} |", False
+
+
 def backward_profile_stage(rep):
     """Our backward per kernel (torch profiler), B8 T4096 H16 K=V=128 bf16 (GDN)."""
     import gdn.chunk_bwd as cb
     q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16)
     do = torch.randn(8, 4096, 16, 128, device="cuda").to(torch.bfloat16)
     rep.add("### Backward per kernel (bf16, GDN, B8 T4096 H16 K=V=128; do_bench median; "
-            "torch profiler, mean of 5)\n\n| bwd ms | per kernel ms |\n| --- | --- |")
-    try:
-        bwd = lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do)  # noqa: E731
-        bwd()
-        t = do_bench(bwd, warmup=50, rep=200, return_mode="median")
-        ks = sorted(kernel_times(bwd).items(), key=lambda x: -x[1])
-        rep.add(f"| {t:.3f} | " + ", ".join(f"{n[:20]} {ms:.3f}" for n, ms in ks) + " |")
-    except Exception:  # noqa: BLE001
-        rep.add(f"| failed: {traceback.format_exc(limit=3)!r} |")
+            "torch profiler, mean of 5)\n\n| member | bwd ms | per kernel ms |\n| --- | --- | --- |")
+    rep.add(profile_row("GDN", lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do))[0])
 
 
 def fla_profile_stage(rep, fla):
@@ -205,14 +211,10 @@ def fla_profile_stage(rep, fla):
     def fwdbwd():
         o, _ = fla(*leaves, scale=128 ** -0.5)
         return torch.autograd.grad(o, leaves, do)
-    rep.add("### fla per kernel (bf16, GDN, B8 T4096 H16 K=V=128; torch profiler, mean of 5)\n\n"
-            "| pass | per kernel ms |\n| --- | --- |")
+    rep.add("### fla per kernel (bf16, GDN, B8 T4096 H16 K=V=128; do_bench median; torch profiler, "
+            "mean of 5)\n\n| pass | ms | per kernel ms |\n| --- | --- | --- |")
     for name, fn in (("forward", fwd_only), ("forward+backward", fwdbwd)):
-        try:
-            ks = sorted(kernel_times(fn).items(), key=lambda x: -x[1])
-            rep.add(f"| {name} | " + ", ".join(f"{n[:40]} {ms:.3f}" for n, ms in ks if ms >= 0.002) + " |")
-        except Exception:  # noqa: BLE001
-            rep.add(f"| {name} | failed: {traceback.format_exc(limit=3)!r} |")
+        rep.add(profile_row(name, fn)[0])
 
 
 def _cuda_alive():
@@ -234,19 +236,12 @@ def forward_profile_stage(rep):
     for gate, delta in (("vector", True), ("scalar", True)):
         q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
         print(f"(fwdprof: {NAMES[gate, delta]} running)", flush=True)
-        try:
-            f = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta)  # noqa: E731
-            f()
-            t = do_bench(f, warmup=50, rep=200, return_mode="median")
-            ks = sorted(kernel_times(f).items(), key=lambda x: -x[1])
-            best = getattr(fwd._state, "best_config", None)
-            rep.add(f"| {NAMES[gate, delta]} | {t:.3f} | "
-                    + ", ".join(f"{n[:22]} {ms:.3f}" for n, ms in ks) + f"; state config {best} |")
-        except Exception:  # noqa: BLE001
-            rep.add(f"| {NAMES[gate, delta]} | failed: {traceback.format_exc(limit=3)!r} |")
-            if not _cuda_alive():
-                rep.add("\nThe CUDA context is lost after this failure: the rows after it were not run.")
-                return
+        row, ran = profile_row(NAMES[gate, delta], lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta),
+                               note=lambda: f"; state config {getattr(fwd._state, 'best_config', None)}")
+        rep.add(row)
+        if not ran and not _cuda_alive():
+            rep.add("\nThe CUDA context is lost after this failure: the rows after it were not run.")
+            return
 
 
 def main():
