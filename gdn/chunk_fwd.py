@@ -269,96 +269,163 @@ def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
-                  T, NT, OCC,
+def _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv, vmask,
+              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
+    """(ok, k tile fp32, v tile fp32 or None): whether the chunk's inputs and the state entering
+    it admit the matrix path, with the tiles the check loaded."""
+    mk = rmask[:, None] & kmask[None, :]
+    kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=mk, other=0.0).to(tl.float32)
+    ok = _all_within(S, SBIG)
+    vt = kt
+    if DELTA:
+        ok = ok & (tl.load(flag + cid * H + i_h) != 0)
+    else:
+        vt = tl.load(v + (rows[:, None] * H + i_h) * V + dv[None, :],
+                     mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+        ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
+    if GATE != 0:
+        ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
+    return _forced(ok, MODE), kt, vt
+
+
+@triton.jit
+def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask, dv, vmask, store,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+                 DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
+    state leaving the chunk."""
+    mk = rmask[:, None] & kmask[None, :]
+    mv = rmask[:, None] & vmask[None, :]
+    if DELTA:
+        wt = tl.load(w + (rows[:, None] * H + i_h) * K + dk[None, :], mask=mk, other=0.0)
+        vx = (rows[:, None] * H + i_h) * V + dv[None, :]
+        vt = tl.load(u + vx, mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
+        # (mv & store would be int32 in Triton 3.9's interpreter, which refuses it as a mask)
+        tl.store(vn + vx, vt.to(vn.dtype.element_ty), mask=tl.where(store, mv, False))
+    if GATE == 1:
+        G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+        Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
+        Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
+        kl = kt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
+        S = S * tl.exp(Gl + Gll)
+    elif GATE == 2:
+        G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+        Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
+        kl = kt * tl.exp(Gl[None, :] - G)
+        S = S * tl.exp(Gl)[:, None]
+    else:
+        kl = kt
+    return S + _odot(tl.trans(kl), vt, DT, PREC)
+
+
+@triton.jit
+def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop,
+                  cu, choff, T, NT, OCC,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr):
+                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
-    (stored in hs), v_new = u - w S (delta; stored in vn), and the next state.  A chunk
-    whose inputs or incoming state fail the matrix path's checks is stepped token by
-    token, and its columns are marked in xflag, so that _out_kernel takes it exactly."""
+    (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
+
+    PART 0, the matrix part (autotuned): walks the chunks while each admits the matrix path
+    (a loop with no branch, which Triton pipelines).  At the first chunk that does not it
+    records that chunk (`stop`, per V column) and the state entering it (`sstop`, fp32), and
+    leaves the rest of the sequence to PART 1 (it runs on over the rest without storing).
+    PART 1, the resume part (16-column tiles, launched after PART 0; a program whose columns
+    ran to the end returns at once): from the recorded chunk on, steps token by token the
+    chunks whose inputs or incoming state fail the checks (`_exact_chunk`) and the others by
+    the matrix path.  xflag marks, per V column, the chunks stepped token by token, so that
+    _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
     bos, eos, c_first = _seq_span(i_n, T, NT, cu, choff, IS_VARLEN)
+    nch = tl.cdiv(eos - bos, BT)
     dk = tl.arange(0, BK)
     kmask = dk < K
     dv = i_v * BV + tl.arange(0, BV)
     vmask = dv < V
     smask = kmask[:, None] & vmask[None, :]
     kv_off = dk[:, None].to(tl.int64) * V + dv[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros((BK, BV), dtype=tl.float32)
     rr = tl.arange(0, BT)
-    for c in range(0, tl.cdiv(eos - bos, BT)):
-        cid = (c_first + c).to(tl.int64)
-        tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=smask)
-        t0 = bos + c * BT
-        rows = (t0 + rr).to(tl.int64)
-        rmask = rows < eos
-        last = rows == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
-        mk = rmask[:, None] & kmask[None, :]
-        mv = rmask[:, None] & vmask[None, :]
-        kx = (rows[:, None] * H + i_h) * K + dk[None, :]
-        vx = (rows[:, None] * H + i_h) * V + dv[None, :]
-        kt = tl.load(k + kx, mask=mk, other=0.0).to(tl.float32)
-        ok = _all_within(S, SBIG)
-        if DELTA:
-            ok = ok & (tl.load(flag + cid * H + i_h) != 0)
+    zf = tl.zeros([BV], dtype=tl.int8)
+    if PART == 0:
+        if HAS_H0:
+            S = tl.load(h0 + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0).to(tl.float32)
         else:
-            vt = tl.load(v + vx, mask=mv, other=0.0).to(tl.float32)
-            ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
-        if GATE != 0:
-            ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
-        ok = _forced(ok, MODE)
-        tl.store(xflag + (cid * H + i_h) * V + dv, tl.zeros([BV], dtype=tl.int8) + tl.where(ok, 0, 1).to(tl.int8),
-                 mask=vmask)
-        if ok:
-            if DELTA:
-                wt = tl.load(w + kx, mask=mk, other=0.0).to(tl.float32)
-                vt = tl.load(u + vx, mask=mv, other=0.0).to(tl.float32) - \
-                    tl.dot(wt, S, input_precision=PREC)
-                tl.store(vn + vx, vt.to(vn.dtype.element_ty), mask=mv)
-            if GATE == 1:
-                G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-                Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
-                Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
-                kl = kt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
-                S = S * tl.exp(Gl + Gll)
-            elif GATE == 2:
-                G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-                Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
-                kl = kt * tl.exp(Gl[None, :] - G)
-                S = S * tl.exp(Gl)[:, None]
-            else:
-                kl = kt
-            S = S + tl.dot(tl.trans(kl), vt, input_precision=PREC)
-        else:   # float64 steps, the state kept fp32 between them (a scratch round trip in
-            # 16-column slices, as the output kernel takes, spilled more at sm_90: 312 B vs 40)
-            S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
-                             smask, H, K, V, BT, GATE, DELTA, False)
-    if STORE_HT:
-        tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
+            S = tl.zeros((BK, BV), dtype=tl.float32)
+        alive = nch >= 0
+        stopc = nch
+        for c in range(0, nch):
+            cid = (c_first + c).to(tl.int64)
+            t0 = bos + c * BT
+            rows = (t0 + rr).to(tl.int64)
+            rmask = rows < eos
+            last = rows == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
+            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv, vmask,
+                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE)
+            ok = ok & alive
+            tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty),
+                     mask=tl.where(ok, smask, False))
+            tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=tl.where(ok, vmask, False))
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask, dv,
+                              vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
+            S = tl.where(ok, Sn, S)
+            stopc = tl.where(alive & (ok == 0), c, stopc)
+            alive = ok
+        tl.store(stop + i_nh * V + dv, tl.zeros([BV], dtype=tl.int32) + stopc, mask=vmask)
+        if stopc < nch:
+            tl.store(sstop + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
+        elif STORE_HT:
+            tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
+    else:
+        c0 = tl.min(tl.load(stop + i_nh * V + dv, mask=vmask, other=nch))   # one value a tile
+        if c0 < nch:
+            S = tl.load(sstop + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0)
+            for c in range(c0, nch):
+                cid = (c_first + c).to(tl.int64)
+                t0 = bos + c * BT
+                rows = (t0 + rr).to(tl.int64)
+                rmask = rows < eos
+                last = rows == tl.minimum(t0 + BT, eos) - 1
+                ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv,
+                                       vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
+                tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=smask)
+                tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
+                if ok:
+                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask,
+                                     dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
+                else:   # float64 steps, the state kept fp32 between them
+                    S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
+                                     smask, H, K, V, BT, GATE, DELTA, False)
+            if STORE_HT:
+                tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
 
 
 @triton.jit
-def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, scale, T, NT,
+def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-                PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr):
+                PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
+                PART: tl.constexpr):
     """The parallel part, per (V tile, chunk, head): o = scale (Gamma q) S + (q k^T decay)
-    v_new with S the stored state entering the chunk; token by token from that state where
-    the state pass stepped the chunk (xflag) or q fails the matrix path's checks."""
+    v_new with S the stored state entering the chunk (PART 0, which marks in oflag the tiles
+    it left); token by token from that state where the state pass stepped the chunk (xflag)
+    or q fails the matrix path's checks (PART 1, launched after PART 0 over the same grid:
+    a program whose tile PART 0 wrote returns at once).  Apart, the matrix part holds no
+    float64 tiles."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
-    if bos < eos:
+    of = oflag + (i_v * tl.num_programs(1) + i_c).to(tl.int64) * H + i_h
+    todo = bos < eos
+    if PART == 1:
+        todo = todo & (tl.load(of) != 0)
+    if todo:
         rr = tl.arange(0, BT)
         rows = (bos + rr).to(tl.int64)
         rmask = rows < eos
@@ -373,12 +440,12 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
         kx = (rows[:, None] * H + i_h) * K + dk[None, :]
         vx = (rows[:, None] * H + i_h) * V + dv[None, :]
         cid = i_c.to(tl.int64)
-        S = tl.load(hs + (cid * H + i_h) * K * V + dk[:, None].to(tl.int64) * V + dv[None, :],
-                    mask=smask, other=0.0)
-        qt = tl.load(q + kx, mask=mk, other=0.0)
-        xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
-        ok = _forced((tl.max(xf.to(tl.int32)) == 0) & _all_within(qt, BIG), MODE)
-        if ok:
+        if PART == 0:
+            S = tl.load(hs + (cid * H + i_h) * K * V + dk[:, None].to(tl.int64) * V + dv[None, :],
+                        mask=smask, other=0.0)
+            qt = tl.load(q + kx, mask=mk, other=0.0)
+            xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
+            ok = _forced((tl.max(xf.to(tl.int32)) == 0) & _all_within(qt, BIG), MODE)
             kt = tl.load(k + kx, mask=mk, other=0.0)
             causal = rr[:, None] >= rr[None, :]
             if GATE == 1:
@@ -399,7 +466,9 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb_ptr, ce_ptr, sca
             else:
                 vt = tl.load(v + vx, mask=mv, other=0.0)
             ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
-            tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
+            # a tile that fails the checks is computed too, but not stored: no branch
+            tl.store(o + vx, ot.to(o.dtype.element_ty), mask=tl.where(ok, mv, False))
+            tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
         else:
             # float64 on 16-column slices of the entering state (the recurrence is separable
             # in V): a [BK, 16] float64 tile live, not [BK, BV] (sm_90, K=V=256: no more stack)
@@ -421,7 +490,7 @@ def _state_configs():
     if INTERPRET:
         return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
     return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-            for bv, nw, ns in ((32, 4, 2), (16, 4, 2), (32, 4, 1), (64, 4, 2), (64, 8, 2),
+            for bv, nw, ns in ((32, 4, 2), (16, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2),
                                (32, 8, 2), (16, 2, 2), (32, 4, 3))]
 
 
@@ -429,10 +498,14 @@ def _prune(configs, named_args, **kwargs):
     return configs if TUNE else configs[:1]
 
 
+# The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
+# inside one matrix tile and its columns share one stopping chunk.
+RESUME_BV = 16
+
 # OCC (the number of sequence-heads, rounded up to a power of 2) is in the key:
 # few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
 _state = triton.autotune(configs=_state_configs(),
-                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "OCC"],
+                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"],
                          prune_configs_by={"early_config_prune": _prune})(_state_kernel)
 
 
@@ -524,16 +597,22 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
     xflag = torch.empty(NC, H, V, dtype=torch.int8, device=dev)
+    stop = torch.empty(N * H, V, dtype=i32, device=dev)
+    sstop = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
+    # bf16 operands in the matrix products for bf16 inputs on GPUs (as the trusted reference
+    # rounds them); fp32 ones otherwise (tf32, "tf32x3" for fp32 inputs; "ieee" interpreted)
+    dt = tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET else tl.float32
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
-                  PREC=prec, BIG=BIG, MODE=mode)
-
-    def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), N * H)
-    _state[grid](k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, cu, choff,
-                 T, max(NT, 1), triton.next_power_of_2(N * H), HAS_H0=initial_state is not None,
-                 STORE_HT=output_final_state, SBIG=SBIG, **common)
-    _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, o, cb, ce, scale,
-                                              T, max(NT, 1), BV=BVP, num_warps=4,
-                                              DT=tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET
-                                              else tl.float32, **common)
+                  PREC=prec, BIG=BIG, MODE=mode, DT=dt)
+    state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
+                  T, max(NT, 1), triton.next_power_of_2(N * H))
+    state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG, **common)
+    _state[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](*state_args, PART=0, **state_kw)
+    _state_kernel[(triton.cdiv(V, RESUME_BV), N * H)](*state_args, PART=1, BV=RESUME_BV, num_warps=4,
+                                                       **state_kw)
+    oflag = torch.empty(triton.cdiv(V, BVP), NC, H, dtype=torch.int8, device=dev)
+    for part in (0, 1):
+        _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce,
+                                                  scale, T, max(NT, 1), BV=BVP, num_warps=4, PART=part,
+                                                  **common)
     return o, (hT if output_final_state else None)

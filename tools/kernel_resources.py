@@ -71,10 +71,10 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
                   IS_VARLEN=False, PREC="tf32", BIG=65536.0)
     scal = {"T": "i32", "NT": "i32"}
     state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], "*bf16"),
-                 **_ptrs(["g", "gc", "gcl", "h0", "hT"], "*fp32"),
-                 **_ptrs(["gflag", "flag", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
+                 **_ptrs(["g", "gc", "gcl", "h0", "hT", "sstop"], "*fp32"),
+                 **_ptrs(["gflag", "flag", "stop", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], "*bf16"), **_ptrs(["g", "gc", "gcl"], "*fp32"),
-               "xflag": "*i8", **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal}
+               **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal}
     dt = dict(DELTA=delta, MODE=0)
     inv_sig = {**_ptrs(["k", "beta"], "*bf16"), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
@@ -87,9 +87,15 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.INV_WARPS), fp.INV_WARPS, 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
              dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.WU_WARPS, 1),
-            ("fwd _state_kernel", cf._state_kernel, state_sig,
-             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, **dt), 4, 2),
-            ("fwd _out_kernel", cf._out_kernel, out_sig, dict(common, BV=64, DT=tl.bfloat16, **dt), 4, 1)):
+            ("fwd _state_kernel (matrix part)", cf._state_kernel, state_sig,
+             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=tl.bfloat16, **dt), 4, 2),
+            ("fwd _state_kernel (resume part)", cf._state_kernel, state_sig,
+             dict(common, BV=cf.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
+             4, 3),
+            ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
+             dict(common, BV=64, DT=tl.bfloat16, PART=0, **dt), 4, 1),
+            ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
+             dict(common, BV=64, DT=tl.bfloat16, PART=1, **dt), 4, 1)):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
         yield (label, fn, sig, const, warps, stages, aligned)
