@@ -501,6 +501,7 @@ def _prune(configs, named_args, **kwargs):
 # The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
 # inside one matrix tile and its columns share one stopping chunk.
 RESUME_BV = 16
+STATE_LOWP = True
 
 # OCC (the number of sequence-heads, rounded up to a power of 2) is in the key:
 # few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
@@ -604,9 +605,11 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     dt = tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET else tl.float32
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, MODE=mode, DT=dt)
+    state_dt = dt if STATE_LOWP else tl.float32
     state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
                   T, max(NT, 1), triton.next_power_of_2(N * H))
-    state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG, **common)
+    state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
+                    **dict(common, DT=state_dt))
     _state[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](*state_args, PART=0, **state_kw)
     _state_kernel[(triton.cdiv(V, RESUME_BV), N * H)](*state_args, PART=1, BV=RESUME_BV, num_warps=4,
                                                        **state_kw)
