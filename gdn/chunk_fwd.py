@@ -269,6 +269,15 @@ def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _and(mask, ok):
+    """mask & ok for a scalar ok, as a store mask.  (`mask & ok` alone is int32 under Triton
+    3.9's interpreter, which refuses it as a mask; tl.where(ok, mask, False) is the suspect of
+    stores past the tensors' ends on the H200 with Triton 3.6: V=16 with 64-wide state
+    tiles faulted, and o came out wrong at T=100.)"""
+    return (mask & ok) != 0
+
+
+@triton.jit
 def _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv, vmask,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
               DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
@@ -301,8 +310,7 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask
         wt = tl.load(w + (rows[:, None] * H + i_h) * K + dk[None, :], mask=mk, other=0.0)
         vx = (rows[:, None] * H + i_h) * V + dv[None, :]
         vt = tl.load(u + vx, mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
-        # (mv & store would be int32 in Triton 3.9's interpreter, which refuses it as a mask)
-        tl.store(vn + vx, vt.to(vn.dtype.element_ty), mask=tl.where(store, mv, False))
+        tl.store(vn + vx, vt.to(vn.dtype.element_ty), mask=_and(mv, store))
     if GATE == 1:
         G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
         Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
@@ -370,8 +378,8 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                                    H, K, V, GATE, DELTA, BIG, SBIG, MODE)
             ok = ok & alive
             tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty),
-                     mask=tl.where(ok, smask, False))
-            tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=tl.where(ok, vmask, False))
+                     mask=_and(smask, ok))
+            tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, ok))
             Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask, dv,
                               vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
@@ -446,29 +454,29 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             qt = tl.load(q + kx, mask=mk, other=0.0)
             xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
             ok = _forced((tl.max(xf.to(tl.int32)) == 0) & _all_within(qt, BIG), MODE)
-            kt = tl.load(k + kx, mask=mk, other=0.0)
-            causal = rr[:, None] >= rr[None, :]
-            if GATE == 1:
-                G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-                dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
-                Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
-                qg = qt * tl.exp(G + Glo)[:, None]
-            elif GATE == 2:
-                G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
-                qg = qt * tl.exp(G)
-                Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
-            else:
-                Aqk = _odot(qt, tl.trans(kt), DT, PREC)
-                qg = qt
-            Aqk = tl.where(causal, Aqk, 0.0)
-            if DELTA:
-                vt = tl.load(vn + vx, mask=mv, other=0.0)
-            else:
-                vt = tl.load(v + vx, mask=mv, other=0.0)
-            ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
-            # a tile that fails the checks is computed too, but not stored: no branch
-            tl.store(o + vx, ot.to(o.dtype.element_ty), mask=tl.where(ok, mv, False))
             tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
+            if ok:
+                kt = tl.load(k + kx, mask=mk, other=0.0)
+                causal = rr[:, None] >= rr[None, :]
+                if GATE == 1:
+                    G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                    dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
+                    Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
+                    qg = qt * tl.exp(G + Glo)[:, None]
+                elif GATE == 2:
+                    G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+                    qg = qt * tl.exp(G)
+                    Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
+                else:
+                    Aqk = _odot(qt, tl.trans(kt), DT, PREC)
+                    qg = qt
+                Aqk = tl.where(causal, Aqk, 0.0)
+                if DELTA:
+                    vt = tl.load(vn + vx, mask=mv, other=0.0)
+                else:
+                    vt = tl.load(v + vx, mask=mv, other=0.0)
+                ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
+                tl.store(o + vx, ot.to(o.dtype.element_ty), mask=mv)
         else:
             # float64 on 16-column slices of the entering state (the recurrence is separable
             # in V): a [BK, 16] float64 tile live, not [BK, BV] (sm_90, K=V=256: no more stack)
