@@ -1,7 +1,7 @@
 """The GDN-family forward in Triton: `chunk_gdn_fwd`.
 
 Algorithm: the chunked form written out in `gdn.reference` (its docstring is
-the statement this file follows).  Up to five launches:
+the statement this file follows).  Up to seven launches:
 
   0. `_gate_prefix_kernel` (gated members), one program per (chunk, head): the
      chunk-local prefix sums of the gates, stored fp32, and one flag per
@@ -18,10 +18,15 @@ the statement this file follows).  Up to five launches:
   2. `_state_kernel`, one program per (sequence, head, V tile), walks its
      sequence chunk by chunk with the state S [K, BV] in registers, fp32: stores
      the state entering each chunk and v_new = u - w S (delta), and marks the
-     chunks it had to step token by token (xflag, per V column).
+     chunks it had to step token by token (xflag, per V column).  Two launches:
+     the matrix part (PART 0) stops at the first chunk that fails the checks,
+     the resume part (PART 1) goes on from there, token by token where needed.
   3. `_out_kernel`, one program per (chunk, head, V tile), all parallel:
-     o = scale ((Gamma q) S + (q k^T decay) v_new) from the stored state, or
-     token by token from it where xflag is set or q fails the checks.
+     o = scale ((Gamma q) S + (q k^T decay) v_new) from the stored state (PART 0),
+     or token by token from it where xflag is set or q fails the checks (PART 1).
+     Kept apart, the matrix parts hold no float64 tiles: on the H200 at the bench
+     shape the state kernel went 0.575 -> 0.349 ms (255 registers with spills ->
+     236 without, and its loop, now without a branch, is pipelined).
 
 The NaN/Inf contract (kfuzz G05: the NaN set and the Inf set equal those of
 `gdn.oracle.recurrence` exactly).  The matrix path mixes every position of a
@@ -36,10 +41,11 @@ float64 (the exact path, `_exact_chunk`).  Once a NaN enters S it never leaves (
 of that sequence's V tile then runs exactly, which is slow: pathological inputs
 are slow, normal ones fast.
 
-Precision: states and accumulation in fp32; products on fp32 operands (tf32 on
-GPUs, "tf32x3" for fp32 inputs, about fp32 accuracy), except the output
-kernel's, which take bf16 operands for bf16 inputs; the tensors handed between
-launches are bf16 for bf16 inputs and fp32 otherwise.  Under the Triton
+Precision: states and accumulation in fp32; the state and output kernels'
+products take bf16 operands for bf16 inputs on GPUs (the output kernel's only
+at V tiles >= 32 wide), fp32 ones otherwise (tf32 on GPUs, "tf32x3" for fp32
+inputs, about fp32 accuracy); the tensors handed between launches are bf16 for
+bf16 inputs and fp32 otherwise.  Under the Triton
 interpreter (TRITON_INTERPRET=1) products are "ieee" (its bf16 tl.dot is wrong)
 and no autotuning runs.
 
@@ -68,12 +74,15 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
-# Products take fp32 operands (tf32 on GPUs; fp32 inputs tf32x3), except the WY prep's
-# (gdn.fwd_prep: exact bf16 splits for bf16 inputs) and the output kernel's.  The tensors one
-# launch hands to the next (w, u, the chunk states, v_new) are stored in bf16 for
-# bf16 inputs (as fla does; the outputs are bf16 anyway) and in fp32 otherwise (an
-# fp16 state could overflow).  Version 3's bf16-operand products (LOWP) were wrong on
-# the H200 (Triton 3.6) for two members (a miscompile not pinned down), so they are gone.
+# Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
+# the trusted reference rounds them; the output kernel's only at V tiles >= 32 wide, see
+# chunk_gdn_fwd), exact bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands
+# otherwise (tf32 on GPUs; fp32 inputs tf32x3; "ieee" under the interpreter).  The tensors
+# one launch hands to the next (w, u, the chunk states, v_new) are stored in bf16 for bf16
+# inputs (as fla does; the outputs are bf16 anyway) and in fp32 otherwise (an fp16 state
+# could overflow).  Version 3's bf16-operand products (LOWP) were wrong on the H200 (Triton
+# 3.6) for two members; the output kernel's at 16-wide tiles were too (2026-12-01), which
+# may have been the same miscompile.
 
 
 def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -509,7 +518,6 @@ def _prune(configs, named_args, **kwargs):
 # The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
 # inside one matrix tile and its columns share one stopping chunk.
 RESUME_BV = 16
-STATE_LOWP = True
 
 # OCC (the number of sequence-heads, rounded up to a power of 2) is in the key:
 # few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
@@ -613,11 +621,14 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     dt = tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET else tl.float32
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, MODE=mode, DT=dt)
-    state_dt = dt if STATE_LOWP else tl.float32
+    # the output kernel's bf16-operand products at 16-wide V tiles (V <= 16) gave wrong o and
+    # illegal addresses on the H200 with Triton 3.6 (K 32/64, T 64/100, with or without h0; also
+    # before the split, at 31f58db); fp32 operands there were right, as were 32- and 64-wide
+    out_dt = dt if BVP >= 32 else tl.float32
     state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
                   T, max(NT, 1), triton.next_power_of_2(N * H))
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
-                    **dict(common, DT=state_dt))
+                    **common)
     _state[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](*state_args, PART=0, **state_kw)
     _state_kernel[(triton.cdiv(V, RESUME_BV), N * H)](*state_args, PART=1, BV=RESUME_BV, num_warps=4,
                                                        **state_kw)
@@ -625,5 +636,5 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     for part in (0, 1):
         _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce,
                                                   scale, T, max(NT, 1), BV=BVP, num_warps=4, PART=part,
-                                                  **common)
+                                                  **dict(common, DT=out_dt))
     return o, (hT if output_final_state else None)

@@ -8,8 +8,9 @@ Run on a CUDA machine from the repository root:
 Every member (gate none/scalar/vector x delta on/off) and dtype runs in its own
 fresh subprocess (an illegal memory access kills the CUDA context, so one
 case's fault must not hide the others'), all at once, with the matrix path forced for every chunk
-(GDN_FWD_MODE=1, GDN_FWD_GATED_FAST=1), for bf16, fp16 and fp32 inputs on three
-shapes: B2 T300 H4 K=V=128, an odd one (T77 K96 V80) and a varlen one.  One line
+(GDN_FWD_MODE=1, GDN_FWD_GATED_FAST=1), for bf16, fp16 and fp32 inputs on four
+shapes: B2 T300 H4 K=V=128, an odd one (T77 K96 V80), a varlen one and one with
+V=16.  One line
 per case; the last line is ALLOK or NOTOK.
 
 `--device cpu --small` is a smoke test of this script under the Triton
@@ -33,6 +34,8 @@ SHAPES = {
     "B2-T300-H4-K128-V128": dict(B=2, T=300, H=4, K=128, V=128, cu=None),
     "B2-T77-H2-K96-V80": dict(B=2, T=77, H=2, K=96, V=80, cu=None),
     "varlen-0,100,101,300-H4-K128-V64": dict(B=1, T=300, H=4, K=128, V=64, cu=[0, 100, 101, 300]),
+    # 16-wide output tiles (V <= 16): their bf16 products were wrong on the H200 (gdn.chunk_fwd)
+    "B1-T100-H2-K32-V16": dict(B=1, T=100, H=2, K=32, V=16, cu=None),
 }
 
 
