@@ -1,6 +1,7 @@
 """A fuzzing campaign: an engine proposes cases, sandboxed workers run the kernel, kfuzz's
 own process judges each result against the oracle, and every failure with a signature
-not yet in the corpus is saved.
+that has no open failure in the corpus is saved (a signature whose kept cases are all
+fixed bugs, ``expect: pass``, does not hide a new one: `Corpus.has_open_failure`).
 
 ``jobs`` workers run at once (``jobs=0`` runs the kernel in this process, unprotected).
 A worker that crashes or hangs yields a ``crash`` or ``timeout`` verdict whose case is
@@ -139,7 +140,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                     stats.failures[verdict.signature] += 1
                     stats.first_seen.setdefault(verdict.signature, stats.executions)
                     path = None
-                    if not corpus.has_signature(verdict.signature):   # minimize new failures only
+                    if not corpus.has_open_failure(verdict.signature):   # minimize new failures only
                         # a timed campaign ends near its time: minimizing gets what is left (5 s at least)
                         left = None if seconds is None else max(5.0, seconds - (time.monotonic() - start))
                         # a sandboxed campaign minimizes in a sandbox too: shrunk cases run the kernel

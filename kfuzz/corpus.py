@@ -125,17 +125,29 @@ class Corpus:
     def failure_path(self, case: Case, signature: Signature) -> Path:
         return self.crash_folder(case.target) / signature.slug / f"{case.hash}{SUFFIX}"
 
-    def has_signature(self, signature: Signature) -> bool:
+    def has_open_failure(self, signature: Signature) -> bool:
+        """Whether a case kept under ``signature`` is an open failure (recorded ``expect:
+        fail``, or unreadable: then it is not known to be fixed).  A folder that holds only
+        fixed bugs (``expect: pass``, kept as regression cases) does not count: a failure
+        with the same signature now is a new bug, and is saved beside them."""
         folder = self.crash_folder(signature.target) / signature.slug
-        return folder.is_dir() and any(folder.glob(f"*{SUFFIX}"))
+        for f in sorted(folder.glob(f"*{SUFFIX}")) if folder.is_dir() else []:
+            try:
+                record = load(f)[1]
+            except CaseError:
+                return True
+            if (record or {}).get("expect", "fail") == "fail":
+                return True
+        return False
 
     def save_failure(self, case: Case, verdict: Verdict, expect: str = "fail", device: str = "cpu",
                      replace_existing: bool = False, **extra) -> Path | None:
-        """Save a failing case unless its signature is already kept; returns the path written."""
+        """Save a failing case unless its signature already has an open failure kept
+        (``has_open_failure``); returns the path written."""
         if verdict.passed:
             raise ValueError("only failures are saved in crashes/")
         sig = verdict.signature
-        if self.has_signature(sig) and not replace_existing:
+        if self.has_open_failure(sig) and not replace_existing:
             return None
         path = self.failure_path(case, sig)
         if replace_existing:

@@ -203,7 +203,7 @@ def test_a_kb_target_saves_its_cases_in_one_folder_and_replays_them(tmp_path):
     for path in r.saved:
         rel = path.relative_to(crashes).parts
         assert len(rel) == 3 and rel[0] == target_folder(target.name) and rel[2].endswith(SUFFIX), rel
-        assert Corpus(tmp_path / "gates" / "G05").has_signature(load_signature(path))
+        assert Corpus(tmp_path / "gates" / "G05").has_open_failure(load_signature(path))
         ok, verdict, message = replay_gate_case(path)
         assert ok and verdict.target == target.name, message
 

@@ -209,6 +209,24 @@ def test_run_minimizes_every_new_failure_before_saving(tmp_path):
         assert all(small[k] <= found[k] for k in small) and small["N"] == 1
 
 
+def test_only_an_open_failure_hides_a_new_one_with_its_signature(tmp_path):
+    """A signature whose kept cases are all fixed (expect: pass) is a regression folder: a
+    failure with that signature now is a new bug and is saved (the device campaign of
+    2026-12-01 found a gdn_bwd bound-dq failure and kept nothing, for a fixed case's folder)."""
+    corpus = Corpus(tmp_path)
+    first = junk("rmsnorm.lowsquare", "float16", 0, {"N": 1, "D": 1}, x=ArgCase(inject=((0, 300.0),)))
+    second = junk("rmsnorm.lowsquare", "float16", 1, {"N": 1, "D": 2}, x=ArgCase(inject=((0, 300.0),)))
+    v1, v2 = execute(first), execute(second)
+    assert v1.signature == v2.signature and first.hash != second.hash
+    fixed = corpus.save_failure(first, v1, expect="pass")
+    assert fixed is not None and not corpus.has_open_failure(v1.signature)
+    opened = corpus.save_failure(second, v2)
+    assert opened is not None and opened != fixed and corpus.has_open_failure(v2.signature)
+    third = junk("rmsnorm.lowsquare", "float16", 2, {"N": 2, "D": 1}, x=ArgCase(inject=((0, 300.0),)))
+    assert corpus.save_failure(third, execute(third)) is None      # an open one is kept: deduplicated
+    assert sorted(p.name for p in opened.parent.iterdir()) == sorted([fixed.name, opened.name])
+
+
 # the pytest plugin -------------------------------------------------------------------------------
 
 def test_pytest_collects_saved_cases_by_target_and_signature(pytester):
