@@ -1,0 +1,133 @@
+"""Bounds-check every memory access of Triton kernels run under the interpreter (CPU).
+
+    TRITON_INTERPRET=1 python tools/interpreter_memcheck.py      # the GDN forward, NaN/Inf sweep
+
+On a GPU an access outside every tensor is an illegal address (the CUDA context is lost)
+or, worse, a silent read of another tensor; under the interpreter it is a read or write of
+whatever host memory lies there. ``install()`` wraps the interpreter's masked load and
+store: every address a lane with a true mask touches must lie inside one tensor argument
+of the launch (from its first element to one past its last), else the launch raises
+``RuntimeError("memcheck: ...")`` naming the kernel, the program and the argument nearest
+to the address. A memcheck, not a race or miscompile detector: what it passes is the
+kernel's index and mask arithmetic, as the interpreter runs it. It hooks Triton's
+interpreter internals (`GridExecutor._init_args_hst`, `InterpreterBuilder.create_masked_*`,
+Triton 3.9).
+
+The sweep (``main``) runs `gdn.chunk_fwd.chunk_gdn_fwd` for every family member with one
+NaN or +Inf in q, k, v, g, beta or the initial state (B2 T130 H1 K=V=32, bf16: three
+chunks, the last one partial), so the exact and resume parts run; one line per run, exit
+1 on any out-of-bounds access. Made for the H200 fault of 2026-12-01 (README, Known
+findings): 62 runs passed, so that fault is not in the index arithmetic.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+
+import numpy as np
+
+
+def install():
+    """Wrap the interpreter's masked loads and stores with the bounds check (idempotent)."""
+    import triton.runtime.interpreter as interp
+    if getattr(interp, "_kfuzz_memcheck", False):
+        return
+    extents: list[tuple[int, int, str]] = []
+    launch = {"kernel": "?"}
+    init = interp.GridExecutor._init_args_hst
+
+    def init_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init(self, args_dev, kwargs)
+        extents.clear()
+        launch["kernel"] = getattr(self.fn, "__name__", "?")
+        names = list(inspect.signature(self.fn).parameters)
+        for name, a in [*zip(names, args_hst), *kwargs_hst.items()]:
+            if hasattr(a, "data_ptr") and a.numel() > 0:
+                last = sum((s - 1) * st for s, st in zip(a.shape, a.stride()))
+                extents.append((a.data_ptr(), a.data_ptr() + (last + 1) * a.element_size(), name))
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what):
+        addr = np.asarray(ptrs.data)
+        live = addr[np.broadcast_to(np.asarray(mask.data), addr.shape).astype(bool)].reshape(-1)
+        inside = np.zeros(live.shape, dtype=bool)
+        for lo, hi, _ in extents:
+            inside |= (live >= lo) & (live < hi)
+        if not inside.all():
+            bad = int(live[~inside][0])
+            lo, hi, name = min(extents, key=lambda e: min(abs(bad - e[0]), abs(bad - e[1])),
+                               default=(0, 0, "?"))
+            raise RuntimeError(f"memcheck: {what} outside every argument of {launch['kernel']} "
+                               f"(program {tuple(interp.interpreter_builder.grid_idx)}): "
+                               f"{int((~inside).sum())} lanes, the first at byte {bad - lo} of "
+                               f"`{name}` ({hi - lo} bytes)")
+
+    load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
+
+    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        check(ptrs, mask, "load")
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def masked_store(self, ptrs, value, mask, cache_policy):
+        check(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, cache_policy)
+    interp.GridExecutor._init_args_hst = init_args
+    interp.InterpreterBuilder.create_masked_load = masked_load
+    interp.InterpreterBuilder.create_masked_store = masked_store
+    interp._kfuzz_memcheck = True
+
+
+MEMBERS = [(gate, delta) for gate in (None, "scalar", "vector") for delta in (True, False)]
+INPUTS = ("q", "k", "v", "g", "beta", "h0")
+
+
+def gdn_forward_sweep(B=2, T=130, H=1, K=32, V=32, values=(float("nan"), float("inf")),
+                      members=MEMBERS, inputs=INPUTS):
+    """(run name, None or the memcheck error) for every member x input x value."""
+    import torch
+    import torch.nn.functional as F
+    import gdn.chunk_fwd as fwd
+    for gate, delta in members:
+        for name in inputs:
+            for val in values:
+                gen = torch.Generator().manual_seed(3)
+                x = dict(q=torch.randn(B, T, H, K, generator=gen),
+                         k=F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
+                         v=torch.randn(B, T, H, V, generator=gen),
+                         g=None if gate is None else F.logsigmoid(
+                             torch.randn((B, T, H) if gate == "scalar" else (B, T, H, K), generator=gen) + 2),
+                         beta=torch.rand(B, T, H, generator=gen) if delta else None,
+                         h0=torch.randn(B, H, K, V, generator=gen))
+                if x[name] is None:
+                    continue
+                x = {n: (t.bfloat16() if n in ("q", "k", "v", "beta") and t is not None else t)
+                     for n, t in x.items()}
+                t = x[name]
+                t[(1, 0, 5, 7) if name == "h0" else (0, 70, 0) + ((9,) if t.dim() == 4 else ())] = val
+                run = f"{gate or 'none'}-{'delta' if delta else 'linear'} {name}={val}"
+                try:
+                    fwd.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                      delta=delta)
+                    yield run, None
+                except Exception as e:  # noqa: BLE001  (the interpreter wraps the memcheck's error)
+                    if "memcheck:" not in str(e):
+                        raise
+                    yield run, str(e)[str(e).index("memcheck:"):]
+
+
+def main():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run under the interpreter: TRITON_INTERPRET=1 python tools/interpreter_memcheck.py")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    install()
+    bad = 0
+    for run, err in gdn_forward_sweep():
+        bad += err is not None
+        print(f"{run}: {err or 'ok'}", flush=True)
+    print(f"{'NOTOK' if bad else 'ALLOK'}: {bad} run(s) touched memory outside their arguments")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
