@@ -33,7 +33,7 @@ def test_a_store_one_past_the_end_is_caught_naming_the_argument():
 
 
 def test_gdn_forward_exact_and_resume_parts_stay_inside_their_tensors():
-    runs = list(interpreter_memcheck.gdn_forward_sweep(
+    runs = list(interpreter_memcheck.gdn_sweep(
         T=80, members=[("scalar", True)], inputs=("q", "h0"), values=(float("nan"),)))
     assert [r for r, _ in runs] == ["scalar-delta q=nan", "scalar-delta h0=nan"]
     assert all(err is None for _, err in runs), runs

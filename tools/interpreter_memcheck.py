@@ -1,6 +1,7 @@
 """Bounds-check every memory access of Triton kernels run under the interpreter (CPU).
 
-    TRITON_INTERPRET=1 python tools/interpreter_memcheck.py      # the GDN forward, NaN/Inf sweep
+    TRITON_INTERPRET=1 python tools/interpreter_memcheck.py               # GDN forward, NaN/Inf sweep
+    TRITON_INTERPRET=1 python tools/interpreter_memcheck.py --backward    # forward and backward
 
 On a GPU an access outside every tensor is an illegal address (the CUDA context is lost)
 or, worse, a silent read of another tensor; under the interpreter it is a read or write of
@@ -13,11 +14,13 @@ kernel's index and mask arithmetic, as the interpreter runs it. It hooks Triton'
 interpreter internals (`GridExecutor._init_args_hst`, `InterpreterBuilder.create_masked_*`,
 Triton 3.9).
 
-The sweep (``main``) runs `gdn.chunk_fwd.chunk_gdn_fwd` for every family member with one
-NaN or +Inf in q, k, v, g, beta or the initial state (B2 T130 H1 K=V=32, bf16: three
-chunks, the last one partial), so the exact and resume parts run; one line per run, exit
-1 on any out-of-bounds access. Made for the H200 fault of 2026-12-01 (README, Known
-findings): 62 runs passed, so that fault is not in the index arithmetic.
+The sweep (``main``) runs `gdn.chunk_fwd.chunk_gdn_fwd` (and with ``--backward``
+`gdn.chunk_bwd.chunk_gdn_bwd` after it) for every family member with one NaN or +Inf in q,
+k, v, g, beta or the initial state (B2 T130 H1 K=V=32, bf16: three chunks, the last one
+partial), so the exact and resume parts run; one line per run, exit 1 on any out-of-bounds
+access. Made for the H200 fault of 2026-12-01 (README, Known findings): the forward's 62
+runs passed, and 66 forward-and-backward runs at other shapes (K 24 V 20, K 184 V 1, K 32
+V 16; NaN in k, g or the initial state), so that fault is not in the index arithmetic.
 """
 from __future__ import annotations
 
@@ -82,11 +85,13 @@ MEMBERS = [(gate, delta) for gate in (None, "scalar", "vector") for delta in (Tr
 INPUTS = ("q", "k", "v", "g", "beta", "h0")
 
 
-def gdn_forward_sweep(B=2, T=130, H=1, K=32, V=32, values=(float("nan"), float("inf")),
-                      members=MEMBERS, inputs=INPUTS):
-    """(run name, None or the memcheck error) for every member x input x value."""
+def gdn_sweep(B=2, T=130, H=1, K=32, V=32, values=(float("nan"), float("inf")),
+              members=MEMBERS, inputs=INPUTS, backward=False):
+    """(run name, None or the memcheck error) for every member x input x value: the forward,
+    and with ``backward`` the backward after it (cotangents drawn too)."""
     import torch
     import torch.nn.functional as F
+    import gdn.chunk_bwd as bwd
     import gdn.chunk_fwd as fwd
     for gate, delta in members:
         for name in inputs:
@@ -104,11 +109,17 @@ def gdn_forward_sweep(B=2, T=130, H=1, K=32, V=32, values=(float("nan"), float("
                 x = {n: (t.bfloat16() if n in ("q", "k", "v", "beta") and t is not None else t)
                      for n, t in x.items()}
                 t = x[name]
-                t[(1, 0, 5, 7) if name == "h0" else (0, 70, 0) + ((9,) if t.dim() == 4 else ())] = val
+                at = (1, 0, 5, 7) if name == "h0" else (0, min(70, T - 1), 0) + ((9,) if t.dim() == 4 else ())
+                t[at] = val
                 run = f"{gate or 'none'}-{'delta' if delta else 'linear'} {name}={val}"
                 try:
                     fwd.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                       delta=delta)
+                    if backward:
+                        do = torch.randn(B, T, H, V, generator=gen).bfloat16()
+                        bwd.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], do,
+                                          torch.randn(B, H, K, V, generator=gen), initial_state=x["h0"],
+                                          delta=delta)
                     yield run, None
                 except Exception as e:  # noqa: BLE001  (the interpreter wraps the memcheck's error)
                     if "memcheck:" not in str(e):
@@ -122,7 +133,7 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     install()
     bad = 0
-    for run, err in gdn_forward_sweep():
+    for run, err in gdn_sweep(backward="--backward" in sys.argv[1:]):
         bad += err is not None
         print(f"{run}: {err or 'ok'}", flush=True)
     print(f"{'NOTOK' if bad else 'ALLOK'}: {bad} run(s) touched memory outside their arguments")
