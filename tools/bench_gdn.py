@@ -35,6 +35,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")   # fla's pure Triton path
 import gdn.chunk_fwd as fwd  # noqa: E402
+import gdn.fwd_state as fwd_state  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 
 COPY_BW = 4.3e12      # bytes/s, device-to-device copy measured on this H200 (KINDS.md)
@@ -237,7 +238,7 @@ def forward_profile_stage(rep):
         q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
         print(f"(fwdprof: {NAMES[gate, delta]} running)", flush=True)
         row, ran = profile_row(NAMES[gate, delta], lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta),
-                               note=lambda: f"; state config {getattr(fwd._state, 'best_config', None)}")
+                               note=lambda: f"; state config {getattr(fwd_state._state, 'best_config', None)}")
         rep.add(row)
         if not ran and not _cuda_alive():
             rep.add("\nThe CUDA context is lost after this failure: the rows after it were not run.")
@@ -313,7 +314,7 @@ def main():
     rep.add("")
 
     # -- accuracy -------------------------------------------------------------------
-    fwd.TUNE = False
+    fwd_state.TUNE = False
     B, T, H, K, V = 2, 300, 16, 128, 128
     rep.add(f"### Accuracy: normwise rel. error vs the float64 oracle (B={B} T={T} H={H} K=V={K}, "
             "on the GPU; o / final state)\n\n| member | dtype | ours o | ours state | fla o | fla state |\n"

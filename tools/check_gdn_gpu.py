@@ -62,8 +62,9 @@ def child(gate, delta, dname, tune, device, shapes):
     """One member and dtype, every shape; prints one line per case, exits 1 on a bound miss."""
     import torch
     import gdn.chunk_fwd as cf
+    import gdn.fwd_state as fs
     from gdn.oracle import recurrence
-    cf.TUNE = tune
+    fs.TUNE = tune
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     bad = 0

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gdn.chunk_bwd as cb  # noqa: E402
 import gdn.chunk_fwd as cf  # noqa: E402
 import gdn.fwd_prep as fp  # noqa: E402
+import gdn.fwd_state as fs  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -87,10 +88,10 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.INV_WARPS), fp.INV_WARPS, 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
              dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.WU_WARPS, 1),
-            ("fwd _state_kernel (matrix part)", cf._state_kernel, state_sig,
+            ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
              dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=tl.bfloat16, **dt), 4, 2),
-            ("fwd _state_kernel (resume part)", cf._state_kernel, state_sig,
-             dict(common, BV=cf.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
+            ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
+             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
              dict(common, BV=64, DT=tl.bfloat16, PART=0, **dt), 4, 1),

@@ -1,0 +1,203 @@
+"""The GDN forward's sequential pass: `_state_kernel` (launch 2 of `gdn.chunk_fwd`).
+
+Per (V tile, sequence-head) it walks the sequence chunk by chunk with the state S [K, BV]
+in registers, fp32: stores the state entering every chunk (hs), v_new = u - w S (delta; vn)
+and the final state, in two launches (`launch_state`): PART 0, the matrix part, autotuned,
+with no branch in its loop; PART 1, the resume part, from the first chunk that failed the
+matrix path's checks on (see `_state_kernel`).  `gdn.chunk_fwd` holds the shared helpers,
+the gate prefix and output kernels, and the module docstring with the NaN/Inf contract.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gdn.chunk_fwd import INTERPRET, _all_within, _exact_chunk, _forced, _load_gates, _odot
+
+
+@triton.jit
+def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
+    """(first token, end token, first global chunk) of sequence i_n."""
+    if IS_VARLEN:
+        return tl.load(cu + i_n), tl.load(cu + i_n + 1), tl.load(choff + i_n)
+    return i_n * T, i_n * T + T, i_n * NT
+
+
+@triton.jit
+def _and(mask, ok):
+    """mask & ok for a scalar ok, as a store mask.  (`mask & ok` alone is int32 under Triton
+    3.9's interpreter, which refuses it as a mask; tl.where(ok, mask, False) is the suspect of
+    stores past the tensors' ends on the H200 with Triton 3.6: V=16 with 64-wide state
+    tiles faulted, and o came out wrong at T=100.)"""
+    return (mask & ok) != 0
+
+
+@triton.jit
+def _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv, vmask,
+              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
+    """(ok, k tile fp32, v tile fp32 or None): whether the chunk's inputs and the state entering
+    it admit the matrix path, with the tiles the check loaded."""
+    mk = rmask[:, None] & kmask[None, :]
+    kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=mk, other=0.0).to(tl.float32)
+    ok = _all_within(S, SBIG)
+    vt = kt
+    if DELTA:
+        ok = ok & (tl.load(flag + cid * H + i_h) != 0)
+    else:
+        vt = tl.load(v + (rows[:, None] * H + i_h) * V + dv[None, :],
+                     mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+        ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
+    if GATE != 0:
+        ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
+    return _forced(ok, MODE), kt, vt
+
+
+@triton.jit
+def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask, dv, vmask, store,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+                 DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
+    state leaving the chunk."""
+    mk = rmask[:, None] & kmask[None, :]
+    mv = rmask[:, None] & vmask[None, :]
+    if DELTA:
+        wt = tl.load(w + (rows[:, None] * H + i_h) * K + dk[None, :], mask=mk, other=0.0)
+        vx = (rows[:, None] * H + i_h) * V + dv[None, :]
+        vt = tl.load(u + vx, mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
+        tl.store(vn + vx, vt.to(vn.dtype.element_ty), mask=_and(mv, store))
+    if GATE == 1:
+        G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+        Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
+        Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
+        kl = kt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
+        S = S * tl.exp(Gl + Gll)
+    elif GATE == 2:
+        G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+        Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
+        kl = kt * tl.exp(Gl[None, :] - G)
+        S = S * tl.exp(Gl)[:, None]
+    else:
+        kl = kt
+    return S + _odot(tl.trans(kl), vt, DT, PREC)
+
+
+@triton.jit
+def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop,
+                  cu, choff, T, NT, OCC,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                  GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
+                  STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
+                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
+    """The sequential part, per (V tile, sequence-head): the state entering every chunk
+    (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
+
+    PART 0, the matrix part (autotuned): walks the chunks while each admits the matrix path
+    (a loop with no branch, which Triton pipelines).  At the first chunk that does not it
+    records that chunk (`stop`, per V column) and the state entering it (`sstop`, fp32), and
+    leaves the rest of the sequence to PART 1 (it runs on over the rest without storing).
+    PART 1, the resume part (16-column tiles, launched after PART 0; a program whose columns
+    ran to the end returns at once): from the recorded chunk on, steps token by token the
+    chunks whose inputs or incoming state fail the checks (`_exact_chunk`) and the others by
+    the matrix path.  xflag marks, per V column, the chunks stepped token by token, so that
+    _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    bos, eos, c_first = _seq_span(i_n, T, NT, cu, choff, IS_VARLEN)
+    nch = tl.cdiv(eos - bos, BT)
+    dk = tl.arange(0, BK)
+    kmask = dk < K
+    dv = i_v * BV + tl.arange(0, BV)
+    vmask = dv < V
+    smask = kmask[:, None] & vmask[None, :]
+    kv_off = dk[:, None].to(tl.int64) * V + dv[None, :]
+    rr = tl.arange(0, BT)
+    zf = tl.zeros([BV], dtype=tl.int8)
+    if PART == 0:
+        if HAS_H0:
+            S = tl.load(h0 + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0).to(tl.float32)
+        else:
+            S = tl.zeros((BK, BV), dtype=tl.float32)
+        alive = nch >= 0
+        stopc = nch
+        for c in range(0, nch):
+            cid = (c_first + c).to(tl.int64)
+            t0 = bos + c * BT
+            rows = (t0 + rr).to(tl.int64)
+            rmask = rows < eos
+            last = rows == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
+            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv, vmask,
+                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE)
+            ok = ok & alive
+            tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty),
+                     mask=_and(smask, ok))
+            tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, ok))
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask, dv,
+                              vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
+            S = tl.where(ok, Sn, S)
+            stopc = tl.where(alive & (ok == 0), c, stopc)
+            alive = ok
+        tl.store(stop + i_nh * V + dv, tl.zeros([BV], dtype=tl.int32) + stopc, mask=vmask)
+        if stopc < nch:
+            tl.store(sstop + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
+        elif STORE_HT:
+            tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
+    else:
+        c0 = tl.min(tl.load(stop + i_nh * V + dv, mask=vmask, other=nch))   # one value a tile
+        if c0 < nch:
+            S = tl.load(sstop + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0)
+            for c in range(c0, nch):
+                cid = (c_first + c).to(tl.int64)
+                t0 = bos + c * BT
+                rows = (t0 + rr).to(tl.int64)
+                rmask = rows < eos
+                last = rows == tl.minimum(t0 + BT, eos) - 1
+                ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv,
+                                       vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
+                tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=smask)
+                tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
+                if ok:
+                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask,
+                                     dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
+                else:   # float64 steps, the state kept fp32 between them
+                    S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
+                                     smask, H, K, V, BT, GATE, DELTA, False)
+            if STORE_HT:
+                tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
+
+
+TUNE = True  # False: every new key takes the first config (benchmarks' accuracy sweeps)
+
+
+def _state_configs():
+    if INTERPRET:
+        return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+            for bv, nw, ns in ((32, 4, 2), (16, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2),
+                               (32, 8, 2), (16, 2, 2), (32, 4, 3))]
+
+
+def _prune(configs, named_args, **kwargs):
+    return configs if TUNE else configs[:1]
+
+
+# The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
+# inside one matrix tile and its columns share one stopping chunk.
+RESUME_BV = 16
+
+# OCC (the number of sequence-heads, rounded up to a power of 2) is in the key:
+# few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
+_state = triton.autotune(configs=_state_configs(),
+                         key=["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"],
+                         prune_configs_by={"early_config_prune": _prune})(_state_kernel)
+
+
+def launch_state(args, NH, **kw):
+    """PART 0 over (V tiles of its autotuned width, NH sequence-heads), then PART 1 over
+    16-wide tiles; ``args`` and ``kw`` as `_state_kernel` takes them, less BV and PART."""
+    V = kw["V"]
+    _state[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)
+    _state_kernel[(triton.cdiv(V, RESUME_BV), NH)](*args, PART=1, BV=RESUME_BV, num_warps=4, **kw)
