@@ -25,8 +25,8 @@ the statement this file follows).  Up to seven launches:
      o = scale ((Gamma q) S + (q k^T decay) v_new) from the stored state (PART 0),
      or token by token from it where xflag is set or q fails the checks (PART 1).
      Kept apart, the matrix parts hold no float64 tiles: on the H200 at the bench
-     shape the state kernel went 0.575 -> 0.349 ms (255 registers with spills ->
-     236 without, and its loop, now without a branch, is pipelined).
+     shape the state kernel went 0.575 -> 0.347 ms (255 registers with spills ->
+     232 without at sm_90 offline, and its loop, now without a branch, is pipelined).
 
 The NaN/Inf contract (kfuzz G05: the NaN set and the Inf set equal those of
 `gdn.oracle.recurrence` exactly).  The matrix path mixes every position of a
