@@ -81,37 +81,31 @@ def install():
     interp._kfuzz_memcheck = True
 
 
-MEMBERS = [(gate, delta) for gate in (None, "scalar", "vector") for delta in (True, False)]
+MEMBERS = [(gate, delta) for gate in ("none", "scalar", "vector") for delta in (True, False)]
 INPUTS = ("q", "k", "v", "g", "beta", "h0")
 
 
 def gdn_sweep(B=2, T=130, H=1, K=32, V=32, values=(float("nan"), float("inf")),
               members=MEMBERS, inputs=INPUTS, backward=False):
     """(run name, None or the memcheck error) for every member x input x value: the forward,
-    and with ``backward`` the backward after it (cotangents drawn too)."""
+    and with ``backward`` the backward after it (cotangents drawn too).  Inputs as
+    `tools/bench_gdn.py` draws them, bf16, on the CPU."""
     import torch
-    import torch.nn.functional as F
+    from bench_gdn import inputs as draw   # (it puts the repository root on sys.path)
     import gdn.chunk_bwd as bwd
     import gdn.chunk_fwd as fwd
     for gate, delta in members:
         for name in inputs:
             for val in values:
+                q, k, v, g, beta = draw(B, T, H, K, V, torch.bfloat16, gate, delta, seed=3, device="cpu")
                 gen = torch.Generator().manual_seed(3)
-                x = dict(q=torch.randn(B, T, H, K, generator=gen),
-                         k=F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
-                         v=torch.randn(B, T, H, V, generator=gen),
-                         g=None if gate is None else F.logsigmoid(
-                             torch.randn((B, T, H) if gate == "scalar" else (B, T, H, K), generator=gen) + 2),
-                         beta=torch.rand(B, T, H, generator=gen) if delta else None,
-                         h0=torch.randn(B, H, K, V, generator=gen))
+                x = dict(q=q, k=k, v=v, g=g, beta=beta, h0=torch.randn(B, H, K, V, generator=gen))
                 if x[name] is None:
                     continue
-                x = {n: (t.bfloat16() if n in ("q", "k", "v", "beta") and t is not None else t)
-                     for n, t in x.items()}
                 t = x[name]
                 at = (1, 0, 5, 7) if name == "h0" else (0, min(70, T - 1), 0) + ((9,) if t.dim() == 4 else ())
                 t[at] = val
-                run = f"{gate or 'none'}-{'delta' if delta else 'linear'} {name}={val}"
+                run = f"{gate}-{'delta' if delta else 'linear'} {name}={val}"
                 try:
                     fwd.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                       delta=delta)
@@ -130,7 +124,6 @@ def gdn_sweep(B=2, T=130, H=1, K=32, V=32, values=(float("nan"), float("inf")),
 def main():
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run under the interpreter: TRITON_INTERPRET=1 python tools/interpreter_memcheck.py")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     install()
     bad = 0
     for run, err in gdn_sweep(backward="--backward" in sys.argv[1:]):
