@@ -28,15 +28,16 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.chunk_fwd import _inv_unit_lower
+from gdn.chunk_fwd import _inv_unit_lower, _odot
 
 
 @triton.jit
 def _mm(a, b, F32: tl.constexpr, DT: tl.constexpr):
+    """a b on fp32 operands ("ieee") where F32, else as `_odot` takes them for DT."""
     if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return _odot(a, b, tl.float32, "ieee")
     else:
-        return tl.dot(a.to(DT), b.to(DT))
+        return _odot(a, b, DT, "ieee")
 
 
 @triton.jit

@@ -253,8 +253,13 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
 
 @triton.jit
 def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-    """A product of the output kernel: bf16 operands for bf16 inputs on GPUs, else fp32 ones."""
-    if DT == tl.float32:
+    """A matrix product of the forward and backward kernels: bf16 operands for bf16 inputs on
+    GPUs (DT), fp32 ones at PREC otherwise and wherever a dimension is under 32.  bf16
+    products with a 16-wide dimension miscompiled on the H200 with Triton 3.6: the output
+    kernel at V <= 16 gave o 100% wrong (session 6), and the state kernel's 16-wide resume
+    tiles read shared memory out of bounds (compute-sanitizer, session 7: DeltaNet with a NaN
+    in v, "Invalid __shared__ read of size 512 bytes" here)."""
+    if DT == tl.float32 or a.shape[0] < 32 or a.shape[1] < 32 or b.shape[1] < 32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
     return tl.dot(a.to(DT), b.to(DT))
 
@@ -441,10 +446,6 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     dt = tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET else tl.float32
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, MODE=mode, DT=dt)
-    # the output kernel's bf16-operand products at 16-wide V tiles (V <= 16) gave wrong o and
-    # illegal addresses on the H200 with Triton 3.6 (K 32/64, T 64/100, with or without h0; also
-    # before the split, at 31f58db); fp32 operands there were right, as were 32- and 64-wide
-    out_dt = dt if BVP >= 32 else tl.float32
     state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
                   T, max(NT, 1), triton.next_power_of_2(N * H))
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
@@ -455,5 +456,5 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     for part in (0, 1):
         _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce,
                                                   scale, T, max(NT, 1), BV=BVP, num_warps=4, PART=part,
-                                                  **dict(common, DT=out_dt))
+                                                  **common)
     return o, (hT if output_final_state else None)

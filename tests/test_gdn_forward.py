@@ -201,6 +201,22 @@ def test_triton_nonfinite_sets_equal_oracle(gate, delta):
             assert_same_nonfinite(s2, s)
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="a GPU compile problem; the interpreter has no shared memory")
+@pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
+def test_nonfinite_v_at_bf16_wide_tiles_on_gpu(gate, delta):
+    """A NaN or Inf in v sends a chunk to the state pass's 16-wide resume tiles.  With bf16
+    operands there, DeltaNet at B2 T300 H16 K=V=128 read shared memory out of bounds on the
+    H200 (Triton 3.6, session 7; compute-sanitizer placed it in the tiles' product)."""
+    for value in (float("nan"), float("inf")):
+        x = make_inputs(gate, delta, B=2, T=300, H=16, K=128, V=128, seed=3, dtype=torch.bfloat16)
+        x["v"][0, 150, 3, 9] = value
+        o, s = call(recurrence, x, delta=delta)
+        o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+        torch.cuda.synchronize()
+        assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
+        assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
+
+
 @pytest.mark.parametrize("gate,delta", [("none", False), ("scalar", True)],
                          ids=["none-linear", "scalar-delta"])
 def test_triton_nonfinite_sets_equal_oracle_fp16(gate, delta):
