@@ -75,8 +75,12 @@ def tiles(K: int, V: int) -> dict:
     # (compute-sanitizer) or silently wrong gradients (K=184 V=1: error 0.91); found by kfuzz
     # (gdn_bwd, bf16 B4 T4095 H7 K184 V1). At BK 128, BV 32 (session 5, bf16 B8 T4096
     # H16 K=V=128 forced to BV 32) every chunk went to the exact path and dq, dk, dg, dbeta
-    # came out NaN. tests/test_gdn_backward.py holds the shapes.
-    BV = 64 if BK >= 128 else min(64, _pow2(V))
+    # came out NaN. tests/test_gdn_backward.py holds the shapes.  Narrower keys too (session 7,
+    # tools/sweep_gdn_gpu.py over K 16-184, V 1-64, bf16): BK 32 with BV 16 gave NaN
+    # gradients (at V 1 and 16; right with _prep at 8 warps, which doubles its time at the
+    # bench shape), BK 64 with BV 32 dq/dk/dbeta 0.2-0.6 off; every K took 64-wide tiles right.
+    # So V tiles are 64 wide at any K (masked past V; narrow V is not where the time goes).
+    BV = 64
     # _exact's float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
     # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),

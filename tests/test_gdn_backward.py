@@ -92,6 +92,7 @@ CASES = [
     (1, 100, 2, 16, 32, 1, True, torch.float32, 16, [0, 20, 53, 100]),
     (1, 100, 2, 32, 16, 2, False, torch.float32, 32, [0, 20, 53, 100]),
     (2, 37, 2, 16, 32, 1, True, torch.bfloat16, 16, None),
+    (1, 37, 1, 16, 80, 1, True, torch.float32, 16, None),   # two V tiles, the second masked
     (2, 37, 2, 16, 32, 2, True, torch.bfloat16, 16, None),
 ]
 
@@ -106,11 +107,13 @@ def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chu
 # Shapes that faulted on the H200 (illegal address in _states, BK = 256 with a 16-wide V tile),
 # and BK = 128 with narrow values (a 32-wide V tile there gave NaN gradients, session 5); and
 # BK 32 / 64 with V 16, where the forward's output kernel on bf16 operands at 16-wide tiles
-# gave wrong o and illegal addresses (session 6; the backward there not yet run on a GPU)
+# gave wrong o and illegal addresses (session 6); BK 32 with V 1 / 16 (NaN gradients) and BK 64
+# with V 32 (dq 0.56 off) when V tiles followed V (session 7, gdn.chunk_bwd.tiles)
 GPU_CASES = [(1, 64, 1, 184, 1, 1, True), (1, 64, 1, 256, 16, 1, True), (1, 64, 1, 184, 1, 0, True),
              (2, 300, 3, 184, 1, 1, True), (1, 64, 1, 256, 8, 2, True), (1, 200, 2, 128, 32, 1, True),
              (1, 200, 2, 128, 16, 0, True), (1, 200, 2, 100, 24, 1, False),
-             (1, 100, 2, 32, 16, 0, True), (1, 100, 2, 64, 16, 1, True), (1, 100, 2, 32, 16, 2, True)]
+             (1, 100, 2, 32, 16, 0, True), (1, 100, 2, 64, 16, 1, True), (1, 100, 2, 32, 16, 2, True),
+             (1, 100, 2, 32, 1, 1, True), (1, 100, 2, 64, 32, 0, True), (1, 100, 2, 64, 32, 1, True)]
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="a GPU compile problem; the interpreter has no shared memory")
@@ -281,3 +284,19 @@ def test_gradients_as_precise_as_the_trusted_reference(name, spec, chunk, checke
     trusted = relative_errors(oracle_grads(x, None, delta, chunked, torch.float32), want)
     for n in checked:
         assert err[n] <= 3 * trusted[n], f"{n}: {err[n]:.2e} vs trusted {trusted[n]:.2e}"
+
+
+@pytest.mark.parametrize("extra", [[], ["--forward"]], ids=["backward", "forward"])
+def test_the_gpu_tile_sweep_runs_and_judges(extra):
+    """tools/sweep_gdn_gpu.py (the device's tile sweep) on the interpreter at one tiny shape:
+    every case prints ok and the run ends ALLOK with exit 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    tool = Path(__file__).resolve().parents[1] / "tools" / "sweep_gdn_gpu.py"
+    r = subprocess.run([sys.executable, str(tool), "--device", "cpu", "--ks", "16", "--vs", "16",
+                        "--jobs", "3", "--dtype", "fp32", *extra],
+                       capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gate")]
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("ALLOK"), r.stdout + r.stderr
+    assert len(lines) == 3 * (2 if extra else 1) and all(ln.endswith(" ok") for ln in lines)

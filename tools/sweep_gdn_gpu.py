@@ -1,8 +1,9 @@
-"""GPU sweep of `gdn.chunk_bwd.chunk_gdn_bwd` over narrow and wide tiles, against float64 autograd.
+"""GPU sweep of the GDN backward (or forward) over narrow and wide tiles, against float64.
 
 Run on a CUDA machine from the repository root:
 
-    python tools/sweep_gdn_bwd_gpu.py [--launch '{"prep_warps": 8}'] [--jobs 15] [--dtype bf16]
+    python tools/sweep_gdn_gpu.py [--launch '{"prep_warps": 8}'] [--jobs 15] [--dtype bf16]
+    python tools/sweep_gdn_gpu.py --forward [--jobs 15]
 
 Why: the backward's tiles follow K and V (BK = next power of 2 of K, BV = min(64, next power
 of 2 of V)), and on the H200 with Triton 3.6 some narrow tile shapes compiled to wrong code
@@ -13,7 +14,9 @@ The interpreter on CPU runs none of that code, so only a sweep on the GPU finds 
 Every (gate, K) pair runs in its own subprocess (a fault loses only its CUDA context), --jobs
 at once; each runs B1 T100 H2 at every V of the grid, delta rule on, with h0 and a final-state
 gradient, and prints one line per case: the normwise relative error of each gradient and ok
-when all are under the dtype's bound (NaN fails).  `--launch` sets GDN_BWD_LAUNCH (the
+when all are under the dtype's bound (NaN fails).  `--forward` runs `gdn.chunk_fwd` instead,
+delta rule on and off, at the state pass's first (untuned) config, against the oracle's o and
+final state.  `--launch` sets GDN_BWD_LAUNCH (the
 launch overrides of gdn.chunk_bwd) in the children.  The last line is ALLOK or NOTOK.
 """
 from __future__ import annotations
@@ -31,15 +34,18 @@ VS = (1, 16, 32, 64)
 BOUND = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
 
 
-def child(gate: int, K: int, dname: str, device: str, vs) -> int:
+def child(gate: int, K: int, dname: str, device: str, vs, forward: bool) -> int:
     """Every V at one (gate, K): one line per case; returns the number of cases off bound."""
     import torch
     sys.path.insert(0, str(ROOT))
+    import gdn.fwd_state
     from gdn.chunk_bwd import chunk_gdn_bwd
+    from gdn.chunk_fwd import chunk_gdn_fwd
     from gdn.oracle import recurrence
+    gdn.fwd_state.TUNE = False
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]
     bad = 0
-    for V in vs:
+    for V, delta in [(V, d) for V in vs for d in ((True, False) if forward else (True,))]:
         gen = torch.Generator().manual_seed(K * 1000 + V)
 
         def rnd(*s):
@@ -54,12 +60,18 @@ def child(gate: int, K: int, dname: str, device: str, vs) -> int:
         h0, do, dht = rnd(B, H, K, V), rnd(B, T, H, V).to(dtype), rnd(B, H, K, V)
         xs = [x.to(device) if x is not None else None for x in (q, k, v, g, beta, h0)]
         do, dht = do.to(device), dht.to(device)
+        tag = f"gate{gate} K{K} V{V}{'' if delta else ' linear'} {dname}"
+        if forward:
+            ok, errs = _forward_case(xs, delta, BOUND[dname], chunk_gdn_fwd, recurrence, device)
+            bad += not ok
+            print(f"{tag}: {errs}" + (" ok" if ok else " FAIL"), flush=True)
+            continue
         try:
             got = chunk_gdn_bwd(*xs[:5], do, dht, initial_state=xs[5])
             if device == "cuda":
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a fault is this case's result
-            print(f"gate{gate} K{K} V{V} {dname}: CRASH {type(e).__name__}: {str(e).splitlines()[0][:100]}",
+            print(f"{tag}: CRASH {type(e).__name__}: {str(e).splitlines()[0][:100]}",
                   flush=True)
             return bad + 1
         ref = [x.double().requires_grad_() if x is not None else None for x in xs]
@@ -71,9 +83,26 @@ def child(gate: int, K: int, dname: str, device: str, vs) -> int:
         errs = {n: ((a.double() - b).norm() / b.norm()).item() for n, a, b in zip(names, got, want)}
         ok = all(e < BOUND[dname] for e in errs.values())   # NaN fails
         bad += not ok
-        print(f"gate{gate} K{K} V{V} {dname}: " + " ".join(f"{n} {e:.1e}" for n, e in errs.items())
+        print(f"{tag}: " + " ".join(f"{n} {e:.1e}" for n, e in errs.items())
               + (" ok" if ok else " FAIL"), flush=True)
     return bad
+
+
+def _forward_case(xs, delta, bound, fwd, recurrence, device):
+    """(ok, text) of one forward case: o and final state against the oracle's."""
+    import torch
+    q, k, v, g, beta, h0 = xs
+    beta = beta if delta else None
+    try:
+        o, s = fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a fault is this case's result
+        return False, f"CRASH {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    ro, rs = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
+    eo = ((o.double() - ro).norm() / ro.norm()).item()
+    es = ((s.double() - rs).norm() / rs.norm()).item()
+    return eo < bound and es < bound, f"o {eo:.1e} state {es:.1e}"
 
 
 def main():
@@ -84,12 +113,13 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (interpreter) for a smoke test")
     ap.add_argument("--ks", default=",".join(map(str, KS)))
     ap.add_argument("--vs", default=",".join(map(str, VS)))
+    ap.add_argument("--forward", action="store_true", help="sweep the forward instead")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     vs = [int(x) for x in a.vs.split(",")]
     if a.child:
         gate, K = (int(x) for x in a.child.split(","))
-        sys.exit(1 if child(gate, K, a.dtype, a.device, vs) else 0)
+        sys.exit(1 if child(gate, K, a.dtype, a.device, vs, a.forward) else 0)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if a.launch:
         json.loads(a.launch)   # a typo fails here, not in every child
@@ -109,7 +139,7 @@ def main():
         if len(running) >= a.jobs:
             ok &= reap(*running.pop(0))
         cmd = [sys.executable, __file__, "--child", f"{gate},{K}", "--dtype", a.dtype,
-               "--device", a.device, "--vs", a.vs]
+               "--device", a.device, "--vs", a.vs] + (["--forward"] if a.forward else [])
         running.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True), (gate, K)))
     for p, label in running:
