@@ -12,6 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+# The backward's kernels compile V as a plain integer, never as the constant 1 that Triton
+# makes of an integer argument equal to 1: on the H200 (Triton 3.6) the V == 1 compile at
+# K 32, bf16, gave NaN dk and dbeta 0.4 off, where V 16 (same tiles) was right (session 7,
+# tools/sweep_gdn_gpu.py).
+GENERIC_V = {"do_not_specialize": ["V"]}
 
 @triton.jit
 def _coords(cid, T, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr):

@@ -424,7 +424,10 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                                      FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX)
     else:
         gc = gcl = gflag = q.new_zeros(1, dtype=torch.float32)
-    BVP = min(_pow2(V), 64)
+    # V tiles of the prep and output kernels: 64 wide at any V (masked past it).  Narrower ones
+    # miscompiled on the H200 with Triton 3.6, bf16: 16-wide gave o 100% wrong (session 6), and
+    # 32-wide (V 32, K >= 64) o 0.36-0.7 off or an illegal address (session 7, tools/sweep_gdn_gpu.py)
+    BVP = 64
     if delta and mode != 2:
         w = torch.empty(B, T, H, K, dtype=inter, device=dev)
         u = torch.empty(B, T, H, V, dtype=inter, device=dev)
