@@ -12,11 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-# The backward's kernels compile V as a plain integer, never as the constant 1 that Triton
-# makes of an integer argument equal to 1: on the H200 (Triton 3.6) the V == 1 compile at
-# K 32, bf16, gave NaN dk and dbeta 0.4 off, where V 16 (same tiles) was right (session 7,
-# tools/sweep_gdn_gpu.py).
-GENERIC_V = {"do_not_specialize": ["V"]}
 
 @triton.jit
 def _coords(cid, T, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -92,3 +87,12 @@ def chunk_plan(cu_seqlens, B: int, T: int, C: int):
     tab = torch.stack([seq, within], 1).to(torch.int32).contiguous()
     return N, NC, tab, coff.to(torch.int32).contiguous()
 
+
+def generic_v(kernel):
+    """`kernel` (a jitted backward kernel) compiled with V a plain integer, for launches at
+    V == 1.  Triton makes an integer argument equal to 1 a constant, and on the H200 (Triton
+    3.6) that compile at K 32, bf16, gave NaN dk and dbeta 0.4 off where V 16 (same tiles) was
+    right; compiled generically, V 1 was right at every K and gate (session 7,
+    tools/sweep_gdn_gpu.py).  Only V == 1 takes it: compiling V generically everywhere drops
+    its divisibility-by-16 hint too, and the bench shape's backward went 4.15 -> 5.52 ms."""
+    return triton.jit(kernel.fn, do_not_specialize=["V"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import GENERIC_V, _coords
+from gdn.bwd_chunks import _coords
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _rounded(x, out):
     return x.to(tl.float32).to(out.dtype.element_ty)
 
 
-@triton.jit(**GENERIC_V)
+@triton.jit
 def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab,
            scale, T, H, K, V, NV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):

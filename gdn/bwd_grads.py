@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import GENERIC_V, _chunk_rows
+from gdn.bwd_chunks import _chunk_rows
 from gdn.bwd_gate import _end_decay, _gate_grad, _gate_sums, _load_gate, _pair_decay
 from gdn.bwd_matrix import _mm
 
@@ -88,7 +88,7 @@ def _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, kg, kn, strict, GATE: tl.c
     return d_beta, dk, dk2, pairs, dG
 
 
-@triton.jit(**GENERIC_V)
+@triton.jit
 def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
               C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
               IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
@@ -144,7 +144,7 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
 
 
-@triton.jit(**GENERIC_V)
+@triton.jit
 def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import GENERIC_V, _chunk_rows, _seq_tile
+from gdn.bwd_chunks import _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _inv_unit_lower, _odot
@@ -93,7 +93,7 @@ def _wy_system(q, k, g, beta, tok, rv, ih, H, K, ck, mk, C: tl.constexpr, GATE: 
     return bad, b_beta, kb, araw
 
 
-@triton.jit(**GENERIC_V)
+@triton.jit
 def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
@@ -131,7 +131,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
             tl.store(U + tq * V + cv[None, :], u.to(U.dtype.element_ty), mask=mcv)
 
 
-@triton.jit(**GENERIC_V)
+@triton.jit
 def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
             DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
@@ -177,7 +177,7 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                 h = h + _mm(tl.trans(b_k), b_u, F32, DT)
 
 
-@triton.jit(**GENERIC_V)
+@triton.jit
 def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,

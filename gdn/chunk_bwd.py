@@ -47,13 +47,15 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import chunk_plan
+from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
 from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
+_AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
 LAUNCH = {"prep_warps": 4, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
@@ -166,18 +168,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dbeta = torch.empty_like(beta) if delta else None
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     seq_warps = LAUNCH["seq_warps"]
+    _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
+        _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    _prep[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
-                   F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                   PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
-                   num_stages=1 if F32 else 2, **common)
-    _states[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
-                         HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
-                         **common)
-    _dstates[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, dhs,
-                          cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
-                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
-                          num_warps=LAUNCH["dstates_warps"], **common)
+    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+                    F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
+                    PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
+                    num_stages=1 if F32 else 2, **common)
+    _states_[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
+                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
+                          **common)
+    _dstates_[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, dhs,
+                           cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
+                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
+                           num_warps=LAUNCH["dstates_warps"], **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:
@@ -186,17 +190,17 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
         if g is not None:
             dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
-        _grads_wy[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
-                           C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
-                           F32=F32, DT=DT, num_warps=LAUNCH["grads_wy_warps"],
-                           num_stages=1 if F32 else LAUNCH["grads_stages"])
-    _grads_p[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
-                      T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
-                      GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
-                      num_warps=LAUNCH["grads_p_warps"],
-                      num_stages=1 if F32 else LAUNCH["grads_stages"])
-    _exact[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
-                    dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
-                    cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,
-                    **dict(common, BV=tile["exact_BV"]))
+        _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+                            C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
+                            F32=F32, DT=DT, num_warps=LAUNCH["grads_wy_warps"],
+                            num_stages=1 if F32 else LAUNCH["grads_stages"])
+    _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
+                       T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
+                       GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
+                       num_warps=LAUNCH["grads_p_warps"],
+                       num_stages=1 if F32 else LAUNCH["grads_stages"])
+    _exact_[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
+                     dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
+                     cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,
+                     **dict(common, BV=tile["exact_BV"]))
     return dq, dk, dv, dg, dbeta, dh0

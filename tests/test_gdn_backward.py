@@ -93,6 +93,7 @@ CASES = [
     (1, 100, 2, 32, 16, 2, False, torch.float32, 32, [0, 20, 53, 100]),
     (2, 37, 2, 16, 32, 1, True, torch.bfloat16, 16, None),
     (1, 37, 1, 16, 80, 1, True, torch.float32, 16, None),   # two V tiles, the second masked
+    (1, 37, 1, 32, 1, 0, True, torch.float32, 16, None),    # V == 1: the generic-V kernels
     (2, 37, 2, 16, 32, 2, True, torch.bfloat16, 16, None),
 ]
 
