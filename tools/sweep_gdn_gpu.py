@@ -3,21 +3,24 @@
 Run on a CUDA machine from the repository root:
 
     python tools/sweep_gdn_gpu.py [--launch '{"prep_warps": 8}'] [--jobs 15] [--dtype bf16]
-    python tools/sweep_gdn_gpu.py --forward [--jobs 15]
+    python tools/sweep_gdn_gpu.py --forward [--tune] [--jobs 15]
 
-Why: the backward's tiles follow K and V (BK = next power of 2 of K, BV = min(64, next power
-of 2 of V)), and on the H200 with Triton 3.6 some narrow tile shapes compiled to wrong code
-with no memory error (session 7: BK 32 with BV 16, bf16, gave NaN dq at 4 warps in `_prep` and
-right gradients at 8; compute-sanitizer's memcheck, initcheck and racecheck found nothing).
-The interpreter on CPU runs none of that code, so only a sweep on the GPU finds such shapes.
+Why: on the H200 with Triton 3.6 some narrow tile shapes compiled to wrong code with no
+memory error, and the interpreter on CPU runs none of that code, so only a sweep on the GPU
+finds such shapes.  Session 7 found, with V tiles that followed V: backward BK 32 with BV 16
+(bf16) NaN dq (right with `_prep` at 8 warps; compute-sanitizer's memcheck, initcheck and
+racecheck found nothing), BK 64 with BV 32 dq 0.56 off, V == 1 at K 32 NaN dk; forward V 32 at
+K >= 64 o 0.36-0.7 off or an illegal address.  Both now take 64-wide V tiles at every K
+(gdn.chunk_bwd.tiles, gdn.chunk_fwd), and the backward compiles V generically at V == 1.
 
 Every (gate, K) pair runs in its own subprocess (a fault loses only its CUDA context), --jobs
 at once; each runs B1 T100 H2 at every V of the grid, delta rule on, with h0 and a final-state
 gradient, and prints one line per case: the normwise relative error of each gradient and ok
 when all are under the dtype's bound (NaN fails).  `--forward` runs `gdn.chunk_fwd` instead,
-delta rule on and off, at the state pass's first (untuned) config, against the oracle's o and
-final state.  `--launch` sets GDN_BWD_LAUNCH (the
-launch overrides of gdn.chunk_bwd) in the children.  The last line is ALLOK or NOTOK.
+delta rule on and off, at the state pass's first (untuned) config, or with `--tune` at the
+autotuner's pick after it tried them all, against the oracle's o and final state.
+`--launch` sets GDN_BWD_LAUNCH (the launch overrides of gdn.chunk_bwd) in the children.  The
+last line is ALLOK or NOTOK.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ VS = (1, 16, 32, 64)
 BOUND = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
 
 
-def child(gate: int, K: int, dname: str, device: str, vs, forward: bool) -> int:
+def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: bool) -> int:
     """Every V at one (gate, K): one line per case; returns the number of cases off bound."""
     import torch
     sys.path.insert(0, str(ROOT))
@@ -42,7 +45,7 @@ def child(gate: int, K: int, dname: str, device: str, vs, forward: bool) -> int:
     from gdn.chunk_bwd import chunk_gdn_bwd
     from gdn.chunk_fwd import chunk_gdn_fwd
     from gdn.oracle import recurrence
-    gdn.fwd_state.TUNE = False
+    gdn.fwd_state.TUNE = tune
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]
     bad = 0
     for V, delta in [(V, d) for V in vs for d in ((True, False) if forward else (True,))]:
@@ -114,12 +117,13 @@ def main():
     ap.add_argument("--ks", default=",".join(map(str, KS)))
     ap.add_argument("--vs", default=",".join(map(str, VS)))
     ap.add_argument("--forward", action="store_true", help="sweep the forward instead")
+    ap.add_argument("--tune", action="store_true", help="forward: autotune the state pass")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     vs = [int(x) for x in a.vs.split(",")]
     if a.child:
         gate, K = (int(x) for x in a.child.split(","))
-        sys.exit(1 if child(gate, K, a.dtype, a.device, vs, a.forward) else 0)
+        sys.exit(1 if child(gate, K, a.dtype, a.device, vs, a.forward, a.tune) else 0)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if a.launch:
         json.loads(a.launch)   # a typo fails here, not in every child
@@ -139,7 +143,7 @@ def main():
         if len(running) >= a.jobs:
             ok &= reap(*running.pop(0))
         cmd = [sys.executable, __file__, "--child", f"{gate},{K}", "--dtype", a.dtype,
-               "--device", a.device, "--vs", a.vs] + (["--forward"] if a.forward else [])
+               "--device", a.device, "--vs", a.vs] + ["--forward"] * a.forward + ["--tune"] * a.tune
         running.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True), (gate, K)))
     for p, label in running:
