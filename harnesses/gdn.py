@@ -25,6 +25,12 @@ GPU's matrix units see them, and for gradients torch autograd through it with
 the gradients rounded the same way.
 The backward kernel is ``gdn.op.gdn_attention``'s Triton backward: cotangents
 ``do`` (of o) and ``dht`` (of the final state) are arguments of the case.
+
+The forward's state pass is autotuned for users; here it runs with
+``gdn.fwd_state.SPREAD``: each shape takes one of the tuner's configs, picked from the
+autotune key, so that a case runs the same config in every process (a failure replays and
+minimizes; a timing-picked config need not come back), compiles one config instead of all
+of them, and a campaign's shapes exercise every config.
 """
 from __future__ import annotations
 
@@ -33,10 +39,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
+import gdn.fwd_state
 from gdn.oracle import recurrence
 from gdn.reference import chunked
 from kfuzz.target import Arg, Dim, Output, add_target, Target
 
+gdn.fwd_state.SPREAD = True
 CONTIGUOUS_ONLY = ("contiguous",)
 
 # The chunked kernels and the trusted chunked reference are different algorithms, so the

@@ -278,3 +278,23 @@ def test_a_state_past_fp32_range_inside_a_chunk_comes_back_as_the_oracles_does()
     assert record["fixed_from"]["output"] == "ht"
     verdict = GATES["G06"].check(get_target("gdn_fwd"), case, DEV)
     assert verdict.passed, verdict.detail
+
+
+def test_spread_takes_one_config_per_key_and_the_same_one_each_time(monkeypatch):
+    """gdn.fwd_state.SPREAD (kfuzz's GDN targets): one config per autotune key, picked from
+    the key alone (the same in every process), and different keys spread over the configs."""
+    import triton
+
+    import gdn.fwd_state as fs
+    import harnesses.gdn  # noqa: F401 - the targets turn it on
+    assert fs.SPREAD
+    configs = [triton.Config({"BV": bv}, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)]
+    key = dict(K=128, V=128, BT=64, GATE=1, DELTA=True, PREC="tf32", DT="bf16")
+    picks = {}
+    for occ in (1, 2, 4, 8, 16, 32, 64, 128):
+        first = fs._prune(configs, {"OCC": occ}, **key)
+        assert len(first) == 1 and fs._prune(configs, {"OCC": occ}, **key) == first
+        picks[occ] = configs.index(first[0])
+    assert len(set(picks.values())) > 2, picks
+    monkeypatch.setattr(fs, "SPREAD", False)
+    assert fs._prune(configs, {"OCC": 1}, **key) == configs   # users: the tuner tries them all
