@@ -58,6 +58,7 @@ Refuses: K or V over 256, mixed q/k/v dtypes, dtypes other than bf16/fp16/fp32.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -74,9 +75,13 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
+# The output kernel's launch: V tile width (at least 64, see chunk_gdn_fwd; at most the next
+# power of 2 of V) and warps.  GDN_FWD_OUT overrides it for device bring-up, e.g.
+# '{"bv": 128, "warps": 8}' (one V tile at V 128: q k^T once per chunk, not once per tile).
+OUT_LAUNCH = {"bv": 64, "warps": 4}
+OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
-# the trusted reference rounds them; the output kernel's only at V tiles >= 32 wide, see
-# chunk_gdn_fwd), exact bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands
+# the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands
 # otherwise (tf32 on GPUs; fp32 inputs tf32x3; "ieee" under the interpreter).  The tensors
 # one launch hands to the next (w, u, the chunk states, v_new) are stored in bf16 for bf16
 # inputs (as fla does; the outputs are bf16 anyway) and in fp32 otherwise (an fp16 state
@@ -455,9 +460,10 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                     **common)
     from gdn import fwd_state   # here: gdn.fwd_state imports this module's helpers
     fwd_state.launch_state(state_args, N * H, **state_kw)
-    oflag = torch.empty(triton.cdiv(V, BVP), NC, H, dtype=torch.int8, device=dev)
+    BVO = max(BVP, min(OUT_LAUNCH["bv"], _pow2(V)))
+    oflag = torch.empty(triton.cdiv(V, BVO), NC, H, dtype=torch.int8, device=dev)
     for part in (0, 1):
-        _out_kernel[(triton.cdiv(V, BVP), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce,
-                                                  scale, T, max(NT, 1), BV=BVP, num_warps=4, PART=part,
-                                                  **common)
+        _out_kernel[(triton.cdiv(V, BVO), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce,
+                                                  scale, T, max(NT, 1), BV=BVO, num_warps=OUT_LAUNCH["warps"],
+                                                  PART=part, **common)
     return o, (hT if output_final_state else None)

@@ -298,3 +298,21 @@ def test_spread_takes_one_config_per_key_and_the_same_one_each_time(monkeypatch)
     assert len(set(picks.values())) > 2, picks
     monkeypatch.setattr(fs, "SPREAD", False)
     assert fs._prune(configs, {"OCC": 1}, **key) == configs   # users: the tuner tries them all
+
+
+@pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)], ids=["scalar-delta", "none-linear"])
+def test_output_kernel_at_128_wide_tiles_matches_oracle(monkeypatch, gate, delta):
+    """The output kernel's launch knob (gdn.chunk_fwd.OUT_LAUNCH, GDN_FWD_OUT on the device):
+    one 128-wide V tile at V 80 (48 columns masked), with a NaN sending one tile to the exact
+    part, gives what the default two 64-wide tiles give."""
+    import gdn.chunk_fwd as cf
+    monkeypatch.setitem(cf.OUT_LAUNCH, "bv", 128)
+    x = make_inputs(gate, delta, B=1, T=70, H=2, K=16, V=80, seed=5)
+    o, s = call(recurrence, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    assert rel(o2, o) < BOUND[torch.float32] and rel(s2, s) < BOUND[torch.float32]
+    inject(x, "q", float("nan"))
+    o, s = call(recurrence, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)

@@ -94,9 +94,11 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
              dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=64, DT=tl.bfloat16, PART=0, **dt), 4, 1),
+             dict(common, BV=max(64, min(cf.OUT_LAUNCH["bv"], V)), DT=tl.bfloat16, PART=0, **dt),
+             cf.OUT_LAUNCH["warps"], 1),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=64, DT=tl.bfloat16, PART=1, **dt), 4, 1)):
+             dict(common, BV=max(64, min(cf.OUT_LAUNCH["bv"], V)), DT=tl.bfloat16, PART=1, **dt),
+             cf.OUT_LAUNCH["warps"], 1)):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
         yield (label, fn, sig, const, warps, stages, aligned)
