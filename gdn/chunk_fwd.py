@@ -42,8 +42,8 @@ of that sequence's V tile then runs exactly, which is slow: pathological inputs
 are slow, normal ones fast.
 
 Precision: states and accumulation in fp32; the state and output kernels'
-products take bf16 operands for bf16 inputs on GPUs (the output kernel's only
-at V tiles >= 32 wide), fp32 ones otherwise (tf32 on GPUs, "tf32x3" for fp32
+products take bf16 operands for bf16 inputs on GPUs (only where every dimension
+is >= 32, `_odot`), fp32 ones otherwise (tf32 on GPUs, "tf32x3" for fp32
 inputs, about fp32 accuracy); the tensors handed between launches are bf16 for
 bf16 inputs and fp32 otherwise.  Under the Triton
 interpreter (TRITON_INTERPRET=1) products are "ieee" (its bf16 tl.dot is wrong)
