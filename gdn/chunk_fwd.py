@@ -256,6 +256,13 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
     return S
 
 
+# Which product dimensions the under-32 rule of _odot looks at: all three (the default, swept
+# on the H200), or with GDN_ODOT=n the output dimension N only (both faults seen had N = 16;
+# KDA's 16-token chunks would get their bf16 products back: fwd 3.591 -> 3.012 ms in session 6).
+# A device bring-up switch, read at import.
+ODOT_N_ONLY = tl.constexpr(os.environ.get("GDN_ODOT") == "n")
+
+
 @triton.jit
 def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     """A matrix product of the forward and backward kernels: bf16 operands for bf16 inputs on
@@ -264,7 +271,7 @@ def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     kernel at V <= 16 gave o 100% wrong (session 6), and the state kernel's 16-wide resume
     tiles read shared memory out of bounds (compute-sanitizer, session 7: DeltaNet with a NaN
     in v, "Invalid __shared__ read of size 512 bytes" here)."""
-    if DT == tl.float32 or a.shape[0] < 32 or a.shape[1] < 32 or b.shape[1] < 32:
+    if DT == tl.float32 or b.shape[1] < 32 or (not ODOT_N_ONLY and (a.shape[0] < 32 or a.shape[1] < 32)):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
     return tl.dot(a.to(DT), b.to(DT))
 
