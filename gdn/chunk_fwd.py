@@ -81,13 +81,14 @@ GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 OUT_LAUNCH = {"bv": 64, "warps": 4}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
-# the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands
-# otherwise (tf32 on GPUs; fp32 inputs tf32x3; "ieee" under the interpreter).  The tensors
-# one launch hands to the next (w, u, the chunk states, v_new) are stored in bf16 for bf16
-# inputs (as fla does; the outputs are bf16 anyway) and in fp32 otherwise (an fp16 state
-# could overflow).  Version 3's bf16-operand products (LOWP) were wrong on the H200 (Triton
-# 3.6) for two members; the output kernel's at 16-wide tiles were too (2026-12-01), which
-# may have been the same miscompile.
+# the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact
+# bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands otherwise (tf32 on GPUs;
+# fp32 inputs tf32x3; "ieee" under the interpreter).  The tensors one launch hands to the
+# next (w, u, the chunk states, v_new) are stored in bf16 for bf16 inputs (as fla does; the
+# outputs are bf16 anyway) and in fp32 otherwise (an fp16 state could overflow).  Version
+# 3's bf16-operand products (LOWP) were wrong on the H200 (Triton 3.6) for two members; the
+# output kernel's at 16-wide tiles were too (2026-12-01), which may have been the same
+# miscompile.
 
 
 def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -270,8 +271,9 @@ def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     products with a 16-wide dimension miscompiled on the H200 with Triton 3.6: the output
     kernel at V <= 16 gave o 100% wrong (session 6), and the state kernel's 16-wide resume
     tiles read shared memory out of bounds (compute-sanitizer, session 7: DeltaNet with a NaN
-    in v, "Invalid __shared__ read of size 512 bytes" here)."""
-    if DT == tl.float32 or b.shape[1] < 32 or (not ODOT_N_ONLY and (a.shape[0] < 32 or a.shape[1] < 32)):
+    in v, "Invalid __shared__ read of size 512 bytes" here).  GDN_ODOT=n: N alone counts."""
+    narrow = b.shape[1] < 32 or (not ODOT_N_ONLY and (a.shape[0] < 32 or a.shape[1] < 32))
+    if DT == tl.float32 or narrow:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
     return tl.dot(a.to(DT), b.to(DT))
 
@@ -471,6 +473,6 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     oflag = torch.empty(triton.cdiv(V, BVO), NC, H, dtype=torch.int8, device=dev)
     for part in (0, 1):
         _out_kernel[(triton.cdiv(V, BVO), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce,
-                                                  scale, T, max(NT, 1), BV=BVO, num_warps=OUT_LAUNCH["warps"],
-                                                  PART=part, **common)
+                                                  scale, T, max(NT, 1), BV=BVO, PART=part,
+                                                  num_warps=OUT_LAUNCH["warps"], **common)
     return o, (hT if output_final_state else None)
