@@ -325,3 +325,32 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
     assert_close(got, oracle_grads(x, None, True), 1e-4)
     want = set(chunk_bwd._AT_V1[k].kern for k in chunk_bwd._KERNELS) if generic else set()
     assert set(launched) == want
+
+
+@pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])
+def test_the_gpu_tile_sweep_fails_a_planted_wrong_answer(monkeypatch, capsys, forward):
+    """The sweep's positive control: a kernel whose first output is 1% off (10x the fp32 bound)
+    fails every case it runs."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import gdn.chunk_bwd
+    import gdn.chunk_fwd
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        sweep = importlib.import_module("sweep_gdn_gpu")
+    finally:
+        sys.path.pop(0)
+    module, name = (gdn.chunk_fwd, "chunk_gdn_fwd") if forward else (gdn.chunk_bwd, "chunk_gdn_bwd")
+    right = getattr(module, name)
+
+    def planted(*a, **kw):
+        first, *rest = right(*a, **kw)
+        return (first * 1.01, *rest)
+    monkeypatch.setattr(module, name, planted)
+    import gdn.fwd_state
+    monkeypatch.setattr(gdn.fwd_state, "TUNE", gdn.fwd_state.TUNE)   # child() sets it
+    bad = sweep.child(1, 16, "fp32", "cpu", [16], forward, False)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gate1")]
+    assert bad == len(lines) == (2 if forward else 1) and all(ln.endswith(" FAIL") for ln in lines)
