@@ -37,53 +37,31 @@ VS = (1, 16, 32, 64)
 BOUND = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
 
 
+GATES = {0: "none", 1: "scalar", 2: "vector"}
+
+
 def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: bool) -> int:
-    """Every V at one (gate, K): one line per case; returns the number of cases off bound."""
+    """Every V at one (gate, K): one line per case; returns the number of cases off bound.
+    A case that raises ends the child (a GPU fault loses its CUDA context)."""
     import torch
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tools"))
     import gdn.fwd_state
-    from gdn.chunk_bwd import chunk_gdn_bwd
-    from gdn.chunk_fwd import chunk_gdn_fwd
-    from gdn.oracle import recurrence
+    from bench_gdn import inputs   # (it puts the repository root on sys.path)
     gdn.fwd_state.TUNE = tune
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]
     bad = 0
     for V, delta in [(V, d) for V in vs for d in ((True, False) if forward else (True,))]:
-        gen = torch.Generator().manual_seed(K * 1000 + V)
-
-        def rnd(*s):
-            return torch.randn(*s, generator=gen)
-        B, T, H = 1, 100, 2
-        q = rnd(B, T, H, K).to(dtype)
-        k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1).to(dtype)
-        v = rnd(B, T, H, V).to(dtype)
-        g = None if gate == 0 else torch.nn.functional.logsigmoid(
-            rnd(*((B, T, H) if gate == 1 else (B, T, H, K))) + 2)
-        beta = torch.rand(B, T, H, generator=gen).to(dtype)
-        h0, do, dht = rnd(B, H, K, V), rnd(B, T, H, V).to(dtype), rnd(B, H, K, V)
-        xs = [x.to(device) if x is not None else None for x in (q, k, v, g, beta, h0)]
-        do, dht = do.to(device), dht.to(device)
+        seed = K * 1000 + V
+        x = inputs(1, 100, 2, K, V, dtype, GATES[gate], delta, seed=seed, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        h0, do, dht = (torch.randn(*s, generator=gen, device=device)
+                       for s in ((1, 2, K, V), (1, 100, 2, V), (1, 2, K, V)))
         tag = f"gate{gate} K{K} V{V}{'' if delta else ' linear'} {dname}"
-        if forward:
-            ok, errs = _forward_case(xs, delta, BOUND[dname], chunk_gdn_fwd, recurrence, device)
-            bad += not ok
-            print(f"{tag}: {errs}" + (" ok" if ok else " FAIL"), flush=True)
-            continue
         try:
-            got = chunk_gdn_bwd(*xs[:5], do, dht, initial_state=xs[5])
-            if device == "cuda":
-                torch.cuda.synchronize()
+            errs = (_forward_errors if forward else _backward_errors)(*x, h0, do.to(dtype), dht, delta)
         except Exception as e:  # noqa: BLE001 - a fault is this case's result
-            print(f"{tag}: CRASH {type(e).__name__}: {str(e).splitlines()[0][:100]}",
-                  flush=True)
+            print(f"{tag}: CRASH {type(e).__name__}: {str(e).splitlines()[0][:100]} FAIL", flush=True)
             return bad + 1
-        ref = [x.double().requires_grad_() if x is not None else None for x in xs]
-        o, hT = recurrence(*ref[:5], initial_state=ref[5])
-        want = torch.autograd.grad((o, hT), [x for x in ref if x is not None],
-                                   (do.double(), dht.double()))
-        got = [a for a in got if a is not None]
-        names = ["dq", "dk", "dv"] + (["dg"] if gate else []) + ["dbeta", "dh0"]
-        errs = {n: ((a.double() - b).norm() / b.norm()).item() for n, a, b in zip(names, got, want)}
         ok = all(e < BOUND[dname] for e in errs.values())   # NaN fails
         bad += not ok
         print(f"{tag}: " + " ".join(f"{n} {e:.1e}" for n, e in errs.items())
@@ -91,21 +69,37 @@ def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: b
     return bad
 
 
-def _forward_case(xs, delta, bound, fwd, recurrence, device):
-    """(ok, text) of one forward case: o and final state against the oracle's."""
-    import torch
-    q, k, v, g, beta, h0 = xs
-    beta = beta if delta else None
-    try:
-        o, s = fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
-        if device == "cuda":
-            torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - a fault is this case's result
-        return False, f"CRASH {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+def _sync(t):
+    if t.is_cuda:
+        import torch
+        torch.cuda.synchronize()
+
+
+def _forward_errors(q, k, v, g, beta, h0, do, dht, delta):
+    """{output: normwise relative error}: o and the final state against the oracle's."""
+    from bench_gdn import rel
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    from gdn.oracle import recurrence
+    o, s = chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
+    _sync(o)
     ro, rs = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
-    eo = ((o.double() - ro).norm() / ro.norm()).item()
-    es = ((s.double() - rs).norm() / rs.norm()).item()
-    return eo < bound and es < bound, f"o {eo:.1e} state {es:.1e}"
+    return {"o": rel(o, ro), "state": rel(s, rs)}
+
+
+def _backward_errors(q, k, v, g, beta, h0, do, dht, delta):
+    """{gradient: normwise relative error} against float64 autograd through the oracle, with
+    an initial state and a final-state gradient."""
+    import torch
+    from bench_gdn import rel
+    from gdn.chunk_bwd import chunk_gdn_bwd
+    from gdn.oracle import recurrence
+    got = chunk_gdn_bwd(q, k, v, g, beta, do, dht, initial_state=h0)
+    _sync(got[0])
+    names = [n for n, x in zip(("q", "k", "v", "g", "beta", "h0"), (q, k, v, g, beta, h0)) if x is not None]
+    ref = [x.detach().double().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
+    o, hT = recurrence(*ref[:5], initial_state=ref[5])
+    want = torch.autograd.grad((o, hT), [x for x in ref if x is not None], (do.double(), dht.double()))
+    return {f"d{n}": rel(a, b) for n, a, b in zip(names, [a for a in got if a is not None], want)}
 
 
 def main():
