@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import _all_within, _chunk_span, _inv_unit_lower, _load_gates
+from gdn.chunk_fwd import _all_within, _chunk_span, _inv_unit_lower, _load_gates, _tile
 
 
 @triton.jit
@@ -61,9 +61,10 @@ def _split_dot(t, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexp
 
 
 @triton.jit
-def _diag_inverse(tm, rows0, eos, i_h, H: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
+def _diag_inverse(tmc, n, H: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
     """(I + D_b)^-1 of the BT // 16 diagonal 16x16 blocks D_b of the strictly lower A whose
-    transpose is stored at tm (rows bos.., BT columns), as a [16, W] tile X[j, 16 b + c] =
+    transpose is stored at tmc (the chunk's first row of T, rows H BT apart, n of them valid,
+    BT columns), as a [16, W] tile X[j, 16 b + c] =
     (I + D_b)^-1[j, c] (W = 32 x warps, a multiple of BT: the tile repeated, so that each
     thread holds one column).  Row i:  X_b[i, :] = e_i - sum_{j < i} D_b[i, j] X_b[j, :]."""
     jj = tl.arange(0, 16)[:, None]
@@ -73,8 +74,8 @@ def _diag_inverse(tm, rows0, eos, i_h, H: tl.constexpr, BT: tl.constexpr, W: tl.
     for i in tl.static_range(1, 16):
         # D_b[i, j] = A^T[16 b + j, 16 b + i]: strided in j, so the load's layout keeps
         # the column j of the tile in one thread (a contiguous j would spread it over lanes)
-        r = rows0 + b16 + jj
-        d = tl.load(tm + (r * H + i_h) * BT + b16 + i, mask=(jj < i) & (r < eos), other=0.0)
+        r = b16 + jj
+        d = tl.load(tmc + (r * (H * BT) + b16 + i), mask=(jj < i) & (r < n), other=0.0)
         new = tl.sum(d * X, axis=0)
         X = tl.where(jj == i, tl.where(cc - b16 == i, 1.0, 0.0) - new[None, :], X)
     return X
@@ -90,37 +91,39 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     rr = tl.arange(0, BT)
-    rows = (bos + rr).to(tl.int64)
-    rmask = rows < eos
+    r0 = bos.to(tl.int64) * H + i_h
+    rmask = bos + rr < eos
+    last = bos + rr == eos - 1
     dk = tl.arange(0, BK)
     m2 = rmask[:, None] & (dk[None, :] < K)
-    kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=m2, other=0.0)
-    bt = tl.load(beta + rows * H + i_h, mask=rmask, other=0.0).to(tl.float32)
+    kt = tl.load(_tile(k, r0, rr, dk, K, H), mask=m2, other=0.0)
+    bt = tl.load(beta + r0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
     ok = _all_within(kt, BIG) & _all_within(bt, BIG)
     lower = rr[:, None] > rr[None, :]
     if GATE == 2:
-        G, _ = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
+        G, _ = _load_gates(gc, gcl, r0, rr, rmask, last, dk, m2, H, K, GATE)
         kf = kt.to(tl.float32)
         A = tl.dot(kf * tl.exp(G), tl.trans(kf * tl.exp(-G)), input_precision=PREC)
     else:
         A = _bdot(kt, tl.trans(kt), LOWP, INTERP, PREC)
         if GATE == 1:
-            G, Glo = _load_gates(gc, gcl, rows, rmask, rows == eos - 1, i_h, dk, m2, H, K, GATE)
+            G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, m2, H, K, GATE)
             A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
     A = tl.where(lower, A * bt[:, None], 0.0)
-    tptr = tm + (rows[:, None] * H + i_h) * BT + rr[None, :]
+    tptr = _tile(tm, r0, rr, rr, BT, H)
     if BT == 16:   # one block (vector gate): v5.2's substitution on A in registers is leaner
         tl.store(tptr, _inv_unit_lower(A, BT, PREC), mask=rmask[:, None])
     else:
-        ttr = tm + (rows[None, :] * H + i_h) * BT + rr[:, None]   # the transpose's place
+        ttr = (tm + r0 * BT) + (rr[None, :] * (H * BT) + rr[:, None])   # the transpose's place
         tl.store(ttr, A, mask=rmask[None, :])
         tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-        X = _diag_inverse(tm, bos.to(tl.int64), eos, i_h, H, BT, W)
+        X = _diag_inverse(tm + r0 * BT, eos - bos, H, BT, W)
         jj = tl.arange(0, 16)[:, None]
         cc = tl.arange(0, W)[None, :]
-        xr = bos.to(tl.int64) + cc   # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
+        # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
         tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
-        tl.store(tm + (xr * H + i_h) * BT + (cc // 16) * 16 + jj, X, mask=(cc < BT) & (xr < eos))
+        tl.store((tm + r0 * BT) + (cc * (H * BT) + (cc // 16) * 16 + jj), X,
+                 mask=(cc < BT) & (bos + cc < eos))
         tl.debug_barrier()
         M = tl.load(ttr, mask=rmask[None, :], other=0.0)   # Dinv on the diagonal, A below
         same = (rr[:, None] // 16) == (rr[None, :] // 16)

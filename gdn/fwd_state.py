@@ -14,7 +14,7 @@ import zlib
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import INTERPRET, _all_within, _exact_chunk, _forced, _load_gates, _odot
+from gdn.chunk_fwd import INTERPRET, _all_within, _exact_chunk, _forced, _load_gates, _odot, _tile
 
 
 @triton.jit
@@ -35,20 +35,20 @@ def _and(mask, ok):
 
 
 @triton.jit
-def _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv, vmask,
+def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
               DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
     """(ok, k tile fp32, v tile fp32 or None): whether the chunk's inputs and the state entering
     it admit the matrix path, with the tiles the check loaded."""
     mk = rmask[:, None] & kmask[None, :]
-    kt = tl.load(k + (rows[:, None] * H + i_h) * K + dk[None, :], mask=mk, other=0.0).to(tl.float32)
+    kt = tl.load(_tile(k, r0, rr, dk, K, H), mask=mk, other=0.0).to(tl.float32)
     ok = _all_within(S, SBIG)
     vt = kt
     if DELTA:
         ok = ok & (tl.load(flag + cid * H + i_h) != 0)
     else:
-        vt = tl.load(v + (rows[:, None] * H + i_h) * V + dv[None, :],
-                     mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+        vt = tl.load(_tile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
+                     other=0.0).to(tl.float32)
         ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
     if GATE != 0:
         ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
@@ -56,7 +56,7 @@ def _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv, vmask,
 
 
 @triton.jit
-def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask, dv, vmask, store,
+def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, dv, vmask, store,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
                  DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
@@ -64,18 +64,17 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask
     mk = rmask[:, None] & kmask[None, :]
     mv = rmask[:, None] & vmask[None, :]
     if DELTA:
-        wt = tl.load(w + (rows[:, None] * H + i_h) * K + dk[None, :], mask=mk, other=0.0)
-        vx = (rows[:, None] * H + i_h) * V + dv[None, :]
-        vt = tl.load(u + vx, mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
-        tl.store(vn + vx, vt.to(vn.dtype.element_ty), mask=_and(mv, store))
+        wt = tl.load(_tile(w, r0, rr, dk, K, H), mask=mk, other=0.0)
+        vt = tl.load(_tile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
+        tl.store(_tile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
     if GATE == 1:
-        G, Glo = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+        G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
         Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
         Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
         kl = kt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
         S = S * tl.exp(Gl + Gll)
     elif GATE == 2:
-        G, _ = _load_gates(gc, gcl, rows, rmask, last, i_h, dk, mk, H, K, GATE)
+        G, _ = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
         Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
         kl = kt * tl.exp(Gl[None, :] - G)
         S = S * tl.exp(Gl)[:, None]
@@ -115,7 +114,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
     dv = i_v * BV + tl.arange(0, BV)
     vmask = dv < V
     smask = kmask[:, None] & vmask[None, :]
-    kv_off = dk[:, None].to(tl.int64) * V + dv[None, :]
+    kv_off = dk[:, None] * V + dv[None, :]   # 32-bit: K V <= 65536; the bases are 64-bit
     rr = tl.arange(0, BT)
     zf = tl.zeros([BV], dtype=tl.int8)
     if PART == 0:
@@ -128,16 +127,16 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
         for c in range(0, nch):
             cid = (c_first + c).to(tl.int64)
             t0 = bos + c * BT
-            rows = (t0 + rr).to(tl.int64)
-            rmask = rows < eos
-            last = rows == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
-            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv, vmask,
+            r0 = t0.to(tl.int64) * H + i_h
+            rmask = t0 + rr < eos
+            last = t0 + rr == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
+            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
                                    H, K, V, GATE, DELTA, BIG, SBIG, MODE)
             ok = ok & alive
             tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty),
                      mask=_and(smask, ok))
             tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, ok))
-            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask, dv,
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, dv,
                               vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
@@ -154,15 +153,15 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             for c in range(c0, nch):
                 cid = (c_first + c).to(tl.int64)
                 t0 = bos + c * BT
-                rows = (t0 + rr).to(tl.int64)
-                rmask = rows < eos
-                last = rows == tl.minimum(t0 + BT, eos) - 1
-                ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, rows, rmask, i_h, cid, dk, kmask, dv,
+                r0 = t0.to(tl.int64) * H + i_h
+                rmask = t0 + rr < eos
+                last = t0 + rr == tl.minimum(t0 + BT, eos) - 1
+                ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
                                        vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
-                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, rows, rmask, last, i_h, dk, kmask,
+                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask,
                                      dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
                 else:   # float64 steps, the state kept fp32 between them
                     S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
