@@ -47,12 +47,29 @@ def _seq(n, T, cu, coff, C: tl.constexpr, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _chunk_rows(cid, ih, T, H, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """A chunk-parallel program's rows: (sequence, chunk within it, first token, end token,
-    row index [C], token [C], row valid [C], int64 row of a [.., H, ..] tensor [C, 1])."""
+    row index [C], token [C], row valid [C], and the chunk's rows of a [.., H, ..] tensor as
+    `_at` takes them: its 64-bit base row and 32-bit offsets [C, 1])."""
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
     rows = tl.arange(0, C)
     tok = bos + ic * C + rows
     rv = tok < eos
-    return n, ic, bos, eos, rows, tok, rv, tok[:, None].to(tl.int64) * H + ih
+    r0, tq = _chunk_base(bos + ic * C, rows, ih, H)
+    return n, ic, bos, eos, rows, tok, rv, r0, tq
+
+
+@triton.jit
+def _chunk_base(t0, rows, ih, H):
+    """(base row, row offsets [C, 1]) of the chunk from token t0 at head ih in a [.., H, ..]
+    tensor, as `_at` takes them."""
+    return t0.to(tl.int64) * H + ih, rows[:, None] * H
+
+
+@triton.jit
+def _at(ptr, r0, tq, cols, W):
+    """Pointers to a chunk's rows r0 + tq and columns `cols` of a tensor seen as rows W wide:
+    the 64-bit base r0 added once, the offsets inside the chunk 32-bit (C H W < 2^31).  An
+    int64 offset per element costs two registers and two integer operations each."""
+    return (ptr + r0 * W) + (tq * W + cols[None, :])
 
 
 @triton.jit
@@ -60,7 +77,7 @@ def _seq_tile(inh, iv, T, H, K, V, cu, coff, C: tl.constexpr, BK: tl.constexpr, 
               IS_VARLEN: tl.constexpr):
     """A sequential program's sequence and [BK, BV] state tile: (sequence, head, first token, end token,
     first chunk's global id, row index [C], key index [BK], key valid, value index [BV],
-    value valid, tile valid [BK, BV], int64 offset in a [K, V] state [BK, BV])."""
+    value valid, tile valid [BK, BV], offset in a [K, V] state [BK, BV], 32-bit: K V <= 2^16)."""
     n = inh // H
     bos, eos, cbase = _seq(n, T, cu, coff, C, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -68,7 +85,7 @@ def _seq_tile(inh, iv, T, H, K, V, cu, coff, C: tl.constexpr, BK: tl.constexpr, 
     cv = iv * BV + tl.arange(0, BV)
     mv = cv < V
     return (n, inh % H, bos, eos, cbase, tl.arange(0, C), ck, mk, cv, mv, mk[:, None] & mv[None, :],
-            ck[:, None].to(tl.int64) * V + cv[None, :])
+            ck[:, None] * V + cv[None, :])
 
 
 def chunk_plan(cu_seqlens, B: int, T: int, C: int):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import _coords
+from gdn.bwd_chunks import _at, _chunk_base, _coords
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
         ck = tl.arange(0, BK)
         mk = ck < K
         mqk = rv[:, None] & mk[None, :]
-        tq = tok[:, None].to(tl.int64) * H + ih
+        r0, tq = _chunk_base(t0, rows, ih, H)
         acc_dq = tl.zeros([C, BK], dtype=tl.float64)
         acc_dk = tl.zeros([C, BK], dtype=tl.float64)
         acc_dgv = tl.zeros([C, BK], dtype=tl.float64)
@@ -101,7 +101,7 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
             cv = iv * BV + tl.arange(0, BV)
             mv = cv < V
             mkv = mk[:, None] & mv[None, :]
-            offkv = ck[:, None].to(tl.int64) * V + cv[None, :]
+            offkv = ck[:, None] * V + cv[None, :]
             h = tl.load(hs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
             dS = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
             for s in range(0, te - t0):
@@ -154,12 +154,12 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
                 acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)
                 acc_dk += tl.where(rows[:, None] == r, dkt[None, :], 0.)
                 tl.store(dv + tt * V + cv, _rounded(dvt, dv), mask=mv)
-        tl.store(dq + tq * K + ck[None, :], _rounded(acc_dq * scale, dq), mask=mqk)
-        tl.store(dk + tq * K + ck[None, :], _rounded(acc_dk, dk), mask=mqk)
+        tl.store(_at(dq, r0, tq, ck, K), _rounded(acc_dq * scale, dq), mask=mqk)
+        tl.store(_at(dk, r0, tq, ck, K), _rounded(acc_dk, dk), mask=mqk)
         if GATE == 1:
             tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg, dg), mask=rv)
         elif GATE == 2:
-            tl.store(dg + tq * K + ck[None, :], _rounded(acc_dgv, dg), mask=mqk)
+            tl.store(_at(dg, r0, tq, ck, K), _rounded(acc_dgv, dg), mask=mqk)
         if DELTA:
             tl.store(dbeta + tok.to(tl.int64) * H + ih, _rounded(acc_db, dbeta), mask=rv)
 

@@ -228,13 +228,15 @@ def _cuda_alive():
         return False
 
 
-def forward_profile_stage(rep):
-    """Our forward per kernel (torch profiler), bf16 KDA then GDN at B8 T4096 H16 K=V=128,
-    with the state kernel's autotune pick.  A row that fails is written with its traceback;
+def forward_profile_stage(rep, members=("KDA", "GDN")):
+    """Our forward per kernel (torch profiler), bf16 KDA then GDN (or the named ``members``) at
+    B8 T4096 H16 K=V=128, with the state kernel's autotune pick.  A row that fails is written with its traceback;
     a failure that loses the CUDA context ends the stage with a row that says so."""
     rep.add("### Forward per kernel (bf16, B8 T4096 H16 K=V=128; do_bench median; torch "
             "profiler, mean of 5)\n\n| member | fwd ms | per kernel ms |\n| --- | --- | --- |")
     for gate, delta in (("vector", True), ("scalar", True)):
+        if NAMES[gate, delta] not in members:
+            continue
         q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
         print(f"(fwdprof: {NAMES[gate, delta]} running)", flush=True)
         row, ran = profile_row(NAMES[gate, delta], lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta),
@@ -253,6 +255,7 @@ def main():
     ap.add_argument("--stages", default="fwd,bwd",
                     help="comma-separated: fwd, bwd, bwdprof, fwdprof (ours per kernel), "
                          "flaprof (fla per kernel)")
+    ap.add_argument("--members", default="KDA,GDN", help="fwdprof: the members to profile")
     args = ap.parse_args()
     stages = set(args.stages.split(","))
     t_start = time.time()
@@ -273,7 +276,7 @@ def main():
         backward_profile_stage(rep)
         rep.add("")
     if "fwdprof" in stages:
-        forward_profile_stage(rep)
+        forward_profile_stage(rep, args.members.split(","))
         rep.add("")
     if "flaprof" in stages and fla is not None:
         fla_profile_stage(rep, fla)
