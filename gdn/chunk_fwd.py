@@ -77,7 +77,9 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # The output kernel's launch: V tile width (at least 64, see chunk_gdn_fwd; at most the next
 # power of 2 of V) and warps.  GDN_FWD_OUT overrides it for device bring-up, e.g.
-# '{"bv": 128, "warps": 8}' (one V tile at V 128: q k^T once per chunk, not once per tile).
+# '{"bv": 128, "warps": 8}' (one V tile at V 128: q k^T once per chunk, not once per tile), and
+# "maxnreg" caps its registers (e.g. 128: four programs of 4 warps an SM instead of three), and
+# "bk" runs the matrix part's K in a pipelined loop of slices that wide (e.g. 64).
 OUT_LAUNCH = {"bv": 64, "warps": 4}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
@@ -293,6 +295,15 @@ def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _and(mask, ok):
+    """mask & ok for a scalar ok, as a store mask.  (`mask & ok` alone is int32 under Triton
+    3.9's interpreter, which refuses it as a mask; tl.where(ok, mask, False) is the suspect of
+    stores past the tensors' ends on the H200 with Triton 3.6: V=16 with 64-wide state
+    tiles faulted, and o came out wrong at T=100.)"""
+    return (mask & ok) != 0
+
+
+@triton.jit
 def _forced(ok, MODE: tl.constexpr):
     """The path decision under the bring-up switch GDN_FWD_MODE (1: matrix, 2: exact)."""
     if MODE == 1:
@@ -308,7 +319,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
                 PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-                PART: tl.constexpr):
+                PART: tl.constexpr, BKS: tl.constexpr):
     """The parallel part, per (V tile, chunk, head): o = scale (Gamma q) S + (q k^T decay)
     v_new with S the stored state entering the chunk (PART 0, which marks in oflag the tiles
     it left); token by token from that state where the state pass stepped the chunk (xflag)
@@ -335,7 +346,34 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
         mv = rmask[:, None] & vmask[None, :]
         cid = i_c.to(tl.int64)
         hbase = (cid * H + i_h) * K * V
-        if PART == 0:
+        if PART == 0 and BKS < BK:
+            # K in BKS-wide slices (no vector gate), a pipelined loop: q S and q k^T summed over
+            # the slices, the scalar gate's factors applied to the fp32 sums
+            acc = tl.zeros([BT, BV], dtype=tl.float32)
+            Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+            nbad = tl.max(tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0).to(tl.int32))
+            for ks in range(0, BK // BKS):
+                dks = ks * BKS + tl.arange(0, BKS)
+                mks = rmask[:, None] & (dks < K)[None, :]
+                qs = tl.load(_tile(q, r0, rr, dks, K, H), mask=mks, other=0.0)
+                kss = tl.load(_tile(k, r0, rr, dks, K, H), mask=mks, other=0.0)
+                Ss = tl.load(hs + hbase + (dks[:, None] * V + dv[None, :]),
+                             mask=(dks < K)[:, None] & vmask[None, :], other=0.0)
+                nbad += tl.where(_all_within(qs, BIG), 0, 1)
+                Aqk += _odot(qs, tl.trans(kss), DT, PREC)
+                acc += _odot(qs, Ss, DT, PREC)
+            ok = _forced(nbad == 0, MODE)
+            tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
+            causal = rr[:, None] >= rr[None, :]
+            if GATE == 1:
+                G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
+                Aqk = Aqk * tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
+                acc = acc * tl.exp(G + Glo)[:, None]
+            Aqk = tl.where(causal, Aqk, 0.0)
+            vt = tl.load(_tile(vn if DELTA else v, r0, rr, dv, V, H), mask=mv, other=0.0)
+            ot = (acc + _odot(Aqk, vt, DT, PREC)) * scale
+            tl.store(_tile(o, r0, rr, dv, V, H), ot.to(o.dtype.element_ty), mask=_and(mv, ok))
+        elif PART == 0:
             S = tl.load(hs + hbase + (dk[:, None] * V + dv[None, :]), mask=smask, other=0.0)
             qt = tl.load(_tile(q, r0, rr, dk, K, H), mask=mk, other=0.0)
             xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
@@ -483,8 +521,11 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     fwd_state.launch_state(state_args, N * H, **state_kw)
     BVO = max(BVP, min(OUT_LAUNCH["bv"], _pow2(V)))
     oflag = torch.empty(triton.cdiv(V, BVO), NC, H, dtype=torch.int8, device=dev)
+    cap = {"maxnreg": OUT_LAUNCH["maxnreg"]} if OUT_LAUNCH.get("maxnreg") and not INTERPRET else {}
+    # K slices of the matrix part: OUT_LAUNCH["bk"] wide where set (not with the vector gate)
+    BKS = BK if gate == 2 or not OUT_LAUNCH.get("bk") else min(BK, max(16, OUT_LAUNCH["bk"]))
     for part in (0, 1):
         _out_kernel[(triton.cdiv(V, BVO), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce,
-                                                  scale, T, max(NT, 1), BV=BVO, PART=part,
-                                                  num_warps=OUT_LAUNCH["warps"], **common)
+                                                  scale, T, max(NT, 1), BV=BVO, PART=part, BKS=BKS,
+                                                  num_warps=OUT_LAUNCH["warps"], **cap, **common)
     return o, (hT if output_final_state else None)

@@ -14,7 +14,7 @@ import zlib
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import INTERPRET, _all_within, _exact_chunk, _forced, _load_gates, _odot, _tile
+from gdn.chunk_fwd import INTERPRET, _all_within, _and, _exact_chunk, _forced, _load_gates, _odot, _tile
 
 
 @triton.jit
@@ -23,15 +23,6 @@ def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
     if IS_VARLEN:
         return tl.load(cu + i_n), tl.load(cu + i_n + 1), tl.load(choff + i_n)
     return i_n * T, i_n * T + T, i_n * NT
-
-
-@triton.jit
-def _and(mask, ok):
-    """mask & ok for a scalar ok, as a store mask.  (`mask & ok` alone is int32 under Triton
-    3.9's interpreter, which refuses it as a mask; tl.where(ok, mask, False) is the suspect of
-    stores past the tensors' ends on the H200 with Triton 3.6: V=16 with 64-wide state
-    tiles faulted, and o came out wrong at T=100.)"""
-    return (mask & ok) != 0
 
 
 @triton.jit

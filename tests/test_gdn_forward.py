@@ -316,3 +316,23 @@ def test_output_kernel_at_128_wide_tiles_matches_oracle(monkeypatch, gate, delta
     o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
     assert_same_nonfinite(o2, o)
     assert_same_nonfinite(s2, s)
+
+
+@pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)], ids=["scalar-delta", "none-linear"])
+def test_output_kernel_in_k_slices_matches_oracle(monkeypatch, gate, delta):
+    """The output kernel's matrix part in K slices (OUT_LAUNCH "bk", GDN_FWD_OUT on the device):
+    K 48 in 16-wide slices (the last 16 of BK 64 masked) gives the oracle's answer, and with a
+    NaN in v (a chunk the state pass steps token by token, which the slices' part must leave
+    to the exact part) and one in q, the oracle's NaN/Inf sets."""
+    import gdn.chunk_fwd as cf
+    monkeypatch.setitem(cf.OUT_LAUNCH, "bk", 16)
+    x = make_inputs(gate, delta, B=1, T=70, H=2, K=48, V=24, seed=6)
+    o, s = call(recurrence, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    assert rel(o2, o) < BOUND[torch.float32] and rel(s2, s) < BOUND[torch.float32]
+    inject(x, "v", float("nan"))
+    inject(x, "q", float("nan"))
+    o, s = call(recurrence, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)

@@ -21,6 +21,7 @@ every stage, so a run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -228,23 +229,32 @@ def _cuda_alive():
         return False
 
 
-def forward_profile_stage(rep, members=("KDA", "GDN")):
+def forward_profile_stage(rep, members=("KDA", "GDN"), out_launches=({},)):
     """Our forward per kernel (torch profiler), bf16 KDA then GDN (or the named ``members``) at
-    B8 T4096 H16 K=V=128, with the state kernel's autotune pick.  A row that fails is written with its traceback;
-    a failure that loses the CUDA context ends the stage with a row that says so."""
+    B8 T4096 H16 K=V=128, with the state kernel's autotune pick, once for each of
+    ``out_launches`` (overrides of gdn.chunk_fwd.OUT_LAUNCH, the output kernel's launch; {}:
+    the default).  A row that fails is written with its traceback; a failure that loses the
+    CUDA context ends the stage with a row that says so."""
     rep.add("### Forward per kernel (bf16, B8 T4096 H16 K=V=128; do_bench median; torch "
             "profiler, mean of 5)\n\n| member | fwd ms | per kernel ms |\n| --- | --- | --- |")
+    default = dict(fwd.OUT_LAUNCH)
     for gate, delta in (("vector", True), ("scalar", True)):
         if NAMES[gate, delta] not in members:
             continue
         q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
-        print(f"(fwdprof: {NAMES[gate, delta]} running)", flush=True)
-        row, ran = profile_row(NAMES[gate, delta], lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta),
-                               note=lambda: f"; state config {getattr(fwd_state._state, 'best_config', None)}")
-        rep.add(row)
-        if not ran and not _cuda_alive():
-            rep.add("\nThe CUDA context is lost after this failure: the rows after it were not run.")
-            return
+        for launch in out_launches:
+            fwd.OUT_LAUNCH.clear()
+            fwd.OUT_LAUNCH.update(default, **launch)
+            label = NAMES[gate, delta] + (f", out {launch}" if launch else "")
+            print(f"(fwdprof: {label} running)", flush=True)
+            row, ran = profile_row(label, lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta),
+                                   note=lambda: f"; state config {getattr(fwd_state._state, 'best_config', None)}")
+            rep.add(row)
+            if not ran and not _cuda_alive():
+                rep.add("\nThe CUDA context is lost after this failure: the rows after it were not run.")
+                return
+    fwd.OUT_LAUNCH.clear()
+    fwd.OUT_LAUNCH.update(default)
 
 
 def main():
@@ -256,6 +266,8 @@ def main():
                     help="comma-separated: fwd, bwd, bwdprof, fwdprof (ours per kernel), "
                          "flaprof (fla per kernel)")
     ap.add_argument("--members", default="KDA,GDN", help="fwdprof: the members to profile")
+    ap.add_argument("--out-launches", default="[{}]",
+                    help='fwdprof: JSON list of output-kernel launches to profile, e.g. \'[{}, {"bk": 64}]\'')
     args = ap.parse_args()
     stages = set(args.stages.split(","))
     t_start = time.time()
@@ -276,7 +288,7 @@ def main():
         backward_profile_stage(rep)
         rep.add("")
     if "fwdprof" in stages:
-        forward_profile_stage(rep, args.members.split(","))
+        forward_profile_stage(rep, args.members.split(","), json.loads(args.out_launches))
         rep.add("")
     if "flaprof" in stages and fla is not None:
         fla_profile_stage(rep, fla)

@@ -37,7 +37,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1,
-              aligned=()) -> dict:
+              aligned=(), maxnreg=None) -> dict:
     """Compile `fn` for sm_90 and return its resource usage.  `aligned`: the arguments a launch
     would specialize as divisible by 16 (pointers from torch, integers that are multiples of 16);
     without the hint every offset built from a runtime integer is assumed unaligned, loads are
@@ -47,7 +47,8 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+                       options={"num_warps": num_warps, "num_stages": num_stages,
+                                **({"maxnreg": maxnreg} if maxnreg else {})})
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
@@ -83,6 +84,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     lowp = gate != 2   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
+    bks = common["BK"] if gate == 2 or not cf.OUT_LAUNCH.get("bk") else min(common["BK"], cf.OUT_LAUNCH["bk"])
     for label, fn, sig, const, warps, stages in (
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.INV_WARPS), fp.INV_WARPS, 1),
@@ -94,10 +96,10 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
              dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=max(64, min(cf.OUT_LAUNCH["bv"], V)), DT=tl.bfloat16, PART=0, **dt),
-             cf.OUT_LAUNCH["warps"], 1),
+             dict(common, BV=max(64, min(cf.OUT_LAUNCH["bv"], V)), DT=tl.bfloat16, PART=0, BKS=bks, **dt),
+             cf.OUT_LAUNCH["warps"], 3),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=max(64, min(cf.OUT_LAUNCH["bv"], V)), DT=tl.bfloat16, PART=1, **dt),
+             dict(common, BV=max(64, min(cf.OUT_LAUNCH["bv"], V)), DT=tl.bfloat16, PART=1, BKS=bks, **dt),
              cf.OUT_LAUNCH["warps"], 1)):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
@@ -156,6 +158,7 @@ def main():
                     help="compile without the launch's divisibility-by-16 hints (numbers before 2026-11-30)")
     ap.add_argument("--warps", type=int, default=0,
                     help="compile with this many warps instead of the launch's")
+    ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (Triton's maxnreg)")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -164,7 +167,7 @@ def main():
         if a.only not in label:
             continue
         warps = a.warps or warps
-        r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned)
+        r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned, a.maxnreg or None)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
               f"{r['convert_layout']} | {r['local_alloc']} |", flush=True)
 
