@@ -75,12 +75,18 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
-# The output kernel's launch: V tile width (at least 64, see chunk_gdn_fwd; at most the next
-# power of 2 of V) and warps.  GDN_FWD_OUT overrides it for device bring-up, e.g.
-# '{"bv": 128, "warps": 8}' (one V tile at V 128: q k^T once per chunk, not once per tile), and
-# "maxnreg" caps its registers (e.g. 128: four programs of 4 warps an SM instead of three), and
-# "bk" runs the matrix part's K in a pipelined loop of slices that wide (e.g. 64).
-OUT_LAUNCH = {"bv": 64, "warps": 4}
+# The output kernel's launch (`out_launch`).  Where K is wider than OUT_LAUNCH["bk"] (and the
+# gate is not a vector one, whose 16-token chunks keep one product), its matrix part runs K in
+# a pipelined loop of slices that wide, with OUT_LAUNCH's V tile width and warps; else K in one
+# piece, with OUT_LAUNCH_WHOLE's.  "bv" is at least 64 (see chunk_gdn_fwd) and at most the next
+# power of 2 of V; "maxnreg" (optional) caps the registers a thread.  On the H200 (Triton 3.6,
+# bf16 GDN B8 T4096 H16 K=V=128, session 8) the output kernel took 0.306 ms sliced at
+# {"bk": 64, "bv": 128, "warps": 8} (q k^T once per chunk, 124 registers at sm_90 offline),
+# against 0.511 whole at {"bv": 64, "warps": 4} (184 registers, two programs an SM), 0.577
+# whole at 128/8, 0.363 at bk 64 with 64/4, 0.490 at bk 64 with 64/8, 0.394 at bk 32 with
+# 64/4.  GDN_FWD_OUT overrides OUT_LAUNCH for device bring-up ('{"bk": 0}': never sliced).
+OUT_LAUNCH = {"bk": 64, "bv": 128, "warps": 8}
+OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
 # the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact
@@ -418,6 +424,19 @@ def _pow2(n):
     return max(16, triton.next_power_of_2(n))
 
 
+def out_launch(BK: int, V: int, gate: int) -> dict:
+    """The output kernel's launch at these sizes (see OUT_LAUNCH): BV, BKS, num_warps and,
+    where one is set (not under the interpreter), maxnreg."""
+    bk = OUT_LAUNCH.get("bk") or 0
+    sliced = gate != 2 and 0 < bk < BK
+    la = OUT_LAUNCH if sliced else OUT_LAUNCH_WHOLE
+    out = {"BV": max(64, min(la["bv"], _pow2(V))), "BKS": max(16, bk) if sliced else BK,
+           "num_warps": la["warps"]}
+    if la.get("maxnreg") and not INTERPRET:
+        out["maxnreg"] = la["maxnreg"]
+    return out
+
+
 def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                   output_final_state=True, cu_seqlens=None, delta=True):
     """The GDN-family forward.  q, k [B,T,H,K], v [B,T,H,V] (one dtype of bf16,
@@ -519,13 +538,10 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                     **common)
     from gdn import fwd_state   # here: gdn.fwd_state imports this module's helpers
     fwd_state.launch_state(state_args, N * H, **state_kw)
-    BVO = max(BVP, min(OUT_LAUNCH["bv"], _pow2(V)))
-    oflag = torch.empty(triton.cdiv(V, BVO), NC, H, dtype=torch.int8, device=dev)
-    cap = {"maxnreg": OUT_LAUNCH["maxnreg"]} if OUT_LAUNCH.get("maxnreg") and not INTERPRET else {}
-    # K slices of the matrix part: OUT_LAUNCH["bk"] wide where set (not with the vector gate)
-    BKS = BK if gate == 2 or not OUT_LAUNCH.get("bk") else min(BK, max(16, OUT_LAUNCH["bk"]))
+    launch = out_launch(BK, V, gate)
+    oflag = torch.empty(triton.cdiv(V, launch["BV"]), NC, H, dtype=torch.int8, device=dev)
     for part in (0, 1):
-        _out_kernel[(triton.cdiv(V, BVO), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce,
-                                                  scale, T, max(NT, 1), BV=BVO, PART=part, BKS=BKS,
-                                                  num_warps=OUT_LAUNCH["warps"], **cap, **common)
+        _out_kernel[(triton.cdiv(V, launch["BV"]), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o,
+                                                           cb, ce, scale, T, max(NT, 1), PART=part,
+                                                           **launch, **common)
     return o, (hT if output_final_state else None)

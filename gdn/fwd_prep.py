@@ -32,6 +32,8 @@ Refuses nothing of its own: `gdn.chunk_fwd.chunk_gdn_fwd` checks the inputs.
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -173,12 +175,59 @@ def _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
 
 
 @triton.jit
+def _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
+             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+             GATE: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
+             INTERP: tl.constexpr):
+    """Every w tile (i_s 0) or every u tile (i_s 1) of a chunk, in a loop over the BV-wide
+    tiles: T diag(beta Gamma) or T diag(beta) scaled and split (LOWP) once, then per tile the
+    products as `_wu_tile` forms them.  A u tile with a value over BIG clears the flag."""
+    rr = tl.arange(0, BT)
+    cb = tl.arange(0, BV)
+    sc = tl.load(beta + row0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
+    if i_s == 0 and GATE == 1:
+        sc = sc * tl.exp(tl.load(gc + row0 + rr * H, mask=rmask, other=0.0))
+    Ts = Tm * sc[None, :]
+    hi = Ts
+    if LOWP:
+        hi = Ts.to(tl.bfloat16).to(tl.float32)
+    lo = Ts - hi
+    if i_s == 0:
+        for j in range(0, (K + BV - 1) // BV):
+            m2 = rmask[:, None] & (j * BV + cb[None, :] < K)
+            kx = rr[:, None] * (H * K) + j * BV + cb[None, :]
+            kt = tl.load(k + row0 * K + kx, mask=m2, other=0.0)
+            if GATE == 2:
+                kt = kt.to(tl.float32) * tl.exp(tl.load(gc + row0 * K + kx, mask=m2, other=0.0))
+            if LOWP:
+                wt = _bdot(hi, kt, True, INTERP, PREC) + _bdot(lo, kt, True, INTERP, PREC)
+            else:
+                wt = tl.dot(Ts, kt.to(tl.float32), input_precision=PREC)
+            tl.store(w + row0 * K + kx, wt.to(w.dtype.element_ty), mask=m2)
+    else:
+        nbad = 0
+        for j in range(0, (V + BV - 1) // BV):
+            mv = rmask[:, None] & (j * BV + cb[None, :] < V)
+            vx = rr[:, None] * (H * V) + j * BV + cb[None, :]
+            vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
+            if LOWP:
+                ut = _bdot(hi, vt, True, INTERP, PREC) + _bdot(lo, vt, True, INTERP, PREC)
+            else:
+                ut = tl.dot(Ts, vt.to(tl.float32), input_precision=PREC)
+            tl.store(u + row0 * V + vx, ut.to(u.dtype.element_ty), mask=mv)
+            nbad += tl.where(_all_within(vt, BIG), 0, 1)
+        if nbad > 0:
+            tl.store(flag + i_c * H + i_h, 0)   # the one writer of a 0 in the u program
+
+
+@triton.jit
 def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
-    """The WY prep, part 2 (`_wu_tile`): one BV-wide tile of w or u per program (grid: tiles,
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, SIDES: tl.constexpr):
+    """The WY prep, part 2: one BV-wide tile of w or u per program (`_wu_tile`; grid: tiles,
+    chunks, heads), or with SIDES all of w or all of u per program (`_wu_side`; grid: 2,
     chunks, heads)."""
     i_t, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
@@ -188,12 +237,19 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     rr = tl.arange(0, BT)
     rmask = bos + rr < eos
     Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
-    _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-             GATE, PREC, BIG, LOWP, INTERP)
+    if SIDES:
+        _wu_side(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+                 GATE, PREC, BIG, LOWP, INTERP)
+    else:
+        _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+                 GATE, PREC, BIG, LOWP, INTERP)
 
 
 INV_WARPS = 4   # offline sm_90 at the bench shape: 154 registers, no spill, 3 programs an SM
 WU_WARPS = 4    # 106 registers; on the H200 8 warps took 0.615 ms against 0.305 at 4
+# w and u by side (all of w, all of u: T read twice a chunk, not once a tile), a bring-up
+# switch for the device (GDN_WU_SIDES=1)
+WU_SIDES = os.environ.get("GDN_WU_SIDES") == "1"
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
@@ -201,6 +257,6 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     NC, H = flag.shape
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               W=max(32 * INV_WARPS, prep["BT"]), num_warps=INV_WARPS, **prep)
-    tiles = triton.cdiv(prep["K"], BV) + triton.cdiv(V, BV)
+    tiles = 2 if WU_SIDES else triton.cdiv(prep["K"], BV) + triton.cdiv(V, BV)
     _prep_wu_kernel[(tiles, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                    LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)
+                                    LOWP=lowp, INTERP=interp, SIDES=WU_SIDES, num_warps=WU_WARPS, **prep)

@@ -9,6 +9,7 @@ the gate prefix and output kernels, and the module docstring with the NaN/Inf co
 """
 from __future__ import annotations
 
+import os
 import zlib
 
 import triton
@@ -25,6 +26,20 @@ def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
     return i_n * T, i_n * T + T, i_n * NT
 
 
+# Bring-up switch (GDN_STATE_I64=1): the state kernel's tiles addressed with an int64 offset
+# per element, as before session 8 (0.347 ms at the bench shape on the H200 in session 6; with
+# 64-bit bases and 32-bit offsets 0.378 in session 8's call 1, 255 registers with Triton 3.6).
+STATE_I64 = tl.constexpr(os.environ.get("GDN_STATE_I64") == "1")
+
+
+@triton.jit
+def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
+    """`_tile`, or with STATE_I64 the same pointers from int64 offsets per element."""
+    if STATE_I64:
+        return ptr + ((r0 + rr * H)[:, None] * W + cols[None, :])
+    return _tile(ptr, r0, rr, cols, W, H)
+
+
 @triton.jit
 def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
@@ -32,13 +47,13 @@ def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmas
     """(ok, k tile fp32, v tile fp32 or None): whether the chunk's inputs and the state entering
     it admit the matrix path, with the tiles the check loaded."""
     mk = rmask[:, None] & kmask[None, :]
-    kt = tl.load(_tile(k, r0, rr, dk, K, H), mask=mk, other=0.0).to(tl.float32)
+    kt = tl.load(_stile(k, r0, rr, dk, K, H), mask=mk, other=0.0).to(tl.float32)
     ok = _all_within(S, SBIG)
     vt = kt
     if DELTA:
         ok = ok & (tl.load(flag + cid * H + i_h) != 0)
     else:
-        vt = tl.load(_tile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
+        vt = tl.load(_stile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
                      other=0.0).to(tl.float32)
         ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
     if GATE != 0:
@@ -55,9 +70,9 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, d
     mk = rmask[:, None] & kmask[None, :]
     mv = rmask[:, None] & vmask[None, :]
     if DELTA:
-        wt = tl.load(_tile(w, r0, rr, dk, K, H), mask=mk, other=0.0)
-        vt = tl.load(_tile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
-        tl.store(_tile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
+        wt = tl.load(_stile(w, r0, rr, dk, K, H), mask=mk, other=0.0)
+        vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
+        tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
     if GATE == 1:
         G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
         Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
@@ -105,7 +120,10 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
     dv = i_v * BV + tl.arange(0, BV)
     vmask = dv < V
     smask = kmask[:, None] & vmask[None, :]
-    kv_off = dk[:, None] * V + dv[None, :]   # 32-bit: K V <= 65536; the bases are 64-bit
+    if STATE_I64:
+        kv_off = dk[:, None].to(tl.int64) * V + dv[None, :]
+    else:
+        kv_off = dk[:, None] * V + dv[None, :]   # 32-bit: K V <= 65536; the bases are 64-bit
     rr = tl.arange(0, BT)
     zf = tl.zeros([BV], dtype=tl.int8)
     if PART == 0:

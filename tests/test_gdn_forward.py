@@ -302,11 +302,11 @@ def test_spread_takes_one_config_per_key_and_the_same_one_each_time(monkeypatch)
 
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)], ids=["scalar-delta", "none-linear"])
 def test_output_kernel_at_128_wide_tiles_matches_oracle(monkeypatch, gate, delta):
-    """The output kernel's launch knob (gdn.chunk_fwd.OUT_LAUNCH, GDN_FWD_OUT on the device):
+    """The output kernel's launch knob (gdn.chunk_fwd.OUT_LAUNCH_WHOLE, as OUT_LAUNCH for K slices):
     one 128-wide V tile at V 80 (48 columns masked), with a NaN sending one tile to the exact
     part, gives what the default two 64-wide tiles give."""
     import gdn.chunk_fwd as cf
-    monkeypatch.setitem(cf.OUT_LAUNCH, "bv", 128)
+    monkeypatch.setitem(cf.OUT_LAUNCH_WHOLE, "bv", 128)   # K 16: one piece
     x = make_inputs(gate, delta, B=1, T=70, H=2, K=16, V=80, seed=5)
     o, s = call(recurrence, x, delta=delta)
     o2, s2 = call(chunk_gdn_fwd, x, delta=delta)

@@ -84,23 +84,21 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     lowp = gate != 2   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
-    bks = common["BK"] if gate == 2 or not cf.OUT_LAUNCH.get("bk") else min(common["BK"], cf.OUT_LAUNCH["bk"])
+    out = cf.out_launch(common["BK"], V, gate)
     for label, fn, sig, const, warps, stages in (
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.INV_WARPS), fp.INV_WARPS, 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
-             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.WU_WARPS, 1),
+             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, SIDES=fp.WU_SIDES), fp.WU_WARPS, 3),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
              dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=tl.bfloat16, **dt), 4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
              dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=max(64, min(cf.OUT_LAUNCH["bv"], V)), DT=tl.bfloat16, PART=0, BKS=bks, **dt),
-             cf.OUT_LAUNCH["warps"], 3),
+             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=0, BKS=out["BKS"], **dt), out["num_warps"], 3),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=max(64, min(cf.OUT_LAUNCH["bv"], V)), DT=tl.bfloat16, PART=1, BKS=bks, **dt),
-             cf.OUT_LAUNCH["warps"], 1)):
+             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=1, BKS=out["BKS"], **dt), out["num_warps"], 3)):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
         yield (label, fn, sig, const, warps, stages, aligned)
