@@ -84,7 +84,9 @@ GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # {"bk": 64, "bv": 128, "warps": 8} (q k^T once per chunk, 124 registers at sm_90 offline),
 # against 0.511 whole at {"bv": 64, "warps": 4} (184 registers, two programs an SM), 0.577
 # whole at 128/8, 0.363 at bk 64 with 64/4, 0.490 at bk 64 with 64/8, 0.394 at bk 32 with
-# 64/4.  GDN_FWD_OUT overrides OUT_LAUNCH for device bring-up ('{"bk": 0}': never sliced).
+# 64/4.  GDN_FWD_OUT overrides OUT_LAUNCH for device bring-up ('{"bk": 0}': never sliced;
+# "stages": the loop's num_stages; "qg": the scalar gate scales q in the loop, as the whole
+# part does, not the fp32 sum after it).
 OUT_LAUNCH = {"bk": 64, "bv": 128, "warps": 8}
 OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
@@ -325,7 +327,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
                 PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-                PART: tl.constexpr, BKS: tl.constexpr):
+                PART: tl.constexpr, BKS: tl.constexpr, QG: tl.constexpr):
     """The parallel part, per (V tile, chunk, head): o = scale (Gamma q) S + (q k^T decay)
     v_new with S the stored state entering the chunk (PART 0, which marks in oflag the tiles
     it left); token by token from that state where the state pass stepped the chunk (xflag)
@@ -358,6 +360,9 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             acc = tl.zeros([BT, BV], dtype=tl.float32)
             Aqk = tl.zeros([BT, BT], dtype=tl.float32)
             nbad = tl.max(tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0).to(tl.int32))
+            if GATE == 1:
+                G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
+                eq = tl.exp(G + Glo)
             for ks in range(0, BK // BKS):
                 dks = ks * BKS + tl.arange(0, BKS)
                 mks = rmask[:, None] & (dks < K)[None, :]
@@ -367,14 +372,17 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                              mask=(dks < K)[:, None] & vmask[None, :], other=0.0)
                 nbad += tl.where(_all_within(qs, BIG), 0, 1)
                 Aqk += _odot(qs, tl.trans(kss), DT, PREC)
-                acc += _odot(qs, Ss, DT, PREC)
+                if GATE == 1 and QG:
+                    acc += _odot(qs * eq[:, None], Ss, DT, PREC)
+                else:
+                    acc += _odot(qs, Ss, DT, PREC)
             ok = _forced(nbad == 0, MODE)
             tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
             causal = rr[:, None] >= rr[None, :]
             if GATE == 1:
-                G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
                 Aqk = Aqk * tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
-                acc = acc * tl.exp(G + Glo)[:, None]
+                if not QG:
+                    acc = acc * eq[:, None]
             Aqk = tl.where(causal, Aqk, 0.0)
             vt = tl.load(_tile(vn if DELTA else v, r0, rr, dv, V, H), mask=mv, other=0.0)
             ot = (acc + _odot(Aqk, vt, DT, PREC)) * scale
@@ -431,9 +439,10 @@ def out_launch(BK: int, V: int, gate: int) -> dict:
     sliced = gate != 2 and 0 < bk < BK
     la = OUT_LAUNCH if sliced else OUT_LAUNCH_WHOLE
     out = {"BV": max(64, min(la["bv"], _pow2(V))), "BKS": max(16, bk) if sliced else BK,
-           "num_warps": la["warps"]}
-    if la.get("maxnreg") and not INTERPRET:
-        out["maxnreg"] = la["maxnreg"]
+           "num_warps": la["warps"], "QG": bool(la.get("qg"))}
+    for key, arg in (("maxnreg", "maxnreg"), ("stages", "num_stages")):
+        if la.get(key) and not INTERPRET:
+            out[arg] = la[key]
     return out
 
 

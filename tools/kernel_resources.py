@@ -96,9 +96,11 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
              dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=0, BKS=out["BKS"], **dt), out["num_warps"], 3),
+             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=0, BKS=out["BKS"], QG=out["QG"], **dt),
+             out["num_warps"], out.get("num_stages", 3)),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=1, BKS=out["BKS"], **dt), out["num_warps"], 3)):
+             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=1, BKS=out["BKS"], QG=out["QG"], **dt),
+             out["num_warps"], out.get("num_stages", 3))):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
         yield (label, fn, sig, const, warps, stages, aligned)

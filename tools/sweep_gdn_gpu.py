@@ -112,6 +112,7 @@ def main():
     ap.add_argument("--vs", default=",".join(map(str, VS)))
     ap.add_argument("--forward", action="store_true", help="sweep the forward instead")
     ap.add_argument("--tune", action="store_true", help="forward: autotune the state pass")
+    ap.add_argument("--gates", default="0,1,2", help="gate ids: 0 none, 1 scalar, 2 vector")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     vs = [int(x) for x in a.vs.split(",")]
@@ -129,7 +130,7 @@ def main():
         env["GDN_BWD_LAUNCH"] = a.launch
     if a.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    groups = [(gate, int(K)) for gate in (0, 1, 2) for K in a.ks.split(",")]
+    groups = [(int(gate), int(K)) for gate in a.gates.split(",") for K in a.ks.split(",")]
     running, ok = [], True
 
     def reap(p, label):
