@@ -84,9 +84,9 @@ GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # {"bk": 64, "bv": 128, "warps": 8} (q k^T once per chunk, 124 registers at sm_90 offline),
 # against 0.511 whole at {"bv": 64, "warps": 4} (184 registers, two programs an SM), 0.577
 # whole at 128/8, 0.363 at bk 64 with 64/4, 0.490 at bk 64 with 64/8, 0.394 at bk 32 with
-# 64/4.  GDN_FWD_OUT overrides OUT_LAUNCH for device bring-up ('{"bk": 0}': never sliced;
-# "stages": the loop's num_stages; "qg": the scalar gate scales q in the loop, as the whole
-# part does, not the fp32 sum after it).
+# 64/4 (the scalar gate applied after the loop; 0.321 as adopted, see _out_kernel).
+# GDN_FWD_OUT overrides OUT_LAUNCH for device bring-up ('{"bk": 0}': never sliced; "stages":
+# the loop's num_stages).
 OUT_LAUNCH = {"bk": 64, "bv": 128, "warps": 8}
 OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
@@ -281,22 +281,18 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
     return S
 
 
-# Which product dimensions the under-32 rule of _odot looks at: all three (the default, swept
-# on the H200), or with GDN_ODOT=n the output dimension N only (both faults seen had N = 16;
-# KDA's 16-token chunks would get their bf16 products back: fwd 3.591 -> 3.012 ms in session 6).
-# A device bring-up switch, read at import.
-ODOT_N_ONLY = tl.constexpr(os.environ.get("GDN_ODOT") == "n")
-
-
 @triton.jit
 def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     """A matrix product of the forward and backward kernels: bf16 operands for bf16 inputs on
-    GPUs (DT), fp32 ones at PREC otherwise and wherever a dimension is under 32.  bf16
-    products with a 16-wide dimension miscompiled on the H200 with Triton 3.6: the output
-    kernel at V <= 16 gave o 100% wrong (session 6), and the state kernel's 16-wide resume
-    tiles read shared memory out of bounds (compute-sanitizer, session 7: DeltaNet with a NaN
-    in v, "Invalid __shared__ read of size 512 bytes" here).  GDN_ODOT=n: N alone counts."""
-    narrow = b.shape[1] < 32 or (not ODOT_N_ONLY and (a.shape[0] < 32 or a.shape[1] < 32))
+    GPUs (DT), fp32 ones at PREC otherwise and wherever the output's N dimension is under 32.
+    bf16 products with N = 16 miscompiled on the H200 with Triton 3.6: the output kernel at
+    V <= 16 gave o 100% wrong (session 6), and the state kernel's 16-wide resume tiles read
+    shared memory out of bounds (compute-sanitizer, session 7: DeltaNet with a NaN in v,
+    "Invalid __shared__ read of size 512 bytes" here).  Session 7's rule also took fp32
+    operands where M or K was under 32; swept on the H200 without it (session 8: forward and
+    backward, every gate, K 16-184, V 1-80, bf16), it gave KDA's 16-token chunks their bf16
+    products back: forward 3.530 -> 3.087 ms at the bench shape."""
+    narrow = b.shape[1] < 32
     if DT == tl.float32 or narrow:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
     return tl.dot(a.to(DT), b.to(DT))
@@ -327,7 +323,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
                 PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-                PART: tl.constexpr, BKS: tl.constexpr, QG: tl.constexpr):
+                PART: tl.constexpr, BKS: tl.constexpr):
     """The parallel part, per (V tile, chunk, head): o = scale (Gamma q) S + (q k^T decay)
     v_new with S the stored state entering the chunk (PART 0, which marks in oflag the tiles
     it left); token by token from that state where the state pass stepped the chunk (xflag)
@@ -355,8 +351,11 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
         cid = i_c.to(tl.int64)
         hbase = (cid * H + i_h) * K * V
         if PART == 0 and BKS < BK:
-            # K in BKS-wide slices (no vector gate), a pipelined loop: q S and q k^T summed over
-            # the slices, the scalar gate's factors applied to the fp32 sums
+            # K in BKS-wide slices (no vector gate), a pipelined loop: (Gamma q) S and q k^T
+            # summed over the slices, the decay applied to q k^T after it.  (Gamma applied to
+            # the fp32 sum q S after the loop instead gave o up to 28% off on the H200 with
+            # Triton 3.6, bf16, scalar gate, K 128 and 184, at the default 3 stages; right at 1
+            # stage, or with Gamma on q as here: session 8, tools/sweep_gdn_gpu.py.)
             acc = tl.zeros([BT, BV], dtype=tl.float32)
             Aqk = tl.zeros([BT, BT], dtype=tl.float32)
             nbad = tl.max(tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0).to(tl.int32))
@@ -372,7 +371,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                              mask=(dks < K)[:, None] & vmask[None, :], other=0.0)
                 nbad += tl.where(_all_within(qs, BIG), 0, 1)
                 Aqk += _odot(qs, tl.trans(kss), DT, PREC)
-                if GATE == 1 and QG:
+                if GATE == 1:
                     acc += _odot(qs * eq[:, None], Ss, DT, PREC)
                 else:
                     acc += _odot(qs, Ss, DT, PREC)
@@ -381,8 +380,6 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             causal = rr[:, None] >= rr[None, :]
             if GATE == 1:
                 Aqk = Aqk * tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
-                if not QG:
-                    acc = acc * eq[:, None]
             Aqk = tl.where(causal, Aqk, 0.0)
             vt = tl.load(_tile(vn if DELTA else v, r0, rr, dv, V, H), mask=mv, other=0.0)
             ot = (acc + _odot(Aqk, vt, DT, PREC)) * scale
@@ -439,7 +436,7 @@ def out_launch(BK: int, V: int, gate: int) -> dict:
     sliced = gate != 2 and 0 < bk < BK
     la = OUT_LAUNCH if sliced else OUT_LAUNCH_WHOLE
     out = {"BV": max(64, min(la["bv"], _pow2(V))), "BKS": max(16, bk) if sliced else BK,
-           "num_warps": la["warps"], "QG": bool(la.get("qg"))}
+           "num_warps": la["warps"]}
     for key, arg in (("maxnreg", "maxnreg"), ("stages", "num_stages")):
         if la.get(key) and not INTERPRET:
             out[arg] = la[key]

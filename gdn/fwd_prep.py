@@ -14,8 +14,11 @@ and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
   summed axis over the warps: 107 barriers and 437 shuffles in the sm_90 SASS, against 28
   and 77 here.  The block merges are v5.2's (tf32 products).  A 16-token chunk (vector
   gate) keeps v5.2's substitution, leaner for one block (offline).
-- w and u one BV-wide tile a program: 106 registers at 4 warps (a chunk a program: 0.761 ms
-  on the H200; 8 warps: 0.615).
+- w and u by side, a program for all of w and one for all of u of a chunk, in a pipelined
+  loop over BV-wide tiles with T scaled and split once: 0.305 -> 0.211 ms on the H200
+  (session 8; T read twice a chunk, not once a tile; 96 registers at sm_90 offline).  One
+  tile a program (sessions 5-7) stalled on its loads at 4 programs an SM (ncu: L1TEX
+  scoreboard 53% of the stalls, 108 registers); a chunk a program, unpipelined: 0.761 ms.
 - For bf16 inputs and no gate or a scalar gate, products on bf16
   operands where that loses nothing: k k^T on the raw keys (each product exact in the fp32
   sum; the decay and beta scale the [BT, BT] result), and w, u as (T_hi + T_lo) k,
@@ -31,8 +34,6 @@ interpreter's own bf16 tl.dot is wrong.
 Refuses nothing of its own: `gdn.chunk_fwd.chunk_gdn_fwd` checks the inputs.
 """
 from __future__ import annotations
-
-import os
 
 import triton
 import triton.language as tl
@@ -50,16 +51,6 @@ def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return tl.dot(a, b)
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-
-
-@triton.jit
-def _split_dot(t, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
-    """t x with t fp32 and x exact in bf16 (LOWP): t = hi + lo in bf16, two bf16 products;
-    else one product on fp32 operands at PREC."""
-    if LOWP:
-        hi = t.to(tl.bfloat16).to(tl.float32)
-        return _bdot(hi, x, True, INTERP, PREC) + _bdot(t - hi, x, True, INTERP, PREC)
-    return tl.dot(t, x.to(tl.float32), input_precision=PREC)
 
 
 @triton.jit
@@ -142,46 +133,15 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
-def _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
-             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-             GATE: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
-             INTERP: tl.constexpr):
-    """Tile i_t of w (K tiles first) or u: w = (T diag(beta Gamma)) k, u = (T diag(beta)) v,
-    the diagonal scales on T's columns so that k and v enter the products as loaded.  A V
-    tile with a value over BIG clears the chunk's flag."""
-    rr = tl.arange(0, BT)
-    cb = tl.arange(0, BV)
-    sc = tl.load(beta + row0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
-    NK: tl.constexpr = (K + BV - 1) // BV
-    if i_t < NK:
-        m2 = rmask[:, None] & (i_t * BV + cb[None, :] < K)
-        kx = rr[:, None] * (H * K) + i_t * BV + cb[None, :]
-        kt = tl.load(k + row0 * K + kx, mask=m2, other=0.0)
-        if GATE == 1:
-            G = tl.load(gc + row0 + rr * H, mask=rmask, other=0.0)   # padding rows: T's columns are 0
-            sc = sc * tl.exp(G)
-        elif GATE == 2:
-            kt = kt.to(tl.float32) * tl.exp(tl.load(gc + row0 * K + kx, mask=m2, other=0.0))
-        tl.store(w + row0 * K + kx, _split_dot(Tm * sc[None, :], kt, LOWP, INTERP, PREC).to(w.dtype.element_ty),
-                 mask=m2)
-    else:
-        mv = rmask[:, None] & ((i_t - NK) * BV + cb[None, :] < V)
-        vx = rr[:, None] * (H * V) + (i_t - NK) * BV + cb[None, :]
-        vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
-        tl.store(u + row0 * V + vx, _split_dot(Tm * sc[None, :], vt, LOWP, INTERP, PREC).to(u.dtype.element_ty),
-                 mask=mv)
-        if not _all_within(vt, BIG):
-            tl.store(flag + i_c * H + i_h, 0)   # every writer writes 0: no race
-
-
-@triton.jit
 def _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
              GATE: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
              INTERP: tl.constexpr):
     """Every w tile (i_s 0) or every u tile (i_s 1) of a chunk, in a loop over the BV-wide
-    tiles: T diag(beta Gamma) or T diag(beta) scaled and split (LOWP) once, then per tile the
-    products as `_wu_tile` forms them.  A u tile with a value over BIG clears the flag."""
+    tiles: w = (T diag(beta Gamma)) k, u = (T diag(beta)) v, the diagonal scales on T's columns
+    so that k and v enter the products as loaded, T scaled and split once (LOWP: hi + lo in
+    bf16, two bf16 products a tile; else one product on fp32 operands at PREC).  A u tile with
+    a value over BIG clears the chunk's flag."""
     rr = tl.arange(0, BT)
     cb = tl.arange(0, BV)
     sc = tl.load(beta + row0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
@@ -225,11 +185,10 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, SIDES: tl.constexpr):
-    """The WY prep, part 2: one BV-wide tile of w or u per program (`_wu_tile`; grid: tiles,
-    chunks, heads), or with SIDES all of w or all of u per program (`_wu_side`; grid: 2,
-    chunks, heads)."""
-    i_t, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+    """The WY prep, part 2 (`_wu_side`): all of w or all of u per program (grid: 2, chunks,
+    heads)."""
+    i_s, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
     # int64 offset per element costs two registers each
@@ -237,19 +196,12 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     rr = tl.arange(0, BT)
     rmask = bos + rr < eos
     Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
-    if SIDES:
-        _wu_side(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-                 GATE, PREC, BIG, LOWP, INTERP)
-    else:
-        _wu_tile(i_t, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-                 GATE, PREC, BIG, LOWP, INTERP)
+    _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+             GATE, PREC, BIG, LOWP, INTERP)
 
 
 INV_WARPS = 4   # offline sm_90 at the bench shape: 154 registers, no spill, 3 programs an SM
-WU_WARPS = 4    # 106 registers; on the H200 8 warps took 0.615 ms against 0.305 at 4
-# w and u by side (all of w, all of u: T read twice a chunk, not once a tile), a bring-up
-# switch for the device (GDN_WU_SIDES=1)
-WU_SIDES = os.environ.get("GDN_WU_SIDES") == "1"
+WU_WARPS = 4    # 96 registers at sm_90 offline
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
@@ -257,6 +209,5 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     NC, H = flag.shape
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               W=max(32 * INV_WARPS, prep["BT"]), num_warps=INV_WARPS, **prep)
-    tiles = 2 if WU_SIDES else triton.cdiv(prep["K"], BV) + triton.cdiv(V, BV)
-    _prep_wu_kernel[(tiles, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                    LOWP=lowp, INTERP=interp, SIDES=WU_SIDES, num_warps=WU_WARPS, **prep)
+    _prep_wu_kernel[(2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
+                                LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)

@@ -9,13 +9,12 @@ the gate prefix and output kernels, and the module docstring with the NaN/Inf co
 """
 from __future__ import annotations
 
-import os
 import zlib
 
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import INTERPRET, _all_within, _and, _exact_chunk, _forced, _load_gates, _odot, _tile
+from gdn.chunk_fwd import INTERPRET, _all_within, _and, _exact_chunk, _forced, _load_gates, _odot
 
 
 @triton.jit
@@ -26,18 +25,13 @@ def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
     return i_n * T, i_n * T + T, i_n * NT
 
 
-# Bring-up switch (GDN_STATE_I64=1): the state kernel's tiles addressed with an int64 offset
-# per element, as before session 8 (0.347 ms at the bench shape on the H200 in session 6; with
-# 64-bit bases and 32-bit offsets 0.378 in session 8's call 1, 255 registers with Triton 3.6).
-STATE_I64 = tl.constexpr(os.environ.get("GDN_STATE_I64") == "1")
-
-
 @triton.jit
 def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
-    """`_tile`, or with STATE_I64 the same pointers from int64 offsets per element."""
-    if STATE_I64:
-        return ptr + ((r0 + rr * H)[:, None] * W + cols[None, :])
-    return _tile(ptr, r0, rr, cols, W, H)
+    """`gdn.chunk_fwd._tile`'s pointers from an int64 offset per element.  The state kernel's
+    tiles are addressed so: on the H200 (session 8, bench shape) its matrix part took 0.349 ms
+    against 0.379 with `_tile`'s 64-bit base and 32-bit offsets (255 registers either way
+    with Triton 3.6), where the output and prep kernels gained from `_tile`."""
+    return ptr + ((r0 + rr * H)[:, None] * W + cols[None, :])
 
 
 @triton.jit
@@ -120,10 +114,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
     dv = i_v * BV + tl.arange(0, BV)
     vmask = dv < V
     smask = kmask[:, None] & vmask[None, :]
-    if STATE_I64:
-        kv_off = dk[:, None].to(tl.int64) * V + dv[None, :]
-    else:
-        kv_off = dk[:, None] * V + dv[None, :]   # 32-bit: K V <= 65536; the bases are 64-bit
+    kv_off = dk[:, None].to(tl.int64) * V + dv[None, :]   # int64 per element, as `_stile`
     rr = tl.arange(0, BT)
     zf = tl.zeros([BV], dtype=tl.int8)
     if PART == 0:

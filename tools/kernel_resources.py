@@ -89,17 +89,17 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True):
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.INV_WARPS), fp.INV_WARPS, 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
-             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, SIDES=fp.WU_SIDES), fp.WU_WARPS, 3),
+             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.WU_WARPS, 3),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
              dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=tl.bfloat16, **dt), 4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
              dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=0, BKS=out["BKS"], QG=out["QG"], **dt),
+             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=0, BKS=out["BKS"], **dt),
              out["num_warps"], out.get("num_stages", 3)),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=1, BKS=out["BKS"], QG=out["QG"], **dt),
+             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=1, BKS=out["BKS"], **dt),
              out["num_warps"], out.get("num_stages", 3))):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
