@@ -75,8 +75,9 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
-# The output kernel's launch (`out_launch`).  Where K is wider than OUT_LAUNCH["bk"] (and the
-# gate is not a vector one, whose 16-token chunks keep one product), its matrix part runs K in
+# The output kernel's launch (`out_launch`).  For bf16 inputs where K is wider than
+# OUT_LAUNCH["bk"] (and the gate is not a vector one, whose 16-token chunks keep one
+# product), its matrix part runs K in
 # a pipelined loop of slices that wide, with OUT_LAUNCH's V tile width and warps; else K in one
 # piece, with OUT_LAUNCH_WHOLE's.  "bv" is at least 64 (see chunk_gdn_fwd) and at most the next
 # power of 2 of V; "maxnreg" (optional) caps the registers a thread.  On the H200 (Triton 3.6,
@@ -429,11 +430,14 @@ def _pow2(n):
     return max(16, triton.next_power_of_2(n))
 
 
-def out_launch(BK: int, V: int, gate: int) -> dict:
-    """The output kernel's launch at these sizes (see OUT_LAUNCH): BV, BKS, num_warps and,
-    where one is set (not under the interpreter), maxnreg."""
+def out_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
+    """The output kernel's launch at these sizes and input dtype (see OUT_LAUNCH): BV, BKS,
+    num_warps and, where set (not under the interpreter), maxnreg and num_stages.  Only bf16
+    inputs are sliced: it is the dtype swept on the H200, and at fp32 the 3-stage pipeline
+    of K = V = 256 needs 229376 bytes of shared memory (sm_90 offline), more than GPUs other
+    than the H100/H200 have."""
     bk = OUT_LAUNCH.get("bk") or 0
-    sliced = gate != 2 and 0 < bk < BK
+    sliced = gate != 2 and dtype == torch.bfloat16 and 0 < bk < BK
     la = OUT_LAUNCH if sliced else OUT_LAUNCH_WHOLE
     out = {"BV": max(64, min(la["bv"], _pow2(V))), "BKS": max(16, bk) if sliced else BK,
            "num_warps": la["warps"]}
@@ -544,7 +548,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                     **common)
     from gdn import fwd_state   # here: gdn.fwd_state imports this module's helpers
     fwd_state.launch_state(state_args, N * H, **state_kw)
-    launch = out_launch(BK, V, gate)
+    launch = out_launch(BK, V, gate, q.dtype)
     oflag = torch.empty(triton.cdiv(V, launch["BV"]), NC, H, dtype=torch.int8, device=dev)
     for part in (0, 1):
         _out_kernel[(triton.cdiv(V, launch["BV"]), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o,

@@ -13,6 +13,7 @@ import zlib
 
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from gdn.chunk_fwd import INTERPRET, _all_within, _and, _exact_chunk, _forced, _load_gates, _odot
 
@@ -173,7 +174,11 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
 TUNE = True  # False: every new key takes the first config (benchmarks' accuracy sweeps)
 # True: every new key takes one config, picked from the key alone (kfuzz's GDN targets): a case
 # runs the same config in every process, so a failure replays and minimizes, the launch
-# compiles one config instead of all of them, and different shapes exercise different configs
+# compiles one config instead of all of them, and different shapes exercise different configs.
+# The pick is the first config, in an order that starts at the key's CRC, that fits the GPU
+# (`_first_that_fits`): the autotuner skips a config that needs more shared memory than the GPU
+# has, and so must a pick (session 8's device verify: G07 at fp32, K = V = 256, BV 64 at 2
+# stages, "out of resource: shared memory, Required: 312320, Hardware limit: 232448").
 SPREAD = False
 KEY = ["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"]
 
@@ -187,11 +192,27 @@ def _state_configs():
 
 
 def _prune(configs, named_args, **kwargs):
-    if SPREAD:
-        args = {**named_args, **kwargs}
-        pick = zlib.crc32(repr([str(args.get(n)) for n in KEY]).encode()) % len(configs)
-        return [configs[pick]]
     return configs if TUNE else configs[:1]
+
+
+def _spread_order(configs, key: dict) -> list:
+    """``configs`` rotated to start at the one the key's CRC picks (SPREAD): the same order in
+    every process, different keys starting at different configs."""
+    pick = zlib.crc32(repr([str(key.get(n)) for n in KEY]).encode()) % len(configs)
+    return configs[pick:] + configs[:pick]
+
+
+def _first_that_fits(configs, launch):
+    """Launch with the first of ``configs`` that compiles for this GPU (``launch(config)``);
+    one that needs more shared memory than it has raises OutOfResources at compile time,
+    before anything runs, and the next is tried.  Returns the config launched."""
+    for i, config in enumerate(configs):
+        try:
+            launch(config)
+            return config
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
 
 
 # The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
@@ -209,5 +230,11 @@ def launch_state(args, NH, **kw):
     """PART 0 over (V tiles of its autotuned width, NH sequence-heads), then PART 1 over
     16-wide tiles; ``args`` and ``kw`` as `_state_kernel` takes them, less BV and PART."""
     V = kw["V"]
-    _state[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)
+    if SPREAD:
+        def launch(c):
+            _state_kernel[(triton.cdiv(V, c.kwargs["BV"]), NH)](
+                *args, PART=0, BV=c.kwargs["BV"], num_warps=c.num_warps, num_stages=c.num_stages, **kw)
+        _first_that_fits(_spread_order(_state_configs(), {**kw, "OCC": args[-1]}), launch)
+    else:
+        _state[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)
     _state_kernel[(triton.cdiv(V, RESUME_BV), NH)](*args, PART=1, BV=RESUME_BV, num_warps=4, **kw)

@@ -66,40 +66,42 @@ def _ptrs(names, dtype):
     return {n: dtype for n in names}
 
 
-def gdn_kernels(K=128, V=128, gate=1, delta=True):
-    """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN kernels at bf16."""
+def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
+    """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN kernels at bf16
+    (fp32: at fp32 inputs)."""
+    X, DT = ("*fp32", tl.float32) if fp32 else ("*bf16", tl.bfloat16)
     BT = 16 if gate == 2 else 64
     common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
-                  IS_VARLEN=False, PREC="tf32", BIG=65536.0)
+                  IS_VARLEN=False, PREC="tf32x3" if fp32 else "tf32", BIG=65536.0)
     scal = {"T": "i32", "NT": "i32"}
-    state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], "*bf16"),
+    state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], X),
                  **_ptrs(["g", "gc", "gcl", "h0", "hT", "sstop"], "*fp32"),
                  **_ptrs(["gflag", "flag", "stop", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
-    out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], "*bf16"), **_ptrs(["g", "gc", "gcl"], "*fp32"),
+    out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], X), **_ptrs(["g", "gc", "gcl"], "*fp32"),
                **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal}
     dt = dict(DELTA=delta, MODE=0)
-    inv_sig = {**_ptrs(["k", "beta"], "*bf16"), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
+    inv_sig = {**_ptrs(["k", "beta"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
-    wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], "*bf16"), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
+    wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
-    lowp = gate != 2   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
-    out = cf.out_launch(common["BK"], V, gate)
+    lowp = gate != 2 and not fp32   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
+    out = cf.out_launch(common["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)
     for label, fn, sig, const, warps, stages in (
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.INV_WARPS), fp.INV_WARPS, 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
              dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.WU_WARPS, 3),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
-             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=tl.bfloat16, **dt), 4, 2),
+             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt), 4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
-             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=tl.bfloat16, **dt),
+             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=0, BKS=out["BKS"], **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], **dt),
              out["num_warps"], out.get("num_stages", 3)),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=tl.bfloat16, PART=1, BKS=out["BKS"], **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], **dt),
              out["num_warps"], out.get("num_stages", 3))):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
@@ -112,13 +114,13 @@ _BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp"}
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff"}
 
 
-def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
+def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN backward kernels
     as gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and LAUNCH), with an
     initial state and a final-state gradient; `aligned` as a launch at T=4096 H=16 (B8 T4096,
     the bench shape) specializes: every pointer, and T, H, K, V where multiples of 16."""
     C = 16 if gate == 2 else 64
-    F32, DT = cb._dot_mode(torch.bfloat16)
+    F32, DT = cb._dot_mode(torch.float32 if fp32 else torch.bfloat16)
     tile = cb.tiles(K, V)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
@@ -140,7 +142,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True):
                  if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward)
         sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
-                   else "*i32" if a in _BWD_I32 else "*fp32" if a in _BWD_FP32 else "*bf16")
+                   else "*i32" if a in _BWD_I32 else "*fp32" if a in _BWD_FP32 or fp32 else "*bf16")
                for a in fn.arg_names if a not in const}
         ints = {"T": 4096, "H": 16, "K": K, "V": V}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
@@ -158,11 +160,12 @@ def main():
                     help="compile without the launch's divisibility-by-16 hints (numbers before 2026-11-30)")
     ap.add_argument("--warps", type=int, default=0,
                     help="compile with this many warps instead of the launch's")
+    ap.add_argument("--fp32", action="store_true", help="fp32 inputs (bf16 otherwise)")
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (Triton's maxnreg)")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    shape = (a.K, a.V, a.gate, not a.no_delta)
+    shape = (a.K, a.V, a.gate, not a.no_delta, a.fp32)
     for label, fn, sig, const, warps, stages, aligned in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
         if a.only not in label:
             continue
