@@ -90,6 +90,9 @@ GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # the loop's num_stages).
 OUT_LAUNCH = {"bk": 64, "bv": 128, "warps": 8}
 OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
+# fp32 inputs at K > 128 (see out_launch): 64-wide K slices at 64-wide V tiles, 4 warps, 2
+# stages: 114688 bytes of shared memory at K = V = 256 (sm_90 offline).  Not run on a GPU yet.
+OUT_LAUNCH_WIDE_FP32 = {"bk": 64, "bv": 64, "warps": 4, "stages": 2}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
 # the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact
@@ -432,14 +435,19 @@ def _pow2(n):
 
 def out_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
     """The output kernel's launch at these sizes and input dtype (see OUT_LAUNCH): BV, BKS,
-    num_warps and, where set (not under the interpreter), maxnreg and num_stages.  Only bf16
-    inputs are sliced: it is the dtype swept on the H200, and at fp32 the 3-stage pipeline
-    of K = V = 256 needs 229376 bytes of shared memory (sm_90 offline), more than GPUs other
-    than the H100/H200 have."""
+    num_warps and, where set (not under the interpreter), maxnreg and num_stages.  bf16
+    inputs are sliced (OUT_LAUNCH): the dtype swept on the H200.  fp32 inputs at K over 128
+    are sliced at OUT_LAUNCH_WIDE_FP32: in one piece the kernel needs 262144 bytes of shared
+    memory at K = V = 256 (sm_90 offline), more than any GPU has (the H200: 232448); the rest
+    take OUT_LAUNCH_WHOLE."""
     bk = OUT_LAUNCH.get("bk") or 0
-    sliced = gate != 2 and dtype == torch.bfloat16 and 0 < bk < BK
-    la = OUT_LAUNCH if sliced else OUT_LAUNCH_WHOLE
-    out = {"BV": max(64, min(la["bv"], _pow2(V))), "BKS": max(16, bk) if sliced else BK,
+    if gate != 2 and dtype == torch.bfloat16 and 0 < bk < BK:
+        la = OUT_LAUNCH
+    elif gate != 2 and dtype == torch.float32 and BK > 128:
+        la = OUT_LAUNCH_WIDE_FP32
+    else:
+        la = dict(OUT_LAUNCH_WHOLE, bk=BK)
+    out = {"BV": max(64, min(la["bv"], _pow2(V))), "BKS": max(16, min(la["bk"], BK)),
            "num_warps": la["warps"]}
     for key, arg in (("maxnreg", "maxnreg"), ("stages", "num_stages")):
         if la.get(key) and not INTERPRET:

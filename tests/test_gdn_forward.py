@@ -361,3 +361,22 @@ def test_output_kernel_in_k_slices_matches_oracle(monkeypatch, gate, delta):
     o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
     assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
     assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
+
+
+def test_fp32_keys_over_128_take_the_sliced_output_launch():
+    """fp32 inputs at K > 128 run the output kernel in K slices (gdn.chunk_fwd.out_launch): in
+    one piece it needs more shared memory than a GPU has at K = V = 256 (262144 bytes, sm_90
+    offline).  K 144 (BK 256, the last 112 columns masked) in 64-wide slices gives the
+    oracle's answer, and with a NaN in v the oracle's NaN/Inf sets."""
+    import gdn.chunk_fwd as cf
+    assert cf.out_launch(256, 16, 1, torch.float32)["BKS"] == 64
+    assert cf.out_launch(128, 16, 1, torch.float32)["BKS"] == 128   # fits whole
+    x = make_inputs("scalar", True, B=1, T=40, H=2, K=144, V=16, seed=7)
+    o, s = call(recurrence, x)
+    o2, s2 = call(chunk_gdn_fwd, x)
+    assert rel(o2, o) < BOUND[torch.float32] and rel(s2, s) < BOUND[torch.float32]
+    inject(x, "v", float("nan"))
+    o, s = call(recurrence, x)
+    o2, s2 = call(chunk_gdn_fwd, x)
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)
