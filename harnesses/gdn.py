@@ -28,9 +28,10 @@ The backward kernel is ``gdn.op.gdn_attention``'s Triton backward: cotangents
 
 The forward's state pass is autotuned for users; here it runs with
 ``gdn.fwd_state.SPREAD``: each shape takes one of the tuner's configs, picked from the
-autotune key, so that a case runs the same config in every process (a failure replays and
-minimizes; a timing-picked config need not come back), compiles one config instead of all
-of them, and a campaign's shapes exercise every config.
+autotune key (the first, in an order the key's CRC starts, that fits the GPU), so that a case
+runs the same config in every process (a failure replays and minimizes; a timing-picked
+config need not come back), compiles one config instead of all of them, and a campaign's
+shapes exercise every config.
 """
 from __future__ import annotations
 
