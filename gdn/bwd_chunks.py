@@ -47,29 +47,20 @@ def _seq(n, T, cu, coff, C: tl.constexpr, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _chunk_rows(cid, ih, T, H, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """A chunk-parallel program's rows: (sequence, chunk within it, first token, end token,
-    row index [C], token [C], row valid [C], and the chunk's rows of a [.., H, ..] tensor as
-    `_at` takes them: its 64-bit base row and 32-bit offsets [C, 1])."""
+    row index [C], token [C], row valid [C], and the chunk's 64-bit base row in a [.., H, ..]
+    tensor, as `gdn.chunk_fwd._tile` takes it with the row index)."""
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
     rows = tl.arange(0, C)
     tok = bos + ic * C + rows
     rv = tok < eos
-    r0, tq = _chunk_base(bos + ic * C, rows, ih, H)
-    return n, ic, bos, eos, rows, tok, rv, r0, tq
+    return n, ic, bos, eos, rows, tok, rv, _chunk_base(bos + ic * C, ih, H)
 
 
 @triton.jit
-def _chunk_base(t0, rows, ih, H):
-    """(base row, row offsets [C, 1]) of the chunk from token t0 at head ih in a [.., H, ..]
-    tensor, as `_at` takes them."""
-    return t0.to(tl.int64) * H + ih, rows[:, None] * H
-
-
-@triton.jit
-def _at(ptr, r0, tq, cols, W):
-    """Pointers to a chunk's rows r0 + tq and columns `cols` of a tensor seen as rows W wide:
-    the 64-bit base r0 added once, the offsets inside the chunk 32-bit (C H W < 2^31).  An
-    int64 offset per element costs two registers and two integer operations each."""
-    return (ptr + r0 * W) + (tq * W + cols[None, :])
+def _chunk_base(t0, ih, H):
+    """The 64-bit base row of the chunk from token t0 at head ih in a [.., H, ..] tensor, as
+    `gdn.chunk_fwd._tile` takes it."""
+    return t0.to(tl.int64) * H + ih
 
 
 @triton.jit

@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import _at, _chunk_base, _coords
+from gdn.bwd_chunks import _chunk_base, _coords
+from gdn.chunk_fwd import _tile
 
 
 @triton.jit
@@ -90,7 +91,7 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
         ck = tl.arange(0, BK)
         mk = ck < K
         mqk = rv[:, None] & mk[None, :]
-        r0, tq = _chunk_base(t0, rows, ih, H)
+        r0 = _chunk_base(t0, ih, H)
         acc_dq = tl.zeros([C, BK], dtype=tl.float64)
         acc_dk = tl.zeros([C, BK], dtype=tl.float64)
         acc_dgv = tl.zeros([C, BK], dtype=tl.float64)
@@ -154,12 +155,12 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
                 acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)
                 acc_dk += tl.where(rows[:, None] == r, dkt[None, :], 0.)
                 tl.store(dv + tt * V + cv, _rounded(dvt, dv), mask=mv)
-        tl.store(_at(dq, r0, tq, ck, K), _rounded(acc_dq * scale, dq), mask=mqk)
-        tl.store(_at(dk, r0, tq, ck, K), _rounded(acc_dk, dk), mask=mqk)
+        tl.store(_tile(dq, r0, rows, ck, K, H), _rounded(acc_dq * scale, dq), mask=mqk)
+        tl.store(_tile(dk, r0, rows, ck, K, H), _rounded(acc_dk, dk), mask=mqk)
         if GATE == 1:
             tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg, dg), mask=rv)
         elif GATE == 2:
-            tl.store(_at(dg, r0, tq, ck, K), _rounded(acc_dgv, dg), mask=mqk)
+            tl.store(_tile(dg, r0, rows, ck, K, H), _rounded(acc_dgv, dg), mask=mqk)
         if DELTA:
             tl.store(dbeta + tok.to(tl.int64) * H + ih, _rounded(acc_db, dbeta), mask=rv)
 

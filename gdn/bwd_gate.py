@@ -12,23 +12,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import _at
-from gdn.chunk_fwd import GATE_FLOOR
+from gdn.chunk_fwd import GATE_FLOOR, _tile
 
 _FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other module globals
 
 
 @triton.jit
-def _load_gate(g, tok, r0, tq, rv, ih, H, K, ck, mk, GATE: tl.constexpr):
-    """In-chunk cumulative gate G ([C] or [C, BK]) and its last row G_C (r0, tq: the chunk's
-    rows as `gdn.bwd_chunks._at` takes them)."""
+def _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE: tl.constexpr):
+    """In-chunk cumulative gate G ([C] or [C, BK]) and its last row G_C (r0: the chunk's
+    base row, as `gdn.chunk_fwd._tile` takes it)."""
     rows = tl.arange(0, tok.shape[0])
     if GATE == 1:
         b_g = tl.load(g + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
         G = tl.cumsum(b_g, 0)
         GC = tl.sum(tl.where(rows == tok.shape[0] - 1, G, 0.), 0)
     else:
-        b_g = tl.load(_at(g, r0, tq, ck, K), mask=rv[:, None] & mk[None, :], other=0.).to(tl.float32)
+        b_g = tl.load(_tile(g, r0, rows, ck, K, H), mask=rv[:, None] & mk[None, :], other=0.).to(tl.float32)
         G = tl.cumsum(b_g, 0)
         GC = tl.sum(tl.where(rows[:, None] == tok.shape[0] - 1, G, 0.), 0)
     return G, GC

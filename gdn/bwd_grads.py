@@ -27,21 +27,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import _at, _chunk_rows
+from gdn.bwd_chunks import _chunk_rows
 from gdn.bwd_gate import _end_decay, _gate_grad, _gate_sums, _load_gate, _pair_decay
 from gdn.bwd_matrix import _mm
+from gdn.chunk_fwd import _tile
 
 
 @triton.jit
-def _wy_tile(tm, b_beta, b_h, dU, v, dv, r0, tq, V, cv, mcv, acc_dw, acc_dt, d_beta,
+def _wy_tile(tm, b_beta, b_h, dU, v, dv, r0, rows, H, V, cv, mcv, acc_dw, acc_dt, d_beta,
              F32: tl.constexpr, DT: tl.constexpr):
     """One V tile of the WY terms: stores the tile's dv; returns the running -dU h^T,
     dU (beta V)^T and dbeta's sum over V of (T^T dU) * V."""
-    b_du = tl.load(_at(dU, r0, tq, cv, V), mask=mcv, other=0.)
-    b_v = tl.load(_at(v, r0, tq, cv, V), mask=mcv, other=0.).to(tl.float32)
+    b_du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=mcv, other=0.)
+    b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
     acc_dw -= _mm(b_du, tl.trans(b_h), F32, DT)
     dvb = _mm(tl.trans(tm), b_du, F32, DT)
-    tl.store(_at(dv, r0, tq, cv, V), (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
+    tl.store(_tile(dv, r0, rows, cv, V, H), (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
     d_beta += tl.sum(dvb * b_v, 1)
     acc_dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
     return acc_dw, acc_dt, d_beta
@@ -97,13 +98,13 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     vector gate's [.., K] before the reverse cumsum), fp32, for _grads_p to add."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
-    n, ic, bos, eos, rows, tok, rv, r0, tq = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
+    n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     ck = tl.arange(0, BK)
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
     strict = rows[:, None] > rows[None, :]
     b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-    tm = tl.load(_at(Tm, r0, tq, rows, C), mask=rv[:, None], other=0.)
+    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
     acc_dw = tl.zeros([C, BK], dtype=tl.float32)    # -dU h^T
     acc_dt = tl.zeros([C, C], dtype=tl.float32)     # dU (beta V)^T
     d_beta = tl.zeros([C], dtype=tl.float32)
@@ -114,32 +115,32 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
         mcv = rv[:, None] & mv[None, :]
         b_h = tl.load(hs + hbase + ck[:, None] * V + cv[None, :],
                       mask=mk[:, None] & mv[None, :], other=0.)
-        acc_dw, acc_dt, d_beta = _wy_tile(tm, b_beta, b_h, dU, v, dv, r0, tq, V, cv, mcv,
+        acc_dw, acc_dt, d_beta = _wy_tile(tm, b_beta, b_h, dU, v, dv, r0, rows, H, V, cv, mcv,
                                           acc_dw, acc_dt, d_beta, F32, DT)
-    b_k = tl.load(_at(k, r0, tq, ck, K), mask=mqk, other=0.).to(tl.float32)
+    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
     if GATE == 1:
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         eG = tl.exp(G)
         E = _pair_decay(G, Gl, rows[:, None] >= rows[None, :])
         wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, b_k, b_k,
                                             strict, GATE, F32, DT)
-        tl.store(_at(dkp, r0, tq, ck, K), wk, mask=mqk)
+        tl.store(_tile(dkp, r0, rows, ck, K, H), wk, mask=mqk)
         dgw = _gate_grad(wG, wpairs, tl.zeros([C], dtype=tl.float32), 0., strict)
         tl.store(dgp + tok.to(tl.int64) * H + ih, dgw, mask=rv)
     elif GATE == 2:
-        G, GC = _load_gate(g, tok, r0, tq, rv, ih, H, K, ck, mk, GATE)
+        G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
         eG = tl.exp(G)
         eN = tl.exp(-G)
         kg = b_k * eG
         kn = b_k * eN
         wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, eG, eG, kg, kn,
                                             strict, GATE, F32, DT)
-        tl.store(_at(dkp, r0, tq, ck, K), wk * eG + wk2 * eN, mask=mqk)
-        tl.store(_at(dgp, r0, tq, ck, K), wk * kg - wk2 * kn, mask=mqk)
+        tl.store(_tile(dkp, r0, rows, ck, K, H), wk * eG + wk2 * eN, mask=mqk)
+        tl.store(_tile(dgp, r0, rows, ck, K, H), wk * kg - wk2 * kn, mask=mqk)
     else:
         wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, b_beta, b_beta,
                                             b_k, b_k, strict, GATE, F32, DT)
-        tl.store(_at(dkp, r0, tq, ck, K), wk, mask=mqk)
+        tl.store(_tile(dkp, r0, rows, ck, K, H), wk, mask=mqk)
     d_beta += wb
     tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
 
@@ -156,7 +157,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
     Q K^T and its row sums for dg) is formed before the slices or summed across them."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
-    n, ic, bos, eos, rows, tok, rv, r0, tq = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
+    n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     hbase = (cid * H + ih).to(tl.int64) * K * V
@@ -164,15 +165,15 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
-        b_do = tl.load(_at(do, r0, tq, cv, V), mask=mcv, other=0.)
-        b_u = tl.load(_at((U if DELTA else v), r0, tq, cv, V), mask=mcv, other=0.)
+        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.)
+        b_u = tl.load(_tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
         acc_dp += _mm(b_do, tl.trans(b_u), F32, DT)
     dp = tl.where(incl, acc_dp, 0.)
     if GATE == 1:
         cf = tl.arange(0, BK)
         mqf = rv[:, None] & (cf < K)[None, :]
-        f_q = tl.load(_at(q, r0, tq, cf, K), mask=mqf, other=0.).to(tl.float32) * scale
-        f_k = tl.load(_at(k, r0, tq, cf, K), mask=mqf, other=0.).to(tl.float32)
+        f_q = tl.load(_tile(q, r0, rows, cf, K, H), mask=mqf, other=0.).to(tl.float32) * scale
+        f_k = tl.load(_tile(k, r0, rows, cf, K, H), mask=mqf, other=0.).to(tl.float32)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         eG = tl.exp(G)
         eE = _end_decay(G, Gl, GC, GCl)
@@ -199,14 +200,14 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
             offkv = ck[:, None] * V + cv[None, :]
             b_h = tl.load(hs + hbase + offkv, mask=mkv, other=0.)
             b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.)
-            b_do = tl.load(_at(do, r0, tq, cv, V), mask=mcv, other=0.)
-            b_u = tl.load(_at((U if DELTA else v), r0, tq, cv, V), mask=mcv, other=0.)
+            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.)
+            b_u = tl.load(_tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
             acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
             acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
             if GATE > 0:
                 acc_dgc += tl.sum(b_h.to(tl.float32) * b_dsc.to(tl.float32), 1)
-        b_q = tl.load(_at(q, r0, tq, ck, K), mask=mqk, other=0.).to(tl.float32) * scale
-        b_k = tl.load(_at(k, r0, tq, ck, K), mask=mqk, other=0.).to(tl.float32)
+        b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
+        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
         if GATE == 1:
             dqs = acc_dqh * eG[:, None] + _mm(dp, b_k, F32, DT)
             dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke * eE[:, None]
@@ -214,7 +215,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
             ke += tl.sum(acc_dke * b_k, 1)
             hd += acc_dgc
         elif GATE == 2:
-            G, GC = _load_gate(g, tok, r0, tq, rv, ih, H, K, ck, mk, GATE)
+            G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
             eG = tl.exp(G)
             eN = tl.exp(-G)
             eE = tl.exp(GC[None, :] - G)
@@ -229,16 +230,16 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
             dGC = tl.sum(acc_dke * ke2, 0) + tl.exp(GC) * acc_dgc
             dGv += tl.where(rows[:, None] == C - 1, dGC[None, :], 0.)
             if DELTA:
-                dGv += tl.load(_at(dgp, r0, tq, ck, K), mask=mqk, other=0.)
+                dGv += tl.load(_tile(dgp, r0, rows, ck, K, H), mask=mqk, other=0.)
             dgo = tl.cumsum(dGv, 0, reverse=True)
-            tl.store(_at(dg, r0, tq, ck, K), dgo.to(dg.dtype.element_ty), mask=mqk)
+            tl.store(_tile(dg, r0, rows, ck, K, H), dgo.to(dg.dtype.element_ty), mask=mqk)
         else:
             dqs = acc_dqh + _mm(dp, b_k, F32, DT)
             dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke
-        tl.store(_at(dq, r0, tq, ck, K), (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
+        tl.store(_tile(dq, r0, rows, ck, K, H), (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
         if DELTA:
-            dkk += tl.load(_at(dkp, r0, tq, ck, K), mask=mqk, other=0.)
-        tl.store(_at(dk, r0, tq, ck, K), dkk.to(dk.dtype.element_ty), mask=mqk)
+            dkk += tl.load(_tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
+        tl.store(_tile(dk, r0, rows, ck, K, H), dkk.to(dk.dtype.element_ty), mask=mqk)
     if GATE == 1:
         dgo = _gate_grad(qh * eG, pairs, ke * eE, tl.exp(GC) * tl.sum(hd, 0), strict)
         if DELTA:

@@ -25,10 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.bwd_chunks import _at, _chunk_base, _chunk_rows, _seq_tile
+from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.chunk_fwd import _inv_unit_lower, _odot
+from gdn.chunk_fwd import _inv_unit_lower, _odot, _tile
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _gated_keys(b_k, b_beta, G, GATE: tl.constexpr):
 
 
 @triton.jit
-def _wy_system(q, k, g, beta, tok, r0, tq, rv, ih, H, K, ck, mk, C: tl.constexpr, GATE: tl.constexpr,
+def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GATE: tl.constexpr,
                DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, GLIM: tl.constexpr,
                BIG: tl.constexpr):
     """A chunk's count of entries that send it to the exact path among q, k, beta and the
@@ -66,8 +66,8 @@ def _wy_system(q, k, g, beta, tok, r0, tq, rv, ih, H, K, ck, mk, C: tl.constexpr
     A_raw = strict_lower(K_g K_n^T) (A = diag(beta) A_raw)."""
     rows = tl.arange(0, C)
     mqk = rv[:, None] & mk[None, :]
-    b_q = tl.load(_at(q, r0, tq, ck, K), mask=mqk, other=0.).to(tl.float32)
-    b_k = tl.load(_at(k, r0, tq, ck, K), mask=mqk, other=0.).to(tl.float32)
+    b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
     bad = _outside(b_q, BIG) + _outside(b_k, BIG)
     b_beta = tl.zeros([C], dtype=tl.float32)
     if DELTA:
@@ -75,13 +75,13 @@ def _wy_system(q, k, g, beta, tok, r0, tq, rv, ih, H, K, ck, mk, C: tl.constexpr
         bad += _outside(b_beta[:, None], BIG)
     strict = rows[:, None] > rows[None, :]
     if GATE == 1:
-        G, GC = _load_gate(g, tok, r0, tq, rv, ih, H, K, ck, mk, GATE)
+        G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
         bad += _outside(G[:, None], 3.0e38)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         kb = _gated_keys(b_k, b_beta, G, GATE)
         araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, strict)
     elif GATE == 2:
-        G, GC = _load_gate(g, tok, r0, tq, rv, ih, H, K, ck, mk, GATE)
+        G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
         bad += _outside(G, 3.0e38)
         bad += tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
         kb = _gated_keys(b_k, b_beta, G, GATE)
@@ -99,17 +99,17 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
     cid = tl.program_id(0)
     ih = tl.program_id(1)
-    n, ic, bos, eos, rows, tok, rv, r0, tq = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
+    n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     ck = tl.arange(0, BK)
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
-    bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, r0, tq, rv, ih, H, K, ck, mk, C, GATE, DELTA,
+    bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C, GATE, DELTA,
                                        F32, DT, GLIM, BIG)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
-        b_v = tl.load(_at(v, r0, tq, cv, V), mask=mcv, other=0.).to(tl.float32)
-        b_do = tl.load(_at(do, r0, tq, cv, V), mask=mcv, other=0.).to(tl.float32)
+        b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         bad += _outside(b_v, BIG) + _outside(b_do, BIG)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
     if DELTA:
@@ -118,15 +118,15 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
         tm = _inv_unit_lower(a, C, PREC)
         # T is only ever a dot operand: stored in the dots' operand dtype (bf16 for bf16
         # inputs), the very rounding every dot applies to it, so no result changes
-        tl.store(_at(Tm, r0, tq, rows, C), tm.to(Tm.dtype.element_ty), mask=rv[:, None])
+        tl.store(_tile(Tm, r0, rows, rows, C, H), tm.to(Tm.dtype.element_ty), mask=rv[:, None])
         w = _mm(tm, kb, F32, DT)
-        tl.store(_at(W, r0, tq, ck, K), w.to(W.dtype.element_ty), mask=mqk)
+        tl.store(_tile(W, r0, rows, ck, K, H), w.to(W.dtype.element_ty), mask=mqk)
         for iv in range(0, tl.cdiv(V, BV)):
             cv = iv * BV + tl.arange(0, BV)
             mcv = rv[:, None] & (cv < V)[None, :]
-            b_v = tl.load(_at(v, r0, tq, cv, V), mask=mcv, other=0.).to(tl.float32)
+            b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
-            tl.store(_at(U, r0, tq, cv, V), u.to(U.dtype.element_ty), mask=mcv)
+            tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
 
 
 @triton.jit
@@ -150,26 +150,26 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
         slow = (tl.load(flag + cid * H + ih) + hbad) > 0
         tok = bos + ic * C + rows
         rv = tok < eos
-        r0, tq = _chunk_base(bos + ic * C, rows, ih, H)
+        r0 = _chunk_base(bos + ic * C, ih, H)
         mqk = rv[:, None] & mk[None, :]
         mcv = rv[:, None] & mv[None, :]
         if slow:
             for t in range(bos + ic * C, tl.minimum(bos + ic * C + C, eos)):
                 h = _exact_step(h, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
         else:
-            b_k = tl.load(_at(k, r0, tq, ck, K), mask=mqk, other=0.).to(tl.float32)
+            b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
             if DELTA:
-                b_w = tl.load(_at(W, r0, tq, ck, K), mask=mqk, other=0.)
-                b_u = tl.load(_at(U, r0, tq, cv, V), mask=mcv, other=0.).to(tl.float32)
+                b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
+                b_u = tl.load(_tile(U, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
                 b_u = b_u - _mm(b_w, h, F32, DT)
-                tl.store(_at(U, r0, tq, cv, V), b_u.to(U.dtype.element_ty), mask=mcv)
+                tl.store(_tile(U, r0, rows, cv, V, H), b_u.to(U.dtype.element_ty), mask=mcv)
             else:
-                b_u = tl.load(_at(v, r0, tq, cv, V), mask=mcv, other=0.).to(tl.float32)
+                b_u = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             if GATE == 1:
                 G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
                 h = h * tl.exp(GC) + _mm(tl.trans(b_k * _end_decay(G, Gl, GC, GCl)[:, None]), b_u, F32, DT)
             elif GATE == 2:
-                G, GC = _load_gate(g, tok, r0, tq, rv, ih, H, K, ck, mk, GATE)
+                G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
                 h = h * tl.exp(GC)[:, None] + _mm(tl.trans(b_k * tl.exp(GC[None, :] - G)), b_u, F32, DT)
             else:
                 h = h + _mm(tl.trans(b_k), b_u, F32, DT)
@@ -206,12 +206,12 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
         else:
             tok = t0 + rows
             rv = tok < eos
-            r0, tq = _chunk_base(t0, rows, ih, H)
+            r0 = _chunk_base(t0, ih, H)
             mqk = rv[:, None] & mk[None, :]
             mcv = rv[:, None] & mv[None, :]
-            b_q = tl.load(_at(q, r0, tq, ck, K), mask=mqk, other=0.).to(tl.float32) * scale
-            b_k = tl.load(_at(k, r0, tq, ck, K), mask=mqk, other=0.).to(tl.float32)
-            b_do = tl.load(_at(do, r0, tq, cv, V), mask=mcv, other=0.).to(tl.float32)
+            b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
+            b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             if GATE == 1:
                 G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
                 p = _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)
@@ -221,7 +221,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
                 du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
                 dh = dh * decay
             elif GATE == 2:
-                G, GC = _load_gate(g, tok, r0, tq, rv, ih, H, K, ck, mk, GATE)
+                G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
                 qg = b_q * tl.exp(G)
                 p = tl.where(incl, _mm(qg, tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
                 ke = b_k * tl.exp(GC[None, :] - G)
@@ -231,10 +231,10 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
                 qg = b_q
                 p = tl.where(incl, _mm(b_q, tl.trans(b_k), F32, DT), 0.)
                 du = _mm(tl.trans(p), b_do, F32, DT) + _mm(b_k, dh, F32, DT)
-            tl.store(_at(dU, r0, tq, cv, V), du.to(dU.dtype.element_ty), mask=mcv)
+            tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=mcv)
             dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
             if DELTA:
-                b_w = tl.load(_at(W, r0, tq, ck, K), mask=mqk, other=0.)
+                b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
                 dh = dh - _mm(tl.trans(b_w), du, F32, DT)
     if HAS_H0:
         tl.store(dh0 + (n * H + ih).to(tl.int64) * K * V + offkv, dh.to(dh0.dtype.element_ty), mask=mkv)

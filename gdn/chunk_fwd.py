@@ -118,11 +118,12 @@ def _all_within(x, bound):
 
 
 @triton.jit
-def _tile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
+def _tile(ptr, r0, rr, cols, W, H):
     """Pointers to rows r0 + rr H (rr [BT]) and columns `cols` of a [.., H, W] tensor seen as
     rows of W: the 64-bit chunk base r0 (token bos at head i_h: bos H + i_h) added once, the
     offsets inside the chunk 32-bit (BT H W < 2^31).  An int64 offset per element costs two
-    registers and two integer operations each."""
+    registers and two integer operations each.  (Forward and backward; W and H constexprs in
+    the forward, runtime integers in the backward.)"""
     return (ptr + r0 * W) + (rr[:, None] * (H * W) + cols[None, :])
 
 
