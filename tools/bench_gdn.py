@@ -13,7 +13,9 @@ wrong db/dg); the stage lifts that guard at run time, in this process only, to
 time it, so fla's db/dg errors below are what that guard warns of.
 
 The ``bwdprof`` and ``fwdprof`` stages (not in the default) time our backward and
-forward per kernel (torch profiler); ``flaprof`` does the same for fla.
+forward per kernel (torch profiler); ``flaprof`` does the same for fla.  ``fwdprof`` takes
+``--members`` (e.g. GDN) and ``--out-launches``, a JSON list of output-kernel launches
+(gdn.chunk_fwd.OUT_LAUNCH overrides) timed one after another in the same process.
 
 Writes a Markdown section (pasted into BENCHMARKS.md, "GDN forward") after
 every stage, so a run cut short still leaves what it measured.
