@@ -77,9 +77,8 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # The output kernel's launch (`out_launch`).  For bf16 inputs where K is wider than
 # OUT_LAUNCH["bk"] (and the gate is not a vector one, whose 16-token chunks keep one
-# product), its matrix part runs K in
-# a pipelined loop of slices that wide, with OUT_LAUNCH's V tile width and warps; else K in one
-# piece, with OUT_LAUNCH_WHOLE's.  "bv" is at least 64 (see chunk_gdn_fwd) and at most the next
+# product), its matrix part runs K in a pipelined loop of slices that wide, with OUT_LAUNCH's
+# V tile width and warps; else K in one piece, with OUT_LAUNCH_WHOLE's.  "bv" is at least 64 (see chunk_gdn_fwd) and at most the next
 # power of 2 of V; "maxnreg" (optional) caps the registers a thread.  On the H200 (Triton 3.6,
 # bf16 GDN B8 T4096 H16 K=V=128, session 8) the output kernel took 0.306 ms sliced at
 # {"bk": 64, "bv": 128, "warps": 8} (q k^T once per chunk, 124 registers at sm_90 offline),
