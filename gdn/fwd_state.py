@@ -31,7 +31,7 @@ def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
     """`gdn.chunk_fwd._tile`'s pointers from an int64 offset per element.  The state kernel's
     tiles are addressed so: on the H200 (session 8, bench shape) its matrix part took 0.349 ms
     against 0.379 with `_tile`'s 64-bit base and 32-bit offsets (255 registers either way
-    with Triton 3.6), where the output and prep kernels gained from `_tile`."""
+    with Triton 3.6); the output kernel gained from `_tile` (gdn/NOTES.md, v5.6)."""
     return ptr + ((r0 + rr * H)[:, None] * W + cols[None, :])
 
 
