@@ -133,6 +133,15 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
+def _t_dot(Ts, hi, lo, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+    """Ts x for one tile x of k or v: (hi + lo) x on bf16 operands (LOWP; x exact in bf16),
+    else one product on fp32 operands at PREC."""
+    if LOWP:
+        return _bdot(hi, x, True, INTERP, PREC) + _bdot(lo, x, True, INTERP, PREC)
+    return tl.dot(Ts, x.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
 def _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
              GATE: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
@@ -159,22 +168,16 @@ def _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
             kt = tl.load(k + row0 * K + kx, mask=m2, other=0.0)
             if GATE == 2:
                 kt = kt.to(tl.float32) * tl.exp(tl.load(gc + row0 * K + kx, mask=m2, other=0.0))
-            if LOWP:
-                wt = _bdot(hi, kt, True, INTERP, PREC) + _bdot(lo, kt, True, INTERP, PREC)
-            else:
-                wt = tl.dot(Ts, kt.to(tl.float32), input_precision=PREC)
-            tl.store(w + row0 * K + kx, wt.to(w.dtype.element_ty), mask=m2)
+            tl.store(w + row0 * K + kx, _t_dot(Ts, hi, lo, kt, LOWP, INTERP, PREC).to(w.dtype.element_ty),
+                     mask=m2)
     else:
         nbad = 0
         for j in range(0, (V + BV - 1) // BV):
             mv = rmask[:, None] & (j * BV + cb[None, :] < V)
             vx = rr[:, None] * (H * V) + j * BV + cb[None, :]
             vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
-            if LOWP:
-                ut = _bdot(hi, vt, True, INTERP, PREC) + _bdot(lo, vt, True, INTERP, PREC)
-            else:
-                ut = tl.dot(Ts, vt.to(tl.float32), input_precision=PREC)
-            tl.store(u + row0 * V + vx, ut.to(u.dtype.element_ty), mask=mv)
+            tl.store(u + row0 * V + vx, _t_dot(Ts, hi, lo, vt, LOWP, INTERP, PREC).to(u.dtype.element_ty),
+                     mask=mv)
             nbad += tl.where(_all_within(vt, BIG), 0, 1)
         if nbad > 0:
             tl.store(flag + i_c * H + i_h, 0)   # the one writer of a 0 in the u program
