@@ -29,13 +29,19 @@ class ReplayResult:
     message: str = ""
 
 
+def _without_path(e: KfuzzError, path) -> str:
+    """The error's text less a leading "<path>: " (a result is shown after its path)."""
+    text, prefix = str(e), f"{path}: "
+    return text[len(prefix):] if text.startswith(prefix) else text
+
+
 def replay_file(path: Path, device: str = "cpu") -> ReplayResult:
     try:
         case, record = load(path)
         target = get_target(case.target)
         verdict = execute(case, target, device=device)
     except KfuzzError as e:
-        return ReplayResult(path, "error", message=str(e) if str(path) in str(e) else f"{path}: {e}")
+        return ReplayResult(path, "error", message=_without_path(e, path))
     expect = (record or {}).get("expect", "pass")
     if expect == "fail":
         want = Signature.from_json(record["signature"])
@@ -54,7 +60,7 @@ def replay(paths: Iterable[str | Path], device: str = "cpu") -> Iterator[ReplayR
         try:
             files = list(iter_case_files([root]))
         except KfuzzError as e:
-            yield ReplayResult(Path(root), "error", message=str(e))
+            yield ReplayResult(Path(root), "error", message=_without_path(e, root))
             continue
         for f in files:
             yield replay_file(f, device)
