@@ -323,6 +323,31 @@ def test_a_spread_pick_that_does_not_fit_the_gpu_gives_way_to_the_next():
         fs._first_that_fits(configs, never)
 
 
+def test_an_untuned_state_launch_takes_the_first_config_that_fits(monkeypatch):
+    """TUNE False (the benchmarks' accuracy sweeps) launches the configs in their own order,
+    skipping those the GPU cannot hold, as SPREAD does in its order; PART 1 follows at 16."""
+    import triton
+    from triton.runtime.errors import OutOfResources
+
+    import gdn.fwd_state as fs
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, PART, BV, **kw):
+                if PART == 0 and BV > 32:
+                    raise OutOfResources(312320, 232448, "shared memory")
+                launched.append((PART, BV, grid))
+            return run
+    configs = [triton.Config({"BV": bv}, num_warps=4, num_stages=2) for bv in (64, 32, 16)]
+    monkeypatch.setattr(fs, "_state_kernel", Kernel())
+    monkeypatch.setattr(fs, "_state_configs", lambda: configs)
+    monkeypatch.setattr(fs, "SPREAD", False)
+    monkeypatch.setattr(fs, "TUNE", False)
+    fs.launch_state((4,), 4, V=128, K=128)
+    assert launched == [(0, 32, (4, 4)), (1, 16, (8, 4))]
+
+
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)], ids=["scalar-delta", "none-linear"])
 def test_output_kernel_at_128_wide_tiles_matches_oracle(monkeypatch, gate, delta):
     """The output kernel's launch knob (gdn.chunk_fwd.OUT_LAUNCH_WHOLE, as OUT_LAUNCH for K slices):
