@@ -75,6 +75,11 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
+# Where the delta members' new values v_new = u - w S come from (bring-up switch, session 9,
+# not yet timed on a GPU): 0, w and u from the prep's second launch (`gdn.fwd_prep`); 1, the
+# state pass forms v_new = T diag(beta) (v - Gamma (k S)) itself from T, beta, k and v, so the
+# prep is one launch and w, u are never stored (GDN_FWD_WY=1; see `gdn.fwd_state._wy_values`).
+WY_IN_STATE = int(os.environ.get("GDN_FWD_WY", "0"))
 # The output kernel's launch (`out_launch`).  For bf16 inputs where K is wider than
 # OUT_LAUNCH["bk"] (and the gate is not a vector one, whose 16-token chunks keep one
 # product), its matrix part runs K in a pipelined loop of slices that wide, with OUT_LAUNCH's
@@ -530,15 +535,19 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     # 32-wide (V 32, K >= 64) o 0.36-0.7 off or an illegal address (session 7, tools/sweep_gdn_gpu.py)
     BVP = 64
     if delta and mode != 2:
-        w = torch.empty(B, T, H, K, dtype=inter, device=dev)
-        u = torch.empty(B, T, H, V, dtype=inter, device=dev)
+        tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
+        if WY_IN_STATE:   # the state pass reads T in w's place
+            w, u = tm, q.new_zeros(1)
+        else:
+            w = torch.empty(B, T, H, K, dtype=inter, device=dev)
+            u = torch.empty(B, T, H, V, dtype=inter, device=dev)
         vn = torch.empty(B, T, H, V, dtype=inter, device=dev)
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         prep = dict(H=H, K=K, BK=BK, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None, PREC=prec, BIG=BIG)
-        tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
         from gdn import fwd_prep   # here: gdn.fwd_prep imports this module's helpers
         fwd_prep.launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
-                             lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET, **prep)
+                             lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET,
+                             wu=not WY_IN_STATE, **prep)
     else:
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
@@ -553,7 +562,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
                   T, max(NT, 1), triton.next_power_of_2(N * H))
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
-                    **common)
+                    WY=WY_IN_STATE if delta and mode != 2 else 0, **common)
     from gdn import fwd_state   # here: gdn.fwd_state imports this module's helpers
     fwd_state.launch_state(state_args, N * H, **state_kw)
     launch = out_launch(BK, V, gate, q.dtype)

@@ -280,6 +280,38 @@ def test_a_state_past_fp32_range_inside_a_chunk_comes_back_as_the_oracles_does()
     assert verdict.passed, verdict.detail
 
 
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
+def test_new_values_formed_in_the_state_pass_match_the_oracle(monkeypatch, gate):
+    """gdn.chunk_fwd.WY_IN_STATE (GDN_FWD_WY=1, a bring-up switch): the state pass forms v_new
+    from T, beta, k, v (no w, u): within the bound at the shapes above, every special value
+    where the oracle has it, and accurate where a large state makes v_new pass BIG (at WY 1
+    that chunk takes the exact path: 2.6 s against 0.4 s for this call under the interpreter,
+    session 9; at WY 0 the matrix path takes it)."""
+    import gdn.chunk_fwd as cf
+    monkeypatch.setattr(cf, "WY_IN_STATE", 1)
+    for shape in ("varlen3", "T77-K24-V20"):
+        kw = dict(SHAPES[shape])
+        cu = kw.get("cu_seqlens")
+        for dtype in (torch.float32, torch.bfloat16):
+            x = make_inputs(gate, True, dtype=dtype, seed=_seed(shape), **kw)
+            o, s = call(recurrence, x, cu_seqlens=cu)
+            o2, s2 = call(chunk_gdn_fwd, x, cu_seqlens=cu)
+            assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (shape, dtype)
+    for name in ["q", "k", "v", "beta", "initial_state"] + (["g"] if gate != "none" else []):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            x = make_inputs(gate, True, B=1, T=28, H=2, K=16, V=16, seed=7)
+            inject(x, name, value)
+            o, s = call(recurrence, x)
+            o2, s2 = call(chunk_gdn_fwd, x)
+            assert_same_nonfinite(o2, o)
+            assert_same_nonfinite(s2, s)
+    x = make_inputs(gate, True, B=1, T=70, H=1, K=16, V=16)
+    x["initial_state"] = x["initial_state"] * 1e6   # k S past BIG in the first chunk
+    o, s = call(recurrence, x)
+    o2, s2 = call(chunk_gdn_fwd, x)
+    assert rel(o2, o) < 1e-4 and rel(s2, s) < 1e-4
+
+
 def test_spread_takes_one_config_per_key_and_the_same_one_each_time():
     """gdn.fwd_state.SPREAD (kfuzz's GDN targets): one config order per key, picked from the
     key alone (the same in every process), and different keys start at different configs."""
