@@ -80,6 +80,15 @@ GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # state pass forms v_new = T diag(beta) (v - Gamma (k S)) itself from T, beta, k and v, so the
 # prep is one launch and w, u are never stored (GDN_FWD_WY=1; see `gdn.fwd_state._wy_values`).
 WY_IN_STATE = int(os.environ.get("GDN_FWD_WY", "0"))
+# The state pass's check, every chunk, of the state entering it (|S| <= SBIG, a reduction
+# over the [K, BV] tile on the pass's serial chain).  Where the chunk's k and v_new are checked
+# (|k|, |v_new| <= BIG: v_new is v without the delta term, and checked at WY 1), a chunk adds
+# at most BT BIG^2 (about 2.7e11) to any state element and every decay is <= 1, so a state
+# checked once, on entry, stays within SBIG + 2.7e11 a chunk along the matrix part: the
+# check repeats what the inputs' checks imply.  GDN_FWD_STATE_CHECK=0 (bring-up switch,
+# session 9, not yet timed on a GPU) checks the entering state once there; it stays on for
+# the delta members at WY 0, whose v_new = u - w S is not checked.
+STATE_CHECK = os.environ.get("GDN_FWD_STATE_CHECK", "1") == "1"
 # The output kernel's launch (`out_launch`).  For bf16 inputs where K is wider than
 # OUT_LAUNCH["bk"] (and the gate is not a vector one, whose 16-token chunks keep one
 # product), its matrix part runs K in a pipelined loop of slices that wide, with OUT_LAUNCH's
@@ -561,8 +570,9 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                   PREC=prec, BIG=BIG, MODE=mode, DT=dt)
     state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
                   T, max(NT, 1), triton.next_power_of_2(N * H))
+    wy = WY_IN_STATE if delta and mode != 2 else 0
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
-                    WY=WY_IN_STATE if delta and mode != 2 else 0, **common)
+                    WY=wy, SCHECK=STATE_CHECK or (delta and not wy), **common)
     from gdn import fwd_state   # here: gdn.fwd_state imports this module's helpers
     fwd_state.launch_state(state_args, N * H, **state_kw)
     launch = out_launch(BK, V, gate, q.dtype)

@@ -46,13 +46,17 @@ def _vtile(v, r0, rr, rmask, dv, vmask, V: tl.constexpr, H: tl.constexpr):
 def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
               DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr,
-              WY: tl.constexpr):
+              WY: tl.constexpr, SCHECK: tl.constexpr):
     """(ok, k tile fp32, v tile fp32 or the k tile): whether the chunk's inputs and the state
     entering it admit the matrix path, with the tiles the check loaded (v: no delta, or WY 1,
-    where the state pass checks v as the prep checks u at WY 0)."""
+    where the state pass checks v as the prep checks u at WY 0).  The state's check only with
+    SCHECK (`gdn.chunk_fwd.STATE_CHECK`)."""
     mk = rmask[:, None] & kmask[None, :]
     kt = tl.load(_stile(k, r0, rr, dk, K, H), mask=mk, other=0.0).to(tl.float32)
-    ok = _all_within(S, SBIG)
+    if SCHECK:
+        ok = _all_within(S, SBIG)
+    else:
+        ok = cid >= 0
     vt = kt
     if DELTA:
         ok = ok & (tl.load(flag + cid * H + i_h) != 0)
@@ -142,7 +146,8 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr, WY: tl.constexpr):
+                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr, WY: tl.constexpr,
+                  SCHECK: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
@@ -177,6 +182,9 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             S = tl.zeros((BK, BV), dtype=tl.float32)
         alive = nch >= 0
         stopc = nch
+        if SCHECK == 0:   # the entering state once (`gdn.chunk_fwd.STATE_CHECK`)
+            alive = _all_within(S, SBIG)
+            stopc = tl.where(alive, nch, 0)
         for c in range(0, nch):
             cid = (c_first + c).to(tl.int64)
             t0 = bos + c * BT
@@ -184,7 +192,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             rmask = t0 + rr < eos
             last = t0 + rr == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
             ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
-                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE, WY)
+                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE, WY, SCHECK)
             ok = ok & alive
             if WY == 0:
                 _mark_matrix(hs, xflag, S, ok, cid, i_h, kv_off, smask, dv, vmask, zf, H, K, V)
@@ -211,7 +219,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 rmask = t0 + rr < eos
                 last = t0 + rr == tl.minimum(t0 + BT, eos) - 1
                 ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
-                                       vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE, WY)
+                                       vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE, WY, True)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=smask)
                 if WY == 0:
                     tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
