@@ -29,6 +29,7 @@ from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _inv_unit_lower, _odot, _tile
+from gdn.fwd_prep import _unit_lower_inverse
 
 
 @triton.jit
@@ -96,7 +97,8 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
 def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
-          GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr):
+          GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, INV: tl.constexpr,
+          IW: tl.constexpr):
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -114,8 +116,13 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
     if DELTA:
         a = araw * b_beta[:, None]
-        # T = (I + A)^-1, by the forward's blocked substitution
-        tm = _inv_unit_lower(a, C, PREC)
+        # T = (I + A)^-1: INV 0, by v5.2's blocked substitution in registers; INV 1, as the
+        # forward's prep (`gdn.fwd_prep._unit_lower_inverse`: Tm, fp32, is its scratch;
+        # IW its tile width), gdn.chunk_bwd.INVERSE
+        if INV == 1:
+            tm = _unit_lower_inverse(a, Tm, r0, rows, rv, bos + ic * C, eos, H, C, IW, PREC)
+        else:
+            tm = _inv_unit_lower(a, C, PREC)
         # T is only ever a dot operand: stored in the dots' operand dtype (bf16 for bf16
         # inputs), the very rounding every dot applies to it, so no result changes
         tl.store(_tile(Tm, r0, rows, rows, C, H), tm.to(Tm.dtype.element_ty), mask=rv[:, None])

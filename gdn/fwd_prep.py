@@ -54,7 +54,7 @@ def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _diag_inverse(tmc, n, H: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
+def _diag_inverse(tmc, n, H, BT: tl.constexpr, W: tl.constexpr):
     """(I + D_b)^-1 of the BT // 16 diagonal 16x16 blocks D_b of the strictly lower A whose
     transpose is stored at tmc (the chunk's first row of T, rows H BT apart, n of them valid,
     BT columns), as a [16, W] tile X[j, 16 b + c] =
@@ -72,6 +72,39 @@ def _diag_inverse(tmc, n, H: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
         new = tl.sum(d * X, axis=0)
         X = tl.where(jj == i, tl.where(cc - b16 == i, 1.0, 0.0) - new[None, :], X)
     return X
+
+
+@triton.jit
+def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: tl.constexpr,
+                        PREC: tl.constexpr):
+    """T = (I + A)^-1 for the chunk's strictly lower A [BT, BT] (rows r0 + rr H of the fp32
+    [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A^T and the diagonal blocks'
+    inverses pass through it, so the caller stores T there only after this returns).  BT 16
+    (one block, the vector gate): v5.2's substitution on A in registers, leaner there."""
+    if BT == 16:
+        return _inv_unit_lower(A, BT, PREC)
+    ttr = (tm + r0 * BT) + (rr[None, :] * (H * BT) + rr[:, None])   # the transpose's place
+    tl.store(ttr, A, mask=rmask[None, :])
+    tl.debug_barrier()   # A's rows, stored by other threads, are read back below
+    X = _diag_inverse(tm + r0 * BT, eos - bos, H, BT, W)
+    jj = tl.arange(0, 16)[:, None]
+    cc = tl.arange(0, W)[None, :]
+    # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
+    tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
+    tl.store((tm + r0 * BT) + (cc * (H * BT) + (cc // 16) * 16 + jj), X,
+             mask=(cc < BT) & (bos + cc < eos))
+    tl.debug_barrier()
+    M = tl.load(ttr, mask=rmask[None, :], other=0.0)   # Dinv on the diagonal, A below
+    same = (rr[:, None] // 16) == (rr[None, :] // 16)
+    eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+    Dinv = tl.where(same, M, 0.0)
+    F = tl.dot(Dinv, tl.where((rr[:, None] // 16) > (rr[None, :] // 16), M, 0.0),
+               input_precision=PREC)
+    P = eye - F
+    P = eye - tl.dot(F, P, input_precision=PREC)
+    P = eye - tl.dot(F, P, input_precision=PREC)
+    tl.debug_barrier()   # every thread has read M before T overwrites it
+    return tl.dot(P, Dinv, input_precision=PREC)
 
 
 @triton.jit
@@ -103,32 +136,8 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
             G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, m2, H, K, GATE)
             A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
     A = tl.where(lower, A * bt[:, None], 0.0)
-    tptr = _tile(tm, r0, rr, rr, BT, H)
-    if BT == 16:   # one block (vector gate): v5.2's substitution on A in registers is leaner
-        tl.store(tptr, _inv_unit_lower(A, BT, PREC), mask=rmask[:, None])
-    else:
-        ttr = (tm + r0 * BT) + (rr[None, :] * (H * BT) + rr[:, None])   # the transpose's place
-        tl.store(ttr, A, mask=rmask[None, :])
-        tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-        X = _diag_inverse(tm + r0 * BT, eos - bos, H, BT, W)
-        jj = tl.arange(0, 16)[:, None]
-        cc = tl.arange(0, W)[None, :]
-        # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
-        tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
-        tl.store((tm + r0 * BT) + (cc * (H * BT) + (cc // 16) * 16 + jj), X,
-                 mask=(cc < BT) & (bos + cc < eos))
-        tl.debug_barrier()
-        M = tl.load(ttr, mask=rmask[None, :], other=0.0)   # Dinv on the diagonal, A below
-        same = (rr[:, None] // 16) == (rr[None, :] // 16)
-        eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-        Dinv = tl.where(same, M, 0.0)
-        F = tl.dot(Dinv, tl.where((rr[:, None] // 16) > (rr[None, :] // 16), M, 0.0),
-                   input_precision=PREC)
-        P = eye - F
-        P = eye - tl.dot(F, P, input_precision=PREC)
-        P = eye - tl.dot(F, P, input_precision=PREC)
-        tl.debug_barrier()   # every thread has read M before T overwrites it
-        tl.store(tptr, tl.dot(P, Dinv, input_precision=PREC), mask=rmask[:, None])
+    tl.store(_tile(tm, r0, rr, rr, BT, H), _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC),
+             mask=rmask[:, None])
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
 

@@ -244,6 +244,6 @@ def test_pytest_collects_saved_cases_by_target_and_signature(pytester):
     out = result.stdout.str()
     assert "PASSED crashes/cumsum.inplace/mutation-x/" in out and "::cumsum.inplace/mutation-x" in out
     assert "rmsnorm.lowsquare/bound-out[fixed]" in out and "expected pass, got rmsnorm.lowsquare/bound-out" in out
-    assert "junk.case.zst: not a valid zstd stream" in out
+    assert "junk.case.zst: cannot be replayed: not a valid zstd stream" in out
     xml = (root / "report.xml").read_text()
     assert xml.count("<testcase") == 3 and 'name="cumsum.inplace/mutation-x"' in xml

@@ -126,8 +126,10 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     tile = cb.tiles(K, V)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
-                  HAS_H0=True, HAS_DHT=True)
+                  HAS_H0=True, HAS_DHT=True, INV=int(cb.INVERSE == "blocked"),
+                  IW=max(32 * cb.LAUNCH["prep_warps"], C))
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
+    fp32_args = _BWD_FP32 | ({"Tm"} if cb.INVERSE == "blocked" else set())   # T is fp32 scratch then
     # stages 3 is Triton's default: the launcher sets none for the sequential kernels and _exact
     grads_stages = 1 if F32 else launch["grads_stages"]
     for fn, bv, warps, stages, extra in (
@@ -144,7 +146,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
                  if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward)
         sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
-                   else "*i32" if a in _BWD_I32 else "*fp32" if a in _BWD_FP32 or fp32 else "*bf16")
+                   else "*i32" if a in _BWD_I32 else "*fp32" if a in fp32_args or fp32 else "*bf16")
                for a in fn.arg_names if a not in const}
         ints = {"T": 4096, "H": 16, "K": K, "V": V}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
