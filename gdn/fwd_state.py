@@ -161,7 +161,9 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
     the matrix path.  xflag marks, per V column, the chunks stepped token by token, so that
     _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles.
     WY (`gdn.chunk_fwd.WY_IN_STATE`): 0, w and u are the prep's; 1, w is the prep's T and u
-    unused (v_new from T, beta, k, v: `_wy_values`)."""
+    unused (v_new from T, beta, k, v: `_wy_values`).  SCHECK (`gdn.chunk_fwd.STATE_CHECK`):
+    PART 0 checks the entering state every chunk, or only once, before the first (PART 1
+    always checks it: its state may come from the exact path)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
