@@ -124,7 +124,8 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
         else:
             tm = _inv_unit_lower(a, C, PREC)
         # T is only ever a dot operand: stored in the dots' operand dtype (bf16 for bf16
-        # inputs), the very rounding every dot applies to it, so no result changes
+        # inputs), the very rounding every dot applies to it, so no result changes (fp32 at
+        # INV 1, where Tm was the inverse's scratch; the dots round it as they load it)
         tl.store(_tile(Tm, r0, rows, rows, C, H), tm.to(Tm.dtype.element_ty), mask=rv[:, None])
         w = _mm(tm, kb, F32, DT)
         tl.store(_tile(W, r0, rows, ck, K, H), w.to(W.dtype.element_ty), mask=mqk)

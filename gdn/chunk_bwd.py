@@ -159,7 +159,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     dflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     if delta:
-        # T = (I + A)^-1 in the dots' operand dtype (see _prep)
+        # T = (I + A)^-1 in the dots' operand dtype (see _prep); fp32 with INVERSE "blocked"
         Tm = torch.empty(B, T, H, C, device=dev,
                          dtype=torch.float32 if F32 or INVERSE == "blocked" else torch.bfloat16)
         W = torch.empty(B, T, H, K, device=dev, dtype=inter)

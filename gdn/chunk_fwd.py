@@ -89,6 +89,14 @@ WY_IN_STATE = int(os.environ.get("GDN_FWD_WY", "0"))
 # session 9, not yet timed on a GPU) checks the entering state once there; it stays on for
 # the delta members at WY 0, whose v_new = u - w S is not checked.
 STATE_CHECK = os.environ.get("GDN_FWD_STATE_CHECK", "1") == "1"
+
+
+def state_switches(delta: bool, mode: int) -> dict:
+    """The state pass's WY and SCHECK for a launch (WY_IN_STATE, STATE_CHECK): WY 1 only for
+    the delta members' matrix path (mode 2 has none), and the per-chunk state check kept
+    where v_new is not checked (delta at WY 0)."""
+    wy = WY_IN_STATE if delta and mode != 2 else 0
+    return {"WY": wy, "SCHECK": STATE_CHECK or (delta and not wy)}
 # The output kernel's launch (`out_launch`).  For bf16 inputs where K is wider than
 # OUT_LAUNCH["bk"] (and the gate is not a vector one, whose 16-token chunks keep one
 # product), its matrix part runs K in a pipelined loop of slices that wide, with OUT_LAUNCH's
@@ -543,9 +551,10 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     # miscompiled on the H200 with Triton 3.6, bf16: 16-wide gave o 100% wrong (session 6), and
     # 32-wide (V 32, K >= 64) o 0.36-0.7 off or an illegal address (session 7, tools/sweep_gdn_gpu.py)
     BVP = 64
+    switches = state_switches(delta, mode)
     if delta and mode != 2:
         tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
-        if WY_IN_STATE:   # the state pass reads T in w's place
+        if switches["WY"]:   # the state pass reads T in w's place
             w, u = tm, q.new_zeros(1)
         else:
             w = torch.empty(B, T, H, K, dtype=inter, device=dev)
@@ -556,7 +565,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         from gdn import fwd_prep   # here: gdn.fwd_prep imports this module's helpers
         fwd_prep.launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
                              lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET,
-                             wu=not WY_IN_STATE, **prep)
+                             wu=not switches["WY"], **prep)
     else:
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
@@ -570,9 +579,8 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                   PREC=prec, BIG=BIG, MODE=mode, DT=dt)
     state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
                   T, max(NT, 1), triton.next_power_of_2(N * H))
-    wy = WY_IN_STATE if delta and mode != 2 else 0
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
-                    WY=wy, SCHECK=STATE_CHECK or (delta and not wy), **common)
+                    **switches, **common)
     from gdn import fwd_state   # here: gdn.fwd_state imports this module's helpers
     fwd_state.launch_state(state_args, N * H, **state_kw)
     launch = out_launch(BK, V, gate, q.dtype)
