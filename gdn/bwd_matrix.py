@@ -61,10 +61,10 @@ def _gated_keys(b_k, b_beta, G, GATE: tl.constexpr):
 @triton.jit
 def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GATE: tl.constexpr,
                DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, GLIM: tl.constexpr,
-               BIG: tl.constexpr):
+               BIG: tl.constexpr, NEED_A: tl.constexpr):
     """A chunk's count of entries that send it to the exact path among q, k, beta and the
     gate (v and do are the caller's), its beta, diag(beta) K_g and
-    A_raw = strict_lower(K_g K_n^T) (A = diag(beta) A_raw)."""
+    A_raw = strict_lower(K_g K_n^T) (A = diag(beta) A_raw; zeros unless NEED_A)."""
     rows = tl.arange(0, C)
     mqk = rv[:, None] & mk[None, :]
     b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
@@ -75,21 +75,25 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
         b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
         bad += _outside(b_beta[:, None], BIG)
     strict = rows[:, None] > rows[None, :]
+    araw = tl.zeros([C, C], dtype=tl.float32)
     if GATE == 1:
         G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
         bad += _outside(G[:, None], 3.0e38)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         kb = _gated_keys(b_k, b_beta, G, GATE)
-        araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, strict)
+        if NEED_A:
+            araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, strict)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
         bad += _outside(G, 3.0e38)
         bad += tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
         kb = _gated_keys(b_k, b_beta, G, GATE)
-        araw = tl.where(strict, _mm(b_k * tl.exp(G), tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
+        if NEED_A:
+            araw = tl.where(strict, _mm(b_k * tl.exp(G), tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
     else:
         kb = _gated_keys(b_k, b_beta, b_beta, GATE)   # no gate: the third argument is unused
-        araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
+        if NEED_A:
+            araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
     return bad, b_beta, kb, araw
 
 
@@ -106,7 +110,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
     bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C, GATE, DELTA,
-                                       F32, DT, GLIM, BIG)
+                                       F32, DT, GLIM, BIG, INV != 2)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
@@ -115,18 +119,21 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
         bad += _outside(b_v, BIG) + _outside(b_do, BIG)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
     if DELTA:
-        a = araw * b_beta[:, None]
         # T = (I + A)^-1: INV 0, by v5.2's blocked substitution in registers; INV 1, as the
         # forward's prep (`gdn.fwd_prep._unit_lower_inverse`: Tm, fp32, is its scratch;
-        # IW its tile width), gdn.chunk_bwd.INVERSE
-        if INV == 1:
-            tm = _unit_lower_inverse(a, Tm, r0, rows, rv, bos + ic * C, eos, H, C, IW, PREC)
+        # IW its tile width), gdn.chunk_bwd.INVERSE; INV 2, the forward's T, given in Tm
+        if INV == 2:
+            tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
         else:
-            tm = _inv_unit_lower(a, C, PREC)
-        # T is only ever a dot operand: stored in the dots' operand dtype (bf16 for bf16
-        # inputs), the very rounding every dot applies to it, so no result changes (fp32 at
-        # INV 1, where Tm was the inverse's scratch; the dots round it as they load it)
-        tl.store(_tile(Tm, r0, rows, rows, C, H), tm.to(Tm.dtype.element_ty), mask=rv[:, None])
+            a = araw * b_beta[:, None]
+            if INV == 1:
+                tm = _unit_lower_inverse(a, Tm, r0, rows, rv, bos + ic * C, eos, H, C, IW, PREC)
+            else:
+                tm = _inv_unit_lower(a, C, PREC)
+            # T is only ever a dot operand: stored in the dots' operand dtype (bf16 for bf16
+            # inputs), the very rounding every dot applies to it, so no result changes (fp32
+            # at INV 1, where Tm was the inverse's scratch; the dots round it as they load it)
+            tl.store(_tile(Tm, r0, rows, rows, C, H), tm.to(Tm.dtype.element_ty), mask=rv[:, None])
         w = _mm(tm, kb, F32, DT)
         tl.store(_tile(W, r0, rows, ck, K, H), w.to(W.dtype.element_ty), mask=mqk)
         for iv in range(0, tl.cdiv(V, BV)):

@@ -109,7 +109,7 @@ def _dot_mode(dtype):
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
-                  cu_seqlens=None, delta=True, chunk_size=None):
+                  cu_seqlens=None, delta=True, chunk_size=None, inverse=None):
     """Gradients of the GDN family recurrence (see gdn.oracle for the math).
 
     q, k [B,T,H,K]; v, do [B,T,H,V]; g None, [B,T,H] or [B,T,H,K] (log gate);
@@ -118,7 +118,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     [N+1] offsets.  Returns (dq, dk, dv, dg, dbeta, dh0), each in its input's
     dtype; dg is None without a gate, dbeta None without delta, dh0 None
     without an initial state.  chunk_size (16, 32 or 64) defaults to 64, or 16
-    for a vector gate.
+    for a vector gate.  inverse: the forward's T = (I + A)^-1 of every chunk, fp32
+    [B,T,H,C] (`chunk_gdn_fwd(..., return_inverse=True)`, delta rule only), which spares
+    _prep the inverse; without it _prep forms T itself.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -146,6 +148,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     BK, BV = tile["BK"], tile["BV"]
     NV = triton.cdiv(V, BV)
     IS_VARLEN = cu_seqlens is not None
+    if inverse is not None and (not delta or tuple(inverse.shape) != (B, T, H, C)
+                                or inverse.dtype != torch.float32 or inverse.device != dev):
+        raise ValueError(f"inverse must be the forward's T, fp32 [{B},{T},{H},{C}] on {dev} with "
+                         f"delta=True; got {inverse.dtype} {tuple(inverse.shape)} on {inverse.device}"
+                         f"{'' if delta else ' with delta=False'}")
     if T == 0 or NC == 0:
         z = [torch.zeros_like(x) if x is not None else None for x in (q, k, v, g, beta)]
         dh0 = None
@@ -158,10 +165,13 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     flag = torch.empty(NC, H, device=dev, dtype=torch.int32)
     hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     dflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
-    if delta:
+    if inverse is not None:
+        Tm = inverse.contiguous()   # the forward's T: _prep reads it (INV 2)
+    elif delta:
         # T = (I + A)^-1 in the dots' operand dtype (see _prep); fp32 with INVERSE "blocked"
         Tm = torch.empty(B, T, H, C, device=dev,
                          dtype=torch.float32 if F32 or INVERSE == "blocked" else torch.bfloat16)
+    if delta:
         W = torch.empty(B, T, H, K, device=dev, dtype=inter)
         U = torch.empty(B, T, H, V, device=dev, dtype=inter)
         dU = torch.empty(B, T, H, V, device=dev, dtype=inter)
@@ -182,7 +192,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
-                    INV=int(INVERSE == "blocked"), IW=max(32 * LAUNCH["prep_warps"], C),
+                    INV=2 if inverse is not None else int(INVERSE == "blocked"), IW=max(32 * LAUNCH["prep_warps"], C),
                     num_stages=1 if F32 else 2, **common)
     _states_[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,

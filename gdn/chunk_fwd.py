@@ -478,11 +478,14 @@ def out_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
 
 
 def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
-                  output_final_state=True, cu_seqlens=None, delta=True):
+                  output_final_state=True, cu_seqlens=None, delta=True, return_inverse=False):
     """The GDN-family forward.  q, k [B,T,H,K], v [B,T,H,V] (one dtype of bf16,
     fp16, fp32); g None, [B,T,H] or [B,T,H,K]; beta [B,T,H] (delta=True);
     initial_state [N,H,K,V]; cu_seqlens [N+1] offsets with B == 1.  Returns
-    (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32 or None)."""
+    (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32 or None), and with
+    return_inverse a third item: the WY prep's T = (I + A)^-1 of every chunk, fp32
+    [B,T,H,BT] (the backward's `inverse`), or None where the prep did not run (no
+    delta rule, the exact-path mode, no chunk)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype \
@@ -536,7 +539,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     if NC == 0:
         if output_final_state:
             hT.copy_(initial_state if initial_state is not None else torch.zeros_like(hT))
-        return o, (hT if output_final_state else None)
+        return (o, hT if output_final_state else None) + ((None,) if return_inverse else ())
     if gate and mode != 2:
         gc = torch.empty(g.shape, dtype=torch.float32, device=dev)
         gcl = torch.empty(g.shape if gate == 1 else (1,), dtype=torch.float32, device=dev)
@@ -567,6 +570,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                              lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET,
                              wu=not switches["WY"], **prep)
     else:
+        tm = None
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
     xflag = torch.empty(NC, H, V, dtype=torch.int8, device=dev)
@@ -589,4 +593,4 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         _out_kernel[(triton.cdiv(V, launch["BV"]), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o,
                                                            cb, ce, scale, T, max(NT, 1), PART=part,
                                                            **launch, **common)
-    return o, (hT if output_final_state else None)
+    return (o, hT if output_final_state else None) + ((tm,) if return_inverse else ())

@@ -1,8 +1,10 @@
 """The GDN-family layer op with gradients: `gdn_attention` and its autograd Function.
 
 Forward: `gdn.chunk_fwd.chunk_gdn_fwd`; backward: `gdn.chunk_bwd.chunk_gdn_bwd`,
-which recomputes every chunk state itself, so the forward saves nothing but
-its inputs.  Gradients reach q, k, v, g, beta and initial_state; the gradient
+which recomputes every chunk state itself.  The forward saves its inputs and, with
+the delta rule, the WY inverse T = (I + A)^-1 its prep formed (fp32 [B,T,H,C]), so
+the backward's prep does not invert again (as fla keeps its A).  Gradients reach
+q, k, v, g, beta and initial_state; the gradient
 of the final state (when it is returned and used) flows into the backward.
 """
 from __future__ import annotations
@@ -20,22 +22,22 @@ class ChunkGDNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
                 delta):
-        o, ht = chunk_gdn_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                              delta=delta)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        o, ht, inverse = chunk_gdn_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       cu_seqlens=cu_seqlens, delta=delta, return_inverse=True)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, inverse)
         ctx.scale, ctx.delta = scale, delta
         ctx.set_materialize_grads(False)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, inverse = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
             q, k, v, g, beta, do, dht, scale=ctx.scale, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, delta=ctx.delta)
+            cu_seqlens=cu_seqlens, delta=ctx.delta, inverse=inverse)
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
 
 
@@ -51,13 +53,15 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     [N,H,K,V] fp32 or None).  Differentiable in q, k, v, g, beta and
     initial_state; non-contiguous inputs are copied.
 
-    Memory.  The forward keeps no activations beyond references to its inputs.
-    The backward holds transiently, besides the gradients themselves, the
+    Memory.  The forward keeps, beyond references to its inputs, the delta rule's
+    WY inverse T, fp32 [B,T,H,C] (C = 64, 16 for a vector gate; 134 MB at the
+    shape below), which spares the backward a second inversion.  The backward
+    holds transiently, besides the gradients themselves, the
     recomputed state at every chunk start and the state gradient at every
     chunk end, 2 * ceil(T/C) * B*H*K*V elements (bf16 for bf16 inputs, fp32
     otherwise; C = 64, 16 for a vector gate), and with the delta rule the WY
-    factors: W, U, dU [B,T,H,K|V] in the same dtype, T^-1 [B,T,H,C] (bf16 for bf16
-    inputs, fp32 otherwise) and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32.
+    factors: W, U, dU [B,T,H,K|V] in the same dtype and the WY share of dk
+    [B,T,H,K] (and of a gate's dg) fp32.
     At B=8, T=4096, H=16, K=V=128 bf16 that is about 1.3 GB (BENCHMARKS.md has the peak
     measured over a forward and backward).
     """

@@ -190,6 +190,50 @@ def test_op_autograd_matches_oracle():
     assert_close(got, oracle_grads(x, None, True), 1e-4)
 
 
+@pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,special", [
+    (1, 100, 2, 32, 32, 1, torch.float32, None, False),
+    (2, 70, 2, 16, 32, 0, torch.bfloat16, None, False),
+    (1, 100, 2, 32, 16, 2, torch.float32, [0, 20, 53, 100], False),
+    (1, 100, 2, 16, 32, 1, torch.float32, [0, 20, 53, 100], True)])
+def test_op_backward_on_the_forwards_inverse_matches_oracle(B, T, H, K, V, gate, dtype, cu, special):
+    """The op saves the forward prep's T = (I + A)^-1 and the backward's _prep reads it
+    (INV 2) instead of inverting again: gradients within the bound at 64- and 16-token
+    chunks, varlen, bf16; a NaN in k (its chunk's T is NaN) reaches exactly the oracle's."""
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
+    if special:
+        t = x["k"].clone()
+        t[0, 41].view(-1)[3] = float("nan")
+        x["k"] = t
+    _, _, inverse = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                  cu_seqlens=cu, return_inverse=True)
+    assert inverse.shape == (B, T, H, 16 if gate == 2 else 64)
+    got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                        initial_state=x["h0"], cu_seqlens=cu, inverse=inverse)
+    want = oracle_grads(x, cu, True)
+    if special:
+        assert_same_specials(got, want)
+        return
+    assert_close(got, want, TOL[dtype])
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")
+              if x[n] is not None}
+    o, ht = gdn_attention(leaves["q"], leaves["k"], leaves["v"], leaves.get("g"), leaves["beta"],
+                          initial_state=leaves["h0"], output_final_state=True, cu_seqlens=cu)
+    ((o.float() * x["do"].float()).sum() + (ht * x["dht"]).sum()).backward()
+    op = [leaves[n].grad if n in leaves else None for n in ("q", "k", "v", "g", "beta", "h0")]
+    for name, a, b in zip(NAMES, op, got):   # the op's backward is this one, on the same T
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+def test_a_wrong_inverse_is_refused():
+    x = make_inputs(1, 37, 1, 16, 16, 1, True, torch.float32)
+    for bad in (torch.zeros(1, 37, 1, 16, device=DEV), torch.zeros(1, 37, 1, 64, device=DEV).double()):
+        with pytest.raises(ValueError, match="inverse must be the forward's T"):
+            chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                          initial_state=x["h0"], inverse=bad)
+
+
 def test_op_without_final_state():
     x = make_inputs(1, 37, 1, 16, 16, 0, False, torch.float32, h0=False)
     leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v")}
