@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.chunk_fwd import _inv_unit_lower, _odot, _tile
+from gdn.chunk_fwd import _odot, _tile
 from gdn.fwd_prep import _unit_lower_inverse
 
 
@@ -101,7 +101,7 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
 def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
-          GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, INV: tl.constexpr,
+          GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
           IW: tl.constexpr):
     cid = tl.program_id(0)
     ih = tl.program_id(1)
@@ -110,7 +110,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
     bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C, GATE, DELTA,
-                                       F32, DT, GLIM, BIG, INV != 2)
+                                       F32, DT, GLIM, BIG, not GIVEN_T)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
@@ -119,21 +119,17 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
         bad += _outside(b_v, BIG) + _outside(b_do, BIG)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
     if DELTA:
-        # T = (I + A)^-1: INV 0, by v5.2's blocked substitution in registers; INV 1, as the
-        # forward's prep (`gdn.fwd_prep._unit_lower_inverse`: Tm, fp32, is its scratch;
-        # IW its tile width), gdn.chunk_bwd.INVERSE; INV 2, the forward's T, given in Tm
-        if INV == 2:
+        # T = (I + A)^-1: GIVEN_T, the forward's (gdn.op saves it), in Tm; else formed as the
+        # forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is its
+        # scratch; IW its tile width), which took _prep from 0.723 to 0.651 ms on the H200
+        # against v5.2's substitution in registers (session 10, bf16 B8 T4096 H16 K=V=128)
+        if GIVEN_T:
             tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
         else:
-            a = araw * b_beta[:, None]
-            if INV == 1:
-                tm = _unit_lower_inverse(a, Tm, r0, rows, rv, bos + ic * C, eos, H, C, IW, PREC)
-            else:
-                tm = _inv_unit_lower(a, C, PREC)
-            # T is only ever a dot operand: stored in the dots' operand dtype (bf16 for bf16
-            # inputs), the very rounding every dot applies to it, so no result changes (fp32
-            # at INV 1, where Tm was the inverse's scratch; the dots round it as they load it)
-            tl.store(_tile(Tm, r0, rows, rows, C, H), tm.to(Tm.dtype.element_ty), mask=rv[:, None])
+            tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, bos + ic * C, eos,
+                                     H, C, IW, PREC)
+            # fp32: the dots round T to their operand dtype as they load it
+            tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
         w = _mm(tm, kb, F32, DT)
         tl.store(_tile(W, r0, rows, ck, K, H), w.to(W.dtype.element_ty), mask=mqk)
         for iv in range(0, tl.cdiv(V, BV)):

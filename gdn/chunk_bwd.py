@@ -65,13 +65,6 @@ LAUNCH = {"prep_warps": 4, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # BKS 64; 4 warps spill in both)
           "grads_wy_warps": 8, "grads_p_warps": 8, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
-# How _prep inverts I + A (delta rule, 64-token chunks): "unit", v5.2's blocked substitution
-# in registers (`gdn.chunk_fwd._inv_unit_lower`); "blocked" (GDN_BWD_INV=blocked, bring-up
-# switch, session 9, not yet timed on a GPU), the forward prep's (`gdn.fwd_prep.
-# _unit_lower_inverse`: the diagonal blocks by a per-thread substitution, through T's place
-# as fp32 scratch, so T is stored fp32), which took the forward's inverse kernel from 0.413 to
-# 0.256 ms on the H200 (session 5, gdn/NOTES.md v5.3).
-INVERSE = os.environ.get("GDN_BWD_INV", "unit")
 
 
 def tiles(K: int, V: int) -> dict:
@@ -166,11 +159,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     dflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     if inverse is not None:
-        Tm = inverse.contiguous()   # the forward's T: _prep reads it (INV 2)
+        Tm = inverse.contiguous()   # the forward's T: _prep reads it (GIVEN_T)
     elif delta:
-        # T = (I + A)^-1 in the dots' operand dtype (see _prep); fp32 with INVERSE "blocked"
-        Tm = torch.empty(B, T, H, C, device=dev,
-                         dtype=torch.float32 if F32 or INVERSE == "blocked" else torch.bfloat16)
+        # T = (I + A)^-1, fp32: _prep's inverse passes through it as scratch
+        Tm = torch.empty(B, T, H, C, device=dev, dtype=torch.float32)
     if delta:
         W = torch.empty(B, T, H, K, device=dev, dtype=inter)
         U = torch.empty(B, T, H, V, device=dev, dtype=inter)
@@ -192,7 +184,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
-                    INV=2 if inverse is not None else int(INVERSE == "blocked"), IW=max(32 * LAUNCH["prep_warps"], C),
+                    GIVEN_T=inverse is not None, IW=max(32 * LAUNCH["prep_warps"], C),
                     num_stages=1 if F32 else 2, **common)
     _states_[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,

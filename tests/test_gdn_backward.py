@@ -109,13 +109,10 @@ def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chu
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),
     (2, 70, 2, 16, 32, 1, True, torch.bfloat16, 64, None)])
-def test_the_blocked_inverse_switch_matches_float64_autograd(monkeypatch, B, T, H, K, V, gate, delta,
-                                                              dtype, chunk, cu):
-    """gdn.chunk_bwd.INVERSE = "blocked" (GDN_BWD_INV, a bring-up switch, session 9): _prep
-    inverts I + A as the forward's prep does (T's place as fp32 scratch) at 32- and 64-token
-    chunks; gradients within the bound, and a NaN in k reaches exactly the oracle's."""
-    import gdn.chunk_bwd
-    monkeypatch.setattr(gdn.chunk_bwd, "INVERSE", "blocked")
+def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype, chunk, cu):
+    """_prep inverts I + A as the forward's prep does (T's place as fp32 scratch, the
+    diagonal blocks by substitution, then the merges) at 32- and 64-token chunks; gradients
+    within the bound, and a NaN in k reaches exactly the oracle's."""
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
     assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])

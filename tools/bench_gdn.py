@@ -196,6 +196,10 @@ def backward_profile_stage(rep):
     rep.add("### Backward per kernel (bf16, GDN, B8 T4096 H16 K=V=128; do_bench median; "
             "torch profiler, mean of 5)\n\n| member | bwd ms | per kernel ms |\n| --- | --- | --- |")
     rep.add(profile_row("GDN", lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do))[0])
+    # as the autograd op runs it: on the forward prep's T (its _prep skips the inversion)
+    inverse = fwd.chunk_gdn_fwd(q, k, v, g, beta, return_inverse=True)[2]
+    rep.add(profile_row("GDN on the forward's T",
+                        lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do, inverse=inverse))[0])
 
 
 def fla_profile_stage(rep, fla):
