@@ -75,28 +75,6 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
-# Where the delta members' new values v_new = u - w S come from (bring-up switch, session 9,
-# not yet timed on a GPU): 0, w and u from the prep's second launch (`gdn.fwd_prep`); 1, the
-# state pass forms v_new = T diag(beta) (v - Gamma (k S)) itself from T, beta, k and v, so the
-# prep is one launch and w, u are never stored (GDN_FWD_WY=1; see `gdn.fwd_state._wy_values`).
-WY_IN_STATE = int(os.environ.get("GDN_FWD_WY", "0"))
-# The state pass's check, every chunk, of the state entering it (|S| <= SBIG, a reduction
-# over the [K, BV] tile on the pass's serial chain).  Where the chunk's k and v_new are checked
-# (|k|, |v_new| <= BIG: v_new is v without the delta term, and checked at WY 1), a chunk adds
-# at most BT BIG^2 (about 2.7e11) to any state element and every decay is <= 1, so a state
-# checked once, on entry, stays within SBIG + 2.7e11 a chunk along the matrix part: the
-# check repeats what the inputs' checks imply.  GDN_FWD_STATE_CHECK=0 (bring-up switch,
-# session 9, not yet timed on a GPU) checks the entering state once there; it stays on for
-# the delta members at WY 0, whose v_new = u - w S is not checked.
-STATE_CHECK = os.environ.get("GDN_FWD_STATE_CHECK", "1") == "1"
-
-
-def state_switches(delta: bool, mode: int) -> dict:
-    """The state pass's WY and SCHECK for a launch (WY_IN_STATE, STATE_CHECK): WY 1 only for
-    the delta members' matrix path (mode 2 has none), and the per-chunk state check kept
-    where v_new is not checked (delta at WY 0)."""
-    wy = WY_IN_STATE if delta and mode != 2 else 0
-    return {"WY": wy, "SCHECK": STATE_CHECK or (delta and not wy)}
 # The output kernel's launch (`out_launch`).  For bf16 inputs where K is wider than
 # OUT_LAUNCH["bk"] (and the gate is not a vector one, whose 16-token chunks keep one
 # product), its matrix part runs K in a pipelined loop of slices that wide, with OUT_LAUNCH's
@@ -554,21 +532,16 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     # miscompiled on the H200 with Triton 3.6, bf16: 16-wide gave o 100% wrong (session 6), and
     # 32-wide (V 32, K >= 64) o 0.36-0.7 off or an illegal address (session 7, tools/sweep_gdn_gpu.py)
     BVP = 64
-    switches = state_switches(delta, mode)
     if delta and mode != 2:
         tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
-        if switches["WY"]:   # the state pass reads T in w's place
-            w, u = tm, q.new_zeros(1)
-        else:
-            w = torch.empty(B, T, H, K, dtype=inter, device=dev)
-            u = torch.empty(B, T, H, V, dtype=inter, device=dev)
+        w = torch.empty(B, T, H, K, dtype=inter, device=dev)
+        u = torch.empty(B, T, H, V, dtype=inter, device=dev)
         vn = torch.empty(B, T, H, V, dtype=inter, device=dev)
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         prep = dict(H=H, K=K, BK=BK, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None, PREC=prec, BIG=BIG)
         from gdn import fwd_prep   # here: gdn.fwd_prep imports this module's helpers
         fwd_prep.launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
-                             lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET,
-                             wu=not switches["WY"], **prep)
+                             lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET, **prep)
     else:
         tm = None
         w = u = vn = flag = q.new_zeros(1)
@@ -584,7 +557,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
                   T, max(NT, 1), triton.next_power_of_2(N * H))
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
-                    **switches, **common)
+                    **common)
     from gdn import fwd_state   # here: gdn.fwd_state imports this module's helpers
     fwd_state.launch_state(state_args, N * H, **state_kw)
     launch = out_launch(BK, V, gate, q.dtype)

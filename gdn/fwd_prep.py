@@ -216,13 +216,10 @@ INV_WARPS = 4   # offline sm_90 at the bench shape: 154 registers, no spill, 3 p
 WU_WARPS = 4    # 96 registers at sm_90 offline
 
 
-def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, wu=True,
-                **prep):
-    """The two prep launches (grids: chunks x heads; w and u tiles x chunks x heads); the
-    second only with ``wu`` (`gdn.chunk_fwd.WY_IN_STATE` 0)."""
+def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
+    """The two prep launches (grids: chunks x heads; w and u tiles x chunks x heads)."""
     NC, H = flag.shape
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               W=max(32 * INV_WARPS, prep["BT"]), num_warps=INV_WARPS, **prep)
-    if wu:
-            _prep_wu_kernel[(2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                    LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)
+    _prep_wu_kernel[(2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
+                                LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)

@@ -36,35 +36,20 @@ def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _vtile(v, r0, rr, rmask, dv, vmask, V: tl.constexpr, H: tl.constexpr):
-    """A chunk's v tile, fp32."""
-    return tl.load(_stile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
-              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr,
-              WY: tl.constexpr, SCHECK: tl.constexpr):
-    """(ok, k tile fp32, v tile fp32 or the k tile): whether the chunk's inputs and the state
-    entering it admit the matrix path, with the tiles the check loaded (v: no delta, or WY 1,
-    where the state pass checks v as the prep checks u at WY 0).  The state's check only with
-    SCHECK (`gdn.chunk_fwd.STATE_CHECK`)."""
+              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
+    """(ok, k tile fp32, v tile fp32 or None): whether the chunk's inputs and the state entering
+    it admit the matrix path, with the tiles the check loaded."""
     mk = rmask[:, None] & kmask[None, :]
     kt = tl.load(_stile(k, r0, rr, dk, K, H), mask=mk, other=0.0).to(tl.float32)
-    if SCHECK:
-        ok = _all_within(S, SBIG)
-    else:
-        ok = cid >= 0
+    ok = _all_within(S, SBIG)
     vt = kt
     if DELTA:
         ok = ok & (tl.load(flag + cid * H + i_h) != 0)
-        if WY == 1:
-            vt = _vtile(v, r0, rr, rmask, dv, vmask, V, H)
-            ok = ok & _all_within(vt, BIG)
     else:
-        vt = _vtile(v, r0, rr, rmask, dv, vmask, V, H)
+        vt = tl.load(_stile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
+                     other=0.0).to(tl.float32)
         ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
     if GATE != 0:
         ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
@@ -72,41 +57,14 @@ def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmas
 
 
 @triton.jit
-def _wy_values(tm, beta, vn, S, kt, vt, G, r0, rr, rmask, mv, dv, store,
-               H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
-               PREC: tl.constexpr, DT: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr):
-    """WY 1: a chunk's new values v_new = T diag(beta) (v - Gamma (k S)) from T (tm, the prep's
-    [BT rows, BT]), beta, the k and v tiles and the state S entering the chunk (G: the gate's
-    prefix sums as `_load_gates` gives them).  What w = T diag(beta Gamma) k and u = T diag(beta)
-    v held at WY 0, without their stores and loads (the prep's second launch).  Stores v_new
-    where `store` holds and it is within BIG (as the prep demanded of u: a larger one sends the
-    chunk to the exact path); returns (v_new fp32, store & that)."""
-    kg = kt
-    if GATE == 2:
-        kg = kt * tl.exp(G)
-    ks = _odot(kg, S, DT, PREC)
-    if GATE == 1:
-        ks = ks * tl.exp(G)[:, None]
-    Tb = tl.load(_stile(tm, r0, rr, rr, BT, H), mask=rmask[:, None], other=0.0)
-    bt = tl.load(beta + r0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
-    vnew = _odot(Tb * bt[None, :], vt - ks, DT, PREC)
-    ok = store & _forced(_all_within(vnew, BIG), MODE)
-    tl.store(_stile(vn, r0, rr, dv, V, H), vnew.to(vn.dtype.element_ty), mask=_and(mv, ok))
-    return vnew, ok
-
-
-@triton.jit
-def _matrix_step(w, u, beta, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, dv, vmask, store,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                 BIG: tl.constexpr, MODE: tl.constexpr, WY: tl.constexpr):
-    """One chunk by the matrix path: stores v_new = u - w S (delta, WY 0; where `store`) or
-    forms it (WY 1, w holding T: `_wy_values`); returns (the state leaving the chunk, store, at
-    WY 1 and'ed with v_new's check)."""
+def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, dv, vmask, store,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+                 DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
+    state leaving the chunk."""
     mk = rmask[:, None] & kmask[None, :]
     mv = rmask[:, None] & vmask[None, :]
-    S0 = S
-    if DELTA and WY == 0:
+    if DELTA:
         wt = tl.load(_stile(w, r0, rr, dk, K, H), mask=mk, other=0.0)
         vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
         tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
@@ -123,19 +81,7 @@ def _matrix_step(w, u, beta, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, km
         S = S * tl.exp(Gl)[:, None]
     else:
         kl = kt
-        G = kt
-    if DELTA and WY == 1:
-        vt, store = _wy_values(w, beta, vn, S0, kt, vt, G, r0, rr, rmask, mv, dv, store,
-                               H, V, BT, GATE, PREC, DT, BIG, MODE)
-    return S + _odot(tl.trans(kl), vt, DT, PREC), store
-
-
-@triton.jit
-def _mark_matrix(hs, xflag, S, ok, cid, i_h, kv_off, smask, dv, vmask, zf,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Where ok: the state S entering chunk cid stored in hs, and xflag 0 (the matrix path)."""
-    tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=_and(smask, ok))
-    tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, ok))
+    return S + _odot(tl.trans(kl), vt, DT, PREC)
 
 
 @triton.jit
@@ -146,8 +92,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr, WY: tl.constexpr,
-                  SCHECK: tl.constexpr):
+                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
@@ -159,11 +104,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
     ran to the end returns at once): from the recorded chunk on, steps token by token the
     chunks whose inputs or incoming state fail the checks (`_exact_chunk`) and the others by
     the matrix path.  xflag marks, per V column, the chunks stepped token by token, so that
-    _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles.
-    WY (`gdn.chunk_fwd.WY_IN_STATE`): 0, w and u are the prep's; 1, w is the prep's T and u
-    unused (v_new from T, beta, k, v: `_wy_values`).  SCHECK (`gdn.chunk_fwd.STATE_CHECK`):
-    PART 0 checks the entering state every chunk, or only once, before the first (PART 1
-    always checks it: its state may come from the exact path)."""
+    _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -184,9 +125,6 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             S = tl.zeros((BK, BV), dtype=tl.float32)
         alive = nch >= 0
         stopc = nch
-        if SCHECK == 0:   # the entering state once (`gdn.chunk_fwd.STATE_CHECK`)
-            alive = _all_within(S, SBIG)
-            stopc = tl.where(alive, nch, 0)
         for c in range(0, nch):
             cid = (c_first + c).to(tl.int64)
             t0 = bos + c * BT
@@ -194,14 +132,13 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             rmask = t0 + rr < eos
             last = t0 + rr == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
             ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
-                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE, WY, SCHECK)
+                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE)
             ok = ok & alive
-            if WY == 0:
-                _mark_matrix(hs, xflag, S, ok, cid, i_h, kv_off, smask, dv, vmask, zf, H, K, V)
-            Sn, ok = _matrix_step(w, u, beta, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask,
-                                  dv, vmask, ok, H, K, V, BT, GATE, DELTA, PREC, DT, BIG, MODE, WY)
-            if WY == 1:   # ok now covers v_new too
-                _mark_matrix(hs, xflag, S, ok, cid, i_h, kv_off, smask, dv, vmask, zf, H, K, V)
+            tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty),
+                     mask=_and(smask, ok))
+            tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, ok))
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, dv,
+                              vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
             alive = ok
@@ -221,30 +158,15 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 rmask = t0 + rr < eos
                 last = t0 + rr == tl.minimum(t0 + BT, eos) - 1
                 ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
-                                       vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE, WY, True)
+                                       vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=smask)
-                if WY == 0:
-                    tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
-                    if ok:
-                        S, _ = _matrix_step(w, u, beta, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk,
-                                            kmask, dv, vmask, ok, H, K, V, BT, GATE, DELTA, PREC, DT,
-                                            BIG, MODE, WY)
-                    else:   # float64 steps, the state kept fp32 between them
-                        S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv,
-                                         vmask, smask, H, K, V, BT, GATE, DELTA, False)
-                else:   # v_new's check decides too: the matrix step first
-                    Sn = S
-                    if ok:
-                        Sn, ok = _matrix_step(w, u, beta, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last,
-                                              dk, kmask, dv, vmask, ok, H, K, V, BT, GATE, DELTA, PREC,
-                                              DT, BIG, MODE, WY)
-                    tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8),
-                             mask=vmask)
-                    if ok:
-                        S = Sn
-                    else:
-                        S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv,
-                                         vmask, smask, H, K, V, BT, GATE, DELTA, False)
+                tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
+                if ok:
+                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask,
+                                     dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
+                else:   # float64 steps, the state kept fp32 between them
+                    S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
+                                     smask, H, K, V, BT, GATE, DELTA, False)
             if STORE_HT:
                 tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
 

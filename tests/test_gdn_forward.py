@@ -286,41 +286,18 @@ def test_a_state_past_fp32_range_inside_a_chunk_comes_back_as_the_oracles_does()
     assert verdict.passed, verdict.detail
 
 
-SWITCHES = {"wy": {"WY_IN_STATE": 1}, "wy-once": {"WY_IN_STATE": 1, "STATE_CHECK": False},
-            "once": {"STATE_CHECK": False}}
-
-
-@pytest.mark.parametrize("gate,delta,switches", [
-    ("none", True, "wy"), ("scalar", True, "wy"), ("vector", True, "wy"),
-    ("scalar", True, "wy-once"), ("vector", True, "wy-once"), ("none", False, "once")])
-def test_forward_bring_up_switches_match_the_oracle(monkeypatch, gate, delta, switches):
-    """gdn.chunk_fwd's bring-up switches (session 9, off by default): WY_IN_STATE (GDN_FWD_WY=1,
-    the state pass forms v_new from T, beta, k, v; no w, u) and STATE_CHECK False
-    (GDN_FWD_STATE_CHECK=0, the entering state checked once, not every chunk).  Within the
-    bound at the shapes above, every special value where the oracle has it, and accurate where
-    a large state makes v_new pass BIG (at WY 1 that chunk takes the exact path: 2.6 s against
-    0.4 s for this call under the interpreter, session 9) or the initial state passes SBIG
-    (checked once: the whole sequence resumes in PART 1)."""
-    import gdn.chunk_fwd as cf
-    for name, value in SWITCHES[switches].items():
-        monkeypatch.setattr(cf, name, value)
-    for shape in ("varlen3", "T77-K24-V20"):
-        kw = dict(SHAPES[shape])
-        cu = kw.get("cu_seqlens")
-        for dtype in (torch.float32, torch.bfloat16):
-            x = make_inputs(gate, delta, dtype=dtype, seed=_seed(shape), **kw)
-            o, s = call(recurrence, x, cu_seqlens=cu, delta=delta)
-            o2, s2 = call(chunk_gdn_fwd, x, cu_seqlens=cu, delta=delta)
-            assert rel(o2, o) < BOUND[dtype] and rel(s2, s) < BOUND[dtype], (shape, dtype)
-    check_nonfinite_sets(gate, delta)
+@pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)])
+def test_large_states_match_the_oracle(gate, delta):
+    """A large state makes k S pass BIG in the first chunk, or the initial state pass SBIG
+    (the whole sequence resumes on the exact path); and G06's case (seed 0, gdn_fwd_linear):
+    one initial-state element at fp32's maximum, so q S overflows fp32 before the scale
+    brings it back."""
     for factor in (1e6, 1e31):   # k S past BIG in the first chunk; the initial state past SBIG
         x = make_inputs(gate, delta, B=1, T=70, H=1, K=16, V=16)
         x["initial_state"] = x["initial_state"] * factor
         o, s = call(recurrence, x, delta=delta)
         o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
         assert rel(o2, o) < 1e-4 and rel(s2, s) < 1e-4, factor
-    # G06's case (seed 0, gdn_fwd_linear): one initial-state element at fp32's maximum, so q S
-    # overflows fp32 before the scale brings it back; checked once, the state goes to PART 1
     x = make_inputs(gate, delta, B=2, T=16, H=2, K=32, V=32)
     x["initial_state"].view(-1)[0] = torch.finfo(torch.float32).max
     o, s = call(recurrence, x, delta=delta)

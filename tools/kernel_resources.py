@@ -74,9 +74,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
                   IS_VARLEN=False, PREC="tf32x3" if fp32 else "tf32", BIG=65536.0)
     scal = {"T": "i32", "NT": "i32"}
-    switches = cf.state_switches(delta, 0)   # the state pass's WY and SCHECK, as launched
     state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], X),
-                 **({"w": "*fp32"} if switches["WY"] else {}),   # T in w's place
                  **_ptrs(["g", "gc", "gcl", "h0", "hT", "sstop"], "*fp32"),
                  **_ptrs(["gflag", "flag", "stop", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], X), **_ptrs(["g", "gc", "gcl"], "*fp32"),
@@ -95,9 +93,9 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
              dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.WU_WARPS, 3),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
-             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **switches, **dt), 4, 2),
+             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt), 4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
-             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dict(switches, SCHECK=True), **dt),
+             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
              dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], **dt),
