@@ -348,7 +348,8 @@ def test_gradients_as_precise_as_the_trusted_reference(name, spec, chunk, checke
         assert err[n] <= 3 * trusted[n], f"{n}: {err[n]:.2e} vs trusted {trusted[n]:.2e}"
 
 
-@pytest.mark.parametrize("extra", [[], ["--forward"]], ids=["backward", "forward"])
+@pytest.mark.parametrize("extra", [[], ["--forward"], ["--saved-inverse"]],
+                         ids=["backward", "forward", "saved-inverse"])
 def test_the_gpu_tile_sweep_runs_and_judges(extra):
     """tools/sweep_gdn_gpu.py (the device's tile sweep) on the interpreter at one tiny shape:
     every case prints ok and the run ends ALLOK with exit 0."""
@@ -361,7 +362,7 @@ def test_the_gpu_tile_sweep_runs_and_judges(extra):
                        capture_output=True, text=True, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gate")]
     assert r.returncode == 0 and r.stdout.rstrip().endswith("ALLOK"), r.stdout + r.stderr
-    assert len(lines) == 3 * (2 if extra else 1) and all(ln.endswith(" ok") for ln in lines)
+    assert len(lines) == 3 * (2 if "--forward" in extra else 1) and all(ln.endswith(" ok") for ln in lines)
 
 
 @pytest.mark.parametrize("V,generic", [(1, True), (2, False), (16, False)])
