@@ -58,13 +58,24 @@ _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
 _AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "grads_stages": 2, "grads_bv": 64, "seq_warps": 4,
+LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4,
           "dstates_warps": 4,   # sm_90 offline at the bench shape: 4 warps 456 stack bytes, 8: 240
           # (8 measured slower on the H200: _dstates 0.760 -> 1.037 ms)
-          # the gradients: from tools/kernel_resources.py (no spill in _grads_p at 8 warps,
-          # BKS 64; 4 warps spill in both)
-          "grads_wy_warps": 8, "grads_p_warps": 8, "grads_p_bk": 64}
+          # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
+          # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
+          # 0.949 (_grads_wy 0.979 -> 0.951), though sm_90 offline says 4 warps spill;
+          # _grads_wy at 4 warps 1.203, _grads_p in 32-wide K slices 1.707
+          "grads_stages": 3, "grads_wy_warps": 8, "grads_p_warps": 4, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
+# V == 1 (the generic-V compiles) keeps 8 warps and 2 stages for _grads_p: at 4 warps the H200
+# gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session 10's
+# sweep, every other K and V of it right), where 8 warps was right in every sweep
+LAUNCH_V1 = {"grads_stages": 2, "grads_p_warps": 8}
+
+
+def launch_for(V: int) -> dict:
+    """The launch configuration at V (LAUNCH, with LAUNCH_V1 at V == 1)."""
+    return dict(LAUNCH, **(LAUNCH_V1 if V == 1 else {}))
 
 
 def tiles(K: int, V: int) -> dict:
@@ -177,14 +188,15 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dg = torch.empty_like(g) if g is not None else None
     dbeta = torch.empty_like(beta) if delta else None
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    seq_warps = LAUNCH["seq_warps"]
+    launch = launch_for(V)
+    seq_warps = launch["seq_warps"]
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                    PREC="ieee" if F32 else "tf32", num_warps=LAUNCH["prep_warps"],
-                    GIVEN_T=inverse is not None, IW=max(32 * LAUNCH["prep_warps"], C),
+                    PREC="ieee" if F32 else "tf32", num_warps=launch["prep_warps"],
+                    GIVEN_T=inverse is not None, IW=max(32 * launch["prep_warps"], C),
                     num_stages=1 if F32 else 2, **common)
     _states_[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
@@ -192,7 +204,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _dstates_[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, dhs,
                            cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
                            HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
-                           num_warps=LAUNCH["dstates_warps"], **common)
+                           num_warps=launch["dstates_warps"], **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:
@@ -203,13 +215,13 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
             dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
         _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
                             C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
-                            F32=F32, DT=DT, num_warps=LAUNCH["grads_wy_warps"],
-                            num_stages=1 if F32 else LAUNCH["grads_stages"])
+                            F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
+                            num_stages=1 if F32 else launch["grads_stages"])
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
                        T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
-                       num_warps=LAUNCH["grads_p_warps"],
-                       num_stages=1 if F32 else LAUNCH["grads_stages"])
+                       num_warps=launch["grads_p_warps"],
+                       num_stages=1 if F32 else launch["grads_stages"])
     _exact_[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                      dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
                      cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,

@@ -369,24 +369,35 @@ def test_the_gpu_tile_sweep_runs_and_judges(extra):
 def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
     """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:
     the H200 miscompiled the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
-    cost the bench backward 4.15 -> 5.52 ms.  The interpreter runs both alike, so this checks
-    the choice, not the miscompile."""
+    cost the bench backward 4.15 -> 5.52 ms.  At V == 1, _grads_p keeps 8 warps and 2 stages
+    (LAUNCH_V1: at 4 warps the H200 gave dq, dk ~1 off at K 32, V 1).  The interpreter runs
+    them all alike, so this checks the choice, not the miscompile."""
     from gdn import chunk_bwd
-    launched = []
+    launched = {}
 
     class Spy:
         def __init__(self, kern):
             self.kern = kern
 
         def __getitem__(self, grid):
-            launched.append(self.kern)
-            return self.kern[grid]
-    monkeypatch.setattr(chunk_bwd, "_AT_V1", {k: Spy(v) for k, v in chunk_bwd._AT_V1.items()})
+            def launch(*args, **kw):
+                launched[self.kern] = (kw.get("num_warps"), kw.get("num_stages"))
+                return self.kern[grid](*args, **kw)
+            return launch
+    spies = {k: Spy(v) for k, v in chunk_bwd._AT_V1.items()}
+    monkeypatch.setattr(chunk_bwd, "_AT_V1", spies)
+    # launched as on a GPU at bf16, where the stages apply (the interpreter ignores both)
+    monkeypatch.setattr(chunk_bwd, "_dot_mode", lambda dtype: (False, chunk_bwd.tl.float32))
     x = make_inputs(1, 20, 1, 16, V, 1, True, torch.float32)
     got = kernel_grads(x, None, True, 16)
     assert_close(got, oracle_grads(x, None, True), 1e-4)
     want = set(chunk_bwd._AT_V1[k].kern for k in chunk_bwd._KERNELS) if generic else set()
     assert set(launched) == want
+    if generic:
+        assert launched[spies[chunk_bwd._grads_p].kern] == (8, 2)
+        assert launched[spies[chunk_bwd._grads_wy].kern][1] == 2
+    else:
+        assert chunk_bwd.launch_for(V)["grads_p_warps"] == chunk_bwd.LAUNCH["grads_p_warps"] == 4
 
 
 @pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])
