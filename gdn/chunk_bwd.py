@@ -58,7 +58,10 @@ _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
 _AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4,
+LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4, "seq_stages": 3,
+          # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms (session
+          # 10), not yet swept on the GPU
+          "prep_given_warps": 4,
           "dstates_warps": 4,   # sm_90 offline at the bench shape: 4 warps 456 stack bytes, 8: 240
           # (8 measured slower on the H200: _dstates 0.760 -> 1.037 ms)
           # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
@@ -190,21 +193,23 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     launch = launch_for(V)
     seq_warps = launch["seq_warps"]
+    prep_warps = launch["prep_given_warps" if inverse is not None else "prep_warps"]
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                    PREC="ieee" if F32 else "tf32", num_warps=launch["prep_warps"],
-                    GIVEN_T=inverse is not None, IW=max(32 * launch["prep_warps"], C),
+                    PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
+                    GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
                     num_stages=1 if F32 else 2, **common)
     _states_[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
-                          **common)
+                          num_stages=launch["seq_stages"], **common)
     _dstates_[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, dhs,
                            cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
                            HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
-                           num_warps=launch["dstates_warps"], **common)
+                           num_warps=launch["dstates_warps"], num_stages=launch["seq_stages"],
+                           **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:

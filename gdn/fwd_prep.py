@@ -35,6 +35,9 @@ Refuses nothing of its own: `gdn.chunk_fwd.chunk_gdn_fwd` checks the inputs.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import triton
 import triton.language as tl
 
@@ -212,14 +215,20 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
              GATE, PREC, BIG, LOWP, INTERP)
 
 
-INV_WARPS = 4   # offline sm_90 at the bench shape: 154 registers, no spill, 3 programs an SM
-WU_WARPS = 4    # 96 registers at sm_90 offline
+# The two launches' warps (inv: offline sm_90 at the bench shape 154 registers, no spill, 3
+# programs an SM; wu: 96 registers) and the w/u loop's pipeline stages (Triton's default).
+# GDN_FWD_PREP overrides them for device bring-up (e.g. '{"wu_warps": 8}'); the backward's
+# launch variants found 0.3 ms in session 10 (gdn/NOTES_BWD.md).
+PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3}
+PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
     """The two prep launches (grids: chunks x heads; w and u tiles x chunks x heads)."""
     NC, H = flag.shape
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=max(32 * INV_WARPS, prep["BT"]), num_warps=INV_WARPS, **prep)
+                              W=max(32 * PREP_LAUNCH["inv_warps"], prep["BT"]),
+                              num_warps=PREP_LAUNCH["inv_warps"], **prep)
     _prep_wu_kernel[(2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                LOWP=lowp, INTERP=interp, num_warps=WU_WARPS, **prep)
+                                LOWP=lowp, INTERP=interp, num_warps=PREP_LAUNCH["wu_warps"],
+                                num_stages=PREP_LAUNCH["wu_stages"], **prep)

@@ -15,7 +15,7 @@ interpreter internals (`GridExecutor._init_args_hst`, `InterpreterBuilder.create
 Triton 3.9).
 
 The sweep (``main``) runs `gdn.chunk_fwd.chunk_gdn_fwd` (and with ``--backward``
-`gdn.chunk_bwd.chunk_gdn_bwd` after it) for every family member with one NaN or +Inf in q,
+`gdn.chunk_bwd.chunk_gdn_bwd` after it, on the forward's T as `gdn.op` runs it) for every family member with one NaN or +Inf in q,
 k, v, g, beta or the initial state (B2 T130 H1 K=V=32, bf16: three chunks, the last one
 partial), so the exact and resume parts run; one line per run, exit 1 on any out-of-bounds
 access. Made for the H200 fault of 2026-12-01 (README, Known findings): the forward's 62
@@ -107,13 +107,14 @@ def gdn_sweep(B=2, T=130, H=1, K=32, V=32, values=(float("nan"), float("inf")),
                 t[at] = val
                 run = f"{gate}-{'delta' if delta else 'linear'} {name}={val}"
                 try:
-                    fwd.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                                      delta=delta)
+                    _, _, inverse = fwd.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                      initial_state=x["h0"], delta=delta,
+                                                      return_inverse=True)
                     if backward:
                         do = torch.randn(B, T, H, V, generator=gen).bfloat16()
                         bwd.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], do,
                                           torch.randn(B, H, K, V, generator=gen), initial_state=x["h0"],
-                                          delta=delta)
+                                          delta=delta, inverse=inverse)
                     yield run, None
                 except Exception as e:  # noqa: BLE001  (the interpreter wraps the memcheck's error)
                     if "memcheck:" not in str(e):

@@ -89,9 +89,11 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     out = cf.out_launch(common["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)
     for label, fn, sig, const, warps, stages in (
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
-             dict(split, LOWP=lowp, INTERP=False, W=32 * fp.INV_WARPS), fp.INV_WARPS, 1),
+             dict(split, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"]),
+             fp.PREP_LAUNCH["inv_warps"], 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
-             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.WU_WARPS, 3),
+             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.PREP_LAUNCH["wu_warps"],
+             fp.PREP_LAUNCH["wu_stages"]),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
              dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt), 4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
@@ -128,12 +130,12 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
                   IW=max(32 * cb.LAUNCH["prep_warps"], C))
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
-    # stages 3 is Triton's default: the launcher sets none for the sequential kernels and _exact
+    # stages 3 is Triton's default: the launcher sets none for _exact
     grads_stages = 1 if F32 else launch["grads_stages"]
     for fn, bv, warps, stages, extra in (
             (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2, {}),
-            (cb._states, tile["BV"], seq, 3, {}),
-            (cb._dstates, tile["BV"], launch["dstates_warps"], 3, {}),
+            (cb._states, tile["BV"], seq, launch["seq_stages"], {}),
+            (cb._dstates, tile["BV"], launch["dstates_warps"], launch["seq_stages"], {}),
             # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
              {"BKS": tile["grads_BKS"]}),
