@@ -70,15 +70,17 @@ LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4, "seq_stages": 3,
           # _grads_wy at 4 warps 1.203, _grads_p in 32-wide K slices 1.707
           "grads_stages": 3, "grads_wy_warps": 8, "grads_p_warps": 4, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
-# V == 1 (the generic-V compiles) keeps 8 warps and 2 stages for _grads_p: at 4 warps the H200
-# gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session 10's
-# sweep, every other K and V of it right), where 8 warps was right in every sweep
-LAUNCH_V1 = {"grads_stages": 2, "grads_p_warps": 8}
+# A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
+# the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
+# 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
+# (`gdn.bwd_chunks.generic_v`), as any V without Triton's divisibility-by-16 hint does, and
+# 8 warps was right at V 1 in every sweep (and at V 24 and 80 in session 7's)
+LAUNCH_UNHINTED = {"grads_stages": 2, "grads_p_warps": 8}
 
 
 def launch_for(V: int) -> dict:
-    """The launch configuration at V (LAUNCH, with LAUNCH_V1 at V == 1)."""
-    return dict(LAUNCH, **(LAUNCH_V1 if V == 1 else {}))
+    """The launch configuration at V (LAUNCH, with LAUNCH_UNHINTED where V % 16 != 0)."""
+    return dict(LAUNCH, **(LAUNCH_UNHINTED if V % 16 else {}))
 
 
 def tiles(K: int, V: int) -> dict:

@@ -369,9 +369,9 @@ def test_the_gpu_tile_sweep_runs_and_judges(extra):
 def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
     """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:
     the H200 miscompiled the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
-    cost the bench backward 4.15 -> 5.52 ms.  At V == 1, _grads_p keeps 8 warps and 2 stages
-    (LAUNCH_V1: at 4 warps the H200 gave dq, dk ~1 off at K 32, V 1).  The interpreter runs
-    them all alike, so this checks the choice, not the miscompile."""
+    cost the bench backward 4.15 -> 5.52 ms.  Where V is not a multiple of 16, _grads_p keeps
+    8 warps and 2 stages (LAUNCH_UNHINTED: at 4 warps the H200 gave dq, dk ~1 off at K 32,
+    V 1).  The interpreter runs them all alike, so this checks the choice, not the miscompile."""
     from gdn import chunk_bwd
     launched = {}
 
@@ -396,8 +396,8 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
     if generic:
         assert launched[spies[chunk_bwd._grads_p].kern] == (8, 2)
         assert launched[spies[chunk_bwd._grads_wy].kern][1] == 2
-    else:
-        assert chunk_bwd.launch_for(V)["grads_p_warps"] == chunk_bwd.LAUNCH["grads_p_warps"] == 4
+    want = (8, 2) if V % 16 else (4, 3)
+    assert (chunk_bwd.launch_for(V)["grads_p_warps"], chunk_bwd.launch_for(V)["grads_stages"]) == want
 
 
 @pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])
