@@ -98,11 +98,47 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
 
 
 @triton.jit
-def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+def _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale):
+    """A chunk's q (scale folded in) and k tiles, fp32."""
+    mqk = rv[:, None] & mk[None, :]
+    b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
+    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+    return b_q, b_k
+
+
+@triton.jit
+def _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C: tl.constexpr,
+                 GATE: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+    """A chunk's terms of the state-gradient step from its q (scale folded in) and k tiles:
+    P = incl_lower(Q_g K_n^T), Q_g = Q exp(G), K_end = K exp(G_C - G) and the chunk's decay
+    exp(G_C) (a scalar; [BK, 1] for the vector gate; unused without a gate)."""
+    incl = rows[:, None] >= rows[None, :]
+    if GATE == 1:
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+        p = _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)
+        qg = b_q * tl.exp(G)[:, None]
+        ke = b_k * _end_decay(G, Gl, GC, GCl)[:, None]
+        dec = tl.exp(GC)
+    elif GATE == 2:
+        G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
+        qg = b_q * tl.exp(G)
+        p = tl.where(incl, _mm(qg, tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
+        ke = b_k * tl.exp(GC[None, :] - G)
+        dec = tl.exp(GC)[:, None]
+    else:
+        qg = b_q
+        p = tl.where(incl, _mm(b_q, tl.trans(b_k), F32, DT), 0.)
+        ke = b_k
+        dec = 1.0
+    return p, qg, ke, dec
+
+
+@triton.jit
+def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr):
+          IW: tl.constexpr, DU_LOCAL: tl.constexpr):
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -111,12 +147,18 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
     mqk = rv[:, None] & mk[None, :]
     bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C, GATE, DELTA,
                                        F32, DT, GLIM, BIG, not GIVEN_T)
+    if DU_LOCAL:   # P of the state-gradient step, for its local part P^T dO (below)
+        b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
+        p, _, _, _ = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C, GATE, F32, DT)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
         b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+        if DU_LOCAL:   # dU's (or dv's) part that does not wait for the state gradient
+            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
+                     .to(DU.dtype.element_ty), mask=mcv)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
     if DELTA:
         # T = (I + A)^-1: GIVEN_T, the forward's (gdn.op saves it), in Tm; else formed as the
@@ -190,13 +232,13 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
 def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
-             HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr):
+             HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
+             DU_LOCAL: tl.constexpr):
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     NV = tl.num_programs(0)
     n, ih, bos, eos, cbase, rows, ck, mk, cv, mv, mkv, offkv = _seq_tile(inh, iv, T, H, K, V, cu, coff,
                                                                          C, BK, BV, IS_VARLEN)
-    incl = rows[:, None] >= rows[None, :]
     dh = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         dh = tl.load(dht + (n * H + ih).to(tl.int64) * K * V + offkv, mask=mkv, other=0.).to(tl.float32)
@@ -220,28 +262,17 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
             r0 = _chunk_base(t0, ih, H)
             mqk = rv[:, None] & mk[None, :]
             mcv = rv[:, None] & mv[None, :]
-            b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
-            b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+            b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
             b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            if GATE == 1:
-                G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-                p = _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)
-                qg = b_q * tl.exp(G)[:, None]
-                ke = b_k * _end_decay(G, Gl, GC, GCl)[:, None]
-                decay = tl.exp(GC)
-                du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
-                dh = dh * decay
-            elif GATE == 2:
-                G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-                qg = b_q * tl.exp(G)
-                p = tl.where(incl, _mm(qg, tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
-                ke = b_k * tl.exp(GC[None, :] - G)
-                du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
-                dh = dh * tl.exp(GC)[:, None]
+            p, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
+                                          GATE, F32, DT)
+            if DU_LOCAL:   # P^T dO, formed by _prep (chunks in parallel) in dU's place
+                du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
+                    + _mm(ke, dh, F32, DT)
             else:
-                qg = b_q
-                p = tl.where(incl, _mm(b_q, tl.trans(b_k), F32, DT), 0.)
-                du = _mm(tl.trans(p), b_do, F32, DT) + _mm(b_k, dh, F32, DT)
+                du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
+            if GATE != 0:
+                dh = dh * dec
             tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=mcv)
             dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
             if DELTA:

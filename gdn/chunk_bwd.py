@@ -70,6 +70,12 @@ LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4, "seq_stages": 3,
           # _grads_wy at 4 warps 1.203, _grads_p in 32-wide K slices 1.707
           "grads_stages": 3, "grads_wy_warps": 8, "grads_p_warps": 4, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
+# Where the state-gradient step's local part of dU, P^T dO (no state gradient in it), is
+# formed: "chain", by _dstates on its serial chain (P = Q K^T under the decay, then P^T dO,
+# every chunk); "local" (GDN_BWD_DU=local, bring-up switch, session 10, not yet run on a GPU),
+# by _prep, chunks in parallel, stored in dU's place for _dstates to add K_end dS to (as fla
+# splits its dv_local from its dh pass; _dstates 0.733 ms against fla's 0.45 at the bench shape)
+DU_LOCAL = os.environ.get("GDN_BWD_DU", "chain") == "local"
 # A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
@@ -199,19 +205,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+    DUL = dU if delta else dv   # _dstates' dU (dv without delta), where DU_LOCAL puts P^T dO
+    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
                     GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
-                    num_stages=1 if F32 else 2, **common)
+                    num_stages=1 if F32 else 2, DU_LOCAL=DU_LOCAL, **common)
     _states_[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
                           num_stages=launch["seq_stages"], **common)
-    _dstates_[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, dhs,
+    _dstates_[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, DUL, dhs,
                            cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
                            HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                            num_warps=launch["dstates_warps"], num_stages=launch["seq_stages"],
-                           **common)
+                           DU_LOCAL=DU_LOCAL, **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:

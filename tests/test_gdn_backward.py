@@ -122,6 +122,28 @@ def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta
     assert_same_specials(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta))
 
 
+@pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
+    (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
+    (2, 37, 2, 16, 32, 0, False, torch.float32, 16, None),
+    (1, 100, 2, 32, 80, 2, True, torch.float32, 16, [0, 20, 53, 100]),
+    (2, 70, 2, 16, 32, 1, False, torch.bfloat16, 64, None)])
+def test_the_local_du_switch_matches_float64_autograd(monkeypatch, B, T, H, K, V, gate, delta, dtype,
+                                                      chunk, cu):
+    """gdn.chunk_bwd.DU_LOCAL (GDN_BWD_DU=local, a bring-up switch, session 10): _prep forms
+    P^T dO, the state-gradient step's part without the state gradient, chunks in parallel, in
+    dU's place (dv's without delta), and _dstates adds K_end dS to it; gradients within the
+    bound (two V tiles, varlen, every gate), and a NaN in do reaches exactly the oracle's."""
+    import gdn.chunk_bwd
+    monkeypatch.setattr(gdn.chunk_bwd, "DU_LOCAL", True)
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
+    assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
+    t = x["do"].clone()
+    t[0, T // 2].view(-1)[3] = float("nan")
+    x["do"] = t
+    assert_same_specials(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta))
+
+
 # Shapes that faulted on the H200 (illegal address in _states, BK = 256 with a 16-wide V tile),
 # and BK = 128 with narrow values (a 32-wide V tile there gave NaN gradients, session 5); and
 # BK 32 / 64 with V 16, where the forward's output kernel on bf16 operands at 16-wide tiles
