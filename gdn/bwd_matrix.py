@@ -229,7 +229,7 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
 
 
 @triton.jit
-def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, scale, T, H, K, V,
+def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, cu, coff, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
              HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
@@ -266,8 +266,8 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, cu, coff, sca
             b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             p, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                                           GATE, F32, DT)
-            if DU_LOCAL:   # P^T dO, formed by _prep (chunks in parallel) in dU's place
-                du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
+            if DU_LOCAL:   # P^T dO, formed by _prep (chunks in parallel) in DUL (dU, or scratch)
+                du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
                     + _mm(ke, dh, F32, DT)
             else:
                 du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)

@@ -205,7 +205,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    DUL = dU if delta else dv   # _dstates' dU (dv without delta), where DU_LOCAL puts P^T dO
+    # where DU_LOCAL puts P^T dO for _dstates: its dU (dv without delta), or fp32 scratch where
+    # that is fp16 (dv without delta at fp16 inputs: P^T dO alone can pass fp16's range where
+    # dv does not; found by G06, gdn_bwd_linear, k at fp16's maximum)
+    DUL = dU if delta else dv
+    if DU_LOCAL and DUL.dtype == torch.float16:
+        DUL = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
@@ -214,7 +219,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _states_[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
                           num_stages=launch["seq_stages"], **common)
-    _dstates_[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, DUL, dhs,
+    _dstates_[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, DUL, dhs,
                            cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
                            HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                            num_warps=launch["dstates_warps"], num_stages=launch["seq_stages"],

@@ -144,6 +144,24 @@ def test_the_local_du_switch_matches_float64_autograd(monkeypatch, B, T, H, K, V
     assert_same_specials(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta))
 
 
+def test_the_local_du_switch_keeps_fp16_range(monkeypatch):
+    """fp16 inputs without the delta rule: under DU_LOCAL, P^T dO goes to fp32 scratch, not to
+    dv (fp16).  G06's case (gdn_bwd_linear, k at fp16's maximum) made it -inf where the
+    oracle's dv is -3.8e4 when it went to dv."""
+    import gdn.chunk_bwd
+    from kfuzz.case import Case
+    from kfuzz.gates import GATES
+    from kfuzz.target import get_target
+    monkeypatch.setattr(gdn.chunk_bwd, "DU_LOCAL", True)
+    case = Case.from_json({
+        "args": {"k": {"dist": "normal", "inject": [[0, "max"], [7, "tiny"], [14, "subnormal"]],
+                       "layout": {"kind": "contiguous"}}},
+        "dims": {"B": 2, "H": 2, "K": 32, "T": 16, "V": 32}, "dtype": "float16", "kfuzz": 1,
+        "payload": None, "seed": 176619358, "target": "gdn_bwd_linear"})
+    verdict = GATES["G06"].check(get_target("gdn_bwd_linear"), case, DEV)
+    assert verdict.passed, verdict.detail
+
+
 # Shapes that faulted on the H200 (illegal address in _states, BK = 256 with a 16-wide V tile),
 # and BK = 128 with narrow values (a 32-wide V tile there gave NaN gradients, session 5); and
 # BK 32 / 64 with V 16, where the forward's output kernel on bf16 operands at 16-wide tiles
