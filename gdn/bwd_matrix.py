@@ -63,8 +63,9 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
                DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, GLIM: tl.constexpr,
                BIG: tl.constexpr, NEED_A: tl.constexpr):
     """A chunk's count of entries that send it to the exact path among q, k, beta and the
-    gate (v and do are the caller's), its beta, diag(beta) K_g and
-    A_raw = strict_lower(K_g K_n^T) (A = diag(beta) A_raw; zeros unless NEED_A)."""
+    gate (v and do are the caller's), its beta, diag(beta) K_g,
+    A_raw = strict_lower(K_g K_n^T) (A = diag(beta) A_raw; zeros unless NEED_A) and the q
+    and k tiles it loaded (fp32)."""
     rows = tl.arange(0, C)
     mqk = rv[:, None] & mk[None, :]
     b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
@@ -94,7 +95,7 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
         kb = _gated_keys(b_k, b_beta, b_beta, GATE)   # no gate: the third argument is unused
         if NEED_A:
             araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
-    return bad, b_beta, kb, araw
+    return bad, b_beta, kb, araw, b_q, b_k
 
 
 @triton.jit
@@ -145,11 +146,11 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     ck = tl.arange(0, BK)
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
-    bad, b_beta, kb, araw = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C, GATE, DELTA,
-                                       F32, DT, GLIM, BIG, not GIVEN_T)
+    bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C,
+                                                 GATE, DELTA, F32, DT, GLIM, BIG, not GIVEN_T)
     if DU_LOCAL:   # P of the state-gradient step, for its local part P^T dO (below)
-        b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
-        p, _, _, _ = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C, GATE, F32, DT)
+        p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
+                                  GATE, F32, DT)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]

@@ -205,12 +205,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    # where DU_LOCAL puts P^T dO for _dstates: its dU (dv without delta), or fp32 scratch where
-    # that is fp16 (dv without delta at fp16 inputs: P^T dO alone can pass fp16's range where
-    # dv does not; found by G06, gdn_bwd_linear, k at fp16's maximum)
+    # where DU_LOCAL hands P^T dO to _dstates: its dU (dv without delta), in the hand-off
+    # dtype, else scratch in it (dv at fp16 inputs without delta: P^T dO alone can pass fp16's
+    # range where dv does not; found by G06, gdn_bwd_linear, k at fp16's maximum)
     DUL = dU if delta else dv
-    if DU_LOCAL and DUL.dtype == torch.float16:
-        DUL = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
+    if DU_LOCAL and DUL.dtype != inter:
+        DUL = torch.empty(B, T, H, V, device=dev, dtype=inter)
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
