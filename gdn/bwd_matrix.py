@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.chunk_fwd import _odot, _tile
+from gdn.chunk_fwd import _and, _odot, _tile
 from gdn.fwd_prep import _unit_lower_inverse
 
 
@@ -184,100 +184,186 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
 
 
 @triton.jit
-def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
-            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-            DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
-            F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr):
-    iv = tl.program_id(0)
-    inh = tl.program_id(1)
-    NV = tl.num_programs(0)
-    n, ih, bos, eos, cbase, rows, ck, mk, cv, mv, mkv, offkv = _seq_tile(inh, iv, T, H, K, V, cu, coff,
-                                                                         C, BK, BV, IS_VARLEN)
-    h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        h = tl.load(h0 + (n * H + ih).to(tl.int64) * K * V + offkv, mask=mkv, other=0.).to(tl.float32)
-    for ic in range(0, tl.cdiv(eos - bos, C)):
-        cid = cbase + ic
-        tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, h.to(hs.dtype.element_ty), mask=mkv)
-        hbad = _outside(h, SBIG)
-        tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32))
-        slow = (tl.load(flag + cid * H + ih) + hbad) > 0
-        tok = bos + ic * C + rows
-        rv = tok < eos
-        r0 = _chunk_base(bos + ic * C, ih, H)
-        mqk = rv[:, None] & mk[None, :]
-        mcv = rv[:, None] & mv[None, :]
-        if slow:
-            for t in range(bos + ic * C, tl.minimum(bos + ic * C + C, eos)):
-                h = _exact_step(h, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
-        else:
-            b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
-            if DELTA:
-                b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
-                b_u = tl.load(_tile(U, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-                b_u = b_u - _mm(b_w, h, F32, DT)
-                tl.store(_tile(U, r0, rows, cv, V, H), b_u.to(U.dtype.element_ty), mask=mcv)
-            else:
-                b_u = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            if GATE == 1:
-                G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-                h = h * tl.exp(GC) + _mm(tl.trans(b_k * _end_decay(G, Gl, GC, GCl)[:, None]), b_u, F32, DT)
-            elif GATE == 2:
-                G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-                h = h * tl.exp(GC)[:, None] + _mm(tl.trans(b_k * tl.exp(GC[None, :] - G)), b_u, F32, DT)
-            else:
-                h = h + _mm(tl.trans(b_k), b_u, F32, DT)
+def _states_step(k, v, g, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
+                 GATE: tl.constexpr, DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+    """One chunk (first token t0) by the matrix path: stores U = Uu - W h (delta; where ok,
+    a scalar) and returns the state leaving the chunk."""
+    tok = t0 + rows
+    rv = tok < eos
+    r0 = _chunk_base(t0, ih, H)
+    mqk = rv[:, None] & mk[None, :]
+    mcv = rv[:, None] & mv[None, :]
+    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+    if DELTA:
+        b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_u = tl.load(_tile(U, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_u = b_u - _mm(b_w, h, F32, DT)
+        tl.store(_tile(U, r0, rows, cv, V, H), b_u.to(U.dtype.element_ty), mask=_and(mcv, ok))
+    else:
+        b_u = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+    if GATE == 1:
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+        return h * tl.exp(GC) + _mm(tl.trans(b_k * _end_decay(G, Gl, GC, GCl)[:, None]), b_u, F32, DT)
+    elif GATE == 2:
+        G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
+        return h * tl.exp(GC)[:, None] + _mm(tl.trans(b_k * tl.exp(GC[None, :] - G)), b_u, F32, DT)
+    else:
+        return h + _mm(tl.trans(b_k), b_u, F32, DT)
 
 
 @triton.jit
-def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, cu, coff, scale, T, H, K, V,
-             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-             DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
-             HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
-             DU_LOCAL: tl.constexpr):
+def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, H, K, V,
+            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+            DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
+            F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr, PART: tl.constexpr):
+    """The state entering every chunk (hs) and U, per (V tile, sequence-head), in two parts as
+    the forward's `gdn.fwd_state._state_kernel`: PART 0, the matrix part, walks the chunks
+    while each admits the matrix path (flag from _prep clear, entering state within SBIG), a
+    loop with no branch, which Triton pipelines; at the first that does not it records the
+    chunk (`stop`) and the state entering it (`sstop`, fp32) and stores nothing after.
+    PART 1, the resume part (launched after it), goes on from there, the step path
+    (`_exact_step`) for flagged chunks and the matrix path for the rest.  hflag marks, per
+    chunk and V tile, an entering state outside SBIG (for _exact)."""
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     NV = tl.num_programs(0)
     n, ih, bos, eos, cbase, rows, ck, mk, cv, mv, mkv, offkv = _seq_tile(inh, iv, T, H, K, V, cu, coff,
                                                                          C, BK, BV, IS_VARLEN)
-    dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        dh = tl.load(dht + (n * H + ih).to(tl.int64) * K * V + offkv, mask=mkv, other=0.).to(tl.float32)
     nc = tl.cdiv(eos - bos, C)
-    for j in range(0, nc):
-        ic = nc - 1 - j
-        cid = cbase + ic
-        tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, dh.to(dhs.dtype.element_ty), mask=mkv)
-        dbad = _outside(dh, SBIG)
-        tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
-        slow = (tl.load(flag + cid * H + ih) + dbad) > 0
-        t0 = bos + ic * C
-        if slow:
-            for s in range(0, tl.minimum(C, eos - t0)):
-                t = tl.minimum(t0 + C, eos) - 1 - s
-                dh = _exact_dstep(dh, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv, mv,
-                                  GATE, DELTA)
-        else:
-            tok = t0 + rows
-            rv = tok < eos
-            r0 = _chunk_base(t0, ih, H)
-            mqk = rv[:, None] & mk[None, :]
-            mcv = rv[:, None] & mv[None, :]
-            b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
-            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            p, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
-                                          GATE, F32, DT)
-            if DU_LOCAL:   # P^T dO, formed by _prep (chunks in parallel) in DUL (dU, or scratch)
-                du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
-                    + _mm(ke, dh, F32, DT)
-            else:
-                du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
-            if GATE != 0:
-                dh = dh * dec
-            tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=mcv)
-            dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
-            if DELTA:
-                b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
-                dh = dh - _mm(tl.trans(b_w), du, F32, DT)
-    if HAS_H0:
-        tl.store(dh0 + (n * H + ih).to(tl.int64) * K * V + offkv, dh.to(dh0.dtype.element_ty), mask=mkv)
+    soff = inh.to(tl.int64) * K * V + offkv
+    if PART == 0:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_H0:
+            h = tl.load(h0 + soff, mask=mkv, other=0.).to(tl.float32)
+        alive = nc >= 0
+        stopc = nc
+        for ic in range(0, nc):
+            cid = cbase + ic
+            hbad = _outside(h, SBIG)
+            ok = alive & ((tl.load(flag + cid * H + ih) + hbad) == 0)
+            tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, h.to(hs.dtype.element_ty),
+                     mask=_and(mkv, alive))
+            tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32), mask=alive)
+            hn = _states_step(k, v, g, W, U, h, ok, bos + ic * C, eos, rows, ih, H, K, V, ck, mk,
+                              cv, mv, GATE, DELTA, F32, DT)
+            h = tl.where(ok, hn, h)
+            stopc = tl.where(alive & (ok == 0), ic, stopc)
+            alive = ok
+        tl.store(stop + inh * NV + iv, stopc)
+        if stopc < nc:
+            tl.store(sstop + soff, h, mask=mkv)
+    else:
+        c0 = tl.load(stop + inh * NV + iv)
+        if c0 < nc:
+            h = tl.load(sstop + soff, mask=mkv, other=0.)
+            for ic in range(c0, nc):
+                cid = cbase + ic
+                tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, h.to(hs.dtype.element_ty),
+                         mask=mkv)
+                hbad = _outside(h, SBIG)
+                tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32))
+                t0 = bos + ic * C
+                if (tl.load(flag + cid * H + ih) + hbad) > 0:
+                    for t in range(t0, tl.minimum(t0 + C, eos)):
+                        h = _exact_step(h, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
+                else:
+                    h = _states_step(k, v, g, W, U, h, True, t0, eos, rows, ih, H, K, V, ck, mk,
+                                     cv, mv, GATE, DELTA, F32, DT)
+
+
+@triton.jit
+def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
+                  scale, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                  F32: tl.constexpr, DT: tl.constexpr, DU_LOCAL: tl.constexpr):
+    """One chunk (first token t0) of the state-gradient step by the matrix path: stores dU
+    (dv without delta; where ok, a scalar) and returns the state gradient entering the chunk."""
+    tok = t0 + rows
+    rv = tok < eos
+    r0 = _chunk_base(t0, ih, H)
+    mqk = rv[:, None] & mk[None, :]
+    mcv = rv[:, None] & mv[None, :]
+    b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
+    b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+    p, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
+                                  GATE, F32, DT)
+    if DU_LOCAL:   # P^T dO, formed by _prep (chunks in parallel) in DUL (dU, or scratch)
+        du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
+            + _mm(ke, dh, F32, DT)
+    else:
+        du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
+    if GATE != 0:
+        dh = dh * dec
+    tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
+    dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
+    if DELTA:
+        b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
+        dh = dh - _mm(tl.trans(b_w), du, F32, DT)
+    return dh
+
+
+@triton.jit
+def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, stop, sstop, cu, coff,
+             scale, T, H, K, V,
+             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+             DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
+             HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
+             DU_LOCAL: tl.constexpr, PART: tl.constexpr):
+    """The state gradient at every chunk end (dhs), dU (dv without delta) and dh0, per (V
+    tile, sequence-head), in reverse time and in two parts as `_states` (PART 0 the matrix
+    part, no branch in its loop; PART 1 from the first chunk, in reverse, that needs the step
+    path: flagged by _prep, or a state gradient outside SBIG).  dflag marks, per chunk and V
+    tile, a state gradient outside SBIG at the chunk's end (for _exact)."""
+    iv = tl.program_id(0)
+    inh = tl.program_id(1)
+    NV = tl.num_programs(0)
+    n, ih, bos, eos, cbase, rows, ck, mk, cv, mv, mkv, offkv = _seq_tile(inh, iv, T, H, K, V, cu, coff,
+                                                                         C, BK, BV, IS_VARLEN)
+    nc = tl.cdiv(eos - bos, C)
+    soff = inh.to(tl.int64) * K * V + offkv
+    if PART == 0:
+        dh = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_DHT:
+            dh = tl.load(dht + soff, mask=mkv, other=0.).to(tl.float32)
+        alive = nc >= 0
+        stopj = nc
+        for j in range(0, nc):
+            ic = nc - 1 - j
+            cid = cbase + ic
+            dbad = _outside(dh, SBIG)
+            ok = alive & ((tl.load(flag + cid * H + ih) + dbad) == 0)
+            tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, dh.to(dhs.dtype.element_ty),
+                     mask=_and(mkv, alive))
+            tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
+            dhn = _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, bos + ic * C, eos, rows, ih, H,
+                                K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT, DU_LOCAL)
+            dh = tl.where(ok, dhn, dh)
+            stopj = tl.where(alive & (ok == 0), j, stopj)
+            alive = ok
+        tl.store(stop + inh * NV + iv, stopj)
+        if stopj < nc:
+            tl.store(sstop + soff, dh, mask=mkv)
+        elif HAS_H0:
+            tl.store(dh0 + soff, dh.to(dh0.dtype.element_ty), mask=mkv)
+    else:
+        j0 = tl.load(stop + inh * NV + iv)
+        if j0 < nc:
+            dh = tl.load(sstop + soff, mask=mkv, other=0.)
+            for j in range(j0, nc):
+                ic = nc - 1 - j
+                cid = cbase + ic
+                tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv,
+                         dh.to(dhs.dtype.element_ty), mask=mkv)
+                dbad = _outside(dh, SBIG)
+                tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
+                t0 = bos + ic * C
+                if (tl.load(flag + cid * H + ih) + dbad) > 0:
+                    for s in range(0, tl.minimum(C, eos - t0)):
+                        t = tl.minimum(t0 + C, eos) - 1 - s
+                        dh = _exact_dstep(dh, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv,
+                                          mv, GATE, DELTA)
+                else:
+                    dh = _dstates_step(q, k, g, do, W, dU, DUL, dh, True, t0, eos, rows, ih, H,
+                                       K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT,
+                                       DU_LOCAL)
+            if HAS_H0:
+                tl.store(dh0 + soff, dh.to(dh0.dtype.element_ty), mask=mkv)

@@ -76,6 +76,12 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # by _prep, chunks in parallel, stored in dU's place for _dstates to add K_end dS to (as fla
 # splits its dv_local from its dh pass; _dstates 0.733 ms against fla's 0.45 at the bench shape)
 DU_LOCAL = os.environ.get("GDN_BWD_DU", "chain") == "local"
+# The sequential kernels in two parts each, a matrix part with no branch in its loop (Triton
+# pipelines its loads: with Triton 3.6, sm_90 offline, 0 asynchronous copies in the branching
+# loop of _states and _dstates) and a resume part, as the forward's state pass
+# (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
+# first chunk, which is the branching loop of sessions 1-10
+SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
 # A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
@@ -216,14 +222,35 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
                     GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
                     num_stages=1 if F32 else 2, DU_LOCAL=DU_LOCAL, **common)
-    _states_[(NV, N * H)](k, v, gp, bp, initial_state, flag, hflag, W, U, hs, cu, coff, T, H, K, V,
-                          HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG, num_warps=seq_warps,
-                          num_stages=launch["seq_stages"], **common)
-    _dstates_[(NV, N * H)](q, k, gp, bp, do, dht, dh0, flag, dflag, W, dU if delta else dv, DUL, dhs,
-                           cu, coff, scale, T, H, K, V, HAS_DHT=dht is not None,
-                           HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
-                           num_warps=launch["dstates_warps"], num_stages=launch["seq_stages"],
-                           DU_LOCAL=DU_LOCAL, **common)
+    # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
+    # first chunk needing the step path, and the state (gradient) there, from one part to the
+    # next, _states's first, then _dstates's
+    stop = torch.empty(N * H, NV, device=dev, dtype=torch.int32)
+    sstop = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    parts = (0, 1)
+    if not SEQ_SPLIT:   # bring-up: PART 1 alone, from the first chunk (the branching loop)
+        parts = (1,)
+        stop.zero_()
+    h0 = initial_state if initial_state is not None else dummy
+    if not SEQ_SPLIT:
+        sstop.copy_(initial_state if initial_state is not None else torch.zeros_like(sstop))
+    for part in parts:
+        _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
+                              T, H, K, V, HAS_H0=initial_state is not None, F32=F32, DT=DT,
+                              SBIG=SBIG, PART=part, num_warps=seq_warps,
+                              num_stages=launch["seq_stages"], **common)
+    if not SEQ_SPLIT:
+        sstop.copy_(dht if dht is not None else torch.zeros_like(sstop))
+        if dh0 is not None:   # a sequence with no chunk: PART 1 writes nothing
+            dh0.copy_(sstop)
+    for part in parts:
+        _dstates_[(NV, N * H)](q, k, gp, bp, do, dht if dht is not None else dummy,
+                               dh0 if dh0 is not None else dummy, flag, dflag, W,
+                               dU if delta else dv, DUL, dhs, stop, sstop, cu, coff, scale,
+                               T, H, K, V, HAS_DHT=dht is not None,
+                               HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
+                               num_warps=launch["dstates_warps"], num_stages=launch["seq_stages"],
+                               DU_LOCAL=DU_LOCAL, PART=part, **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:

@@ -105,6 +105,36 @@ def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chu
     assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
 
 
+@pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu,where", [
+    (1, 100, 1, 32, 32, 1, True, torch.float32, 16, None, ("k", 41)),
+    (1, 100, 2, 16, 80, 2, False, torch.float32, 16, [0, 20, 53, 100], ("do", 60)),
+    (2, 70, 2, 16, 32, 0, True, torch.bfloat16, 32, None, ("v", 5)),
+    (2, 70, 2, 16, 32, 1, True, torch.float32, 16, None, ("h0", 0))])
+def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatch, B, T, H, K, V,
+                                                                      gate, delta, dtype, chunk,
+                                                                      cu, where):
+    """_states and _dstates in two parts (a matrix part with no branch in its loop, then a
+    resume part from the first chunk that needs the step path) give bitwise the gradients of
+    the branching loop (GDN_BWD_SEQ=branch, PART 1 alone from the first chunk), with a NaN in
+    the middle of a sequence (in k, v or do: a flagged chunk there) or in h0 (a state outside
+    SBIG from the first chunk), and the NaN set of float64 autograd through the oracle."""
+    import gdn.chunk_bwd
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
+    name, t = where
+    bad = x[name].clone()
+    (bad[0] if name == "h0" else bad[0, t]).view(-1)[3] = float("nan")
+    x[name] = bad
+    split = kernel_grads(x, cu, delta, chunk)
+    monkeypatch.setattr(gdn.chunk_bwd, "SEQ_SPLIT", False)
+    branch = kernel_grads(x, cu, delta, chunk)
+    for n, a, b in zip(NAMES, split, branch):
+        assert (a is None) == (b is None), n
+        if a is not None:
+            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), n
+    assert_same_specials(split, oracle_grads(x, cu, delta))
+
+
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),
