@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.chunk_fwd import _and, _odot, _tile
+from gdn.chunk_fwd import GATE_ON_V, _and, _odot, _tile
 from gdn.fwd_prep import _unit_lower_inverse
 
 
@@ -193,7 +193,7 @@ def _states_step(k, v, g, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, m
     r0 = _chunk_base(t0, ih, H)
     mqk = rv[:, None] & mk[None, :]
     mcv = rv[:, None] & mv[None, :]
-    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
     if DELTA:
         b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
         b_u = tl.load(_tile(U, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
@@ -203,10 +203,14 @@ def _states_step(k, v, g, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, m
         b_u = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
     if GATE == 1:
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-        return h * tl.exp(GC) + _mm(tl.trans(b_k * _end_decay(G, Gl, GC, GCl)[:, None]), b_u, F32, DT)
+        if GATE_ON_V:   # the decay on U's tile, not on the keys (gdn.chunk_fwd.GATE_ON_V)
+            return h * tl.exp(GC) + _mm(tl.trans(b_k), b_u * _end_decay(G, Gl, GC, GCl)[:, None], F32, DT)
+        return h * tl.exp(GC) + _mm(tl.trans(b_k.to(tl.float32) * _end_decay(G, Gl, GC, GCl)[:, None]),
+                                    b_u, F32, DT)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-        return h * tl.exp(GC)[:, None] + _mm(tl.trans(b_k * tl.exp(GC[None, :] - G)), b_u, F32, DT)
+        return h * tl.exp(GC)[:, None] + _mm(tl.trans(b_k.to(tl.float32) * tl.exp(GC[None, :] - G)), b_u,
+                                             F32, DT)
     else:
         return h + _mm(tl.trans(b_k), b_u, F32, DT)
 

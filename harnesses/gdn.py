@@ -47,6 +47,15 @@ from kfuzz.target import Arg, Dim, Output, add_target, Target
 
 gdn.fwd_state.SPREAD = True
 CONTIGUOUS_ONLY = ("contiguous",)
+# G07 (accumulation) is n/a: the domain sends every case value through softplus, sigmoid or
+# the L2 normalization of the keys, so no output is exact by construction, and where the
+# float64 oracle's value happens to be representable and the trusted implementation happens
+# to round to it, a kernel with another (right) order of operations is one ulp off.  Found on
+# the H200 (session 11, gdn_bwd, fp32 B4 T4 H16 K=V=256, smallint inputs): 2 of 327936
+# gradient entries qualified, dv 1.1567103862762451 against 1.1567105054855347
+NO_EXACT_ANSWERS = ("the domain maps every case value through softplus, sigmoid or L2 "
+                    "normalization, so no output is exact by construction (an output the oracle "
+                    "gives exactly is exact by the luck of one order of operations)")
 
 # The chunked kernels and the trusted chunked reference are different algorithms, so the
 # honest kernel's error can be ~10-20x the trusted one's: in a sweep of 40 random plain cases
@@ -164,7 +173,7 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
         t = Target(name=name, kernel=kernel, reference=reference, trusted=trusted, args=args,
                    outputs=outputs, dims=dict(dims), domain=domain, bound_scale=BOUND_SCALE,
                    description=f"GDN family {'backward' if backward else 'forward'} ({member}), Triton",
-                   )
+                   options={"no_exact_answers": NO_EXACT_ANSWERS})
         add_target(t)
 
 

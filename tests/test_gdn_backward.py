@@ -497,3 +497,16 @@ def test_the_gpu_tile_sweep_fails_a_planted_wrong_answer(monkeypatch, capsys, fo
     bad = sweep.child(1, 16, "fp32", "cpu", [16], forward, False)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gate1")]
     assert bad == len(lines) == (2 if forward else 1) and all(ln.endswith(" FAIL") for ln in lines)
+
+
+def test_accumulation_is_not_applicable_to_the_gdn_targets():
+    """G07 is n/a on every GDN target (harnesses/gdn.py, NO_EXACT_ANSWERS): the domain makes
+    no output exact by construction.  Its case from the H200 (fp32 B4 T4 H16 K=V=256,
+    smallint inputs) has 2 positions the oracle and the trusted implementation give exactly
+    out of 327936, by luck (dv 1.1567105054855347): the gate judged those."""
+    from kfuzz.gates import GATES
+    from kfuzz.target import load_targets
+    gdn = [t for n, t in load_targets().items() if n.startswith(("gdn_fwd", "gdn_bwd"))]
+    assert len(gdn) == 14
+    for t in gdn:
+        assert "softplus" in (GATES["G07"].not_applicable(t) or ""), t.name
