@@ -58,24 +58,21 @@ _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
 _AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4, "seq_stages": 3,
+LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4,
+          # _states (matrix part, pipelined) on the H200 (session 11): 2 stages 0.297 ms, 3 0.436
+          "seq_stages": 2,
           # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms (session
           # 10), not yet swept on the GPU
           "prep_given_warps": 4,
-          "dstates_warps": 4,   # sm_90 offline at the bench shape: 4 warps 456 stack bytes, 8: 240
-          # (8 measured slower on the H200: _dstates 0.760 -> 1.037 ms)
+          # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
+          # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes)
+          "dstates_warps": 8, "dstates_stages": 3,
           # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
           # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
           # 0.949 (_grads_wy 0.979 -> 0.951), though sm_90 offline says 4 warps spill;
           # _grads_wy at 4 warps 1.203, _grads_p in 32-wide K slices 1.707
           "grads_stages": 3, "grads_wy_warps": 8, "grads_p_warps": 4, "grads_p_bk": 64}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
-# Where the state-gradient step's local part of dU, P^T dO (no state gradient in it), is
-# formed: "chain", by _dstates on its serial chain (P = Q K^T under the decay, then P^T dO,
-# every chunk); "local" (GDN_BWD_DU=local, bring-up switch, session 10, not yet run on a GPU),
-# by _prep, chunks in parallel, stored in dU's place for _dstates to add K_end dS to (as fla
-# splits its dv_local from its dh pass; _dstates 0.733 ms against fla's 0.45 at the bench shape)
-DU_LOCAL = os.environ.get("GDN_BWD_DU", "chain") == "local"
 # The sequential kernels in two parts each, a matrix part with no branch in its loop (Triton
 # pipelines its loads: with Triton 3.6, sm_90 offline, 0 asynchronous copies in the branching
 # loop of _states and _dstates) and a resume part, as the forward's state pass
@@ -211,17 +208,17 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    # where DU_LOCAL hands P^T dO to _dstates: its dU (dv without delta), in the hand-off
+    # where _prep hands P^T dO to _dstates: its dU (dv without delta), in the hand-off
     # dtype, else scratch in it (dv at fp16 inputs without delta: P^T dO alone can pass fp16's
     # range where dv does not; found by G06, gdn_bwd_linear, k at fp16's maximum)
     DUL = dU if delta else dv
-    if DU_LOCAL and DUL.dtype != inter:
+    if DUL.dtype != inter:
         DUL = torch.empty(B, T, H, V, device=dev, dtype=inter)
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
                     GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
-                    num_stages=1 if F32 else 2, DU_LOCAL=DU_LOCAL, **common)
+                    num_stages=1 if F32 else 2, **common)
     # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
     # first chunk needing the step path, and the state (gradient) there, from one part to the
     # next, _states's first, then _dstates's
@@ -249,8 +246,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                                dU if delta else dv, DUL, dhs, stop, sstop, cu, coff, scale,
                                T, H, K, V, HAS_DHT=dht is not None,
                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
-                               num_warps=launch["dstates_warps"], num_stages=launch["seq_stages"],
-                               DU_LOCAL=DU_LOCAL, PART=part, **common)
+                               num_warps=launch["dstates_warps"], num_stages=launch["dstates_stages"],
+                               PART=part, **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:

@@ -75,12 +75,6 @@ SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact 
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
-# The scalar gate's in-chunk decay exp(G_C - G_t) in the state update S' = exp(G_C) S + sum_t
-# k_t^T (decay_t v_t) of both state passes (gdn.fwd_state's matrix step, gdn.bwd_matrix's
-# _states): on the keys ([C, K], "keys", sessions 1-10) or on the values ([C, BV],
-# GDN_GATE_ON_V=1, bring-up switch, session 11, as fla's h pass does), which lets the key tile
-# go from its asynchronous copy to the product as loaded.
-GATE_ON_V = tl.constexpr(os.environ.get("GDN_GATE_ON_V", "0") == "1")   # read by jitted code
 # The output kernel's launch (`out_launch`).  For bf16 inputs where K is wider than
 # OUT_LAUNCH["bk"] (and the gate is not a vector one, whose 16-token chunks keep one
 # product), its matrix part runs K in a pipelined loop of slices that wide, with OUT_LAUNCH's

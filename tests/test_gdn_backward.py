@@ -157,14 +157,11 @@ def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta
     (2, 37, 2, 16, 32, 0, False, torch.float32, 16, None),
     (1, 100, 2, 32, 80, 2, True, torch.float32, 16, [0, 20, 53, 100]),
     (2, 70, 2, 16, 32, 1, False, torch.bfloat16, 64, None)])
-def test_the_local_du_switch_matches_float64_autograd(monkeypatch, B, T, H, K, V, gate, delta, dtype,
-                                                      chunk, cu):
-    """gdn.chunk_bwd.DU_LOCAL (GDN_BWD_DU=local, a bring-up switch, session 10): _prep forms
-    P^T dO, the state-gradient step's part without the state gradient, chunks in parallel, in
-    dU's place (dv's without delta), and _dstates adds K_end dS to it; gradients within the
-    bound (two V tiles, varlen, every gate), and a NaN in do reaches exactly the oracle's."""
-    import gdn.chunk_bwd
-    monkeypatch.setattr(gdn.chunk_bwd, "DU_LOCAL", True)
+def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype, chunk, cu):
+    """_prep forms P^T dO, the state-gradient step's part without the state gradient, chunks
+    in parallel, in dU's place (dv's without delta), and _dstates adds K_end dS to it
+    (session 10's GDN_BWD_DU=local, adopted in session 11); gradients within the bound (two V
+    tiles, varlen, every gate), and a NaN in do reaches exactly the oracle's."""
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
     assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
@@ -174,15 +171,13 @@ def test_the_local_du_switch_matches_float64_autograd(monkeypatch, B, T, H, K, V
     assert_same_specials(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta))
 
 
-def test_the_local_du_switch_keeps_fp16_range(monkeypatch):
-    """fp16 inputs without the delta rule: under DU_LOCAL, P^T dO goes to fp32 scratch, not to
-    dv (fp16).  G06's case (gdn_bwd_linear, k at fp16's maximum) made it -inf where the
-    oracle's dv is -3.8e4 when it went to dv."""
-    import gdn.chunk_bwd
+def test_the_local_du_keeps_fp16_range():
+    """fp16 inputs without the delta rule: _prep's P^T dO goes to fp32 scratch, not to dv
+    (fp16).  G06's case (gdn_bwd_linear, k at fp16's maximum) made it -inf where the oracle's
+    dv is -3.8e4 when it went to dv."""
     from kfuzz.case import Case
     from kfuzz.gates import GATES
     from kfuzz.target import get_target
-    monkeypatch.setattr(gdn.chunk_bwd, "DU_LOCAL", True)
     case = Case.from_json({
         "args": {"k": {"dist": "normal", "inject": [[0, "max"], [7, "tiny"], [14, "subnormal"]],
                        "layout": {"kind": "contiguous"}}},

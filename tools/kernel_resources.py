@@ -126,7 +126,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     tile = cb.tiles(K, V)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
-                  HAS_H0=True, HAS_DHT=True, GIVEN_T=False, DU_LOCAL=cb.DU_LOCAL, PART=0,
+                  HAS_H0=True, HAS_DHT=True, GIVEN_T=False, PART=0,
                   IW=max(32 * cb.LAUNCH["prep_warps"], C))
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
@@ -135,7 +135,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     for fn, bv, warps, stages, extra in (
             (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2, {}),
             (cb._states, tile["BV"], seq, launch["seq_stages"], {}),
-            (cb._dstates, tile["BV"], launch["dstates_warps"], launch["seq_stages"], {}),
+            (cb._dstates, tile["BV"], launch["dstates_warps"], launch["dstates_stages"], {}),
             # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
              {"BKS": tile["grads_BKS"]}),
