@@ -3,13 +3,14 @@
     chunk_gdn_bwd(q, k, v, g, beta, do, dht, ...) -> (dq, dk, dv, dg, dbeta, dh0)
 
 Nothing from the forward is stored: the backward recomputes what it needs,
-chunk by chunk (C tokens), in five launches.  This module is the launcher: it
+chunk by chunk (C tokens), in six kernels.  This module is the launcher: it
 checks shapes, picks tiles and dot precision, allocates the hand-off tensors and
 launches the kernels, which live in the modules named after their concept:
 
 1. ``_prep``   (chunks in parallel)  flags every chunk whose inputs are not all
    finite (or whose cumulative gate is too steep for the factored vector-gate
-   form), and for the delta rule builds the WY form of the chunk: the inverse
+   form), forms the part of dU that does not wait for the state gradient, P^T dO,
+   and for the delta rule builds the WY form of the chunk: the inverse
    T = (I + A)^-1 of the unit lower triangular system, W = T diag(beta) K_g and
    Uu = T diag(beta) V.
 2. ``_states`` (sequential over chunks)  recomputes the state entering every
@@ -17,6 +18,9 @@ launches the kernels, which live in the modules named after their concept:
 3. ``_dstates`` (sequential, reverse time)  carries the state gradient dS
    backward over the chunks; stores dS at every chunk end and dU, the full
    gradient of U (delta rule) or dv (no delta); writes dh0.
+   Kernels 2 and 3 launch twice, as the forward's state pass: a matrix part whose
+   chunk loop has no branch (so Triton pipelines its loads), up to the first chunk
+   that needs the step path, then a resume part from there.
 4. ``_grads_wy`` then ``_grads_p``  (chunks in parallel)  all the remaining
    gradients of a chunk from h_c, its end-state gradient, U and dU: the terms
    through T (dv, dbeta, partials of dk and dg; delta rule only), then the rest
