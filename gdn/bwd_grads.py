@@ -146,6 +146,114 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
 
 
 @triton.jit
+def _grads_wy_sliced(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+                     C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr,
+                     DT: tl.constexpr):
+    """`_grads_wy` with K in BKS-wide slices (GDN_BWD_WY=sliced, bring-up switch, session 11):
+    the same terms and stores, with one [C, BKS] accumulator live instead of [C, K] ones.
+    Three passes: over V, the terms without K (dv, dbeta's share, dU (beta V)^T); over the K
+    slices, -dU h^T of the slice and what sums over K (dT's product, A's keys, dbeta's and
+    the scalar gate's row sums), storing the slice's T^T (-dU h^T) share of dk in dkp; then,
+    once dA is known, over the slices again, dA's share of dk added to it (and the vector
+    gate's dg).  The second pass's stores are read back by the same program after a barrier."""
+    cid = tl.program_id(0)
+    ih = tl.program_id(1)
+    n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
+    strict = rows[:, None] > rows[None, :]
+    b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
+    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
+    hbase = (cid * H + ih).to(tl.int64) * K * V
+    dt = tl.zeros([C, C], dtype=tl.float32)         # dU (beta V)^T, then + (-dU h^T) (beta K_g)^T
+    d_beta = tl.zeros([C], dtype=tl.float32)
+    for iv in range(0, tl.cdiv(V, BV)):
+        cv = iv * BV + tl.arange(0, BV)
+        mcv = rv[:, None] & (cv < V)[None, :]
+        b_du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=mcv, other=0.)
+        b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        dvb = _mm(tl.trans(tm), b_du, F32, DT)
+        tl.store(_tile(dv, r0, rows, cv, V, H), (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
+        d_beta += tl.sum(dvb * b_v, 1)
+        dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
+    eG = b_beta
+    E = dt
+    if GATE == 1:
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+        eG = tl.exp(G)
+        E = _pair_decay(G, Gl, rows[:, None] >= rows[None, :])
+    araw = tl.zeros([C, C], dtype=tl.float32)       # K_g K_n^T, summed over the slices
+    rk = tl.zeros([C], dtype=tl.float32)            # rowsum(T^T (-dU h^T) * K) (vector gate: * K_g)
+    dG = tl.zeros([C], dtype=tl.float32)            # scalar gate: rowsum(T^T (-dU h^T) * beta K_g)
+    for ik in range(0, tl.cdiv(K, BKS)):
+        ck = ik * BKS + tl.arange(0, BKS)
+        mk = ck < K
+        mqk = rv[:, None] & mk[None, :]
+        acc_dw = tl.zeros([C, BKS], dtype=tl.float32)   # -dU h^T, this slice
+        for iv in range(0, tl.cdiv(V, BV)):
+            cv = iv * BV + tl.arange(0, BV)
+            mv = cv < V
+            b_h = tl.load(hs + hbase + ck[:, None] * V + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.)
+            b_du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=rv[:, None] & mv[None, :], other=0.)
+            acc_dw -= _mm(b_du, tl.trans(b_h), F32, DT)
+        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+        if GATE == 2:
+            Gs, _ = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
+            kr = b_k * tl.exp(Gs)
+            araw += _mm(kr, tl.trans(b_k * tl.exp(-Gs)), F32, DT)
+            kb = kr * b_beta[:, None]
+        else:
+            kr = b_k
+            araw += _mm(b_k, tl.trans(b_k), F32, DT)
+            if GATE == 1:
+                kb = b_k * (b_beta * eG)[:, None]
+            else:
+                kb = b_k * b_beta[:, None]
+        dt += _mm(acc_dw, tl.trans(kb), F32, DT)
+        dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
+        rk += tl.sum(dkb * kr, 1)
+        if GATE == 1:
+            dG += tl.sum(dkb * kb, 1)
+            part = dkb * (b_beta * eG)[:, None]
+        else:
+            part = dkb * b_beta[:, None]
+        tl.store(_tile(dkp, r0, rows, ck, K, H), part, mask=mqk)
+    if GATE == 1:
+        araw = tl.where(strict, araw * E, 0.)
+        rk = rk * eG
+    else:
+        araw = tl.where(strict, araw, 0.)
+    da = tl.where(strict, -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT), 0.)
+    dar = da * b_beta[:, None]
+    d_beta += tl.sum(da * araw, 1) + rk
+    tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
+    dkk = dar
+    if GATE == 1:
+        dgw = _gate_grad(dG, dar * araw, tl.zeros([C], dtype=tl.float32), 0., strict)
+        tl.store(dgp + tok.to(tl.int64) * H + ih, dgw, mask=rv)
+        dkk = dar * E
+    tl.debug_barrier()   # the slices' dkp stores above are read back below
+    for ik in range(0, tl.cdiv(K, BKS)):
+        ck = ik * BKS + tl.arange(0, BKS)
+        mk = ck < K
+        mqk = rv[:, None] & mk[None, :]
+        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+        part = tl.load(_tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
+        if GATE == 2:
+            Gs, _ = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
+            eGs = tl.exp(Gs)
+            eNs = tl.exp(-Gs)
+            kg = b_k * eGs
+            kn = b_k * eNs
+            dk = _mm(dar, kn, F32, DT) + part
+            dk2 = _mm(tl.trans(dar), kg, F32, DT)
+            tl.store(_tile(dkp, r0, rows, ck, K, H), dk * eGs + dk2 * eNs, mask=mqk)
+            tl.store(_tile(dgp, r0, rows, ck, K, H), dk * kg - dk2 * kn, mask=mqk)
+        else:
+            dk = _mm(dkk, b_k, F32, DT) + _mm(tl.trans(dkk), b_k, F32, DT) + part
+            tl.store(_tile(dkp, r0, rows, ck, K, H), dk, mask=mqk)
+
+
+@triton.jit
 def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,

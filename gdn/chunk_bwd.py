@@ -53,12 +53,12 @@ import triton.language as tl
 
 from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
-from gdn.bwd_grads import _grads_p, _grads_wy
+from gdn.bwd_grads import _grads_p, _grads_wy, _grads_wy_sliced
 from gdn.bwd_matrix import _dstates, _prep, _states
 from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
+_KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact, _grads_wy_sliced)
 _AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
@@ -83,6 +83,9 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
+# _grads_wy with K in slices (GDN_BWD_WY=sliced, bring-up switch, session 11, CPU only): one
+# [C, BKS] accumulator live instead of [C, K] ones (sm_90 offline: see gdn/NOTES_BWD.md)
+WY_SLICED = os.environ.get("GDN_BWD_WY", "whole") == "sliced"
 # A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
@@ -209,7 +212,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     launch = launch_for(V)
     seq_warps = launch["seq_warps"]
     prep_warps = launch["prep_given_warps" if inverse is not None else "prep_warps"]
-    _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
+    _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_, _grads_wy_sliced_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
     # where _prep hands P^T dO to _dstates: its dU (dv without delta), in the hand-off
@@ -260,10 +263,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
         if g is not None:
             dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
-        _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
-                            C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
-                            F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
-                            num_stages=1 if F32 else launch["grads_stages"])
+        wy, wy_tiles = (_grads_wy_sliced_, {"BKS": tile["grads_BKS"]}) if WY_SLICED else (_grads_wy_, {})
+        wy[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+                    C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
+                    F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
+                    num_stages=1 if F32 else launch["grads_stages"], **wy_tiles)
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
                        T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,

@@ -171,6 +171,27 @@ def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype
     assert_same_specials(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta))
 
 
+@pytest.mark.parametrize("B,T,H,K,V,gate,dtype,chunk,cu", [
+    (1, 40, 1, 80, 24, 1, torch.float32, 16, None),
+    (1, 40, 2, 80, 24, 2, torch.float32, 16, [0, 13, 40]),
+    (2, 37, 1, 96, 16, 0, torch.float32, 32, None),
+    (1, 70, 2, 96, 32, 1, torch.bfloat16, 64, None)])
+def test_the_sliced_wy_gradients_match_float64_autograd(monkeypatch, B, T, H, K, V, gate, dtype,
+                                                       chunk, cu):
+    """gdn.chunk_bwd.WY_SLICED (GDN_BWD_WY=sliced, a bring-up switch, session 11): _grads_wy
+    with K in slices (two or more here: K 80 and 96 at 64-wide slices), every gate, varlen,
+    bf16: gradients within the bound, and a NaN in k reaches exactly the oracle's."""
+    import gdn.chunk_bwd
+    monkeypatch.setattr(gdn.chunk_bwd, "WY_SLICED", True)
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
+    assert_close(kernel_grads(x, cu, True, chunk), oracle_grads(x, cu, True), TOL[dtype])
+    t = x["k"].clone()
+    t[0, T // 2].view(-1)[3] = float("nan")
+    x["k"] = t
+    assert_same_specials(kernel_grads(x, cu, True, chunk), oracle_grads(x, cu, True))
+
+
 def test_the_local_du_keeps_fp16_range():
     """fp16 inputs without the delta rule: _prep's P^T dO goes to fp32 scratch, not to dv
     (fp16).  G06's case (gdn_bwd_linear, k at fp16's maximum) made it -inf where the oracle's
