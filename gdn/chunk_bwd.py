@@ -2,8 +2,8 @@
 
     chunk_gdn_bwd(q, k, v, g, beta, do, dht, ...) -> (dq, dk, dv, dg, dbeta, dh0)
 
-Nothing from the forward is stored: the backward recomputes what it needs,
-chunk by chunk (C tokens), in six kernels.  This module is the launcher: it
+The backward recomputes what it needs from the inputs (given the forward's T,
+``inverse``, it skips the inversion), chunk by chunk (C tokens), in six kernels.  This module is the launcher: it
 checks shapes, picks tiles and dot precision, allocates the hand-off tensors and
 launches the kernels, which live in the modules named after their concept:
 
@@ -231,13 +231,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     # next, _states's first, then _dstates's
     stop = torch.empty(N * H, NV, device=dev, dtype=torch.int32)
     sstop = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
-    parts = (0, 1)
+    parts = (0, 1) if SEQ_SPLIT else (1,)
     if not SEQ_SPLIT:   # bring-up: PART 1 alone, from the first chunk (the branching loop)
-        parts = (1,)
         stop.zero_()
-    h0 = initial_state if initial_state is not None else dummy
-    if not SEQ_SPLIT:
         sstop.copy_(initial_state if initial_state is not None else torch.zeros_like(sstop))
+    h0 = initial_state if initial_state is not None else dummy
     for part in parts:
         _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
                               T, H, K, V, HAS_H0=initial_state is not None, F32=F32, DT=DT,
