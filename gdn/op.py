@@ -59,9 +59,10 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     holds transiently, besides the gradients themselves, the
     recomputed state at every chunk start and the state gradient at every
     chunk end, 2 * ceil(T/C) * B*H*K*V elements (bf16 for bf16 inputs, fp32
-    otherwise; C = 64, 16 for a vector gate), and with the delta rule the WY
-    factors: W, U, dU [B,T,H,K|V] in the same dtype and the WY share of dk
-    [B,T,H,K] (and of a gate's dg) fp32.
+    otherwise; C = 64, 16 for a vector gate), one fp32 state per sequence-head
+    (N*H*K*V, where the sequential kernels' matrix parts hand over to their resume
+    parts), and with the delta rule the WY factors: W, U, dU [B,T,H,K|V] in the
+    same dtype and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32.
     At B=8, T=4096, H=16, K=V=128 bf16 that is about 1.3 GB (BENCHMARKS.md has the peak
     measured over a forward and backward).
     """
