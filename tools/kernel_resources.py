@@ -6,9 +6,13 @@
 Compiles each kernel (Triton's own ptxas) for an H100/H200 target on any machine
 and reads the cubin's resource usage with cuobjdump: registers per thread, stack
 bytes (spills), shared memory, and how many layout conversions and shared-memory
-buffers the Triton GPU IR holds. A tuning loop that costs no device time: a kernel
+buffers the Triton GPU IR holds, and its asynchronous copies: the loads Triton's
+pipeliner issues ahead of use (a loop with a branch in it gets none; session 11 found the
+backward's sequential kernels so). A tuning loop that costs no device time: a kernel
 at 255 registers with a stack frame is spilling, which the device profile then
-confirms or not. It measures no time.
+confirms or not. It measures no time. It compiles with the Triton it imports: for the
+device's (3.6.0), `pip install --target /tmp/t36 triton==3.6.0` and run it with
+`PYTHONPATH=/tmp/t36`.
 """
 from __future__ import annotations
 
@@ -59,7 +63,8 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
         return int(m.group(1)) if m else -1
     ttgir = k.asm["ttgir"]
     return {"registers": field("REG"), "stack": field("STACK"), "shared": k.metadata.shared,
-            "convert_layout": ttgir.count("ttg.convert_layout"), "local_alloc": ttgir.count("ttg.local_alloc")}
+            "convert_layout": ttgir.count("ttg.convert_layout"), "local_alloc": ttgir.count("ttg.local_alloc"),
+            "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local")}
 
 
 def _ptrs(names, dtype):
@@ -170,8 +175,9 @@ def main():
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (bf16 otherwise)")
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (Triton's maxnreg)")
     a = ap.parse_args()
-    print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers "
+          "| async copies |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta, a.fp32)
     for label, fn, sig, const, warps, stages, aligned in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
         if a.only not in label:
@@ -179,7 +185,7 @@ def main():
         warps = a.warps or warps
         r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned, a.maxnreg or None)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
-              f"{r['convert_layout']} | {r['local_alloc']} |", flush=True)
+              f"{r['convert_layout']} | {r['local_alloc']} | {r['async_copies']} |", flush=True)
 
 
 if __name__ == "__main__":
