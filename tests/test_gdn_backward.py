@@ -80,6 +80,22 @@ def assert_same_specials(got, want):
         assert torch.equal(torch.isinf(a), torch.isinf(b)), f"{name}: Inf set differs"
 
 
+def with_nan(x, name, t):
+    """The inputs x with one NaN in input ``name`` at time t of the first batch row (h0: in
+    the first sequence's state)."""
+    bad = x[name].clone()
+    (bad[0] if name == "h0" else bad[0, t]).view(-1)[3] = float("nan")
+    return dict(x, **{name: bad})
+
+
+def assert_matches_oracle(x, cu, delta, chunk, tol, nan_in, t):
+    """Gradients within ``tol`` of float64 autograd through the oracle, and with a NaN in
+    ``nan_in`` at time t the oracle's NaN/Inf sets exactly."""
+    assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), tol)
+    x = with_nan(x, nan_in, t)
+    assert_same_specials(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta))
+
+
 # (B, T, H, K, V, gate, delta, dtype, chunk, varlen offsets)
 CASES = [
     (2, 37, 2, 16, 32, 0, True, torch.float32, 16, None),
@@ -121,10 +137,7 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     import gdn.chunk_bwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
-    name, t = where
-    bad = x[name].clone()
-    (bad[0] if name == "h0" else bad[0, t]).view(-1)[3] = float("nan")
-    x[name] = bad
+    x = with_nan(x, *where)
     split = kernel_grads(x, cu, delta, chunk)
     monkeypatch.setattr(gdn.chunk_bwd, "SEQ_SPLIT", False)
     branch = kernel_grads(x, cu, delta, chunk)
@@ -145,11 +158,7 @@ def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta
     within the bound, and a NaN in k reaches exactly the oracle's."""
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
-    assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
-    t = x["k"].clone()
-    t[0, 41].view(-1)[3] = float("nan")
-    x["k"] = t
-    assert_same_specials(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta))
+    assert_matches_oracle(x, cu, delta, chunk, TOL[dtype], "k", 41)
 
 
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
@@ -164,11 +173,7 @@ def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype
     tiles, varlen, every gate), and a NaN in do reaches exactly the oracle's."""
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
-    assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
-    t = x["do"].clone()
-    t[0, T // 2].view(-1)[3] = float("nan")
-    x["do"] = t
-    assert_same_specials(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta))
+    assert_matches_oracle(x, cu, delta, chunk, TOL[dtype], "do", T // 2)
 
 
 @pytest.mark.parametrize("B,T,H,K,V,gate,dtype,chunk,cu", [
@@ -185,11 +190,7 @@ def test_the_sliced_wy_gradients_match_float64_autograd(monkeypatch, B, T, H, K,
     monkeypatch.setattr(gdn.chunk_bwd, "WY_SLICED", True)
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
-    assert_close(kernel_grads(x, cu, True, chunk), oracle_grads(x, cu, True), TOL[dtype])
-    t = x["k"].clone()
-    t[0, T // 2].view(-1)[3] = float("nan")
-    x["k"] = t
-    assert_same_specials(kernel_grads(x, cu, True, chunk), oracle_grads(x, cu, True))
+    assert_matches_oracle(x, cu, True, chunk, TOL[dtype], "k", T // 2)
 
 
 def test_the_local_du_keeps_fp16_range():
@@ -286,9 +287,7 @@ def test_op_backward_on_the_forwards_inverse_matches_oracle(B, T, H, K, V, gate,
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
     if special:
-        t = x["k"].clone()
-        t[0, 41].view(-1)[3] = float("nan")
-        x["k"] = t
+        x = with_nan(x, "k", 41)
     _, _, inverse = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                   cu_seqlens=cu, return_inverse=True)
     assert inverse.shape == (B, T, H, 16 if gate == 2 else 64)
