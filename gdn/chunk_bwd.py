@@ -75,7 +75,10 @@ LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4,
           # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
           # 0.949 (_grads_wy 0.979 -> 0.951), though sm_90 offline says 4 warps spill;
           # _grads_wy at 4 warps 1.203, _grads_p in 32-wide K slices 1.707
-          "grads_stages": 3, "grads_wy_warps": 8, "grads_p_warps": 4, "grads_p_bk": 64}
+          "grads_stages": 3, "grads_wy_warps": 8, "grads_p_warps": 4, "grads_p_bk": 64,
+          # _grads_p with one program per K slice instead of per chunk (session 12, bring-up:
+          # 2x the programs at K 128, fewer live registers each, dO U^T formed by each)
+          "grads_p_ksplit": False}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
 # The sequential kernels in two parts each, a matrix part with no branch in its loop (Triton
 # pipelines its loads: with Triton 3.6, sm_90 offline, 0 asynchronous copies in the branching
@@ -266,11 +269,18 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
                     F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
                     num_stages=1 if F32 else launch["grads_stages"], **wy_tiles)
-    _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
-                       T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
-                       GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
-                       num_warps=launch["grads_p_warps"],
-                       num_stages=1 if F32 else launch["grads_stages"])
+    # _grads_p's K slices in one program a chunk, or one program a slice (launch key
+    # grads_p_ksplit); the scalar gate's dg then comes in a share per slice (fp32), summed here
+    ksplit = triton.cdiv(K, tile["grads_BKS"]) if launch["grads_p_ksplit"] else 1
+    if ksplit > 1 and GATE == 1:
+        dgx = torch.empty(*g.shape, ksplit, device=dev, dtype=torch.float32)
+    _grads_p_[(NC * ksplit, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab,
+                                scale, T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"],
+                                BV=tile["grads_BV"], GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN,
+                                F32=F32, DT=DT, KSPLIT=ksplit, num_warps=launch["grads_p_warps"],
+                                num_stages=1 if F32 else launch["grads_stages"])
+    if dgx is not dg and dg is not None:
+        dg.copy_(dgx.sum(-1))   # before _exact, which rewrites the flagged chunks' dg
     _exact_[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                      dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
                      cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,

@@ -143,7 +143,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
             (cb._dstates, tile["BV"], launch["dstates_warps"], launch["dstates_stages"], {}),
             # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
-             {"BKS": tile["grads_BKS"]}),
+             {"BKS": tile["grads_BKS"],
+              "KSPLIT": -(-K // tile["grads_BKS"]) if launch["grads_p_ksplit"] else 1}),
             (cb._exact, tile["exact_BV"], seq, 3, {}),
             *(((cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages, {}),
                # the bring-up switch GDN_BWD_WY=sliced's
