@@ -2,6 +2,7 @@
 have, the correct kernel of the same op passes that gate, failing cases replay through
 their gate, and `kfuzz verify` renders and exits as documented. (A table: one row a control.)"""
 import json
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -237,6 +238,21 @@ def test_verify_jobs_runs_gates_at_once_with_the_same_results(tmp_path):
     assert [g["gate"] for g in b] == ["G05", "G08", "G01"]
     assert [(g["status"], g["cases"], g.get("case")) for g in a] == [(g["status"], g["cases"], g.get("case")) for g in b]
     assert b[1]["status"] == "fail" and b[1]["saved"]
+
+
+def test_verify_verbose_reports_every_case_as_it_ends(tmp_path, capfd):
+    """--verbose: one stderr line per case judged (gate, index, seconds, verdict), with and
+    without --jobs (a gate process writes to the stderr it inherits)."""
+    args = ["verify", "--target", "rowsum.shuffled", "--gates", "G05,G08", "--out", str(tmp_path)]
+    for extra in ([], ["--jobs", "2"]):
+        r = CliRunner().invoke(cli, args + extra + ["-v"])
+        err = r.stderr + capfd.readouterr().err
+        cases = re.findall(r"^  (G0[58]) case +(\d+) +[\d.]+s (\w+)$", err, flags=re.M)
+        counts = {g: int(n) for g, n in re.findall(r"^(G0[58]) \S+ +\w+ +(\d+) case", r.stdout, flags=re.M)}
+        assert r.exit_code == 1 and counts["G05"] > 0 and counts["G08"] > 0, r.output
+        for gid in ("G05", "G08"):
+            assert [int(i) for g, i, _ in cases if g == gid] == list(range(counts[gid]))
+        assert any(g == "G08" and kind != "pass" for g, _, kind in cases)
 
 
 def test_the_cache_warmer_calls_the_kernel_on_every_case_the_gates_run(capsys):

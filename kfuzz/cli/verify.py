@@ -68,8 +68,11 @@ def _junit(target, results, seconds) -> str:
                    "(its JIT compiles not counted).")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Gates run at once, each in its own process (lines come as gates end).")
+@click.option("-v", "--verbose", is_flag=True,
+              help="A line on stderr as each case ends: gate, case index, seconds, verdict.")
 @handles_bad_input
-def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout, jobs):
+def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout, jobs,
+               verbose):
     """Judge a target against the twelve gates. Exit 1 if any gate fails, 2 on bad input."""
     if timeout <= 0:
         raise KfuzzError(f"--timeout must be > 0 seconds, not {timeout:g}")
@@ -81,7 +84,7 @@ def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_proc
         return executors[target.name]
     try:
         _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor,
-                jobs=jobs, in_process=in_process, timeout=timeout)
+                jobs=jobs, in_process=in_process, timeout=timeout, verbose=verbose)
     finally:
         for ex in executors.values():
             ex.close()
@@ -91,19 +94,26 @@ def _executor(target, device, in_process, timeout):
     return InProcess(target, device) if in_process else Sandboxed(target, device, timeout)
 
 
-def _gate_alone(target_name, gid, seed, out, device, in_process, timeout):
+def _case_line(gid, index, seconds, verdict):
+    """``--verbose``: one case's end, on stderr (a gate process's too: it shares stderr)."""
+    click.echo(f"  {gid} case {index:3d} {seconds:7.2f}s {verdict.kind}", err=True)
+
+
+def _gate_alone(target_name, gid, seed, out, device, in_process, timeout, verbose):
     """One gate in a process of its own (``--jobs``), with its own executor."""
     target = get_target(target_name)
     with _executor(target, device, in_process, timeout) as ex:
-        return run_gate(GATES[gid], target, seed, out, device, executor=ex)
+        return run_gate(GATES[gid], target, seed, out, device, executor=ex,
+                        on_case=_case_line if verbose else None)
 
 
-def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout):
+def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout, verbose):
     # spawned, not forked: this process may hold CUDA (an oracle on the GPU) and threads
     ctx = multiprocessing.get_context("spawn")
     results = {}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = {pool.submit(_gate_alone, target.name, gid, seed, out, device, in_process, timeout): gid
+        futures = {pool.submit(_gate_alone, target.name, gid, seed, out, device, in_process, timeout,
+                               verbose): gid
                    for gid in ids}
         for done in as_completed(futures):
             r = results[futures[done]] = done.result()
@@ -113,7 +123,7 @@ def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, t
 
 
 def _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor, jobs=1, in_process=False,
-            timeout=120.0):
+            timeout=120.0, verbose=False):
     if replay_paths:
         from kfuzz.corpus import iter_case_files
         changed = 0
@@ -129,10 +139,11 @@ def _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor, 
     start = time.monotonic()
     on_result = (lambda r: click.echo(_text_line(r))) if fmt == "text" else None
     if jobs > 1 and len(ids) > 1:
-        results = _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout)
+        results = _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout,
+                                verbose)
     else:
         results = run_gates(target, ids, seed=seed, out=out, device=device, on_result=on_result,
-                            executor=executor(target))
+                            executor=executor(target), on_case=_case_line if verbose else None)
     seconds = time.monotonic() - start
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "n/a")}
     if fmt == "text":

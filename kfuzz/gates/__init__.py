@@ -52,9 +52,11 @@ def parse_gates(spec: str | Iterable[str] | None) -> list[str]:
 
 
 def run_gate(gate: Gate, target: Target, seed: int = 0, out: str | Path | None = None,
-             device: str = "cpu", c: float = BOUND_C, executor=None) -> GateResult:
+             device: str = "cpu", c: float = BOUND_C, executor=None,
+             on_case: Callable[[str, int, float, Verdict], None] | None = None) -> GateResult:
     """One gate on ``target``; the kernel's side of each case runs in ``executor``
-    (``kfuzz.programs``: ``Sandboxed`` or, by default, ``InProcess``)."""
+    (``kfuzz.programs``: ``Sandboxed`` or, by default, ``InProcess``).  ``on_case(gate id,
+    case index, seconds, verdict)`` after each case (``kfuzz verify --verbose``)."""
     start = time.monotonic()
     executor = executor_for(target, device, executor)
     result = GateResult(gate.id, gate.name, "pass")
@@ -65,10 +67,13 @@ def run_gate(gate: Gate, target: Target, seed: int = 0, out: str | Path | None =
         return result
     corpus = Corpus(Path(out) / "gates" / gate.id) if out is not None else None
     verdicts: list[Verdict] = []
-    for case in gate.cases(target, seed):
+    for index, case in enumerate(gate.cases(target, seed)):
+        case_start = time.monotonic()
         v = gate.check(target, case, device, c, executor=executor)
         if isinstance(v, tuple):    # the check judged other inputs than the case's own: these fail
             case, v = v
+        if on_case is not None:
+            on_case(gate.id, index, time.monotonic() - case_start, v)
         verdicts.append(v)
         result.cases += 1
         result.worst_ratio = max(result.worst_ratio, v.ratio)
@@ -95,13 +100,15 @@ def run_gate(gate: Gate, target: Target, seed: int = 0, out: str | Path | None =
 
 def run_gates(target: Target, gates: Iterable[str] | None = None, seed: int = 0,
               out: str | Path | None = None, device: str = "cpu", c: float = BOUND_C,
-              on_result: Callable[[GateResult], None] | None = None, executor=None) -> list[GateResult]:
+              on_result: Callable[[GateResult], None] | None = None, executor=None,
+              on_case: Callable[[str, int, float, Verdict], None] | None = None) -> list[GateResult]:
     """Run the named gates (default all twelve) on ``target``; see the module docstring.
-    ``executor``: where the kernel's side runs (default in this process)."""
+    ``executor``: where the kernel's side runs (default in this process); ``on_case`` as
+    `run_gate` takes it."""
     results = []
     executor = executor_for(target, device, executor)
     for gid in parse_gates(gates):
-        r = run_gate(GATES[gid], target, seed, out, device, c, executor)
+        r = run_gate(GATES[gid], target, seed, out, device, c, executor, on_case)
         results.append(r)
         if on_result is not None:
             on_result(r)
