@@ -255,6 +255,35 @@ def test_verify_verbose_reports_every_case_as_it_ends(tmp_path, capfd):
         assert any(g == "G08" and kind != "pass" for g, _, kind in cases)
 
 
+def test_verify_jobs_gives_each_gate_process_its_share_of_the_cpus(tmp_path, monkeypatch):
+    """--jobs N: each gate process starts with cpu_count // N torch threads (the oracle's
+    autograd runs on the CPU there), and the share is what the pool's initializer sets."""
+    import os
+    import kfuzz.cli.verify as v
+    made = []
+    real = v.ProcessPoolExecutor
+
+    def spy(*a, **kw):
+        made.append(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr(v, "ProcessPoolExecutor", spy)
+    r = CliRunner().invoke(cli, ["verify", "--target", "cumsum", "--gates", "G05,G08", "--jobs", "2",
+                                 "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert made[0]["initializer"] is v._share_cpus
+    assert made[0]["initargs"] == (max(1, (os.cpu_count() or 1) // 2),)
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        v._share_cpus(1)
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+
+
 def test_the_cache_warmer_calls_the_kernel_on_every_case_the_gates_run(capsys):
     """tools/warm_triton_cache.py (a device verify's compiles, spread over processes first)
     enumerates exactly the cases the gates judge, and calls the kernel on each."""

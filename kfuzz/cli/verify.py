@@ -3,11 +3,13 @@
 The kernel runs in a sandboxed worker (``kfuzz.programs.Sandboxed``): the oracle and its
 outputs stay in this process, a crash or hang is that case's verdict and the gates go on.
 ``--in-process`` runs it here instead, for trusted kernels and speed. ``--jobs N`` runs N
-gates at once, each in a process of its own with its own worker: for kernels that spend
-their time compiling (a Triton target on a GPU compiles at every new specialization), not
-for the oracle's share, which each process computes anew."""
+gates at once, each in a process of its own with its own worker and 1/N of the CPUs' torch
+threads: for kernels that spend their time compiling (a Triton target on a GPU compiles at
+every new specialization), not for the oracle's share, which each process computes anew.
+``--verbose`` adds a line on stderr as each case ends."""
 import json
 import multiprocessing
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -67,7 +69,8 @@ def _junit(target, results, seconds) -> str:
               help="Seconds one case's kernel program may take in the worker before it is a timeout "
                    "(its JIT compiles not counted).")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Gates run at once, each in its own process (lines come as gates end).")
+              help="Gates run at once, each in its own process with its share of the CPUs "
+                   "(lines come as gates end).")
 @click.option("-v", "--verbose", is_flag=True,
               help="A line on stderr as each case ends: gate, case index, seconds, verdict.")
 @handles_bad_input
@@ -107,11 +110,26 @@ def _gate_alone(target_name, gid, seed, out, device, in_process, timeout, verbos
                         on_case=_case_line if verbose else None)
 
 
+def _share_cpus(threads: int) -> None:
+    """A gate process's share of the CPUs: ``threads`` torch threads, here and in the
+    kernel's workers it starts.  The float64 oracle runs on the CPU in each gate process;
+    with torch's default (every core) in each of N processes, OpenMP's threads outnumber the
+    cores N times over.  On the H200's 16-core host (session 12) five gdn_bwd gates under
+    ``--jobs 5`` ended no gate in 590 s; under ``--jobs 2`` the two gate processes sat at 229%
+    and 564% CPU in the oracle's autograd, a sandboxed G01 case took ~10 s, and G01 alone
+    in one process 18.6 s for all 15 cases."""
+    import torch
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
 def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout, verbose):
     # spawned, not forked: this process may hold CUDA (an oracle on the GPU) and threads
     ctx = multiprocessing.get_context("spawn")
     results = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    threads = max(1, (os.cpu_count() or 1) // min(jobs, len(ids)))
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_share_cpus,
+                             initargs=(threads,)) as pool:
         futures = {pool.submit(_gate_alone, target.name, gid, seed, out, device, in_process, timeout,
                                verbose): gid
                    for gid in ids}
