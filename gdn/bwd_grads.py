@@ -257,24 +257,13 @@ def _grads_wy_sliced(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T,
 def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-             F32: tl.constexpr, DT: tl.constexpr, KSPLIT: tl.constexpr):
+             F32: tl.constexpr, DT: tl.constexpr):
     """The P terms of a chunk: dq, dk, dg, with _grads_wy's partials
     added (delta).  K in BKS-wide slices, each with its own pass over V, so two [C, BKS]
     accumulators are live instead of two [C, K]: every output column of dq and dk needs its
     own columns of h and dS_end only; what mixes the columns (dO U^T, and the scalar gate's
-    Q K^T and its row sums for dg) is formed before the slices or summed across them.
-
-    KSPLIT 1: one program a chunk runs every slice.  KSPLIT > 1 (= the number of slices):
-    one program a slice (grid axis 0 is chunk * KSPLIT + slice), each forming dO U^T (and the
-    scalar gate's Q K^T) itself; the scalar gate's dg is then linear in each slice's row sums,
-    so each program stores its share in fp32 at dg [.., H, KSPLIT] (the pair terms and
-    _grads_wy's partial with slice 0's) and the launcher sums them."""
-    if KSPLIT == 1:
-        cid = tl.program_id(0)
-        ks = 0
-    else:
-        cid = tl.program_id(0) // KSPLIT
-        ks = tl.program_id(0) % KSPLIT
+    Q K^T and its row sums for dg) is formed before the slices or summed across them."""
+    cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     incl = rows[:, None] >= rows[None, :]
@@ -304,13 +293,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
     qh = tl.zeros([C], dtype=tl.float32)            # rowsum(dO h^T * Q)
     ke = tl.zeros([C], dtype=tl.float32)            # rowsum(U dS_end^T * K)
     hd = tl.zeros([BKS], dtype=tl.float32)          # rowsum(h * dS_end), slices summed
-    if KSPLIT == 1:
-        ik0 = 0
-        ik1 = tl.cdiv(K, BKS)
-    else:
-        ik0 = ks
-        ik1 = ks + 1
-    for ik in range(ik0, ik1):
+    for ik in range(0, tl.cdiv(K, BKS)):
         ck = ik * BKS + tl.arange(0, BKS)
         mk = ck < K
         mqk = rv[:, None] & mk[None, :]
@@ -366,12 +349,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
             dkk += tl.load(_tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
         tl.store(_tile(dk, r0, rows, ck, K, H), dkk.to(dk.dtype.element_ty), mask=mqk)
     if GATE == 1:
-        if KSPLIT == 1:
-            first = rv
-        else:
-            first = rv & (tl.full([C], ks, tl.int32) == 0)
-            pairs = tl.where(ks == 0, pairs, 0.)
         dgo = _gate_grad(qh * eG, pairs, ke * eE, tl.exp(GC) * tl.sum(hd, 0), strict)
         if DELTA:
-            dgo += tl.load(dgp + tok.to(tl.int64) * H + ih, mask=first, other=0.)
-        tl.store(dg + (tok.to(tl.int64) * H + ih) * KSPLIT + ks, dgo.to(dg.dtype.element_ty), mask=rv)
+            dgo += tl.load(dgp + tok.to(tl.int64) * H + ih, mask=rv, other=0.)
+        tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)

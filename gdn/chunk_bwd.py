@@ -65,8 +65,8 @@ _AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
 LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4,
           # _states (matrix part, pipelined) on the H200 (session 11): 2 stages 0.297 ms, 3 0.436
           "seq_stages": 2,
-          # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms (session
-          # 10), not yet swept on the GPU
+          # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms in session
+          # 10, but 0.518 -> 0.907 in session 12 (with P^T dO in it since session 11)
           "prep_given_warps": 4,
           # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
           # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes)
@@ -74,11 +74,13 @@ LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4,
           # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
           # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
           # 0.949 (_grads_wy 0.979 -> 0.951), though sm_90 offline says 4 warps spill;
-          # _grads_wy at 4 warps 1.203, _grads_p in 32-wide K slices 1.707
+          # _grads_wy at 4 warps 1.203, _grads_p in 32-wide K slices 1.707; session 12:
+          # _grads_p with one program per K slice (dO U^T formed in each) 1.169 at 4 warps,
+          # 1.488 at 8, 1.624 in 32-wide slices, against 0.949 (deleted)
           "grads_stages": 3, "grads_wy_warps": 8, "grads_p_warps": 4, "grads_p_bk": 64,
-          # _grads_p with one program per K slice instead of per chunk (session 12, bring-up:
-          # 2x the programs at K 128, fewer live registers each, dO U^T formed by each)
-          "grads_p_ksplit": False}
+          # GDN_BWD_WY=sliced's _grads_wy on the H200 (session 12): 4 warps 0.798 ms, 8 warps
+          # 1.191, against the whole one's 0.949 at 8 (not yet swept on the GPU)
+          "grads_wy_sliced_warps": 4}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
 # The sequential kernels in two parts each, a matrix part with no branch in its loop (Triton
 # pipelines its loads: with Triton 3.6, sm_90 offline, 0 asynchronous copies in the branching
@@ -93,8 +95,9 @@ WY_SLICED = os.environ.get("GDN_BWD_WY", "whole") == "sliced"
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
 # (`gdn.bwd_chunks.generic_v`), as any V without Triton's divisibility-by-16 hint does, and
-# 8 warps was right at V 1 in every sweep (and at V 24 and 80 in session 7's)
-LAUNCH_UNHINTED = {"grads_stages": 2, "grads_p_warps": 8}
+# 8 warps was right at V 1 in every sweep (and at V 24 and 80 in session 7's); the sliced
+# _grads_wy keeps the whole one's 8 there until a GPU sweep shows 4 right
+LAUNCH_UNHINTED = {"grads_stages": 2, "grads_p_warps": 8, "grads_wy_sliced_warps": 8}
 
 
 def launch_for(V: int) -> dict:
@@ -264,23 +267,18 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
         if g is not None:
             dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
-        wy, wy_tiles = (_grads_wy_sliced_, {"BKS": tile["grads_BKS"]}) if WY_SLICED else (_grads_wy_, {})
+        wy, wy_tiles, wy_warps = ((_grads_wy_sliced_, {"BKS": tile["grads_BKS"]},
+                                   launch["grads_wy_sliced_warps"]) if WY_SLICED
+                                  else (_grads_wy_, {}, launch["grads_wy_warps"]))
         wy[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
                     C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
-                    F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
+                    F32=F32, DT=DT, num_warps=wy_warps,
                     num_stages=1 if F32 else launch["grads_stages"], **wy_tiles)
-    # _grads_p's K slices in one program a chunk, or one program a slice (launch key
-    # grads_p_ksplit); the scalar gate's dg then comes in a share per slice (fp32), summed here
-    ksplit = triton.cdiv(K, tile["grads_BKS"]) if launch["grads_p_ksplit"] else 1
-    if ksplit > 1 and GATE == 1:
-        dgx = torch.empty(*g.shape, ksplit, device=dev, dtype=torch.float32)
-    _grads_p_[(NC * ksplit, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab,
-                                scale, T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"],
-                                BV=tile["grads_BV"], GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN,
-                                F32=F32, DT=DT, KSPLIT=ksplit, num_warps=launch["grads_p_warps"],
-                                num_stages=1 if F32 else launch["grads_stages"])
-    if dgx is not dg and dg is not None:
-        dg.copy_(dgx.sum(-1))   # before _exact, which rewrites the flagged chunks' dg
+    _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
+                       T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
+                       GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
+                       num_warps=launch["grads_p_warps"],
+                       num_stages=1 if F32 else launch["grads_stages"])
     _exact_[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                      dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
                      cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,

@@ -251,15 +251,9 @@ def test_bitwise_deterministic():
     (1, 37, 1, 16, 40, 2, True, torch.bfloat16, 16, "v"),
     (2, 70, 1, 24, 16, 0, True, torch.float32, 64, None),
     (1, 40, 2, 72, 16, 1, False, torch.float32, 16, None)])
-@pytest.mark.parametrize("ksplit", [False, True])
-def test_key_slices_and_wy_partials_match_oracle(monkeypatch, B, T, H, K, V, gate, delta, dtype,
-                                                 chunk, special, ksplit):
+def test_key_slices_and_wy_partials_match_oracle(B, T, H, K, V, gate, delta, dtype, chunk, special):
     """_grads_wy's fp32 partials added by _grads_p, with K in slices: the oracle's values and
-    its NaN/Inf sets (a NaN in the last chunk: the earlier ones stay on the matrix path).
-    ksplit: the slices in programs of their own (launch key grads_p_ksplit, session 12), the
-    scalar gate's dg summed from a share per slice."""
-    import gdn.chunk_bwd
-    monkeypatch.setitem(gdn.chunk_bwd.LAUNCH, "grads_p_ksplit", ksplit)
+    its NaN/Inf sets (a NaN in the last chunk: the earlier ones stay on the matrix path)."""
     x = make_inputs(B, T, H, K, V, gate, delta, dtype)
     if special:
         x[special][0, T - 3, 0, 3] = float("nan")

@@ -143,12 +143,11 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
             (cb._dstates, tile["BV"], launch["dstates_warps"], launch["dstates_stages"], {}),
             # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
-             {"BKS": tile["grads_BKS"],
-              "KSPLIT": -(-K // tile["grads_BKS"]) if launch["grads_p_ksplit"] else 1}),
+             {"BKS": tile["grads_BKS"]}),
             (cb._exact, tile["exact_BV"], seq, 3, {}),
             *(((cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages, {}),
                # the bring-up switch GDN_BWD_WY=sliced's
-               (cb._grads_wy_sliced, tile["grads_BV"], launch["grads_wy_warps"], grads_stages,
+               (cb._grads_wy_sliced, tile["grads_BV"], launch["grads_wy_sliced_warps"], grads_stages,
                 {"BKS": tile["grads_BKS"]}))
               if delta else ())):
         const = {a: v for a, v in dict(consts, BV=bv, **extra).items()
