@@ -254,7 +254,7 @@ def _grads_wy_sliced(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T,
 
 
 @triton.jit
-def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V,
+def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V, NVS,
              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
              F32: tl.constexpr, DT: tl.constexpr):
@@ -299,7 +299,10 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
         mqk = rv[:, None] & mk[None, :]
         acc_dqh = tl.zeros([C, BKS], dtype=tl.float32)   # dO h^T
         acc_dke = tl.zeros([C, BKS], dtype=tl.float32)   # U dS_end^T
-        acc_dgc = tl.zeros([BKS], dtype=tl.float32)      # rowsum(h * dS_end)
+        acc_dgc = tl.zeros([BKS], dtype=tl.float32)      # rowsum(h * dS_end), _dstates' HD
+        if GATE > 0:
+            for jv in range(0, NVS):
+                acc_dgc += tl.load(HD + ((cid * H + ih).to(tl.int64) * NVS + jv) * K + ck, mask=mk, other=0.)
         for iv in range(0, tl.cdiv(V, BV)):
             cv = iv * BV + tl.arange(0, BV)
             mv = cv < V
@@ -312,8 +315,6 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, dq, dk, dg, dkp, dgp, cu, tab, scale, T
             b_u = tl.load(_tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
             acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
             acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
-            if GATE > 0:
-                acc_dgc += tl.sum(b_h.to(tl.float32) * b_dsc.to(tl.float32), 1)
         b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
         b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
         if GATE == 1:

@@ -235,6 +235,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
     # first chunk needing the step path, and the state (gradient) there, from one part to the
     # next, _states's first, then _dstates's
+    # the gate's rows of h * dS_end summed over each V tile, fp32 (_dstates -> _grads_p)
+    HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy
     stop = torch.empty(N * H, NV, device=dev, dtype=torch.int32)
     sstop = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     parts = (0, 1) if SEQ_SPLIT else (1,)
@@ -254,7 +256,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     for part in parts:
         _dstates_[(NV, N * H)](q, k, gp, bp, do, dht if dht is not None else dummy,
                                dh0 if dh0 is not None else dummy, flag, dflag, W,
-                               dU if delta else dv, DUL, dhs, stop, sstop, cu, coff, scale,
+                               dU if delta else dv, DUL, dhs, hs, HD, stop, sstop, cu, coff, scale,
                                T, H, K, V, HAS_DHT=dht is not None,
                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                num_warps=launch["dstates_warps"], num_stages=launch["dstates_stages"],
@@ -274,8 +276,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
                     F32=F32, DT=DT, num_warps=wy_warps,
                     num_stages=1 if F32 else launch["grads_stages"], **wy_tiles)
-    _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, dq, dk, dgx, dkp, dgp, cu, tab, scale,
-                       T, H, K, V, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
+    _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
+                       T, H, K, V, NV, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
                        num_warps=launch["grads_p_warps"],
                        num_stages=1 if F32 else launch["grads_stages"])

@@ -117,7 +117,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
 # inputs, gradients or bf16 hand-off tensors: gdn.chunk_fwd.handoff_dtype)
-_BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop"}
+_BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD"}
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop"}
 
 
@@ -153,10 +153,10 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
         const = {a: v for a, v in dict(consts, BV=bv, **extra).items()
                  if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward)
-        sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV")
+        sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV", "NVS")
                    else "*i32" if a in _BWD_I32 else "*fp32" if a in fp32_args or fp32 else "*bf16")
                for a in fn.arg_names if a not in const}
-        ints = {"T": 4096, "H": 16, "K": K, "V": V}
+        ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // tile["BV"])}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
         yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned)
 
