@@ -221,12 +221,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_, _grads_wy_sliced_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    # where _prep hands P^T dO to _dstates: its dU (dv without delta), in the hand-off
-    # dtype, else scratch in it (dv at fp16 inputs without delta: P^T dO alone can pass fp16's
-    # range where dv does not; found by G06, gdn_bwd_linear, k at fp16's maximum)
+    # where _prep hands P^T dO to _dstates, which adds K_end dS and rounds dU (dv without
+    # delta) once: fp32, so dU's place where that is fp32, else fp32 scratch.  (dU's own bf16
+    # place rounded dU twice: a one-token bf16 case's dg went 2.46 -> 6.64x over G03's bound,
+    # crashes/gdn_bwd/bound-dg/81b43ef0, session 12.  Scratch in fp16 let P^T dO alone pass
+    # fp16's range where dv does not: G06, gdn_bwd_linear, k at fp16's maximum)
     DUL = dU if delta else dv
-    if DUL.dtype != inter:
-        DUL = torch.empty(B, T, H, V, device=dev, dtype=inter)
+    if DUL.dtype != torch.float32:
+        DUL = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
