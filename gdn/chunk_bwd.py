@@ -17,7 +17,8 @@ launches the kernels, which live in the modules named after their concept:
    chunk, h_c, and the chunk's effective values U = Uu - W h_c.
 3. ``_dstates`` (sequential, reverse time)  carries the state gradient dS
    backward over the chunks; stores dS at every chunk end and dU, the full
-   gradient of U (delta rule) or dv (no delta); writes dh0.
+   gradient of U (delta rule) or dv (no delta); writes dh0.  With a gate it also
+   stores the rows of h * dS (dS in fp32) for the gate's gradient.
    Kernels 2 and 3 launch twice, as the forward's state pass: a matrix part whose
    chunk loop has no branch (so Triton pipelines its loads), up to the first chunk
    that needs the step path, then a resume part from there.
@@ -234,11 +235,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
                     GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
                     num_stages=1 if F32 else 2, **common)
+    # the gate's rows of h * dS_end summed over each V tile, fp32 (_dstates -> _grads_p)
+    HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy
     # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
     # first chunk needing the step path, and the state (gradient) there, from one part to the
     # next, _states's first, then _dstates's
-    # the gate's rows of h * dS_end summed over each V tile, fp32 (_dstates -> _grads_p)
-    HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy
     stop = torch.empty(N * H, NV, device=dev, dtype=torch.int32)
     sstop = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     parts = (0, 1) if SEQ_SPLIT else (1,)
