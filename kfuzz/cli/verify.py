@@ -115,9 +115,9 @@ def _share_cpus(threads: int) -> None:
     kernel's workers it starts.  The float64 oracle runs on the CPU in each gate process;
     with torch's default (every core) in each of N processes, OpenMP's threads outnumber the
     cores N times over.  On the H200's 16-core host (session 12) five gdn_bwd gates under
-    ``--jobs 5`` ended no gate in 590 s; under ``--jobs 2`` the two gate processes sat at 229%
-    and 564% CPU in the oracle's autograd, a sandboxed G01 case took ~10 s, and G01 alone
-    in one process 18.6 s for all 15 cases."""
+    ``--jobs 5`` ended no gate in 590 s; under ``--jobs 2`` the two gate processes had used
+    229% and 564% CPU on average over their 163 s (ps) and were in the oracle's autograd, a
+    sandboxed G01 case took ~10 s, and G01 alone in one process 18.6 s for all 15 cases."""
     import torch
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
