@@ -102,12 +102,11 @@ def _case_line(gid, index, seconds, verdict):
     click.echo(f"  {gid} case {index:3d} {seconds:7.2f}s {verdict.kind}", err=True)
 
 
-def _gate_alone(target_name, gid, seed, out, device, in_process, timeout, verbose):
+def _gate_alone(target_name, gid, seed, out, device, in_process, timeout, on_case):
     """One gate in a process of its own (``--jobs``), with its own executor."""
     target = get_target(target_name)
     with _executor(target, device, in_process, timeout) as ex:
-        return run_gate(GATES[gid], target, seed, out, device, executor=ex,
-                        on_case=_case_line if verbose else None)
+        return run_gate(GATES[gid], target, seed, out, device, executor=ex, on_case=on_case)
 
 
 def _share_cpus(threads: int) -> None:
@@ -123,7 +122,7 @@ def _share_cpus(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout, verbose):
+def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout, on_case):
     # spawned, not forked: this process may hold CUDA (an oracle on the GPU) and threads
     ctx = multiprocessing.get_context("spawn")
     results = {}
@@ -131,7 +130,7 @@ def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, t
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_share_cpus,
                              initargs=(threads,)) as pool:
         futures = {pool.submit(_gate_alone, target.name, gid, seed, out, device, in_process, timeout,
-                               verbose): gid
+                               on_case): gid
                    for gid in ids}
         for done in as_completed(futures):
             r = results[futures[done]] = done.result()
@@ -156,12 +155,13 @@ def _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor, 
     ids = parse_gates(gates)
     start = time.monotonic()
     on_result = (lambda r: click.echo(_text_line(r))) if fmt == "text" else None
+    on_case = _case_line if verbose else None
     if jobs > 1 and len(ids) > 1:
         results = _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, timeout,
-                                verbose)
+                                on_case)
     else:
         results = run_gates(target, ids, seed=seed, out=out, device=device, on_result=on_result,
-                            executor=executor(target), on_case=_case_line if verbose else None)
+                            executor=executor(target), on_case=on_case)
     seconds = time.monotonic() - start
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "n/a")}
     if fmt == "text":
