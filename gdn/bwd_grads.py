@@ -7,11 +7,11 @@ with the delta rule also T = (I + A)^-1 (``_prep``).  Two groups of terms:
 - the P terms (causal products and state terms): dO h^T, U dS_end^T, dO U^T give dq, most of
   dk and dg;
 - the WY terms (everything that goes through T): -dU h^T and dU (beta V)^T give dv, dbeta,
-  and the rest of dk and dg (``_wy_tile`` over V, ``_wy_terms`` at the end).
+  and the rest of dk and dg.
 
 Two launches: ``_grads_wy`` (delta only) stores dv and dbeta and hands its share of dk and dg
-on as fp32 partials; ``_grads_p`` forms the P terms with K in slices (two [C, BKS]
-accumulators live) and adds the partials.  Neither keeps T live beside the P terms.  (Session
+on as fp32 partials; ``_grads_p`` forms the P terms and adds the partials.  Both take K in
+slices (one or two [C, BKS] accumulators live).  Neither keeps T live beside the P terms.  (Session
 5 deleted the one-launch form, which held three [C, K] accumulators and T at once and spilled:
 on the H200 at bf16 B8 T4096 H16 K=V=128 it took 2.57 ms against these two's 1.26 + 1.00 ms,
 with the same dq, dk, dv, dbeta there and dg within 1.3e-7; gdn/NOTES_BWD.md.)
@@ -34,129 +34,22 @@ from gdn.chunk_fwd import _tile
 
 
 @triton.jit
-def _wy_tile(tm, b_beta, b_h, dU, v, dv, r0, rows, H, V, cv, mcv, acc_dw, acc_dt, d_beta,
-             F32: tl.constexpr, DT: tl.constexpr):
-    """One V tile of the WY terms: stores the tile's dv; returns the running -dU h^T,
-    dU (beta V)^T and dbeta's sum over V of (T^T dU) * V."""
-    b_du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=mcv, other=0.)
-    b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-    acc_dw -= _mm(b_du, tl.trans(b_h), F32, DT)
-    dvb = _mm(tl.trans(tm), b_du, F32, DT)
-    tl.store(_tile(dv, r0, rows, cv, V, H), (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
-    d_beta += tl.sum(dvb * b_v, 1)
-    acc_dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
-    return acc_dw, acc_dt, d_beta
-
-
-@triton.jit
-def _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, kg, kn, strict, GATE: tl.constexpr,
-              F32: tl.constexpr, DT: tl.constexpr):
-    """The WY terms of a chunk from T, dU (beta V)^T and -dU h^T, once V is summed:
-    (dbeta's rest [C], dk's share [C, BK] (vector gate: of dK_g), the vector gate's share of
-    dK_n [C, BK], the scalar gate's pair terms [C, C] and step terms [C] of dg).
-    E: the scalar gate's exp(G_i - G_j) (causal); eG: exp(G); kg, kn: the vector gate's K_g, K_n."""
-    pairs = tl.zeros([tm.shape[0], tm.shape[0]], dtype=tl.float32)
-    dG = tl.zeros([tm.shape[0]], dtype=tl.float32)
-    dk2 = tl.zeros(acc_dw.shape, dtype=tl.float32)
-    if GATE == 1:
-        kk = _mm(b_k, tl.trans(b_k), F32, DT)
-        araw = tl.where(strict, kk * E, 0.)
-        kb = b_k * (b_beta * eG)[:, None]
-    elif GATE == 2:
-        araw = tl.where(strict, _mm(kg, tl.trans(kn), F32, DT), 0.)
-        kb = kg * b_beta[:, None]
-    else:
-        araw = tl.where(strict, _mm(b_k, tl.trans(b_k), F32, DT), 0.)
-        kb = b_k * b_beta[:, None]
-    dt = acc_dt + _mm(acc_dw, tl.trans(kb), F32, DT)
-    dkb = _mm(tl.trans(tm), acc_dw, F32, DT)
-    da = -_mm(_mm(tl.trans(tm), dt, F32, DT), tl.trans(tm), F32, DT)
-    da = tl.where(strict, da, 0.)
-    dar = da * b_beta[:, None]
-    if GATE == 1:
-        d_beta = tl.sum(da * araw, 1) + tl.sum(dkb * b_k, 1) * eG
-        dkk2 = dar * E
-        dk = _mm(dkk2, b_k, F32, DT) + _mm(tl.trans(dkk2), b_k, F32, DT) + dkb * (b_beta * eG)[:, None]
-        pairs = dar * araw
-        dG = tl.sum(dkb * kb, 1)
-    elif GATE == 2:
-        d_beta = tl.sum(da * araw, 1) + tl.sum(dkb * kg, 1)
-        dk = _mm(dar, kn, F32, DT) + dkb * b_beta[:, None]
-        dk2 = _mm(tl.trans(dar), kg, F32, DT)
-    else:
-        d_beta = tl.sum(da * araw, 1) + tl.sum(dkb * b_k, 1)
-        dk = _mm(dar, b_k, F32, DT) + _mm(tl.trans(dar), b_k, F32, DT) + dkb * b_beta[:, None]
-    return d_beta, dk, dk2, pairs, dG
-
-
-@triton.jit
 def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
-              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-              IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
-    """The WY terms of a chunk (delta only): stores dv and dbeta, and its
-    shares of dk (dkp [.., K]) and dg (dgp: the scalar gate's [..] after its decay spans, the
-    vector gate's [.., K] before the reverse cumsum), fp32, for _grads_p to add."""
-    cid = tl.program_id(0)
-    ih = tl.program_id(1)
-    n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    mqk = rv[:, None] & mk[None, :]
-    strict = rows[:, None] > rows[None, :]
-    b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
-    acc_dw = tl.zeros([C, BK], dtype=tl.float32)    # -dU h^T
-    acc_dt = tl.zeros([C, C], dtype=tl.float32)     # dU (beta V)^T
-    d_beta = tl.zeros([C], dtype=tl.float32)
-    hbase = (cid * H + ih).to(tl.int64) * K * V
-    for iv in range(0, tl.cdiv(V, BV)):
-        cv = iv * BV + tl.arange(0, BV)
-        mv = cv < V
-        mcv = rv[:, None] & mv[None, :]
-        b_h = tl.load(hs + hbase + ck[:, None] * V + cv[None, :],
-                      mask=mk[:, None] & mv[None, :], other=0.)
-        acc_dw, acc_dt, d_beta = _wy_tile(tm, b_beta, b_h, dU, v, dv, r0, rows, H, V, cv, mcv,
-                                          acc_dw, acc_dt, d_beta, F32, DT)
-    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
-    if GATE == 1:
-        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-        eG = tl.exp(G)
-        E = _pair_decay(G, Gl, rows[:, None] >= rows[None, :])
-        wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, E, eG, b_k, b_k,
-                                            strict, GATE, F32, DT)
-        tl.store(_tile(dkp, r0, rows, ck, K, H), wk, mask=mqk)
-        dgw = _gate_grad(wG, wpairs, tl.zeros([C], dtype=tl.float32), 0., strict)
-        tl.store(dgp + tok.to(tl.int64) * H + ih, dgw, mask=rv)
-    elif GATE == 2:
-        G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-        eG = tl.exp(G)
-        eN = tl.exp(-G)
-        kg = b_k * eG
-        kn = b_k * eN
-        wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, eG, eG, kg, kn,
-                                            strict, GATE, F32, DT)
-        tl.store(_tile(dkp, r0, rows, ck, K, H), wk * eG + wk2 * eN, mask=mqk)
-        tl.store(_tile(dgp, r0, rows, ck, K, H), wk * kg - wk2 * kn, mask=mqk)
-    else:
-        wb, wk, wk2, wpairs, wG = _wy_terms(tm, acc_dt, acc_dw, b_k, b_beta, b_beta, b_beta,
-                                            b_k, b_k, strict, GATE, F32, DT)
-        tl.store(_tile(dkp, r0, rows, ck, K, H), wk, mask=mqk)
-    d_beta += wb
-    tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
-
-
-@triton.jit
-def _grads_wy_sliced(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
-                     C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr,
-                     DT: tl.constexpr):
-    """`_grads_wy` with K in BKS-wide slices (GDN_BWD_WY=sliced, bring-up switch, session 11):
-    the same terms and stores, with one [C, BKS] accumulator live instead of [C, K] ones.
-    Three passes: over V, the terms without K (dv, dbeta's share, dU (beta V)^T); over the K
-    slices, -dU h^T of the slice and what sums over K (dT's product, A's keys, dbeta's and
-    the scalar gate's row sums), storing the slice's T^T (-dU h^T) share of dk in dkp; then,
-    once dA is known, over the slices again, dA's share of dk added to it (and the vector
-    gate's dg).  The second pass's stores are read back by the same program after a barrier."""
+              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+              GATE: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr,
+              DT: tl.constexpr):
+    """The WY terms of a chunk (delta only): stores dv and dbeta, and its shares of dk (dkp
+    [.., K]) and dg (dgp: the scalar gate's [..] after its decay spans, the vector gate's
+    [.., K] before the reverse cumsum), fp32, for _grads_p to add.  K in BKS-wide slices, one
+    [C, BKS] accumulator live.  Three passes: over V, the terms without K (dv, dbeta's share,
+    dU (beta V)^T); over the K slices, -dU h^T of the slice and what sums over K (dT's
+    product, A's keys, dbeta's and the scalar gate's row sums), storing the slice's
+    T^T (-dU h^T) share of dk in dkp; then, once dA is known, over the slices again, dA's
+    share of dk added to it (and the vector gate's dg).  The second pass's stores are read
+    back by the same program after a barrier.  (Session 13 adopted this form over the one
+    that held [C, K] accumulators at 8 warps: H200, bf16 B8 T4096 H16 K=V=128, 0.953 ->
+    0.761 ms at 4 warps; sm_90 offline at fp32 K = V = 256 its shared memory 229376 -> 57344
+    B, within the A100's.)"""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)

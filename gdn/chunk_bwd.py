@@ -54,12 +54,12 @@ import triton.language as tl
 
 from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
-from gdn.bwd_grads import _grads_p, _grads_wy, _grads_wy_sliced
+from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
 from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact, _grads_wy_sliced)
+_KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
 _AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
@@ -74,14 +74,13 @@ LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4,
           "dstates_warps": 8, "dstates_stages": 3,
           # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
           # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
-          # 0.949 (_grads_wy 0.979 -> 0.951), though sm_90 offline says 4 warps spill;
-          # _grads_wy at 4 warps 1.203, _grads_p in 32-wide K slices 1.707; session 12:
-          # _grads_p with one program per K slice (dO U^T formed in each) 1.169 at 4 warps,
-          # 1.488 at 8, 1.624 in 32-wide slices, against 0.949 (deleted)
-          "grads_stages": 3, "grads_wy_warps": 8, "grads_p_warps": 4, "grads_p_bk": 64,
-          # GDN_BWD_WY=sliced's _grads_wy on the H200 (session 12): 4 warps 0.798 ms, 8 warps
-          # 1.191, against the whole one's 0.949 at 8 (not yet swept on the GPU)
-          "grads_wy_sliced_warps": 4}
+          # 0.949, though sm_90 offline says 4 warps spill; _grads_p in 32-wide K slices
+          # 1.707; session 12: _grads_p with one program per K slice (dO U^T formed in each)
+          # 1.169 at 4 warps, 1.488 at 8, 1.624 in 32-wide slices, against 0.949 (deleted)
+          "grads_stages": 3, "grads_p_warps": 4, "grads_bk": 64,
+          # _grads_wy (K in slices) on the H200 (session 12): 4 warps 0.798 ms, 8 warps 1.191
+          # (the form with [C, K] accumulators it replaced: 0.949 at 8)
+          "grads_wy_warps": 4}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
 # The sequential kernels in two parts each, a matrix part with no branch in its loop (Triton
 # pipelines its loads: with Triton 3.6, sm_90 offline, 0 asynchronous copies in the branching
@@ -89,16 +88,13 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
-# _grads_wy with K in slices (GDN_BWD_WY=sliced, bring-up switch, session 11, CPU only): one
-# [C, BKS] accumulator live instead of [C, K] ones (sm_90 offline: see gdn/NOTES_BWD.md)
-WY_SLICED = os.environ.get("GDN_BWD_WY", "whole") == "sliced"
 # A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
 # (`gdn.bwd_chunks.generic_v`), as any V without Triton's divisibility-by-16 hint does, and
-# 8 warps was right at V 1 in every sweep (and at V 24 and 80 in session 7's); the sliced
-# _grads_wy keeps the whole one's 8 there until a GPU sweep shows 4 right
-LAUNCH_UNHINTED = {"grads_stages": 2, "grads_p_warps": 8, "grads_wy_sliced_warps": 8}
+# 8 warps was right at V 1 in every sweep (and at V 24 and 80 in session 7's); _grads_wy
+# too (session 13's sweep at V 2, 3, 8, 15 ran it at 8 there)
+LAUNCH_UNHINTED = {"grads_stages": 2, "grads_p_warps": 8, "grads_wy_warps": 8}
 
 
 def launch_for(V: int) -> dict:
@@ -109,7 +105,7 @@ def launch_for(V: int) -> dict:
 def tiles(K: int, V: int) -> dict:
     """The tile sizes the kernels launch with: BK; BV of _prep, _states and _dstates
     (NV = ceil(V / BV) programs split V); BV of _grads_wy, _grads_p and of _exact;
-    BKS, the K slice of _grads_p."""
+    BKS, the K slice of _grads_wy and _grads_p."""
     BK = _pow2(K)
     # BK >= 128 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
     # sequential kernels' products compiled to out-of-range shared-memory addresses
@@ -126,7 +122,7 @@ def tiles(K: int, V: int) -> dict:
     # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
             "exact_BV": min(BV, max(16, 2048 // BK)),
-            "grads_BKS": min(LAUNCH["grads_p_bk"], BK)}
+            "grads_BKS": min(LAUNCH["grads_bk"], BK)}
 
 
 def _dot_mode(dtype):
@@ -219,7 +215,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     launch = launch_for(V)
     seq_warps = launch["seq_warps"]
     prep_warps = launch["prep_given_warps" if inverse is not None else "prep_warps"]
-    _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_, _grads_wy_sliced_ = (
+    _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
     # where _prep hands P^T dO to _dstates, which adds K_end dS and rounds dU (dv without
@@ -272,13 +268,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
         if g is not None:
             dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
-        wy, wy_tiles, wy_warps = ((_grads_wy_sliced_, {"BKS": tile["grads_BKS"]},
-                                   launch["grads_wy_sliced_warps"]) if WY_SLICED
-                                  else (_grads_wy_, {}, launch["grads_wy_warps"]))
-        wy[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
-                    C=C, BK=BK, BV=tile["grads_BV"], GATE=GATE, IS_VARLEN=IS_VARLEN,
-                    F32=F32, DT=DT, num_warps=wy_warps,
-                    num_stages=1 if F32 else launch["grads_stages"], **wy_tiles)
+        _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+                            C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"], GATE=GATE,
+                            IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
+                            num_stages=1 if F32 else launch["grads_stages"])
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
                        T, H, K, V, NV, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,

@@ -181,13 +181,10 @@ def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype
     (1, 40, 2, 80, 24, 2, torch.float32, 16, [0, 13, 40]),
     (2, 37, 1, 96, 16, 0, torch.float32, 32, None),
     (1, 70, 2, 96, 32, 1, torch.bfloat16, 64, None)])
-def test_the_sliced_wy_gradients_match_float64_autograd(monkeypatch, B, T, H, K, V, gate, dtype,
-                                                       chunk, cu):
-    """gdn.chunk_bwd.WY_SLICED (GDN_BWD_WY=sliced, a bring-up switch, session 11): _grads_wy
-    with K in slices (two or more here: K 80 and 96 at 64-wide slices), every gate, varlen,
-    bf16: gradients within the bound, and a NaN in k reaches exactly the oracle's."""
-    import gdn.chunk_bwd
-    monkeypatch.setattr(gdn.chunk_bwd, "WY_SLICED", True)
+def test_the_wy_gradients_over_k_slices_match_float64_autograd(B, T, H, K, V, gate, dtype, chunk,
+                                                             cu):
+    """_grads_wy with K in two 64-wide slices (K 80 and 96), every gate, varlen, bf16:
+    gradients within the bound, and a NaN in k reaches exactly the oracle's."""
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
     assert_matches_oracle(x, cu, True, chunk, TOL[dtype], "k", T // 2)
@@ -486,9 +483,9 @@ def test_the_gpu_tile_sweep_runs_and_judges(extra):
 def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
     """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:
     the H200 miscompiled the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
-    cost the bench backward 4.15 -> 5.52 ms.  Where V is not a multiple of 16, _grads_p keeps
-    8 warps and 2 stages (LAUNCH_UNHINTED: at 4 warps the H200 gave dq, dk ~1 off at K 32,
-    V 1).  The interpreter runs them all alike, so this checks the choice, not the miscompile."""
+    cost the bench backward 4.15 -> 5.52 ms.  Where V is not a multiple of 16, _grads_p and
+    _grads_wy keep 8 warps and 2 stages (LAUNCH_UNHINTED: at 4 warps the H200 gave dq, dk ~1
+    off at K 32, V 1).  The interpreter runs them all alike, so this checks the choice, not the miscompile."""
     from gdn import chunk_bwd
     launched = {}
 
@@ -508,15 +505,11 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
     x = make_inputs(1, 20, 1, 16, V, 1, True, torch.float32)
     got = kernel_grads(x, None, True, 16)
     assert_close(got, oracle_grads(x, None, True), 1e-4)
-    # of the two _grads_wy forms, the one GDN_BWD_WY picks
-    wy, unused = chunk_bwd._grads_wy, chunk_bwd._grads_wy_sliced
-    if chunk_bwd.WY_SLICED:
-        wy, unused = unused, wy
-    want = set(spies[k].kern for k in chunk_bwd._KERNELS if k is not unused) if generic else set()
+    want = set(spies[k].kern for k in chunk_bwd._KERNELS) if generic else set()
     assert set(launched) == want
     if generic:
         assert launched[spies[chunk_bwd._grads_p].kern] == (8, 2)
-        assert launched[spies[wy].kern][1] == 2
+        assert launched[spies[chunk_bwd._grads_wy].kern] == (8, 2)
     want = (8, 2) if V % 16 else (4, 3)
     assert (chunk_bwd.launch_for(V)["grads_p_warps"], chunk_bwd.launch_for(V)["grads_stages"]) == want
 

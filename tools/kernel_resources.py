@@ -145,11 +145,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
              {"BKS": tile["grads_BKS"]}),
             (cb._exact, tile["exact_BV"], seq, 3, {}),
-            *(((cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages, {}),
-               # the bring-up switch GDN_BWD_WY=sliced's
-               (cb._grads_wy_sliced, tile["grads_BV"], launch["grads_wy_sliced_warps"], grads_stages,
-                {"BKS": tile["grads_BKS"]}))
-              if delta else ())):
+            *(((cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages,
+                {"BKS": tile["grads_BKS"]}),) if delta else ())):
         const = {a: v for a, v in dict(consts, BV=bv, **extra).items()
                  if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward)
