@@ -306,15 +306,16 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
 
 
 @triton.jit
-def _hd_rows(b_h, HD, dh, cid, ih, iv, NV, H, K, ck, mk, ok):
-    """Stores (where ok) the row sums over a V tile of h * dS_end for one chunk: b_h its entry
-    state's tile (hs, as stored), dS_end the fp32 state gradient at its end.  The gate's gradient
+def _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok):
+    """Stores (where ok) the row sums over a V tile of h * dS_end for one chunk: h its entry
+    state (hs, as stored), dS_end the fp32 state gradient at its end.  The gate's gradient
     has the term exp(G_C) sum(h * dS_end) (`gdn.bwd_gate._gate_grad`'s ``through``), a sum
     of products that cancels against the others; formed in _grads_p from dhs, dS_end rounded
     to bf16, it put dg of bf16 cases with one token, key and value 1.3-2.2x over G01's bound
     (37 ulps off at a dg of -0.0044; 3 of 40 draws on the CPU, session 12)."""
     base = (cid * H + ih).to(tl.int64)
-    tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h.to(tl.float32) * dh, 1), mask=_and(mk, ok))
+    b_h = tl.load(hs + base * K * V + offkv, mask=_and(mkv, ok), other=0.).to(tl.float32)
+    tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h * dh, 1), mask=_and(mk, ok))
 
 
 @triton.jit
@@ -349,15 +350,13 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
             cid = cbase + ic
             dbad = _outside(dh, SBIG)
             ok = alive & ((tl.load(flag + cid * H + ih) + dbad) == 0)
-            if GATE != 0:   # issued ahead of the step's products, summed after them
-                b_h = tl.load(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, mask=mkv, other=0.)
             tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, dh.to(dhs.dtype.element_ty),
                      mask=_and(mkv, alive))
+            if GATE != 0:
+                _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive)
             tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
             dhn = _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, bos + ic * C, eos, rows, ih, H,
                                 K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
-            if GATE != 0:
-                _hd_rows(b_h, HD, dh, cid, ih, iv, NV, H, K, ck, mk, alive)
             dh = tl.where(ok, dhn, dh)
             stopj = tl.where(alive & (ok == 0), j, stopj)
             alive = ok
@@ -376,8 +375,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
                 tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv,
                          dh.to(dhs.dtype.element_ty), mask=mkv)
                 if GATE != 0:
-                    _hd_rows(tl.load(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, mask=mkv,
-                                     other=0.), HD, dh, cid, ih, iv, NV, H, K, ck, mk, True)
+                    _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True)
                 dbad = _outside(dh, SBIG)
                 tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
                 t0 = bos + ic * C
