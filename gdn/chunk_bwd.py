@@ -63,7 +63,7 @@ _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
 _AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
 # launch configuration for the GPU (fixed, not autotuned: one compile per shape
 # class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "grads_bv": 64, "seq_warps": 4,
+LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # _states (matrix part, pipelined) on the H200 (session 11): 2 stages 0.297 ms, 3 0.436
           "seq_stages": 2,
           # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms in session
@@ -100,6 +100,15 @@ LAUNCH_UNHINTED = {"grads_stages": 2, "grads_p_warps": 8, "grads_wy_warps": 8}
 def launch_for(V: int) -> dict:
     """The launch configuration at V (LAUNCH, with LAUNCH_UNHINTED where V % 16 != 0)."""
     return dict(LAUNCH, **(LAUNCH_UNHINTED if V % 16 else {}))
+
+
+def stages(launch: dict, key: str, F32: bool) -> int:
+    """A kernel's pipeline stages: one where the dots take fp32 operands, else launch[key].
+    fp32 tiles are twice bf16's, and the stages' copies of them overran the H200's shared
+    memory: `_dstates` at 3 stages needed 295424 B of 232448 at fp32 K 100 (BK 128), V 64
+    (session 13's device verify, G03); at one stage 81920 B (sm_90 offline; K = V = 256:
+    147456 B, and `_states` 229632 -> 81920 B, within an A100's 164 KB)."""
+    return 1 if F32 else launch[key]
 
 
 def tiles(K: int, V: int) -> dict:
@@ -230,7 +239,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
                     GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
-                    num_stages=1 if F32 else 2, **common)
+                    num_stages=stages(launch, "prep_stages", F32), **common)
     # the gate's rows of h * dS_end summed over each V tile, fp32 (_dstates -> _grads_p)
     HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy
     # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
@@ -247,7 +256,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
                               T, H, K, V, HAS_H0=initial_state is not None, F32=F32, DT=DT,
                               SBIG=SBIG, PART=part, num_warps=seq_warps,
-                              num_stages=launch["seq_stages"], **common)
+                              num_stages=stages(launch, "seq_stages", F32), **common)
     if not SEQ_SPLIT:
         sstop.copy_(dht if dht is not None else torch.zeros_like(sstop))
         if dh0 is not None:   # a sequence with no chunk: PART 1 writes nothing
@@ -258,7 +267,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                                dU if delta else dv, DUL, dhs, hs, HD, stop, sstop, cu, coff, scale,
                                T, H, K, V, HAS_DHT=dht is not None,
                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
-                               num_warps=launch["dstates_warps"], num_stages=launch["dstates_stages"],
+                               num_warps=launch["dstates_warps"],
+                               num_stages=stages(launch, "dstates_stages", F32),
                                PART=part, **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
@@ -271,12 +281,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
                             C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"], GATE=GATE,
                             IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
-                            num_stages=1 if F32 else launch["grads_stages"])
+                            num_stages=stages(launch, "grads_stages", F32))
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
                        T, H, K, V, NV, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
                        num_warps=launch["grads_p_warps"],
-                       num_stages=1 if F32 else launch["grads_stages"])
+                       num_stages=stages(launch, "grads_stages", F32))
     _exact_[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                      dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
                      cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,

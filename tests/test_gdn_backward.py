@@ -479,13 +479,10 @@ def test_the_gpu_tile_sweep_runs_and_judges(extra):
     assert len(lines) == 3 * (2 if "--forward" in extra else 1) and all(ln.endswith(" ok") for ln in lines)
 
 
-@pytest.mark.parametrize("V,generic", [(1, True), (2, False), (16, False)])
-def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
-    """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:
-    the H200 miscompiled the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
-    cost the bench backward 4.15 -> 5.52 ms.  Where V is not a multiple of 16, _grads_p and
-    _grads_wy keep 8 warps and 2 stages (LAUNCH_UNHINTED: at 4 warps the H200 gave dq, dk ~1
-    off at K 32, V 1).  The interpreter runs them all alike, so this checks the choice, not the miscompile."""
+@pytest.fixture
+def launches(monkeypatch):
+    """Spies on the backward's V == 1 launches (gdn.chunk_bwd._AT_V1): (the spies by kernel,
+    {kernel launched: (num_warps, num_stages)})."""
     from gdn import chunk_bwd
     launched = {}
 
@@ -500,6 +497,18 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
             return launch
     spies = {k: Spy(v) for k, v in chunk_bwd._AT_V1.items()}
     monkeypatch.setattr(chunk_bwd, "_AT_V1", spies)
+    return spies, launched
+
+
+@pytest.mark.parametrize("V,generic", [(1, True), (2, False), (16, False)])
+def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, generic):
+    """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:
+    the H200 miscompiled the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
+    cost the bench backward 4.15 -> 5.52 ms.  Where V is not a multiple of 16, _grads_p and
+    _grads_wy keep 8 warps and 2 stages (LAUNCH_UNHINTED: at 4 warps the H200 gave dq, dk ~1
+    off at K 32, V 1).  The interpreter runs them all alike, so this checks the choice, not the miscompile."""
+    from gdn import chunk_bwd
+    spies, launched = launches
     # launched as on a GPU at bf16, where the stages apply (the interpreter ignores both)
     monkeypatch.setattr(chunk_bwd, "_dot_mode", lambda dtype: (False, chunk_bwd.tl.float32))
     x = make_inputs(1, 20, 1, 16, V, 1, True, torch.float32)
@@ -512,6 +521,18 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, V, generic):
         assert launched[spies[chunk_bwd._grads_wy].kern] == (8, 2)
     want = (8, 2) if V % 16 else (4, 3)
     assert (chunk_bwd.launch_for(V)["grads_p_warps"], chunk_bwd.launch_for(V)["grads_stages"]) == want
+
+
+def test_fp32_dots_launch_one_stage(launches):
+    """Where the dots take fp32 operands, every pipelined kernel launches at one stage
+    (`gdn.chunk_bwd.stages`): at 3 stages `_dstates` needed 295424 B of shared memory on the
+    H200's 232448 (fp32, K 100, V 64: session 13's device verify, G03).  _exact sets none."""
+    from gdn import chunk_bwd
+    spies, launched = launches
+    x = make_inputs(1, 20, 1, 16, 1, 1, True, torch.float32)
+    kernel_grads(x, None, True, 16)
+    assert {kern.__name__: stages for kern, (_, stages) in launched.items()} == {
+        "_prep": 1, "_states": 1, "_dstates": 1, "_grads_wy": 1, "_grads_p": 1, "_exact": None}
 
 
 @pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])

@@ -136,11 +136,12 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
-    grads_stages = 1 if F32 else launch["grads_stages"]
+    grads_stages = cb.stages(launch, "grads_stages", F32)
     for fn, bv, warps, stages, extra in (
-            (cb._prep, tile["BV"], launch["prep_warps"], 1 if F32 else 2, {}),
-            (cb._states, tile["BV"], seq, launch["seq_stages"], {}),
-            (cb._dstates, tile["BV"], launch["dstates_warps"], launch["dstates_stages"], {}),
+            (cb._prep, tile["BV"], launch["prep_warps"], cb.stages(launch, "prep_stages", F32), {}),
+            (cb._states, tile["BV"], seq, cb.stages(launch, "seq_stages", F32), {}),
+            (cb._dstates, tile["BV"], launch["dstates_warps"], cb.stages(launch, "dstates_stages", F32),
+             {}),
             # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
              {"BKS": tile["grads_BKS"]}),
