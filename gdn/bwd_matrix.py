@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.chunk_fwd import _and, _odot, _tile
+from gdn.chunk_fwd import _and, _handoff, _odot, _tile
 from gdn.fwd_prep import _unit_lower_inverse
 
 
@@ -262,8 +262,7 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
             h = tl.load(sstop + soff, mask=mkv, other=0.)
             for ic in range(c0, nc):
                 cid = cbase + ic
-                tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, h.to(hs.dtype.element_ty),
-                         mask=mkv)
+                tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, _handoff(h, hs), mask=mkv)
                 hbad = _outside(h, SBIG)
                 tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32))
                 t0 = bos + ic * C
@@ -372,8 +371,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
             for j in range(j0, nc):
                 ic = nc - 1 - j
                 cid = cbase + ic
-                tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv,
-                         dh.to(dhs.dtype.element_ty), mask=mkv)
+                tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, _handoff(dh, dhs), mask=mkv)
                 if GATE != 0:
                     _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True)
                 dbad = _outside(dh, SBIG)

@@ -109,6 +109,31 @@ def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+BF16_MAX = tl.constexpr(3.3895313892515355e38)   # tl.constexpr: read inside kernels
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _saturated(x, dtype: tl.constexpr):
+    """x (fp32) with the finite values beyond ``dtype``'s range (bf16: |x| in (3.3895e38,
+    3.4028e38]) set to its largest, keeping the sign; inf and NaN as they are."""
+    if dtype == tl.bfloat16:
+        x = tl.where((tl.abs(x) > BF16_MAX) & (tl.abs(x) <= FP32_MAX), tl.where(x > 0, BF16_MAX, -BF16_MAX), x)
+    return x
+
+
+@triton.jit
+def _handoff(x, ptr):
+    """A state (or state gradient) in the dtype of the hand-off tensor ``ptr`` points into,
+    saturated (`_saturated`): stored as it is, an fp32 state near fp32's maximum (an initial
+    state or final-state gradient drawn there) rounds to inf in bf16 on the GPU, and the
+    exact path that reads it back gave NaN where the oracle is finite (session 13's device
+    verify, G06 on gdn_bwd: dq and dk of every token of the head).  Triton's interpreter
+    truncates fp32 -> bf16 where the GPU rounds to nearest, so the CPU never showed it.  Only
+    the resume parts store such states: the matrix parts stop before them."""
+    return _saturated(x, ptr.dtype.element_ty).to(ptr.dtype.element_ty)
+
+
 @triton.jit
 def _all_within(x, bound):
     """True when every element is finite and |x| <= bound (NaN fails).  In fp32:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.chunk_fwd import INTERPRET, _all_within, _and, _exact_chunk, _forced, _load_gates, _odot
+from gdn.chunk_fwd import INTERPRET, _all_within, _and, _exact_chunk, _forced, _handoff, _load_gates, _odot
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 last = t0 + rr == tl.minimum(t0 + BT, eos) - 1
                 ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
                                        vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
-                tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=smask)
+                tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask,

@@ -11,7 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from gdn.chunk_fwd import _saturated, chunk_gdn_fwd  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 from gdn.reference import chunked  # noqa: E402
 
@@ -431,3 +434,29 @@ def test_fp32_keys_over_128_take_the_sliced_output_launch():
     o2, s2 = call(chunk_gdn_fwd, x)
     assert_same_nonfinite(o2, o)
     assert_same_nonfinite(s2, s)
+
+
+
+@triton.jit
+def _saturate_both(x, y, z):
+    r = tl.arange(0, 8)
+    a = tl.load(x + r)
+    tl.store(y + r, _saturated(a, tl.bfloat16))
+    tl.store(z + r, _saturated(a, tl.float32))
+
+
+def test_handoff_saturates_finite_states_beyond_bf16():
+    """`gdn.chunk_fwd._saturated`, the step before a state is stored in a bf16 hand-off: finite
+    fp32 values beyond bf16's largest become it (signed), so the GPU's round-to-nearest cannot
+    make them inf (session 13's device verify, G06: an initial state at fp32's maximum gave NaN
+    dq on the H200; the interpreter truncates to bf16, so only this shows it on the CPU);
+    inf, NaN and values in range pass as they are, and an fp32 hand-off keeps everything."""
+    fmax, bmax = torch.finfo(torch.float32).max, torch.finfo(torch.bfloat16).max
+    x = torch.tensor([fmax, -fmax, 3.39e38, bmax, 1.5, float("inf"), -float("inf"), float("nan")],
+                     device=DEV)
+    y, z = torch.empty_like(x), torch.empty_like(x)
+    _saturate_both[(1,)](x, y, z)
+    want = torch.tensor([bmax, -bmax, bmax, bmax, 1.5, float("inf"), -float("inf"), float("nan")],
+                        device=DEV)
+    assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y[:7], want[:7])
+    assert torch.equal(z[:7], x[:7]) and z[7].isnan()
