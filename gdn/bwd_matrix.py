@@ -305,16 +305,24 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
 
 
 @triton.jit
-def _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok):
-    """Stores (where ok) the row sums over a V tile of h * dS_end for one chunk: h its entry
-    state (hs, as stored), dS_end the fp32 state gradient at its end.  The gate's gradient
-    has the term exp(G_C) sum(h * dS_end) (`gdn.bwd_gate._gate_grad`'s ``through``), a sum
-    of products that cancels against the others; formed in _grads_p from dhs, dS_end rounded
-    to bf16, it put dg of bf16 cases with one token, key and value 1.3-2.2x over G01's bound
-    (37 ulps off at a dg of -0.0044; 3 of 40 draws on the CPU, session 12)."""
+def _hd_term(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok, HDF: tl.constexpr):
+    """What _dstates hands on (where ok) for the gate's entry-to-end term exp(G_C) sum(h *
+    dS_end) (`gdn.bwd_gate._gate_grad`'s ``through``), a sum of products that cancels against
+    the others: formed in _grads_p from dhs, dS_end rounded to bf16, it put dg of bf16 cases
+    with one token, key and value 1.3-2.2x over G01's bound (37 ulps off at a dg of -0.0044;
+    3 of 40 draws on the CPU, session 12).  HDF 0: the row sums over the V tile of h * dS_end
+    for one chunk (h its entry state as `_states` stored it, dS_end in fp32), in HD [chunk,
+    H, V tile, K].  HDF 1 (GDN_BWD_HD=split): dS_end's bf16 rounding residual, dS_end -
+    dhs, in HD [chunk, H, K, V], bf16, for _grads_p to form the term from dhs + residual (a
+    store: it does not wait in the chain, where HDF 0's load of h does).  HDF 2 (split, fp32
+    hand-off): nothing, dhs is dS_end."""
     base = (cid * H + ih).to(tl.int64)
-    b_h = tl.load(hs + base * K * V + offkv, mask=_and(mkv, ok), other=0.).to(tl.float32)
-    tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h * dh, 1), mask=_and(mk, ok))
+    if HDF == 0:
+        b_h = tl.load(hs + base * K * V + offkv, mask=_and(mkv, ok), other=0.).to(tl.float32)
+        tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h * dh, 1), mask=_and(mk, ok))
+    elif HDF == 1:
+        lo = dh - _handoff(dh, HD).to(tl.float32)
+        tl.store(HD + base * K * V + offkv, lo.to(HD.dtype.element_ty), mask=_and(mkv, ok))
 
 
 @triton.jit
@@ -323,14 +331,13 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
              HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
-             PART: tl.constexpr):
+             PART: tl.constexpr, HDF: tl.constexpr):
     """The state gradient at every chunk end (dhs), dU (dv without delta) and dh0, per (V
     tile, sequence-head), in reverse time and in two parts as `_states` (PART 0 the matrix
     part, no branch in its loop; PART 1 from the first chunk, in reverse, that needs the step
     path: flagged by _prep, or a state gradient outside SBIG).  dflag marks, per chunk and V
     tile, a state gradient outside SBIG at the chunk's end (for _exact).  With a gate, HD
-    [chunk, H, V tile, K] gets the row sums over the tile of h * dS_end (h the chunk's entry
-    state, `_states`' hs) from dS_end in fp32, for the gate's entry-to-end term (`_hd_rows`)."""
+    gets what the gate's entry-to-end term needs from dS_end in fp32 (`_hd_term`)."""
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     NV = tl.num_programs(0)
@@ -352,7 +359,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
             tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, dh.to(dhs.dtype.element_ty),
                      mask=_and(mkv, alive))
             if GATE != 0:
-                _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive)
+                _hd_term(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive, HDF)
             tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
             dhn = _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, bos + ic * C, eos, rows, ih, H,
                                 K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
@@ -373,7 +380,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
                 cid = cbase + ic
                 tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, _handoff(dh, dhs), mask=mkv)
                 if GATE != 0:
-                    _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True)
+                    _hd_term(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True, HDF)
                 dbad = _outside(dh, SBIG)
                 tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
                 t0 = bos + ic * C
