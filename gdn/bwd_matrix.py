@@ -216,6 +216,24 @@ def _states_step(k, v, g, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, m
 
 
 @triton.jit
+def _enter_chunk(xs, flag, x, cid, ih, H, K, V, offkv, mkv, alive, SBIG: tl.constexpr,
+                 RESUME: tl.constexpr):
+    """A chunk's entry bookkeeping in `_states` (x the state entering it, xs hs) and
+    `_dstates` (x the state gradient at its end, xs dhs): stores x where alive (resume parts:
+    saturated, `_handoff`; the matrix parts stop before a state that needs it).  Returns (how
+    many of x's elements are outside SBIG, for the caller's hflag or dflag; whether the chunk
+    takes the matrix path: alive, x within SBIG and _prep's flag clear)."""
+    bad = _outside(x, SBIG)
+    ok = alive & ((tl.load(flag + cid * H + ih) + bad) == 0)
+    if RESUME:
+        tl.store(xs + (cid * H + ih).to(tl.int64) * K * V + offkv, _handoff(x, xs), mask=_and(mkv, alive))
+    else:
+        tl.store(xs + (cid * H + ih).to(tl.int64) * K * V + offkv, x.to(xs.dtype.element_ty),
+                 mask=_and(mkv, alive))
+    return bad, ok
+
+
+@triton.jit
 def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, H, K, V,
             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
             DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
@@ -243,10 +261,7 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
         stopc = nc
         for ic in range(0, nc):
             cid = cbase + ic
-            hbad = _outside(h, SBIG)
-            ok = alive & ((tl.load(flag + cid * H + ih) + hbad) == 0)
-            tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, h.to(hs.dtype.element_ty),
-                     mask=_and(mkv, alive))
+            hbad, ok = _enter_chunk(hs, flag, h, cid, ih, H, K, V, offkv, mkv, alive, SBIG, False)
             tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32), mask=alive)
             hn = _states_step(k, v, g, W, U, h, ok, bos + ic * C, eos, rows, ih, H, K, V, ck, mk,
                               cv, mv, GATE, DELTA, F32, DT)
@@ -262,11 +277,10 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
             h = tl.load(sstop + soff, mask=mkv, other=0.)
             for ic in range(c0, nc):
                 cid = cbase + ic
-                tl.store(hs + (cid * H + ih).to(tl.int64) * K * V + offkv, _handoff(h, hs), mask=mkv)
-                hbad = _outside(h, SBIG)
+                hbad, ok = _enter_chunk(hs, flag, h, cid, ih, H, K, V, offkv, mkv, True, SBIG, True)
                 tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32))
                 t0 = bos + ic * C
-                if (tl.load(flag + cid * H + ih) + hbad) > 0:
+                if not ok:
                     for t in range(t0, tl.minimum(t0 + C, eos)):
                         h = _exact_step(h, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
                 else:
@@ -354,10 +368,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
         for j in range(0, nc):
             ic = nc - 1 - j
             cid = cbase + ic
-            dbad = _outside(dh, SBIG)
-            ok = alive & ((tl.load(flag + cid * H + ih) + dbad) == 0)
-            tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, dh.to(dhs.dtype.element_ty),
-                     mask=_and(mkv, alive))
+            dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, alive, SBIG, False)
             if GATE != 0:
                 _hd_term(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive, HDF)
             tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
@@ -378,13 +389,12 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
             for j in range(j0, nc):
                 ic = nc - 1 - j
                 cid = cbase + ic
-                tl.store(dhs + (cid * H + ih).to(tl.int64) * K * V + offkv, _handoff(dh, dhs), mask=mkv)
+                dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, True, SBIG, True)
                 if GATE != 0:
                     _hd_term(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True, HDF)
-                dbad = _outside(dh, SBIG)
                 tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
                 t0 = bos + ic * C
-                if (tl.load(flag + cid * H + ih) + dbad) > 0:
+                if not ok:
                     for s in range(0, tl.minimum(C, eos - t0)):
                         t = tl.minimum(t0 + C, eos) - 1 - s
                         dh = _exact_dstep(dh, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv,

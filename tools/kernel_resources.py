@@ -10,13 +10,16 @@ buffers the Triton GPU IR holds, and its asynchronous copies: the loads Triton's
 pipeliner issues ahead of use (a loop with a branch in it gets none; session 11 found the
 backward's sequential kernels so). A tuning loop that costs no device time: a kernel
 at 255 registers with a stack frame is spilling, which the device profile then
-confirms or not. It measures no time. It compiles with the Triton it imports: for the
+confirms or not. The last column, an md5 of the PTX's code (`code_of`: debug info
+stripped), shows whether a refactor compiles to the same code: if it does, it needs no
+device run. It measures no time. It compiles with the Triton it imports: for the
 device's (3.6.0), `pip install --target /tmp/t36 triton==3.6.0` and run it with
 `PYTHONPATH=/tmp/t36`.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -63,8 +66,22 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
         return int(m.group(1)) if m else -1
     ttgir = k.asm["ttgir"]
     return {"registers": field("REG"), "stack": field("STACK"), "shared": k.metadata.shared,
+            "ptx": hashlib.md5(code_of(k.asm["ptx"]).encode()).hexdigest()[:12],
             "convert_layout": ttgir.count("ttg.convert_layout"), "local_alloc": ttgir.count("ttg.local_alloc"),
             "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local")}
+
+
+def code_of(ptx: str) -> str:
+    """The PTX's code alone: without the debug sections, `.loc` lines, comments, the labels
+    that mark inlined calls' debug ranges (`$L__tmpN`), file names and parameter numbers.  Two
+    sources that compile to the same code give the same text: a helper function moved out of
+    a kernel changes only the debug labels (session 13: the backward's chunk-entry helper;
+    session 11 compared PTX with them and concluded the code changed)."""
+    ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
+    for pattern, repl in ((r"^\s*\.loc.*$", ""), (r"^\s*//.*$", ""), (r"^\$L__tmp\d+:\s*$", ""),
+                          (r"\.file.*", ""), (r"_param_\d+", "_param_N"), (r"\n\s*\n+", "\n")):
+        ptx = re.sub(pattern, repl, ptx, flags=re.M)
+    return ptx
 
 
 def _ptrs(names, dtype):
@@ -177,8 +194,8 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (Triton's maxnreg)")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers "
-          "| async copies |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| async copies | PTX code (md5) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta, a.fp32)
     for label, fn, sig, const, warps, stages, aligned in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
         if a.only not in label:
@@ -186,7 +203,7 @@ def main():
         warps = a.warps or warps
         r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned, a.maxnreg or None)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
-              f"{r['convert_layout']} | {r['local_alloc']} | {r['async_copies']} |", flush=True)
+              f"{r['convert_layout']} | {r['local_alloc']} | {r['async_copies']} | {r['ptx']} |", flush=True)
 
 
 if __name__ == "__main__":
