@@ -18,7 +18,8 @@ launches the kernels, which live in the modules named after their concept:
 3. ``_dstates`` (sequential, reverse time)  carries the state gradient dS
    backward over the chunks; stores dS at every chunk end and dU, the full
    gradient of U (delta rule) or dv (no delta); writes dh0.  With a gate it also
-   stores the rows of h * dS (dS in fp32) for the gate's gradient.
+   stores the rows of h * dS (dS in fp32) for the gate's gradient (GDN_BWD_HD=split:
+   dS's bf16 rounding residual instead, and kernel 4 forms the rows).
    Kernels 2 and 3 launch twice, as the forward's state pass: a matrix part whose
    chunk loop has no branch (so Triton pipelines its loads), up to the first chunk
    that needs the step path, then a resume part from there.
