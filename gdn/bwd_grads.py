@@ -155,14 +155,13 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
 def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V, NVS,
              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-             F32: tl.constexpr, DT: tl.constexpr, HDF: tl.constexpr):
+             F32: tl.constexpr, DT: tl.constexpr):
     """The P terms of a chunk: dq, dk, dg, with _grads_wy's partials
     added (delta).  K in BKS-wide slices, each with its own pass over V, so two [C, BKS]
     accumulators are live instead of two [C, K]: every output column of dq and dk needs its
     own columns of h and dS_end only; what mixes the columns (dO U^T, and the scalar gate's
     Q K^T and its row sums for dg) is formed before the slices or summed across them.  The
-    gate's rowsum(h * dS_end) as `gdn.bwd_matrix._hd_term` hands it on (HDF): _dstates' row
-    sums (0), or h * (dhs + residual) (1), h * dhs (2) formed here."""
+    gate's rowsum(h * dS_end) comes from _dstates (`gdn.bwd_matrix._hd_rows`)."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -200,7 +199,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
         acc_dqh = tl.zeros([C, BKS], dtype=tl.float32)   # dO h^T
         acc_dke = tl.zeros([C, BKS], dtype=tl.float32)   # U dS_end^T
         acc_dgc = tl.zeros([BKS], dtype=tl.float32)      # rowsum(h * dS_end)
-        if GATE > 0 and HDF == 0:
+        if GATE > 0:
             for jv in range(0, NVS):
                 acc_dgc += tl.load(HD + ((cid * H + ih).to(tl.int64) * NVS + jv) * K + ck, mask=mk, other=0.)
         for iv in range(0, tl.cdiv(V, BV)):
@@ -215,11 +214,6 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             b_u = tl.load(_tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
             acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
             acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
-            if GATE > 0 and HDF != 0:
-                dse = b_dsc.to(tl.float32)
-                if HDF == 1:
-                    dse += tl.load(HD + hbase + offkv, mask=mkv, other=0.).to(tl.float32)
-                acc_dgc += tl.sum(b_h.to(tl.float32) * dse, 1)
         b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
         b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
         if GATE == 1:

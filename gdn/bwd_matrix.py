@@ -319,24 +319,19 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
 
 
 @triton.jit
-def _hd_term(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok, HDF: tl.constexpr):
-    """What _dstates hands on (where ok) for the gate's entry-to-end term exp(G_C) sum(h *
-    dS_end) (`gdn.bwd_gate._gate_grad`'s ``through``), a sum of products that cancels against
-    the others: formed in _grads_p from dhs, dS_end rounded to bf16, it put dg of bf16 cases
-    with one token, key and value 1.3-2.2x over G01's bound (37 ulps off at a dg of -0.0044;
-    3 of 40 draws on the CPU, session 12).  HDF 0: the row sums over the V tile of h * dS_end
-    for one chunk (h its entry state as `_states` stored it, dS_end in fp32), in HD [chunk,
-    H, V tile, K].  HDF 1 (GDN_BWD_HD=split): dS_end's bf16 rounding residual, dS_end -
-    dhs, in HD [chunk, H, K, V], bf16, for _grads_p to form the term from dhs + residual (a
-    store: it does not wait in the chain, where HDF 0's load of h does).  HDF 2 (split, fp32
-    hand-off): nothing, dhs is dS_end."""
+def _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok):
+    """Stores (where ok) the row sums over the V tile of h * dS_end for one chunk (h its entry
+    state as `_states` stored it, dS_end in fp32), in HD [chunk, H, V tile, K]: the gate's
+    entry-to-end term exp(G_C) sum(h * dS_end) (`gdn.bwd_gate._gate_grad`'s ``through``) is a
+    sum of products that cancels against the others; formed in _grads_p from dhs, dS_end
+    rounded to bf16, it put dg of bf16 cases with one token, key and value 1.3-2.2x over
+    G01's bound (37 ulps off at a dg of -0.0044; 3 of 40 draws on the CPU, session 12).
+    The load of h waits in the serial chain (_dstates 0.523 -> 0.800 ms on the H200); storing
+    dS_end's bf16 residual here for _grads_p instead (session 14) took _dstates to 0.770 and
+    _grads_p 0.863 -> 1.142 (gdn/NOTES_BWD.md)."""
     base = (cid * H + ih).to(tl.int64)
-    if HDF == 0:
-        b_h = tl.load(hs + base * K * V + offkv, mask=_and(mkv, ok), other=0.).to(tl.float32)
-        tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h * dh, 1), mask=_and(mk, ok))
-    elif HDF == 1:
-        lo = dh - _handoff(dh, HD).to(tl.float32)
-        tl.store(HD + base * K * V + offkv, lo.to(HD.dtype.element_ty), mask=_and(mkv, ok))
+    b_h = tl.load(hs + base * K * V + offkv, mask=_and(mkv, ok), other=0.).to(tl.float32)
+    tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h * dh, 1), mask=_and(mk, ok))
 
 
 @triton.jit
@@ -345,13 +340,13 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
              HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
-             PART: tl.constexpr, HDF: tl.constexpr):
+             PART: tl.constexpr):
     """The state gradient at every chunk end (dhs), dU (dv without delta) and dh0, per (V
     tile, sequence-head), in reverse time and in two parts as `_states` (PART 0 the matrix
     part, no branch in its loop; PART 1 from the first chunk, in reverse, that needs the step
     path: flagged by _prep, or a state gradient outside SBIG).  dflag marks, per chunk and V
     tile, a state gradient outside SBIG at the chunk's end (for _exact).  With a gate, HD
-    gets what the gate's entry-to-end term needs from dS_end in fp32 (`_hd_term`)."""
+    gets the rows of h * dS_end, dS_end in fp32 (`_hd_rows`)."""
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     NV = tl.num_programs(0)
@@ -370,7 +365,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
             cid = cbase + ic
             dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, alive, SBIG, False)
             if GATE != 0:
-                _hd_term(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive, HDF)
+                _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive)
             tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
             dhn = _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, bos + ic * C, eos, rows, ih, H,
                                 K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
@@ -391,7 +386,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
                 cid = cbase + ic
                 dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, True, SBIG, True)
                 if GATE != 0:
-                    _hd_term(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True, HDF)
+                    _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True)
                 tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
                 t0 = bos + ic * C
                 if not ok:

@@ -18,8 +18,7 @@ launches the kernels, which live in the modules named after their concept:
 3. ``_dstates`` (sequential, reverse time)  carries the state gradient dS
    backward over the chunks; stores dS at every chunk end and dU, the full
    gradient of U (delta rule) or dv (no delta); writes dh0.  With a gate it also
-   stores the rows of h * dS (dS in fp32) for the gate's gradient (GDN_BWD_HD=split:
-   dS's bf16 rounding residual instead, and kernel 4 forms the rows).
+   stores the rows of h * dS (dS in fp32) for the gate's gradient.
    Kernels 2 and 3 launch twice, as the forward's state pass: a matrix part whose
    chunk loop has no branch (so Triton pipelines its loads), up to the first chunk
    that needs the step path, then a resume part from there.
@@ -89,12 +88,6 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
-# The gate's entry-to-end term sum(h * dS_end) (gdn.bwd_matrix._hd_term): "rows", _dstates
-# loads h and stores the row sums (session 12; on the H200 _dstates 0.523 -> 0.800 ms, the
-# load waits in its serial chain); GDN_BWD_HD=split (bring-up switch, session 13, CPU
-# only), _dstates stores dS_end's bf16 rounding residual beside dhs and _grads_p forms the
-# term from h * (dhs + residual)
-HD_SPLIT = os.environ.get("GDN_BWD_HD", "rows") == "split"
 # A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
@@ -247,15 +240,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
                     GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
                     num_stages=stages(launch, "prep_stages", F32), **common)
-    # what _dstates hands _grads_p for the gate's h * dS_end term (_hd_term): the rows summed
-    # over each V tile, fp32 (HDF 0); or dS_end's rounding residual (HDF 1), none where dhs
-    # is fp32 (HDF 2)
-    HDF = 0 if not HD_SPLIT else 1 if inter != torch.float32 else 2
-    HD = dummy
-    if g is not None and HDF == 0:
-        HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32)
-    elif g is not None and HDF == 1:
-        HD = torch.empty_like(dhs)
+    # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
+    # summed over each V tile, fp32
+    HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy
     # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
     # first chunk needing the step path, and the state (gradient) there, from one part to the
     # next, _states's first, then _dstates's
@@ -283,7 +270,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                num_warps=launch["dstates_warps"],
                                num_stages=stages(launch, "dstates_stages", F32),
-                               PART=part, HDF=HDF, **common)
+                               PART=part, **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:
@@ -298,7 +285,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                             num_stages=stages(launch, "grads_stages", F32))
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
                        T, H, K, V, NV, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
-                       GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, HDF=HDF,
+                       GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
                        num_warps=launch["grads_p_warps"],
                        num_stages=stages(launch, "grads_stages", F32))
     _exact_[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,

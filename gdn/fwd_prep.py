@@ -226,47 +226,18 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 
 
 
-@triton.jit
-def _prep_fused_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                       BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
-    """The WY prep in one launch (bring-up, GDN_FWD_PREP='{"fused": 1}'): a chunk's T
-    (`_inverse`, stored for the backward) and then all of its w and u (`_wu_side`) from T in
-    registers, so that T is not read back (grid: chunks, heads)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
-    rr = tl.arange(0, BT)
-    row0 = bos.to(tl.int64) * H + i_h
-    rmask = bos + rr < eos
-    Tm, ok = _inverse(k, gc, gcl, beta, tm, row0, rr, rmask, bos, eos, H, K, BK, BT, GATE, PREC, BIG,
-                      LOWP, INTERP, W)
-    tl.store(_tile(tm, row0, rr, rr, BT, H), Tm, mask=rmask[:, None])
-    tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
-    _wu_side(0, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-             GATE, PREC, BIG, LOWP, INTERP)
-    _wu_side(1, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-             GATE, PREC, BIG, LOWP, INTERP)
-
 # The two launches' warps (inv: offline sm_90 at the bench shape 154 registers, no spill, 3
 # programs an SM; wu: 96 registers) and the w/u loop's pipeline stages (Triton's default).
 # GDN_FWD_PREP overrides them for device bring-up (e.g. '{"wu_warps": 8}'); the backward's
 # launch variants found 0.3 ms in session 10 (gdn/NOTES_BWD.md).
-PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "fused": 0}
+PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
-    """The two prep launches (grids: chunks x heads; w and u tiles x chunks x heads), or the
-    fused one (PREP_LAUNCH["fused"]; chunks x heads, at inv_warps and wu_stages)."""
+    """The two prep launches (grids: chunks x heads; w and u tiles x chunks x heads)."""
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
-    if PREP_LAUNCH["fused"]:
-        _prep_fused_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                    LOWP=lowp, INTERP=interp, W=W, num_warps=PREP_LAUNCH["inv_warps"],
-                                    num_stages=PREP_LAUNCH["wu_stages"], **prep)
-        return
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               W=W, num_warps=PREP_LAUNCH["inv_warps"], **prep)
     _prep_wu_kernel[(2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,

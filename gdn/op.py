@@ -64,9 +64,7 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     parts), and with the delta rule the WY factors: W, U, dU [B,T,H,K|V] in the
     same dtype and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32; P^T dO
     [B,T,H,V] fp32 (where dU, or dv without the delta rule, is not fp32 itself); with a
-    gate, the rows of h * dS_end, fp32 ceil(T/C) * B*H * ceil(V/64) * K (with the bring-up
-    switch GDN_BWD_HD=split and bf16 inputs instead dS_end's bf16 residual, as large as the
-    state gradients).
+    gate, the rows of h * dS_end, fp32 ceil(T/C) * B*H * ceil(V/64) * K.
     At B=8, T=4096, H=16, K=V=128 bf16 that is about 1.3 GB (BENCHMARKS.md has the peak
     measured over a forward and backward).
     """

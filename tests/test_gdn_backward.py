@@ -446,32 +446,6 @@ def test_one_token_bf16_dg_within_the_gates_bound(seed):
     assert verdict.passed, verdict.detail
 
 
-@pytest.mark.parametrize("B,T,H,K,V,gate,dtype,chunk,cu", [
-    (1, 40, 2, 80, 24, 2, torch.bfloat16, 16, [0, 13, 40]),
-    (2, 37, 1, 96, 16, 1, torch.float32, 32, None),
-    (1, 70, 2, 64, 80, 1, torch.bfloat16, 64, None)])
-def test_the_split_hd_term_matches_float64_autograd(monkeypatch, B, T, H, K, V, gate, dtype,
-                                                   chunk, cu):
-    """gdn.chunk_bwd.HD_SPLIT (GDN_BWD_HD=split, bring-up switch, session 13): the gate's
-    h * dS_end term from dhs plus its bf16 residual (fp32: dhs alone), formed in _grads_p:
-    gradients within the bound at both gates, varlen, two V tiles (V 80), a NaN in h0
-    reaching exactly the oracle's; and the three one-token bf16 draws within G01's bound
-    (without the residual all three fail, as before session 12)."""
-    from gdn import chunk_bwd
-    from kfuzz.gates import GATES
-    from kfuzz.gates.base import make_case
-    from kfuzz.target import get_target
-    monkeypatch.setattr(chunk_bwd, "HD_SPLIT", True)
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
-    assert_matches_oracle(x, cu, True, chunk, TOL[dtype], "h0", 0)
-    target = get_target("gdn_bwd")
-    for seed in (1009, 1014, 1032):
-        case = make_case(target, "bfloat16", seed, {"B": 1, "T": 1, "H": 1, "K": 1, "V": 1})
-        verdict = GATES["G01"].check(target, case, DEV)
-        assert verdict.passed, verdict.detail
-
-
 def test_du_is_rounded_once():
     """_prep hands P^T dO to _dstates in fp32 (DUL), which rounds dU once.  Handed over in
     dU's own bf16 place (session 11), dU was rounded twice, and the stored G03 case

@@ -417,25 +417,6 @@ def test_output_kernel_in_k_slices_matches_oracle(monkeypatch, gate, delta):
     assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
-@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
-def test_fused_prep_matches_the_two_launches(monkeypatch, gate):
-    """The WY prep in one launch (PREP_LAUNCH "fused", GDN_FWD_PREP on the device) gives the
-    two launches' outputs bitwise (the same products in the same order), and with a NaN in v
-    (the u side's flag) and in k (the inverse's) the oracle's NaN/Inf sets."""
-    import gdn.fwd_prep as fp
-    x = make_inputs(gate, True, B=1, T=70, H=2, K=32, V=48, seed=8, dtype=torch.bfloat16)
-    o1, s1 = call(chunk_gdn_fwd, x)
-    monkeypatch.setitem(fp.PREP_LAUNCH, "fused", 1)
-    o2, s2 = call(chunk_gdn_fwd, x)
-    assert torch.equal(o1, o2) and torch.equal(s1, s2)
-    inject(x, "v", float("nan"))
-    inject(x, "k", float("inf"))
-    o, s = call(recurrence, x)
-    o2, s2 = call(chunk_gdn_fwd, x)
-    assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
-    assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
-
-
 def test_fp32_keys_over_128_take_the_sliced_output_launch():
     """fp32 inputs at K > 128 run the output kernel in K slices (gdn.chunk_fwd.out_launch): in
     one piece it needs more shared memory than a GPU has at K = V = 256 (262144 bytes, sm_90

@@ -116,9 +116,6 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
              dict(split, V=V, BV=64, LOWP=lowp, INTERP=False), fp.PREP_LAUNCH["wu_warps"],
              fp.PREP_LAUNCH["wu_stages"]),
-            ("fwd _prep_fused_kernel", fp._prep_fused_kernel, wu_sig,
-             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"]),
-             fp.PREP_LAUNCH["inv_warps"], fp.PREP_LAUNCH["wu_stages"]),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
              dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt), 4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
@@ -152,12 +149,9 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
                   HAS_H0=True, HAS_DHT=True, GIVEN_T=False, PART=0,
-                  HDF=(2 if fp32 else 1) if cb.HD_SPLIT else 0,
                   IW=max(32 * cb.LAUNCH["prep_warps"], C))
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
-    if consts["HDF"] == 1:           # GDN_BWD_HD=split: HD holds dS_end's residual, bf16
-        fp32_args -= {"HD"}
     # stages 3 is Triton's default: the launcher sets none for _exact
     grads_stages = cb.stages(launch, "grads_stages", F32)
     for fn, bv, warps, stages, extra in (
