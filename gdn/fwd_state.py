@@ -9,6 +9,7 @@ the gate prefix and output kernels, and the module docstring with the NaN/Inf co
 """
 from __future__ import annotations
 
+import os
 import zlib
 
 import triton
@@ -89,6 +90,18 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, d
 
 
 @triton.jit
+def _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, ok, H: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr):
+    """The matrix part's stores on entering a chunk, where ok: the state (hs) and a clear
+    xflag.  Masked by the chunk's own checks (default), they wait for them: its flag loads
+    and the reduction over S; masked by ``alive`` (all chunks before passed: AHEAD, the
+    bring-up switch GDN_FWD_STORE_AHEAD=1) they do not, and a chunk that then fails has both
+    stored again by the resume part, which runs from it (a failing chunk is the stop)."""
+    tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=_and(smask, ok))
+    tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, ok))
+
+
+@triton.jit
 def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop,
                   cu, choff, T, NT, OCC,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -96,7 +109,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
+                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr, AHEAD: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
@@ -135,12 +148,13 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             r0 = t0.to(tl.int64) * H + i_h
             rmask = t0 + rr < eos
             last = t0 + rr == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
+            if AHEAD:
+                _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
             ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
                                    H, K, V, GATE, DELTA, BIG, SBIG, MODE)
             ok = ok & alive
-            tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty),
-                     mask=_and(smask, ok))
-            tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, ok))
+            if not AHEAD:
+                _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, ok, H, K, V)
             Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, dv,
                               vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
@@ -215,6 +229,10 @@ def _first_that_fits(configs, launch):
                 raise
 
 
+# GDN_FWD_STORE_AHEAD=1 (bring-up, session 14, not yet timed): the matrix part's entry
+# stores masked by the chunks before it, not by the chunk's own checks (`_enter_stores`)
+STORE_AHEAD = os.environ.get("GDN_FWD_STORE_AHEAD") == "1"
+
 # The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
 # inside one matrix tile and its columns share one stopping chunk.
 RESUME_BV = 16
@@ -231,6 +249,7 @@ def launch_state(args, NH, **kw):
     SPREAD's order or in their own (TUNE False: at fp32 K = V = 256 the first, BV 32 at 2
     stages, does not fit the H200's shared memory, sm_90 offline)."""
     V = kw["V"]
+    kw = dict(kw, AHEAD=STORE_AHEAD)
     if SPREAD or not TUNE:
         def launch(c):
             _state_kernel[(triton.cdiv(V, c.kwargs["BV"]), NH)](
@@ -239,4 +258,5 @@ def launch_state(args, NH, **kw):
         _first_that_fits(_spread_order(configs, {**kw, "OCC": args[-1]}) if SPREAD else configs, launch)
     else:
         _state[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)
-    _state_kernel[(triton.cdiv(V, RESUME_BV), NH)](*args, PART=1, BV=RESUME_BV, num_warps=4, **kw)
+    _state_kernel[(triton.cdiv(V, RESUME_BV), NH)](*args, PART=1, BV=RESUME_BV, num_warps=4,
+                                                   **dict(kw, AHEAD=False))

@@ -417,6 +417,31 @@ def test_output_kernel_in_k_slices_matches_oracle(monkeypatch, gate, delta):
     assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
+@pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", True), ("none", False)],
+                         ids=["scalar-delta", "vector-delta", "none-linear"])
+def test_entry_stores_ahead_of_the_checks_give_the_same_forward(monkeypatch, gate, delta):
+    """GDN_FWD_STORE_AHEAD (bring-up): the state pass's matrix part stores a chunk's entry
+    state and clear xflag before its checks, masked by the chunks before it; a chunk that
+    fails has both stored again by the resume part.  Bitwise the default's outputs: clean
+    inputs, a NaN in v mid-sequence (the resume part from that chunk on), and one head's
+    initial state past SBIG (the first chunk fails at its entry)."""
+    import gdn.fwd_state as fs
+    x = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
+    big = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
+    big["initial_state"][0, 1] *= 1e31
+    nan = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
+    inject(nan, "v", float("nan"))
+    for case in (x, nan, big):
+        o1, s1 = call(chunk_gdn_fwd, case, delta=delta)
+        monkeypatch.setattr(fs, "STORE_AHEAD", True)
+        o2, s2 = call(chunk_gdn_fwd, case, delta=delta)
+        monkeypatch.setattr(fs, "STORE_AHEAD", False)
+        assert torch.equal(o1.isnan(), o2.isnan()) and torch.equal(s1.isnan(), s2.isnan())
+        assert torch.equal(o1.nan_to_num(), o2.nan_to_num()) and torch.equal(s1.nan_to_num(), s2.nan_to_num())
+        o, s = call(recurrence, case, delta=delta)
+        assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
+
+
 def test_fp32_keys_over_128_take_the_sliced_output_launch():
     """fp32 inputs at K > 128 run the output kernel in K slices (gdn.chunk_fwd.out_launch): in
     one piece it needs more shared memory than a GPU has at K = V = 256 (262144 bytes, sm_90
