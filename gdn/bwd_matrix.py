@@ -139,7 +139,11 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr):
+          IW: tl.constexpr, PARTS: tl.constexpr):
+    """A chunk's flag for the exact path and P^T dO (PARTS 1), and with the delta rule its T
+    (formed unless GIVEN_T) and W, U (PARTS 2); PARTS 3 both in one launch (the default).
+    Launched as two (GDN_BWD_LAUNCH '{"prep_split": 1}', bring-up), each half holds fewer
+    registers (sm_90 offline, see gdn/NOTES_BWD.md, session 14)."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -148,20 +152,21 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     mqk = rv[:, None] & mk[None, :]
     bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C,
                                                  GATE, DELTA, F32, DT, GLIM, BIG, not GIVEN_T)
-    # P of the state-gradient step, for its local part P^T dO (below)
-    p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
-                              GATE, F32, DT)
-    for iv in range(0, tl.cdiv(V, BV)):
-        cv = iv * BV + tl.arange(0, BV)
-        mcv = rv[:, None] & (cv < V)[None, :]
-        b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
-        # dU's (or dv's) part that does not wait for the state gradient, for _dstates
-        tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
-                 .to(DU.dtype.element_ty), mask=mcv)
-    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
-    if DELTA:
+    if PARTS % 2 == 1:
+        # P of the state-gradient step, for its local part P^T dO (below)
+        p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
+                                  GATE, F32, DT)
+        for iv in range(0, tl.cdiv(V, BV)):
+            cv = iv * BV + tl.arange(0, BV)
+            mcv = rv[:, None] & (cv < V)[None, :]
+            b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+            # dU's (or dv's) part that does not wait for the state gradient, for _dstates
+            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
+                     .to(DU.dtype.element_ty), mask=mcv)
+        tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
+    if DELTA and PARTS >= 2:
         # T = (I + A)^-1: GIVEN_T, the forward's (gdn.op saves it), in Tm; else formed as the
         # forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is its
         # scratch; IW its tile width), which took _prep from 0.723 to 0.651 ms on the H200

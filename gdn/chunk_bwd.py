@@ -69,6 +69,9 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms in session
           # 10, but 0.518 -> 0.907 in session 12 (with P^T dO in it since session 11)
           "prep_given_warps": 4,
+          # _prep as two launches, the flag and P^T dO, then T, W, U (bring-up, session 14:
+          # not yet timed; `_prep`'s PARTS)
+          "prep_split": 0,
           # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
           # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes)
           "dstates_warps": 8, "dstates_stages": 3,
@@ -235,11 +238,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     DUL = dU if delta else dv
     if DUL.dtype != torch.float32:
         DUL = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
-                    F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                    PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
-                    GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
-                    num_stages=stages(launch, "prep_stages", F32), **common)
+    for parts in ((1, 2) if launch["prep_split"] else (3,)):
+        _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
+                        F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
+                        PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
+                        GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C), PARTS=parts,
+                        num_stages=stages(launch, "prep_stages", F32), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
     HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy

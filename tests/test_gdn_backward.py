@@ -148,6 +148,35 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
+@pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,given,where", [
+    (2, 100, 2, 32, 80, 1, torch.bfloat16, None, True, ("v", 41)),
+    (1, 100, 2, 16, 32, 2, torch.float32, [0, 20, 53, 100], True, ("do", 60)),
+    (1, 100, 2, 32, 32, 0, torch.bfloat16, [0, 20, 53, 100], False, ("k", 41))])
+def test_prep_in_two_launches_gives_the_same_gradients(monkeypatch, B, T, H, K, V, gate, dtype, cu,
+                                                       given, where):
+    """_prep as two launches (LAUNCH "prep_split", bring-up: the flag and P^T dO, then T, W
+    and U) gives bitwise the one launch's gradients, on the forward's T and on its own, with a
+    NaN in v, do or k (a flagged chunk: the first launch's flag must cover them)."""
+    import gdn.chunk_bwd
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = with_nan(make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu), *where)
+    inverse = None
+    if given:
+        _, _, inverse = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                      initial_state=x["h0"], cu_seqlens=cu, return_inverse=True)
+    run = lambda: chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],  # noqa: E731
+                                initial_state=x["h0"], cu_seqlens=cu, inverse=inverse)
+    one = run()
+    monkeypatch.setitem(gdn.chunk_bwd.LAUNCH, "prep_split", 1)
+    two = run()
+    for n, a, b in zip(NAMES, one, two):
+        assert (a is None) == (b is None), n
+        if a is not None:
+            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), n
+    assert_same_specials(two, oracle_grads(x, cu, True))
+
+
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),
