@@ -200,23 +200,50 @@ def _gate_prefix_kernel(g, gc, gcl, gflag, cb_ptr, ce_ptr, T, NT,
         tl.store(gflag + i_c * H + i_x, ok.to(tl.int32))
 
 
+# GDN_FWD_GATE_LAST=load (bring-up, session 14, not yet timed): the last token's cumulative
+# gate loaded (`_gate_last`) where it was summed out of the chunk's gates: each such sum is a
+# reduction across the warps, with its barriers, and the state pass's serial chain had four a
+# chunk (scalar gate; sm_90 offline, 24 barriers a chunk).  A tl.constexpr: read in kernels.
+GATE_LAST_LOAD = tl.constexpr(os.environ.get("GDN_FWD_GATE_LAST") == "load")
+
+
 @triton.jit
-def _load_gates(gc, gcl, r0, rr, rmask, last, dk, m2, H: tl.constexpr, K: tl.constexpr,
+def _gate_last(gc, gcl, r0, nlast, idx, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
+    """The cumulative gate of a chunk's last token (row r0 + nlast H, see `_tile`): scalar gate,
+    (hi, lo) broadcast along ``idx`` (loads of one address, so that Triton pipelines them as
+    it does the chunk's gates); vector gate, its [BK] row (``idx`` the key columns) twice."""
+    if GATE == 1:
+        return tl.load(gc + r0 + nlast * H + idx * 0), tl.load(gcl + r0 + nlast * H + idx * 0)
+    GL = tl.load((gc + r0 * K) + nlast * (H * K) + idx, mask=idx < K, other=0.0)
+    return GL, GL
+
+
+@triton.jit
+def _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, m2, H: tl.constexpr, K: tl.constexpr,
                 GATE: tl.constexpr):
     """A chunk's cumulative gates (rows r0 + rr H, see `_tile`), the padding rows set to the
     last token's (so no decay exponent within the chunk is positive: exp(0 - (-120)) is inf
-    in fp32, and inf * 0 = NaN would spread through the products).  A scalar gate comes as
-    (hi, lo); a vector gate as (G, G)."""
+    in fp32, and inf * 0 = NaN would spread through the products), and the last token's
+    (``last`` its mask, ``nlast`` its row): a scalar gate as (hi, lo, last hi, last lo), the
+    last a scalar (or, GATE_LAST_LOAD, a [BT] vector of it); a vector gate as (G, G, last row,
+    last row)."""
     if GATE == 1:
         G = tl.load(gc + r0 + rr * H, mask=rmask, other=0.0)
-        G = tl.where(rmask, G, tl.sum(tl.where(last, G, 0.0), axis=0))
         Gl = tl.load(gcl + r0 + rr * H, mask=rmask, other=0.0)
-        Gl = tl.where(rmask, Gl, tl.sum(tl.where(last, Gl, 0.0), axis=0))
-        return G, Gl
+        if GATE_LAST_LOAD:
+            GL, GLl = _gate_last(gc, gcl, r0, nlast, rr, H, K, GATE)
+        else:
+            GL = tl.sum(tl.where(last, G, 0.0), axis=0)
+            GLl = tl.sum(tl.where(last, Gl, 0.0), axis=0)
+        return tl.where(rmask, G, GL), tl.where(rmask, Gl, GLl), GL, GLl
     else:
         G = tl.load(_tile(gc, r0, rr, dk, K, H), mask=m2, other=0.0)
-        G = tl.where(rmask[:, None], G, tl.sum(tl.where(last[:, None], G, 0.0), axis=0)[None, :])
-    return G, G
+        if GATE_LAST_LOAD:
+            GL, _ = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)
+        else:
+            GL = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
+        G = tl.where(rmask[:, None], G, GL[None, :])
+        return G, G, GL, GL
 
 
 @triton.jit
@@ -372,6 +399,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
         r0 = bos.to(tl.int64) * H + i_h
         rmask = bos + rr < eos
         last = bos + rr == eos - 1
+        nlast = eos - bos - 1
         dk = tl.arange(0, BK)
         kmask = dk < K
         dv = i_v * BV + tl.arange(0, BV)
@@ -391,7 +419,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             Aqk = tl.zeros([BT, BT], dtype=tl.float32)
             nbad = tl.max(tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0).to(tl.int32))
             if GATE == 1:
-                G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
+                G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
                 eq = tl.exp(G + Glo)
             for ks in range(0, BK // BKS):
                 dks = ks * BKS + tl.arange(0, BKS)
@@ -425,12 +453,12 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 kt = tl.load(_tile(k, r0, rr, dk, K, H), mask=mk, other=0.0)
                 causal = rr[:, None] >= rr[None, :]
                 if GATE == 1:
-                    G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
+                    G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
                     dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
                     Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
                     qg = qt * tl.exp(G + Glo)[:, None]
                 elif GATE == 2:
-                    G, _ = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
+                    G, _, _, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
                     qg = qt * tl.exp(G)
                     Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
                 else:

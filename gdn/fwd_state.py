@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.chunk_fwd import INTERPRET, _all_within, _and, _exact_chunk, _forced, _handoff, _load_gates, _odot
+from gdn.chunk_fwd import (GATE_LAST_LOAD, INTERPRET, _all_within, _and, _exact_chunk, _forced, _gate_last,
+                           _handoff, _load_gates, _odot)
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmas
 
 
 @triton.jit
-def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, dv, vmask, store,
+def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, nlast, dk, kmask, dv, vmask, store,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
                  DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
@@ -73,15 +74,16 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, d
         vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
         tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
     if GATE == 1:
-        G, Glo = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
-        Gl = tl.sum(tl.where(last, G, 0.0), axis=0)
-        Gll = tl.sum(tl.where(last, Glo, 0.0), axis=0)
+        G, Glo, Gl, Gll = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
         kl = kt
         vt = vt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
-        S = S * tl.exp(Gl + Gll)
+        if GATE_LAST_LOAD:   # Gl is a [BT] vector: the state's decay from a [BK] one
+            Gk, Gkl = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)
+            S = S * tl.exp(Gk + Gkl)[:, None]
+        else:
+            S = S * tl.exp(Gl + Gll)
     elif GATE == 2:
-        G, _ = _load_gates(gc, gcl, r0, rr, rmask, last, dk, mk, H, K, GATE)
-        Gl = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
+        G, _, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
         kl = kt * tl.exp(Gl[None, :] - G)
         S = S * tl.exp(Gl)[:, None]
     else:
@@ -148,6 +150,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             r0 = t0.to(tl.int64) * H + i_h
             rmask = t0 + rr < eos
             last = t0 + rr == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
+            nlast = tl.minimum(BT, eos - t0) - 1
             if AHEAD:
                 _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
             ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
@@ -155,7 +158,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             ok = ok & alive
             if not AHEAD:
                 _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, ok, H, K, V)
-            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask, dv,
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, nlast, dk, kmask, dv,
                               vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
@@ -175,12 +178,13 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 r0 = t0.to(tl.int64) * H + i_h
                 rmask = t0 + rr < eos
                 last = t0 + rr == tl.minimum(t0 + BT, eos) - 1
+                nlast = tl.minimum(BT, eos - t0) - 1
                 ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
                                        vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
-                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, dk, kmask,
+                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, nlast, dk, kmask,
                                      dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
                 else:   # float64 steps, the state kept fp32 between them
                     S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,

@@ -442,6 +442,32 @@ def test_entry_stores_ahead_of_the_checks_give_the_same_forward(monkeypatch, gat
         assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
 
 
+@pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", True), ("scalar", False)],
+                         ids=["scalar-delta", "vector-delta", "scalar-linear"])
+def test_the_last_gate_loaded_gives_the_same_forward(monkeypatch, gate, delta):
+    """GDN_FWD_GATE_LAST=load (bring-up): the last token's cumulative gate loaded instead of
+    summed out of the chunk's gates gives bitwise the default's outputs (a 150-token
+    sequence: a short last chunk, whose padding rows take the last token's gate), and with a
+    NaN in v the oracle's NaN/Inf sets.  (The interpreter reads the module constant at each
+    call, so patching it switches the path.)"""
+    import gdn.chunk_fwd as cf
+    import gdn.fwd_state as fs
+    x = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=10, dtype=torch.bfloat16)
+    nan = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=10, dtype=torch.bfloat16)
+    inject(nan, "v", float("nan"))
+    for case in (x, nan):
+        o1, s1, t1 = call(chunk_gdn_fwd, case, delta=delta, return_inverse=True)
+        for mod in (cf, fs):
+            monkeypatch.setattr(mod, "GATE_LAST_LOAD", True)
+        o2, s2, t2 = call(chunk_gdn_fwd, case, delta=delta, return_inverse=True)
+        for mod in (cf, fs):
+            monkeypatch.setattr(mod, "GATE_LAST_LOAD", False)
+        for a, b in ((o1, o2), (s1, s2), (t1, t2)):
+            assert (a is None and b is None) or torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    o, s = call(recurrence, nan, delta=delta)
+    assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
+
+
 def test_fp32_keys_over_128_take_the_sliced_output_launch():
     """fp32 inputs at K > 128 run the output kernel in K slices (gdn.chunk_fwd.out_launch): in
     one piece it needs more shared memory than a GPU has at K = V = 256 (262144 bytes, sm_90
