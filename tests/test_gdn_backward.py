@@ -148,6 +148,37 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
+@pytest.mark.parametrize("B,T,H,K,V,dtype,chunk,cu,where", [
+    (2, 150, 2, 32, 80, torch.bfloat16, 64, None, ("v", 41)),
+    (1, 100, 2, 16, 32, torch.float32, 32, [0, 20, 53, 100], ("k", 60)),
+    (1, 100, 2, 16, 32, torch.bfloat16, 16, [0, 20, 53, 100], ("h0", 0))])
+def test_stored_gate_sums_give_the_same_gradients(monkeypatch, B, T, H, K, V, dtype, chunk, cu,
+                                                  where):
+    """GDN_BWD_GATES=stored (bring-up): the sequential kernels load the scalar gate's prefix
+    sums (the forward's prefix kernel over the backward's chunks) instead of scanning them:
+    bitwise the scan's gradients under the interpreter (both scan the clamped gates in
+    float64 in order), fixed and varlen, 64-, 32- and 16-token chunks (short last chunks),
+    and with a NaN in v, k or h0 the NaN set of float64 autograd through the oracle.  (The
+    interpreter reads the module constant at each call, so patching it switches the path.)"""
+    import gdn.bwd_gate
+    import gdn.bwd_matrix
+    import gdn.chunk_bwd
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, 1, True, dtype, cu=cu)
+    for case in (x, with_nan(x, *where)):
+        scan = kernel_grads(case, cu, True, chunk)
+        for mod in (gdn.bwd_gate, gdn.bwd_matrix, gdn.chunk_bwd):
+            monkeypatch.setattr(mod, "STORED", True)
+        stored = kernel_grads(case, cu, True, chunk)
+        for mod in (gdn.bwd_gate, gdn.bwd_matrix, gdn.chunk_bwd):
+            monkeypatch.setattr(mod, "STORED", False)
+        for n, a, b in zip(NAMES, scan, stored):
+            assert (a is None) == (b is None), n
+            if a is not None:
+                assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), n
+    assert_same_specials(stored, oracle_grads(case, cu, True))
+
+
 @pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,given,where", [
     (2, 100, 2, 32, 80, 1, torch.bfloat16, None, True, ("v", 41)),
     (1, 100, 2, 16, 32, 2, torch.float32, [0, 20, 53, 100], True, ("do", 60)),

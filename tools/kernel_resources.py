@@ -135,7 +135,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
 # inputs, gradients or bf16 hand-off tensors: gdn.chunk_fwd.handoff_dtype)
-_BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD", "DU", "DUL"}
+_BWD_FP32 = {"g", "gc", "gcl", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD", "DU", "DUL"}
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop"}
 
 
