@@ -71,6 +71,14 @@ def assert_close(got, want, tol):
         assert err < tol, f"{name}: normwise relative error {err:.2e} >= {tol:.0e}"
 
 
+def assert_bitwise(got, want):
+    """Two backward results the same bit for bit (NaNs too), gradient by gradient."""
+    for n, a, b in zip(NAMES, got, want):
+        assert (a is None) == (b is None), n
+        if a is not None:
+            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), n
+
+
 def assert_same_specials(got, want):
     for name, a, b in zip(NAMES, got, want):
         if b is None:
@@ -141,10 +149,7 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     split = kernel_grads(x, cu, delta, chunk)
     monkeypatch.setattr(gdn.chunk_bwd, "SEQ_SPLIT", False)
     branch = kernel_grads(x, cu, delta, chunk)
-    for n, a, b in zip(NAMES, split, branch):
-        assert (a is None) == (b is None), n
-        if a is not None:
-            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), n
+    assert_bitwise(split, branch)
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
@@ -171,10 +176,7 @@ def test_stored_gate_sums_give_the_same_gradients(monkeypatch, B, T, H, K, V, dt
         stored = kernel_grads(case, cu, True, chunk)
         for mod in (gdn.bwd_gate, gdn.bwd_matrix, gdn.chunk_bwd):
             monkeypatch.setattr(mod, "STORED", False)
-        for n, a, b in zip(NAMES, scan, stored):
-            assert (a is None) == (b is None), n
-            if a is not None:
-                assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), n
+        assert_bitwise(scan, stored)
     assert_same_specials(stored, oracle_grads(case, cu, True))
 
 
@@ -200,10 +202,7 @@ def test_prep_in_two_launches_gives_the_same_gradients(monkeypatch, B, T, H, K, 
     one = run()
     monkeypatch.setitem(gdn.chunk_bwd.LAUNCH, "prep_split", 1)
     two = run()
-    for n, a, b in zip(NAMES, one, two):
-        assert (a is None) == (b is None), n
-        if a is not None:
-            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), n
+    assert_bitwise(one, two)
     assert_same_specials(two, oracle_grads(x, cu, True))
 
 
