@@ -150,7 +150,7 @@ def _dot_mode(dtype):
 
 
 
-def _gate_prefixes(g, gc, gcl, cu, tab, B, T, H, K, C, NC):
+def _gate_prefixes(g, gc, gcl, cu, tab, T, H, K, C, NC):
     """The scalar gate's chunk-local prefix sums (hi in gc, lo in gcl) by the forward's
     `_gate_prefix_kernel`, over the backward's chunks (varlen: their spans from the chunk
     table); its per-chunk flag goes to scratch (`_prep` flags the backward's chunks)."""
@@ -269,7 +269,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     gc = gcl = dummy
     if GATE == 1 and STORED:   # GDN_BWD_GATES=stored: the scalar gate's prefix sums, once
         gc, gcl = (torch.empty(g.shape, device=dev, dtype=torch.float32) for _ in range(2))
-        _gate_prefixes(g, gc, gcl, cu, tab, B, T, H, K, C, NC)
+        _gate_prefixes(g, gc, gcl, cu, tab, T, H, K, C, NC)
     # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
     # first chunk needing the step path, and the state (gradient) there, from one part to the
     # next, _states's first, then _dstates's
