@@ -10,7 +10,8 @@ buffers the Triton GPU IR holds, and its asynchronous copies: the loads Triton's
 pipeliner issues ahead of use (a loop with a branch in it gets none; session 11 found the
 backward's sequential kernels so). A tuning loop that costs no device time: a kernel
 at 255 registers with a stack frame is spilling, which the device profile then
-confirms or not. The last column, an md5 of the PTX's code (`code_of`: debug info
+confirms or not. The loop column counts what one pass of the kernel's longest loop
+issues, from its SASS (`loop_counts`). The last column, an md5 of the PTX's code (`code_of`: debug info
 stripped), shows whether a refactor compiles to the same code: if it does, it needs no
 device run. It measures no time. It compiles with the Triton it imports: for the
 device's (3.6.0), `pip install --target /tmp/t36 triton==3.6.0` and run it with
@@ -59,6 +60,7 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
 
     def field(name):
@@ -68,7 +70,27 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     return {"registers": field("REG"), "stack": field("STACK"), "shared": k.metadata.shared,
             "ptx": hashlib.md5(code_of(k.asm["ptx"]).encode()).hexdigest()[:12],
             "convert_layout": ttgir.count("ttg.convert_layout"), "local_alloc": ttgir.count("ttg.local_alloc"),
-            "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local")}
+            "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local"),
+            **loop_counts(sass)}
+
+
+def loop_counts(sass: str) -> dict:
+    """What one pass of the kernel's longest loop issues, from its SASS (the instructions from
+    the target of the longest backward branch to the branch): instructions, barriers
+    (BAR.SYNC: every warp of the program waits there), shuffles and global loads not issued
+    as asynchronous copies (LDG).  A sequential kernel's loop is its serial chain: session 14
+    found the scalar gate's scans and sums there (gdn/NOTES_BWD.md).  Zeros where no loop."""
+    code = [ln for ln in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", ln)]
+    addr = [int(re.match(r"\s*/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in code]
+    body = []
+    for i, ln in enumerate(code):
+        m = re.search(r"BRA (?:`\()?0x([0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < addr[i]:
+            start = addr.index(int(m.group(1), 16)) if int(m.group(1), 16) in addr else i
+            if i + 1 - start > len(body):
+                body = code[start:i + 1]
+    return {"loop_instructions": len(body), "loop_barriers": sum("BAR.SYNC" in ln for ln in body),
+            "loop_shuffles": sum("SHFL" in ln for ln in body), "loop_ldg": sum(" LDG." in ln for ln in body)}
 
 
 def code_of(ptx: str) -> str:
@@ -192,8 +214,8 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (Triton's maxnreg)")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers "
-          "| async copies | PTX code (md5) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| async copies | loop: instructions, barriers, shuffles, LDG | PTX code (md5) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta, a.fp32)
     for label, fn, sig, const, warps, stages, aligned in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
         if a.only not in label:
@@ -201,7 +223,8 @@ def main():
         warps = a.warps or warps
         r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned, a.maxnreg or None)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
-              f"{r['convert_layout']} | {r['local_alloc']} | {r['async_copies']} | {r['ptx']} |", flush=True)
+              f"{r['convert_layout']} | {r['local_alloc']} | {r['async_copies']} | {r['loop_instructions']}, "
+              f"{r['loop_barriers']}, {r['loop_shuffles']}, {r['loop_ldg']} | {r['ptx']} |", flush=True)
 
 
 if __name__ == "__main__":
