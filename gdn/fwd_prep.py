@@ -226,7 +226,6 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
              GATE, PREC, BIG, LOWP, INTERP)
 
 
-
 # The two launches' warps (inv: offline sm_90 at the bench shape 154 registers, no spill, 3
 # programs an SM; wu: 96 registers) and the w/u loop's pipeline stages (Triton's default).
 # GDN_FWD_PREP overrides them for device bring-up (e.g. '{"wu_warps": 8}'); the backward's
