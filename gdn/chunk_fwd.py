@@ -219,14 +219,15 @@ def _gate_last(gc, gcl, r0, nlast, idx, H: tl.constexpr, K: tl.constexpr, GATE: 
 
 
 @triton.jit
-def _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, m2, H: tl.constexpr, K: tl.constexpr,
+def _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H: tl.constexpr, K: tl.constexpr,
                 GATE: tl.constexpr):
     """A chunk's cumulative gates (rows r0 + rr H, see `_tile`), the padding rows set to the
     last token's (so no decay exponent within the chunk is positive: exp(0 - (-120)) is inf
     in fp32, and inf * 0 = NaN would spread through the products), and the last token's
-    (``last`` its mask, ``nlast`` its row): a scalar gate as (hi, lo, last hi, last lo), the
+    (``nlast`` its row): a scalar gate as (hi, lo, last hi, last lo), the
     last a scalar (or, GATE_LAST_LOAD, a [BT] vector of it); a vector gate as (G, G, last row,
     last row)."""
+    last = rr == nlast
     if GATE == 1:
         G = tl.load(gc + r0 + rr * H, mask=rmask, other=0.0)
         Gl = tl.load(gcl + r0 + rr * H, mask=rmask, other=0.0)
@@ -398,8 +399,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
         rr = tl.arange(0, BT)
         r0 = bos.to(tl.int64) * H + i_h
         rmask = bos + rr < eos
-        last = bos + rr == eos - 1
-        nlast = eos - bos - 1
+        nlast = eos - bos - 1   # the chunk's last token's row
         dk = tl.arange(0, BK)
         kmask = dk < K
         dv = i_v * BV + tl.arange(0, BV)
@@ -419,7 +419,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             Aqk = tl.zeros([BT, BT], dtype=tl.float32)
             nbad = tl.max(tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0).to(tl.int32))
             if GATE == 1:
-                G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
+                G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
                 eq = tl.exp(G + Glo)
             for ks in range(0, BK // BKS):
                 dks = ks * BKS + tl.arange(0, BKS)
@@ -453,12 +453,12 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 kt = tl.load(_tile(k, r0, rr, dk, K, H), mask=mk, other=0.0)
                 causal = rr[:, None] >= rr[None, :]
                 if GATE == 1:
-                    G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
+                    G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
                     dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
                     Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
                     qg = qt * tl.exp(G + Glo)[:, None]
                 elif GATE == 2:
-                    G, _, _, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
+                    G, _, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
                     qg = qt * tl.exp(G)
                     Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
                 else:

@@ -116,8 +116,7 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
              BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
     """A chunk's T = (I + A)^-1 (fp32, its strictly lower A formed here and passed through tm,
     `_unit_lower_inverse`) and whether its k and beta admit the matrix path."""
-    last = bos + rr == eos - 1
-    nlast = eos - bos - 1
+    nlast = eos - bos - 1   # the chunk's last token's row
     dk = tl.arange(0, BK)
     m2 = rmask[:, None] & (dk[None, :] < K)
     kt = tl.load(_tile(k, r0, rr, dk, K, H), mask=m2, other=0.0)
@@ -125,13 +124,13 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
     ok = _all_within(kt, BIG) & _all_within(bt, BIG)
     lower = rr[:, None] > rr[None, :]
     if GATE == 2:
-        G, _, _, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, m2, H, K, GATE)
+        G, _, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
         kf = kt.to(tl.float32)
         A = tl.dot(kf * tl.exp(G), tl.trans(kf * tl.exp(-G)), input_precision=PREC)
     else:
         A = _bdot(kt, tl.trans(kt), LOWP, INTERP, PREC)
         if GATE == 1:
-            G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, m2, H, K, GATE)
+            G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
             A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
     A = tl.where(lower, A * bt[:, None], 0.0)
     return _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC), ok

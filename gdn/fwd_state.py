@@ -59,7 +59,7 @@ def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmas
 
 
 @triton.jit
-def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, nlast, dk, kmask, dv, vmask, store,
+def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv, vmask, store,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
                  DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
@@ -74,7 +74,7 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, nlast, dk, k
         vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
         tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
     if GATE == 1:
-        G, Glo, Gl, Gll = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
+        G, Glo, Gl, Gll = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt
         vt = vt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
         if GATE_LAST_LOAD:   # Gl is a [BT] vector: the state's decay from a [BK] one
@@ -83,7 +83,7 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, nlast, dk, k
         else:
             S = S * tl.exp(Gl + Gll)
     elif GATE == 2:
-        G, _, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, last, nlast, dk, mk, H, K, GATE)
+        G, _, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt * tl.exp(Gl[None, :] - G)
         S = S * tl.exp(Gl)[:, None]
     else:
@@ -149,8 +149,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             t0 = bos + c * BT
             r0 = t0.to(tl.int64) * H + i_h
             rmask = t0 + rr < eos
-            last = t0 + rr == tl.minimum(t0 + BT, eos) - 1   # the chunk's last token
-            nlast = tl.minimum(BT, eos - t0) - 1
+            nlast = tl.minimum(BT, eos - t0) - 1   # the chunk's last token's row
             if AHEAD:
                 _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
             ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
@@ -158,7 +157,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             ok = ok & alive
             if not AHEAD:
                 _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, ok, H, K, V)
-            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, nlast, dk, kmask, dv,
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv,
                               vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
@@ -177,14 +176,13 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 t0 = bos + c * BT
                 r0 = t0.to(tl.int64) * H + i_h
                 rmask = t0 + rr < eos
-                last = t0 + rr == tl.minimum(t0 + BT, eos) - 1
                 nlast = tl.minimum(BT, eos - t0) - 1
                 ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
                                        vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
-                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, last, nlast, dk, kmask,
+                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
                                      dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
                 else:   # float64 steps, the state kept fp32 between them
                     S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
