@@ -200,18 +200,16 @@ def _gate_prefix_kernel(g, gc, gcl, gflag, cb_ptr, ce_ptr, T, NT,
         tl.store(gflag + i_c * H + i_x, ok.to(tl.int32))
 
 
-# GDN_FWD_GATE_LAST=load (bring-up, session 14, not yet timed): the last token's cumulative
-# gate loaded (`_gate_last`) where it was summed out of the chunk's gates: each such sum is a
-# reduction across the warps, with its barriers, and the state pass's serial chain had four a
-# chunk (scalar gate; sm_90 offline, 24 barriers a chunk).  A tl.constexpr: read in kernels.
-GATE_LAST_LOAD = tl.constexpr(os.environ.get("GDN_FWD_GATE_LAST") == "load")
-
-
 @triton.jit
 def _gate_last(gc, gcl, r0, nlast, idx, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
     """The cumulative gate of a chunk's last token (row r0 + nlast H, see `_tile`): scalar gate,
     (hi, lo) broadcast along ``idx`` (loads of one address, so that Triton pipelines them as
-    it does the chunk's gates); vector gate, its [BK] row (``idx`` the key columns) twice."""
+    it does the chunk's gates); vector gate, its [BK] row (``idx`` the key columns) twice.
+    Loaded, not summed out of the chunk's gates: each such sum is a reduction across the
+    warps, with its barriers (the state pass's serial chain had four a chunk, 24 barriers a
+    chunk at sm_90 offline; 14 loaded).  On the H200 (session 15, bf16 GDN B8 T4096 H16
+    K=V=128) the forward went 1.081 -> 1.024 ms: state pass 0.296 -> 0.286, output kernel
+    0.312 -> 0.274, inverse 0.252 -> 0.243."""
     if GATE == 1:
         return tl.load(gc + r0 + nlast * H + idx * 0), tl.load(gcl + r0 + nlast * H + idx * 0)
     GL = tl.load((gc + r0 * K) + nlast * (H * K) + idx, mask=idx < K, other=0.0)
@@ -224,25 +222,16 @@ def _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H: tl.constexpr, K: tl.co
     """A chunk's cumulative gates (rows r0 + rr H, see `_tile`), the padding rows set to the
     last token's (so no decay exponent within the chunk is positive: exp(0 - (-120)) is inf
     in fp32, and inf * 0 = NaN would spread through the products), and the last token's
-    (``nlast`` its row): a scalar gate as (hi, lo, last hi, last lo), the
-    last a scalar (or, GATE_LAST_LOAD, a [BT] vector of it); a vector gate as (G, G, last row,
-    last row)."""
-    last = rr == nlast
+    (``nlast`` its row, `_gate_last`): a scalar gate as (hi, lo, last hi, last lo), the last
+    [BT] vectors of one value; a vector gate as (G, G, last row, last row)."""
     if GATE == 1:
         G = tl.load(gc + r0 + rr * H, mask=rmask, other=0.0)
         Gl = tl.load(gcl + r0 + rr * H, mask=rmask, other=0.0)
-        if GATE_LAST_LOAD:
-            GL, GLl = _gate_last(gc, gcl, r0, nlast, rr, H, K, GATE)
-        else:
-            GL = tl.sum(tl.where(last, G, 0.0), axis=0)
-            GLl = tl.sum(tl.where(last, Gl, 0.0), axis=0)
+        GL, GLl = _gate_last(gc, gcl, r0, nlast, rr, H, K, GATE)
         return tl.where(rmask, G, GL), tl.where(rmask, Gl, GLl), GL, GLl
     else:
         G = tl.load(_tile(gc, r0, rr, dk, K, H), mask=m2, other=0.0)
-        if GATE_LAST_LOAD:
-            GL, _ = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)
-        else:
-            GL = tl.sum(tl.where(last[:, None], G, 0.0), axis=0)
+        GL, _ = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)
         G = tl.where(rmask[:, None], G, GL[None, :])
         return G, G, GL, GL
 

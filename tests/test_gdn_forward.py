@@ -419,53 +419,22 @@ def test_output_kernel_in_k_slices_matches_oracle(monkeypatch, gate, delta):
 
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", True), ("none", False)],
                          ids=["scalar-delta", "vector-delta", "none-linear"])
-def test_entry_stores_ahead_of_the_checks_give_the_same_forward(monkeypatch, gate, delta):
-    """GDN_FWD_STORE_AHEAD (bring-up): the state pass's matrix part stores a chunk's entry
-    state and clear xflag before its checks, masked by the chunks before it; a chunk that
-    fails has both stored again by the resume part.  Bitwise the default's outputs: clean
-    inputs, a NaN in v mid-sequence (the resume part from that chunk on), and one head's
-    initial state past SBIG (the first chunk fails at its entry)."""
-    import gdn.fwd_state as fs
+def test_entry_stores_before_the_checks_are_redone_where_a_chunk_fails(gate, delta):
+    """The state pass's matrix part stores a chunk's entry state and a clear xflag before its
+    checks, masked by the chunks before it (`gdn.fwd_state._enter_stores`); a chunk that fails
+    has both stored again by the resume part.  A NaN in v mid-sequence (the resume part from
+    that chunk on) and one head's initial state past SBIG (the first chunk fails at its
+    entry) give the oracle's NaN/Inf sets and values; the clean case the oracle's values."""
     x = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
     big = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
     big["initial_state"][0, 1] *= 1e31
     nan = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
     inject(nan, "v", float("nan"))
     for case in (x, nan, big):
-        o1, s1 = call(chunk_gdn_fwd, case, delta=delta)
-        monkeypatch.setattr(fs, "STORE_AHEAD", True)
         o2, s2 = call(chunk_gdn_fwd, case, delta=delta)
-        monkeypatch.setattr(fs, "STORE_AHEAD", False)
-        assert torch.equal(o1.isnan(), o2.isnan()) and torch.equal(s1.isnan(), s2.isnan())
-        assert torch.equal(o1.nan_to_num(), o2.nan_to_num()) and torch.equal(s1.nan_to_num(), s2.nan_to_num())
         o, s = call(recurrence, case, delta=delta)
         assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
-
-
-@pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", True), ("scalar", False)],
-                         ids=["scalar-delta", "vector-delta", "scalar-linear"])
-def test_the_last_gate_loaded_gives_the_same_forward(monkeypatch, gate, delta):
-    """GDN_FWD_GATE_LAST=load (bring-up): the last token's cumulative gate loaded instead of
-    summed out of the chunk's gates gives bitwise the default's outputs (a 150-token
-    sequence: a short last chunk, whose padding rows take the last token's gate), and with a
-    NaN in v the oracle's NaN/Inf sets.  (The interpreter reads the module constant at each
-    call, so patching it switches the path.)"""
-    import gdn.chunk_fwd as cf
-    import gdn.fwd_state as fs
-    x = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=10, dtype=torch.bfloat16)
-    nan = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=10, dtype=torch.bfloat16)
-    inject(nan, "v", float("nan"))
-    for case in (x, nan):
-        o1, s1, t1 = call(chunk_gdn_fwd, case, delta=delta, return_inverse=True)
-        for mod in (cf, fs):
-            monkeypatch.setattr(mod, "GATE_LAST_LOAD", True)
-        o2, s2, t2 = call(chunk_gdn_fwd, case, delta=delta, return_inverse=True)
-        for mod in (cf, fs):
-            monkeypatch.setattr(mod, "GATE_LAST_LOAD", False)
-        for a, b in ((o1, o2), (s1, s2), (t1, t2)):
-            assert (a is None and b is None) or torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-    o, s = call(recurrence, nan, delta=delta)
-    assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
+        assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
 def test_fp32_keys_over_128_take_the_sliced_output_launch():
