@@ -9,20 +9,12 @@ reverse cumsum in ``gdn.bwd_matrix._grads``.  Refuses nothing: the flags of
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from gdn.chunk_fwd import GATE_FLOOR, _tile
 
 _FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other module globals
-# GDN_BWD_GATES=stored (bring-up, session 14, not yet timed): the sequential kernels load the
-# scalar gate's prefix sums, formed once by the forward's `gdn.chunk_fwd._gate_prefix_kernel`,
-# instead of scanning them every chunk (`_chunk_sums`): the scan and the sums of its last row
-# are reductions across the warps in their serial chains (sm_90 offline, see
-# gdn/NOTES_BWD.md, session 14)
-STORED = tl.constexpr(os.environ.get("GDN_BWD_GATES") == "stored")
 
 
 @triton.jit
@@ -58,21 +50,6 @@ def _gate_sums(g, tok, rv, ih, H):
     Gl = (G64 - G.to(tl.float64)).to(tl.float32)
     last = rows == tok.shape[0] - 1
     return G, Gl, tl.sum(tl.where(last, G, 0.), 0), tl.sum(tl.where(last, Gl, 0.), 0)
-
-
-@triton.jit
-def _chunk_sums(g, gc, gcl, tok, rv, tlast, ih, H, LOADED: tl.constexpr):
-    """`_gate_sums`' four for the chunk of tokens ``tok`` (``tlast`` its last valid one):
-    scanned from g, or LOADED from the prefix sums gc + gcl (hi + lo, [.., H]), the padding
-    rows set to the last token's as the scan leaves them."""
-    if LOADED:
-        off = tok.to(tl.int64) * H + ih
-        GC = tl.load(gc + tlast.to(tl.int64) * H + ih)
-        GCl = tl.load(gcl + tlast.to(tl.int64) * H + ih)
-        G = tl.where(rv, tl.load(gc + off, mask=rv, other=0.), GC)
-        Gl = tl.where(rv, tl.load(gcl + off, mask=rv, other=0.), GCl)
-        return G, Gl, GC, GCl
-    return _gate_sums(g, tok, rv, ih, H)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
-from gdn.bwd_gate import STORED, _chunk_sums, _end_decay, _gate_sums, _load_gate, _pair_decay
+from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _and, _handoff, _odot, _tile
 from gdn.fwd_prep import _unit_lower_inverse
 
@@ -108,15 +108,14 @@ def _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale):
 
 
 @triton.jit
-def _chunk_terms(b_q, b_k, g, gc, gcl, tok, tlast, r0, rows, rv, ih, H, K, ck, mk, C: tl.constexpr,
-                 GATE: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, LOADED: tl.constexpr):
+def _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C: tl.constexpr,
+                 GATE: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
     """A chunk's terms of the state-gradient step from its q (scale folded in) and k tiles:
     P = incl_lower(Q_g K_n^T), Q_g = Q exp(G), K_end = K exp(G_C - G) and the chunk's decay
-    exp(G_C) (a scalar; [BK, 1] for the vector gate; unused without a gate).  The scalar
-    gate's sums as `gdn.bwd_gate._chunk_sums` gives them (LOADED: from gc, gcl)."""
+    exp(G_C) (a scalar; [BK, 1] for the vector gate; unused without a gate)."""
     incl = rows[:, None] >= rows[None, :]
     if GATE == 1:
-        G, Gl, GC, GCl = _chunk_sums(g, gc, gcl, tok, rv, tlast, ih, H, LOADED)
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         p = _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)
         qg = b_q * tl.exp(G)[:, None]
         ke = b_k * _end_decay(G, Gl, GC, GCl)[:, None]
@@ -140,11 +139,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr, PARTS: tl.constexpr):
-    """A chunk's flag for the exact path and P^T dO (PARTS 1), and with the delta rule its T
-    (formed unless GIVEN_T) and W, U (PARTS 2); PARTS 3 both in one launch (the default).
-    Launched as two (GDN_BWD_LAUNCH '{"prep_split": 1}', bring-up), each half holds fewer
-    registers (sm_90 offline, see gdn/NOTES_BWD.md, session 14)."""
+          IW: tl.constexpr):
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -153,21 +148,20 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     mqk = rv[:, None] & mk[None, :]
     bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C,
                                                  GATE, DELTA, F32, DT, GLIM, BIG, not GIVEN_T)
-    if PARTS % 2 == 1:
-        # P of the state-gradient step, for its local part P^T dO (below)
-        p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, g, g, tok, tok, r0, rows, rv, ih, H, K, ck,
-                                  mk, C, GATE, F32, DT, False)
-        for iv in range(0, tl.cdiv(V, BV)):
-            cv = iv * BV + tl.arange(0, BV)
-            mcv = rv[:, None] & (cv < V)[None, :]
-            b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            bad += _outside(b_v, BIG) + _outside(b_do, BIG)
-            # dU's (or dv's) part that does not wait for the state gradient, for _dstates
-            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
-                     .to(DU.dtype.element_ty), mask=mcv)
-        tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
-    if DELTA and PARTS >= 2:
+    # P of the state-gradient step, for its local part P^T dO (below)
+    p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
+                              GATE, F32, DT)
+    for iv in range(0, tl.cdiv(V, BV)):
+        cv = iv * BV + tl.arange(0, BV)
+        mcv = rv[:, None] & (cv < V)[None, :]
+        b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+        # dU's (or dv's) part that does not wait for the state gradient, for _dstates
+        tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
+                 .to(DU.dtype.element_ty), mask=mcv)
+    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
+    if DELTA:
         # T = (I + A)^-1: GIVEN_T, the forward's (gdn.op saves it), in Tm; else formed as the
         # forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is its
         # scratch; IW its tile width), which took _prep from 0.723 to 0.651 ms on the H200
@@ -190,9 +184,8 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
 
 
 @triton.jit
-def _states_step(k, v, g, gc, gcl, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
-                 C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, F32: tl.constexpr,
-                 DT: tl.constexpr):
+def _states_step(k, v, g, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
+                 GATE: tl.constexpr, DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
     """One chunk (first token t0) by the matrix path: stores U = Uu - W h (delta; where ok,
     a scalar) and returns the state leaving the chunk."""
     tok = t0 + rows
@@ -209,7 +202,7 @@ def _states_step(k, v, g, gc, gcl, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, 
     else:
         b_u = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
     if GATE == 1:
-        G, Gl, GC, GCl = _chunk_sums(g, gc, gcl, tok, rv, tl.minimum(t0 + C, eos) - 1, ih, H, STORED)
+        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         # the decay on the keys: on U's tile, as the forward's state pass has it, this kernel
         # measured 0.436 -> 0.464 ms on the H200 (session 11, 3 stages)
         return h * tl.exp(GC) + _mm(tl.trans(b_k.to(tl.float32) * _end_decay(G, Gl, GC, GCl)[:, None]),
@@ -241,7 +234,7 @@ def _enter_chunk(xs, flag, x, cid, ih, H, K, V, offkv, mkv, alive, SBIG: tl.cons
 
 
 @triton.jit
-def _states(k, v, g, gc, gcl, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, H, K, V,
+def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, H, K, V,
             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
             DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
             F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr, PART: tl.constexpr):
@@ -270,8 +263,8 @@ def _states(k, v, g, gc, gcl, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, 
             cid = cbase + ic
             hbad, ok = _enter_chunk(hs, flag, h, cid, ih, H, K, V, offkv, mkv, alive, SBIG, False)
             tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32), mask=alive)
-            hn = _states_step(k, v, g, gc, gcl, W, U, h, ok, bos + ic * C, eos, rows, ih, H, K, V, ck,
-                              mk, cv, mv, C, GATE, DELTA, F32, DT)
+            hn = _states_step(k, v, g, W, U, h, ok, bos + ic * C, eos, rows, ih, H, K, V, ck, mk,
+                              cv, mv, GATE, DELTA, F32, DT)
             h = tl.where(ok, hn, h)
             stopc = tl.where(alive & (ok == 0), ic, stopc)
             alive = ok
@@ -291,12 +284,12 @@ def _states(k, v, g, gc, gcl, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, 
                     for t in range(t0, tl.minimum(t0 + C, eos)):
                         h = _exact_step(h, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
                 else:
-                    h = _states_step(k, v, g, gc, gcl, W, U, h, True, t0, eos, rows, ih, H, K, V, ck,
-                                     mk, cv, mv, C, GATE, DELTA, F32, DT)
+                    h = _states_step(k, v, g, W, U, h, True, t0, eos, rows, ih, H, K, V, ck, mk,
+                                     cv, mv, GATE, DELTA, F32, DT)
 
 
 @triton.jit
-def _dstates_step(q, k, g, gc, gcl, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
+def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
                   scale, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                   F32: tl.constexpr, DT: tl.constexpr):
     """One chunk (first token t0) of the state-gradient step by the matrix path: stores dU
@@ -311,8 +304,8 @@ def _dstates_step(q, k, g, gc, gcl, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H
     mcv = rv[:, None] & mv[None, :]
     b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
     b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-    _, qg, ke, dec = _chunk_terms(b_q, b_k, g, gc, gcl, tok, tl.minimum(t0 + C, eos) - 1, r0, rows,
-                                  rv, ih, H, K, ck, mk, C, GATE, F32, DT, STORED)
+    _, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
+                                  GATE, F32, DT)
     du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
         + _mm(ke, dh, F32, DT)
     if GATE != 0:
@@ -342,7 +335,7 @@ def _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok):
 
 
 @triton.jit
-def _dstates(q, k, g, gc, gcl, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, stop, sstop, cu,
+def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, stop, sstop, cu,
              coff, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
@@ -374,7 +367,7 @@ def _dstates(q, k, g, gc, gcl, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs,
             if GATE != 0:
                 _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive)
             tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
-            dhn = _dstates_step(q, k, g, gc, gcl, do, W, dU, DUL, dh, ok, bos + ic * C, eos, rows, ih, H,
+            dhn = _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, bos + ic * C, eos, rows, ih, H,
                                 K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
             dh = tl.where(ok, dhn, dh)
             stopj = tl.where(alive & (ok == 0), j, stopj)
@@ -402,7 +395,7 @@ def _dstates(q, k, g, gc, gcl, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs,
                         dh = _exact_dstep(dh, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv,
                                           mv, GATE, DELTA)
                 else:
-                    dh = _dstates_step(q, k, g, gc, gcl, do, W, dU, DUL, dh, True, t0, eos, rows, ih, H,
+                    dh = _dstates_step(q, k, g, do, W, dU, DUL, dh, True, t0, eos, rows, ih, H,
                                        K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
             if HAS_H0:
                 tl.store(dh0 + soff, dh.to(dh0.dtype.element_ty), mask=mkv)

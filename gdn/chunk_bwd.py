@@ -56,9 +56,7 @@ from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
-from gdn.bwd_gate import STORED
-from gdn.chunk_fwd import (BIG, GATE_FLOOR, SBIG, VECTOR_DECAY_MAX, _gate_prefix_kernel, _pow2,
-                           handoff_dtype)
+from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
@@ -71,9 +69,6 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms in session
           # 10, but 0.518 -> 0.907 in session 12 (with P^T dO in it since session 11)
           "prep_given_warps": 4,
-          # _prep as two launches, the flag and P^T dO, then T, W, U (bring-up, session 14:
-          # not yet timed; `_prep`'s PARTS)
-          "prep_split": 0,
           # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
           # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes)
           "dstates_warps": 8, "dstates_stages": 3,
@@ -148,23 +143,6 @@ def _dot_mode(dtype):
         return True, tl.float32
     return False, tl.bfloat16
 
-
-
-def _gate_prefixes(g, gc, gcl, cu, tab, T, H, K, C, NC):
-    """The scalar gate's chunk-local prefix sums (hi in gc, lo in gcl) by the forward's
-    `_gate_prefix_kernel`, over the backward's chunks (varlen: their spans from the chunk
-    table); its per-chunk flag goes to scratch (`_prep` flags the backward's chunks)."""
-    if cu is None:
-        cb = ce = torch.zeros(1, dtype=torch.int32, device=g.device)
-    else:
-        first = cu.long()[tab[:, 0].long()] + tab[:, 1].long() * C
-        cb = first.to(torch.int32).contiguous()
-        ce = torch.minimum(first + C, cu.long()[tab[:, 0].long() + 1]).to(torch.int32).contiguous()
-    BH = min(_pow2(H), 32)
-    _gate_prefix_kernel[(NC, triton.cdiv(H, BH))](
-        g, gc, gcl, torch.empty(NC, H, dtype=torch.int32, device=g.device), cb, ce, T,
-        max(triton.cdiv(T, C), 1), H=H, K=K, BK=_pow2(K), BT=C, BH=BH, GATE=1,
-        IS_VARLEN=cu is not None, FLOOR=GATE_FLOOR, DECAY_MAX=VECTOR_DECAY_MAX)
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
@@ -257,19 +235,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     DUL = dU if delta else dv
     if DUL.dtype != torch.float32:
         DUL = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-    for parts in ((1, 2) if launch["prep_split"] else (3,)):
-        _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
-                        F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                        PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
-                        GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C), PARTS=parts,
-                        num_stages=stages(launch, "prep_stages", F32), **common)
+    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
+                    F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
+                    PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
+                    GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
+                    num_stages=stages(launch, "prep_stages", F32), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
     HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy
-    gc = gcl = dummy
-    if GATE == 1 and STORED:   # GDN_BWD_GATES=stored: the scalar gate's prefix sums, once
-        gc, gcl = (torch.empty(g.shape, device=dev, dtype=torch.float32) for _ in range(2))
-        _gate_prefixes(g, gc, gcl, cu, tab, T, H, K, C, NC)
     # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
     # first chunk needing the step path, and the state (gradient) there, from one part to the
     # next, _states's first, then _dstates's
@@ -281,7 +254,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         sstop.copy_(initial_state if initial_state is not None else torch.zeros_like(sstop))
     h0 = initial_state if initial_state is not None else dummy
     for part in parts:
-        _states_[(NV, N * H)](k, v, gp, gc, gcl, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
+        _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
                               T, H, K, V, HAS_H0=initial_state is not None, F32=F32, DT=DT,
                               SBIG=SBIG, PART=part, num_warps=seq_warps,
                               num_stages=stages(launch, "seq_stages", F32), **common)
@@ -290,7 +263,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         if dh0 is not None:   # a sequence with no chunk: PART 1 writes nothing
             dh0.copy_(sstop)
     for part in parts:
-        _dstates_[(NV, N * H)](q, k, gp, gc, gcl, bp, do, dht if dht is not None else dummy,
+        _dstates_[(NV, N * H)](q, k, gp, bp, do, dht if dht is not None else dummy,
                                dh0 if dh0 is not None else dummy, flag, dflag, W,
                                dU if delta else dv, DUL, dhs, hs, HD, stop, sstop, cu, coff, scale,
                                T, H, K, V, HAS_DHT=dht is not None,

@@ -153,59 +153,6 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
-@pytest.mark.parametrize("B,T,H,K,V,dtype,chunk,cu,where", [
-    (1, 150, 2, 32, 32, torch.bfloat16, 64, None, ("v", 41)),
-    (1, 100, 1, 16, 32, torch.float32, 16, [0, 20, 53, 100], ("h0", 0))])
-def test_stored_gate_sums_give_the_same_gradients(monkeypatch, B, T, H, K, V, dtype, chunk, cu,
-                                                  where):
-    """GDN_BWD_GATES=stored (bring-up): the sequential kernels load the scalar gate's prefix
-    sums (the forward's prefix kernel over the backward's chunks) instead of scanning them:
-    bitwise the scan's gradients under the interpreter (both scan the clamped gates in
-    float64 in order), fixed and varlen, 64- and 16-token chunks (short last chunks), and
-    with a NaN in v or h0 the NaN set of float64 autograd through the oracle.  (The
-    interpreter reads the module constant at each call, so patching it switches the path.)"""
-    import gdn.bwd_gate
-    import gdn.bwd_matrix
-    import gdn.chunk_bwd
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(B, T, H, K, V, 1, True, dtype, cu=cu)
-    for case in (x, with_nan(x, *where)):
-        scan = kernel_grads(case, cu, True, chunk)
-        for mod in (gdn.bwd_gate, gdn.bwd_matrix, gdn.chunk_bwd):
-            monkeypatch.setattr(mod, "STORED", True)
-        stored = kernel_grads(case, cu, True, chunk)
-        for mod in (gdn.bwd_gate, gdn.bwd_matrix, gdn.chunk_bwd):
-            monkeypatch.setattr(mod, "STORED", False)
-        assert_bitwise(scan, stored)
-    assert_same_specials(stored, oracle_grads(case, cu, True))
-
-
-@pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,given,where", [
-    (1, 70, 1, 32, 80, 1, torch.bfloat16, None, True, ("v", 41)),
-    (1, 100, 1, 16, 32, 2, torch.float32, [0, 20, 53, 100], True, ("do", 60)),
-    (1, 100, 1, 32, 32, 0, torch.bfloat16, [0, 20, 53, 100], False, ("k", 41))])
-def test_prep_in_two_launches_gives_the_same_gradients(monkeypatch, B, T, H, K, V, gate, dtype, cu,
-                                                       given, where):
-    """_prep as two launches (LAUNCH "prep_split", bring-up: the flag and P^T dO, then T, W
-    and U) gives bitwise the one launch's gradients, on the forward's T and on its own, with a
-    NaN in v, do or k (a flagged chunk: the first launch's flag must cover them)."""
-    import gdn.chunk_bwd
-    from gdn.chunk_fwd import chunk_gdn_fwd
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = with_nan(make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu), *where)
-    inverse = None
-    if given:
-        _, _, inverse = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                      initial_state=x["h0"], cu_seqlens=cu, return_inverse=True)
-    run = lambda: chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],  # noqa: E731
-                                initial_state=x["h0"], cu_seqlens=cu, inverse=inverse)
-    one = run()
-    monkeypatch.setitem(gdn.chunk_bwd.LAUNCH, "prep_split", 1)
-    two = run()
-    assert_bitwise(one, two)
-    assert_same_specials(two, oracle_grads(x, cu, True))
-
-
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),

@@ -157,7 +157,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
 # inputs, gradients or bf16 hand-off tensors: gdn.chunk_fwd.handoff_dtype)
-_BWD_FP32 = {"g", "gc", "gcl", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD", "DU", "DUL"}
+_BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD", "DU", "DUL"}
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop"}
 
 
@@ -171,7 +171,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     tile = cb.tiles(K, V)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
-                  HAS_H0=True, HAS_DHT=True, GIVEN_T=False, PART=0, PARTS=3,
+                  HAS_H0=True, HAS_DHT=True, GIVEN_T=False, PART=0,
                   IW=max(32 * cb.LAUNCH["prep_warps"], C))
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
