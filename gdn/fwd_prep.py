@@ -225,12 +225,19 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
              GATE, PREC, BIG, LOWP, INTERP)
 
 
-# The two launches' warps (inv: offline sm_90 at the bench shape 154 registers, no spill, 3
-# programs an SM; wu: 96 registers) and the w/u loop's pipeline stages (Triton's default).
-# GDN_FWD_PREP overrides them for device bring-up (e.g. '{"wu_warps": 8}'); the backward's
-# launch variants found 0.3 ms in session 10 (gdn/NOTES_BWD.md).
-PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3}
+# The two launches' warps (inv: offline sm_90 at the bench shape 158 registers, no spill, 3
+# programs an SM; wu: 110 registers, 4) and the w/u loop's pipeline stages (Triton's
+# default); "inv_maxnreg" and "wu_maxnreg" (None: uncapped) cap the registers a thread on
+# GPUs (inv at 128: no spill offline, 4 programs an SM).  GDN_FWD_PREP overrides them for
+# device bring-up (e.g. '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in
+# session 10 (gdn/NOTES_BWD.md).
+PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": None, "wu_maxnreg": None}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
+
+
+def _cap(key: str, interp: bool) -> dict:
+    """The launch keyword that caps registers for PREP_LAUNCH[key], where set (not interpreted)."""
+    return {"maxnreg": PREP_LAUNCH[key]} if PREP_LAUNCH[key] and not interp else {}
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
@@ -238,7 +245,7 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, num_warps=PREP_LAUNCH["inv_warps"], **prep)
+                              W=W, num_warps=PREP_LAUNCH["inv_warps"], **_cap("inv_maxnreg", interp), **prep)
     _prep_wu_kernel[(2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
                                 LOWP=lowp, INTERP=interp, num_warps=PREP_LAUNCH["wu_warps"],
-                                num_stages=PREP_LAUNCH["wu_stages"], **prep)
+                                num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp), **prep)

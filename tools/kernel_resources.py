@@ -210,6 +210,8 @@ def main():
                     help="compile without the launch's divisibility-by-16 hints (numbers before 2026-11-30)")
     ap.add_argument("--warps", type=int, default=0,
                     help="compile with this many warps instead of the launch's")
+    ap.add_argument("--stages", type=int, default=0,
+                    help="compile with this many pipeline stages instead of the launch's")
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (bf16 otherwise)")
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (Triton's maxnreg)")
     a = ap.parse_args()
@@ -220,7 +222,7 @@ def main():
     for label, fn, sig, const, warps, stages, aligned in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
         if a.only not in label:
             continue
-        warps = a.warps or warps
+        warps, stages = a.warps or warps, a.stages or stages
         r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned, a.maxnreg or None)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
               f"{r['convert_layout']} | {r['local_alloc']} | {r['async_copies']} | {r['loop_instructions']}, "
