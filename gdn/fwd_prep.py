@@ -225,13 +225,15 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
              GATE, PREC, BIG, LOWP, INTERP)
 
 
-# The two launches' warps (inv: offline sm_90 at the bench shape 158 registers, no spill, 3
-# programs an SM; wu: 110 registers, 4) and the w/u loop's pipeline stages (Triton's
-# default); "inv_maxnreg" and "wu_maxnreg" (None: uncapped) cap the registers a thread on
-# GPUs (inv at 128: no spill offline, 4 programs an SM).  GDN_FWD_PREP overrides them for
-# device bring-up (e.g. '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in
-# session 10 (gdn/NOTES_BWD.md).
-PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": None, "wu_maxnreg": None}
+# The two launches' warps and the w/u loop's pipeline stages (Triton's default);
+# "inv_maxnreg" and "wu_maxnreg" (None: uncapped) cap the registers a thread on GPUs.  The
+# inverse at 128 registers (sm_90 offline: 158 uncapped, no spill either way; 4 programs an
+# SM instead of 3) took 0.242 -> 0.224 ms on the H200 (session 15, bf16 GDN B8 T4096 H16
+# K=V=128; swept right); wu at 2 stages and 96 registers (5 programs an SM, 16 B of spill)
+# was slower, 0.211 -> 0.231.  GDN_FWD_PREP overrides them for device bring-up (e.g.
+# '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in session 10
+# (gdn/NOTES_BWD.md).
+PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": None}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
