@@ -111,7 +111,7 @@ def _ptrs(names, dtype):
 
 
 def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
-    """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN kernels at bf16
+    """(label, fn, signature, constexprs, warps, stages, aligned, maxnreg) of the GDN kernels at bf16
     (fp32: at fp32 inputs)."""
     X, DT = ("*fp32", tl.float32) if fp32 else ("*bf16", tl.bfloat16)
     BT = 16 if gate == 2 else 64
@@ -131,6 +131,9 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     lowp = gate != 2 and not fp32   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
     out = cf.out_launch(common["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)
+    caps = {"fwd _prep_inv_kernel": fp.PREP_LAUNCH["inv_maxnreg"],
+            "fwd _prep_wu_kernel": fp.PREP_LAUNCH["wu_maxnreg"],
+            "fwd _out_kernel (matrix part)": out.get("maxnreg"), "fwd _out_kernel (exact part)": out.get("maxnreg")}
     for label, fn, sig, const, warps, stages in (
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"]),
@@ -152,7 +155,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
              out["num_warps"], out.get("num_stages", 3))):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
-        yield (label, fn, sig, const, warps, stages, aligned)
+        yield (label, fn, sig, const, warps, stages, aligned, caps.get(label))
 
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
@@ -162,7 +165,7 @@ _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop"}
 
 
 def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
-    """(label, fn, signature, constexprs, warps, stages, aligned) of the GDN backward kernels
+    """(label, fn, signature, constexprs, warps, stages, aligned, maxnreg) of the GDN backward kernels
     as gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and LAUNCH), with an
     initial state and a final-state gradient; `aligned` as a launch at T=4096 H=16 (B8 T4096,
     the bench shape) specializes: every pointer, and T, H, K, V where multiples of 16."""
@@ -196,7 +199,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
                for a in fn.arg_names if a not in const}
         ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // tile["BV"])}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
-        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned)
+        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned, None)
 
 
 def main():
@@ -213,17 +216,18 @@ def main():
     ap.add_argument("--stages", type=int, default=0,
                     help="compile with this many pipeline stages instead of the launch's")
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (bf16 otherwise)")
-    ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (Triton's maxnreg)")
+    ap.add_argument("--maxnreg", type=int, default=0,
+                    help="cap the registers a thread (Triton's maxnreg) instead of the launch's cap")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers "
           "| async copies | loop: instructions, barriers, shuffles, LDG | PTX code (md5) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta, a.fp32)
-    for label, fn, sig, const, warps, stages, aligned in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
+    for label, fn, sig, const, warps, stages, aligned, cap in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
         if a.only not in label:
             continue
         warps, stages = a.warps or warps, a.stages or stages
-        r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned, a.maxnreg or None)
+        r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned, a.maxnreg or cap)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
               f"{r['convert_layout']} | {r['local_alloc']} | {r['async_copies']} | {r['loop_instructions']}, "
               f"{r['loop_barriers']}, {r['loop_shuffles']}, {r['loop_ldg']} | {r['ptx']} |", flush=True)
