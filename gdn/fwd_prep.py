@@ -77,6 +77,32 @@ def _diag_inverse(tmc, n, H, BT: tl.constexpr, W: tl.constexpr):
     return X
 
 
+# GDN_FWD_INV=rows (bring-up, session 15, not yet timed): `_diag_inverse` on the transposed
+# tile (`_diag_inverse_rows`).  The device's Triton 3.6 lays the [16, W] tile out with each
+# column over 4 threads (sizePerThread [4, 1], threadsPerWarp [4, 8]: the X store's
+# coalesced layout, propagated back), so every step's sum over j shuffles (127 SHFL in the
+# kernel's SASS, sm_90 offline; Triton 3.9 keeps a column in one thread); ncu on the H200
+# (session 15) put `_prep_inv` at 82% of L1/TEX throughput, 24% of DRAM's.  On the [W, 16]
+# tile 3.6 gives each thread a row: 67 SHFL, 2512 instructions against 2616.
+INV_ROWS = tl.constexpr(os.environ.get("GDN_FWD_INV") == "rows")
+
+
+@triton.jit
+def _diag_inverse_rows(tmc, n, H, BT: tl.constexpr, W: tl.constexpr):
+    """`_diag_inverse` on the transposed tile: XT[16 b + c, j] = (I + D_b)^-1[j, c] (rows
+    repeated up to W as there), each row in one thread on Triton 3.6 as on 3.9."""
+    jj = tl.arange(0, 16)[None, :]
+    cc = tl.arange(0, W)[:, None] % BT
+    b16 = (cc // 16) * 16
+    X = tl.where(jj == cc - b16, 1.0, 0.0)
+    for i in tl.static_range(1, 16):
+        r = b16 + jj
+        d = tl.load(tmc + (r * (H * BT) + b16 + i), mask=(jj < i) & (r < n), other=0.0)
+        new = tl.sum(d * X, axis=1)
+        X = tl.where(jj == i, tl.where(cc - b16 == i, 1.0, 0.0) - new[:, None], X)
+    return X
+
+
 @triton.jit
 def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: tl.constexpr,
                         PREC: tl.constexpr):
@@ -89,9 +115,14 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
     ttr = (tm + r0 * BT) + (rr[None, :] * (H * BT) + rr[:, None])   # the transpose's place
     tl.store(ttr, A, mask=rmask[None, :])
     tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-    X = _diag_inverse(tm + r0 * BT, eos - bos, H, BT, W)
-    jj = tl.arange(0, 16)[:, None]
-    cc = tl.arange(0, W)[None, :]
+    if INV_ROWS:
+        X = _diag_inverse_rows(tm + r0 * BT, eos - bos, H, BT, W)
+        jj = tl.arange(0, 16)[None, :]
+        cc = tl.arange(0, W)[:, None]
+    else:
+        X = _diag_inverse(tm + r0 * BT, eos - bos, H, BT, W)
+        jj = tl.arange(0, 16)[:, None]
+        cc = tl.arange(0, W)[None, :]
     # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
     tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
     tl.store((tm + r0 * BT) + (cc * (H * BT) + (cc // 16) * 16 + jj), X,
@@ -226,7 +257,8 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 
 
 # The two launches' warps and the w/u loop's pipeline stages (Triton's default);
-# "inv_maxnreg" and "wu_maxnreg" (None: uncapped) cap the registers a thread on GPUs.  The
+# "inv_maxnreg" and "wu_maxnreg" (None: uncapped) cap the registers a thread on GPUs for
+# bf16 inputs (`_cap`).  The
 # inverse at 128 registers (sm_90 offline: 158 uncapped, no spill either way; 4 programs an
 # SM instead of 3) took 0.242 -> 0.224 ms on the H200 (session 15, bf16 GDN B8 T4096 H16
 # K=V=128; swept right); wu at 2 stages and 96 registers (5 programs an SM, 16 B of spill)
@@ -237,9 +269,12 @@ PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
-def _cap(key: str, interp: bool) -> dict:
-    """The launch keyword that caps registers for PREP_LAUNCH[key], where set (not interpreted)."""
-    return {"maxnreg": PREP_LAUNCH[key]} if PREP_LAUNCH[key] and not interp else {}
+def _cap(key: str, interp: bool, lowp: bool) -> dict:
+    """The launch keyword that caps registers for PREP_LAUNCH[key], where set, on GPUs, for
+    the bf16 products (``lowp``: the path timed; fp32 and fp16 inputs hold fp32 tiles, and
+    the inverse capped at 128 spills 592 bytes at fp32 K = V = 128, sm_90 offline, against
+    none at 255 uncapped)."""
+    return {"maxnreg": PREP_LAUNCH[key]} if PREP_LAUNCH[key] and lowp and not interp else {}
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
@@ -247,7 +282,7 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, num_warps=PREP_LAUNCH["inv_warps"], **_cap("inv_maxnreg", interp), **prep)
+                              W=W, num_warps=PREP_LAUNCH["inv_warps"], **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
                                 LOWP=lowp, INTERP=interp, num_warps=PREP_LAUNCH["wu_warps"],
-                                num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp), **prep)
+                                num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp), **prep)

@@ -131,8 +131,8 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     lowp = gate != 2 and not fp32   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
     out = cf.out_launch(common["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)
-    caps = {"fwd _prep_inv_kernel": fp.PREP_LAUNCH["inv_maxnreg"],
-            "fwd _prep_wu_kernel": fp.PREP_LAUNCH["wu_maxnreg"],
+    caps = {"fwd _prep_inv_kernel": fp._cap("inv_maxnreg", False, lowp).get("maxnreg"),
+            "fwd _prep_wu_kernel": fp._cap("wu_maxnreg", False, lowp).get("maxnreg"),
             "fwd _out_kernel (matrix part)": out.get("maxnreg"), "fwd _out_kernel (exact part)": out.get("maxnreg")}
     for label, fn, sig, const, warps, stages in (
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
