@@ -5,15 +5,16 @@ and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
 `gdn.chunk_fwd.chunk_gdn_fwd` runs before its state and output kernels.  Against v5.2's prep
 (measured on the H200, bf16 GDN B8 T4096 H16 K=V=128: 0.413 + 0.321 ms -> 0.257 + 0.305 ms):
 
-- The 16x16 diagonal blocks of T by forward substitution on a [16, W] tile that holds
-  column c of block b in column 16 b + c (the BT columns repeated up to W = 32 x warps),
-  so that every column of the tile lies in one thread: a step reads row i of each block's
-  A (stored transposed in T's place first, read back through the cache; strided in j, so
-  the load's layout keeps a column in one thread) and sums over j inside the thread, with
-  no shuffle and no barrier.  The v5.2 substitution on a [4, 16, 16] tensor spread the
-  summed axis over the warps: 107 barriers and 437 shuffles in the sm_90 SASS, against 28
-  and 77 here.  The block merges are v5.2's (tf32 products).  A 16-token chunk (vector
-  gate) keeps v5.2's substitution, leaner for one block (offline).
+- The 16x16 diagonal blocks of T by forward substitution on a [W, 16] tile that holds
+  column c of block b in row 16 b + c (the BT rows repeated up to W = 32 x warps), so
+  that every row of the tile lies in one thread: a step reads row i of each block's A
+  (stored transposed in T's place first, read back through the cache) and sums over j
+  inside the thread, with no shuffle and no barrier (`_diag_inverse`; session 15 turned
+  the tile from [16, W], which Triton 3.6 spread over threads: 0.224 -> 0.206 ms).  The
+  v5.2 substitution on a [4, 16, 16] tensor spread the summed axis over the warps: 107
+  barriers and 437 shuffles in the sm_90 SASS.  The block merges are v5.2's (tf32
+  products).  A 16-token chunk (vector gate) keeps v5.2's substitution, leaner for one
+  block (offline).
 - w and u by side, a program for all of w and one for all of u of a chunk, in a pipelined
   loop over BV-wide tiles with T scaled and split once: 0.305 -> 0.211 ms on the H200
   (session 8; T read twice a chunk, not once a tile; 96 registers at sm_90 offline).  One
@@ -60,42 +61,23 @@ def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
 def _diag_inverse(tmc, n, H, BT: tl.constexpr, W: tl.constexpr):
     """(I + D_b)^-1 of the BT // 16 diagonal 16x16 blocks D_b of the strictly lower A whose
     transpose is stored at tmc (the chunk's first row of T, rows H BT apart, n of them valid,
-    BT columns), as a [16, W] tile X[j, 16 b + c] =
-    (I + D_b)^-1[j, c] (W = 32 x warps, a multiple of BT: the tile repeated, so that each
-    thread holds one column).  Row i:  X_b[i, :] = e_i - sum_{j < i} D_b[i, j] X_b[j, :]."""
-    jj = tl.arange(0, 16)[:, None]
-    cc = tl.arange(0, W)[None, :] % BT
-    b16 = (cc // 16) * 16
-    X = tl.where(jj == cc - b16, 1.0, 0.0)
-    for i in tl.static_range(1, 16):
-        # D_b[i, j] = A^T[16 b + j, 16 b + i]: strided in j, so the load's layout keeps
-        # the column j of the tile in one thread (a contiguous j would spread it over lanes)
-        r = b16 + jj
-        d = tl.load(tmc + (r * (H * BT) + b16 + i), mask=(jj < i) & (r < n), other=0.0)
-        new = tl.sum(d * X, axis=0)
-        X = tl.where(jj == i, tl.where(cc - b16 == i, 1.0, 0.0) - new[None, :], X)
-    return X
+    BT columns), as a [W, 16] tile XT[16 b + c, j] = (I + D_b)^-1[j, c] (W = 32 x warps, a
+    multiple of BT: the tile repeated, so that each thread holds one row).  Step i:
+    X_b[i, :] = e_i - sum_{j < i} D_b[i, j] X_b[j, :], the sum over j inside the thread.
 
-
-# GDN_FWD_INV=rows (bring-up, session 15, not yet timed): `_diag_inverse` on the transposed
-# tile (`_diag_inverse_rows`).  The device's Triton 3.6 lays the [16, W] tile out with each
-# column over 4 threads (sizePerThread [4, 1], threadsPerWarp [4, 8]: the X store's
-# coalesced layout, propagated back), so every step's sum over j shuffles (127 SHFL in the
-# kernel's SASS, sm_90 offline; Triton 3.9 keeps a column in one thread); ncu on the H200
-# (session 15) put `_prep_inv` at 82% of L1/TEX throughput, 24% of DRAM's.  On the [W, 16]
-# tile 3.6 gives each thread a row: 67 SHFL, 2512 instructions against 2616.
-INV_ROWS = tl.constexpr(os.environ.get("GDN_FWD_INV") == "rows")
-
-
-@triton.jit
-def _diag_inverse_rows(tmc, n, H, BT: tl.constexpr, W: tl.constexpr):
-    """`_diag_inverse` on the transposed tile: XT[16 b + c, j] = (I + D_b)^-1[j, c] (rows
-    repeated up to W as there), each row in one thread on Triton 3.6 as on 3.9."""
+    The tile is [W, 16], not [16, W]: on [16, W] the device's Triton 3.6 spread each column
+    over 4 threads (sizePerThread [4, 1], threadsPerWarp [4, 8], the store's coalesced
+    layout propagated back; Triton 3.9 kept it in one thread), so every step's sum
+    shuffled: 127 SHFL in the kernel's SASS against 67 (sm_90 offline), and ncu on the
+    H200 had `_prep_inv` at 82% of L1/TEX throughput.  On the H200 (session 15, bf16 GDN
+    B8 T4096 H16 K=V=128) `_prep_inv` took 0.224 -> 0.206 ms, the forward 0.974 -> 0.953."""
     jj = tl.arange(0, 16)[None, :]
     cc = tl.arange(0, W)[:, None] % BT
     b16 = (cc // 16) * 16
     X = tl.where(jj == cc - b16, 1.0, 0.0)
     for i in tl.static_range(1, 16):
+        # D_b[i, j] = A^T[16 b + j, 16 b + i]: one scalar load a (row, j), a column of the
+        # tile's row lying in one thread
         r = b16 + jj
         d = tl.load(tmc + (r * (H * BT) + b16 + i), mask=(jj < i) & (r < n), other=0.0)
         new = tl.sum(d * X, axis=1)
@@ -115,14 +97,9 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
     ttr = (tm + r0 * BT) + (rr[None, :] * (H * BT) + rr[:, None])   # the transpose's place
     tl.store(ttr, A, mask=rmask[None, :])
     tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-    if INV_ROWS:
-        X = _diag_inverse_rows(tm + r0 * BT, eos - bos, H, BT, W)
-        jj = tl.arange(0, 16)[None, :]
-        cc = tl.arange(0, W)[:, None]
-    else:
-        X = _diag_inverse(tm + r0 * BT, eos - bos, H, BT, W)
-        jj = tl.arange(0, 16)[:, None]
-        cc = tl.arange(0, W)[None, :]
+    X = _diag_inverse(tm + r0 * BT, eos - bos, H, BT, W)
+    jj = tl.arange(0, 16)[None, :]
+    cc = tl.arange(0, W)[:, None]
     # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
     tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
     tl.store((tm + r0 * BT) + (cc * (H * BT) + (cc // 16) * 16 + jj), X,

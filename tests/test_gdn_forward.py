@@ -437,34 +437,6 @@ def test_entry_stores_before_the_checks_are_redone_where_a_chunk_fails(gate, del
         assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
-@pytest.mark.parametrize("gate,dtype,T", [("scalar", torch.bfloat16, 150), ("none", torch.float32, 100),
-                                          ("scalar", torch.float16, 70)],
-                         ids=["scalar-bf16", "none-fp32", "scalar-fp16"])
-def test_the_diagonal_inverse_on_rows_gives_the_same_forward(monkeypatch, gate, dtype, T):
-    """GDN_FWD_INV=rows (bring-up): the diagonal blocks' substitution on the transposed tile
-    (`gdn.fwd_prep._diag_inverse_rows`) gives the default's T to fp32 rounding (the same
-    terms; each step's sum of 16 runs in another order: 2e-8 apart at bf16), o and the
-    final state as the default's NaN/Inf sets and within 1e-5 (a short last chunk masks
-    rows), and with a NaN in k the oracle's NaN/Inf sets.  (The interpreter reads the
-    module constant at each call.)"""
-    import gdn.fwd_prep as fp
-    x = make_inputs(gate, True, B=1, T=T, H=2, K=32, V=48, seed=11, dtype=dtype)
-    nan = make_inputs(gate, True, B=1, T=T, H=2, K=32, V=48, seed=11, dtype=dtype)
-    inject(nan, "k", float("nan"))
-    for case in (x, nan):
-        one = call(chunk_gdn_fwd, case, delta=True, return_inverse=True)
-        monkeypatch.setattr(fp, "INV_ROWS", True)
-        rows = call(chunk_gdn_fwd, case, delta=True, return_inverse=True)
-        monkeypatch.setattr(fp, "INV_ROWS", False)
-        for a, b, tol in zip(one, rows, (1e-5, 1e-5, 1e-6)):
-            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
-            fin = a.isfinite()
-            assert (a[fin].float() - b[fin].float()).abs().max() <= tol * max(1.0, a[fin].float().abs().max())
-    o, s = call(recurrence, nan, delta=True)
-    assert_same_nonfinite(rows[0], o, BOUND[dtype])
-    assert_same_nonfinite(rows[1], s, BOUND[dtype])
-
-
 def test_fp32_keys_over_128_take_the_sliced_output_launch():
     """fp32 inputs at K > 128 run the output kernel in K slices (gdn.chunk_fwd.out_launch): in
     one piece it needs more shared memory than a GPU has at K = V = 256 (262144 bytes, sm_90
