@@ -218,9 +218,11 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr,
+                    BOTH: tl.constexpr):
     """The WY prep, part 2 (`_wu_side`): all of w or all of u per program (grid: 2, chunks,
-    heads)."""
+    heads), or with BOTH (PREP_LAUNCH "wu_both", bring-up) w then u in one program (grid: 1,
+    chunks, heads), T read once."""
     i_s, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
@@ -229,8 +231,13 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     rr = tl.arange(0, BT)
     rmask = bos + rr < eos
     Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
-    _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-             GATE, PREC, BIG, LOWP, INTERP)
+    if BOTH:
+        for side in tl.static_range(2):
+            _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+                     GATE, PREC, BIG, LOWP, INTERP)
+    else:
+        _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+                 GATE, PREC, BIG, LOWP, INTERP)
 
 
 # The two launches' warps and the w/u loop's pipeline stages (Triton's default);
@@ -242,7 +249,11 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # was slower, 0.211 -> 0.231.  GDN_FWD_PREP overrides them for device bring-up (e.g.
 # '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in session 10
 # (gdn/NOTES_BWD.md).
-PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": None}
+# "wu_both" 1 (bring-up, session 15, not yet timed): w and u of a chunk in one program, T
+# read once (ncu, session 15: `_prep_wu` at 86% of L2 throughput; T is a third of what a
+# chunk's two programs read and write).
+PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": None,
+               "wu_both": 0}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
@@ -260,6 +271,7 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               W=W, num_warps=PREP_LAUNCH["inv_warps"], **_cap("inv_maxnreg", interp, lowp), **prep)
-    _prep_wu_kernel[(2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                LOWP=lowp, INTERP=interp, num_warps=PREP_LAUNCH["wu_warps"],
+    both = bool(PREP_LAUNCH["wu_both"])
+    _prep_wu_kernel[(1 if both else 2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
+                                LOWP=lowp, INTERP=interp, BOTH=both, num_warps=PREP_LAUNCH["wu_warps"],
                                 num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp), **prep)
