@@ -242,16 +242,15 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 
 # The two launches' warps and the w/u loop's pipeline stages (Triton's default);
 # "inv_maxnreg" and "wu_maxnreg" (None: uncapped) cap the registers a thread on GPUs for
-# bf16 inputs (`_cap`).  The
-# inverse at 128 registers (sm_90 offline: 158 uncapped, no spill either way; 4 programs an
-# SM instead of 3) took 0.242 -> 0.224 ms on the H200 (session 15, bf16 GDN B8 T4096 H16
-# K=V=128; swept right); wu at 2 stages and 96 registers (5 programs an SM, 16 B of spill)
-# was slower, 0.211 -> 0.231.  GDN_FWD_PREP overrides them for device bring-up (e.g.
+# bf16 inputs (`_cap`).  The inverse at 128 registers (sm_90 offline: 158 uncapped, no
+# spill either way; 4 programs an SM instead of 3) took 0.242 -> 0.224 ms on the H200
+# (session 15, bf16 GDN B8 T4096 H16 K=V=128; swept right); wu at 2 stages and 96
+# registers (5 programs an SM, 16 B of spill) was slower, 0.211 -> 0.231.  "wu_both" 1
+# (bring-up, session 15, not yet timed): w and u of a chunk in one program, T read once
+# (ncu, session 15: `_prep_wu` at 86% of L2 throughput; T is a third of what a chunk's two
+# programs read and write).  GDN_FWD_PREP overrides them for device bring-up (e.g.
 # '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in session 10
 # (gdn/NOTES_BWD.md).
-# "wu_both" 1 (bring-up, session 15, not yet timed): w and u of a chunk in one program, T
-# read once (ncu, session 15: `_prep_wu` at 86% of L2 throughput; T is a third of what a
-# chunk's two programs read and write).
 PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": None,
                "wu_both": 0}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
@@ -266,12 +265,16 @@ def _cap(key: str, interp: bool, lowp: bool) -> dict:
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
-    """The two prep launches (grids: chunks x heads; w and u tiles x chunks x heads)."""
+    """The two prep launches (grids: chunks x heads; the w and u sides, or both in one
+    program with "wu_both", x chunks x heads)."""
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, num_warps=PREP_LAUNCH["inv_warps"], **_cap("inv_maxnreg", interp, lowp), **prep)
+                              W=W, num_warps=PREP_LAUNCH["inv_warps"],
+                              **_cap("inv_maxnreg", interp, lowp), **prep)
     both = bool(PREP_LAUNCH["wu_both"])
-    _prep_wu_kernel[(1 if both else 2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV,
-                                LOWP=lowp, INTERP=interp, BOTH=both, num_warps=PREP_LAUNCH["wu_warps"],
-                                num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp), **prep)
+    _prep_wu_kernel[(1 if both else 2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V,
+                                               BV=BV, LOWP=lowp, INTERP=interp, BOTH=both,
+                                               num_warps=PREP_LAUNCH["wu_warps"],
+                                               num_stages=PREP_LAUNCH["wu_stages"],
+                                               **_cap("wu_maxnreg", interp, lowp), **prep)
