@@ -73,10 +73,6 @@ VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gat
 BIG = 65536.0            # input magnitude above which a chunk runs the exact path
 SBIG = 1e30              # state magnitude above which a chunk runs the exact path
 SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact path only
-# Bring-up (session 16, off): the state pass's matrix part writes o of the chunks it takes
-# (`gdn.fwd_state._state_kernel`'s FUSE), so the chunk states and v_new are stored only where
-# the output kernel still needs them (535 MB of hs written and read at the bench shape).
-FUSE_OUT = os.environ.get("GDN_FWD_FUSE") == "1"
 # The gated members' matrix path (prefix sums loaded from launch 0, see
 # _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
 # (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
@@ -351,27 +347,6 @@ def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_out(qt, kt, vt, S, G, Glo, rr, GATE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """A chunk's o tile by the matrix path, unscaled: (Gamma q) S + (q k^T decay, causal) v_new
-    from the state S entering it, v_new (``vt``; v without the delta rule) and the gates as
-    `_load_gates` gives them (G, Glo; unused without a gate).  The output kernel's (from the
-    stored state) and the state pass's with FUSE_OUT (from the state in registers)."""
-    causal = rr[:, None] >= rr[None, :]
-    if GATE == 1:
-        dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
-        Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
-        qg = qt * tl.exp(G + Glo)[:, None]
-    elif GATE == 2:
-        qg = qt * tl.exp(G)
-        Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
-    else:
-        Aqk = _odot(qt, tl.trans(kt), DT, PREC)
-        qg = qt
-    Aqk = tl.where(causal, Aqk, 0.0)
-    return _odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)
-
-
-@triton.jit
 def _and(mask, ok):
     """mask & ok for a scalar ok, as a store mask.  (`mask & ok` alone is int32 under Triton
     3.9's interpreter, which refuses it as a mask; tl.where(ok, mask, False) is the suspect of
@@ -391,49 +366,24 @@ def _forced(ok, MODE: tl.constexpr):
 
 
 @triton.jit
-def _stepped(xf, FUSED: tl.constexpr):
-    """Per V column of an xflag row (int8): 1 where the state pass stepped the chunk token by
-    token, else 0 (values 0 and 1; FUSED adds 2, o written by the state pass)."""
-    if FUSED:
-        return (xf == 1).to(tl.int32)
-    return xf.to(tl.int32)
-
-
-@triton.jit
-def _keep(mask, xf, FUSED: tl.constexpr):
-    """An o store's [BT, BV] mask less (FUSED) the columns whose o the state pass wrote."""
-    if FUSED:
-        return mask & (xf != 2)[None, :]
-    return mask
-
-
-@triton.jit
 def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
                 PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-                PART: tl.constexpr, BKS: tl.constexpr, FUSED: tl.constexpr):
+                PART: tl.constexpr, BKS: tl.constexpr):
     """The parallel part, per (V tile, chunk, head): o = scale (Gamma q) S + (q k^T decay)
     v_new with S the stored state entering the chunk (PART 0, which marks in oflag the tiles
     it left); token by token from that state where the state pass stepped the chunk (xflag)
     or q fails the matrix path's checks (PART 1, launched after PART 0 over the same grid:
     a program whose tile PART 0 wrote returns at once).  Apart, the matrix part holds no
-    float64 tiles.  FUSED (the state pass wrote o, FUSE_OUT): xflag 2 marks the columns whose
-    o the state pass wrote; both parts leave them as they are, and PART 0 returns at once
-    where every column of its tile is written."""
+    float64 tiles."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     of = oflag + (i_v * tl.num_programs(1) + i_c).to(tl.int64) * H + i_h
     todo = bos < eos
     if PART == 1:
         todo = todo & (tl.load(of) != 0)
-    elif FUSED:
-        dvx = i_v * BV + tl.arange(0, BV)
-        written = tl.min(tl.load(xflag + (i_c.to(tl.int64) * H + i_h) * V + dvx, mask=dvx < V,
-                                 other=2).to(tl.int32)) == 2
-        tl.store(of, tl.zeros([], dtype=tl.int8), mask=written)
-        todo = todo & (written == 0)
     if todo:
         rr = tl.arange(0, BT)
         r0 = bos.to(tl.int64) * H + i_h
@@ -456,8 +406,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             # stage, or with Gamma on q as here: session 8, tools/sweep_gdn_gpu.py.)
             acc = tl.zeros([BT, BV], dtype=tl.float32)
             Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-            xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
-            nbad = tl.max(_stepped(xf, FUSED))
+            nbad = tl.max(tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0).to(tl.int32))
             if GATE == 1:
                 G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
                 eq = tl.exp(G + Glo)
@@ -482,24 +431,35 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             Aqk = tl.where(causal, Aqk, 0.0)
             vt = tl.load(_tile(vn if DELTA else v, r0, rr, dv, V, H), mask=mv, other=0.0)
             ot = (acc + _odot(Aqk, vt, DT, PREC)) * scale
-            tl.store(_tile(o, r0, rr, dv, V, H), ot.to(o.dtype.element_ty), mask=_and(_keep(mv, xf, FUSED), ok))
+            tl.store(_tile(o, r0, rr, dv, V, H), ot.to(o.dtype.element_ty), mask=_and(mv, ok))
         elif PART == 0:
             S = tl.load(hs + hbase + (dk[:, None] * V + dv[None, :]), mask=smask, other=0.0)
             qt = tl.load(_tile(q, r0, rr, dk, K, H), mask=mk, other=0.0)
             xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
-            ok = _forced((tl.max(_stepped(xf, FUSED)) == 0) & _all_within(qt, BIG), MODE)
+            ok = _forced((tl.max(xf.to(tl.int32)) == 0) & _all_within(qt, BIG), MODE)
             tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
             if ok:
                 kt = tl.load(_tile(k, r0, rr, dk, K, H), mask=mk, other=0.0)
-                G, Glo = 0.0, 0.0
-                if GATE != 0:
+                causal = rr[:, None] >= rr[None, :]
+                if GATE == 1:
                     G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
+                    dec = tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
+                    Aqk = _odot(qt, tl.trans(kt), DT, PREC) * dec
+                    qg = qt * tl.exp(G + Glo)[:, None]
+                elif GATE == 2:
+                    G, _, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
+                    qg = qt * tl.exp(G)
+                    Aqk = _odot(qg, tl.trans(kt.to(tl.float32) * tl.exp(-G)), DT, PREC)
+                else:
+                    Aqk = _odot(qt, tl.trans(kt), DT, PREC)
+                    qg = qt
+                Aqk = tl.where(causal, Aqk, 0.0)
                 if DELTA:
                     vt = tl.load(_tile(vn, r0, rr, dv, V, H), mask=mv, other=0.0)
                 else:
                     vt = tl.load(_tile(v, r0, rr, dv, V, H), mask=mv, other=0.0)
-                ot = _chunk_out(qt, kt, vt, S, G, Glo, rr, GATE, DT, PREC) * scale
-                tl.store(_tile(o, r0, rr, dv, V, H), ot.to(o.dtype.element_ty), mask=_keep(mv, xf, FUSED))
+                ot = (_odot(qg, S, DT, PREC) + _odot(Aqk, vt, DT, PREC)) * scale
+                tl.store(_tile(o, r0, rr, dv, V, H), ot.to(o.dtype.element_ty), mask=mv)
         else:
             # float64 on 16-column slices of the entering state (the recurrence is separable
             # in V): a [BK, 16] float64 tile live, not [BK, BV] (sm_90, K=V=256: no more stack)
@@ -508,8 +468,6 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 dvj = i_v * BV + j * XV + tl.arange(0, XV)
                 vmj = dvj < V
                 smj = kmask[:, None] & vmj[None, :]
-                if FUSED:   # the columns whose o the state pass wrote are left as they are
-                    vmj = vmj & (tl.load(xflag + (cid * H + i_h) * V + dvj, mask=vmj, other=2) != 2)
                 Sj = tl.load(hs + hbase + (dk[:, None] * V + dvj[None, :]), mask=smj, other=0.0)
                 _exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64), scale, bos, eos, i_h, dk, kmask,
                              dvj, vmj, smj, H, K, V, BT, GATE, DELTA, True)
@@ -641,9 +599,9 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, MODE=mode, DT=dt)
     state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
-                  q, o, scale, T, max(NT, 1), triton.next_power_of_2(N * H))
+                  T, max(NT, 1), triton.next_power_of_2(N * H))
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
-                    FUSE=FUSE_OUT, **common)
+                    **common)
     from gdn import fwd_state   # here: gdn.fwd_state imports this module's helpers
     fwd_state.launch_state(state_args, N * H, **state_kw)
     launch = out_launch(BK, V, gate, q.dtype)
@@ -651,5 +609,5 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     for part in (0, 1):
         _out_kernel[(triton.cdiv(V, launch["BV"]), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o,
                                                            cb, ce, scale, T, max(NT, 1), PART=part,
-                                                           FUSED=FUSE_OUT, **launch, **common)
+                                                           **launch, **common)
     return (o, hT if output_final_state else None) + ((tm,) if return_inverse else ())

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.chunk_fwd import (INTERPRET, _all_within, _and, _chunk_out, _exact_chunk, _forced,
-                           _gate_last, _handoff, _load_gates, _odot)
+from gdn.chunk_fwd import (INTERPRET, _all_within, _and, _exact_chunk, _forced, _gate_last,
+                           _handoff, _load_gates, _odot)
 
 
 @triton.jit
@@ -62,8 +62,7 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, 
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
                  DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
-    state leaving the chunk, v_new (v without the delta rule) fp32, and the chunk's gates as
-    `_load_gates` gives them (G, Glo; 0 without a gate).  The scalar gate's in-chunk decay exp(G_C - G_t) goes on v_new's
+    state leaving the chunk.  The scalar gate's in-chunk decay exp(G_C - G_t) goes on v_new's
     tile [BT, BV], not on the keys [BT, K] (as fla's h pass does), so the key tile reaches the
     product as its asynchronous copy loaded it: on the H200 (session 11, bf16 GDN B8 T4096 H16
     K=V=128) the matrix part took 0.354 -> 0.312 ms, the forward 1.149 -> 1.109."""
@@ -73,8 +72,6 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, 
         wt = tl.load(_stile(w, r0, rr, dk, K, H), mask=mk, other=0.0)
         vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
         tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
-    vnew = vt
-    G, Glo = 0.0, 0.0
     if GATE == 1:
         G, Glo, Gl, Gll = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt
@@ -82,12 +79,12 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, 
         Gk, Gkl = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)   # Gl is a [BT] vector
         S = S * tl.exp(Gk + Gkl)[:, None]
     elif GATE == 2:
-        G, Glo, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
+        G, _, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt * tl.exp(Gl[None, :] - G)
         S = S * tl.exp(Gl)[:, None]
     else:
         kl = kt
-    return S + _odot(tl.trans(kl), vt, DT, PREC), vnew, G, Glo
+    return S + _odot(tl.trans(kl), vt, DT, PREC)
 
 
 @triton.jit
@@ -105,13 +102,13 @@ def _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H
 
 @triton.jit
 def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop,
-                  cu, choff, q, o, scale, T, NT, OCC,
+                  cu, choff, T, NT, OCC,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr, FUSE: tl.constexpr):
+                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
@@ -123,13 +120,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
     ran to the end returns at once): from the recorded chunk on, steps token by token the
     chunks whose inputs or incoming state fail the checks (`_exact_chunk`) and the others by
     the matrix path.  xflag marks, per V column, the chunks stepped token by token, so that
-    _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles.
-
-    FUSE (FUSE_OUT, bring-up): the matrix part also writes o of every chunk it takes whose q
-    passes the output's checks (`_chunk_out`, from the state in registers), marks those
-    columns 2 in xflag, and stores hs only where q fails them (the output kernel's exact part
-    reads it there) and v_new nowhere (the output kernel's matrix part reads it only in
-    chunks of the resume part, which stores its own)."""
+    _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -156,25 +147,12 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             r0 = t0.to(tl.int64) * H + i_h
             rmask = t0 + rr < eos
             nlast = tl.minimum(BT, eos - t0) - 1   # the chunk's last token's row
-            if FUSE:
-                qt = tl.load(_stile(q, r0, rr, dk, K, H), mask=rmask[:, None] & kmask[None, :], other=0.0)
-                okq = _forced(_all_within(qt, BIG), MODE)
-                tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty),
-                         mask=_and(smask, alive & (okq == 0)))
-            else:
-                _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
+            _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
             ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
                                    H, K, V, GATE, DELTA, BIG, SBIG, MODE)
             ok = ok & alive
-            Sn, vnew, G, Glo = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk,
-                                            kmask, dv, vmask, ok & (FUSE == 0), H, K, V, GATE, DELTA,
-                                            PREC, DT)
-            if FUSE:
-                ot = _chunk_out(qt, kt, vnew, S, G, Glo, rr, GATE, DT, PREC) * scale
-                tl.store(_stile(o, r0, rr, dv, V, H), ot.to(o.dtype.element_ty),
-                         mask=_and(rmask[:, None] & vmask[None, :], ok & okq))
-                tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(okq, 2, 0).to(tl.int8),
-                         mask=_and(vmask, ok))
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv,
+                              vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
             alive = ok
@@ -198,8 +176,8 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
-                    S, _, _, _ = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk,
-                                              kmask, dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
+                    S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
+                                     dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
                 else:   # float64 steps, the state kept fp32 between them
                     S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
                                      smask, H, K, V, BT, GATE, DELTA, False)

@@ -459,34 +459,6 @@ def test_w_and_u_in_one_program_give_the_same_forward(monkeypatch, gate, dtype):
     assert_same_nonfinite(one[1], s, BOUND[dtype])
 
 
-@pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", True), ("none", False)],
-                         ids=["scalar-delta", "vector-delta", "none-linear"])
-def test_the_state_pass_writing_o_gives_the_oracles_forward(monkeypatch, gate, delta):
-    """GDN_FWD_FUSE (bring-up, `gdn.chunk_fwd.FUSE_OUT`): the state pass's matrix part writes o
-    of the chunks it takes, and the output kernel only the rest.  fp32: bitwise the default's
-    o and final state.  bf16, against the oracle: clean; a NaN in q (the state pass leaves
-    that chunk's o to the output kernel's exact part, from an hs it stored for it); a NaN in
-    v (the resume part from there); one state tile of one head past SBIG at its entry (the
-    output kernel's 128-wide tile then holds columns the state pass wrote beside columns of
-    the resume part, and must leave the former as they are)."""
-    import gdn.chunk_fwd as cf
-    x = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=80, seed=9)
-    ref = call(chunk_gdn_fwd, x, delta=delta)
-    monkeypatch.setattr(cf, "FUSE_OUT", True)
-    for a, b in zip(ref, call(chunk_gdn_fwd, x, delta=delta)):
-        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-    cases = [make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=80, seed=9, dtype=torch.bfloat16)
-             for _ in range(4)]
-    inject(cases[1], "q", float("nan"))
-    inject(cases[2], "v", float("nan"))
-    cases[3]["initial_state"][0, 1, :, :20] *= 1e31
-    for case in cases:
-        o, s = call(recurrence, case, delta=delta)
-        o2, s2 = call(chunk_gdn_fwd, case, delta=delta)
-        assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
-        assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
-
-
 def test_fp32_keys_over_128_take_the_sliced_output_launch():
     """fp32 inputs at K > 128 run the output kernel in K slices (gdn.chunk_fwd.out_launch): in
     one piece it needs more shared memory than a GPU has at K = V = 256 (262144 bytes, sm_90

@@ -120,13 +120,10 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     scal = {"T": "i32", "NT": "i32"}
     state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], X),
                  **_ptrs(["g", "gc", "gcl", "h0", "hT", "sstop"], "*fp32"),
-                 **_ptrs(["gflag", "flag", "stop", "cu", "choff"], "*i32"), "xflag": "*i8",
-                 **_ptrs(["q", "o"], X), "scale": "fp32", **scal, "OCC": "i32"}
+                 **_ptrs(["gflag", "flag", "stop", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], X), **_ptrs(["g", "gc", "gcl"], "*fp32"),
                **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal}
     dt = dict(DELTA=delta, MODE=0)
-    fuse = dict(FUSE=cf.FUSE_OUT)
-    fused = dict(FUSED=cf.FUSE_OUT)
     inv_sig = {**_ptrs(["k", "beta"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
@@ -146,16 +143,16 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
              fp.PREP_LAUNCH["wu_warps"],
              fp.PREP_LAUNCH["wu_stages"]),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
-             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt, **fuse),
+             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt),
              4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
-             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt, **fuse),
+             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], **dt, **fused),
+             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], **dt),
              out["num_warps"], out.get("num_stages", 3)),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], **dt, **fused),
+             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], **dt),
              out["num_warps"], out.get("num_stages", 3))):
         # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
