@@ -9,21 +9,12 @@ reverse cumsum in ``gdn.bwd_matrix._grads``.  Refuses nothing: the flags of
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from gdn.chunk_fwd import GATE_FLOOR, _tile
 
 _FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other module globals
-# GDN_BWD_DG=rows (bring-up, session 15, not yet timed): `_gate_grad` sums the pair terms
-# along rows (a scan along axis 1, then a masked sum down the columns and a shift by one)
-# instead of a reverse scan down the columns.  On the device's Triton 3.6 the [C, C] scan
-# down the columns of the layout it gets (4 warps along that axis) compiles to about 330
-# shuffles; sm_90 offline (bf16 GDN, K=V=128): `_grads_p` 435 -> 120 SHFL and 4360 -> 3768
-# instructions, `_grads_wy` 409 -> 89 and 4328 -> 3848, the same stack.
-DG_ROWS = tl.constexpr(os.environ.get("GDN_BWD_DG") == "rows")
 
 
 @triton.jit
@@ -74,7 +65,7 @@ def _end_decay(G, Gl, GC, GCl):
 
 
 @triton.jit
-def _gate_grad(first, pairs, last, through, strict):
+def _gate_grad(first, pairs, last, through):
     """dg of a chunk's scalar gate from its decay terms, each summed where it belongs.
 
     A term with decay exp(G_i - G_j) (i after j) depends on g_t for j < t <= i only, so
@@ -84,15 +75,17 @@ def _gate_grad(first, pairs, last, through, strict):
     the pair terms, then a reverse cumsum) has each term enter with both signs, so at large
     |dk| (~1e4, shifted inputs) the sums cancel to a ~1e-4 absolute error in dg ~1 that the
     float64 autograd of the trusted reference does not make; here no term enters twice.
+
+    The pair terms are summed along rows, then down the columns, then shifted by one:
+    Z[u] = sum_{i > u} sum_{j <= u} pairs[i, j] + sum_{j <= u} last[j], and dg_t takes
+    Z[t - 1].  The reverse scan down the columns it replaced (session 16) crossed the four
+    warps of the layout the device's Triton 3.6 gives the [C, C] tile: sm_90 offline (bf16
+    GDN, K=V=128) `_grads_p` 435 -> 120 SHFL, `_grads_wy` 409 -> 89; on the H200 the two
+    kernels took 0.874 -> 0.832 and 0.768 -> 0.734 ms, the backward on the forward's T
+    3.313 -> 3.239.
     """
-    if DG_ROWS:
-        # the pair terms summed along rows, not down columns (GDN_BWD_DG=rows):
-        # Z[u] = sum_{i > u} sum_{j <= u} pairs[i, j] + sum_{j <= u} last[j], and dg_t takes
-        # Z[t - 1]; each term still enters once, with one sign
-        r = tl.arange(0, first.shape[0])
-        Z = tl.sum(tl.where(r[:, None] > r[None, :], tl.cumsum(pairs, 1), 0.), 0) + tl.cumsum(last, 0)
-        spanned = tl.where(r > 0, tl.gather(Z, tl.maximum(r - 1, 0), 0), 0.)
-        return tl.cumsum(first, 0, reverse=True) + spanned + through
-    spans = tl.cumsum(pairs, 0, reverse=True) + last[None, :]    # [t, j]: i >= t, j fixed
-    return tl.cumsum(first, 0, reverse=True) + tl.sum(tl.where(strict, spans, 0.), 1) + through
+    r = tl.arange(0, first.shape[0])
+    Z = tl.sum(tl.where(r[:, None] > r[None, :], tl.cumsum(pairs, 1), 0.), 0) + tl.cumsum(last, 0)
+    spanned = tl.where(r > 0, tl.gather(Z, tl.maximum(r - 1, 0), 0), 0.)
+    return tl.cumsum(first, 0, reverse=True) + spanned + through
 

@@ -126,7 +126,7 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
     dkk = dar
     if GATE == 1:
-        dgw = _gate_grad(dG, dar * araw, tl.zeros([C], dtype=tl.float32), 0., strict)
+        dgw = _gate_grad(dG, dar * araw, tl.zeros([C], dtype=tl.float32), 0.)
         tl.store(dgp + tok.to(tl.int64) * H + ih, dgw, mask=rv)
         dkk = dar * E
     tl.debug_barrier()   # the slices' dkp stores above are read back below
@@ -249,7 +249,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             dkk += tl.load(_tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
         tl.store(_tile(dk, r0, rows, ck, K, H), dkk.to(dk.dtype.element_ty), mask=mqk)
     if GATE == 1:
-        dgo = _gate_grad(qh * eG, pairs, ke * eE, tl.exp(GC) * tl.sum(hd, 0), strict)
+        dgo = _gate_grad(qh * eG, pairs, ke * eE, tl.exp(GC) * tl.sum(hd, 0))
         if DELTA:
             dgo += tl.load(dgp + tok.to(tl.int64) * H + ih, mask=rv, other=0.)
         tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)

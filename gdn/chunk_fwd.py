@@ -10,13 +10,13 @@ the statement this file follows).  Up to seven launches:
      head): builds A = tril(beta k k^T * decay) and its inverse T = (I + A)^-1
      from 16x16 blocks, stores T (fp32), and one flag per (chunk, head) that
      says whether the chunk's k and beta admit the matrix path;
-  1b. `gdn.fwd_prep._prep_wu_kernel`, one program per (w or u tile, chunk,
-     head): w = T (beta Gamma k), u = T (beta v) from the stored T; the flag
-     gains v's check.  (One fused prep launch took 1.40 ms on the H200 at B8
-     T4096 H16 K=V=128 bf16 in session 2 (spilling at 255 registers), and
-     0.501 ms in session 14 (the two launches' code in one, T kept in
-     registers: 255 registers, no spill, sm_90 offline); the two take 0.252 +
-     0.212 ms, the T round trip included.)
+  1b. `gdn.fwd_prep._prep_wu_kernel`, one program per (chunk, head): w = T
+     (beta Gamma k), then u = T (beta v), from the stored T; the flag gains v's
+     check.  (One fused prep launch took 1.40 ms on the H200 at B8 T4096 H16
+     K=V=128 bf16 in session 2 (spilling at 255 registers), and 0.501 ms in
+     session 14 (the two launches' code in one, T kept in registers: 255
+     registers, no spill, sm_90 offline); the two take 0.205 + 0.196 ms
+     (session 16), the T round trip included.)
   2. `gdn.fwd_state._state_kernel`, one program per (sequence, head, V tile), walks its
      sequence chunk by chunk with the state S [K, BV] in registers, fp32: stores
      the state entering each chunk and v_new = u - w S (delta), and marks the

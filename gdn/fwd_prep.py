@@ -15,11 +15,12 @@ and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
   barriers and 437 shuffles in the sm_90 SASS.  The block merges are v5.2's (tf32
   products).  A 16-token chunk (vector gate) keeps v5.2's substitution, leaner for one
   block (offline).
-- w and u by side, a program for all of w and one for all of u of a chunk, in a pipelined
-  loop over BV-wide tiles with T scaled and split once: 0.305 -> 0.211 ms on the H200
-  (session 8; T read twice a chunk, not once a tile; 96 registers at sm_90 offline).  One
-  tile a program (sessions 5-7) stalled on its loads at 4 programs an SM (ncu: L1TEX
-  scoreboard 53% of the stalls, 108 registers); a chunk a program, unpipelined: 0.761 ms.
+- w then u of a chunk in one program, each in a pipelined loop over BV-wide tiles with T
+  scaled and split once a side, T read once a chunk: 0.212 -> 0.196 ms on the H200 (session
+  16, capped at 128 registers: 124 at sm_90 offline, no spill) against a program for each
+  side (session 8: 0.305 -> 0.211, T read twice a chunk, not once a tile).  One tile a
+  program (sessions 5-7) stalled on its loads at 4 programs an SM (ncu: L1TEX scoreboard
+  53% of the stalls, 108 registers); a chunk a program, unpipelined: 0.761 ms.
 - For bf16 inputs and no gate or a scalar gate, products on bf16
   operands where that loses nothing: k k^T on the raw keys (each product exact in the fp32
   sum; the decay and beta scale the [BT, BT] result), and w, u as (T_hi + T_lo) k,
@@ -172,7 +173,7 @@ def _t_dot(Ts, hi, lo, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.con
 
 
 @triton.jit
-def _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
+def _wu_side(i_s: tl.constexpr, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
              GATE: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
              INTERP: tl.constexpr):
@@ -210,7 +211,7 @@ def _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
                      mask=mv)
             nbad += tl.where(_all_within(vt, BIG), 0, 1)
         if nbad > 0:
-            tl.store(flag + i_c * H + i_h, 0)   # the one writer of a 0 in the u program
+            tl.store(flag + i_c * H + i_h, 0)   # the one writer of a 0 after the inverse
 
 
 @triton.jit
@@ -218,12 +219,10 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr,
-                    BOTH: tl.constexpr):
-    """The WY prep, part 2 (`_wu_side`): all of w or all of u per program (grid: 2, chunks,
-    heads), or with BOTH (PREP_LAUNCH "wu_both", bring-up) w then u in one program (grid: 1,
-    chunks, heads), T read once."""
-    i_s, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+    """The WY prep, part 2 (`_wu_side`): w then u of a chunk in one program (grid: chunks,
+    heads), T read once."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
     # int64 offset per element costs two registers each
@@ -231,12 +230,8 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     rr = tl.arange(0, BT)
     rmask = bos + rr < eos
     Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
-    if BOTH:
-        for side in tl.static_range(2):
-            _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-                     GATE, PREC, BIG, LOWP, INTERP)
-    else:
-        _wu_side(i_s, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+    for side in tl.static_range(2):
+        _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
                  GATE, PREC, BIG, LOWP, INTERP)
 
 
@@ -245,14 +240,14 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # bf16 inputs (`_cap`).  The inverse at 128 registers (sm_90 offline: 158 uncapped, no
 # spill either way; 4 programs an SM instead of 3) took 0.242 -> 0.224 ms on the H200
 # (session 15, bf16 GDN B8 T4096 H16 K=V=128; swept right); wu at 2 stages and 96
-# registers (5 programs an SM, 16 B of spill) was slower, 0.211 -> 0.231.  "wu_both" 1
-# (bring-up, session 15, not yet timed): w and u of a chunk in one program, T read once
-# (ncu, session 15: `_prep_wu` at 86% of L2 throughput; T is a third of what a chunk's two
-# programs read and write).  GDN_FWD_PREP overrides them for device bring-up (e.g.
+# registers (5 programs an SM, 16 B of spill) was slower, 0.211 -> 0.231.  w and u in one
+# program (session 16) at 128 registers: 124 at sm_90 offline, no spill; 0.212 -> 0.196 ms
+# against a program a side uncapped (ncu, session 15: `_prep_wu` at 86% of L2 throughput,
+# and T was a third of what a chunk's two programs read and write).  GDN_FWD_PREP overrides
+# them for device bring-up (e.g.
 # '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in session 10
 # (gdn/NOTES_BWD.md).
-PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": None,
-               "wu_both": 0}
+PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
@@ -265,16 +260,13 @@ def _cap(key: str, interp: bool, lowp: bool) -> dict:
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
-    """The two prep launches (grids: chunks x heads; the w and u sides, or both in one
-    program with "wu_both", x chunks x heads)."""
+    """The two prep launches (grids: chunks x heads)."""
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               W=W, num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
-    both = bool(PREP_LAUNCH["wu_both"])
-    _prep_wu_kernel[(1 if both else 2, NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V,
-                                               BV=BV, LOWP=lowp, INTERP=interp, BOTH=both,
-                                               num_warps=PREP_LAUNCH["wu_warps"],
-                                               num_stages=PREP_LAUNCH["wu_stages"],
-                                               **_cap("wu_maxnreg", interp, lowp), **prep)
+    _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
+                             INTERP=interp, num_warps=PREP_LAUNCH["wu_warps"],
+                             num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp),
+                             **prep)

@@ -153,34 +153,6 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
-@pytest.mark.parametrize("B,T,H,K,V,delta,dtype,chunk,cu,where", [
-    (1, 150, 2, 32, 32, True, torch.bfloat16, 64, None, ("v", 41)),
-    (1, 100, 1, 16, 32, False, torch.float32, 16, [0, 20, 53, 100], ("k", 60))])
-def test_dg_summed_along_rows_gives_the_same_gradients(monkeypatch, B, T, H, K, V, delta, dtype, chunk,
-                                                       cu, where):
-    """GDN_BWD_DG=rows (bring-up): `gdn.bwd_gate._gate_grad` summing the pair terms along rows
-    (then down the columns, shifted by one) gives the default's dq, dk, dv, dbeta, dh0
-    bitwise and its dg to fp32 rounding (the same terms, once each, in another order), a
-    short last chunk and varlen included, and with a NaN in v or k the NaN/Inf sets of
-    float64 autograd through the oracle.  (The interpreter reads the module constant at
-    each call, so patching it switches the path.)"""
-    import gdn.bwd_gate
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(B, T, H, K, V, 1, delta, dtype, cu=cu)
-    for case in (x, with_nan(x, *where)):
-        cols = kernel_grads(case, cu, delta, chunk)
-        monkeypatch.setattr(gdn.bwd_gate, "DG_ROWS", True)
-        rows = kernel_grads(case, cu, delta, chunk)
-        monkeypatch.setattr(gdn.bwd_gate, "DG_ROWS", False)
-        but_dg = lambda gs: [None if n == "dg" else g for n, g in zip(NAMES, gs)]  # noqa: E731
-        assert_bitwise(but_dg(cols), but_dg(rows))
-        dg_cols, dg_rows = cols[NAMES.index("dg")], rows[NAMES.index("dg")]
-        assert torch.equal(dg_cols.isnan(), dg_rows.isnan()) and torch.equal(dg_cols.isinf(), dg_rows.isinf())
-        fin = dg_cols.isfinite()
-        assert (dg_cols[fin] - dg_rows[fin]).norm() <= 1e-5 * dg_cols[fin].norm()
-    assert_same_specials(rows, oracle_grads(case, cu, delta))
-
-
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),

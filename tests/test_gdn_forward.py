@@ -437,28 +437,6 @@ def test_entry_stores_before_the_checks_are_redone_where_a_chunk_fails(gate, del
         assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
-@pytest.mark.parametrize("gate,dtype", [("scalar", torch.bfloat16), ("vector", torch.float32)],
-                         ids=["scalar-bf16", "vector-fp32"])
-def test_w_and_u_in_one_program_give_the_same_forward(monkeypatch, gate, dtype):
-    """PREP_LAUNCH "wu_both" (bring-up): w then u of a chunk in one program (T read once)
-    gives bitwise the default's o, final state and T, clean and with a NaN in v (the u
-    side clears the chunk's flag), and then the oracle's NaN/Inf sets."""
-    import gdn.fwd_prep as fp
-    x = make_inputs(gate, True, B=1, T=150, H=2, K=32, V=48, seed=12, dtype=dtype)
-    nan = make_inputs(gate, True, B=1, T=150, H=2, K=32, V=48, seed=12, dtype=dtype)
-    inject(nan, "v", float("nan"))
-    for case in (x, nan):
-        two = call(chunk_gdn_fwd, case, delta=True, return_inverse=True)
-        monkeypatch.setitem(fp.PREP_LAUNCH, "wu_both", 1)
-        one = call(chunk_gdn_fwd, case, delta=True, return_inverse=True)
-        monkeypatch.setitem(fp.PREP_LAUNCH, "wu_both", 0)
-        for a, b in zip(two, one):
-            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-    o, s = call(recurrence, nan, delta=True)
-    assert_same_nonfinite(one[0], o, BOUND[dtype])
-    assert_same_nonfinite(one[1], s, BOUND[dtype])
-
-
 def test_fp32_keys_over_128_take_the_sliced_output_launch():
     """fp32 inputs at K > 128 run the output kernel in K slices (gdn.chunk_fwd.out_launch): in
     one piece it needs more shared memory than a GPU has at K = V = 256 (262144 bytes, sm_90
