@@ -153,6 +153,36 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
+@pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu,where", [
+    (1, 150, 2, 32, 32, 1, True, torch.bfloat16, 64, None, ("v", 41)),
+    (1, 100, 2, 16, 80, 1, False, torch.float32, 16, [0, 20, 53, 100], ("k", 60)),
+    (2, 70, 1, 16, 32, 0, True, torch.float32, 32, None, ("do", 5))])
+def test_the_decays_on_the_value_tiles_give_the_same_gradients(monkeypatch, B, T, H, K, V, gate,
+                                                                delta, dtype, chunk, cu, where):
+    """GDN_BWD_DS=vside and GDN_BWD_STATES=vside (bring-up, `gdn.bwd_matrix.DS_VSIDE`,
+    `STATES_VSIDE`): the sequential kernels' matrix steps with the scalar gate's decays and
+    q's scale on the [C, BV] tiles give the default's gradients to fp32 rounding (the same
+    terms, multiplied in another order), no gate and a scalar one, two V tiles, varlen and a
+    short last chunk included, and with a NaN in v, k or do the NaN/Inf sets of float64
+    autograd through the oracle."""
+    import gdn.bwd_matrix as bm
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
+    for switch in ("DS_VSIDE", "STATES_VSIDE"):
+        for case in (x, with_nan(x, *where)):
+            base = kernel_grads(case, cu, delta, chunk)
+            monkeypatch.setattr(bm, switch, True)
+            got = kernel_grads(case, cu, delta, chunk)
+            monkeypatch.setattr(bm, switch, False)
+            for n, a, b in zip(NAMES, got, base):
+                if b is None:
+                    continue
+                assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), (switch, n)
+                fin = b.isfinite()
+                assert (a[fin] - b[fin]).double().norm() <= 1e-5 * b[fin].double().norm(), (switch, n)
+        assert_same_specials(got, oracle_grads(case, cu, delta))
+
+
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),
