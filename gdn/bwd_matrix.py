@@ -22,8 +22,6 @@ Refuses nothing itself: tile sizes, dtypes and launch grids come from gdn.chunk_
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -32,15 +30,6 @@ from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _and, _handoff, _odot, _tile
 from gdn.fwd_prep import _unit_lower_inverse
-
-# Bring-up (session 16, off): the sequential kernels' matrix steps with the scalar gate's
-# decays and q's scale on the [C, BV] tiles, so that q and k enter the products as loaded
-# (the forward's state pass took 0.354 -> 0.312 ms so, session 11).  GDN_BWD_DS=vside:
-# `_dstates_step` (sm_90 offline its [C, K] fp32 tiles of q and k, and their gated copies,
-# hold it at 255 registers with 56 B of spill); GDN_BWD_STATES=vside: `_states_step` (timed
-# in session 11 at 3 stages: 0.436 -> 0.464 ms; it runs at 2 now).
-DS_VSIDE = tl.constexpr(os.environ.get("GDN_BWD_DS") == "vside")
-STATES_VSIDE = tl.constexpr(os.environ.get("GDN_BWD_STATES") == "vside")
 
 
 @triton.jit
@@ -212,15 +201,12 @@ def _states_step(k, v, g, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, m
         tl.store(_tile(U, r0, rows, cv, V, H), b_u.to(U.dtype.element_ty), mask=_and(mcv, ok))
     else:
         b_u = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-    if GATE == 1 and STATES_VSIDE:
+    if GATE == 1:
+        # the decay on U's tile, K as loaded into the product: on the H200 (session 16, 2
+        # stages) 0.294 -> 0.285 ms against the decay on the keys (session 11, at 3 stages,
+        # it was slower: 0.436 -> 0.464)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         return h * tl.exp(GC) + _mm(tl.trans(b_k), b_u * _end_decay(G, Gl, GC, GCl)[:, None], F32, DT)
-    elif GATE == 1:
-        G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-        # the decay on the keys: on U's tile, as the forward's state pass has it, this kernel
-        # measured 0.436 -> 0.464 ms on the H200 (session 11, 3 stages)
-        return h * tl.exp(GC) + _mm(tl.trans(b_k.to(tl.float32) * _end_decay(G, Gl, GC, GCl)[:, None]),
-                                    b_u, F32, DT)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
         return h * tl.exp(GC)[:, None] + _mm(tl.trans(b_k.to(tl.float32) * tl.exp(GC[None, :] - G)), b_u,
@@ -316,8 +302,12 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
     r0 = _chunk_base(t0, ih, H)
     mqk = rv[:, None] & mk[None, :]
     mcv = rv[:, None] & mv[None, :]
-    if DS_VSIDE and GATE != 2:
-        # K_end dS = diag(exp(G_C - G)) (K dS) and Q_g^T dO = Q^T (diag(exp(G) scale) dO)
+    if GATE != 2:
+        # the scalar gate's decays and q's scale on the [C, BV] tiles, q and k as loaded into
+        # the products: K_end dS = diag(exp(G_C - G)) (K dS), Q_g^T dO = Q^T (diag(exp(G)
+        # scale) dO).  On the H200 (session 16, bf16 GDN B8 T4096 H16 K=V=128) 0.795 -> 0.737
+        # ms against the [C, K] fp32 tiles Q_g, K_end (sm_90 offline: the loop 1368 -> 1086
+        # instructions, 56 -> 16 B of spill)
         b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
         b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
         b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
@@ -332,7 +322,7 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
         du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) + kdh
         tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
         dh = dh + _mm(tl.trans(b_q), b_do, F32, DT)
-    else:
+    else:   # the vector gate's decays are per key: on the [C, K] tiles
         b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
         b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         _, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,

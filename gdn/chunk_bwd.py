@@ -70,8 +70,11 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # 10, but 0.518 -> 0.907 in session 12 (with P^T dO in it since session 11)
           "prep_given_warps": 4,
           # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
-          # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes)
-          "dstates_warps": 8, "dstates_stages": 3,
+          # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes); session
+          # 16 (decays on the value tiles): 3 stages 0.737 ms, 2 stages 0.735, which need
+          # 229888 and 155904 B of shared memory at bf16 K=V=128 (sm_90 offline; an A100 holds
+          # about 164 KB a block, the H200 232448 B)
+          "dstates_warps": 8, "dstates_stages": 2,
           # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
           # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
           # 0.949, though sm_90 offline says 4 warps spill; _grads_p in 32-wide K slices
@@ -102,13 +105,19 @@ def launch_for(V: int) -> dict:
     return dict(LAUNCH, **(LAUNCH_UNHINTED if V % 16 else {}))
 
 
-def stages(launch: dict, key: str, F32: bool) -> int:
-    """A kernel's pipeline stages: one where the dots take fp32 operands, else launch[key].
-    fp32 tiles are twice bf16's, and the stages' copies of them overran the H200's shared
-    memory: `_dstates` at 3 stages needed 295424 B of 232448 at fp32 K 100 (BK 128), V 64
-    (session 13's device verify, G03); at one stage 81920 B (sm_90 offline; K = V = 256:
-    147456 B, and `_states` 229632 -> 81920 B, within an A100's 164 KB)."""
-    return 1 if F32 else launch[key]
+def stages(launch: dict, key: str, F32: bool, BK: int = 0) -> int:
+    """A kernel's pipeline stages: one where the dots take fp32 operands, and for the two
+    sequential kernels (``key`` "seq_stages", "dstates_stages") where BK is over 128; else
+    launch[key].  fp32 tiles are twice bf16's, and the stages' copies of them overran the
+    H200's shared memory: `_dstates` at 3 stages needed 295424 B of 232448 at fp32 K 100 (BK
+    128), V 64 (session 13's device verify, G03); at one stage 81920 B (sm_90 offline; K = V
+    = 256: 147456 B, and `_states` 229632 -> 81920 B, within an A100's 164 KB).  bf16 [C,
+    256] tiles did the same: at a K of 144 to 256 that Triton knows divisible by 16 (so its
+    copies are pipelined) `_dstates` at 3 stages needs 393728 B (303616 before session 16's
+    decays on the value tiles) and at 2 270592, `_states` at 2 stages 180480 B, over an
+    A100's (sm_90 offline, session 16); at one stage 98304 B."""
+    seq = key in ("seq_stages", "dstates_stages")
+    return 1 if F32 or (seq and BK > 128) else launch[key]
 
 
 def tiles(K: int, V: int) -> dict:
@@ -257,7 +266,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
                               T, H, K, V, HAS_H0=initial_state is not None, F32=F32, DT=DT,
                               SBIG=SBIG, PART=part, num_warps=seq_warps,
-                              num_stages=stages(launch, "seq_stages", F32), **common)
+                              num_stages=stages(launch, "seq_stages", F32, BK), **common)
     if not SEQ_SPLIT:
         sstop.copy_(dht if dht is not None else torch.zeros_like(sstop))
         if dh0 is not None:   # a sequence with no chunk: PART 1 writes nothing
@@ -269,7 +278,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                                T, H, K, V, HAS_DHT=dht is not None,
                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                num_warps=launch["dstates_warps"],
-                               num_stages=stages(launch, "dstates_stages", F32),
+                               num_stages=stages(launch, "dstates_stages", F32, BK),
                                PART=part, **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy

@@ -153,36 +153,6 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
-@pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu,where", [
-    (1, 150, 2, 32, 32, 1, True, torch.bfloat16, 64, None, ("v", 41)),
-    (1, 100, 2, 16, 80, 1, False, torch.float32, 16, [0, 20, 53, 100], ("k", 60)),
-    (2, 70, 1, 16, 32, 0, True, torch.float32, 32, None, ("do", 5))])
-def test_the_decays_on_the_value_tiles_give_the_same_gradients(monkeypatch, B, T, H, K, V, gate,
-                                                                delta, dtype, chunk, cu, where):
-    """GDN_BWD_DS=vside and GDN_BWD_STATES=vside (bring-up, `gdn.bwd_matrix.DS_VSIDE`,
-    `STATES_VSIDE`): the sequential kernels' matrix steps with the scalar gate's decays and
-    q's scale on the [C, BV] tiles give the default's gradients to fp32 rounding (the same
-    terms, multiplied in another order), no gate and a scalar one, two V tiles, varlen and a
-    short last chunk included, and with a NaN in v, k or do the NaN/Inf sets of float64
-    autograd through the oracle."""
-    import gdn.bwd_matrix as bm
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
-    for switch in ("DS_VSIDE", "STATES_VSIDE"):
-        for case in (x, with_nan(x, *where)):
-            base = kernel_grads(case, cu, delta, chunk)
-            monkeypatch.setattr(bm, switch, True)
-            got = kernel_grads(case, cu, delta, chunk)
-            monkeypatch.setattr(bm, switch, False)
-            for n, a, b in zip(NAMES, got, base):
-                if b is None:
-                    continue
-                assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), (switch, n)
-                fin = b.isfinite()
-                assert (a[fin] - b[fin]).double().norm() <= 1e-5 * b[fin].double().norm(), (switch, n)
-        assert_same_specials(got, oracle_grads(case, cu, delta))
-
-
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),
@@ -568,6 +538,27 @@ def test_fp32_dots_launch_one_stage(launches):
     kernel_grads(x, None, True, 16)
     assert {kern.__name__: stages for kern, (_, stages) in launched.items()} == {
         "_prep": 1, "_states": 1, "_dstates": 1, "_grads_wy": 1, "_grads_p": 1, "_exact": None}
+
+
+def test_keys_over_128_launch_the_sequential_kernels_at_one_stage(monkeypatch):
+    """bf16 keys over 128 (BK 256) take one stage in `_states` and `_dstates`
+    (`gdn.chunk_bwd.stages`): pipelined at K 144 to 256, `_dstates` needs 393728 B of shared
+    memory at 3 stages, more than the H200's 232448, and `_states` 180480 at 2, more than an
+    A100's (sm_90 offline, session 16).  BK 128 and the other kernels keep the launch's
+    stages, and the launcher hands each sequential kernel its BK."""
+    from gdn import chunk_bwd
+    L = chunk_bwd.LAUNCH
+    for key in ("seq_stages", "dstates_stages"):
+        assert chunk_bwd.stages(L, key, False, 256) == 1
+        assert chunk_bwd.stages(L, key, False, 128) == L[key] > 1
+    assert chunk_bwd.stages(L, "grads_stages", False, 256) == L["grads_stages"] > 1
+    asked = []
+    right = chunk_bwd.stages
+    monkeypatch.setattr(chunk_bwd, "stages", lambda *a: asked.append(a[1:]) or right(*a))
+    x = make_inputs(1, 20, 1, 144, 16, 1, True, torch.bfloat16)
+    kernel_grads(x, None, True, 16)
+    assert {a[0]: a[2:] for a in asked if a[0] in ("seq_stages", "dstates_stages")} == {
+        "seq_stages": (256,), "dstates_stages": (256,)}
 
 
 @pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])

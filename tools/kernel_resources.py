@@ -183,8 +183,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     grads_stages = cb.stages(launch, "grads_stages", F32)
     for fn, bv, warps, stages, extra in (
             (cb._prep, tile["BV"], launch["prep_warps"], cb.stages(launch, "prep_stages", F32), {}),
-            (cb._states, tile["BV"], seq, cb.stages(launch, "seq_stages", F32), {}),
-            (cb._dstates, tile["BV"], launch["dstates_warps"], cb.stages(launch, "dstates_stages", F32),
+            (cb._states, tile["BV"], seq, cb.stages(launch, "seq_stages", F32, tile["BK"]), {}),
+            (cb._dstates, tile["BV"], launch["dstates_warps"], cb.stages(launch, "dstates_stages", F32, tile["BK"]),
              {}),
             # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
