@@ -22,6 +22,8 @@ Refuses nothing itself: tile sizes, dtypes and launch grids come from gdn.chunk_
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -30,6 +32,11 @@ from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _and, _handoff, _odot, _tile
 from gdn.fwd_prep import _unit_lower_inverse
+
+# Bring-up (session 16, off): GDN_BWD_PREP=onepass, `_prep` forms T (or loads the forward's)
+# and W before its pass over V, which then stores U beside P^T dO: v read once, not twice
+# (134 MB at bf16 B8 T4096 H16 K=V=128).
+PREP_ONEPASS = tl.constexpr(os.environ.get("GDN_BWD_PREP") == "onepass")
 
 
 @triton.jit
@@ -135,6 +142,23 @@ def _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C: tl.constex
 
 
 @triton.jit
+def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constexpr, ck, mqk,
+             DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+             GIVEN_T: tl.constexpr, IW: tl.constexpr):
+    """With the delta rule (GDN_BWD_PREP=onepass): T (the forward's, GIVEN_T, or formed, then
+    stored in Tm) and W = T diag(beta) K_g stored; returns T (0. without the delta rule)."""
+    tm = 0.
+    if DELTA:
+        if GIVEN_T:
+            tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
+        else:
+            tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, t0, eos, H, C, IW, PREC)
+            tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
+        tl.store(_tile(W, r0, rows, ck, K, H), _mm(tm, kb, F32, DT).to(W.dtype.element_ty), mask=mqk)
+    return tm
+
+
+@triton.jit
 def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
@@ -151,36 +175,52 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     # P of the state-gradient step, for its local part P^T dO (below)
     p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                               GATE, F32, DT)
-    for iv in range(0, tl.cdiv(V, BV)):
-        cv = iv * BV + tl.arange(0, BV)
-        mcv = rv[:, None] & (cv < V)[None, :]
-        b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
-        # dU's (or dv's) part that does not wait for the state gradient, for _dstates
-        tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
-                 .to(DU.dtype.element_ty), mask=mcv)
-    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
-    if DELTA:
-        # T = (I + A)^-1: GIVEN_T, the forward's (gdn.op saves it), in Tm; else formed as the
-        # forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is its
-        # scratch; IW its tile width), which took _prep from 0.723 to 0.651 ms on the H200
-        # against v5.2's substitution in registers (session 10, bf16 B8 T4096 H16 K=V=128)
-        if GIVEN_T:
-            tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
-        else:
-            tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, bos + ic * C, eos,
-                                     H, C, IW, PREC)
-            # fp32: the dots round T to their operand dtype as they load it
-            tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
-        w = _mm(tm, kb, F32, DT)
-        tl.store(_tile(W, r0, rows, ck, K, H), w.to(W.dtype.element_ty), mask=mqk)
+    if PREP_ONEPASS:
+        tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
+                      DELTA, F32, DT, PREC, GIVEN_T, IW)
         for iv in range(0, tl.cdiv(V, BV)):
             cv = iv * BV + tl.arange(0, BV)
             mcv = rv[:, None] & (cv < V)[None, :]
             b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            u = _mm(tm, b_v * b_beta[:, None], F32, DT)
-            tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
+            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
+                     .to(DU.dtype.element_ty), mask=mcv)
+            if DELTA:
+                u = _mm(tm, b_v * b_beta[:, None], F32, DT)
+                tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
+        tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
+    else:
+        for iv in range(0, tl.cdiv(V, BV)):
+            cv = iv * BV + tl.arange(0, BV)
+            mcv = rv[:, None] & (cv < V)[None, :]
+            b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+            # dU's (or dv's) part that does not wait for the state gradient, for _dstates
+            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
+                     .to(DU.dtype.element_ty), mask=mcv)
+        tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
+        if DELTA:
+            # T = (I + A)^-1: GIVEN_T, the forward's (gdn.op saves it), in Tm; else formed as the
+            # forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is its
+            # scratch; IW its tile width), which took _prep from 0.723 to 0.651 ms on the H200
+            # against v5.2's substitution in registers (session 10, bf16 B8 T4096 H16 K=V=128)
+            if GIVEN_T:
+                tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
+            else:
+                tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, bos + ic * C, eos,
+                                         H, C, IW, PREC)
+                # fp32: the dots round T to their operand dtype as they load it
+                tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
+            w = _mm(tm, kb, F32, DT)
+            tl.store(_tile(W, r0, rows, ck, K, H), w.to(W.dtype.element_ty), mask=mqk)
+            for iv in range(0, tl.cdiv(V, BV)):
+                cv = iv * BV + tl.arange(0, BV)
+                mcv = rv[:, None] & (cv < V)[None, :]
+                b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+                u = _mm(tm, b_v * b_beta[:, None], F32, DT)
+                tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
 
 
 @triton.jit
