@@ -153,6 +153,26 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
+@pytest.mark.parametrize("B,T,H,K,V,delta,dtype,chunk,cu,where", [
+    (1, 150, 2, 80, 32, True, torch.bfloat16, 64, None, ("v", 41)),
+    (1, 100, 1, 16, 32, False, torch.float32, 16, [0, 20, 53, 100], ("k", 60))])
+def test_dg_from_the_pair_spans_gives_the_same_gradients(monkeypatch, B, T, H, K, V, delta, dtype,
+                                                         chunk, cu, where):
+    """GDN_BWD_DG=spans (bring-up, `gdn.bwd_grads.DG_SPANS`): `_grads_p` reducing the scalar
+    gate's pair terms to their spans before its K slices (K 80: two slices) gives the
+    default's gradients bit for bit, dg included, a short last chunk and varlen included,
+    clean and with a NaN in v or k."""
+    import gdn.bwd_grads
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, 1, delta, dtype, cu=cu)
+    for case in (x, with_nan(x, *where)):
+        base = kernel_grads(case, cu, delta, chunk)
+        monkeypatch.setattr(gdn.bwd_grads, "DG_SPANS", True)
+        got = kernel_grads(case, cu, delta, chunk)
+        monkeypatch.setattr(gdn.bwd_grads, "DG_SPANS", False)
+        assert_bitwise(got, base)
+
+
 @pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,where", [
     (1, 100, 2, 32, 80, 1, torch.bfloat16, None, ("v", 41)),
     (1, 100, 2, 16, 32, 2, torch.float32, [0, 20, 53, 100], ("do", 60))])
