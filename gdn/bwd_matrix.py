@@ -145,8 +145,12 @@ def _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C: tl.constex
 def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constexpr, ck, mqk,
              DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
              GIVEN_T: tl.constexpr, IW: tl.constexpr):
-    """With the delta rule (GDN_BWD_PREP=onepass): T (the forward's, GIVEN_T, or formed, then
-    stored in Tm) and W = T diag(beta) K_g stored; returns T (0. without the delta rule)."""
+    """With the delta rule: T = (I + A)^-1 and W = T diag(beta) K_g stored; returns T (0.
+    without the delta rule).  T is the forward's (GIVEN_T: gdn.op saves it), in Tm, or is
+    formed as the forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is
+    its scratch, IW its tile width; on the H200 that took _prep from 0.723 to 0.651 ms against
+    v5.2's substitution in registers, session 10, bf16 B8 T4096 H16 K=V=128) and stored in Tm
+    (fp32: the dots round T to their operand dtype as they load it)."""
     tm = 0.
     if DELTA:
         if GIVEN_T:
@@ -175,52 +179,32 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     # P of the state-gradient step, for its local part P^T dO (below)
     p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                               GATE, F32, DT)
+    tm = 0.
     if PREP_ONEPASS:
+        tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
+                      DELTA, F32, DT, PREC, GIVEN_T, IW)
+    for iv in range(0, tl.cdiv(V, BV)):
+        cv = iv * BV + tl.arange(0, BV)
+        mcv = rv[:, None] & (cv < V)[None, :]
+        b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+        # dU's (or dv's) part that does not wait for the state gradient, for _dstates
+        tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
+                 .to(DU.dtype.element_ty), mask=mcv)
+        if PREP_ONEPASS and DELTA:
+            u = _mm(tm, b_v * b_beta[:, None], F32, DT)
+            tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
+    tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
+    if DELTA and not PREP_ONEPASS:
         tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
                       DELTA, F32, DT, PREC, GIVEN_T, IW)
         for iv in range(0, tl.cdiv(V, BV)):
             cv = iv * BV + tl.arange(0, BV)
             mcv = rv[:, None] & (cv < V)[None, :]
             b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            bad += _outside(b_v, BIG) + _outside(b_do, BIG)
-            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
-                     .to(DU.dtype.element_ty), mask=mcv)
-            if DELTA:
-                u = _mm(tm, b_v * b_beta[:, None], F32, DT)
-                tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
-        tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
-    else:
-        for iv in range(0, tl.cdiv(V, BV)):
-            cv = iv * BV + tl.arange(0, BV)
-            mcv = rv[:, None] & (cv < V)[None, :]
-            b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            bad += _outside(b_v, BIG) + _outside(b_do, BIG)
-            # dU's (or dv's) part that does not wait for the state gradient, for _dstates
-            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
-                     .to(DU.dtype.element_ty), mask=mcv)
-        tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
-        if DELTA:
-            # T = (I + A)^-1: GIVEN_T, the forward's (gdn.op saves it), in Tm; else formed as the
-            # forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is its
-            # scratch; IW its tile width), which took _prep from 0.723 to 0.651 ms on the H200
-            # against v5.2's substitution in registers (session 10, bf16 B8 T4096 H16 K=V=128)
-            if GIVEN_T:
-                tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
-            else:
-                tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, bos + ic * C, eos,
-                                         H, C, IW, PREC)
-                # fp32: the dots round T to their operand dtype as they load it
-                tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
-            w = _mm(tm, kb, F32, DT)
-            tl.store(_tile(W, r0, rows, ck, K, H), w.to(W.dtype.element_ty), mask=mqk)
-            for iv in range(0, tl.cdiv(V, BV)):
-                cv = iv * BV + tl.arange(0, BV)
-                mcv = rv[:, None] & (cv < V)[None, :]
-                b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-                u = _mm(tm, b_v * b_beta[:, None], F32, DT)
-                tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
+            u = _mm(tm, b_v * b_beta[:, None], F32, DT)
+            tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
 
 
 @triton.jit
