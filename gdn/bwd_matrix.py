@@ -353,8 +353,7 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
                                       GATE, F32, DT)
         du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
             + _mm(ke, dh, F32, DT)
-        if GATE != 0:
-            dh = dh * dec
+        dh = dh * dec
         tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
         dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
     if DELTA:
