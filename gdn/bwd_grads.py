@@ -24,7 +24,6 @@ Refuses nothing itself: tile sizes, dtypes and launch grids come from gdn.chunk_
 """
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
@@ -34,12 +33,6 @@ from gdn.bwd_gate import (_end_decay, _gate_grad, _gate_grad_of_spans, _gate_sum
                           _pair_decay, _pair_spans)
 from gdn.bwd_matrix import _mm
 from gdn.chunk_fwd import _tile
-
-# Bring-up (session 16, off): GDN_BWD_DG=spans, `_grads_p` reduces the scalar gate's [C, C]
-# pair terms to their spans ([C], `gdn.bwd_gate._pair_spans`) before its K slices instead of
-# holding the tile through them: sm_90 offline (Triton 3.6, bf16 GDN K=V=128, 4 warps) 200
-# -> 120 B of spill at 255 registers, the same dg bit for bit.
-DG_SPANS = tl.constexpr(os.environ.get("GDN_BWD_DG") == "spans")
 
 
 @triton.jit
@@ -195,11 +188,11 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
         eE = _end_decay(G, Gl, GC, GCl)
         E = _pair_decay(G, Gl, incl)
         p = _mm(f_q, tl.trans(f_k), F32, DT) * E
-        # dg_t sums the pair terms whose decay spans step t (see _gate_grad); DG_SPANS: reduced
-        # to [C] here, before the K slices
-        pairs = tl.where(strict, dp * p, 0.)
-        if DG_SPANS:
-            spans = _pair_spans(pairs)
+        # dg_t sums the pair terms whose decay spans step t (see _gate_grad), reduced to [C]
+        # here, before the K slices (on the H200, session 17, bf16 B8 T4096 H16 K=V=128: 0.828
+        # -> 0.802 ms against the [C, C] terms held through them; sm_90 offline 200 -> 120 B
+        # of spill)
+        spans = _pair_spans(tl.where(strict, dp * p, 0.))
         dp = dp * E                                  # now d(Q K^T) under the decay
     qh = tl.zeros([C], dtype=tl.float32)            # rowsum(dO h^T * Q)
     ke = tl.zeros([C], dtype=tl.float32)            # rowsum(U dS_end^T * K)
@@ -261,10 +254,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             dkk += tl.load(_tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
         tl.store(_tile(dk, r0, rows, ck, K, H), dkk.to(dk.dtype.element_ty), mask=mqk)
     if GATE == 1:
-        if DG_SPANS:
-            dgo = _gate_grad_of_spans(qh * eG, spans, ke * eE, tl.exp(GC) * tl.sum(hd, 0))
-        else:
-            dgo = _gate_grad(qh * eG, pairs, ke * eE, tl.exp(GC) * tl.sum(hd, 0))
+        dgo = _gate_grad_of_spans(qh * eG, spans, ke * eE, tl.exp(GC) * tl.sum(hd, 0))
         if DELTA:
             dgo += tl.load(dgp + tok.to(tl.int64) * H + ih, mask=rv, other=0.)
         tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)

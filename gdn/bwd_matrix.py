@@ -22,7 +22,6 @@ Refuses nothing itself: tile sizes, dtypes and launch grids come from gdn.chunk_
 """
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
@@ -33,10 +32,6 @@ from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _and, _handoff, _odot, _tile
 from gdn.fwd_prep import _unit_lower_inverse
 
-# Bring-up (session 16, off): GDN_BWD_PREP=onepass, `_prep` forms T (or loads the forward's)
-# and W before its pass over V, which then stores U beside P^T dO: v read once, not twice
-# (134 MB at bf16 B8 T4096 H16 K=V=128).
-PREP_ONEPASS = tl.constexpr(os.environ.get("GDN_BWD_PREP") == "onepass")
 
 
 @triton.jit
@@ -179,10 +174,11 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     # P of the state-gradient step, for its local part P^T dO (below)
     p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                               GATE, F32, DT)
-    tm = 0.
-    if PREP_ONEPASS:
-        tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
-                      DELTA, F32, DT, PREC, GIVEN_T, IW)
+    # T and W first, so that one pass over V stores P^T dO and U (v read once: on the H200,
+    # session 17, bf16 B8 T4096 H16 K=V=128, 0.546 -> 0.505 ms on the forward's T against a
+    # second pass over V for U after T and W)
+    tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
+                  DELTA, F32, DT, PREC, GIVEN_T, IW)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
@@ -192,19 +188,10 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
         # dU's (or dv's) part that does not wait for the state gradient, for _dstates
         tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
                  .to(DU.dtype.element_ty), mask=mcv)
-        if PREP_ONEPASS and DELTA:
+        if DELTA:
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
             tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
-    if DELTA and not PREP_ONEPASS:
-        tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
-                      DELTA, F32, DT, PREC, GIVEN_T, IW)
-        for iv in range(0, tl.cdiv(V, BV)):
-            cv = iv * BV + tl.arange(0, BV)
-            mcv = rv[:, None] & (cv < V)[None, :]
-            b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            u = _mm(tm, b_v * b_beta[:, None], F32, DT)
-            tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
 
 
 @triton.jit

@@ -153,58 +153,6 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
-@pytest.mark.parametrize("B,T,H,K,V,delta,dtype,chunk,cu,where", [
-    (1, 150, 2, 80, 32, True, torch.bfloat16, 64, None, ("v", 41)),
-    (1, 100, 1, 16, 32, False, torch.float32, 16, [0, 20, 53, 100], ("k", 60))])
-def test_dg_from_the_pair_spans_gives_the_same_gradients(monkeypatch, B, T, H, K, V, delta, dtype,
-                                                         chunk, cu, where):
-    """GDN_BWD_DG=spans (bring-up, `gdn.bwd_grads.DG_SPANS`): `_grads_p` reducing the scalar
-    gate's pair terms to their spans before its K slices (K 80: two slices) gives the
-    default's gradients bit for bit, dg included, a short last chunk and varlen included,
-    clean and with a NaN in v or k."""
-    import gdn.bwd_grads
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(B, T, H, K, V, 1, delta, dtype, cu=cu)
-    for case in (x, with_nan(x, *where)):
-        base = kernel_grads(case, cu, delta, chunk)
-        monkeypatch.setattr(gdn.bwd_grads, "DG_SPANS", True)
-        got = kernel_grads(case, cu, delta, chunk)
-        monkeypatch.setattr(gdn.bwd_grads, "DG_SPANS", False)
-        assert_bitwise(got, base)
-
-
-@pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,where", [
-    (1, 100, 2, 32, 80, 1, torch.bfloat16, None, ("v", 41)),
-    (1, 100, 2, 16, 32, 2, torch.float32, [0, 20, 53, 100], ("do", 60))])
-def test_prep_in_one_pass_over_v_gives_the_same_gradients(monkeypatch, B, T, H, K, V, gate, dtype,
-                                                            cu, where):
-    """GDN_BWD_PREP=onepass (bring-up, `gdn.bwd_matrix.PREP_ONEPASS`): `_prep` forms T and W
-    before its pass over V, which stores U beside P^T dO (v read once): bitwise the default's
-    gradients on the forward's T and on its own, two V tiles and varlen included, clean and
-    with a NaN in v or do, and then the NaN/Inf sets of float64 autograd through the oracle;
-    without the delta rule too (no T, no W, no U)."""
-    import gdn.bwd_matrix as bm
-    from gdn.chunk_fwd import chunk_gdn_fwd
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
-    for case, own in ((x, True), (with_nan(x, *where), False)):
-        _, _, inverse = chunk_gdn_fwd(case["q"], case["k"], case["v"], case["g"], case["beta"],
-                                      initial_state=case["h0"], cu_seqlens=cu, return_inverse=True)
-        for inv, delta in ((inverse, True),) + (((None, True), (None, False)) if own else ()):
-            def grads():
-                return chunk_gdn_bwd(case["q"], case["k"], case["v"], case["g"], case["beta"], case["do"],
-                                     case["dht"], initial_state=case["h0"], cu_seqlens=cu, delta=delta,
-                                     inverse=inv)
-            base = grads()
-            monkeypatch.setattr(bm, "PREP_ONEPASS", True)
-            got = grads()
-            monkeypatch.setattr(bm, "PREP_ONEPASS", False)
-            assert_bitwise(got, base)
-            if inv is not None:
-                on_forward_t = got
-    assert_same_specials(on_forward_t, oracle_grads(case, cu, True))
-
-
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),
