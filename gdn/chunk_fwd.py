@@ -95,13 +95,6 @@ OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
 # stages: 114688 bytes of shared memory at K = V = 256 (sm_90 offline).  Not run on a GPU yet.
 OUT_LAUNCH_WIDE_FP32 = {"bk": 64, "bv": 64, "warps": 4, "stages": 2}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
-# GDN_FWD_QMAX=1 (a candidate, default off): the sliced matrix part checks q once after its
-# K loop, on the elementwise max of |q| over the slices (NaN kept), not with a reduction
-# across the warps every slice.  sm_90 offline (Triton 3.6, bf16 GDN K=V=128): the loop 282
-# -> 220 instructions, 6 -> 3 barriers, 3 -> 0 shuffles, but 123 -> 168 registers (one
-# program an SM at 8 warps); capped at 128 ('{"maxnreg": 128}'): 226 instructions, 8 B of
-# spill.
-OUT_QMAX = tl.constexpr(os.environ.get("GDN_FWD_QMAX") == "1")
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
 # the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact
 # bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands otherwise (tf32 on GPUs;
@@ -417,7 +410,6 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             if GATE == 1:
                 G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
                 eq = tl.exp(G + Glo)
-            qmax = tl.zeros([BT, BKS], dtype=q.dtype.element_ty)
             for ks in range(0, BK // BKS):
                 dks = ks * BKS + tl.arange(0, BKS)
                 mks = rmask[:, None] & (dks < K)[None, :]
@@ -425,17 +417,12 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 kss = tl.load(_tile(k, r0, rr, dks, K, H), mask=mks, other=0.0)
                 Ss = tl.load(hs + hbase + (dks[:, None] * V + dv[None, :]),
                              mask=(dks < K)[:, None] & vmask[None, :], other=0.0)
-                if OUT_QMAX:
-                    qmax = tl.maximum(qmax, tl.abs(qs), propagate_nan=tl.PropagateNan.ALL).to(qmax.dtype)
-                else:
-                    nbad += tl.where(_all_within(qs, BIG), 0, 1)
+                nbad += tl.where(_all_within(qs, BIG), 0, 1)
                 Aqk += _odot(qs, tl.trans(kss), DT, PREC)
                 if GATE == 1:
                     acc += _odot(qs * eq[:, None], Ss, DT, PREC)
                 else:
                     acc += _odot(qs, Ss, DT, PREC)
-            if OUT_QMAX:
-                nbad += tl.where(_all_within(qmax, BIG), 0, 1)
             ok = _forced(nbad == 0, MODE)
             tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
             causal = rr[:, None] >= rr[None, :]

@@ -9,7 +9,6 @@ the gate prefix and output kernels, and the module docstring with the NaN/Inf co
 """
 from __future__ import annotations
 
-import os
 import zlib
 
 import triton
@@ -18,14 +17,6 @@ from triton.runtime.errors import OutOfResources
 
 from gdn.chunk_fwd import (INTERPRET, _all_within, _and, _exact_chunk, _forced, _gate_last,
                            _handoff, _load_gates, _odot)
-
-
-# GDN_FWD_CARRY=1 (a candidate, default off): the matrix part carries the state without waiting
-# for the chunk's checks (S = the step's result, not tl.where(ok, step, S)) and stores no
-# sstop; the resume part steps the chunks before the stop again by the matrix path (storing
-# nothing) to reach the state entering it.  sm_90 offline (Triton 3.6, bf16 GDN K=V=128, BV
-# 64): the loop 988 -> 924 instructions, 252 -> 224 registers, 13 barriers either way.
-CARRY = tl.constexpr(os.environ.get("GDN_FWD_CARRY") == "1")
 
 
 @triton.jit
@@ -162,31 +153,19 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             ok = ok & alive
             Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv,
                               vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
-            if CARRY:
-                S = Sn
-            else:
-                S = tl.where(ok, Sn, S)
+            S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
             alive = ok
         tl.store(stop + i_nh * V + dv, tl.zeros([BV], dtype=tl.int32) + stopc, mask=vmask)
         if stopc < nch:
-            if not CARRY:
-                tl.store(sstop + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
+            tl.store(sstop + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
         elif STORE_HT:
             tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
     else:
         c0 = tl.min(tl.load(stop + i_nh * V + dv, mask=vmask, other=nch))   # one value a tile
         if c0 < nch:
-            if CARRY:   # the chunks before the stop again by the matrix path, storing nothing
-                if HAS_H0:
-                    S = tl.load(h0 + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0).to(tl.float32)
-                else:
-                    S = tl.zeros((BK, BV), dtype=tl.float32)
-                c1 = 0
-            else:
-                S = tl.load(sstop + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0)
-                c1 = c0
-            for c in range(c1, nch):
+            S = tl.load(sstop + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0)
+            for c in range(c0, nch):
                 cid = (c_first + c).to(tl.int64)
                 t0 = bos + c * BT
                 r0 = t0.to(tl.int64) * H + i_h
@@ -194,13 +173,11 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 nlast = tl.minimum(BT, eos - t0) - 1
                 ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
                                        vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
-                if c >= c0:
-                    tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
-                    tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8),
-                             mask=vmask)
+                tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
+                tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
-                                     dv, vmask, ok & (c >= c0), H, K, V, GATE, DELTA, PREC, DT)
+                                     dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
                 else:   # float64 steps, the state kept fp32 between them
                     S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
                                      smask, H, K, V, BT, GATE, DELTA, False)

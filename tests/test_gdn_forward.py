@@ -437,55 +437,6 @@ def test_entry_stores_before_the_checks_are_redone_where_a_chunk_fails(gate, del
         assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
-@pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", True), ("none", False)],
-                         ids=["scalar-delta", "vector-delta", "none-linear"])
-def test_the_state_carried_past_the_checks_gives_the_same_answer(monkeypatch, gate, delta):
-    """GDN_FWD_CARRY=1 (bring-up, `gdn.fwd_state.CARRY`): the matrix part carries the state
-    without waiting for a chunk's checks and stores no sstop; the resume part replays the
-    chunks before the stop.  With a NaN in v or k mid-sequence after a nonzero initial state
-    (two sequences, varlen), the same outputs and final state as the default's (fp32 to 1e-6:
-    the replay runs 16-wide tiles) and the oracle's NaN/Inf sets."""
-    import gdn.fwd_state as fs
-    cu = torch.tensor([0, 70, 170], device=DEV)
-    # each in a sequence's second chunk (64-token chunks: tokens 134-169, 64-69), so that
-    # the stop is past the sequence's first chunk and the replay has a chunk to step
-    for name, t in (("v", 150), ("k", 160), ("v", 66)):
-        x = make_inputs(gate, delta, B=1, T=170, H=2, K=32, V=48, seed=11, dtype=torch.float32,
-                        cu_seqlens=cu)
-        x[name][0, t, 1, 3] = float("nan")
-        base = call(chunk_gdn_fwd, x, delta=delta, cu_seqlens=cu)
-        monkeypatch.setattr(fs, "CARRY", True)
-        got = call(chunk_gdn_fwd, x, delta=delta, cu_seqlens=cu)
-        monkeypatch.setattr(fs, "CARRY", False)
-        ref = call(recurrence, x, delta=delta, cu_seqlens=cu)
-        for a, b, r in zip(got, base, ref):
-            assert_same_nonfinite(a, r, BOUND[torch.float32])
-            fin = a.isfinite()
-            assert torch.equal(fin, b.isfinite())
-            assert (a[fin] - b[fin]).abs().max().item() <= 1e-6 * b[fin].abs().max().item()
-
-
-def test_q_checked_once_after_the_slices_gives_the_same_output(monkeypatch):
-    """GDN_FWD_QMAX=1 (bring-up, `gdn.chunk_fwd.OUT_QMAX`): the output kernel's sliced matrix
-    part checks q once, on the elementwise max of |q| over its K slices, and gives the
-    default's output bit for bit: clean, and with a NaN, an inf or a value past BIG in q,
-    each in a different slice (K 48 in 16-wide slices, bf16)."""
-    import gdn.chunk_fwd as cf
-    monkeypatch.setitem(cf.OUT_LAUNCH, "bk", 16)
-    for col, value in ((None, None), (20, float("nan")), (3, float("inf")), (40, 1e5)):
-        x = make_inputs("scalar", True, B=1, T=100, H=2, K=48, V=24, seed=12, dtype=torch.bfloat16)
-        if col is not None:
-            x["q"][0, 70, 1, col] = value
-        base, _ = call(chunk_gdn_fwd, x)
-        monkeypatch.setattr(cf, "OUT_QMAX", True)
-        got, _ = call(chunk_gdn_fwd, x)
-        monkeypatch.setattr(cf, "OUT_QMAX", False)
-        assert torch.equal(got.isnan(), base.isnan())
-        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(base))
-        o, _ = call(recurrence, x)
-        assert_same_nonfinite(got, o, BOUND[torch.bfloat16])
-
-
 def test_fp32_keys_over_128_take_the_sliced_output_launch():
     """fp32 inputs at K > 128 run the output kernel in K slices (gdn.chunk_fwd.out_launch): in
     one piece it needs more shared memory than a GPU has at K = V = 256 (262144 bytes, sm_90
