@@ -95,12 +95,6 @@ OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
 # stages: 114688 bytes of shared memory at K = V = 256 (sm_90 offline).  Not run on a GPU yet.
 OUT_LAUNCH_WIDE_FP32 = {"bk": 64, "bv": 64, "warps": 4, "stages": 2}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
-# GDN_FWD_VN_AHEAD=1 (a candidate, default off): the sliced matrix part issues its v_new tile's
-# load before the K loop, so that it is in flight beside the slices' copies instead of after
-# them.  sm_90 offline (Triton 3.6, bf16 GDN K=V=128): 123 -> 140 registers (one program an SM
-# at 8 warps), 98304 -> 114688 B of shared memory; capped at 128 registers ('{"maxnreg":
-# 128}', two programs an SM) 24 B of spill.
-VN_AHEAD = tl.constexpr(os.environ.get("GDN_FWD_VN_AHEAD") == "1")
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
 # the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact
 # bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands otherwise (tf32 on GPUs;
@@ -416,8 +410,6 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             if GATE == 1:
                 G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
                 eq = tl.exp(G + Glo)
-            if VN_AHEAD:
-                vt = tl.load(_tile(vn if DELTA else v, r0, rr, dv, V, H), mask=mv, other=0.0)
             for ks in range(0, BK // BKS):
                 dks = ks * BKS + tl.arange(0, BKS)
                 mks = rmask[:, None] & (dks < K)[None, :]
@@ -437,8 +429,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
             if GATE == 1:
                 Aqk = Aqk * tl.exp(tl.where(causal, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
             Aqk = tl.where(causal, Aqk, 0.0)
-            if not VN_AHEAD:
-                vt = tl.load(_tile(vn if DELTA else v, r0, rr, dv, V, H), mask=mv, other=0.0)
+            vt = tl.load(_tile(vn if DELTA else v, r0, rr, dv, V, H), mask=mv, other=0.0)
             ot = (acc + _odot(Aqk, vt, DT, PREC)) * scale
             tl.store(_tile(o, r0, rr, dv, V, H), ot.to(o.dtype.element_ty), mask=_and(mv, ok))
         elif PART == 0:

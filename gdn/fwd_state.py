@@ -9,7 +9,6 @@ the gate prefix and output kernels, and the module docstring with the NaN/Inf co
 """
 from __future__ import annotations
 
-import os
 import zlib
 
 import triton
@@ -203,8 +202,7 @@ def _state_configs():
         return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
     return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
             for bv, nw, ns in ((32, 4, 2), (16, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2),
-                               (32, 8, 2), (16, 2, 2), (32, 4, 3))
-            + (((128, 8, 2), (128, 8, 1)) if os.environ.get("GDN_FWD_STATE_BV128") == "1" else ())]
+                               (32, 8, 2), (16, 2, 2), (32, 4, 3))]
 
 
 def _spread_order(configs, key: dict) -> list:
