@@ -33,7 +33,6 @@ from gdn.bwd_gate import (_end_decay, _gate_grad, _gate_grad_of_spans, _gate_sum
                           _pair_decay, _pair_spans)
 from gdn.bwd_matrix import _mm
 from gdn.chunk_fwd import _tile
-from gdn.fwd_prep import _t_stored
 
 
 @triton.jit
@@ -58,7 +57,7 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     strict = rows[:, None] > rows[None, :]
     b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None] & _t_stored(rows, C), other=0.)
+    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
     if C >= 32 and BKS >= 32 and BV >= 32:
         # every product then takes T as a DT operand (`_odot`: their N is C, BKS or BV), so
         # round it once, here: half its registers (sm_90 offline, 4 warps, scalar gate: stack

@@ -30,7 +30,7 @@ from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
 from gdn.chunk_fwd import _and, _handoff, _odot, _tile
-from gdn.fwd_prep import _t_stored, _unit_lower_inverse
+from gdn.fwd_prep import _unit_lower_inverse
 
 
 
@@ -149,10 +149,10 @@ def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constex
     tm = 0.
     if DELTA:
         if GIVEN_T:
-            tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None] & _t_stored(rows, C), other=0.)
+            tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
         else:
             tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, t0, eos, H, C, IW, PREC)
-            tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None] & _t_stored(rows, C))
+            tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
         tl.store(_tile(W, r0, rows, ck, K, H), _mm(tm, kb, F32, DT).to(W.dtype.element_ty), mask=mqk)
     return tm
 

@@ -46,24 +46,6 @@ import triton.language as tl
 from gdn.chunk_fwd import _all_within, _chunk_span, _inv_unit_lower, _load_gates, _tile
 
 
-# GDN_T_LOWER=1 (a candidate, default off): T = (I + A)^-1 is unit lower triangular, so its
-# stores and loads (forward and backward) cover only its 8x8 blocks on and below the
-# diagonal (`_t_stored`): 288 of a 64-token chunk's 512 32-byte sectors, 59 MB less written
-# by `_prep_inv_kernel` and read by `_prep_wu_kernel` (and by the backward's `_prep` and
-# `_grads_wy` on the forward's T) at bf16 B8 T4096 H16 K=V=128.  What lies above those blocks
-# in the buffer is the inverse's scratch (A^T), never read.
-T_LOWER = tl.constexpr(os.environ.get("GDN_T_LOWER") == "1")
-
-
-@triton.jit
-def _t_stored(rr, BT: tl.constexpr):
-    """The part of a chunk's [BT, BT] T that is stored and loaded (T_LOWER: the 8x8 blocks on
-    and below the diagonal, whole 32-byte sectors of fp32 rows; else all of it)."""
-    if T_LOWER:
-        return (rr[None, :] // 8) <= (rr[:, None] // 8)
-    return (rr[None, :] < BT) & (rr[:, None] < BT)
-
-
 @triton.jit
 def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
     """a b on bf16 operands (LOWP; fp32 totals) or on fp32 ones at PREC."""
@@ -177,7 +159,7 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     rmask = bos + rr < eos
     Tm, ok = _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H, K, BK, BT, GATE, PREC, BIG,
                       LOWP, INTERP, W)
-    tl.store(_tile(tm, r0, rr, rr, BT, H), Tm, mask=rmask[:, None] & _t_stored(rr, BT))
+    tl.store(_tile(tm, r0, rr, rr, BT, H), Tm, mask=rmask[:, None])
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
 
@@ -247,8 +229,7 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     row0 = bos.to(tl.int64) * H + i_h
     rr = tl.arange(0, BT)
     rmask = bos + rr < eos
-    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None] & _t_stored(rr, BT),
-                 other=0.0)
+    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
     for side in tl.static_range(2):
         _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
                  GATE, PREC, BIG, LOWP, INTERP)

@@ -153,44 +153,6 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
     assert_same_specials(split, oracle_grads(x, cu, delta))
 
 
-@pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,where", [
-    (1, 100, 2, 32, 80, 1, torch.bfloat16, None, ("v", 41)),
-    (1, 100, 2, 16, 32, 2, torch.float32, [0, 20, 53, 100], ("k", 60))])
-def test_t_stored_below_the_diagonal_gives_the_same_answers(monkeypatch, B, T, H, K, V, gate, dtype,
-                                                           cu, where):
-    """GDN_T_LOWER=1 (bring-up, `gdn.fwd_prep.T_LOWER`): T stored and loaded only in its 8x8
-    blocks on and below the diagonal (the inverse's scratch left above them) gives the
-    default's forward (o, final state, T's stored part) and gradients bit for bit, on the
-    forward's T and on the backward's own, clean and with a NaN in v or k, and then the
-    NaN/Inf sets of float64 autograd through the oracle."""
-    import gdn.fwd_prep as fp
-    from gdn.chunk_fwd import chunk_gdn_fwd
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
-    C = 16 if gate == 2 else 64
-    # each token's row of its chunk's T, and that row's stored part
-    offs = [0, T] if cu is None else cu.tolist()
-    row = torch.tensor([(t - b) % C for b, e in zip(offs, offs[1:]) for t in range(b, e)], device=DEV)
-    part = (torch.arange(C, device=DEV)[None, :] // 8) <= (row[:, None] // 8)   # [T, C]
-    for case in (x, with_nan(x, *where)):
-        runs = []
-        for lower in (False, True):
-            monkeypatch.setattr(fp, "T_LOWER", lower)
-            o, ht, inverse = chunk_gdn_fwd(case["q"], case["k"], case["v"], case["g"], case["beta"],
-                                           initial_state=case["h0"], cu_seqlens=cu, return_inverse=True)
-            grads = [chunk_gdn_bwd(case["q"], case["k"], case["v"], case["g"], case["beta"], case["do"],
-                                   case["dht"], initial_state=case["h0"], cu_seqlens=cu, inverse=inv)
-                     for inv in (inverse, None)]
-            runs.append((o, ht, inverse[:, part[:, None, :].expand(T, H, C)], grads))
-        monkeypatch.setattr(fp, "T_LOWER", False)
-        (o0, h0, t0, g0), (o1, h1, t1, g1) = runs
-        for a, b in ((o1, o0), (h1, h0), (t1, t0)):
-            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-        for a, b in zip(g1, g0):
-            assert_bitwise(a, b)
-    assert_same_specials(g1[0], oracle_grads(case, cu, True))
-
-
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),
