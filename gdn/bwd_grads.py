@@ -24,7 +24,6 @@ Refuses nothing itself: tile sizes, dtypes and launch grids come from gdn.chunk_
 """
 from __future__ import annotations
 
-
 import triton
 import triton.language as tl
 
