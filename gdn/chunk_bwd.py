@@ -69,6 +69,12 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms in session
           # 10, but 0.518 -> 0.907 in session 12 (with P^T dO in it since session 11)
           "prep_given_warps": 4,
+          # optional "prep_given_maxnreg" (unset: uncapped) caps the registers a thread of _prep
+          # on the forward's T for bf16 inputs on GPUs.  Candidate (session 17, not timed):
+          # '{"prep_given_warps": 8, "prep_given_maxnreg": 128}', two programs of 8 warps an SM
+          # (sm_90 offline, bf16 GDN K=V=128: 128 registers, 72 B of spill) against two of 4
+          # (245 registers, no spill); _prep on the forward's T runs at about 2.4 TB/s (0.501 ms
+          # for about 1.2 GB), where fla's w/u and dv_local kernels reach about 3.9
           # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
           # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes); session
           # 16 (decays on the value tiles): 3 stages 0.737 ms, 2 stages 0.735, which need
@@ -233,6 +239,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     launch = launch_for(V)
     seq_warps = launch["seq_warps"]
     prep_warps = launch["prep_given_warps" if inverse is not None else "prep_warps"]
+    prep_cap = launch.get("prep_given_maxnreg") if inverse is not None and not F32 and not INTERPRET else None
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
@@ -248,7 +255,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
                     GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
-                    num_stages=stages(launch, "prep_stages", F32), **common)
+                    num_stages=stages(launch, "prep_stages", F32),
+                    **({"maxnreg": prep_cap} if prep_cap else {}), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
     HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy

@@ -165,24 +165,26 @@ _BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD", "DU", "
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop"}
 
 
-def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
+def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False):
     """(label, fn, signature, constexprs, warps, stages, aligned, maxnreg) of the GDN backward kernels
     as gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and LAUNCH), with an
-    initial state and a final-state gradient; `aligned` as a launch at T=4096 H=16 (B8 T4096,
+    initial state and a final-state gradient (given_t: `_prep` on the forward's T, as the op
+    launches it, at its "prep_given_warps"); `aligned` as a launch at T=4096 H=16 (B8 T4096,
     the bench shape) specializes: every pointer, and T, H, K, V where multiples of 16."""
     C = 16 if gate == 2 else 64
     F32, DT = cb._dot_mode(torch.float32 if fp32 else torch.bfloat16)
     tile = cb.tiles(K, V)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
-                  HAS_H0=True, HAS_DHT=True, GIVEN_T=False, PART=0,
-                  IW=max(32 * cb.LAUNCH["prep_warps"], C))
+                  HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0,
+                  IW=max(32 * cb.LAUNCH["prep_given_warps" if given_t else "prep_warps"], C))
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
     grads_stages = cb.stages(launch, "grads_stages", F32)
     for fn, bv, warps, stages, extra in (
-            (cb._prep, tile["BV"], launch["prep_warps"], cb.stages(launch, "prep_stages", F32), {}),
+            (cb._prep, tile["BV"], launch["prep_given_warps" if given_t else "prep_warps"],
+             cb.stages(launch, "prep_stages", F32), {}),
             (cb._states, tile["BV"], seq, cb.stages(launch, "seq_stages", F32, tile["BK"]), {}),
             (cb._dstates, tile["BV"], launch["dstates_warps"], cb.stages(launch, "dstates_stages", F32, tile["BK"]),
              {}),
@@ -200,7 +202,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
                for a in fn.arg_names if a not in const}
         ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // tile["BV"])}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
-        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned, None)
+        cap = launch.get("prep_given_maxnreg") if fn is cb._prep and given_t and not F32 else None
+        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned, cap)
 
 
 def main():
@@ -217,6 +220,8 @@ def main():
     ap.add_argument("--stages", type=int, default=0,
                     help="compile with this many pipeline stages instead of the launch's")
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (bf16 otherwise)")
+    ap.add_argument("--given-t", action="store_true",
+                    help="the backward's _prep on the forward's T (the op's path), not forming its own")
     ap.add_argument("--maxnreg", type=int, default=0,
                     help="cap the registers a thread (Triton's maxnreg) instead of the launch's cap")
     a = ap.parse_args()
@@ -224,7 +229,8 @@ def main():
           "| async copies | loop: instructions, barriers, shuffles, LDG | PTX code (md5) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta, a.fp32)
-    for label, fn, sig, const, warps, stages, aligned, cap in [*gdn_kernels(*shape), *gdn_bwd_kernels(*shape)]:
+    for label, fn, sig, const, warps, stages, aligned, cap in [*gdn_kernels(*shape),
+                                                               *gdn_bwd_kernels(*shape, given_t=a.given_t)]:
         if a.only not in label:
             continue
         warps, stages = a.warps or warps, a.stages or stages
