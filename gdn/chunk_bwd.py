@@ -126,6 +126,15 @@ def stages(launch: dict, key: str, F32: bool, BK: int = 0) -> int:
     return 1 if F32 or (seq and BK > 128) else launch[key]
 
 
+def prep_launch(launch: dict, given_t: bool, F32: bool, C: int) -> dict:
+    """`_prep`'s launch keywords: its warps (on the forward's T, given_t: "prep_given_warps"),
+    the inverse's tile width IW, and "prep_given_maxnreg" where set, on the forward's T for
+    bf16 inputs on GPUs."""
+    warps = launch["prep_given_warps" if given_t else "prep_warps"]
+    cap = launch.get("prep_given_maxnreg") if given_t and not F32 and not INTERPRET else None
+    return dict(num_warps=warps, IW=max(32 * warps, C), **({"maxnreg": cap} if cap else {}))
+
+
 def tiles(K: int, V: int) -> dict:
     """The tile sizes the kernels launch with: BK; BV of _prep, _states and _dstates
     (NV = ceil(V / BV) programs split V); BV of _grads_wy, _grads_p and of _exact;
@@ -238,8 +247,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     launch = launch_for(V)
     seq_warps = launch["seq_warps"]
-    prep_warps = launch["prep_given_warps" if inverse is not None else "prep_warps"]
-    prep_cap = launch.get("prep_given_maxnreg") if inverse is not None and not F32 and not INTERPRET else None
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
@@ -253,10 +260,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         DUL = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                    PREC="ieee" if F32 else "tf32", num_warps=prep_warps,
-                    GIVEN_T=inverse is not None, IW=max(32 * prep_warps, C),
+                    PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
                     num_stages=stages(launch, "prep_stages", F32),
-                    **({"maxnreg": prep_cap} if prep_cap else {}), **common)
+                    **prep_launch(launch, inverse is not None, F32, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
     HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy

@@ -174,17 +174,16 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False)
     C = 16 if gate == 2 else 64
     F32, DT = cb._dot_mode(torch.float32 if fp32 else torch.bfloat16)
     tile = cb.tiles(K, V)
+    seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
+    prep = cb.prep_launch(launch, given_t, F32, C)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
-                  HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0,
-                  IW=max(32 * cb.LAUNCH["prep_given_warps" if given_t else "prep_warps"], C))
-    seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
+                  HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"])
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
     grads_stages = cb.stages(launch, "grads_stages", F32)
     for fn, bv, warps, stages, extra in (
-            (cb._prep, tile["BV"], launch["prep_given_warps" if given_t else "prep_warps"],
-             cb.stages(launch, "prep_stages", F32), {}),
+            (cb._prep, tile["BV"], prep["num_warps"], cb.stages(launch, "prep_stages", F32), {}),
             (cb._states, tile["BV"], seq, cb.stages(launch, "seq_stages", F32, tile["BK"]), {}),
             (cb._dstates, tile["BV"], launch["dstates_warps"], cb.stages(launch, "dstates_stages", F32, tile["BK"]),
              {}),
@@ -202,8 +201,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False)
                for a in fn.arg_names if a not in const}
         ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // tile["BV"])}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
-        cap = launch.get("prep_given_maxnreg") if fn is cb._prep and given_t and not F32 else None
-        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned, cap)
+        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned,
+               prep.get("maxnreg") if fn is cb._prep else None)
 
 
 def main():
