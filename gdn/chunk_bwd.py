@@ -56,7 +56,7 @@ from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
-from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
+from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype, register_cap
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
@@ -81,6 +81,12 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # 229888 and 155904 B of shared memory at bf16 K=V=128 (sm_90 offline; an A100 holds
           # about 164 KB a block, the H200 232448 B)
           "dstates_warps": 8, "dstates_stages": 2,
+          # optional "dstates_maxnreg" (unset: uncapped) caps _dstates' registers for bf16 inputs
+          # on GPUs.  Candidates (session 18, not timed): _dstates runs 2 x N*H programs (256 at
+          # the bench shape) one an SM (255 registers at 8 warps, 155904 B of shared memory), so
+          # two waves on the H200's 132 SMs; two an SM run them in one:
+          # '{"dstates_stages": 1, "dstates_maxnreg": 128}' (sm_90 offline: 440 B of spill,
+          # 49152 B) or '{"dstates_warps": 4, "dstates_stages": 1}' (255, 416 B of spill)
           # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
           # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
           # 0.949, though sm_90 offline says 4 warps spill; _grads_p in 32-wide K slices
@@ -126,13 +132,18 @@ def stages(launch: dict, key: str, F32: bool, BK: int = 0) -> int:
     return 1 if F32 or (seq and BK > 128) else launch[key]
 
 
+def _cap(launch: dict, key: str, F32: bool) -> dict:
+    """The register cap launch[key] (optional) for bf16 dots on GPUs: the interpreter takes
+    none, and fp32 tiles spill under one."""
+    return register_cap(launch, key, not F32 and not INTERPRET)
+
+
 def prep_launch(launch: dict, given_t: bool, F32: bool, C: int) -> dict:
     """`_prep`'s launch keywords: its warps (on the forward's T, given_t: "prep_given_warps"),
-    the inverse's tile width IW, and "prep_given_maxnreg" where set, on the forward's T for
-    bf16 inputs on GPUs."""
+    the inverse's tile width IW, and "prep_given_maxnreg" where set, on the forward's T."""
     warps = launch["prep_given_warps" if given_t else "prep_warps"]
-    cap = launch.get("prep_given_maxnreg") if given_t and not F32 and not INTERPRET else None
-    return dict(num_warps=warps, IW=max(32 * warps, C), **({"maxnreg": cap} if cap else {}))
+    return dict(num_warps=warps, IW=max(32 * warps, C),
+                **(_cap(launch, "prep_given_maxnreg", F32) if given_t else {}))
 
 
 def tiles(K: int, V: int) -> dict:
@@ -293,7 +304,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                num_warps=launch["dstates_warps"],
                                num_stages=stages(launch, "dstates_stages", F32, BK),
-                               PART=part, **common)
+                               PART=part, **_cap(launch, "dstates_maxnreg", F32), **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:

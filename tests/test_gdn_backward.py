@@ -531,6 +531,26 @@ def test_prep_on_the_forwards_t_takes_its_register_cap_where_set(monkeypatch, la
     assert cap(None) == (None, 4)
 
 
+
+def test_dstates_takes_its_register_cap_where_set(monkeypatch, launches):
+    """LAUNCH's optional "dstates_maxnreg" (a device bring-up key) caps `_dstates`' registers
+    at bf16 on GPUs (both parts), and not where the key is unset or the dots take fp32."""
+    from gdn import chunk_bwd
+    spies, launched = launches
+    monkeypatch.setattr(chunk_bwd, "INTERPRET", False)   # launched as on a GPU
+    x = make_inputs(1, 20, 1, 16, 1, 1, True, torch.float32)
+    dstates = chunk_bwd._KERNELS[2]
+
+    def cap(bf16):
+        monkeypatch.setattr(chunk_bwd, "_dot_mode", lambda dtype: (not bf16, chunk_bwd.tl.float32))
+        chunk_bwd.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                                initial_state=x["h0"])
+        return spies[dstates].maxnreg
+    assert cap(True) is None
+    monkeypatch.setitem(chunk_bwd.LAUNCH, "dstates_maxnreg", 128)
+    assert cap(True) == 128
+    assert cap(False) is None
+
 @pytest.mark.parametrize("V,generic", [(1, True), (2, False), (16, False)])
 def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, generic):
     """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:

@@ -202,7 +202,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False)
         ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // tile["BV"])}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
         yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned,
-               prep.get("maxnreg") if fn is cb._prep else None)
+               prep.get("maxnreg") if fn is cb._prep else
+               cb._cap(launch, "dstates_maxnreg", F32).get("maxnreg") if fn is cb._dstates else None)
 
 
 def main():
