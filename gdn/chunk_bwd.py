@@ -56,7 +56,7 @@ from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
-from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype, register_cap
+from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
@@ -69,24 +69,17 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms in session
           # 10, but 0.518 -> 0.907 in session 12 (with P^T dO in it since session 11)
           "prep_given_warps": 4,
-          # optional "prep_given_maxnreg" (unset: uncapped) caps the registers a thread of _prep
-          # on the forward's T for bf16 inputs on GPUs.  Candidate (session 17, not timed):
-          # '{"prep_given_warps": 8, "prep_given_maxnreg": 128}', two programs of 8 warps an SM
-          # (sm_90 offline, bf16 GDN K=V=128: 128 registers, 72 B of spill) against two of 4
-          # (245 registers, no spill); _prep on the forward's T runs at about 2.4 TB/s (0.501 ms
-          # for about 1.2 GB), where fla's w/u and dv_local kernels reach about 3.9
+          # session 18 (H200, bwd on the forward's T): 8 warps capped at 128 registers (two
+          # programs an SM) 0.533 ms against 0.501
           # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
           # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes); session
           # 16 (decays on the value tiles): 3 stages 0.737 ms, 2 stages 0.735, which need
           # 229888 and 155904 B of shared memory at bf16 K=V=128 (sm_90 offline; an A100 holds
           # about 164 KB a block, the H200 232448 B)
           "dstates_warps": 8, "dstates_stages": 2,
-          # optional "dstates_maxnreg" (unset: uncapped) caps _dstates' registers for bf16 inputs
-          # on GPUs.  Candidates (session 18, not timed): _dstates runs 2 x N*H programs (256 at
-          # the bench shape) one an SM (255 registers at 8 warps, 155904 B of shared memory), so
-          # two waves on the H200's 132 SMs; two an SM run them in one:
-          # '{"dstates_stages": 1, "dstates_maxnreg": 128}' (sm_90 offline: 440 B of spill,
-          # 49152 B) or '{"dstates_warps": 4, "dstates_stages": 1}' (255, 416 B of spill)
+          # session 18: at two programs an SM (256 programs in one wave on the 132 SMs) slower:
+          # 4 warps 1 stage 0.805 ms, 8 warps 1 stage capped at 128 registers 1.097; 8 warps 1
+          # stage uncapped 0.927, against 0.731
           # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
           # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
           # 0.949, though sm_90 offline says 4 warps spill; _grads_p in 32-wide K slices
@@ -132,18 +125,11 @@ def stages(launch: dict, key: str, F32: bool, BK: int = 0) -> int:
     return 1 if F32 or (seq and BK > 128) else launch[key]
 
 
-def _cap(launch: dict, key: str, F32: bool) -> dict:
-    """The register cap launch[key] (optional) for bf16 dots on GPUs: the interpreter takes
-    none, and fp32 tiles spill under one."""
-    return register_cap(launch, key, not F32 and not INTERPRET)
-
-
-def prep_launch(launch: dict, given_t: bool, F32: bool, C: int) -> dict:
-    """`_prep`'s launch keywords: its warps (on the forward's T, given_t: "prep_given_warps"),
-    the inverse's tile width IW, and "prep_given_maxnreg" where set, on the forward's T."""
+def prep_launch(launch: dict, given_t: bool, C: int) -> dict:
+    """`_prep`'s launch keywords: its warps (on the forward's T, given_t: "prep_given_warps")
+    and the inverse's tile width IW."""
     warps = launch["prep_given_warps" if given_t else "prep_warps"]
-    return dict(num_warps=warps, IW=max(32 * warps, C),
-                **(_cap(launch, "prep_given_maxnreg", F32) if given_t else {}))
+    return dict(num_warps=warps, IW=max(32 * warps, C))
 
 
 def tiles(K: int, V: int) -> dict:
@@ -273,7 +259,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
                     num_stages=stages(launch, "prep_stages", F32),
-                    **prep_launch(launch, inverse is not None, F32, C), **common)
+                    **prep_launch(launch, inverse is not None, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
     HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy
@@ -304,7 +290,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                num_warps=launch["dstates_warps"],
                                num_stages=stages(launch, "dstates_stages", F32, BK),
-                               PART=part, **_cap(launch, "dstates_maxnreg", F32), **common)
+                               PART=part, **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:

@@ -477,14 +477,6 @@ def _pow2(n):
     return max(16, triton.next_power_of_2(n))
 
 
-def register_cap(launch: dict, key: str, capped: bool) -> dict:
-    """The launch keyword that caps the registers a thread (Triton's maxnreg) at launch[key],
-    where that optional key is set and ``capped`` (each launcher's rule: on a GPU, for the
-    inputs whose tiles were timed capped); else none."""
-    cap = launch.get(key) if capped else None
-    return {"maxnreg": cap} if cap else {}
-
-
 def out_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
     """The output kernel's launch at these sizes and input dtype (see OUT_LAUNCH): BV, BKS,
     num_warps and, where set (not under the interpreter), maxnreg and num_stages.  bf16

@@ -43,7 +43,7 @@ import os
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import _all_within, _chunk_span, _inv_unit_lower, _load_gates, _tile, register_cap
+from gdn.chunk_fwd import _all_within, _chunk_span, _inv_unit_lower, _load_gates, _tile
 
 
 @triton.jit
@@ -256,7 +256,7 @@ def _cap(key: str, interp: bool, lowp: bool) -> dict:
     the bf16 products (``lowp``: the path timed; fp32 and fp16 inputs hold fp32 tiles, and
     the inverse capped at 128 spills 592 bytes at fp32 K = V = 128, sm_90 offline, against
     none at 255 uncapped)."""
-    return register_cap(PREP_LAUNCH, key, lowp and not interp)
+    return {"maxnreg": PREP_LAUNCH[key]} if PREP_LAUNCH[key] and lowp and not interp else {}
 
 
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):

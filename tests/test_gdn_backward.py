@@ -498,58 +498,12 @@ def launches(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 launched[self.kern] = (kw.get("num_warps"), kw.get("num_stages"))
-                self.maxnreg = kw.pop("maxnreg", None)   # a GPU launch's register cap
                 return self.kern[grid](*args, **kw)
             return launch
     spies = {k: Spy(v) for k, v in chunk_bwd._AT_V1.items()}
     monkeypatch.setattr(chunk_bwd, "_AT_V1", spies)
     return spies, launched
 
-
-def test_prep_on_the_forwards_t_takes_its_register_cap_where_set(monkeypatch, launches):
-    """LAUNCH's optional "prep_given_maxnreg" (a device bring-up key) caps `_prep`'s registers
-    on the forward's T at bf16 on GPUs, and only there: not on the backward's own T, and not
-    where the key is unset."""
-    from gdn import chunk_bwd
-    from gdn.chunk_fwd import chunk_gdn_fwd
-    spies, launched = launches
-    monkeypatch.setattr(chunk_bwd, "_dot_mode", lambda dtype: (False, chunk_bwd.tl.float32))
-    monkeypatch.setattr(chunk_bwd, "INTERPRET", False)   # launched as on a GPU
-    x = make_inputs(1, 20, 1, 16, 1, 1, True, torch.float32)
-    _, _, inverse = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                                  return_inverse=True)
-    prep = chunk_bwd._KERNELS[0]
-
-    def cap(inv):
-        chunk_bwd.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                                initial_state=x["h0"], inverse=inv)
-        return spies[prep].maxnreg, launched[spies[prep].kern][0]
-    assert cap(inverse) == (None, 4)
-    monkeypatch.setitem(chunk_bwd.LAUNCH, "prep_given_maxnreg", 128)
-    monkeypatch.setitem(chunk_bwd.LAUNCH, "prep_given_warps", 8)
-    assert cap(inverse) == (128, 8)
-    assert cap(None) == (None, 4)
-
-
-
-def test_dstates_takes_its_register_cap_where_set(monkeypatch, launches):
-    """LAUNCH's optional "dstates_maxnreg" (a device bring-up key) caps `_dstates`' registers
-    at bf16 on GPUs (both parts), and not where the key is unset or the dots take fp32."""
-    from gdn import chunk_bwd
-    spies, launched = launches
-    monkeypatch.setattr(chunk_bwd, "INTERPRET", False)   # launched as on a GPU
-    x = make_inputs(1, 20, 1, 16, 1, 1, True, torch.float32)
-    dstates = chunk_bwd._KERNELS[2]
-
-    def cap(bf16):
-        monkeypatch.setattr(chunk_bwd, "_dot_mode", lambda dtype: (not bf16, chunk_bwd.tl.float32))
-        chunk_bwd.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                                initial_state=x["h0"])
-        return spies[dstates].maxnreg
-    assert cap(True) is None
-    monkeypatch.setitem(chunk_bwd.LAUNCH, "dstates_maxnreg", 128)
-    assert cap(True) == 128
-    assert cap(False) is None
 
 @pytest.mark.parametrize("V,generic", [(1, True), (2, False), (16, False)])
 def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, generic):

@@ -175,7 +175,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False)
     F32, DT = cb._dot_mode(torch.float32 if fp32 else torch.bfloat16)
     tile = cb.tiles(K, V)
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
-    prep = cb.prep_launch(launch, given_t, F32, C)
+    prep = cb.prep_launch(launch, given_t, C)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
                   HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"])
@@ -201,9 +201,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False)
                for a in fn.arg_names if a not in const}
         ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // tile["BV"])}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
-        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned,
-               prep.get("maxnreg") if fn is cb._prep else
-               cb._cap(launch, "dstates_maxnreg", F32).get("maxnreg") if fn is cb._dstates else None)
+        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned, None)
 
 
 def main():
