@@ -136,16 +136,16 @@ def _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C: tl.constex
 
 @triton.jit
 def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constexpr, ck, mqk,
-             DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+             WU: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
              GIVEN_T: tl.constexpr, IW: tl.constexpr):
-    """With the delta rule: T = (I + A)^-1 and W = T diag(beta) K_g stored; returns T (0.
-    without the delta rule).  T is the forward's (GIVEN_T: gdn.op saves it), in Tm, or is
-    formed as the forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is
+    """Where WU (the delta rule, W not taken from the forward): T = (I + A)^-1 and W = T
+    diag(beta) K_g stored; returns T (0. where not WU).  T is the forward's (GIVEN_T), in Tm,
+    or is formed as the forward's prep forms it (`gdn.fwd_prep._unit_lower_inverse`; Tm, fp32, is
     its scratch, IW its tile width; on the H200 that took _prep from 0.723 to 0.651 ms against
     v5.2's substitution in registers, session 10, bf16 B8 T4096 H16 K=V=128) and stored in Tm
     (fp32: the dots round T to their operand dtype as they load it)."""
     tm = 0.
-    if DELTA:
+    if WU:
         if GIVEN_T:
             tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
         else:
@@ -160,7 +160,9 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr):
+          IW: tl.constexpr, WU: tl.constexpr):
+    """A chunk's exact-path flag and P^T dO (in DU), and where WU (the delta rule, W and U not
+    taken from the forward) T, W and U = T diag(beta) V."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -168,7 +170,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
     bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C,
-                                                 GATE, DELTA, F32, DT, GLIM, BIG, not GIVEN_T)
+                                                 GATE, DELTA, F32, DT, GLIM, BIG, WU and not GIVEN_T)
     # P of the state-gradient step, for its local part P^T dO (below)
     p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                               GATE, F32, DT)
@@ -176,7 +178,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     # session 17, bf16 B8 T4096 H16 K=V=128, 0.546 -> 0.505 ms on the forward's T against a
     # second pass over V for U after T and W)
     tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
-                  DELTA, F32, DT, PREC, GIVEN_T, IW)
+                  WU, F32, DT, PREC, GIVEN_T, IW)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
@@ -186,7 +188,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
         # dU's (or dv's) part that does not wait for the state gradient, for _dstates
         tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
                  .to(DU.dtype.element_ty), mask=mcv)
-        if DELTA:
+        if WU:
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
             tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))

@@ -166,8 +166,36 @@ def _dot_mode(dtype):
 
 
 
+def _forward_states(saved, NC, H, K, V, B, T, inter, dev, delta):
+    """The forward's chunk states and, with the delta rule, its w and v_new
+    (`gdn.chunk_fwd.saved_for_backward`), checked against this backward's chunks; None where
+    ``saved`` holds no states (the backward then recomputes them)."""
+    if not saved or saved.get("states") is None:
+        return None
+    want = {"states": ((NC, H, K, V), inter), "stepped": ((NC, H, V), torch.int8)}
+    if delta:
+        want.update(w=((B, T, H, K), inter), v_new=((B, T, H, V), inter))
+    for name, (shape, dtype) in want.items():
+        x = saved.get(name)
+        if x is None or tuple(x.shape) != shape or x.dtype != dtype or x.device != dev \
+                or not x.is_contiguous():
+            got = "missing" if x is None else f"{x.dtype} {tuple(x.shape)} on {x.device}"
+            raise ValueError(f"saved[{name!r}] must be the forward's, contiguous {dtype} {list(shape)} "
+                             f"on {dev}; got {got}")
+    return saved
+
+
+def _stepped_tiles(stepped, NV: int, BV: int):
+    """hflag from the forward's record of stepped columns (int8 [NC,H,V]): a V tile is
+    flagged where the forward stepped any of its columns token by token, so that `_exact`
+    rewrites that chunk (its v_new is not written there)."""
+    NC, H, V = stepped.shape
+    x = torch.nn.functional.pad(stepped, (0, NV * BV - V))
+    return x.view(NC, H, NV, BV).amax(-1).to(torch.int32).contiguous()
+
+
 def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
-                  cu_seqlens=None, delta=True, chunk_size=None, inverse=None):
+                  cu_seqlens=None, delta=True, chunk_size=None, inverse=None, saved=None):
     """Gradients of the GDN family recurrence (see gdn.oracle for the math).
 
     q, k [B,T,H,K]; v, do [B,T,H,V]; g None, [B,T,H] or [B,T,H,K] (log gate);
@@ -178,7 +206,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     without an initial state.  chunk_size (16, 32 or 64) defaults to 64, or 16
     for a vector gate.  inverse: the forward's T = (I + A)^-1 of every chunk, fp32
     [B,T,H,C] (`chunk_gdn_fwd(..., return_inverse=True)`, delta rule only), which spares
-    _prep the inverse; without it _prep forms T itself.
+    _prep the inverse; without it _prep forms T itself.  saved: what the forward hands over
+    (`chunk_gdn_fwd(..., return_saved=True)`): its T (taken as ``inverse`` where that is not
+    given) and, where it holds them, the state entering every chunk and with the delta rule w
+    and v_new, which spare the backward `_states` and _prep's W and U.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -206,6 +237,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     BK, BV = tile["BK"], tile["BV"]
     NV = triton.cdiv(V, BV)
     IS_VARLEN = cu_seqlens is not None
+    if inverse is None and saved:
+        inverse = saved.get("inverse")
+    fwd_states = _forward_states(saved, NC, H, K, V, B, T, inter, dev, delta)
     if inverse is not None and (not delta or tuple(inverse.shape) != (B, T, H, C)
                                 or inverse.dtype != torch.float32 or inverse.device != dev):
         raise ValueError(f"inverse must be the forward's T, fp32 [{B},{T},{H},{C}] on {dev} with "
@@ -221,7 +255,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     gp = g if g is not None else dummy
     bp = beta if beta is not None else dummy
     flag = torch.empty(NC, H, device=dev, dtype=torch.int32)
-    hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     dflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     if inverse is not None:
         Tm = inverse.contiguous()   # the forward's T: _prep reads it (GIVEN_T)
@@ -229,12 +262,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         # T = (I + A)^-1, fp32: _prep's inverse passes through it as scratch
         Tm = torch.empty(B, T, H, C, device=dev, dtype=torch.float32)
     if delta:
-        W = torch.empty(B, T, H, K, device=dev, dtype=inter)
-        U = torch.empty(B, T, H, V, device=dev, dtype=inter)
+        if fwd_states is not None:   # the forward's: _prep forms neither
+            W, U = fwd_states["w"], fwd_states["v_new"]
+        else:
+            W = torch.empty(B, T, H, K, device=dev, dtype=inter)
+            U = torch.empty(B, T, H, V, device=dev, dtype=inter)
         dU = torch.empty(B, T, H, V, device=dev, dtype=inter)
     else:
         Tm = W = U = dU = dummy
-    hs = torch.empty(NC, H, K, V, device=dev, dtype=inter)
+    if fwd_states is not None:
+        hs = fwd_states["states"]
+        hflag = _stepped_tiles(fwd_states["stepped"], NV, BV)
+    else:
+        hs = torch.empty(NC, H, K, V, device=dev, dtype=inter)
+        hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     dhs = torch.empty(NC, H, K, V, device=dev, dtype=inter)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -258,6 +299,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
+                    WU=delta and fwd_states is None,
                     num_stages=stages(launch, "prep_stages", F32),
                     **prep_launch(launch, inverse is not None, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
@@ -273,7 +315,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         stop.zero_()
         sstop.copy_(initial_state if initial_state is not None else torch.zeros_like(sstop))
     h0 = initial_state if initial_state is not None else dummy
-    for part in parts:
+    for part in parts if fwd_states is None else ():
         _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
                               T, H, K, V, HAS_H0=initial_state is not None, F32=F32, DT=DT,
                               SBIG=SBIG, PART=part, num_warps=seq_warps,

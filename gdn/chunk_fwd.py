@@ -500,14 +500,17 @@ def out_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
 
 
 def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
-                  output_final_state=True, cu_seqlens=None, delta=True, return_inverse=False):
+                  output_final_state=True, cu_seqlens=None, delta=True, return_inverse=False,
+                  return_saved=False):
     """The GDN-family forward.  q, k [B,T,H,K], v [B,T,H,V] (one dtype of bf16,
     fp16, fp32); g None, [B,T,H] or [B,T,H,K]; beta [B,T,H] (delta=True);
     initial_state [N,H,K,V]; cu_seqlens [N+1] offsets with B == 1.  Returns
     (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32 or None), and with
     return_inverse a third item: the WY prep's T = (I + A)^-1 of every chunk, fp32
     [B,T,H,BT] (the backward's `inverse`), or None where the prep did not run (no
-    delta rule, the exact-path mode, no chunk)."""
+    delta rule, the exact-path mode, no chunk).  With return_saved the third item is
+    instead what the backward can take from the forward (`saved_for_backward`), or None where
+    there is no chunk."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype \
@@ -561,7 +564,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     if NC == 0:
         if output_final_state:
             hT.copy_(initial_state if initial_state is not None else torch.zeros_like(hT))
-        return (o, hT if output_final_state else None) + ((None,) if return_inverse else ())
+        return (o, hT if output_final_state else None) + ((None,) if return_inverse or return_saved else ())
     if gate and mode != 2:
         gc = torch.empty(g.shape, dtype=torch.float32, device=dev)
         gcl = torch.empty(g.shape if gate == 1 else (1,), dtype=torch.float32, device=dev)
@@ -610,4 +613,23 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         _out_kernel[(triton.cdiv(V, launch["BV"]), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o,
                                                            cb, ce, scale, T, max(NT, 1), PART=part,
                                                            **launch, **common)
+    if return_saved:
+        return o, hT if output_final_state else None, saved_for_backward(tm, hs, xflag, w, vn, delta)
     return (o, hT if output_final_state else None) + ((tm,) if return_inverse else ())
+
+
+def saved_for_backward(tm, hs, xflag, w, vn, delta: bool) -> dict:
+    """What the forward hands the backward (`gdn.chunk_bwd.chunk_gdn_bwd(..., saved=)`), so
+    that it need not recompute it: "inverse", the WY prep's T (None where the prep did not
+    run); "states", the state entering every chunk [NC,H,K,V] in the hand-off dtype;
+    "stepped", per chunk, head and V column, whether the state pass stepped the chunk token by
+    token (int8 [NC,H,V]); with the delta rule where the prep ran, "w" = T diag(beta) K_g
+    [B,T,H,K] and "v_new" = u - w S [B,T,H,V] (the backward's W and U; v_new is not
+    written in stepped columns).  Without the prep (the exact-path mode) the delta rule's
+    backward recomputes everything: only "inverse" is given, as None."""
+    if delta and tm is None:
+        return {"inverse": None}
+    out = {"inverse": tm, "states": hs, "stepped": xflag}
+    if delta:
+        out.update(w=w, v_new=vn)
+    return out

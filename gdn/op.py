@@ -1,11 +1,13 @@
 """The GDN-family layer op with gradients: `gdn_attention` and its autograd Function.
 
-Forward: `gdn.chunk_fwd.chunk_gdn_fwd`; backward: `gdn.chunk_bwd.chunk_gdn_bwd`,
-which recomputes every chunk state itself.  The forward saves its inputs and, with
-the delta rule, the WY inverse T = (I + A)^-1 its prep formed (fp32 [B,T,H,C]), so
-the backward's prep does not invert again (as fla keeps its A).  Gradients reach
-q, k, v, g, beta and initial_state; the gradient
-of the final state (when it is returned and used) flows into the backward.
+Forward: `gdn.chunk_fwd.chunk_gdn_fwd`; backward: `gdn.chunk_bwd.chunk_gdn_bwd`.  The
+forward saves its inputs and, with the delta rule, the WY inverse T = (I + A)^-1 its prep
+formed (fp32 [B,T,H,C]), so that the backward's prep does not invert again (as fla keeps
+its A); with ``save_states`` (the default) also the state entering every chunk and, with the
+delta rule, w and v_new (`gdn.chunk_fwd.saved_for_backward`), so that the backward does not
+recompute them (fla recomputes them); without it the backward recomputes every chunk state.
+Gradients reach q, k, v, g, beta and initial_state; the gradient of the final state (when
+it is returned and used) flows into the backward.
 """
 from __future__ import annotations
 
@@ -15,34 +17,40 @@ from gdn.chunk_bwd import chunk_gdn_bwd
 from gdn.chunk_fwd import chunk_gdn_fwd
 
 
+# what the op keeps of `gdn.chunk_fwd.saved_for_backward`: all of it with save_states, else T
+SAVED = ("inverse", "states", "stepped", "w", "v_new")
+
+
 class ChunkGDNFunction(torch.autograd.Function):
     """(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-    delta) -> (o, final_state or None)."""
+    delta, save_states) -> (o, final_state or None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-                delta):
-        o, ht, inverse = chunk_gdn_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                       output_final_state=output_final_state,
-                                       cu_seqlens=cu_seqlens, delta=delta, return_inverse=True)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, inverse)
+                delta, save_states):
+        o, ht, saved = chunk_gdn_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                     output_final_state=output_final_state,
+                                     cu_seqlens=cu_seqlens, delta=delta, return_saved=True)
+        saved = saved or {}
+        kept = [saved.get(n) if save_states or n == "inverse" else None for n in SAVED]
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *kept)
         ctx.scale, ctx.delta = scale, delta
         ctx.set_materialize_grads(False)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens, inverse = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, *kept = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
             q, k, v, g, beta, do, dht, scale=ctx.scale, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, delta=ctx.delta, inverse=inverse)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+            cu_seqlens=cu_seqlens, delta=ctx.delta, saved=dict(zip(SAVED, kept)))
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
 
 
 def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, delta=True):
+                  output_final_state=False, cu_seqlens=None, delta=True, save_states=True):
     """Gated DeltaNet family attention (see gdn.oracle for the recurrence).
 
     q, k [B,T,H,K] and v [B,T,H,V], one dtype of bf16/fp16/fp32; g None (no
@@ -73,5 +81,5 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o, ht = ChunkGDNFunction.apply(q, k, v, g, beta, initial_state, float(scale),
-                                   output_final_state, cu_seqlens, delta)
+                                   output_final_state, cu_seqlens, delta, save_states)
     return o, ht
