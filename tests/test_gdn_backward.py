@@ -296,18 +296,84 @@ def test_op_backward_on_the_forwards_inverse_matches_oracle(B, T, H, K, V, gate,
     got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
                         initial_state=x["h0"], cu_seqlens=cu, inverse=inverse)
     want = oracle_grads(x, cu, True)
+    # the op's backward, on what its forward saved (the chunk states too, save_states)
+    _, _, saved = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                cu_seqlens=cu, return_saved=True)
+    assert torch.equal(saved["inverse"].view(torch.int32), inverse.view(torch.int32))
+    on_saved = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                             initial_state=x["h0"], cu_seqlens=cu, saved=saved)
     if special:
+        assert_same_specials(got, want)
+        assert_same_specials(on_saved, want)
+        return
+    assert_close(got, want, TOL[dtype])
+    assert_close(on_saved, want, TOL[dtype])
+    for save_states, same in ((True, on_saved), (False, got)):
+        leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")
+                  if x[n] is not None}
+        o, ht = gdn_attention(leaves["q"], leaves["k"], leaves["v"], leaves.get("g"), leaves["beta"],
+                              initial_state=leaves["h0"], output_final_state=True, cu_seqlens=cu,
+                              save_states=save_states)
+        ((o.float() * x["do"].float()).sum() + (ht * x["dht"]).sum()).backward()
+        op = [leaves[n].grad if n in leaves else None for n in ("q", "k", "v", "g", "beta", "h0")]
+        for name, a, b in zip(NAMES, op, same):   # the op's backward is this one, on the same T
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+@pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,cu,where", [
+    (1, 100, 2, 32, 32, 1, True, torch.float32, None, None),
+    (2, 70, 2, 16, 80, 0, False, torch.float32, None, None),
+    (1, 100, 2, 16, 32, 2, True, torch.float32, [0, 0, 20, 53, 100], None),
+    (2, 70, 2, 16, 32, 1, True, torch.bfloat16, None, None),
+    (1, 100, 1, 32, 32, 1, True, torch.float32, None, ("nan", "k", 41)),
+    (2, 70, 2, 16, 32, 1, True, torch.float32, None, ("nan", "h0", 0)),
+    (1, 100, 2, 16, 32, 0, True, torch.float32, [0, 20, 53, 100], ("big h0", 1e31)),
+    (1, 70, 1, 16, 16, 2, False, torch.float32, None, ("big h0", 1e31))])
+def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K, V, gate, delta,
+                                                                      dtype, cu, where):
+    """The backward on what the forward saved (``saved``: its chunk states and, with the delta
+    rule, w and v_new; no `_states` launch, no W or U in `_prep`) gives the gradients of the
+    backward that recomputes them, up to rounding, within the bound of float64 autograd through
+    the oracle; varlen with an empty sequence.  With a NaN in k or h0 its NaN/Inf sets are the
+    oracle's, and with a state past SBIG from h0 (1e31: the forward steps those columns token
+    by token and leaves their v_new unwritten, so `_exact` must rewrite the chunks it marks)
+    its gradients are the oracle's."""
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
+    if where is not None and where[0] == "big h0":
+        h0 = x["h0"].clone()
+        h0[0, 0, 3, :] = where[1]   # a whole row of the first sequence's state: every V tile
+        x = dict(x, h0=h0)
+    elif where is not None:
+        x = with_nan(x, *where[1:])
+    _, _, saved = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                cu_seqlens=cu, delta=delta, return_saved=True)
+    assert ("w" in saved) == ("v_new" in saved) == delta and saved["states"] is not None
+    got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                        initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=saved)
+    again = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                          initial_state=x["h0"], cu_seqlens=cu, delta=delta,
+                          inverse=saved["inverse"])
+    want = oracle_grads(x, cu, delta)
+    if where is not None and where[0] == "nan":
         assert_same_specials(got, want)
         return
     assert_close(got, want, TOL[dtype])
-    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")
-              if x[n] is not None}
-    o, ht = gdn_attention(leaves["q"], leaves["k"], leaves["v"], leaves.get("g"), leaves["beta"],
-                          initial_state=leaves["h0"], output_final_state=True, cu_seqlens=cu)
-    ((o.float() * x["do"].float()).sum() + (ht * x["dht"]).sum()).backward()
-    op = [leaves[n].grad if n in leaves else None for n in ("q", "k", "v", "g", "beta", "h0")]
-    for name, a, b in zip(NAMES, op, got):   # the op's backward is this one, on the same T
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    assert_close(got, [None if b is None else b.double() for b in again],
+                 1e-5 if dtype == torch.float32 else TOL[dtype])
+
+
+def test_saved_states_that_are_not_the_forwards_are_refused():
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    x = make_inputs(1, 37, 1, 16, 16, 1, True, torch.float32)
+    _, _, saved = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                return_saved=True)
+    for name, bad in (("states", saved["states"][:, :, :8]), ("w", None),
+                      ("stepped", saved["stepped"].int())):
+        with pytest.raises(ValueError, match=f"saved\\['{name}'\\] must be the forward's"):
+            chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                          initial_state=x["h0"], saved=dict(saved, **{name: bad}))
 
 
 def test_a_wrong_inverse_is_refused():
