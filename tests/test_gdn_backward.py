@@ -533,8 +533,8 @@ def test_du_is_rounded_once():
     assert verdict.ratio < 3.0, verdict.detail
 
 
-@pytest.mark.parametrize("extra", [[], ["--forward"], ["--saved-inverse"]],
-                         ids=["backward", "forward", "saved-inverse"])
+@pytest.mark.parametrize("extra", [[], ["--forward"], ["--saved-inverse"], ["--saved"]],
+                         ids=["backward", "forward", "saved-inverse", "saved"])
 def test_the_gpu_tile_sweep_runs_and_judges(extra):
     """tools/sweep_gdn_gpu.py (the device's tile sweep) on the interpreter at one tiny shape:
     every case prints ok and the run ends ALLOK with exit 0."""

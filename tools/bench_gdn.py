@@ -108,6 +108,18 @@ def peak_mb(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
+def kept_mb(fwd_fn):
+    """MB that a forward through autograd holds until its backward (its output and what it
+    saves for the backward), over what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = fwd_fn()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - base
+    del out
+    return kept / 2 ** 20
+
+
 def backward_stage(rep, fla_module):
     """Backward and forward+backward, ours against fla, B8 T4096 H16 K=V=128 bf16 (GDN)."""
     from gdn.chunk_bwd import chunk_gdn_bwd
@@ -125,22 +137,27 @@ def backward_stage(rep, fla_module):
     def ours_bwd():
         return chunk_gdn_bwd(q, k, v, g, beta, do)
 
-    def ours_fwdbwd():
-        o, _ = gdn_attention(*leaves)
-        return torch.autograd.grad(o, leaves, do)
+    def ours_fwd(save_states=True):
+        return gdn_attention(*leaves, save_states=save_states)[0]
 
-    def fla_fwdbwd():
-        o, _ = fla(*leaves, scale=K ** -0.5)
-        return torch.autograd.grad(o, leaves, do)
-    rows = [("ours", ours_bwd, ours_fwdbwd)] + ([("fla", None, fla_fwdbwd)] if fla else [])
+    def fla_fwd():
+        return fla(*leaves, scale=K ** -0.5)[0]
+
+    def fwdbwd_of(fwd_fn):
+        return lambda: torch.autograd.grad(fwd_fn(), leaves, do)
+    rows = [("ours", ours_bwd, ours_fwd),
+            ("ours, save_states=False", None, lambda: ours_fwd(save_states=False))] \
+        + ([("fla", None, fla_fwd)] if fla else [])
     rep.add("### Backward (bf16, GDN, B8 T4096 H16 K=V=128; median of triton.testing.do_bench)\n\n"
-            "| impl | bwd ms | fwd+bwd ms | peak MB over inputs (fwd+bwd) |\n| --- | --- | --- | --- |")
-    for name, bwd, fwdbwd in rows:
+            "| impl | bwd ms | fwd+bwd ms | peak MB over inputs (fwd+bwd) | MB kept from fwd to bwd "
+            "(o included) |\n| --- | --- | --- | --- | --- |")
+    for name, bwd, fwd_fn in rows:
         try:
             t_b = do_bench(bwd, warmup=50, rep=200, return_mode="median") if bwd else float("nan")
+            fwdbwd = fwdbwd_of(fwd_fn)
             fwdbwd()
             t_fb = do_bench(fwdbwd, warmup=50, rep=200, return_mode="median")
-            rep.add(f"| {name} | {t_b:.3f} | {t_fb:.3f} | {peak_mb(fwdbwd):.0f} |")
+            rep.add(f"| {name} | {t_b:.3f} | {t_fb:.3f} | {peak_mb(fwdbwd):.0f} | {kept_mb(fwd_fn):.0f} |")
         except Exception:  # noqa: BLE001
             rep.add(f"| {name} | failed: {traceback.format_exc(limit=3)!r} |")
     del q, k, v, g, beta, do, leaves
@@ -196,7 +213,12 @@ def backward_profile_stage(rep):
     rep.add("### Backward per kernel (bf16, GDN, B8 T4096 H16 K=V=128; do_bench median; "
             "torch profiler, mean of 5)\n\n| member | bwd ms | per kernel ms |\n| --- | --- | --- |")
     rep.add(profile_row("GDN", lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do))[0])
-    # as the autograd op runs it: on the forward prep's T (its _prep skips the inversion)
+    # as the autograd op runs it (save_states): on the forward's T, chunk states, w and v_new
+    saved = fwd.chunk_gdn_fwd(q, k, v, g, beta, return_saved=True)[2]
+    rep.add(profile_row("GDN on the forward's saved states",
+                        lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do, saved=saved))[0])
+    del saved
+    # as the autograd op runs it with save_states=False: on the forward prep's T only
     inverse = fwd.chunk_gdn_fwd(q, k, v, g, beta, return_inverse=True)[2]
     rep.add(profile_row("GDN on the forward's T",
                         lambda: cb.chunk_gdn_bwd(q, k, v, g, beta, do, inverse=inverse))[0])

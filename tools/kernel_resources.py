@@ -165,11 +165,12 @@ _BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD", "DU", "
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop"}
 
 
-def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False):
+def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False, saved=False):
     """(label, fn, signature, constexprs, warps, stages, aligned, maxnreg) of the GDN backward kernels
     as gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and LAUNCH), with an
     initial state and a final-state gradient (given_t: `_prep` on the forward's T, as the op
-    launches it, at its "prep_given_warps"); `aligned` as a launch at T=4096 H=16 (B8 T4096,
+    launches it, at its "prep_given_warps"; saved: W and U taken from the forward, as the op
+    does with save_states); `aligned` as a launch at T=4096 H=16 (B8 T4096,
     the bench shape) specializes: every pointer, and T, H, K, V where multiples of 16."""
     C = 16 if gate == 2 else 64
     F32, DT = cb._dot_mode(torch.float32 if fp32 else torch.bfloat16)
@@ -178,7 +179,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False)
     prep = cb.prep_launch(launch, given_t, C)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
-                  HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"])
+                  HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"],
+                  WU=delta and not saved)
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
     grads_stages = cb.stages(launch, "grads_stages", F32)
@@ -220,6 +222,8 @@ def main():
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (bf16 otherwise)")
     ap.add_argument("--given-t", action="store_true",
                     help="the backward's _prep on the forward's T (the op's path), not forming its own")
+    ap.add_argument("--saved", action="store_true",
+                    help="the backward's _prep with W and U from the forward (the op's save_states)")
     ap.add_argument("--maxnreg", type=int, default=0,
                     help="cap the registers a thread (Triton's maxnreg) instead of the launch's cap")
     a = ap.parse_args()
@@ -228,7 +232,7 @@ def main():
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta, a.fp32)
     for label, fn, sig, const, warps, stages, aligned, cap in [*gdn_kernels(*shape),
-                                                               *gdn_bwd_kernels(*shape, given_t=a.given_t)]:
+                                                               *gdn_bwd_kernels(*shape, given_t=a.given_t, saved=a.saved)]:
         if a.only not in label:
             continue
         warps, stages = a.warps or warps, a.stages or stages

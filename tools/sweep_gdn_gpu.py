@@ -4,7 +4,8 @@ Run on a CUDA machine from the repository root:
 
     python tools/sweep_gdn_gpu.py [--launch '{"prep_warps": 8}'] [--jobs 15] [--dtype bf16]
     python tools/sweep_gdn_gpu.py --forward [--tune] [--jobs 15]
-    python tools/sweep_gdn_gpu.py --saved-inverse   # the backward on the forward's T (gdn.op)
+    python tools/sweep_gdn_gpu.py --saved   # the backward on what the forward saved (gdn.op)
+    python tools/sweep_gdn_gpu.py --saved-inverse   # on the forward's T only (save_states=False)
 
 Why: on the H200 with Triton 3.6 some narrow tile shapes compiled to wrong code with no
 memory error, and the interpreter on CPU runs none of that code, so only a sweep on the GPU
@@ -20,7 +21,9 @@ gradient, and prints one line per case: the normwise relative error of each grad
 when all are under the dtype's bound (NaN fails).  `--forward` runs `gdn.chunk_fwd` instead,
 delta rule on and off, at the state pass's first (untuned) config, or with `--tune` at the
 autotuner's pick after it tried them all, against the oracle's o and final state.
-`--saved-inverse` runs the backward as the autograd op does, on the T = (I + A)^-1 that
+`--saved` runs the backward as the autograd op does by default, on what
+`chunk_gdn_fwd(..., return_saved=True)` saved (T, the chunk states, w and v_new);
+`--saved-inverse` as the op does with save_states=False, on the T = (I + A)^-1 that
 `chunk_gdn_fwd(..., return_inverse=True)` formed (its _prep then skips the inversion).
 `--launch` sets GDN_BWD_LAUNCH (the launch overrides of gdn.chunk_bwd) in the children.  The
 last line is ALLOK or NOTOK.
@@ -44,7 +47,7 @@ GATES = {0: "none", 1: "scalar", 2: "vector"}
 
 
 def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: bool,
-          saved: bool = False) -> int:
+          saved: str = "") -> int:
     """Every V at one (gate, K): one line per case; returns the number of cases off bound.
     A case that raises ends the child (a GPU fault loses its CUDA context)."""
     import torch
@@ -93,17 +96,19 @@ def _forward_errors(q, k, v, g, beta, h0, do, dht, delta):
     return {"o": rel(o, ro), "state": rel(s, rs)}
 
 
-def _backward_errors(q, k, v, g, beta, h0, do, dht, delta, saved=False):
+def _backward_errors(q, k, v, g, beta, h0, do, dht, delta, saved=""):
     """{gradient: normwise relative error} against float64 autograd through the oracle, with
-    an initial state and a final-state gradient; ``saved``: on the forward's T."""
+    an initial state and a final-state gradient; ``saved`` "inverse": on the forward's T,
+    "all": on everything the forward saves."""
     import torch
     from bench_gdn import rel
     from gdn.chunk_bwd import chunk_gdn_bwd
     from gdn.chunk_fwd import chunk_gdn_fwd
     from gdn.oracle import recurrence
-    inverse = chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta,
-                            return_inverse=True)[2] if saved else None
-    got = chunk_gdn_bwd(q, k, v, g, beta, do, dht, initial_state=h0, inverse=inverse)
+    kept = chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta,
+                         return_saved=True)[2] if saved else {}
+    got = chunk_gdn_bwd(q, k, v, g, beta, do, dht, initial_state=h0, inverse=kept.get("inverse"),
+                        saved=kept if saved == "all" else None)
     _sync(got[0])
     names = [n for n, x in zip(("q", "k", "v", "g", "beta", "h0"), (q, k, v, g, beta, h0)) if x is not None]
     ref = [x.detach().double().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
@@ -122,15 +127,18 @@ def main():
     ap.add_argument("--vs", default=",".join(map(str, VS)))
     ap.add_argument("--forward", action="store_true", help="sweep the forward instead")
     ap.add_argument("--tune", action="store_true", help="forward: autotune the state pass")
+    ap.add_argument("--saved", action="store_true",
+                    help="backward: on all the forward saves, as the autograd op runs it")
     ap.add_argument("--saved-inverse", action="store_true",
-                    help="backward: on the forward's T, as the autograd op runs it")
+                    help="backward: on the forward's T, as the op runs it with save_states=False")
     ap.add_argument("--gates", default="0,1,2", help="gate ids: 0 none, 1 scalar, 2 vector")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     vs = [int(x) for x in a.vs.split(",")]
     if a.child:
         gate, K = (int(x) for x in a.child.split(","))
-        bad = child(gate, K, a.dtype, a.device, vs, a.forward, a.tune, a.saved_inverse)
+        bad = child(gate, K, a.dtype, a.device, vs, a.forward, a.tune,
+                    "all" if a.saved else "inverse" if a.saved_inverse else "")
         sys.stdout.flush()
         # every case is judged and printed (each synchronized): leave without the interpreter's
         # teardown, which once aborted a child on the H200 ("terminate called without an
@@ -156,7 +164,7 @@ def main():
             ok &= reap(*running.pop(0))
         cmd = [sys.executable, __file__, "--child", f"{gate},{K}", "--dtype", a.dtype,
                "--device", a.device, "--vs", a.vs] + ["--forward"] * a.forward + ["--tune"] * a.tune \
-            + ["--saved-inverse"] * a.saved_inverse
+            + ["--saved-inverse"] * a.saved_inverse + ["--saved"] * a.saved
         running.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True), (gate, K)))
     for p, label in running:
