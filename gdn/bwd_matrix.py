@@ -160,9 +160,12 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr, WU: tl.constexpr):
+          IW: tl.constexpr, WU: tl.constexpr, SAVED: tl.constexpr):
     """A chunk's exact-path flag and P^T dO (in DU), and where WU (the delta rule, W and U not
-    taken from the forward) T, W and U = T diag(beta) V."""
+    taken from the forward) T, W and U = T diag(beta) V.  SAVED (the backward on the
+    forward's chunk states): the flag leaves out v and beta, whose special values the forward
+    checked and stepped token by token (its stepped columns send the chunk to `_exact`);
+    neither enters P^T dO or the state gradient."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -170,7 +173,8 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
     bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C,
-                                                 GATE, DELTA, F32, DT, GLIM, BIG, WU and not GIVEN_T)
+                                                 GATE, DELTA and not SAVED, F32, DT, GLIM, BIG,
+                                                 WU and not GIVEN_T)
     # P of the state-gradient step, for its local part P^T dO (below)
     p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                               GATE, F32, DT)
@@ -182,9 +186,13 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
-        b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-        bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+        if SAVED:
+            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            bad += _outside(b_do, BIG)
+        else:
+            b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            bad += _outside(b_v, BIG) + _outside(b_do, BIG)
         # dU's (or dv's) part that does not wait for the state gradient, for _dstates
         tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
                  .to(DU.dtype.element_ty), mask=mcv)
