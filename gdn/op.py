@@ -63,18 +63,24 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
 
     Memory.  The forward keeps, beyond references to its inputs, the delta rule's
     WY inverse T, fp32 [B,T,H,C] (C = 64, 16 for a vector gate; 134 MB at the
-    shape below), which spares the backward a second inversion.  The backward
-    holds transiently, besides the gradients themselves, the
-    recomputed state at every chunk start and the state gradient at every
-    chunk end, 2 * ceil(T/C) * B*H*K*V elements (bf16 for bf16 inputs, fp32
-    otherwise; C = 64, 16 for a vector gate), one fp32 state per sequence-head
-    (N*H*K*V, where the sequential kernels' matrix parts hand over to their resume
-    parts), and with the delta rule the WY factors: W, U, dU [B,T,H,K|V] in the
-    same dtype and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32; P^T dO
-    [B,T,H,V] fp32 (where dU, or dv without the delta rule, is not fp32 itself); with a
-    gate, the rows of h * dS_end, fp32 ceil(T/C) * B*H * ceil(V/64) * K.
-    At B=8, T=4096, H=16, K=V=128 bf16 that is about 1.3 GB (BENCHMARKS.md has the peak
-    measured over a forward and backward).
+    shape below), which spares the backward a second inversion, and with
+    ``save_states`` (the default) the state entering every chunk, ceil(T/C) * B*H*K*V
+    elements in the hand-off dtype (bf16 for bf16 inputs, fp32 otherwise; 268 MB), and
+    with the delta rule w [B,T,H,K] and v_new [B,T,H,V] in that dtype (134 MB each), which
+    spare the backward its state pass and its W and U.  On the H200 (session 18) that took
+    the op's forward+backward from 3.991 to 3.557 ms at the shape below, and what a forward
+    keeps for its backward (o included) from 256 to 769 MB (fla 0.6.0, which recomputes
+    them: 194).  ``save_states=False`` keeps T alone.  The backward holds transiently,
+    besides the gradients themselves, the state gradient at every chunk end (and without
+    ``save_states`` the recomputed state at every chunk start), ceil(T/C) * B*H*K*V
+    elements each in the hand-off dtype, one fp32 state per sequence-head (N*H*K*V, where
+    the sequential kernels' matrix parts hand over to their resume parts), with the delta
+    rule dU [B,T,H,V] in the hand-off dtype (and without ``save_states`` W, U [B,T,H,K|V])
+    and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32; P^T dO [B,T,H,V] fp32
+    (where dU, or dv without the delta rule, is not fp32 itself); with a gate, the rows of
+    h * dS_end, fp32 ceil(T/C) * B*H * ceil(V/64) * K.  The peak over a forward and
+    backward at B=8, T=4096, H=16, K=V=128 bf16 is about 2.0 GB over the inputs either way
+    (BENCHMARKS.md).
     """
     if not delta:
         beta = None
