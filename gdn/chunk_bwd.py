@@ -69,10 +69,7 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms in session
           # 10, but 0.518 -> 0.907 in session 12 (with P^T dO in it since session 11)
           "prep_given_warps": 4,
-          # _prep on the forward's saved states (no W, U): candidate (session 18, not timed) 8
-          # warps: sm_90 offline at bf16 K=V=128, 113 registers (two programs an SM, 16 warps)
-          # against 137 at 4 (three, 12 warps)
-          "prep_saved_warps": 4,
+          # on the forward's saved states (no W, U; session 18): 8 warps 0.374 ms against 0.330
           # session 18 (H200, bwd on the forward's T): 8 warps capped at 128 registers (two
           # programs an SM) 0.533 ms against 0.501
           # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
@@ -100,10 +97,6 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
-# Candidate (session 18, not timed; GDN_BWD_SAVED_CHECKS=forward): on the forward's saved states
-# `_prep`'s flag leaves v and beta to the forward's checks (its stepped columns send a chunk
-# to _exact), so it reads neither (134 MB less at bf16 B8 T4096 H16 K=V=128)
-SAVED_CHECKS = os.environ.get("GDN_BWD_SAVED_CHECKS", "") == "forward"
 # A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
@@ -133,10 +126,10 @@ def stages(launch: dict, key: str, F32: bool, BK: int = 0) -> int:
     return 1 if F32 or (seq and BK > 128) else launch[key]
 
 
-def prep_launch(launch: dict, given_t: bool, saved: bool, C: int) -> dict:
-    """`_prep`'s launch keywords: its warps (on the forward's saved states: "prep_saved_warps";
-    on the forward's T, given_t: "prep_given_warps") and the inverse's tile width IW."""
-    warps = launch["prep_saved_warps" if saved else "prep_given_warps" if given_t else "prep_warps"]
+def prep_launch(launch: dict, given_t: bool, C: int) -> dict:
+    """`_prep`'s launch keywords: its warps (on the forward's T or saved states, given_t:
+    "prep_given_warps") and the inverse's tile width IW."""
+    warps = launch["prep_given_warps" if given_t else "prep_warps"]
     return dict(num_warps=warps, IW=max(32 * warps, C))
 
 
@@ -307,9 +300,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
-                    WU=delta and fwd_states is None, SAVED=fwd_states is not None and SAVED_CHECKS,
+                    WU=delta and fwd_states is None, SAVED=fwd_states is not None,
                     num_stages=stages(launch, "prep_stages", F32),
-                    **prep_launch(launch, inverse is not None, fwd_states is not None, C), **common)
+                    **prep_launch(launch, inverse is not None, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
     HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy

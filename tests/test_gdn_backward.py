@@ -366,31 +366,23 @@ def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K
 
 @pytest.mark.parametrize("name,value,gate,delta", [
     ("v", "nan", 1, True), ("v", "1e6", 0, False), ("v", "-inf", 2, True), ("beta", "nan", 1, True),
-    ("beta", "inf", 0, True), ("do", "nan", 1, True), (None, None, 1, True), (None, None, 2, False)])
-def test_prep_leaving_v_and_beta_to_the_forwards_checks(monkeypatch, name, value, gate, delta):
-    """GDN_BWD_SAVED_CHECKS=forward (candidate): on the forward's saved states `_prep`'s flag
-    leaves out v and beta.  With a special value in either (or in do, still checked) the
-    gradients' NaN/Inf sets are the oracle's and finite ones within its bound; without one they
-    are bitwise those of the default."""
-    import gdn.chunk_bwd
+    ("beta", "inf", 0, True), ("do", "nan", 1, True)])
+def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name, value, gate,
+                                                                          delta):
+    """On the forward's saved states `_prep`'s flag leaves out v and beta (the forward checked
+    them and stepped their chunks, whose stepped columns send them to `_exact`; on the H200,
+    session 18, `_prep` 0.330 -> 0.289 ms).  With a special value in either, or in do (still
+    checked), the gradients' NaN/Inf sets are the oracle's and the finite ones within its
+    bound."""
     from gdn.chunk_fwd import chunk_gdn_fwd
     x = make_inputs(1, 70, 2, 16, 32, gate, delta, torch.float32)
-    if name is not None:
-        t = x[name].clone()
-        t[0, 21].view(-1)[3 if t.dim() == 4 else 0] = float(value)
-        x[name] = t
+    t = x[name].clone()
+    t[0, 21].view(-1)[3 if t.dim() == 4 else 0] = float(value)
+    x[name] = t
     _, _, saved = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                 delta=delta, return_saved=True)
-
-    def grads():
-        return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                             initial_state=x["h0"], delta=delta, saved=saved)
-    default = grads()
-    monkeypatch.setattr(gdn.chunk_bwd, "SAVED_CHECKS", True)
-    got = grads()
-    if name is None:
-        assert_bitwise(got, default)
-        return
+    got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                        initial_state=x["h0"], delta=delta, saved=saved)
     want = oracle_grads(x, None, delta)
     assert_same_specials(got, want)
     finite = [None if b is None else torch.where(torch.isfinite(b), b, 0) for b in want]

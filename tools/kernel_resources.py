@@ -176,11 +176,11 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
     F32, DT = cb._dot_mode(torch.float32 if fp32 else torch.bfloat16)
     tile = cb.tiles(K, V)
     seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
-    prep = cb.prep_launch(launch, given_t, saved, C)
+    prep = cb.prep_launch(launch, given_t, C)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
                   HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"],
-                  WU=delta and not saved, SAVED=saved and cb.SAVED_CHECKS)
+                  WU=delta and not saved, SAVED=saved)
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
     grads_stages = cb.stages(launch, "grads_stages", F32)
