@@ -241,6 +241,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     if inverse is None and saved:
         inverse = saved.get("inverse")
     fwd_states = _forward_states(saved, NC, H, K, V, B, T, inter, dev, delta)
+    if fwd_states is not None and delta and inverse is None:   # _prep forms no T beside them
+        raise ValueError("saved states with the delta rule need the forward's T: saved['inverse'] "
+                         "or inverse=; got neither")
     if inverse is not None and (not delta or tuple(inverse.shape) != (B, T, H, C)
                                 or inverse.dtype != torch.float32 or inverse.device != dev):
         raise ValueError(f"inverse must be the forward's T, fp32 [{B},{T},{H},{C}] on {dev} with "

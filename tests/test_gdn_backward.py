@@ -400,6 +400,9 @@ def test_saved_states_that_are_not_the_forwards_are_refused():
         with pytest.raises(ValueError, match=f"saved\\['{name}'\\] must be the forward's"):
             chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
                           initial_state=x["h0"], saved=dict(saved, **{name: bad}))
+    with pytest.raises(ValueError, match="need the forward's T"):
+        chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                      initial_state=x["h0"], saved=dict(saved, inverse=None))
 
 
 def test_a_wrong_inverse_is_refused():
