@@ -307,3 +307,31 @@ def test_the_cache_warmer_calls_the_kernel_on_every_case_the_gates_run(capsys):
     assert {warm.compile_class(c) for c in rest} <= {warm.compile_class(c) for c in first}
     assert f"softmax: {len(cases)} case(s) called in 2 process(es) ({len(first)} compile classes), " \
            "0 raised" in capsys.readouterr().out
+
+
+def test_the_gate_parts_run_every_case_once_and_judge_as_the_gate_does():
+    """tools/gate_part.py (a gate's cases spread over processes on the device): its parts
+    together run the gate's cases, each once, with the gate's verdicts: a planted bug's
+    failures (softmax.clamp10 under G02) and the correct kernel's passes."""
+    import importlib
+    import io
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        part = importlib.import_module("gate_part")
+    finally:
+        sys.path.pop(0)
+    for name in ("softmax.clamp10", "softmax"):
+        whole = run_gate(GATES["G02"], get_target(name), seed=0)
+        out = io.StringIO()
+        runs = [part.run_part(name, "G02", i, 3, out=out) for i in range(3)]
+        assert sum(r[0] for r in runs) == whole.cases > 0
+        assert sum(r[1] for r in runs) == whole.failures
+        assert max(r[2] for r in runs) == pytest.approx(whole.worst_ratio)
+        indices = sorted(int(ln.split()[2].rstrip(":")) for ln in out.getvalue().splitlines()
+                         if ln.startswith("G02 case"))
+        assert indices == list(range(whole.cases))
+        assert (whole.failures > 0) == (name == "softmax.clamp10")
+    with pytest.raises(SystemExit):
+        part.main(["--target", "softmax", "--gate", "G02", "--part", "3/3"])
