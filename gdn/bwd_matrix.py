@@ -160,12 +160,13 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr, WU: tl.constexpr, SAVED: tl.constexpr):
+          IW: tl.constexpr, WU: tl.constexpr, SAVED: tl.constexpr, LOCAL_DU: tl.constexpr):
     """A chunk's exact-path flag and P^T dO (in DU), and where WU (the delta rule, W and U not
     taken from the forward) T, W and U = T diag(beta) V.  SAVED (the backward on the
     forward's chunk states): the flag leaves out v and beta, whose special values the forward
     checked and stepped token by token (its stepped columns send the chunk to `_exact`);
-    neither enters P^T dO or the state gradient."""
+    neither enters P^T dO or the state gradient.  LOCAL_DU: `_dstates` forms P^T dO itself
+    (no DU store here)."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -176,8 +177,9 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
                                                  GATE, DELTA and not SAVED, F32, DT, GLIM, BIG,
                                                  WU and not GIVEN_T)
     # P of the state-gradient step, for its local part P^T dO (below)
-    p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
-                              GATE, F32, DT)
+    if not LOCAL_DU:
+        p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
+                                  GATE, F32, DT)
     # T and W first, so that one pass over V stores P^T dO and U (v read once: on the H200,
     # session 17, bf16 B8 T4096 H16 K=V=128, 0.546 -> 0.505 ms on the forward's T against a
     # second pass over V for U after T and W)
@@ -194,8 +196,9 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
             b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             bad += _outside(b_v, BIG) + _outside(b_do, BIG)
         # dU's (or dv's) part that does not wait for the state gradient, for _dstates
-        tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
-                 .to(DU.dtype.element_ty), mask=mcv)
+        if not LOCAL_DU:
+            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
+                     .to(DU.dtype.element_ty), mask=mcv)
         if WU:
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
             tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
@@ -310,7 +313,7 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
 @triton.jit
 def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
                   scale, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-                  F32: tl.constexpr, DT: tl.constexpr):
+                  F32: tl.constexpr, DT: tl.constexpr, LOCAL_DU: tl.constexpr):
     """One chunk (first token t0) of the state-gradient step by the matrix path: stores dU
     (dv without delta; where ok, a scalar) and returns the state gradient entering the chunk.
     dU's local part P^T dO is _prep's (chunks in parallel, in DUL), as fla splits its dv_local
@@ -331,23 +334,36 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
         b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
         b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         kdh = _mm(b_k, dh, F32, DT)
+        incl = rows[:, None] >= rows[None, :]
         if GATE == 1:
             G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
+            if LOCAL_DU:   # P^T dO here, from the q, k and dO tiles of the step (no DUL)
+                pdo = _mm(tl.trans(_mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)),
+                          b_do * scale, F32, DT)
             kdh = kdh * _end_decay(G, Gl, GC, GCl)[:, None]
             dh = dh * tl.exp(GC)
             b_do = b_do * (tl.exp(G) * scale)[:, None]
         else:
             b_do = b_do * scale
-        du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) + kdh
+            if LOCAL_DU:
+                pdo = _mm(tl.trans(tl.where(incl, _mm(b_q, tl.trans(b_k), F32, DT), 0.)), b_do,
+                          F32, DT)
+        if LOCAL_DU:
+            du = pdo + kdh
+        else:
+            du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) + kdh
         tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
         dh = dh + _mm(tl.trans(b_q), b_do, F32, DT)
     else:   # the vector gate's decays are per key: on the [C, K] tiles
         b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
         b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-        _, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
+        p, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                                       GATE, F32, DT)
-        du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
-            + _mm(ke, dh, F32, DT)
+        if LOCAL_DU:
+            du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
+        else:
+            du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
+                + _mm(ke, dh, F32, DT)
         dh = dh * dec
         tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
         dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
@@ -379,7 +395,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
              HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
-             PART: tl.constexpr):
+             PART: tl.constexpr, LOCAL_DU: tl.constexpr):
     """The state gradient at every chunk end (dhs), dU (dv without delta) and dh0, per (V
     tile, sequence-head), in reverse time and in two parts as `_states` (PART 0 the matrix
     part, no branch in its loop; PART 1 from the first chunk, in reverse, that needs the step
@@ -407,7 +423,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
                 _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive)
             tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
             dhn = _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, bos + ic * C, eos, rows, ih, H,
-                                K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
+                                K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT, LOCAL_DU)
             dh = tl.where(ok, dhn, dh)
             stopj = tl.where(alive & (ok == 0), j, stopj)
             alive = ok
@@ -435,6 +451,6 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
                                           mv, GATE, DELTA)
                 else:
                     dh = _dstates_step(q, k, g, do, W, dU, DUL, dh, True, t0, eos, rows, ih, H,
-                                       K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
+                                       K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT, LOCAL_DU)
             if HAS_H0:
                 tl.store(dh0 + soff, dh.to(dh0.dtype.element_ty), mask=mkv)

@@ -97,6 +97,13 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
+# Candidate (session 18, CPU only, not timed; GDN_BWD_DU=dstates): `_dstates` forms dU's local
+# part P^T dO itself from the q, k and dO tiles its step loads (two products off the state
+# gradient's chain), so `_prep` stores no P^T dO and `_dstates` reads none: 268 MB fp32 less
+# written and read at bf16 B8 T4096 H16 K=V=128.  Session 11 measured P^T dO in _dstates at
+# 0.781 ms against 0.528 from _prep, but in the branching loop of then (no pipelined loads);
+# the matrix part's loop has been pipelined since
+LOCAL_DU = os.environ.get("GDN_BWD_DU", "") == "dstates"
 # A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
@@ -298,12 +305,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     # crashes/gdn_bwd/bound-dg/81b43ef0, session 12.  Scratch in fp16 let P^T dO alone pass
     # fp16's range where dv does not: G06, gdn_bwd_linear, k at fp16's maximum)
     DUL = dU if delta else dv
-    if DUL.dtype != torch.float32:
+    if LOCAL_DU:
+        DUL = dummy
+    elif DUL.dtype != torch.float32:
         DUL = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
-                    WU=delta and fwd_states is None, SAVED=fwd_states is not None,
+                    WU=delta and fwd_states is None, SAVED=fwd_states is not None, LOCAL_DU=LOCAL_DU,
                     num_stages=stages(launch, "prep_stages", F32),
                     **prep_launch(launch, inverse is not None, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
@@ -336,7 +345,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                num_warps=launch["dstates_warps"],
                                num_stages=stages(launch, "dstates_stages", F32, BK),
-                               PART=part, **common)
+                               PART=part, LOCAL_DU=LOCAL_DU, **common)
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:

@@ -390,6 +390,47 @@ def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name,
                  1e-4)
 
 
+@pytest.mark.parametrize("gate,delta,dtype,cu,special,saved", [
+    (1, True, torch.float32, None, None, True),
+    (0, True, torch.float32, [0, 20, 53, 100], None, False),
+    (2, True, torch.float32, None, None, True),
+    (1, False, torch.float32, None, None, False),
+    (1, True, torch.bfloat16, None, None, True),
+    (1, True, torch.float32, None, ("do", 41), True),
+    (2, False, torch.float32, [0, 20, 53, 100], ("q", 30), False)])
+def test_du_formed_in_dstates_gives_the_same_gradients(monkeypatch, gate, delta, dtype, cu,
+                                                       special, saved):
+    """GDN_BWD_DU=dstates (candidate): `_dstates` forms P^T dO from its step's q, k and dO tiles
+    and `_prep` stores none.  The gradients are the default's up to rounding (fp32: 1e-5;
+    bf16: both within the bound of float64 autograd through the oracle), on the backward's own
+    chunks and on the forward's saved states, at every gate, varlen; with a NaN in do or q the
+    NaN/Inf sets are the oracle's."""
+    import gdn.chunk_bwd
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(1, 100, 2, 16, 32, gate, delta, dtype, cu=cu)
+    if special is not None:
+        x = with_nan(x, *special)
+    kept = None
+    if saved:
+        kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                             cu_seqlens=cu, delta=delta, return_saved=True)[2]
+
+    def grads():
+        return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept)
+    default = grads()
+    monkeypatch.setattr(gdn.chunk_bwd, "LOCAL_DU", True)
+    got = grads()
+    want = oracle_grads(x, cu, delta)
+    if special is not None:
+        assert_same_specials(got, want)
+        return
+    assert_close(got, want, TOL[dtype])
+    if dtype == torch.float32:
+        assert_close(got, [None if b is None else b.double() for b in default], 1e-5)
+
+
 def test_saved_states_that_are_not_the_forwards_are_refused():
     from gdn.chunk_fwd import chunk_gdn_fwd
     x = make_inputs(1, 37, 1, 16, 16, 1, True, torch.float32)
