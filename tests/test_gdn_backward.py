@@ -431,6 +431,20 @@ def test_du_formed_in_dstates_gives_the_same_gradients(monkeypatch, gate, delta,
         assert_close(got, [None if b is None else b.double() for b in default], 1e-5)
 
 
+def test_the_ops_backward_leaves_what_its_forward_saved_as_it_was():
+    """The op's backward reads the forward's saved states, w and v_new and writes none of them
+    (before session 18, `_states` wrote U in place): a second backward through the same graph
+    (retain_graph) gives bitwise the first's gradients."""
+    x = make_inputs(1, 70, 2, 16, 32, 1, True, torch.float32)
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")}
+    o, ht = gdn_attention(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                          initial_state=leaves["h0"], output_final_state=True)
+    loss = (o * x["do"]).sum() + (ht * x["dht"]).sum()
+    first = torch.autograd.grad(loss, list(leaves.values()), retain_graph=True)
+    again = torch.autograd.grad(loss, list(leaves.values()))
+    assert_bitwise(first, again)
+
+
 def test_saved_states_that_are_not_the_forwards_are_refused():
     from gdn.chunk_fwd import chunk_gdn_fwd
     x = make_inputs(1, 37, 1, 16, 16, 1, True, torch.float32)
