@@ -160,10 +160,10 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr, WU: tl.constexpr, SAVED: tl.constexpr, LOCAL_DU: tl.constexpr):
-    """A chunk's exact-path flag and P^T dO (in DU), and where WU (the delta rule, W and U not
-    taken from the forward) T, W and U = T diag(beta) V.  SAVED (the backward on the
-    forward's chunk states): the flag leaves out v and beta, whose special values the forward
+          IW: tl.constexpr, SAVED: tl.constexpr, LOCAL_DU: tl.constexpr):
+    """A chunk's exact-path flag and P^T dO (in DU), and with the delta rule, unless SAVED,
+    T, W and U = T diag(beta) V.  SAVED (the backward on the forward's chunk states, w and
+    v_new): no T, W or U, and the flag leaves out v and beta, whose special values the forward
     checked and stepped token by token (its stepped columns send the chunk to `_exact`);
     neither enters P^T dO or the state gradient.  LOCAL_DU: `_dstates` forms P^T dO itself
     (no DU store here)."""
@@ -175,7 +175,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     mqk = rv[:, None] & mk[None, :]
     bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C,
                                                  GATE, DELTA and not SAVED, F32, DT, GLIM, BIG,
-                                                 WU and not GIVEN_T)
+                                                 DELTA and not SAVED and not GIVEN_T)
     # P of the state-gradient step, for its local part P^T dO (below)
     if not LOCAL_DU:
         p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
@@ -184,7 +184,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     # session 17, bf16 B8 T4096 H16 K=V=128, 0.546 -> 0.505 ms on the forward's T against a
     # second pass over V for U after T and W)
     tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
-                  WU, F32, DT, PREC, GIVEN_T, IW)
+                  DELTA and not SAVED, F32, DT, PREC, GIVEN_T, IW)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
@@ -199,7 +199,7 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
         if not LOCAL_DU:
             tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
                      .to(DU.dtype.element_ty), mask=mcv)
-        if WU:
+        if DELTA and not SAVED:
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
             tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))

@@ -312,7 +312,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
-                    WU=delta and fwd_states is None, SAVED=fwd_states is not None, LOCAL_DU=LOCAL_DU,
+                    SAVED=fwd_states is not None, LOCAL_DU=LOCAL_DU,
                     num_stages=stages(launch, "prep_stages", F32),
                     **prep_launch(launch, inverse is not None, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
