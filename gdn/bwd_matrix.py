@@ -108,6 +108,16 @@ def _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale):
 
 
 @triton.jit
+def _causal_qk(b_q, b_k, G, Gl, incl, GATE: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+    """incl_lower(Q K^T), with the scalar gate's pair decays exp(G_i - G_j) (GATE 1; G, Gl its
+    sums as hi + lo) or none (GATE 0): P of a chunk, for q with the scale folded in."""
+    if GATE == 1:
+        return _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)
+    else:
+        return tl.where(incl, _mm(b_q, tl.trans(b_k), F32, DT), 0.)
+
+
+@triton.jit
 def _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C: tl.constexpr,
                  GATE: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
     """A chunk's terms of the state-gradient step from its q (scale folded in) and k tiles:
@@ -116,7 +126,7 @@ def _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C: tl.constex
     incl = rows[:, None] >= rows[None, :]
     if GATE == 1:
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-        p = _mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)
+        p = _causal_qk(b_q, b_k, G, Gl, incl, GATE, F32, DT)
         qg = b_q * tl.exp(G)[:, None]
         ke = b_k * _end_decay(G, Gl, GC, GCl)[:, None]
         dec = tl.exp(GC)
@@ -128,7 +138,7 @@ def _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C: tl.constex
         dec = tl.exp(GC)[:, None]
     else:
         qg = b_q
-        p = tl.where(incl, _mm(b_q, tl.trans(b_k), F32, DT), 0.)
+        p = _causal_qk(b_q, b_k, 0., 0., incl, GATE, F32, DT)
         ke = b_k
         dec = 1.0
     return p, qg, ke, dec
@@ -338,7 +348,7 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
         if GATE == 1:
             G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
             if LOCAL_DU:   # P^T dO here, from the q, k and dO tiles of the step (no DUL)
-                pdo = _mm(tl.trans(_mm(b_q, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, incl)),
+                pdo = _mm(tl.trans(_causal_qk(b_q, b_k, G, Gl, incl, GATE, F32, DT)),
                           b_do * scale, F32, DT)
             kdh = kdh * _end_decay(G, Gl, GC, GCl)[:, None]
             dh = dh * tl.exp(GC)
@@ -346,7 +356,7 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
         else:
             b_do = b_do * scale
             if LOCAL_DU:
-                pdo = _mm(tl.trans(tl.where(incl, _mm(b_q, tl.trans(b_k), F32, DT), 0.)), b_do,
+                pdo = _mm(tl.trans(_causal_qk(b_q, b_k, 0., 0., incl, GATE, F32, DT)), b_do,
                           F32, DT)
         if LOCAL_DU:
             du = pdo + kdh
