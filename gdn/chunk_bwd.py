@@ -78,6 +78,9 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # 229888 and 155904 B of shared memory at bf16 K=V=128 (sm_90 offline; an A100 holds
           # about 164 KB a block, the H200 232448 B)
           "dstates_warps": 8, "dstates_stages": 2,
+          # candidate (session 19): the V tile of _prep, _states and _dstates where V > 64;
+          # 128 runs _dstates as one program a head (one wave of N*H programs at the bench shape)
+          "seq_bv": 64,
           # session 18: at two programs an SM (256 programs in one wave on the 132 SMs) slower:
           # 4 warps 1 stage 0.805 ms, 8 warps 1 stage capped at 128 registers 1.097; 8 warps 1
           # stage uncapped 0.927, against 0.731
@@ -155,7 +158,7 @@ def tiles(K: int, V: int) -> dict:
     # gradients (at V 1 and 16; right with _prep at 8 warps, which doubles its time at the
     # bench shape), BK 64 with BV 32 dq/dk/dbeta 0.2-0.6 off; every K took 64-wide tiles right.
     # So V tiles are 64 wide at any K (masked past V; narrow V is not where the time goes).
-    BV = 64
+    BV = LAUNCH["seq_bv"] if V > 64 else 64
     # _exact's float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
     # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
