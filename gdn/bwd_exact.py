@@ -68,7 +68,7 @@ def _rounded(x, out):
 
 @triton.jit
 def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab,
-           scale, T, H, K, V, NV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+           scale, T, H, K, V, NV, NVD, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Step-by-step gradients of a flagged chunk: autograd of gdn.oracle's step,
     op for op, in float64 as the oracle computes, each gradient rounded once when stored.
@@ -77,9 +77,9 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
     from the chunk's entry state (quadratic in C, but only special-value chunks come here)."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
-    cv0 = tl.arange(0, BV)   # NV (the sequential kernels' V tiles) <= 16 <= BV
+    cv0 = tl.arange(0, BV)   # NV, NVD (_states's and _dstates's V tiles) <= 16 <= BV
     fl = tl.load(hflag + (cid * H + ih) * NV + cv0, mask=cv0 < NV, other=0)
-    fl += tl.load(dflag + (cid * H + ih) * NV + cv0, mask=cv0 < NV, other=0)
+    fl += tl.load(dflag + (cid * H + ih) * NVD + cv0, mask=cv0 < NVD, other=0)
     bad = tl.load(flag + cid * H + ih) + tl.sum(fl, 0)
     if bad > 0:
         n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)

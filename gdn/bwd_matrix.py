@@ -166,17 +166,16 @@ def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constex
 
 
 @triton.jit
-def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
+def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr, SAVED: tl.constexpr, LOCAL_DU: tl.constexpr):
-    """A chunk's exact-path flag and P^T dO (in DU), and with the delta rule, unless SAVED,
-    T, W and U = T diag(beta) V.  SAVED (the backward on the forward's chunk states, w and
-    v_new): no T, W or U, and the flag leaves out v and beta, whose special values the forward
-    checked and stepped token by token (its stepped columns send the chunk to `_exact`);
-    neither enters P^T dO or the state gradient.  LOCAL_DU: `_dstates` forms P^T dO itself
-    (no DU store here)."""
+          IW: tl.constexpr, SAVED: tl.constexpr):
+    """A chunk's exact-path flag, and with the delta rule, unless SAVED, T, W and U = T
+    diag(beta) V.  SAVED (the backward on the forward's chunk states, w and v_new): no T, W or
+    U, and the flag leaves out v and beta, whose special values the forward checked and
+    stepped token by token (its stepped columns send the chunk to `_exact`); neither enters
+    the state gradient.  dU's local part P^T dO is `_dstates`'s (session 19)."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -186,13 +185,9 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
     bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C,
                                                  GATE, DELTA and not SAVED, F32, DT, GLIM, BIG,
                                                  DELTA and not SAVED and not GIVEN_T)
-    # P of the state-gradient step, for its local part P^T dO (below)
-    if not LOCAL_DU:
-        p, _, _, _ = _chunk_terms(b_q * scale, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
-                                  GATE, F32, DT)
-    # T and W first, so that one pass over V stores P^T dO and U (v read once: on the H200,
-    # session 17, bf16 B8 T4096 H16 K=V=128, 0.546 -> 0.505 ms on the forward's T against a
-    # second pass over V for U after T and W)
+    # T and W first, so that one pass over V checks v and dO and stores U (v read once: on
+    # the H200, session 17, bf16 B8 T4096 H16 K=V=128, 0.546 -> 0.505 ms on the forward's T
+    # against a second pass over V for U after T and W)
     tm = _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, bos + ic * C, eos, H, K, C, ck, mqk,
                   DELTA and not SAVED, F32, DT, PREC, GIVEN_T, IW)
     for iv in range(0, tl.cdiv(V, BV)):
@@ -205,10 +200,6 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, DU, cu, tab, scale, T, H, K, V,
             b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             bad += _outside(b_v, BIG) + _outside(b_do, BIG)
-        # dU's (or dv's) part that does not wait for the state gradient, for _dstates
-        if not LOCAL_DU:
-            tl.store(_tile(DU, r0, rows, cv, V, H), _mm(tl.trans(p), b_do, F32, DT)
-                     .to(DU.dtype.element_ty), mask=mcv)
         if DELTA and not SAVED:
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
             tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
@@ -321,14 +312,18 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
 
 
 @triton.jit
-def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
+def _dstates_step(q, k, g, do, W, dU, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
                   scale, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-                  F32: tl.constexpr, DT: tl.constexpr, LOCAL_DU: tl.constexpr):
+                  F32: tl.constexpr, DT: tl.constexpr):
     """One chunk (first token t0) of the state-gradient step by the matrix path: stores dU
     (dv without delta; where ok, a scalar) and returns the state gradient entering the chunk.
-    dU's local part P^T dO is _prep's (chunks in parallel, in DUL), as fla splits its dv_local
-    from its dh pass: on the H200 (session 11) this kernel took 0.528 ms at 8 warps, against
-    0.781 forming P^T dO itself in the branching loop of sessions 1-10."""
+    dU's local part P^T dO is formed here from the q, k and dO tiles the step loads (two
+    products off the state gradient's chain) and added to K_end dS in fp32, so dU is rounded
+    once.  Sessions 11-18 formed it in `_prep` (chunks in parallel) and handed it over in
+    fp32, as fla splits its dv_local from its dh pass; on the H200 (session 19, bf16 B8 T4096
+    H16 K=V=128, on the forward's saved states) forming it here at 128-wide V tiles took the
+    backward 2.593 -> 2.502 ms (`_prep` 0.288 -> 0.103, this kernel 0.733 -> 0.837), and 268
+    MB of fp32 hand-off went."""
     tok = t0 + rows
     rv = tok < eos
     r0 = _chunk_base(t0, ih, H)
@@ -347,21 +342,15 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
         incl = rows[:, None] >= rows[None, :]
         if GATE == 1:
             G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
-            if LOCAL_DU:   # P^T dO here, from the q, k and dO tiles of the step (no DUL)
-                pdo = _mm(tl.trans(_causal_qk(b_q, b_k, G, Gl, incl, GATE, F32, DT)),
-                          b_do * scale, F32, DT)
+            pdo = _mm(tl.trans(_causal_qk(b_q, b_k, G, Gl, incl, GATE, F32, DT)), b_do * scale,
+                      F32, DT)
             kdh = kdh * _end_decay(G, Gl, GC, GCl)[:, None]
             dh = dh * tl.exp(GC)
             b_do = b_do * (tl.exp(G) * scale)[:, None]
         else:
             b_do = b_do * scale
-            if LOCAL_DU:
-                pdo = _mm(tl.trans(_causal_qk(b_q, b_k, 0., 0., incl, GATE, F32, DT)), b_do,
-                          F32, DT)
-        if LOCAL_DU:
-            du = pdo + kdh
-        else:
-            du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) + kdh
+            pdo = _mm(tl.trans(_causal_qk(b_q, b_k, 0., 0., incl, GATE, F32, DT)), b_do, F32, DT)
+        du = pdo + kdh
         tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
         dh = dh + _mm(tl.trans(b_q), b_do, F32, DT)
     else:   # the vector gate's decays are per key: on the [C, K] tiles
@@ -369,11 +358,7 @@ def _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, t0, eos, rows, ih, H, K, V, c
         b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         p, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                                       GATE, F32, DT)
-        if LOCAL_DU:
-            du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
-        else:
-            du = tl.load(_tile(DUL, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32) \
-                + _mm(ke, dh, F32, DT)
+        du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
         dh = dh * dec
         tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
         dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
@@ -400,12 +385,12 @@ def _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok):
 
 
 @triton.jit
-def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, stop, sstop, cu,
+def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, hs, HD, stop, sstop, cu,
              coff, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
              HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
-             PART: tl.constexpr, LOCAL_DU: tl.constexpr):
+             PART: tl.constexpr):
     """The state gradient at every chunk end (dhs), dU (dv without delta) and dh0, per (V
     tile, sequence-head), in reverse time and in two parts as `_states` (PART 0 the matrix
     part, no branch in its loop; PART 1 from the first chunk, in reverse, that needs the step
@@ -432,8 +417,8 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
             if GATE != 0:
                 _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive)
             tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
-            dhn = _dstates_step(q, k, g, do, W, dU, DUL, dh, ok, bos + ic * C, eos, rows, ih, H,
-                                K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT, LOCAL_DU)
+            dhn = _dstates_step(q, k, g, do, W, dU, dh, ok, bos + ic * C, eos, rows, ih, H, K, V,
+                                ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
             dh = tl.where(ok, dhn, dh)
             stopj = tl.where(alive & (ok == 0), j, stopj)
             alive = ok
@@ -460,7 +445,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, DUL, dhs, hs, HD, 
                         dh = _exact_dstep(dh, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv,
                                           mv, GATE, DELTA)
                 else:
-                    dh = _dstates_step(q, k, g, do, W, dU, DUL, dh, True, t0, eos, rows, ih, H,
-                                       K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT, LOCAL_DU)
+                    dh = _dstates_step(q, k, g, do, W, dU, dh, True, t0, eos, rows, ih, H, K, V,
+                                       ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
             if HAS_H0:
                 tl.store(dh0 + soff, dh.to(dh0.dtype.element_ty), mask=mkv)

@@ -9,15 +9,15 @@ launches the kernels, which live in the modules named after their concept:
 
 1. ``_prep``   (chunks in parallel)  flags every chunk whose inputs are not all
    finite (or whose cumulative gate is too steep for the factored vector-gate
-   form), forms the part of dU that does not wait for the state gradient, P^T dO,
-   and for the delta rule builds the WY form of the chunk: the inverse
+   form), and for the delta rule builds the WY form of the chunk: the inverse
    T = (I + A)^-1 of the unit lower triangular system, W = T diag(beta) K_g and
    Uu = T diag(beta) V.
 2. ``_states`` (sequential over chunks)  recomputes the state entering every
    chunk, h_c, and the chunk's effective values U = Uu - W h_c.
 3. ``_dstates`` (sequential, reverse time)  carries the state gradient dS
    backward over the chunks; stores dS at every chunk end and dU, the full
-   gradient of U (delta rule) or dv (no delta); writes dh0.  With a gate it also
+   gradient of U (delta rule) or dv (no delta), P^T dO + K_end dS with its local
+   part P^T dO formed in the step (off the chain); writes dh0.  With a gate it also
    stores the rows of h * dS (dS in fp32) for the gate's gradient.
    Kernels 2 and 3 launch twice, as the forward's state pass: a matrix part whose
    chunk loop has no branch (so Triton pipelines its loads), up to the first chunk
@@ -78,9 +78,8 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           # 229888 and 155904 B of shared memory at bf16 K=V=128 (sm_90 offline; an A100 holds
           # about 164 KB a block, the H200 232448 B)
           "dstates_warps": 8, "dstates_stages": 2,
-          # candidate (session 19): the V tile of _prep, _states and _dstates where V > 64;
-          # 128 runs _dstates as one program a head (one wave of N*H programs at the bench shape)
-          "seq_bv": 64,
+          # _dstates's V tile, 64 or 128; None: `dstates_tile`'s choice by waves
+          "dstates_bv": None,
           # session 18: at two programs an SM (256 programs in one wave on the 132 SMs) slower:
           # 4 warps 1 stage 0.805 ms, 8 warps 1 stage capped at 128 registers 1.097; 8 warps 1
           # stage uncapped 0.927, against 0.731
@@ -100,13 +99,13 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
-# Candidate (session 18, CPU only, not timed; GDN_BWD_DU=dstates): `_dstates` forms dU's local
-# part P^T dO itself from the q, k and dO tiles its step loads (two products off the state
-# gradient's chain), so `_prep` stores no P^T dO and `_dstates` reads none: 268 MB fp32 less
-# written and read at bf16 B8 T4096 H16 K=V=128.  Session 11 measured P^T dO in _dstates at
-# 0.781 ms against 0.528 from _prep, but in the branching loop of then (no pipelined loads);
-# the matrix part's loop has been pipelined since
-LOCAL_DU = os.environ.get("GDN_BWD_DU", "") == "dstates"
+# _dstates at a 128-wide V tile against two 64-wide ones, per program, with P^T dO formed in
+# the step (its Q K^T once a head instead of once a tile): 0.837 ms for one wave of 128
+# programs against 0.921 for two waves of 256 (0.46 a wave) on the H200 (session 19, bf16
+# GDN B8 T4096 H16 K=V=128 on the forward's saved states).  Without P^T dO in the step the
+# wider tile lost (0.831 against 0.733); at 16 warps it took 2.47 ms (sm_90 offline: 936 B of
+# spill at 128 registers, against 408 at 8 warps)
+DSTATES_WIDE_COST = 1.82
 # A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
 # the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
 # 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
@@ -144,8 +143,8 @@ def prep_launch(launch: dict, given_t: bool, C: int) -> dict:
 
 
 def tiles(K: int, V: int) -> dict:
-    """The tile sizes the kernels launch with: BK; BV of _prep, _states and _dstates
-    (NV = ceil(V / BV) programs split V); BV of _grads_wy, _grads_p and of _exact;
+    """The tile sizes the kernels launch with: BK; BV of _prep and _states (NV = ceil(V /
+    BV) programs split V; _dstates's is `dstates_tile`'s); BV of _grads_wy, _grads_p and of _exact;
     BKS, the K slice of _grads_wy and _grads_p."""
     BK = _pow2(K)
     # BK >= 128 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
@@ -158,12 +157,32 @@ def tiles(K: int, V: int) -> dict:
     # gradients (at V 1 and 16; right with _prep at 8 warps, which doubles its time at the
     # bench shape), BK 64 with BV 32 dq/dk/dbeta 0.2-0.6 off; every K took 64-wide tiles right.
     # So V tiles are 64 wide at any K (masked past V; narrow V is not where the time goes).
-    BV = LAUNCH["seq_bv"] if V > 64 else 64
+    BV = 64
     # _exact's float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
     # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
     return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
             "exact_BV": min(BV, max(16, 2048 // BK)),
             "grads_BKS": min(LAUNCH["grads_bk"], BK)}
+
+
+def dstates_tile(BK: int, V: int, heads: int, sms: int) -> int:
+    """`_dstates`'s V tile for `heads` (sequence, head) pairs on `sms` multiprocessors (one
+    program an SM: 255 registers at 8 warps): 128 where V > 64, BK <= 128 and the waves it
+    saves outweigh its longer program (DSTATES_WIDE_COST), else 64.  At bf16 B8 H16 K=V=128
+    on the H200 (132 SMs): 128 programs, one wave, at 128 against two at 64; at B1 H16, 16
+    programs at 128 would each take 1.8x the 32 at 64.  LAUNCH["dstates_bv"] overrides."""
+    if LAUNCH["dstates_bv"]:
+        return LAUNCH["dstates_bv"]
+    if V <= 64 or BK > 128:   # [256, 128] fp32 state-gradient tiles would spill
+        return 64
+    waves = {bv: triton.cdiv(heads * triton.cdiv(V, bv), sms) for bv in (64, 128)}
+    return 128 if waves[128] * DSTATES_WIDE_COST < waves[64] else 64
+
+
+def _sm_count(dev) -> int:
+    """Multiprocessors of a CUDA device; on the CPU (interpreter) the H200's 132, so that the
+    tiles are the ones it would launch."""
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
 
 
 def _dot_mode(dtype):
@@ -247,6 +266,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     tile = tiles(K, V)
     BK, BV = tile["BK"], tile["BV"]
     NV = triton.cdiv(V, BV)
+    BVD = dstates_tile(BK, V, N * H, _sm_count(dev))
+    NVD = triton.cdiv(V, BVD)   # _dstates's V tiles: dflag and HD are per tile of these
     IS_VARLEN = cu_seqlens is not None
     if inverse is None and saved:
         inverse = saved.get("inverse")
@@ -269,7 +290,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     gp = g if g is not None else dummy
     bp = beta if beta is not None else dummy
     flag = torch.empty(NC, H, device=dev, dtype=torch.int32)
-    dflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
+    dflag = torch.empty(NC, H, NVD, device=dev, dtype=torch.int32)
     if inverse is not None:
         Tm = inverse.contiguous()   # the forward's T: _prep reads it (GIVEN_T)
     elif delta:
@@ -302,29 +323,19 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    # where _prep hands P^T dO to _dstates, which adds K_end dS and rounds dU (dv without
-    # delta) once: fp32, so dU's place where that is fp32, else fp32 scratch.  (dU's own bf16
-    # place rounded dU twice: a one-token bf16 case's dg went 2.46 -> 6.64x over G03's bound,
-    # crashes/gdn_bwd/bound-dg/81b43ef0, session 12.  Scratch in fp16 let P^T dO alone pass
-    # fp16's range where dv does not: G06, gdn_bwd_linear, k at fp16's maximum)
-    DUL = dU if delta else dv
-    if LOCAL_DU:
-        DUL = dummy
-    elif DUL.dtype != torch.float32:
-        DUL = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, DUL, cu, tab, scale, T, H, K, V,
+    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
-                    SAVED=fwd_states is not None, LOCAL_DU=LOCAL_DU,
+                    SAVED=fwd_states is not None,
                     num_stages=stages(launch, "prep_stages", F32),
                     **prep_launch(launch, inverse is not None, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
-    HD = torch.empty(NC, H, NV, K, device=dev, dtype=torch.float32) if g is not None else dummy
+    HD = torch.empty(NC, H, NVD, K, device=dev, dtype=torch.float32) if g is not None else dummy
     # the two sequential kernels, each in two parts (matrix, resume); stop and sstop pass the
     # first chunk needing the step path, and the state (gradient) there, from one part to the
     # next, _states's first, then _dstates's
-    stop = torch.empty(N * H, NV, device=dev, dtype=torch.int32)
+    stop = torch.empty(N * H, max(NV, NVD), device=dev, dtype=torch.int32)
     sstop = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     parts = (0, 1) if SEQ_SPLIT else (1,)
     if not SEQ_SPLIT:   # bring-up: PART 1 alone, from the first chunk (the branching loop)
@@ -341,14 +352,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         if dh0 is not None:   # a sequence with no chunk: PART 1 writes nothing
             dh0.copy_(sstop)
     for part in parts:
-        _dstates_[(NV, N * H)](q, k, gp, bp, do, dht if dht is not None else dummy,
-                               dh0 if dh0 is not None else dummy, flag, dflag, W,
-                               dU if delta else dv, DUL, dhs, hs, HD, stop, sstop, cu, coff, scale,
-                               T, H, K, V, HAS_DHT=dht is not None,
-                               HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
-                               num_warps=launch["dstates_warps"],
-                               num_stages=stages(launch, "dstates_stages", F32, BK),
-                               PART=part, LOCAL_DU=LOCAL_DU, **common)
+        _dstates_[(NVD, N * H)](q, k, gp, bp, do, dht if dht is not None else dummy,
+                                dh0 if dh0 is not None else dummy, flag, dflag, W,
+                                dU if delta else dv, dhs, hs, HD, stop, sstop, cu, coff, scale,
+                                T, H, K, V, HAS_DHT=dht is not None,
+                                HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
+                                num_warps=launch["dstates_warps"],
+                                num_stages=stages(launch, "dstates_stages", F32, BK),
+                                PART=part, **dict(common, BV=BVD))
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:
@@ -362,12 +373,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                             IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
                             num_stages=stages(launch, "grads_stages", F32))
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
-                       T, H, K, V, NV, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
+                       T, H, K, V, NVD, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
                        num_warps=launch["grads_p_warps"],
                        num_stages=stages(launch, "grads_stages", F32))
     _exact_[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                      dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
-                     cu, tab, scale, T, H, K, V, NV, num_warps=seq_warps,
+                     cu, tab, scale, T, H, K, V, NV, NVD, num_warps=seq_warps,
                      **dict(common, BV=tile["exact_BV"]))
     return dq, dk, dv, dg, dbeta, dh0

@@ -76,11 +76,11 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     elements each in the hand-off dtype, one fp32 state per sequence-head (N*H*K*V, where
     the sequential kernels' matrix parts hand over to their resume parts), with the delta
     rule dU [B,T,H,V] in the hand-off dtype (and without ``save_states`` W, U [B,T,H,K|V])
-    and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32; P^T dO [B,T,H,V] fp32
-    (where dU, or dv without the delta rule, is not fp32 itself); with a gate, the rows of
-    h * dS_end, fp32 ceil(T/C) * B*H * ceil(V/64) * K.  The peak over a forward and
-    backward at B=8, T=4096, H=16, K=V=128 bf16 is about 2.0 GB over the inputs either way
-    (BENCHMARKS.md).
+    and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32; with a gate, the rows of
+    h * dS_end, fp32 ceil(T/C) * B*H * ceil(V/BV) * K (BV 64 or 128,
+    `gdn.chunk_bwd.dstates_tile`).  Since session 19 no fp32 P^T dO [B,T,H,V] (268 MB at
+    the shape below): the state-gradient pass forms it.  The peak over a forward and
+    backward at B=8, T=4096, H=16, K=V=128 bf16 is in BENCHMARKS.md.
     """
     if not delta:
         beta = None

@@ -172,10 +172,10 @@ def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta
     (1, 100, 2, 32, 80, 2, True, torch.float32, 16, [0, 20, 53, 100]),
     (2, 70, 2, 16, 32, 1, False, torch.bfloat16, 64, None)])
 def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype, chunk, cu):
-    """_prep forms P^T dO, the state-gradient step's part without the state gradient, chunks
-    in parallel, in dU's place (dv's without delta), and _dstates adds K_end dS to it
-    (session 10's GDN_BWD_DU=local, adopted in session 11); gradients within the bound (two V
-    tiles, varlen, every gate), and a NaN in do reaches exactly the oracle's."""
+    """P^T dO, the state-gradient step's part without the state gradient (formed in `_prep`
+    from session 11, in `_dstates`'s step since session 19), plus K_end dS in dU (dv without
+    delta); gradients within the bound (two V tiles, varlen, every gate), and a NaN in do
+    reaches exactly the oracle's."""
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
     assert_matches_oracle(x, cu, delta, chunk, TOL[dtype], "do", T // 2)
@@ -196,9 +196,10 @@ def test_the_wy_gradients_over_k_slices_match_float64_autograd(B, T, H, K, V, ga
 
 
 def test_the_local_du_keeps_fp16_range():
-    """fp16 inputs without the delta rule: _prep's P^T dO goes to fp32 scratch, not to dv
-    (fp16).  G06's case (gdn_bwd_linear, k at fp16's maximum) made it -inf where the oracle's
-    dv is -3.8e4 when it went to dv."""
+    """fp16 inputs without the delta rule: P^T dO stays fp32 until dv's store (in `_dstates`'s
+    step since session 19; sessions 11-18 in fp32 scratch from `_prep`).  G06's case
+    (gdn_bwd_linear, k at fp16's maximum) made it -inf where the oracle's dv is -3.8e4 when it
+    went to dv (fp16) alone."""
     from kfuzz.case import Case
     from kfuzz.gates import GATES
     from kfuzz.target import get_target
@@ -398,17 +399,18 @@ def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name,
     (1, True, torch.bfloat16, None, None, True),
     (1, True, torch.float32, None, ("do", 41), True),
     (2, False, torch.float32, [0, 20, 53, 100], ("q", 30), False)])
-def test_du_formed_in_dstates_gives_the_same_gradients(monkeypatch, gate, delta, dtype, cu,
-                                                       special, saved):
-    """GDN_BWD_DU=dstates (candidate): `_dstates` forms P^T dO from its step's q, k and dO tiles
-    and `_prep` stores none.  The gradients are the default's up to rounding (fp32: 1e-5;
-    bf16: both within the bound of float64 autograd through the oracle), on the backward's own
-    chunks and on the forward's saved states, at every gate, varlen; with a NaN in do or q the
-    NaN/Inf sets are the oracle's."""
+def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, gate, delta, dtype,
+                                                                   cu, special, saved):
+    """`_dstates` at a 128-wide V tile (one program a head; `dstates_tile` picks it where it
+    saves waves on the device) against two 64-wide ones, V 80 (the wide tile masked past V,
+    the narrow ones 64 + 16), P^T dO formed in the step: gradients within the bound of float64
+    autograd through the oracle and, at fp32, within 1e-5 of the 64-wide tiles', on the
+    backward's own chunks and on the forward's saved states, every gate, varlen; with a NaN
+    in do or q the NaN/Inf sets are the oracle's (dflag and HD per 128-wide tile)."""
     import gdn.chunk_bwd
     from gdn.chunk_fwd import chunk_gdn_fwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(1, 100, 2, 16, 32, gate, delta, dtype, cu=cu)
+    x = make_inputs(1, 100, 2, 16, 80, gate, delta, dtype, cu=cu)
     if special is not None:
         x = with_nan(x, *special)
     kept = None
@@ -416,19 +418,35 @@ def test_du_formed_in_dstates_gives_the_same_gradients(monkeypatch, gate, delta,
         kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                              cu_seqlens=cu, delta=delta, return_saved=True)[2]
 
-    def grads():
+    def grads(bv):
+        monkeypatch.setitem(gdn.chunk_bwd.LAUNCH, "dstates_bv", bv)
         return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
                              initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept)
-    default = grads()
-    monkeypatch.setattr(gdn.chunk_bwd, "LOCAL_DU", True)
-    got = grads()
+    narrow = grads(64)
+    got = grads(128)
     want = oracle_grads(x, cu, delta)
     if special is not None:
         assert_same_specials(got, want)
         return
     assert_close(got, want, TOL[dtype])
     if dtype == torch.float32:
-        assert_close(got, [None if b is None else b.double() for b in default], 1e-5)
+        assert_close(got, [None if b is None else b.double() for b in narrow], 1e-5)
+
+
+def test_the_state_gradient_tile_is_chosen_by_waves():
+    """`dstates_tile`: 128 where V > 64, BK <= 128 and one wave of 128-wide programs replaces
+    two of 64-wide ones (B8 H16 on 132 SMs), 64 where both fit one wave (B1 H16), where V fits
+    one narrow tile, where K is over 128 (a [256, 128] fp32 state gradient would spill), and
+    where 3 narrow waves against 2 wide do not pay for the wider program; the launch key
+    overrides."""
+    from gdn.chunk_bwd import LAUNCH, dstates_tile
+    assert LAUNCH["dstates_bv"] is None
+    assert dstates_tile(128, 128, 128, 132) == 128
+    assert dstates_tile(128, 128, 16, 132) == 64
+    assert dstates_tile(128, 64, 128, 132) == 64
+    assert dstates_tile(256, 128, 128, 132) == 64
+    assert dstates_tile(128, 128, 190, 132) == 64     # 3 waves at 64, 2 at 128
+    assert dstates_tile(128, 256, 128, 132) == 128    # 4 waves at 64, 2 at 128
 
 
 def test_the_ops_backward_leaves_what_its_forward_saved_as_it_was():
@@ -602,7 +620,8 @@ def test_one_token_bf16_dg_within_the_gates_bound(seed):
 
 
 def test_du_is_rounded_once():
-    """_prep hands P^T dO to _dstates in fp32 (DUL), which rounds dU once.  Handed over in
+    """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once (sessions
+    12-18: _prep handed P^T dO over in fp32 scratch).  Handed over in
     dU's own bf16 place (session 11), dU was rounded twice, and the stored G03 case
     crashes/gdn_bwd/bound-dg/81b43ef0 (bf16, one token, key and value; dg sums that cancel)
     went from 2.46x to 6.64x the bound (session 5, before the move: 2.53x).  It still fails
