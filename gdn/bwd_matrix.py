@@ -59,46 +59,6 @@ def _gated_keys(b_k, b_beta, G, GATE: tl.constexpr):
 
 
 @triton.jit
-def _gate_bad(G, GC, GATE: tl.constexpr, GLIM: tl.constexpr):
-    """How many of a chunk's gate sums send it to the exact path (`_load_gate`'s fp32 G and
-    G_C): a special or overflowing sum, or for the vector gate a decay over the chunk steeper
-    than GLIM (the factored form's bound)."""
-    if GATE == 1:
-        return _outside(G[:, None], 3.0e38)
-    elif GATE == 2:
-        return _outside(G, 3.0e38) + tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
-    else:
-        return 0
-
-
-@triton.jit
-def _tiles_bad(b_q, b_k, b_do, g, tok, r0, rv, ih, H, K, ck, mk, GATE: tl.constexpr,
-               GLIM: tl.constexpr, BIG: tl.constexpr):
-    """How many entries of a chunk's q, k and dO tiles (as loaded) and of its gate send the
-    chunk to the exact path: `_prep`'s flag on the forward's saved states (v and beta are the
-    forward's), formed by `_dstates` where it checks its own chunks (FLAGS_IN_DSTATES)."""
-    G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-    # q and k in one reduction (same layout), NaN counted
-    qk = (tl.abs(b_q.to(tl.float32)) <= BIG) & (tl.abs(b_k.to(tl.float32)) <= BIG)
-    return (tl.sum(tl.sum(tl.where(qk, 0, 1), 1), 0) + _outside(b_do.to(tl.float32), BIG)
-            + _gate_bad(G, GC, GATE, GLIM))
-
-
-@triton.jit
-def _chunk_bad(q, k, g, do, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv, GATE: tl.constexpr,
-               GLIM: tl.constexpr, BIG: tl.constexpr):
-    """`_tiles_bad` of the chunk at t0 (one V tile of dO), loading its tiles."""
-    tok = t0 + rows
-    rv = tok < eos
-    r0 = _chunk_base(t0, ih, H)
-    mqk = rv[:, None] & mk[None, :]
-    b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
-    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
-    b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=rv[:, None] & mv[None, :], other=0.)
-    return _tiles_bad(b_q, b_k, b_do, g, tok, r0, rv, ih, H, K, ck, mk, GATE, GLIM, BIG)
-
-
-@triton.jit
 def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GATE: tl.constexpr,
                DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, GLIM: tl.constexpr,
                BIG: tl.constexpr, NEED_A: tl.constexpr):
@@ -119,14 +79,15 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
     araw = tl.zeros([C, C], dtype=tl.float32)
     if GATE == 1:
         G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-        bad += _gate_bad(G, GC, GATE, GLIM)
+        bad += _outside(G[:, None], 3.0e38)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         kb = _gated_keys(b_k, b_beta, G, GATE)
         if NEED_A:
             araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, strict)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-        bad += _gate_bad(G, GC, GATE, GLIM)
+        bad += _outside(G, 3.0e38)
+        bad += tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
         kb = _gated_keys(b_k, b_beta, G, GATE)
         if NEED_A:
             araw = tl.where(strict, _mm(b_k * tl.exp(G), tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
@@ -353,12 +314,9 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
 @triton.jit
 def _dstates_step(q, k, g, do, W, dU, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
                   scale, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-                  F32: tl.constexpr, DT: tl.constexpr, CHECK: tl.constexpr, GLIM: tl.constexpr,
-                  BIG: tl.constexpr):
+                  F32: tl.constexpr, DT: tl.constexpr):
     """One chunk (first token t0) of the state-gradient step by the matrix path: stores dU
-    (dv without delta; where ok, a scalar) and returns the state gradient entering the chunk
-    and, where CHECK, the chunk's `_tiles_bad` count from the tiles it loaded (dU stored only
-    where that is 0), else 0.
+    (dv without delta; where ok, a scalar) and returns the state gradient entering the chunk.
     dU's local part P^T dO is formed here from the q, k and dO tiles the step loads (two
     products off the state gradient's chain) and added to K_end dS in fp32, so dU is rounded
     once.  Sessions 11-18 formed it in `_prep` (chunks in parallel) and handed it over in
@@ -380,10 +338,6 @@ def _dstates_step(q, k, g, do, W, dU, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk
         b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
         b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
         b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-        bad = 0
-        if CHECK:
-            bad = _tiles_bad(b_q, b_k, b_do, g, tok, r0, rv, ih, H, K, ck, mk, GATE, GLIM, BIG)
-            ok = ok & (bad == 0)
         kdh = _mm(b_k, dh, F32, DT)
         incl = rows[:, None] >= rows[None, :]
         if GATE == 1:
@@ -400,11 +354,6 @@ def _dstates_step(q, k, g, do, W, dU, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk
         tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
         dh = dh + _mm(tl.trans(b_q), b_do, F32, DT)
     else:   # the vector gate's decays are per key: on the [C, K] tiles
-        bad = 0
-        if CHECK:
-            bad = _chunk_bad(q, k, g, do, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv, GATE, GLIM,
-                             BIG)
-            ok = ok & (bad == 0)
         b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
         b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         p, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
@@ -416,7 +365,7 @@ def _dstates_step(q, k, g, do, W, dU, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk
     if DELTA:
         b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
         dh = dh - _mm(tl.trans(b_w), du, F32, DT)
-    return dh, bad
+    return dh
 
 
 @triton.jit
@@ -441,14 +390,12 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, hs, HD, stop,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
              HAS_H0: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr,
-             PART: tl.constexpr, CHECK: tl.constexpr, GLIM: tl.constexpr, BIG: tl.constexpr):
+             PART: tl.constexpr):
     """The state gradient at every chunk end (dhs), dU (dv without delta) and dh0, per (V
     tile, sequence-head), in reverse time and in two parts as `_states` (PART 0 the matrix
     part, no branch in its loop; PART 1 from the first chunk, in reverse, that needs the step
-    path: flagged by _prep, or where CHECK by its own `_tiles_bad` of the chunk's q, k, gate
-    and dO tile, or a state gradient outside SBIG).  dflag marks, per chunk and V tile, a
-    state gradient outside SBIG at the chunk's end, and where CHECK the chunk's own flag (for
-    _exact).  With a gate, HD
+    path: flagged by _prep, or a state gradient outside SBIG).  dflag marks, per chunk and V
+    tile, a state gradient outside SBIG at the chunk's end (for _exact).  With a gate, HD
     gets the rows of h * dS_end, dS_end in fp32 (`_hd_rows`)."""
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -469,15 +416,9 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, hs, HD, stop,
             dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, alive, SBIG, False)
             if GATE != 0:
                 _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive)
-            if not CHECK:
-                tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
-            dhn, ibad = _dstates_step(q, k, g, do, W, dU, dh, ok, bos + ic * C, eos, rows, ih, H,
-                                      K, V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT, CHECK,
-                                      GLIM, BIG)
-            if CHECK:   # the chunk's own flag, from the step's tiles
-                ok = ok & (ibad == 0)
-                tl.store(dflag + (cid * H + ih) * NV + iv, (dbad + ibad > 0).to(tl.int32),
-                         mask=alive)
+            tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
+            dhn = _dstates_step(q, k, g, do, W, dU, dh, ok, bos + ic * C, eos, rows, ih, H, K, V,
+                                ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
             dh = tl.where(ok, dhn, dh)
             stopj = tl.where(alive & (ok == 0), j, stopj)
             alive = ok
@@ -496,21 +437,15 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, hs, HD, stop,
                 dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, True, SBIG, True)
                 if GATE != 0:
                     _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True)
-                t0 = bos + ic * C
-                if CHECK:
-                    ibad = _chunk_bad(q, k, g, do, t0, eos, rows, ih, H, K, V, ck, mk, cv, mv,
-                                      GATE, GLIM, BIG)
-                    dbad += ibad
-                    ok = ok & (ibad == 0)
                 tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
+                t0 = bos + ic * C
                 if not ok:
                     for s in range(0, tl.minimum(C, eos - t0)):
                         t = tl.minimum(t0 + C, eos) - 1 - s
                         dh = _exact_dstep(dh, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv,
                                           mv, GATE, DELTA)
                 else:
-                    dh, _ = _dstates_step(q, k, g, do, W, dU, dh, True, t0, eos, rows, ih, H, K,
-                                          V, ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT,
-                                          False, GLIM, BIG)
+                    dh = _dstates_step(q, k, g, do, W, dU, dh, True, t0, eos, rows, ih, H, K, V,
+                                       ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
             if HAS_H0:
                 tl.store(dh0 + soff, dh.to(dh0.dtype.element_ty), mask=mkv)

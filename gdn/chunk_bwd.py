@@ -99,11 +99,6 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
-# Candidate (session 19, GDN_BWD_FLAGS=dstates): on the forward's saved states `_prep` only
-# flags chunks (0.103 ms on the H200, session 19, bf16 B8 T4096 H16 K=V=128: it reads q, k and
-# dO); `_dstates` loads the same tiles for its step and can flag its own chunks (CHECK), so
-# that `_prep` is not launched on the op's path
-FLAGS_IN_DSTATES = os.environ.get("GDN_BWD_FLAGS", "") == "dstates"
 # _dstates at a 128-wide V tile against two 64-wide ones, per program, with P^T dO formed in
 # the step (its Q K^T once a head instead of once a tile): 0.837 ms for one wave of 128
 # programs against 0.921 for two waves of 256 (0.46 a wave) on the H200 (session 19, bf16
@@ -294,10 +289,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
     gp = g if g is not None else dummy
     bp = beta if beta is not None else dummy
-    # on the forward's saved states with FLAGS_IN_DSTATES, `_dstates` flags the chunks (in
-    # dflag) and no _prep runs: flag stays 0
-    check = fwd_states is not None and FLAGS_IN_DSTATES
-    flag = (torch.zeros if check else torch.empty)(NC, H, device=dev, dtype=torch.int32)
+    flag = torch.empty(NC, H, device=dev, dtype=torch.int32)
     dflag = torch.empty(NC, H, NVD, device=dev, dtype=torch.int32)
     if inverse is not None:
         Tm = inverse.contiguous()   # the forward's T: _prep reads it (GIVEN_T)
@@ -331,13 +323,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    if not check:
-        _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
-                        F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                        PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
-                        SAVED=fwd_states is not None,
-                        num_stages=stages(launch, "prep_stages", F32),
-                        **prep_launch(launch, inverse is not None, C), **common)
+    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+                    F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
+                    PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
+                    SAVED=fwd_states is not None,
+                    num_stages=stages(launch, "prep_stages", F32),
+                    **prep_launch(launch, inverse is not None, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
     HD = torch.empty(NC, H, NVD, K, device=dev, dtype=torch.float32) if g is not None else dummy
@@ -368,8 +359,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                                 HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                 num_warps=launch["dstates_warps"],
                                 num_stages=stages(launch, "dstates_stages", F32, BK),
-                                PART=part, CHECK=check, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
-                                **dict(common, BV=BVD))
+                                PART=part, **dict(common, BV=BVD))
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
     if delta:

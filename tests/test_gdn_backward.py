@@ -433,44 +433,6 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
         assert_close(got, [None if b is None else b.double() for b in narrow], 1e-5)
 
 
-@pytest.mark.parametrize("gate,delta,cu,special", [
-    (1, True, None, ("do", 41)),
-    (1, True, None, ("q", 70)),
-    (2, True, [0, 20, 53, 100], ("k", 30)),
-    (1, False, None, ("g", 41)),
-    (0, True, [0, 20, 53, 100], None),
-    (2, True, None, ("g", 64))])
-def test_dstates_flagging_its_own_chunks_gives_the_same_gradients(monkeypatch, gate, delta, cu,
-                                                                  special):
-    """GDN_BWD_FLAGS=dstates (candidate): on the forward's saved states `_dstates` flags its
-    chunks from the q, k, dO and gate tiles of its step and no `_prep` runs.  fp32 gradients
-    within 1e-6 of `_prep`'s flags (two V tiles, every gate, varlen), and with a NaN in do, q,
-    k or g the NaN/Inf sets of float64 autograd through the oracle."""
-    import gdn.chunk_bwd
-    from gdn.chunk_fwd import chunk_gdn_fwd
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(1, 100, 2, 16, 80, gate, delta, torch.float32, cu=cu)
-    if special == ("g", 41) and gate == 1:   # the scalar gate: [B, T, H]
-        x = dict(x, g=x["g"].clone())
-        x["g"][0, 41, 1] = float("nan")
-    elif special is not None:
-        x = with_nan(x, *special)
-    kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                         cu_seqlens=cu, delta=delta, return_saved=True)[2]
-
-    def grads():
-        return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept)
-    default = grads()
-    monkeypatch.setattr(gdn.chunk_bwd, "FLAGS_IN_DSTATES", True)
-    got = grads()
-    if special is not None:
-        assert_same_specials(got, oracle_grads(x, cu, delta))
-    assert_close([None if a is None else torch.where(torch.isfinite(a), a, 0) for a in got],
-                 [None if b is None else torch.where(torch.isfinite(b), b, 0).double()
-                  for b in default], 1e-6)
-
-
 def test_the_state_gradient_tile_is_chosen_by_waves():
     """`dstates_tile`: 128 where V > 64, BK <= 128 and one wave of 128-wide programs replaces
     two of 64-wide ones (B8 H16 on 132 SMs), 64 where both fit one wave (B1 H16), where V fits
