@@ -59,6 +59,19 @@ def _gated_keys(b_k, b_beta, G, GATE: tl.constexpr):
 
 
 @triton.jit
+def _gate_bad(G, GC, GATE: tl.constexpr, GLIM: tl.constexpr):
+    """How many of a chunk's gate sums send it to the exact path (`_load_gate`'s fp32 G and
+    G_C): a special or overflowing sum, or for the vector gate a decay over the chunk steeper
+    than GLIM (the factored form's bound)."""
+    if GATE == 1:
+        return _outside(G[:, None], 3.0e38)
+    elif GATE == 2:
+        return _outside(G, 3.0e38) + tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
+    else:
+        return 0
+
+
+@triton.jit
 def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GATE: tl.constexpr,
                DELTA: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, GLIM: tl.constexpr,
                BIG: tl.constexpr, NEED_A: tl.constexpr):
@@ -79,15 +92,14 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
     araw = tl.zeros([C, C], dtype=tl.float32)
     if GATE == 1:
         G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-        bad += _outside(G[:, None], 3.0e38)
+        bad += _gate_bad(G, GC, GATE, GLIM)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         kb = _gated_keys(b_k, b_beta, G, GATE)
         if NEED_A:
             araw = _mm(b_k, tl.trans(b_k), F32, DT) * _pair_decay(G, Gl, strict)
     elif GATE == 2:
         G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-        bad += _outside(G, 3.0e38)
-        bad += tl.where(tl.min(GC, 0) < -GLIM, 1, 0)
+        bad += _gate_bad(G, GC, GATE, GLIM)
         kb = _gated_keys(b_k, b_beta, G, GATE)
         if NEED_A:
             araw = tl.where(strict, _mm(b_k * tl.exp(G), tl.trans(b_k * tl.exp(-G)), F32, DT), 0.)
@@ -166,25 +178,40 @@ def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constex
 
 
 @triton.jit
-def _prep(q, k, v, g, beta, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+def _prep(q, k, v, g, beta, do, flag, Tm, W, U, ostep, cu, tab, T, H, K, V, NVO,
           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
           DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr,
           GLIM: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, GIVEN_T: tl.constexpr,
-          IW: tl.constexpr, SAVED: tl.constexpr):
+          IW: tl.constexpr, SAVED: tl.constexpr, FWD_FLAGS: tl.constexpr):
     """A chunk's exact-path flag, and with the delta rule, unless SAVED, T, W and U = T
     diag(beta) V.  SAVED (the backward on the forward's chunk states, w and v_new): no T, W or
     U, and the flag leaves out v and beta, whose special values the forward checked and
     stepped token by token (its stepped columns send the chunk to `_exact`); neither enters
-    the state gradient.  dU's local part P^T dO is `_dstates`'s (session 19)."""
+    the state gradient.  dU's local part P^T dO is `_dstates`'s (session 19).  FWD_FLAGS (with
+    SAVED; candidate GDN_BWD_FLAGS=forward): q and k are not loaded; the forward's output
+    kernel's record (ostep, int8 [NVO, chunks, H]: q outside BIG, or a chunk its state pass
+    stepped, which a special k, v, beta or gate makes it) stands for their checks, and the
+    gate's own checks (the forward's admit a -inf scalar gate, these do not) and dO's are
+    made here."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     ck = tl.arange(0, BK)
     mk = ck < K
     mqk = rv[:, None] & mk[None, :]
-    bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C,
-                                                 GATE, DELTA and not SAVED, F32, DT, GLIM, BIG,
-                                                 DELTA and not SAVED and not GIVEN_T)
+    if FWD_FLAGS:
+        bad = 0
+        for j in range(0, NVO):
+            bad += tl.load(ostep + (j * tl.num_programs(0) + cid) * H + ih).to(tl.int32)
+        G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
+        bad += _gate_bad(G, GC, GATE, GLIM)
+        b_beta = 0.
+        kb = 0.
+        araw = 0.
+    else:
+        bad, b_beta, kb, araw, b_q, b_k = _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk,
+                                                     C, GATE, DELTA and not SAVED, F32, DT, GLIM,
+                                                     BIG, DELTA and not SAVED and not GIVEN_T)
     # T and W first, so that one pass over V checks v and dO and stores U (v read once: on
     # the H200, session 17, bf16 B8 T4096 H16 K=V=128, 0.546 -> 0.505 ms on the forward's T
     # against a second pass over V for U after T and W)

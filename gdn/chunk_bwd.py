@@ -99,6 +99,13 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
+# Candidate (session 19, CPU only, not timed; GDN_BWD_FLAGS=forward): on the forward's saved
+# states `_prep` (flags only, 0.105 ms on the H200) reads q, k, the gate and dO; the forward's
+# output kernel already records the chunks it took token by token (q outside BIG, or a chunk
+# its state pass stepped for a special k, v, beta or gate), so `_prep` can take that record
+# for q and k and read the gate and dO alone (about 67 of its 200 MB at bf16 B8 T4096 H16
+# K=V=128)
+FLAGS_FROM_FWD = os.environ.get("GDN_BWD_FLAGS", "") == "forward"
 # _dstates at a 128-wide V tile against two 64-wide ones, per program, with P^T dO formed in
 # the step (its Q K^T once a head instead of once a tile): 0.837 ms for one wave of 128
 # programs against 0.921 for two waves of 256 (0.46 a wave) on the H200 (session 19, bf16
@@ -323,7 +330,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U, cu, tab, T, H, K, V,
+    ostep = fwd_states.get("out_stepped") if fwd_states is not None and FLAGS_FROM_FWD else None
+    if ostep is not None and (ostep.dtype != torch.int8 or ostep.dim() != 3
+                              or tuple(ostep.shape[1:]) != (NC, H) or ostep.device != dev):
+        raise ValueError(f"saved['out_stepped'] must be the forward's, int8 [NVo,{NC},{H}] on "
+                         f"{dev}; got {ostep.dtype} {tuple(ostep.shape)} on {ostep.device}")
+    _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U,
+                    ostep if ostep is not None else dummy, cu, tab, T, H, K, V,
+                    ostep.shape[0] if ostep is not None else 0, FWD_FLAGS=ostep is not None,
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
                     SAVED=fwd_states is not None,

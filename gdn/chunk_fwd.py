@@ -614,22 +614,24 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
                                                            cb, ce, scale, T, max(NT, 1), PART=part,
                                                            **launch, **common)
     if return_saved:
-        return o, hT if output_final_state else None, saved_for_backward(tm, hs, xflag, w, vn, delta)
+        return o, hT if output_final_state else None, saved_for_backward(tm, hs, xflag, w, vn, delta, oflag)
     return (o, hT if output_final_state else None) + ((tm,) if return_inverse else ())
 
 
-def saved_for_backward(tm, hs, xflag, w, vn, delta: bool) -> dict:
+def saved_for_backward(tm, hs, xflag, w, vn, delta: bool, oflag=None) -> dict:
     """What the forward hands the backward (`gdn.chunk_bwd.chunk_gdn_bwd(..., saved=)`), so
     that it need not recompute it: "inverse", the WY prep's T (None where the prep did not
     run); "states", the state entering every chunk [NC,H,K,V] in the hand-off dtype;
     "stepped", per chunk, head and V column, whether the state pass stepped the chunk token by
     token (int8 [NC,H,V]); with the delta rule where the prep ran, "w" = T diag(beta) K_g
     [B,T,H,K] and "v_new" = u - w S [B,T,H,V] (the backward's W and U; v_new is not
-    written in stepped columns).  Without the prep (the exact-path mode) the delta rule's
-    backward recomputes everything: only "inverse" is given, as None."""
+    written in stepped columns); "out_stepped", per output V tile, chunk and head, whether
+    `_out_kernel` took the chunk token by token (q outside BIG, or a stepped column; int8
+    [NVo,NC,H]).  Without the prep (the exact-path mode) the delta rule's backward recomputes
+    everything: only "inverse" is given, as None."""
     if delta and tm is None:
         return {"inverse": None}
-    out = {"inverse": tm, "states": hs, "stepped": xflag}
+    out = {"inverse": tm, "states": hs, "stepped": xflag, "out_stepped": oflag}
     if delta:
         out.update(w=w, v_new=vn)
     return out

@@ -433,6 +433,62 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
         assert_close(got, [None if b is None else b.double() for b in narrow], 1e-5)
 
 
+@pytest.mark.parametrize("gate,delta,cu,special", [
+    (1, True, None, ("q", 70)),
+    (1, True, None, ("do", 41)),
+    (2, True, [0, 20, 53, 100], ("k", 30)),
+    (1, True, None, ("g", -float("inf"))),
+    (1, False, None, ("g", float("nan"))),
+    (0, False, [0, 20, 53, 100], ("q", 30)),
+    (1, True, None, ("v", 41)),
+    (2, True, None, None)])
+def test_the_forwards_output_record_flags_the_backwards_chunks(monkeypatch, gate, delta, cu,
+                                                                special):
+    """GDN_BWD_FLAGS=forward (candidate): on the forward's saved states `_prep` reads neither q
+    nor k and takes the forward's output kernel's record of chunks it took token by token
+    ("out_stepped") for them, checking the gate and dO itself.  fp32 gradients within 1e-5 of
+    `_prep`'s own checks where finite, and with a NaN in q, do, k, v, the gate, or a -inf
+    scalar gate (which the forward's checks admit and the backward's do not), the NaN/Inf
+    sets of float64 autograd through the oracle; every gate, delta on and off, varlen."""
+    import gdn.chunk_bwd
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    cu = None if cu is None else torch.tensor(cu, device=DEV)
+    x = make_inputs(1, 100, 2, 16, 32, gate, delta, torch.float32, cu=cu)
+    if special is not None and special[0] == "g" and gate == 1:   # the scalar gate [B, T, H]
+        x = dict(x, g=x["g"].clone())
+        x["g"][0, 41, 1] = special[1]
+    elif special is not None:
+        x = with_nan(x, *special)
+    kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                         cu_seqlens=cu, delta=delta, return_saved=True)[2]
+
+    def grads():
+        return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept)
+    default = grads()
+    monkeypatch.setattr(gdn.chunk_bwd, "FLAGS_FROM_FWD", True)
+    got = grads()
+    if special is not None:
+        assert_same_specials(got, oracle_grads(x, cu, delta))
+    assert_close([None if a is None else torch.where(torch.isfinite(a), a, 0) for a in got],
+                 [None if b is None else torch.where(torch.isfinite(b), b, 0).double()
+                  for b in default], 1e-5)
+
+
+def test_the_forwards_output_record_is_checked():
+    """GDN_BWD_FLAGS=forward: an "out_stepped" that is not the forward's (wrong chunk count)
+    is refused by name."""
+    import gdn.chunk_bwd
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    x = make_inputs(1, 100, 2, 16, 32, 1, True, torch.float32)
+    kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], return_saved=True)[2]
+    kept = dict(kept, out_stepped=kept["out_stepped"][:, :1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gdn.chunk_bwd, "FLAGS_FROM_FWD", True)
+        with pytest.raises(ValueError, match="out_stepped"):
+            chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], saved=kept)
+
+
 def test_the_state_gradient_tile_is_chosen_by_waves():
     """`dstates_tile`: 128 where V > 64, BK <= 128 and one wave of 128-wide programs replaces
     two of 64-wide ones (B8 H16 on 132 SMs), 64 where both fit one wave (B1 H16), where V fits

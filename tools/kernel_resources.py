@@ -180,7 +180,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
                   HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"],
-                  SAVED=saved)
+                  SAVED=saved, FWD_FLAGS=saved and cb.FLAGS_FROM_FWD)
     bvd = cb.dstates_tile(tile["BK"], V, 8 * 16, 132)   # B8 H16 on the H200's 132 SMs
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
@@ -199,10 +199,10 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
         const = {a: v for a, v in dict(consts, BV=bv, **extra).items()
                  if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward)
-        sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV", "NVD", "NVS")
-                   else "*i32" if a in _BWD_I32 else "*fp32" if a in fp32_args or fp32 else "*bf16")
+        sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV", "NVD", "NVS", "NVO")
+                   else "*i8" if a == "ostep" else "*i32" if a in _BWD_I32 else "*fp32" if a in fp32_args or fp32 else "*bf16")
                for a in fn.arg_names if a not in const}
-        ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // bvd)}
+        ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // bvd), "NVO": 2}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
         yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned, None)
 
