@@ -18,7 +18,7 @@ from gdn.chunk_fwd import chunk_gdn_fwd
 
 
 # what the op keeps of `gdn.chunk_fwd.saved_for_backward`: all of it with save_states, else T
-SAVED = ("inverse", "states", "stepped", "w", "v_new")
+SAVED = ("inverse", "states", "stepped", "w", "v_new", "out_stepped")
 
 
 class ChunkGDNFunction(torch.autograd.Function):
