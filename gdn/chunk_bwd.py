@@ -219,6 +219,11 @@ def _forward_states(saved, NC, H, K, V, B, T, inter, dev, delta):
             got = "missing" if x is None else f"{x.dtype} {tuple(x.shape)} on {x.device}"
             raise ValueError(f"saved[{name!r}] must be the forward's, contiguous {dtype} {list(shape)} "
                              f"on {dev}; got {got}")
+    x = saved.get("out_stepped")   # optional: its first dim is the forward's output V tiles
+    if x is not None and (x.dtype != torch.int8 or x.dim() != 3 or tuple(x.shape[1:]) != (NC, H)
+                          or x.device != dev or not x.is_contiguous()):
+        raise ValueError(f"saved['out_stepped'] must be the forward's, contiguous int8 "
+                         f"[NVo, {NC}, {H}] on {dev}; got {x.dtype} {tuple(x.shape)} on {x.device}")
     return saved
 
 
@@ -331,10 +336,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
     ostep = fwd_states.get("out_stepped") if fwd_states is not None and FLAGS_FROM_FWD else None
-    if ostep is not None and (ostep.dtype != torch.int8 or ostep.dim() != 3
-                              or tuple(ostep.shape[1:]) != (NC, H) or ostep.device != dev):
-        raise ValueError(f"saved['out_stepped'] must be the forward's, int8 [NVo,{NC},{H}] on "
-                         f"{dev}; got {ostep.dtype} {tuple(ostep.shape)} on {ostep.device}")
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U,
                     ostep if ostep is not None else dummy, cu, tab, T, H, K, V,
                     ostep.shape[0] if ostep is not None else 0, FWD_FLAGS=ostep is not None,

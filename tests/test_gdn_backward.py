@@ -476,17 +476,14 @@ def test_the_forwards_output_record_flags_the_backwards_chunks(monkeypatch, gate
 
 
 def test_the_forwards_output_record_is_checked():
-    """GDN_BWD_FLAGS=forward: an "out_stepped" that is not the forward's (wrong chunk count)
-    is refused by name."""
-    import gdn.chunk_bwd
+    """An "out_stepped" in the saved states that is not the forward's (wrong chunk count) is
+    refused by name, as the other saved tensors are."""
     from gdn.chunk_fwd import chunk_gdn_fwd
     x = make_inputs(1, 100, 2, 16, 32, 1, True, torch.float32)
     kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], return_saved=True)[2]
-    kept = dict(kept, out_stepped=kept["out_stepped"][:, :1])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gdn.chunk_bwd, "FLAGS_FROM_FWD", True)
-        with pytest.raises(ValueError, match="out_stepped"):
-            chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], saved=kept)
+    kept = dict(kept, out_stepped=kept["out_stepped"][:, :1].contiguous())
+    with pytest.raises(ValueError, match="out_stepped"):
+        chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], saved=kept)
 
 
 def test_the_state_gradient_tile_is_chosen_by_waves():
