@@ -67,7 +67,9 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     ``save_states`` (the default) the state entering every chunk, ceil(T/C) * B*H*K*V
     elements in the hand-off dtype (bf16 for bf16 inputs, fp32 otherwise; 268 MB), and
     with the delta rule w [B,T,H,K] and v_new [B,T,H,V] in that dtype (134 MB each), which
-    spare the backward its state pass and its W and U.  On the H200 (session 18) that took
+    spare the backward its state pass and its W and U, and the forward's records of the
+    chunks it stepped token by token (int8, per V column and per output V tile: 1 MB and
+    16 KB).  On the H200 (session 18) that took
     the op's forward+backward from 4.008 to 3.522 ms at the shape below (3.444 since session
     19, against fla's 3.321), and what a forward
     keeps for its backward (o included) from 256 to 769 MB (fla 0.6.0, which recomputes
