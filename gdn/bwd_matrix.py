@@ -203,8 +203,9 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, ostep, cu, tab, T, H, K, V, NVO,
         bad = 0
         for j in range(0, NVO):
             bad += tl.load(ostep + (j * tl.num_programs(0) + cid) * H + ih).to(tl.int32)
-        G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
-        bad += _gate_bad(G, GC, GATE, GLIM)
+        if GATE != 0:   # without a gate, g is a placeholder: nothing to load
+            G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
+            bad += _gate_bad(G, GC, GATE, GLIM)
         b_beta = 0.
         kb = 0.
         araw = 0.
