@@ -75,11 +75,9 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
         d_beta += tl.sum(dvb * b_v, 1)
         dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
     eG = b_beta
-    E = dt
     if GATE == 1:
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         eG = tl.exp(G)
-        E = _pair_decay(G, Gl, rows[:, None] >= rows[None, :])
     araw = tl.zeros([C, C], dtype=tl.float32)       # K_g K_n^T, summed over the slices
     rk = tl.zeros([C], dtype=tl.float32)            # rowsum(T^T (-dU h^T) * K) (vector gate: * K_g)
     dG = tl.zeros([C], dtype=tl.float32)            # scalar gate: rowsum(T^T (-dU h^T) * beta K_g)
@@ -87,13 +85,14 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
         ck = ik * BKS + tl.arange(0, BKS)
         mk = ck < K
         mqk = rv[:, None] & mk[None, :]
-        acc_dw = tl.zeros([C, BKS], dtype=tl.float32)   # -dU h^T, this slice
+        acc_dw = tl.zeros([C, BKS], dtype=tl.float32)   # dU h^T, this slice
         for iv in range(0, tl.cdiv(V, BV)):
             cv = iv * BV + tl.arange(0, BV)
             mv = cv < V
             b_h = tl.load(hs + hbase + ck[:, None] * V + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.)
             b_du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=rv[:, None] & mv[None, :], other=0.)
-            acc_dw -= _mm(b_du, tl.trans(b_h), F32, DT)
+            acc_dw += _mm(b_du, tl.trans(b_h), F32, DT)
+        acc_dw = -acc_dw                                  # -dU h^T
         b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
         if GATE == 2:
             Gs, _ = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
@@ -116,7 +115,10 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
         else:
             part = dkb * b_beta[:, None]
         tl.store(_tile(dkp, r0, rows, ck, K, H), part, mask=mqk)
+    E = dt
     if GATE == 1:
+        # formed after the slices, not before: one [C, C] tile fewer live through them
+        E = _pair_decay(G, Gl, rows[:, None] >= rows[None, :])
         araw = tl.where(strict, araw * E, 0.)
         rk = rk * eG
     else:
