@@ -188,11 +188,12 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, ostep, cu, tab, T, H, K, V, NVO,
     U, and the flag leaves out v and beta, whose special values the forward checked and
     stepped token by token (its stepped columns send the chunk to `_exact`); neither enters
     the state gradient.  dU's local part P^T dO is `_dstates`'s (session 19).  FWD_FLAGS (with
-    SAVED; candidate GDN_BWD_FLAGS=forward): q and k are not loaded; the forward's output
-    kernel's record (ostep, int8 [NVO, chunks, H]: q outside BIG, or a chunk its state pass
-    stepped, which a special k, v, beta or gate makes it) stands for their checks, and the
-    gate's own checks (the forward's admit a -inf scalar gate, these do not) and dO's are
-    made here."""
+    SAVED, where the forward's record is given: the op's path): q and k are not loaded; the
+    forward's output kernel's record (ostep, int8 [NVO, chunks, H]: q outside BIG, or a chunk
+    its state pass stepped, which a special k, v, beta or gate makes it) stands for their
+    checks, and the gate's own checks (the forward's admit a -inf scalar gate, these do not)
+    and dO's are made here.  On the H200 (session 20, bf16 GDN B8 T4096 H16 K=V=128) 0.105 ->
+    0.043 ms, the backward 2.51 -> 2.45."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)

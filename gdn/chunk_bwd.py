@@ -99,13 +99,6 @@ LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bri
 # (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
 # first chunk, which is the branching loop of sessions 1-10
 SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
-# Candidate (session 19, CPU only, not timed; GDN_BWD_FLAGS=forward): on the forward's saved
-# states `_prep` (flags only, 0.105 ms on the H200) reads q, k, the gate and dO; the forward's
-# output kernel already records the chunks it took token by token (q outside BIG, or a chunk
-# its state pass stepped for a special k, v, beta or gate), so `_prep` can take that record
-# for q and k and read the gate and dO alone (about 67 of its 200 MB at bf16 B8 T4096 H16
-# K=V=128)
-FLAGS_FROM_FWD = os.environ.get("GDN_BWD_FLAGS", "") == "forward"
 # _dstates at a 128-wide V tile against two 64-wide ones, per program, with P^T dO formed in
 # the step (its Q K^T once a head instead of once a tile): 0.837 ms for one wave of 128
 # programs against 0.921 for two waves of 256 (0.46 a wave) on the H200 (session 19, bf16
@@ -251,7 +244,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep the inverse; without it _prep forms T itself.  saved: what the forward hands over
     (`chunk_gdn_fwd(..., return_saved=True)`): its T (taken as ``inverse`` where that is not
     given) and, where it holds them, the state entering every chunk and with the delta rule w
-    and v_new, which spare the backward `_states` and _prep's W and U.
+    and v_new, which spare the backward `_states` and _prep's W and U; with those, its
+    output kernel's record of stepped chunks ("out_stepped", optional), which spares _prep
+    its q and k checks.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -335,7 +330,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    ostep = fwd_states.get("out_stepped") if fwd_states is not None and FLAGS_FROM_FWD else None
+    # on the forward's saved states, its output kernel's record of the chunks it stepped
+    # stands for _prep's q and k checks (session 20): _prep 0.105 -> 0.043 ms on the H200
+    ostep = fwd_states.get("out_stepped") if fwd_states is not None else None
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U,
                     ostep if ostep is not None else dummy, cu, tab, T, H, K, V,
                     ostep.shape[0] if ostep is not None else 0, FWD_FLAGS=ostep is not None,

@@ -442,15 +442,13 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
     (0, False, [0, 20, 53, 100], ("q", 30)),
     (1, True, None, ("v", 41)),
     (2, True, None, None)])
-def test_the_forwards_output_record_flags_the_backwards_chunks(monkeypatch, gate, delta, cu,
-                                                                special):
-    """GDN_BWD_FLAGS=forward (candidate): on the forward's saved states `_prep` reads neither q
-    nor k and takes the forward's output kernel's record of chunks it took token by token
-    ("out_stepped") for them, checking the gate and dO itself.  fp32 gradients within 1e-5 of
-    `_prep`'s own checks where finite, and with a NaN in q, do, k, v, the gate, or a -inf
-    scalar gate (which the forward's checks admit and the backward's do not), the NaN/Inf
+def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, special):
+    """On the forward's saved states `_prep` reads neither q nor k and takes the forward's
+    output kernel's record of chunks it took token by token ("out_stepped") for them, checking
+    the gate and dO itself.  fp32 gradients within 1e-5 of `_prep`'s own checks (the saved
+    states without the record) where finite, and with a NaN in q, do, k, v, the gate, or a
+    -inf scalar gate (which the forward's checks admit and the backward's do not), the NaN/Inf
     sets of float64 autograd through the oracle; every gate, delta on and off, varlen."""
-    import gdn.chunk_bwd
     from gdn.chunk_fwd import chunk_gdn_fwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(1, 100, 2, 16, 32, gate, delta, torch.float32, cu=cu)
@@ -462,17 +460,16 @@ def test_the_forwards_output_record_flags_the_backwards_chunks(monkeypatch, gate
     kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                          cu_seqlens=cu, delta=delta, return_saved=True)[2]
 
-    def grads():
+    def grads(saved):
         return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept)
-    default = grads()
-    monkeypatch.setattr(gdn.chunk_bwd, "FLAGS_FROM_FWD", True)
-    got = grads()
+                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=saved)
+    own_checks = grads({n: t for n, t in kept.items() if n != "out_stepped"})
+    got = grads(kept)
     if special is not None:
         assert_same_specials(got, oracle_grads(x, cu, delta))
     assert_close([None if a is None else torch.where(torch.isfinite(a), a, 0) for a in got],
                  [None if b is None else torch.where(torch.isfinite(b), b, 0).double()
-                  for b in default], 1e-5)
+                  for b in own_checks], 1e-5)
 
 
 def test_the_forwards_output_record_is_checked():
