@@ -312,9 +312,18 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         dU = torch.empty(B, T, H, V, device=dev, dtype=inter)
     else:
         Tm = W = U = dU = dummy
+    # on the forward's saved states, its output kernel's record of the chunks it stepped
+    # stands for _prep's q and k checks (session 20): _prep 0.105 -> 0.043 ms on the H200
+    ostep = fwd_states.get("out_stepped") if fwd_states is not None else None
+    NVX = NV   # the hflag tiles `_exact` reads
     if fwd_states is not None:
         hs = fwd_states["states"]
-        hflag = _stepped_tiles(fwd_states["stepped"], NV, BV)
+        if ostep is not None:
+            # every chunk the forward stepped is in the record, so _prep's flag sends it to
+            # _exact: no hflag (its torch reduction took 0.007 ms on the H200)
+            hflag, NVX = torch.empty(1, device=dev, dtype=torch.int32), 0
+        else:
+            hflag = _stepped_tiles(fwd_states["stepped"], NV, BV)
     else:
         hs = torch.empty(NC, H, K, V, device=dev, dtype=inter)
         hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
@@ -330,9 +339,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
-    # on the forward's saved states, its output kernel's record of the chunks it stepped
-    # stands for _prep's q and k checks (session 20): _prep 0.105 -> 0.043 ms on the H200
-    ostep = fwd_states.get("out_stepped") if fwd_states is not None else None
     _prep_[(NC, H)](q, k, v, gp, bp, do, flag, Tm, W, U,
                     ostep if ostep is not None else dummy, cu, tab, T, H, K, V,
                     ostep.shape[0] if ostep is not None else 0, FWD_FLAGS=ostep is not None,
@@ -391,6 +397,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                        num_stages=stages(launch, "grads_stages", F32))
     _exact_[(NC, H)](q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
                      dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
-                     cu, tab, scale, T, H, K, V, NV, NVD, num_warps=seq_warps,
+                     cu, tab, scale, T, H, K, V, NVX, NVD, num_warps=seq_warps,
                      **dict(common, BV=tile["exact_BV"]))
     return dq, dk, dv, dg, dbeta, dh0
