@@ -182,13 +182,13 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
     if GATE == 1:
         cf = tl.arange(0, BK)
         mqf = rv[:, None] & (cf < K)[None, :]
-        f_q = tl.load(_tile(q, r0, rows, cf, K, H), mask=mqf, other=0.).to(tl.float32) * scale
-        f_k = tl.load(_tile(k, r0, rows, cf, K, H), mask=mqf, other=0.).to(tl.float32)
+        f_q = tl.load(_tile(q, r0, rows, cf, K, H), mask=mqf, other=0.)
+        f_k = tl.load(_tile(k, r0, rows, cf, K, H), mask=mqf, other=0.)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         eG = tl.exp(G)
         eE = _end_decay(G, Gl, GC, GCl)
         E = _pair_decay(G, Gl, incl)
-        p = _mm(f_q, tl.trans(f_k), F32, DT) * E
+        p = _mm(f_q, tl.trans(f_k), F32, DT) * (E * scale)
         # dg_t sums the pair terms whose decay spans step t (see _gate_grad), reduced to [C]
         # here, before the K slices (on the H200, session 17, bf16 B8 T4096 H16 K=V=128: 0.828
         # -> 0.802 ms against the [C, C] terms held through them; sm_90 offline 200 -> 120 B
@@ -220,15 +220,19 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             b_u = tl.load(_tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
             acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
             acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
-        b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
-        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+        # q and k as stored (exact bf16 product operands; q's scale on the products), not as
+        # [C, BKS] fp32 tiles beside the two accumulators
+        b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
         if GATE == 1:
             dqs = acc_dqh * eG[:, None] + _mm(dp, b_k, F32, DT)
-            dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke * eE[:, None]
-            qh += tl.sum(acc_dqh * b_q, 1)
-            ke += tl.sum(acc_dke * b_k, 1)
+            dkk = _mm(tl.trans(dp), b_q, F32, DT) * scale + acc_dke * eE[:, None]
+            qh += tl.sum(acc_dqh * b_q.to(tl.float32), 1) * scale
+            ke += tl.sum(acc_dke * b_k.to(tl.float32), 1)
             hd += acc_dgc
         elif GATE == 2:
+            b_q = b_q.to(tl.float32) * scale
+            b_k = b_k.to(tl.float32)
             G, GC = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
             eG = tl.exp(G)
             eN = tl.exp(-G)
@@ -249,7 +253,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             tl.store(_tile(dg, r0, rows, ck, K, H), dgo.to(dg.dtype.element_ty), mask=mqk)
         else:
             dqs = acc_dqh + _mm(dp, b_k, F32, DT)
-            dkk = _mm(tl.trans(dp), b_q, F32, DT) + acc_dke
+            dkk = _mm(tl.trans(dp), b_q, F32, DT) * scale + acc_dke
         tl.store(_tile(dq, r0, rows, ck, K, H), (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
         if DELTA:
             dkk += tl.load(_tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
