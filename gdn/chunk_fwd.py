@@ -25,7 +25,8 @@ the statement this file follows).  Up to seven launches:
      the resume part (PART 1) goes on from there, token by token where needed.
   3. `_out_kernel`, one program per (chunk, head, V tile), all parallel:
      o = scale ((Gamma q) S + (q k^T decay) v_new) from the stored state (PART 0),
-     or token by token from it where xflag is set or q fails the checks (PART 1).
+     or token by token from it where xflag is set or q fails the checks (PART 1, one
+     program per OUT_CHUNKS chunks, head and V tile).
      Kept apart, the matrix parts hold no float64 tiles: on the H200 at the bench
      shape the state kernel went 0.575 -> 0.347 ms (255 registers with spills ->
      232 without at sm_90 offline, and its loop, now without a branch, is pipelined).
@@ -95,6 +96,8 @@ OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
 # stages: 114688 bytes of shared memory at K = V = 256 (sm_90 offline).  Not run on a GPU yet.
 OUT_LAUNCH_WIDE_FP32 = {"bk": 64, "bv": 64, "warps": 4, "stages": 2}
 OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
+# The chunks one program of the output kernel's PART 1 looks at (their marks in one load)
+OUT_CHUNKS = 16
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
 # the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact
 # bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands otherwise (tf32 on GPUs;
@@ -366,25 +369,17 @@ def _forced(ok, MODE: tl.constexpr):
 
 
 @triton.jit
-def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-                PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-                PART: tl.constexpr, BKS: tl.constexpr):
-    """The parallel part, per (V tile, chunk, head): o = scale (Gamma q) S + (q k^T decay)
-    v_new with S the stored state entering the chunk (PART 0, which marks in oflag the tiles
-    it left); token by token from that state where the state pass stepped the chunk (xflag)
-    or q fails the matrix path's checks (PART 1, launched after PART 0 over the same grid:
-    a program whose tile PART 0 wrote returns at once).  Apart, the matrix part holds no
-    float64 tiles."""
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT, NC,
+              i_v, i_c, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
+              PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
+              PART: tl.constexpr, BKS: tl.constexpr):
+    """One (V tile, chunk, head) of `_out_kernel`'s PART 0 (the matrix part, which marks in
+    oflag the tiles it left) or PART 1 (token by token)."""
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
-    of = oflag + (i_v * tl.num_programs(1) + i_c).to(tl.int64) * H + i_h
-    todo = bos < eos
-    if PART == 1:
-        todo = todo & (tl.load(of) != 0)
-    if todo:
+    of = oflag + (i_v * NC + i_c).to(tl.int64) * H + i_h
+    if bos < eos:
         rr = tl.arange(0, BT)
         r0 = bos.to(tl.int64) * H + i_h
         rmask = bos + rr < eos
@@ -472,6 +467,38 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 _exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64), scale, bos, eos, i_h, dk, kmask,
                              dvj, vmj, smj, H, K, V, BT, GATE, DELTA, True)
 
+
+
+@triton.jit
+def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT, NC,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
+                PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
+                PART: tl.constexpr, BKS: tl.constexpr, G: tl.constexpr):
+    """The parallel part: o = scale (Gamma q) S + (q k^T decay) v_new with S the stored state
+    entering the chunk (PART 0, a program per (V tile, chunk, head), which marks in oflag the
+    tiles it left); token by token from that state where the state pass stepped the chunk
+    (xflag) or q fails the matrix path's checks (PART 1, launched after PART 0: a program per
+    (V tile, G chunks, head) reads their marks in one load and takes the marked ones in turn;
+    a program a tile, nearly all of them with nothing to do, took 0.009 ms on the H200 at
+    bf16 B8 T4096 H16, session 20).  Apart, the matrix part holds no float64 tiles."""
+    i_v, i_h = tl.program_id(0), tl.program_id(2)
+    if PART == 0:
+        _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT,
+                  NC, i_v, tl.program_id(1), i_h, H, K, V, BK, BV, BT, GATE, DELTA, IS_VARLEN,
+                  PREC, BIG, MODE, DT, PART, BKS)
+    else:
+        c0 = tl.program_id(1) * G
+        cs = c0 + tl.arange(0, G)
+        marks = tl.load(oflag + (i_v * NC + cs).to(tl.int64) * H + i_h, mask=cs < NC,
+                        other=0).to(tl.int32)
+        if tl.max(marks, 0) > 0:
+            for j in range(0, G):
+                if tl.sum(tl.where(cs == c0 + j, marks, 0), 0) > 0:
+                    _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr,
+                              scale, T, NT, NC, i_v, c0 + j, i_h, H, K, V, BK, BV, BT, GATE, DELTA,
+                              IS_VARLEN, PREC, BIG, MODE, DT, PART, BKS)
 
 def _pow2(n):
     return max(16, triton.next_power_of_2(n))
@@ -610,9 +637,9 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     launch = out_launch(BK, V, gate, q.dtype)
     oflag = torch.empty(triton.cdiv(V, launch["BV"]), NC, H, dtype=torch.int8, device=dev)
     for part in (0, 1):
-        _out_kernel[(triton.cdiv(V, launch["BV"]), NC, H)](q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o,
-                                                           cb, ce, scale, T, max(NT, 1), PART=part,
-                                                           **launch, **common)
+        _out_kernel[(triton.cdiv(V, launch["BV"]), triton.cdiv(NC, OUT_CHUNKS if part else 1), H)](
+            q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce, scale, T, max(NT, 1), NC,
+            PART=part, G=OUT_CHUNKS, **launch, **common)
     if return_saved:
         return o, hT if output_final_state else None, saved_for_backward(tm, hs, xflag, w, vn, delta, oflag)
     return (o, hT if output_final_state else None) + ((tm,) if return_inverse else ())

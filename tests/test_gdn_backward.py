@@ -598,6 +598,33 @@ def test_exact_path_wide_keys_on_gpu(K, V):
     assert_close(got, want, 1e-4)
 
 
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_flagged_chunks_past_the_first_exact_program_reach_the_oracles_gradients(saved):
+    """`_exact` looks at EXACT_CHUNKS chunks of a head a program: flagged chunks in the first
+    and a later program of the same head (20 chunks of 16: a 1e6 in v in chunk 0, a NaN in
+    dO in chunk 18, the second program's third), on the backward's own states and on the
+    forward's saved states, give the oracle's NaN/Inf sets and its finite values."""
+    from gdn.chunk_bwd import EXACT_CHUNKS
+    from gdn.chunk_fwd import chunk_gdn_fwd
+    x = make_inputs(2, 160, 1, 16, 16, 2, True, torch.float32)
+    assert 2 * 160 // 16 > EXACT_CHUNKS
+    x = dict(x, v=x["v"].clone(), do=x["do"].clone())
+    x["v"][0, 5, 0, 3] = 1e6
+    x["do"][1, 125, 0, 2] = float("nan")   # chunk 10 + 7 of the batch: global chunk 17
+    kept = None
+    if saved:
+        kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                             return_saved=True)[2]
+    got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                        initial_state=x["h0"], saved=kept)
+    want = oracle_grads(x, None, True)
+    assert_same_specials(got, want)
+    assert_close([None if w is None else torch.where(torch.isfinite(w.cpu()), a.cpu(), 0)
+                  for a, w in zip(got, want)],
+                 [None if w is None else torch.nan_to_num(w.cpu(), 0., 0., 0.) for w in want],
+                 1e-4)
+
 def test_minus_inf_gate_chunk_everywhere():
     """A whole sequence of -inf scalar gates: every step forgets exactly."""
     x = make_inputs(1, 20, 1, 16, 16, 1, True, torch.float32)

@@ -243,6 +243,22 @@ def test_triton_nonfinite_sets_equal_oracle_fp16(gate, delta):
             assert_same_nonfinite(s2, s, BOUND[torch.float16])
 
 
+
+def test_the_output_kernels_token_by_token_part_over_chunk_groups():
+    """The output kernel's PART 1 looks at OUT_CHUNKS chunks a program: a NaN in q in a chunk
+    of the first program and one in a later program (20 chunks of 64) reach o as the
+    oracle's do, and the rest of o matches it."""
+    from gdn.chunk_fwd import OUT_CHUNKS
+    x = make_inputs("scalar", True, B=1, T=1280, H=1, K=16, V=16, seed=3)
+    assert 1280 // 64 > OUT_CHUNKS
+    x["q"] = x["q"].clone()
+    x["q"][0, 70, 0, 2] = float("nan")
+    x["q"][0, 1250, 0, 5] = float("nan")
+    o, s = call(recurrence, x, delta=True)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=True)
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)
+
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
 @pytest.mark.parametrize("delta", [True, False], ids=["delta", "linear"])
 def test_triton_minus_inf_gate_is_a_complete_forget(gate, delta):

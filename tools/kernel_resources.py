@@ -122,7 +122,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
                  **_ptrs(["g", "gc", "gcl", "h0", "hT", "sstop"], "*fp32"),
                  **_ptrs(["gflag", "flag", "stop", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], X), **_ptrs(["g", "gc", "gcl"], "*fp32"),
-               **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal}
+               **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal, "NC": "i32"}
     dt = dict(DELTA=delta, MODE=0)
     inv_sig = {**_ptrs(["k", "beta"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
@@ -149,13 +149,13 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
              dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], G=cf.OUT_CHUNKS, **dt),
              out["num_warps"], out.get("num_stages", 3)),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], G=cf.OUT_CHUNKS, **dt),
              out["num_warps"], out.get("num_stages", 3))):
-        # as a launch at B8 T4096 (NT 64, OCC 128) specializes: pointers, T, NT, OCC
-        aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC"))
+        # as a launch at B8 T4096 (NT 64, NC 512, OCC 128) specializes: pointers, T, NT, NC, OCC
+        aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC", "NC"))
         yield (label, fn, sig, const, warps, stages, aligned, caps.get(label))
 
 
@@ -193,13 +193,13 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
             # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
              {"BKS": tile["grads_BKS"]}),
-            (cb._exact, tile["exact_BV"], seq, 3, {}),
+            (cb._exact, tile["exact_BV"], seq, 3, {"G": cb.EXACT_CHUNKS}),
             *(((cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages,
                 {"BKS": tile["grads_BKS"]}),) if delta else ())):
         const = {a: v for a, v in dict(consts, BV=bv, **extra).items()
                  if a in fn.arg_names}
         # T, H, K, V are runtime arguments of the backward (constexprs in the forward)
-        sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV", "NVD", "NVS", "NVO")
+        sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV", "NVD", "NVS", "NVO", "NC")
                    else "*i8" if a == "ostep" else "*i32" if a in _BWD_I32 else "*fp32" if a in fp32_args or fp32 else "*bf16")
                for a in fn.arg_names if a not in const}
         ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // bvd), "NVO": 2}
