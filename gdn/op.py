@@ -70,8 +70,8 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     spare the backward its state pass and its W and U, and the forward's records of the
     chunks it stepped token by token (int8, per V column and per output V tile: 1 MB and
     16 KB).  On the H200 (session 18) that took
-    the op's forward+backward from 4.008 to 3.522 ms at the shape below (3.444 since session
-    19, against fla's 3.321), and what a forward
+    the op's forward+backward from 4.008 to 3.522 ms at the shape below (3.341 since session
+    20, against fla's 3.324), and what a forward
     keeps for its backward (o included) from 256 to 769 MB (fla 0.6.0, which recomputes
     them: 194).  ``save_states=False`` keeps T alone.  The backward holds transiently,
     besides the gradients themselves, the state gradient at every chunk end (and without
