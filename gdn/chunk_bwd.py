@@ -26,7 +26,7 @@ launches the kernels, which live in the modules named after their concept:
    gradients of a chunk from h_c, its end-state gradient, U and dU: the terms
    through T (dv, dbeta, partials of dk and dg; delta rule only), then the rest
    (dq, dk, dg).
-5. ``_exact``  (chunks in parallel)  rewrites the gradients of flagged chunks
+5. ``_exact``  (groups of EXACT_CHUNKS chunks in parallel)  rewrites the gradients of flagged chunks
    with the step-by-step recurrence, the same operations as gdn.oracle in the
    same order and in float64, so the NaN/Inf pattern of a special value is the
    one float64 autograd through the oracle gives.  Kernels 2 and 3 take the same exact
