@@ -1,6 +1,7 @@
 """The twelve gates: each positive control is caught by its gate with the kind it should
 have, the correct kernel of the same op passes that gate, failing cases replay through
 their gate, and `kfuzz verify` renders and exits as documented. (A table: one row a control.)"""
+import dataclasses
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -335,3 +336,38 @@ def test_the_gate_parts_run_every_case_once_and_judge_as_the_gate_does():
         assert (whole.failures > 0) == (name == "softmax.clamp10")
     with pytest.raises(SystemExit):
         part.main(["--target", "softmax", "--gate", "G02", "--part", "3/3"])
+
+
+def test_run_case_runs_one_case_and_says_how_it_ended(monkeypatch, capsys):
+    """tools/run_case.py (one case, in this process, for a fault's traceback on the device):
+    a correct kernel's case returns (exit 0), a kernel that raises is reported with its
+    traceback (exit 1), and bad JSON, a case the contract refuses and an unknown target are
+    refused by name (exit 2)."""
+    import importlib
+    import json
+    import sys
+    from pathlib import Path
+    from kfuzz import target as targets
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        run_case = importlib.import_module("run_case")
+    finally:
+        sys.path.pop(0)
+    case = {"target": "softmax", "dtype": "float32", "seed": 3, "dims": {"N": 4, "D": 33}}
+    assert run_case.main([json.dumps(case)]) == 0
+    assert "CASE RETURNED" in capsys.readouterr().out
+    softmax = get_target("softmax")
+
+    def boom(**_):
+        raise RuntimeError("planted: the kernel faults")
+    monkeypatch.setattr(targets, "get_target", lambda name: dataclasses.replace(softmax, kernel=boom))
+    assert run_case.main([json.dumps(case)]) == 1
+    captured = capsys.readouterr()
+    assert "CASE RAISED" in captured.out and "planted: the kernel faults" in captured.err
+    monkeypatch.undo()
+    for bad, named in (("{not json", "not json"),
+                       (json.dumps(dict(case, dims={"N": 4, "D": 100000})), "D"),
+                       (json.dumps(dict(case, target="nosuch")), "nosuch")):
+        with pytest.raises(SystemExit) as e:
+            run_case.main([bad])
+        assert e.value.code == 2 and named in capsys.readouterr().err
