@@ -9,6 +9,7 @@ the gate prefix and output kernels, and the module docstring with the NaN/Inf co
 """
 from __future__ import annotations
 
+import os
 import zlib
 
 import triton
@@ -108,7 +109,8 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
+                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr,
+                  CLAMP: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
@@ -147,11 +149,16 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             r0 = t0.to(tl.int64) * H + i_h
             rmask = t0 + rr < eos
             nlast = tl.minimum(BT, eos - t0) - 1   # the chunk's last token's row
+            ra = rr   # the rows behind the tiles' addresses (the masks keep rr's)
+            if CLAMP:
+                # candidate (CLAMP_ROWS): no row past the sequence's last, so that the copies the
+                # pipeline issues masked (zero-size, at the row's address) stay inside the tensors
+                ra = tl.minimum(rr, nlast)
             _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
-            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
+            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, ra, rmask, i_h, cid, dk, kmask, dv, vmask,
                                    H, K, V, GATE, DELTA, BIG, SBIG, MODE)
             ok = ok & alive
-            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv,
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, ra, rmask, nlast, dk, kmask, dv,
                               vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
@@ -194,6 +201,12 @@ TUNE = True  # False: every new key takes the first config that fits (benchmarks
 # has, and so must a pick (session 8's device verify: G07 at fp32, K = V = 256, BV 64 at 2
 # stages, "out of resource: shared memory, Required: 312320, Hardware limit: 232448").
 SPREAD = False
+# Candidate (session 20, CPU only; GDN_FWD_CLAMP=1): the matrix part's tile addresses built from
+# rows clamped to the sequence's last, for the open GPU fault at bf16 B4 T16 H16 K33 V64
+# (README, Known findings): the pipeline issues a masked asynchronous copy with zero size at
+# the unmasked row's address, up to about 360 KB past u's end there.  Results are the same
+# (the masks are rr's); to test on the device with tools/run_case.py.
+CLAMP_ROWS = os.environ.get("GDN_FWD_CLAMP") == "1"
 KEY = ["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"]
 
 
@@ -241,6 +254,7 @@ def launch_state(args, NH, **kw):
     SPREAD's order or in their own (TUNE False: at fp32 K = V = 256 the first, BV 32 at 2
     stages, does not fit the H200's shared memory, sm_90 offline)."""
     V = kw["V"]
+    kw = dict(kw, CLAMP=CLAMP_ROWS)
     if SPREAD or not TUNE:
         def launch(c):
             _state_kernel[(triton.cdiv(V, c.kwargs["BV"]), NH)](

@@ -244,6 +244,32 @@ def test_triton_nonfinite_sets_equal_oracle_fp16(gate, delta):
 
 
 
+
+@pytest.mark.parametrize("gate,delta,T,cu,nan_in", [
+    ("scalar", True, 16, None, None),
+    ("none", True, 100, None, "v"),
+    ("vector", False, 37, None, "k"),
+    ("scalar", True, 90, [0, 30, 31, 90], None),
+])
+def test_clamped_state_rows_give_the_same_forward(monkeypatch, gate, delta, T, cu, nan_in):
+    """Candidate GDN_FWD_CLAMP=1 (`gdn.fwd_state.CLAMP_ROWS`): the state pass's tile addresses
+    from rows clamped to the sequence's last change only the addresses of masked rows, so o
+    and the final state are bitwise the unclamped ones: partial chunks (T 16, 37, 100),
+    varlen, every gate, a NaN sending chunks to the step path."""
+    import gdn.fwd_state
+    B = 1 if cu is not None else 2
+    x = make_inputs(gate, delta, B=B, T=T, H=2, K=16, V=32, seed=5,
+                    cu_seqlens=None if cu is None else torch.tensor(cu))
+    if nan_in is not None:
+        inject(x, nan_in, float("nan"))
+    kw = dict(delta=delta, cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV))
+    want = call(chunk_gdn_fwd, x, **kw)
+    monkeypatch.setattr(gdn.fwd_state, "CLAMP_ROWS", True)
+    got = call(chunk_gdn_fwd, x, **kw)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
 def test_the_output_kernels_token_by_token_part_over_chunk_groups():
     """The output kernel's PART 1 looks at OUT_CHUNKS chunks a program: a NaN in q in a chunk
     of the first program and one in a later program (20 chunks of 64) reach o as the
