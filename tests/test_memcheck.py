@@ -37,3 +37,18 @@ def test_gdn_forward_exact_and_resume_parts_stay_inside_their_tensors():
         T=80, members=[("scalar", True)], inputs=("q", "h0"), values=(float("nan"),)))
     assert [r for r, _ in runs] == ["scalar-delta q=nan", "scalar-delta h0=nan"]
     assert all(err is None for _, err in runs), runs
+
+
+def test_masked_out_lanes_are_surveyed_by_how_far_they_point_past_their_argument():
+    """`masked_out`: the masked-off lanes of an access, which read nothing under the interpreter
+    but present their addresses on a GPU where the load is pipelined, reported per (kernel,
+    argument, load or store) by the farthest such address (a byte offset from the argument's
+    start) beside the argument's size; an access whose masked lanes stay inside reports
+    nothing."""
+    x, y = torch.arange(8.0), torch.zeros(8)
+    far = interpreter_memcheck.masked_out(lambda: _copy[(1,)](x, y, 5, 0, B=16))
+    # lanes 8..15 of both the load and the store point past the 32 bytes of x and y, the last
+    # at byte 60 (lanes 5..7 are masked but inside)
+    assert far == {("_copy", "x", "load"): (60, 32), ("_copy", "y", "store"): (60, 32)}
+    assert interpreter_memcheck.masked_out(lambda: _copy[(1,)](x, y, 5, 0, B=8)) == {}
+    assert interpreter_memcheck.MASKED_OUT is None   # the survey is off again
