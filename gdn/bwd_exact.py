@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from gdn.bwd_chunks import _chunk_base, _coords
-from gdn.chunk_fwd import _tile
+from gdn.chunk_fwd import _group_flag, _tile
 
 
 @triton.jit
@@ -180,6 +180,6 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
                           mask=mc[:, None] & (cv0 < NVD)[None, :], other=0), 1)
     if tl.max(bad, 0) > 0:
         for j in range(0, G):
-            if tl.sum(tl.where(cs == c0 + j, bad, 0), 0) > 0:
+            if _group_flag(bad, cs, c0 + j) > 0:
                 _exact_chunk(c0 + j, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, cu,
                              tab, scale, T, H, K, V, C, BK, BV, GATE, DELTA, IS_VARLEN)

@@ -468,6 +468,12 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr
                              dvj, vmj, smj, H, K, V, BT, GATE, DELTA, True)
 
 
+@triton.jit
+def _group_flag(flags, cs, c):
+    """The flag of chunk ``c`` from a group's flags ``flags`` over its chunks ``cs`` (one load
+    a group: the token-by-token launches, `_out_kernel`'s PART 1 and the backward's `_exact`)."""
+    return tl.sum(tl.where(cs == c, flags, 0), 0)
+
 
 @triton.jit
 def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT, NC,
@@ -495,10 +501,11 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                         other=0).to(tl.int32)
         if tl.max(marks, 0) > 0:
             for j in range(0, G):
-                if tl.sum(tl.where(cs == c0 + j, marks, 0), 0) > 0:
+                if _group_flag(marks, cs, c0 + j) > 0:
                     _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr,
                               scale, T, NT, NC, i_v, c0 + j, i_h, H, K, V, BK, BV, BT, GATE, DELTA,
                               IS_VARLEN, PREC, BIG, MODE, DT, PART, BKS)
+
 
 def _pow2(n):
     return max(16, triton.next_power_of_2(n))

@@ -202,7 +202,14 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
         sig = {a: ("fp32" if a == "scale" else "i32" if a in ("T", "H", "K", "V", "NV", "NVD", "NVS", "NVO", "NC")
                    else "*i8" if a == "ostep" else "*i32" if a in _BWD_I32 else "*fp32" if a in fp32_args or fp32 else "*bf16")
                for a in fn.arg_names if a not in const}
-        ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // bvd), "NVO": 2}
+        # the launch's integers at B8 T4096 H16: NC chunks; on the saved states _exact reads no
+        # hflag (NV 0) and _prep the output kernel's record over its V tiles (NVO)
+        nvo = -(-V // cf.out_launch(tile["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)["BV"])
+        ints = {"T": 4096, "H": 16, "K": K, "V": V, "NVS": -(-V // bvd), "NVO": nvo,
+                "NC": 8 * -(-4096 // C), "NV": 0 if saved else -(-V // tile["BV"])}
+        # Triton makes an integer argument equal to 1 a constant, as here
+        const.update({a: 1 for a in sig if ints.get(a) == 1})
+        sig = {a: t for a, t in sig.items() if a not in const}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
         yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned, None)
 
