@@ -102,8 +102,13 @@ def test_ci_audit_controls_and_cpu_rows(tmp_path):
             assert j["violation"] == (r["expect"] != "none"), (r["key"], j)
             assert r["standard"]["passed"], r["key"]
         else:
-            want = spec["rows"][r["key"].rsplit(":", 1)[1]]
-            assert (j["standard"], j["violations"]) == (want["standard"], want["violations"]), r["key"]
+            row = r["key"].rsplit(":", 1)[1]
+            want = spec["rows"][row]
+            # a gate whose outcome follows the hidden seed (``seed_dependent``) is not pinned
+            free = set(spec.get("seed_dependent", {}).get(row, {}).get("gates", ()))
+            got = [v for v in j["violations"] if v not in free]
+            pinned = [v for v in want["violations"] if v not in free]
+            assert (j["standard"], got) == (want["standard"], pinned), r["key"]
     if not corpus.is_file():
         pytest.skip(f"controls audited; {corpus} is absent (the corpora are not in the repo), "
                     f"so the {len(spec['rows'])} CUDA-L1 rows were not")
