@@ -713,8 +713,9 @@ def test_du_is_rounded_once():
     assert verdict.ratio < 3.0, verdict.detail
 
 
-@pytest.mark.parametrize("extra", [[], ["--forward"], ["--saved-inverse"], ["--saved"]],
-                         ids=["backward", "forward", "saved-inverse", "saved"])
+@pytest.mark.parametrize("extra", [[], ["--forward"], ["--saved-inverse"], ["--saved"],
+                                   ["--forward", "--state-configs", "all", "--shape", "2,16,2"]],
+                         ids=["backward", "forward", "saved-inverse", "saved", "forward-each-config"])
 def test_the_gpu_tile_sweep_runs_and_judges(extra):
     """tools/sweep_gdn_gpu.py (the device's tile sweep) on the interpreter at one tiny shape:
     every case prints ok and the run ends ALLOK with exit 0."""
@@ -728,6 +729,8 @@ def test_the_gpu_tile_sweep_runs_and_judges(extra):
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gate")]
     assert r.returncode == 0 and r.stdout.rstrip().endswith("ALLOK"), r.stdout + r.stderr
     assert len(lines) == 3 * (2 if "--forward" in extra else 1) and all(ln.endswith(" ok") for ln in lines)
+    # one config under the interpreter: every case names it
+    assert all((" cfg0 BV32 w4 s1" in ln) == ("--state-configs" in extra) for ln in lines)
 
 
 @pytest.fixture

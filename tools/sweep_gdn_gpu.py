@@ -25,6 +25,9 @@ autotuner's pick after it tried them all, against the oracle's o and final state
 `chunk_gdn_fwd(..., return_saved=True)` saved (T, the chunk states, w and v_new);
 `--saved-inverse` as the op does with save_states=False, on the T = (I + A)^-1 that
 `chunk_gdn_fwd(..., return_inverse=True)` formed (its _prep then skips the inversion).
+`--forward --state-configs all` (or indices) runs every case at each of the state pass's
+configs in turn (its matrix part at that one config), `--shape B,T,H` the cases' shape (the
+state pass's open fault, README's Known findings, was at B4 T16 H16).
 `--launch` sets GDN_BWD_LAUNCH (the launch overrides of gdn.chunk_bwd) in the children.  The
 last line is ALLOK or NOTOK.
 """
@@ -39,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = (16, 32, 64, 128, 184)
+SHAPE = (1, 100, 2)    # B, T, H: a partial last chunk
 VS = (1, 16, 32, 64)
 BOUND = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
 
@@ -47,7 +51,7 @@ GATES = {0: "none", 1: "scalar", 2: "vector"}
 
 
 def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: bool,
-          saved: str = "") -> int:
+          saved: str = "", shape=SHAPE, state_config: int | None = None) -> int:
     """Every V at one (gate, K): one line per case; returns the number of cases off bound.
     A case that raises ends the child (a GPU fault loses its CUDA context)."""
     import torch
@@ -55,15 +59,23 @@ def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: b
     import gdn.fwd_state
     from bench_gdn import inputs   # (it puts the repository root on sys.path)
     gdn.fwd_state.TUNE = tune
+    cfg = ""
+    if state_config is not None:
+        # the state pass's PART 0 at that one config: the untuned launch takes the first that
+        # fits of `_state_configs()`, here a list of one
+        one = gdn.fwd_state._state_configs()[state_config]
+        gdn.fwd_state._state_configs = lambda: [one]
+        cfg = f" cfg{state_config} BV{one.kwargs['BV']} w{one.num_warps} s{one.num_stages}"
+    B, T, H = shape
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dname]
     bad = 0
     for V, delta in [(V, d) for V in vs for d in ((True, False) if forward else (True,))]:
         seed = K * 1000 + V
-        x = inputs(1, 100, 2, K, V, dtype, GATES[gate], delta, seed=seed, device=device)
+        x = inputs(B, T, H, K, V, dtype, GATES[gate], delta, seed=seed, device=device)
         gen = torch.Generator(device=device).manual_seed(seed + 1)
         h0, do, dht = (torch.randn(*s, generator=gen, device=device)
-                       for s in ((1, 2, K, V), (1, 100, 2, V), (1, 2, K, V)))
-        tag = f"gate{gate} K{K} V{V}{'' if delta else ' linear'} {dname}"
+                       for s in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
+        tag = f"gate{gate} K{K} V{V}{'' if delta else ' linear'} {dname}{cfg}"
         try:
             if forward:
                 errs = _forward_errors(*x, h0, do.to(dtype), dht, delta)
@@ -132,13 +144,22 @@ def main():
     ap.add_argument("--saved-inverse", action="store_true",
                     help="backward: on the forward's T, as the op runs it with save_states=False")
     ap.add_argument("--gates", default="0,1,2", help="gate ids: 0 none, 1 scalar, 2 vector")
+    ap.add_argument("--shape", default=",".join(map(str, SHAPE)), help="B,T,H of every case")
+    ap.add_argument("--state-configs", default="",
+                    help="forward: 'all', or comma-separated indices into the state pass's "
+                         "configs: every case at each, in turn (default: the untuned first)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     vs = [int(x) for x in a.vs.split(",")]
+    shape = tuple(int(x) for x in a.shape.split(","))
+    if a.state_configs and (not a.forward or a.tune):
+        ap.error("--state-configs sweeps the forward's untuned state pass: add --forward, "
+                 "without --tune")
     if a.child:
-        gate, K = (int(x) for x in a.child.split(","))
+        gate, K, cfg = (int(x) for x in a.child.split(","))
         bad = child(gate, K, a.dtype, a.device, vs, a.forward, a.tune,
-                    "all" if a.saved else "inverse" if a.saved_inverse else "")
+                    "all" if a.saved else "inverse" if a.saved_inverse else "", shape,
+                    None if cfg < 0 else cfg)
         sys.stdout.flush()
         # every case is judged and printed (each synchronized): leave without the interpreter's
         # teardown, which once aborted a child on the H200 ("terminate called without an
@@ -150,7 +171,19 @@ def main():
         env["GDN_BWD_LAUNCH"] = a.launch
     if a.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    groups = [(int(gate), int(K)) for gate in a.gates.split(",") for K in a.ks.split(",")]
+    configs = [-1]
+    if a.state_configs:
+        if a.device == "cpu":
+            os.environ["TRITON_INTERPRET"] = "1"    # the interpreter's list, before triton loads
+        sys.path.insert(0, str(ROOT))
+        from gdn.fwd_state import _state_configs
+        n = len(_state_configs())
+        configs = list(range(n)) if a.state_configs == "all" else \
+            [int(x) for x in a.state_configs.split(",")]
+        if any(not 0 <= c < n for c in configs):
+            ap.error(f"--state-configs: indices run from 0 to {n - 1} here")
+    groups = [(int(gate), int(K), c) for c in configs for gate in a.gates.split(",")
+              for K in a.ks.split(",")]
     running, ok = [], True
 
     def reap(p, label):
@@ -159,12 +192,12 @@ def main():
         if p.returncode != 0:
             print(f"gate{label[0]} K{label[1]}: exit {p.returncode}", flush=True)
         return p.returncode == 0
-    for gate, K in groups:
+    for gate, K, c in groups:
         if len(running) >= a.jobs:
             ok &= reap(*running.pop(0))
-        cmd = [sys.executable, __file__, "--child", f"{gate},{K}", "--dtype", a.dtype,
-               "--device", a.device, "--vs", a.vs] + ["--forward"] * a.forward + ["--tune"] * a.tune \
-            + ["--saved-inverse"] * a.saved_inverse + ["--saved"] * a.saved
+        cmd = [sys.executable, __file__, "--child", f"{gate},{K},{c}", "--dtype", a.dtype,
+               "--device", a.device, "--vs", a.vs, "--shape", a.shape] + ["--forward"] * a.forward \
+            + ["--tune"] * a.tune + ["--saved-inverse"] * a.saved_inverse + ["--saved"] * a.saved
         running.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True), (gate, K)))
     for p, label in running:
