@@ -9,6 +9,7 @@ the gate prefix and output kernels, and the module docstring with the NaN/Inf co
 """
 from __future__ import annotations
 
+import json
 import os
 import zlib
 
@@ -210,12 +211,20 @@ CLAMP_ROWS = os.environ.get("GDN_FWD_CLAMP") == "1"
 KEY = ["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"]
 
 
+# The matrix part's configs on GPUs: (BV, warps, stages).  GDN_FWD_STATE_CONFIGS (a JSON list
+# of such triples) replaces them for device bring-up: fla 0.6.0's h pass autotunes BV 32 and
+# 64 over 2 and 4 warps and 2 to 4 stages (session 16), of which ours lack 2 warps at BV 32
+# and 64 and 4 stages.
+STATE_CONFIGS = ((32, 4, 2), (16, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 8, 2), (16, 2, 2),
+                 (32, 4, 3))
+if os.environ.get("GDN_FWD_STATE_CONFIGS"):
+    STATE_CONFIGS = tuple(tuple(c) for c in json.loads(os.environ["GDN_FWD_STATE_CONFIGS"]))
+
+
 def _state_configs():
     if INTERPRET:
         return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-            for bv, nw, ns in ((32, 4, 2), (16, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2),
-                               (32, 8, 2), (16, 2, 2), (32, 4, 3))]
+    return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in STATE_CONFIGS]
 
 
 def _spread_order(configs, key: dict) -> list:

@@ -270,6 +270,22 @@ def test_clamped_state_rows_give_the_same_forward(monkeypatch, gate, delta, T, c
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
 
+def test_state_configs_from_the_environment():
+    """GDN_FWD_STATE_CONFIGS replaces the state pass's GPU configs (device bring-up): the
+    autotuner and the untuned launch see exactly the triples given; without it, the built-in
+    list."""
+    import subprocess
+    import sys
+    code = ("import gdn.fwd_state as f; "
+            "print([(c.kwargs['BV'], c.num_warps, c.num_stages) for c in f._state_configs()])")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "GDN_FWD_STATE_CONFIGS")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, cwd=root, capture_output=True,  # noqa: E731
+                                   text=True, timeout=120).stdout.strip()
+    assert run(dict(env, GDN_FWD_STATE_CONFIGS="[[32, 2, 3], [64, 4, 4]]")) == "[(32, 2, 3), (64, 4, 4)]"
+    assert run(env) == str([tuple(c) for c in __import__("gdn.fwd_state").fwd_state.STATE_CONFIGS])
+
+
 def test_the_output_kernels_token_by_token_part_over_chunk_groups():
     """The output kernel's PART 1 looks at OUT_CHUNKS chunks a program: a NaN in q in a chunk
     of the first program and one in a later program (20 chunks of 64) reach o as the
