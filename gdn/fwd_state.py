@@ -39,30 +39,60 @@ def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
+def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask, fl, gfl,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
-              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
+              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr,
+              PRE: tl.constexpr):
     """(ok, k tile as loaded, v tile fp32 or None): whether the chunk's inputs and the state
-    entering it admit the matrix path, with the tiles the check loaded."""
+    entering it admit the matrix path, with the tiles the check loaded.  The chunk's flags are
+    loaded here, or with PRE are ``fl`` and ``gfl``, loaded a chunk ahead (`_ahead`)."""
     mk = rmask[:, None] & kmask[None, :]
     kt = tl.load(_stile(k, r0, rr, dk, K, H), mask=mk, other=0.0)
     ok = _all_within(S, SBIG)
     vt = kt
     if DELTA:
-        ok = ok & (tl.load(flag + cid * H + i_h) != 0)
+        if not PRE:
+            fl = tl.load(flag + cid * H + i_h)
+        ok = ok & (fl != 0)
     else:
         vt = tl.load(_stile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
                      other=0.0).to(tl.float32)
         ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
     if GATE != 0:
-        ok = ok & (tl.load(gflag + cid * H + i_h) != 0)
+        if not PRE:
+            gfl = tl.load(gflag + cid * H + i_h)
+        ok = ok & (gfl != 0)
     return _forced(ok, MODE), kt, vt
 
 
 @triton.jit
+def _ahead(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr,
+           BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """Chunk c's scalars, loaded a chunk ahead of their use (PREFETCH): its flags (delta rule,
+    gate) and, for the scalar gate, its last token's cumulative gate (hi, lo); zeros past the
+    sequence's last chunk."""
+    live = c < nch
+    cid = (c_first + c).to(tl.int64)
+    fl = 0
+    gfl = 0
+    gk = 0.0
+    gkl = 0.0
+    if DELTA:
+        fl = tl.load(flag + cid * H + i_h, mask=live, other=0)
+    if GATE != 0:
+        gfl = tl.load(gflag + cid * H + i_h, mask=live, other=0)
+    if GATE == 1:
+        t0 = bos + c * BT
+        row = (t0.to(tl.int64) + tl.minimum(BT, eos - t0) - 1) * H + i_h
+        gk = tl.load(gc + row, mask=live, other=0.0)
+        gkl = tl.load(gcl + row, mask=live, other=0.0)
+    return fl, gfl, gk, gkl
+
+
+@triton.jit
 def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv, vmask, store,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
-                 DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                 gk, gkl, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+                 DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PRE: tl.constexpr):
     """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
     state leaving the chunk.  The scalar gate's in-chunk decay exp(G_C - G_t) goes on v_new's
     tile [BT, BV], not on the keys [BT, K] (as fla's h pass does), so the key tile reaches the
@@ -78,8 +108,11 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, 
         G, Glo, Gl, Gll = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt
         vt = vt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
-        Gk, Gkl = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)   # Gl is a [BT] vector
-        S = S * tl.exp(Gk + Gkl)[:, None]
+        if PRE:   # the last token's gate, loaded a chunk ahead (`_ahead`)
+            S = S * tl.exp(gk + gkl)
+        else:
+            Gk, Gkl = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)   # Gl is a [BT] vector
+            S = S * tl.exp(Gk + Gkl)[:, None]
     elif GATE == 2:
         G, _, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt * tl.exp(Gl[None, :] - G)
@@ -111,7 +144,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
                   MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr,
-                  CLAMP: tl.constexpr):
+                  CLAMP: tl.constexpr, PREFETCH: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
@@ -144,6 +177,9 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             S = tl.zeros((BK, BV), dtype=tl.float32)
         alive = nch >= 0
         stopc = nch
+        if PREFETCH:
+            fl, gfl, gk, gkl = _ahead(flag, gflag, gc, gcl, c_first, bos, eos, 0, nch, i_h, H, BT,
+                                      GATE, DELTA)
         for c in range(0, nch):
             cid = (c_first + c).to(tl.int64)
             t0 = bos + c * BT
@@ -155,12 +191,20 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 # candidate (CLAMP_ROWS): no row past the sequence's last, so that the copies the
                 # pipeline issues masked (zero-size, at the row's address) stay inside the tensors
                 ra = tl.minimum(rr, nlast)
+            fl_c = 0
+            gfl_c = 0
+            gk_c = 0.0
+            gkl_c = 0.0
+            if PREFETCH:   # this chunk's scalars, and the next chunk's loads issued
+                fl_c, gfl_c, gk_c, gkl_c = fl, gfl, gk, gkl
+                fl, gfl, gk, gkl = _ahead(flag, gflag, gc, gcl, c_first, bos, eos, c + 1, nch, i_h,
+                                          H, BT, GATE, DELTA)
             _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
             ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, ra, rmask, i_h, cid, dk, kmask, dv, vmask,
-                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE)
+                                   fl_c, gfl_c, H, K, V, GATE, DELTA, BIG, SBIG, MODE, PREFETCH)
             ok = ok & alive
             Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, ra, rmask, nlast, dk, kmask, dv,
-                              vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
+                              vmask, ok, gk_c, gkl_c, H, K, V, GATE, DELTA, PREC, DT, PREFETCH)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
             alive = ok
@@ -180,12 +224,12 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 rmask = t0 + rr < eos
                 nlast = tl.minimum(BT, eos - t0) - 1
                 ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
-                                       vmask, H, K, V, GATE, DELTA, BIG, SBIG, MODE)
+                                       vmask, 0, 0, H, K, V, GATE, DELTA, BIG, SBIG, MODE, False)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
-                                     dv, vmask, ok, H, K, V, GATE, DELTA, PREC, DT)
+                                     dv, vmask, ok, 0.0, 0.0, H, K, V, GATE, DELTA, PREC, DT, False)
                 else:   # float64 steps, the state kept fp32 between them
                     S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
                                      smask, H, K, V, BT, GATE, DELTA, False)
@@ -208,6 +252,15 @@ SPREAD = False
 # the unmasked row's address, up to about 360 KB past u's end there.  Results are the same
 # (the masks are rr's); to test on the device with tools/run_case.py.
 CLAMP_ROWS = os.environ.get("GDN_FWD_CLAMP") == "1"
+# Candidate (session 21, CPU only; GDN_FWD_PREFETCH=1): the matrix part loads each chunk's
+# scalars (its flags, the scalar gate's last token) a chunk ahead (`_ahead`), as loop-carried
+# values.  sm_90 offline at the bench shape (4 warps, 2 stages) the loop issued them as plain
+# loads (LDG, not pipelined): the flags just before the w S product and consumed after it,
+# the last gate after that product's wait and consumed about 70 instructions and a barrier
+# later, before the state's decay and the k^T v_new product, on the serial chain (a load
+# from HBM is many hundreds of cycles).  fla's h pass has its last-gate load pipelined (0
+# LDG in its loop).  Results are bitwise the same (test); to time on the device.
+PREFETCH = os.environ.get("GDN_FWD_PREFETCH") == "1"
 KEY = ["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"]
 
 
@@ -263,7 +316,7 @@ def launch_state(args, NH, **kw):
     SPREAD's order or in their own (TUNE False: at fp32 K = V = 256 the first, BV 32 at 2
     stages, does not fit the H200's shared memory, sm_90 offline)."""
     V = kw["V"]
-    kw = dict(kw, CLAMP=CLAMP_ROWS)
+    kw = dict(kw, CLAMP=CLAMP_ROWS, PREFETCH=PREFETCH)
     if SPREAD or not TUNE:
         def launch(c):
             _state_kernel[(triton.cdiv(V, c.kwargs["BV"]), NH)](

@@ -15,6 +15,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from gdn.chunk_fwd import _saturated, chunk_gdn_fwd  # noqa: E402
+from gdn.fwd_state import _ahead as _real_ahead  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 from gdn.reference import chunked  # noqa: E402
 
@@ -269,6 +270,48 @@ def test_clamped_state_rows_give_the_same_forward(monkeypatch, gate, delta, T, c
     for a, b in zip(got, want):
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+@triton.jit
+def _ahead_one_too_far(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr,
+                       BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """A planted `gdn.fwd_state._ahead`: the chunk after the one asked for."""
+    return _real_ahead(flag, gflag, gc, gcl, c_first, bos, eos, c + 1, nch, i_h, H, BT, GATE, DELTA)
+
+
+@pytest.mark.parametrize("gate,delta,T,cu,nan_in,planted", [
+    ("scalar", True, 260, None, None, True),
+    ("scalar", True, 260, None, "k", False),
+    ("none", True, 200, None, "v", False),
+    ("vector", True, 150, None, None, False),
+    ("scalar", False, 200, None, "q", False),
+    ("scalar", True, 300, [0, 30, 31, 200, 300], "g", False),
+])
+def test_state_scalars_loaded_a_chunk_ahead_give_the_same_forward(monkeypatch, gate, delta, T, cu,
+                                                                  nan_in, planted):
+    """Candidate GDN_FWD_PREFETCH=1 (`gdn.fwd_state.PREFETCH`): the state pass's matrix part
+    takes each chunk's flags and last gate from loads issued a chunk ahead (`_ahead`), so o
+    and the final state are bitwise the same over sequences of 3 to 5 chunks, every gate,
+    delta rule on and off, varlen with short sequences, a NaN stopping the matrix part in
+    mid-sequence.  Planted, scalars of the chunk after the right one change them."""
+    import gdn.fwd_state
+    B = 1 if cu is not None else 2
+    x = make_inputs(gate, delta, B=B, T=T, H=2, K=16, V=32, seed=7,
+                    cu_seqlens=None if cu is None else torch.tensor(cu))
+    if nan_in is not None:   # in the third chunk: the matrix part runs two chunks, then stops
+        t = x[nan_in]
+        (t[0, 150, 1] if t.dim() == 3 else t[0, 150, 1, 3]).fill_(float("nan"))
+    kw = dict(delta=delta, cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV))
+    want = call(chunk_gdn_fwd, x, **kw)
+    monkeypatch.setattr(gdn.fwd_state, "PREFETCH", True)
+    got = call(chunk_gdn_fwd, x, **kw)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    if planted:
+        monkeypatch.setattr(gdn.fwd_state, "_ahead", _ahead_one_too_far)
+        bad = call(chunk_gdn_fwd, x, **kw)
+        assert not all(torch.equal(a, b) for a, b in zip(bad, want))
+
 
 def test_state_configs_from_the_environment():
     """GDN_FWD_STATE_CONFIGS replaces the state pass's GPU configs (device bring-up): the
