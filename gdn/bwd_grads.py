@@ -32,14 +32,13 @@ from gdn.bwd_gate import (_end_decay, _gate_grad, _gate_grad_of_spans, _gate_sum
                           _pair_decay, _pair_spans)
 from gdn.bwd_matrix import _mm
 from gdn.chunk_fwd import _tile
-from gdn.fwd_prep import _t_mask
 
 
 @triton.jit
 def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
               C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
               GATE: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr,
-              DT: tl.constexpr, TRI: tl.constexpr):
+              DT: tl.constexpr):
     """The WY terms of a chunk (delta only): stores dv and dbeta, and its shares of dk (dkp
     [.., K]) and dg (dgp: the scalar gate's [..] after its decay spans, the vector gate's
     [.., K] before the reverse cumsum), fp32, for _grads_p to add.  K in BKS-wide slices, one
@@ -57,7 +56,7 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     strict = rows[:, None] > rows[None, :]
     b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=_t_mask(rows, rv, TRI), other=0.)
+    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
     if C >= 32 and BKS >= 32 and BV >= 32:
         # every product then takes T as a DT operand (`_odot`: their N is C, BKS or BV), so
         # round it once, here: half its registers (sm_90 offline, 4 warps, scalar gate: stack

@@ -52,7 +52,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn import fwd_prep
 from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads_p, _grads_wy
@@ -392,8 +391,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
             dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
         _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
                             C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"], GATE=GATE,
-                            IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, TRI=fwd_prep.TRI_T,
-                            num_warps=launch["grads_wy_warps"],
+                            IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
                             num_stages=stages(launch, "grads_stages", F32))
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
                        T, H, K, V, NVD, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],

@@ -163,26 +163,6 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
 
-# Candidate (session 21, CPU only; GDN_TRI_T=1): T's readers (`_prep_wu_kernel`, the backward's
-# `_grads_wy`) load only the 32-byte sectors of T that reach its diagonal or lie below it
-# (`_t_mask`): T is lower triangular, so the rest are zeros, which the loads' other=0. gives
-# without reading them.  At BT 64 that is 288 of a row block's 512 sectors: 59 of T's 134 MB
-# a read at bf16 B8 T4096 H16, about 0.016 ms a reader on the H200 if the loads run at
-# `_prep_wu`'s 3.35 TB/s (session 20).  Results are bitwise the same (test); to time on the
-# device.
-TRI_T = os.environ.get("GDN_TRI_T") == "1"
-
-
-@triton.jit
-def _t_mask(rr, rmask, TRI: tl.constexpr):
-    """The mask of a load of a chunk's T ([BT, BT], rows and columns rr): its valid rows, and
-    with TRI only the 32-byte sectors (8 fp32 columns) on or below the diagonal."""
-    m = rmask[:, None]
-    if TRI:
-        m = m & ((rr[None, :] // 8) <= (rr[:, None] // 8))
-    return m
-
-
 @triton.jit
 def _t_dot(Ts, hi, lo, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
     """Ts x for one tile x of k or v: (hi + lo) x on bf16 operands (LOWP; x exact in bf16),
@@ -239,10 +219,9 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr,
-                    TRI: tl.constexpr):
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
     """The WY prep, part 2 (`_wu_side`): w then u of a chunk in one program (grid: chunks,
-    heads), T read once (TRI: its lower sectors, `_t_mask`)."""
+    heads), T read once."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
@@ -250,8 +229,7 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     row0 = bos.to(tl.int64) * H + i_h
     rr = tl.arange(0, BT)
     rmask = bos + rr < eos
-    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=_t_mask(rr, rmask, TRI),
-                 other=0.0)
+    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
     for side in tl.static_range(2):
         _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
                  GATE, PREC, BIG, LOWP, INTERP)
@@ -289,6 +267,6 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
                               W=W, num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
-                             INTERP=interp, TRI=TRI_T, num_warps=PREP_LAUNCH["wu_warps"],
+                             INTERP=interp, num_warps=PREP_LAUNCH["wu_warps"],
                              num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp),
                              **prep)

@@ -8,9 +8,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from gdn.chunk_bwd import chunk_gdn_bwd  # noqa: E402
 from gdn.op import gdn_attention  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
@@ -434,57 +431,6 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
     assert_close(got, want, TOL[dtype])
     if dtype == torch.float32:
         assert_close(got, [None if b is None else b.double() for b in narrow], 1e-5)
-
-
-@triton.jit
-def _t_mask_without_the_diagonal(rr, rmask, TRI: tl.constexpr):
-    """A planted `gdn.fwd_prep._t_mask`: the diagonal's sectors left out."""
-    return rmask[:, None] & ((rr[None, :] // 8) < (rr[:, None] // 8))
-
-
-@pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,special,planted", [
-    (1, 100, 2, 32, 32, 1, torch.float32, None, None, True),
-    (2, 70, 2, 16, 32, 0, torch.bfloat16, None, None, False),
-    (1, 100, 2, 32, 16, 2, torch.float32, [0, 20, 53, 100], None, False),
-    (1, 100, 2, 16, 32, 1, torch.float32, None, ("k", 41), False)])
-def test_t_read_by_its_lower_sectors_gives_the_same_forward_and_backward(monkeypatch, B, T, H, K, V,
-                                                                         gate, dtype, cu, special,
-                                                                         planted):
-    """Candidate GDN_TRI_T=1 (`gdn.fwd_prep.TRI_T`): T's readers, the forward's `_prep_wu_kernel`
-    and the backward's `_grads_wy`, load only its sectors on or below the diagonal
-    (`_t_mask`).  o, the final state and every gradient (on the forward's saves, as the op
-    runs) are bitwise the same: 64- and 16-token chunks (vector gate), varlen, bf16, a NaN in
-    k.  Planted, a mask without the diagonal's sectors changes o (in the forward's reader) and
-    the gradients (in the backward's)."""
-    from gdn import bwd_grads, fwd_prep
-    from gdn.chunk_fwd import chunk_gdn_fwd
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
-    if special is not None:
-        x = with_nan(x, *special)
-
-    def run():
-        o, ht, saved = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                                     cu_seqlens=cu, output_final_state=True, return_saved=True)
-        return (o, ht), chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                                      initial_state=x["h0"], cu_seqlens=cu, saved=saved)
-    (o, ht), grads = run()
-    monkeypatch.setattr(fwd_prep, "TRI_T", True)
-    (o2, ht2), grads2 = run()
-    assert torch.equal(o.view(torch.int16 if o.element_size() == 2 else torch.int32),
-                       o2.view(torch.int16 if o.element_size() == 2 else torch.int32))
-    assert torch.equal(ht.view(torch.int32), ht2.view(torch.int32))
-    assert_bitwise(grads2, grads)
-    if not planted:
-        return
-    right, short = fwd_prep._t_mask, _t_mask_without_the_diagonal
-    monkeypatch.setattr(fwd_prep, "_t_mask", short)
-    (o3, _), _ = run()
-    assert not torch.equal(o3, o)
-    monkeypatch.setattr(fwd_prep, "_t_mask", right)
-    monkeypatch.setattr(bwd_grads, "_t_mask", short)
-    (o4, _), grads4 = run()
-    assert torch.equal(o4, o) and not all(torch.equal(a, b) for a, b in zip(grads4, grads) if a is not None)
 
 
 @pytest.mark.parametrize("gate,delta,cu,special", [
