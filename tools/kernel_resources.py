@@ -180,7 +180,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
                   HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"],
-                  SAVED=saved, FWD_FLAGS=saved)
+                  SAVED=saved, FWD_FLAGS=saved, AHEAD=cb.LAUNCH["grads_p_ahead"])
     bvd = cb.dstates_tile(tile["BK"], V, 8 * 16, 132)   # B8 H16 on the H200's 132 SMs
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
