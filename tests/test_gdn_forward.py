@@ -313,6 +313,41 @@ def test_state_scalars_loaded_a_chunk_ahead_give_the_same_forward(monkeypatch, g
         assert not all(torch.equal(a, b) for a, b in zip(bad, want))
 
 
+@pytest.mark.parametrize("gate,T,cu,dtype,nan_in,wuc", [
+    ("scalar", 300, None, torch.float32, None, 2),
+    ("scalar", 300, None, torch.bfloat16, None, 3),
+    ("none", 200, None, torch.float32, "v", 4),
+    ("vector", 90, None, torch.float32, None, 4),
+    ("scalar", 300, [0, 30, 31, 200, 300], torch.float32, "v", 3),
+])
+def test_w_and_u_over_several_chunks_a_program_give_the_same_forward(monkeypatch, gate, T, cu, dtype,
+                                                                     nan_in, wuc):
+    """Candidate `GDN_FWD_PREP`'s "wu_chunks" (`gdn.fwd_prep.PREP_LAUNCH`): `_prep_wu_kernel`
+    takes that many chunks of a head a program, in a loop whose next chunk's T is loaded an
+    iteration ahead.  o, the final state, T, w and v_new (u - w S) are bitwise the default's (a
+    program a chunk): chunk counts that are and are not multiples of it (4 or 5 a sequence at 64 tokens,
+    6 at 16 with the vector gate), every gate, bf16, varlen with a one-token sequence, a NaN in
+    v clearing its chunk's flag by the loop's masked store."""
+    import gdn.fwd_prep
+    B = 1 if cu is not None else 2
+    x = make_inputs(gate, True, B=B, T=T, H=2, K=16, V=32, dtype=dtype, seed=11,
+                    cu_seqlens=None if cu is None else torch.tensor(cu))
+    if nan_in is not None:
+        x[nan_in][0, 150 % T, 1, 3] = float("nan")
+    kw = dict(delta=True, cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV),
+              return_saved=True)
+
+    def run():   # v_new is left unwritten where a chunk is stepped (the NaN cases)
+        o, s, saved = call(chunk_gdn_fwd, x, **kw)
+        return [o, s] + [saved[n] for n in ("inverse", "w", "v_new")[:2 if nan_in else 3]]
+    want = run()
+    monkeypatch.setitem(gdn.fwd_prep.PREP_LAUNCH, "wu_chunks", wuc)
+    got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
 def test_state_configs_from_the_environment():
     """GDN_FWD_STATE_CONFIGS replaces the state pass's GPU configs (device bring-up): the
     autotuner and the untuned launch see exactly the triples given; without it, the built-in

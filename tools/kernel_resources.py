@@ -127,7 +127,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     inv_sig = {**_ptrs(["k", "beta"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
-              **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
+              **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal, "NC": "i32"}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     lowp = gate != 2 and not fp32   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
     out = cf.out_launch(common["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)
@@ -139,7 +139,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"]),
              fp.PREP_LAUNCH["inv_warps"], 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
-             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False),
+             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, WUC=fp.PREP_LAUNCH["wu_chunks"]),
              fp.PREP_LAUNCH["wu_warps"],
              fp.PREP_LAUNCH["wu_stages"]),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
