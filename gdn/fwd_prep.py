@@ -200,54 +200,46 @@ def _wu_side(i_s: tl.constexpr, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c
     if i_s == 0:
         if UNROLL:
             for j in tl.static_range(0, (K + BV - 1) // BV):
-                _w_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H, K, BV, BT, GATE, PREC, LOWP, INTERP)
+                _wu_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H, K, BV, BT, GATE == 2, PREC, BIG,
+                         LOWP, INTERP)
         else:
             for j in range(0, (K + BV - 1) // BV):
-                _w_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H, K, BV, BT, GATE, PREC, LOWP, INTERP)
+                _wu_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H, K, BV, BT, GATE == 2, PREC, BIG,
+                         LOWP, INTERP)
     else:
         nbad = 0
         if UNROLL:
             for j in tl.static_range(0, (V + BV - 1) // BV):
-                nbad += _u_tile(j, v, u, Ts, hi, lo, row0, rmask, H, V, BV, BT, PREC, BIG, LOWP, INTERP)
+                nbad += _wu_tile(j, v, gc, u, Ts, hi, lo, row0, rmask, H, V, BV, BT, False, PREC, BIG,
+                                 LOWP, INTERP)
             # a masked store, not a branch: the chunk loop (`_prep_wu_kernel`'s WUC) stays
             # pipelined
             tl.store(flag + i_c * H + i_h, 0, mask=nbad > 0)
         else:
             for j in range(0, (V + BV - 1) // BV):
-                nbad += _u_tile(j, v, u, Ts, hi, lo, row0, rmask, H, V, BV, BT, PREC, BIG, LOWP, INTERP)
+                nbad += _wu_tile(j, v, gc, u, Ts, hi, lo, row0, rmask, H, V, BV, BT, False, PREC, BIG,
+                                 LOWP, INTERP)
             if nbad > 0:
                 tl.store(flag + i_c * H + i_h, 0)   # the one writer of a 0 after the inverse
 
 
 @triton.jit
-def _w_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-            BT: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-            INTERP: tl.constexpr):
-    """w's BV-wide tile j of a chunk."""
+def _wu_tile(j, x, gc, y, Ts, hi, lo, row0, rmask, H: tl.constexpr, W: tl.constexpr,
+             BV: tl.constexpr, BT: tl.constexpr, KEY_GATE: tl.constexpr, PREC: tl.constexpr,
+             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+    """y's BV-wide tile j of a chunk, y = Ts x (w from k, W = K, the vector gate on the keys
+    where KEY_GATE; u from v, W = V); returns 1 where a value of x there is over BIG, else 0."""
     rr = tl.arange(0, BT)
     cb = tl.arange(0, BV)
-    m2 = rmask[:, None] & (j * BV + cb[None, :] < K)
-    kx = rr[:, None] * (H * K) + j * BV + cb[None, :]
-    kt = tl.load(k + row0 * K + kx, mask=m2, other=0.0)
-    if GATE == 2:
-        kt = kt.to(tl.float32) * tl.exp(tl.load(gc + row0 * K + kx, mask=m2, other=0.0))
-    tl.store(w + row0 * K + kx, _t_dot(Ts, hi, lo, kt, LOWP, INTERP, PREC).to(w.dtype.element_ty),
+    m2 = rmask[:, None] & (j * BV + cb[None, :] < W)
+    ix = rr[:, None] * (H * W) + j * BV + cb[None, :]
+    xt = tl.load(x + row0 * W + ix, mask=m2, other=0.0)
+    xs = xt
+    if KEY_GATE:
+        xs = xt.to(tl.float32) * tl.exp(tl.load(gc + row0 * W + ix, mask=m2, other=0.0))
+    tl.store(y + row0 * W + ix, _t_dot(Ts, hi, lo, xs, LOWP, INTERP, PREC).to(y.dtype.element_ty),
              mask=m2)
-
-
-@triton.jit
-def _u_tile(j, v, u, Ts, hi, lo, row0, rmask, H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-            BT: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
-            INTERP: tl.constexpr):
-    """u's BV-wide tile j of a chunk; 1 where a value of v there is over BIG, else 0."""
-    rr = tl.arange(0, BT)
-    cb = tl.arange(0, BV)
-    mv = rmask[:, None] & (j * BV + cb[None, :] < V)
-    vx = rr[:, None] * (H * V) + j * BV + cb[None, :]
-    vt = tl.load(v + row0 * V + vx, mask=mv, other=0.0)
-    tl.store(u + row0 * V + vx, _t_dot(Ts, hi, lo, vt, LOWP, INTERP, PREC).to(u.dtype.element_ty),
-             mask=mv)
-    return tl.where(_all_within(vt, BIG), 0, 1)
+    return tl.where(_all_within(xt, BIG), 0, 1)
 
 
 @triton.jit

@@ -183,6 +183,22 @@ def inject(x, name, value):
         t[0, INJECT_AT, 1, 3] = value
 
 
+def assert_same_forward_with(switch, x, kw, saved=()):
+    """o, the final state and the ``saved`` tensors the forward hands the backward (given,
+    return_saved) bitwise the same after ``switch()`` as before it, NaNs where NaNs.  Returns
+    the first run's outputs."""
+    def run():
+        out = call(chunk_gdn_fwd, x, **kw)
+        return list(out[:2]) + [out[2][n] for n in saved]
+    want = run()
+    switch()
+    got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    return want
+
+
 def assert_same_nonfinite(out, ref, bound=1e-4):
     ref = ref.to(out.dtype)
     assert torch.equal(out.isnan(), ref.isnan()), "NaN sets differ"
@@ -264,12 +280,7 @@ def test_clamped_state_rows_give_the_same_forward(monkeypatch, gate, delta, T, c
     if nan_in is not None:
         inject(x, nan_in, float("nan"))
     kw = dict(delta=delta, cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV))
-    want = call(chunk_gdn_fwd, x, **kw)
-    monkeypatch.setattr(gdn.fwd_state, "CLAMP_ROWS", True)
-    got = call(chunk_gdn_fwd, x, **kw)
-    for a, b in zip(got, want):
-        assert torch.equal(a.isnan(), b.isnan())
-        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    assert_same_forward_with(lambda: monkeypatch.setattr(gdn.fwd_state, "CLAMP_ROWS", True), x, kw)
 
 @triton.jit
 def _ahead_one_too_far(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr,
@@ -301,12 +312,7 @@ def test_state_scalars_loaded_a_chunk_ahead_give_the_same_forward(monkeypatch, g
         t = x[nan_in]
         (t[0, 150, 1] if t.dim() == 3 else t[0, 150, 1, 3]).fill_(float("nan"))
     kw = dict(delta=delta, cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV))
-    want = call(chunk_gdn_fwd, x, **kw)
-    monkeypatch.setattr(gdn.fwd_state, "PREFETCH", True)
-    got = call(chunk_gdn_fwd, x, **kw)
-    for a, b in zip(got, want):
-        assert torch.equal(a.isnan(), b.isnan())
-        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    want = assert_same_forward_with(lambda: monkeypatch.setattr(gdn.fwd_state, "PREFETCH", True), x, kw)
     if planted:
         monkeypatch.setattr(gdn.fwd_state, "_ahead", _ahead_one_too_far)
         bad = call(chunk_gdn_fwd, x, **kw)
@@ -337,15 +343,9 @@ def test_w_and_u_over_several_chunks_a_program_give_the_same_forward(monkeypatch
     kw = dict(delta=True, cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV),
               return_saved=True)
 
-    def run():   # v_new is left unwritten where a chunk is stepped (the NaN cases)
-        o, s, saved = call(chunk_gdn_fwd, x, **kw)
-        return [o, s] + [saved[n] for n in ("inverse", "w", "v_new")[:2 if nan_in else 3]]
-    want = run()
-    monkeypatch.setitem(gdn.fwd_prep.PREP_LAUNCH, "wu_chunks", wuc)
-    got = run()
-    for a, b in zip(got, want):
-        assert torch.equal(a.isnan(), b.isnan())
-        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    # v_new is left unwritten where a chunk is stepped (the NaN cases)
+    assert_same_forward_with(lambda: monkeypatch.setitem(gdn.fwd_prep.PREP_LAUNCH, "wu_chunks", wuc),
+                             x, kw, ("inverse", "w", "v_new")[:2 if nan_in else 3])
 
 
 def test_state_configs_from_the_environment():
