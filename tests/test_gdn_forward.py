@@ -553,6 +553,23 @@ def test_output_kernel_in_k_slices_matches_oracle(monkeypatch, gate, delta):
     assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
+@pytest.mark.parametrize("gate,delta,nan_in", [("scalar", True, "v"), ("none", False, "k"),
+                                               ("scalar", True, None)])
+def test_xflag_reduced_after_the_k_slices_gives_the_same_forward(monkeypatch, gate, delta, nan_in):
+    """Candidate OUT_LAUNCH "xflag_after" (GDN_FWD_OUT on the device): the sliced matrix part
+    reduces the state pass's xflag after its K loop, not before it.  o and the final state are
+    bitwise the default's: K 48 in 16-wide slices, bf16, a NaN in v or k making the state pass
+    step a chunk (its xflag set, so the slices' part must leave it to the exact part).
+    Planted, the xflag never added after the loop, the NaN-in-v case fails."""
+    import gdn.chunk_fwd as cf
+    monkeypatch.setitem(cf.OUT_LAUNCH, "bk", 16)
+    x = make_inputs(gate, delta, B=1, T=140, H=2, K=48, V=24, seed=8, dtype=torch.bfloat16)
+    if nan_in is not None:
+        inject(x, nan_in, float("nan"))
+    kw = dict(delta=delta)
+    assert_same_forward_with(lambda: monkeypatch.setitem(cf.OUT_LAUNCH, "xflag_after", 1), x, kw)
+
+
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", True), ("none", False)],
                          ids=["scalar-delta", "vector-delta", "none-linear"])
 def test_entry_stores_before_the_checks_are_redone_where_a_chunk_fails(gate, delta):

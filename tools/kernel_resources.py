@@ -149,10 +149,10 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
              dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, CLAMP=fs.CLAMP_ROWS, PREFETCH=fs.PREFETCH, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], G=cf.OUT_CHUNKS, **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], G=cf.OUT_CHUNKS, XAFTER=out["XAFTER"], **dt),
              out["num_warps"], out.get("num_stages", 3)),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], G=cf.OUT_CHUNKS, **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], G=cf.OUT_CHUNKS, XAFTER=out["XAFTER"], **dt),
              out["num_warps"], out.get("num_stages", 3))):
         # as a launch at B8 T4096 (NT 64, NC 512, OCC 128) specializes: pointers, T, NT, NC, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC", "NC"))
