@@ -263,15 +263,14 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT, 
     else:
         c0 = i_p * WUC
         c1 = tl.minimum(c0 + WUC, NC)
-        row0, rmask = _rows_of(c0, cb_ptr, ce_ptr, T, NT, i_h, H, BT, IS_VARLEN)
-        Tn, bn, gn = _ahead_of(tm, beta, gc, row0, _and(rmask, c0 < c1), H, BT, GATE)
+        rn, mn = _rows_of(c0, cb_ptr, ce_ptr, T, NT, i_h, H, BT, IS_VARLEN)
+        Tn, bn, gn = _ahead_of(tm, beta, gc, rn, _and(mn, c0 < c1), H, BT, GATE)
         for i_c in range(c0, c1):
-            # this chunk's T, beta and gate, loaded an iteration ahead; the next chunk's issued
-            # now (the last chunk's rows again past the program's end: varlen reads tables)
-            Tm, bt, gt = Tn, bn, gn
+            # this chunk's rows, T, beta and gate, found an iteration ahead; the next chunk's
+            # issued now (the last chunk's rows again past the program's end: varlen reads tables)
+            row0, rmask, Tm, bt, gt = rn, mn, Tn, bn, gn
             rn, mn = _rows_of(tl.minimum(i_c + 1, c1 - 1), cb_ptr, ce_ptr, T, NT, i_h, H, BT, IS_VARLEN)
             Tn, bn, gn = _ahead_of(tm, beta, gc, rn, _and(mn, i_c + 1 < c1), H, BT, GATE)
-            row0, rmask = _rows_of(i_c, cb_ptr, ce_ptr, T, NT, i_h, H, BT, IS_VARLEN)
             for side in tl.static_range(2):
                 _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, bt, gt, H, K,
                          V, BV, BT, GATE, PREC, BIG, LOWP, INTERP, True)
@@ -324,7 +323,7 @@ def _ahead_of(tm, beta, gc, row0, rmask, H: tl.constexpr, BT: tl.constexpr, GATE
 # asynchronous copy) and then on beta's before its first tile's copy is even issued, and on
 # beta again for u: three HBM latencies in a row a chunk.  In the loop the next chunk's T,
 # beta and gate load an iteration ahead and its k and v tiles are pipelined; at 4 chunks, 2
-# stages, uncapped: 250 registers (two programs an SM, against four), no spill, 57344 B of
+# stages, uncapped: 184 registers (two programs an SM, against four), no spill, 57344 B of
 # shared memory.  To time with "wu_maxnreg": null.
 PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
                "wu_chunks": 1}
