@@ -158,7 +158,7 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
 def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V, NVS,
              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-             F32: tl.constexpr, DT: tl.constexpr, AHEAD: tl.constexpr):
+             F32: tl.constexpr, DT: tl.constexpr):
     """The P terms of a chunk: dq, dk, dg, with _grads_wy's partials
     added (delta).  K in BKS-wide slices, each with its own pass over V, so two [C, BKS]
     accumulators are live instead of two [C, K]: every output column of dq and dk needs its
@@ -208,13 +208,6 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
         if GATE > 0:
             for jv in range(0, NVS):
                 acc_dgc += tl.load(HD + ((cid * H + ih).to(tl.int64) * NVS + jv) * K + ck, mask=mk, other=0.)
-        # q's and k's slices, as stored (exact bf16 product operands; q's scale on the
-        # products), not as [C, BKS] fp32 tiles beside the two accumulators: loaded after the
-        # V loop, or before it where AHEAD says (bit 1 q, bit 2 k)
-        if (AHEAD & 1) != 0:
-            b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
-        if (AHEAD & 2) != 0:
-            b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
         for iv in range(0, tl.cdiv(V, BV)):
             cv = iv * BV + tl.arange(0, BV)
             mv = cv < V
@@ -227,10 +220,10 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             b_u = tl.load(_tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
             acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
             acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
-        if (AHEAD & 1) == 0:
-            b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
-        if (AHEAD & 2) == 0:
-            b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
+        # q and k as stored (exact bf16 product operands; q's scale on the products), not as
+        # [C, BKS] fp32 tiles beside the two accumulators
+        b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
         if GATE == 1:
             dqs = acc_dqh * eG[:, None] + _mm(dp, b_k, F32, DT)
             dkk = _mm(tl.trans(dp), b_q, F32, DT) * scale + acc_dke * eE[:, None]

@@ -91,13 +91,7 @@ LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
           "grads_stages": 3, "grads_p_warps": 4, "grads_bk": 64,
           # _grads_wy (K in slices) on the H200 (session 12): 4 warps 0.798 ms, 8 warps 1.191
           # (the form with [C, K] accumulators it replaced: 0.949 at 8)
-          "grads_wy_warps": 4,
-          # candidate (session 21, CPU only): _grads_p loads its K slice's q (1), k (2) or both
-          # (3) before its V loop instead of after it (sm_90 offline at the bench shape: the
-          # K-slice loop's barriers 26 -> 22 / 22 / 16, stack 200 -> 184 / 208 / 192 B, shared
-          # memory 106496 -> 114688 / 114688 / 122880 B: at 3 one program an SM fits instead of
-          # two); to time on the device
-          "grads_p_ahead": 0}
+          "grads_wy_warps": 4}
 LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
 # The sequential kernels in two parts each, a matrix part with no branch in its loop (Triton
 # pipelines its loads: with Triton 3.6, sm_90 offline, 0 asynchronous copies in the branching
@@ -402,7 +396,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
                        T, H, K, V, NVD, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
-                       AHEAD=launch["grads_p_ahead"], num_warps=launch["grads_p_warps"],
+                       num_warps=launch["grads_p_warps"],
                        num_stages=stages(launch, "grads_stages", F32))
     _exact_[(triton.cdiv(NC, EXACT_CHUNKS), H)](
         q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,

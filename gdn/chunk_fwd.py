@@ -90,12 +90,7 @@ GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # 64/4 (the scalar gate applied after the loop; 0.321 as adopted, see _out_kernel).
 # GDN_FWD_OUT overrides OUT_LAUNCH for device bring-up ('{"bk": 0}': never sliced; "stages":
 # the loop's num_stages).
-# "xflag_after" (candidate, session 21, CPU only; 0 off): the sliced matrix part reduces the
-# state pass's xflag over its V tile after its K loop instead of before it.  sm_90 offline at
-# the bench shape that load and its reduction across the warps (two barriers) come before the
-# loop's first asynchronous copy is issued: a load's latency and the reduction in front of
-# every program's pipeline.
-OUT_LAUNCH = {"bk": 64, "bv": 128, "warps": 8, "xflag_after": 0}
+OUT_LAUNCH = {"bk": 64, "bv": 128, "warps": 8}
 OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
 # fp32 inputs at K > 128 (see out_launch): 64-wide K slices at 64-wide V tiles, 4 warps, 2
 # stages: 114688 bytes of shared memory at K = V = 256 (sm_90 offline).  Not run on a GPU yet.
@@ -379,7 +374,7 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr
               BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
               GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
               PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-              PART: tl.constexpr, BKS: tl.constexpr, XAFTER: tl.constexpr):
+              PART: tl.constexpr, BKS: tl.constexpr):
     """One (V tile, chunk, head) of `_out_kernel`'s PART 0 (the matrix part, which marks in
     oflag the tiles it left) or PART 1 (token by token)."""
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
@@ -406,11 +401,12 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr
             # stage, or with Gamma on q as here: session 8, tools/sweep_gdn_gpu.py.)
             acc = tl.zeros([BT, BV], dtype=tl.float32)
             Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+            # the state pass's xflag over the tile: loaded here, reduced across the warps after
+            # the loop, so that the loop's first copies need not wait for it (reduced before the
+            # loop, the output kernel took 0.267 ms on the H200, after it 0.252: session 22,
+            # bf16 GDN B8 T4096 H16 K=V=128)
             xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
-            if XAFTER:   # reduced after the K loop (OUT_LAUNCH's "xflag_after")
-                nbad = 0
-            else:
-                nbad = tl.max(xf.to(tl.int32))
+            nbad = 0
             if GATE == 1:
                 G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
                 eq = tl.exp(G + Glo)
@@ -427,8 +423,7 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr
                     acc += _odot(qs * eq[:, None], Ss, DT, PREC)
                 else:
                     acc += _odot(qs, Ss, DT, PREC)
-            if XAFTER:
-                nbad += tl.max(xf.to(tl.int32))
+            nbad += tl.max(xf.to(tl.int32))
             ok = _forced(nbad == 0, MODE)
             tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
             causal = rr[:, None] >= rr[None, :]
@@ -492,7 +487,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
                 PREC: tl.constexpr, BIG: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-                PART: tl.constexpr, BKS: tl.constexpr, G: tl.constexpr, XAFTER: tl.constexpr):
+                PART: tl.constexpr, BKS: tl.constexpr, G: tl.constexpr):
     """The parallel part: o = scale (Gamma q) S + (q k^T decay) v_new with S the stored state
     entering the chunk (PART 0, a program per (V tile, chunk, head), which marks in oflag the
     tiles it left); token by token from that state where the state pass stepped the chunk
@@ -504,7 +499,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
     if PART == 0:
         _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT,
                   NC, i_v, tl.program_id(1), i_h, H, K, V, BK, BV, BT, GATE, DELTA, IS_VARLEN,
-                  PREC, BIG, MODE, DT, PART, BKS, XAFTER)
+                  PREC, BIG, MODE, DT, PART, BKS)
     else:
         c0 = tl.program_id(1) * G
         cs = c0 + tl.arange(0, G)
@@ -515,7 +510,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
                 if _group_flag(marks, cs, c0 + j) > 0:
                     _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr,
                               scale, T, NT, NC, i_v, c0 + j, i_h, H, K, V, BK, BV, BT, GATE, DELTA,
-                              IS_VARLEN, PREC, BIG, MODE, DT, PART, BKS, XAFTER)
+                              IS_VARLEN, PREC, BIG, MODE, DT, PART, BKS)
 
 
 def _pow2(n):
@@ -537,7 +532,7 @@ def out_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
     else:
         la = dict(OUT_LAUNCH_WHOLE, bk=BK)
     out = {"BV": max(64, min(la["bv"], _pow2(V))), "BKS": max(16, min(la["bk"], BK)),
-           "num_warps": la["warps"], "XAFTER": bool(la.get("xflag_after"))}
+           "num_warps": la["warps"]}
     for key, arg in (("maxnreg", "maxnreg"), ("stages", "num_stages")):
         if la.get(key) and not INTERPRET:
             out[arg] = la[key]

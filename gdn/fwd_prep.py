@@ -43,7 +43,7 @@ import os
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import _all_within, _and, _chunk_span, _inv_unit_lower, _load_gates, _tile
+from gdn.chunk_fwd import _all_within, _chunk_span, _inv_unit_lower, _load_gates, _tile
 
 
 @triton.jit
@@ -173,54 +173,35 @@ def _t_dot(Ts, hi, lo, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.con
 
 
 @triton.jit
-def _wu_side(i_s: tl.constexpr, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, bt, gt,
+def _wu_side(i_s: tl.constexpr, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
              GATE: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
-             INTERP: tl.constexpr, UNROLL: tl.constexpr):
+             INTERP: tl.constexpr):
     """Every w tile (i_s 0) or every u tile (i_s 1) of a chunk, in a loop over the BV-wide
     tiles: w = (T diag(beta Gamma)) k, u = (T diag(beta)) v, the diagonal scales on T's columns
     so that k and v enter the products as loaded, T scaled and split once (LOWP: hi + lo in
     bf16, two bf16 products a tile; else one product on fp32 operands at PREC).  A u tile with
-    a value over BIG clears the chunk's flag.  UNROLL (`_prep_wu_kernel`'s WUC loop): the tile
-    loops unrolled, and beta and the scalar gate given (``bt``, ``gt``, loaded a chunk ahead)."""
-    if UNROLL:
-        sc = bt
-        if i_s == 0 and GATE == 1:
-            sc = sc * tl.exp(gt)
-    else:
-        rr = tl.arange(0, BT)
-        sc = tl.load(beta + row0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
-        if i_s == 0 and GATE == 1:
-            sc = sc * tl.exp(tl.load(gc + row0 + rr * H, mask=rmask, other=0.0))
+    a value over BIG clears the chunk's flag."""
+    rr = tl.arange(0, BT)
+    sc = tl.load(beta + row0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
+    if i_s == 0 and GATE == 1:
+        sc = sc * tl.exp(tl.load(gc + row0 + rr * H, mask=rmask, other=0.0))
     Ts = Tm * sc[None, :]
     hi = Ts
     if LOWP:
         hi = Ts.to(tl.bfloat16).to(tl.float32)
     lo = Ts - hi
     if i_s == 0:
-        if UNROLL:
-            for j in tl.static_range(0, (K + BV - 1) // BV):
-                _wu_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H, K, BV, BT, GATE == 2, PREC, BIG,
-                         LOWP, INTERP)
-        else:
-            for j in range(0, (K + BV - 1) // BV):
-                _wu_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H, K, BV, BT, GATE == 2, PREC, BIG,
-                         LOWP, INTERP)
+        for j in range(0, (K + BV - 1) // BV):
+            _wu_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H, K, BV, BT, GATE == 2, PREC, BIG,
+                     LOWP, INTERP)
     else:
         nbad = 0
-        if UNROLL:
-            for j in tl.static_range(0, (V + BV - 1) // BV):
-                nbad += _wu_tile(j, v, gc, u, Ts, hi, lo, row0, rmask, H, V, BV, BT, False, PREC, BIG,
-                                 LOWP, INTERP)
-            # a masked store, not a branch: the chunk loop (`_prep_wu_kernel`'s WUC) stays
-            # pipelined
-            tl.store(flag + i_c * H + i_h, 0, mask=nbad > 0)
-        else:
-            for j in range(0, (V + BV - 1) // BV):
-                nbad += _wu_tile(j, v, gc, u, Ts, hi, lo, row0, rmask, H, V, BV, BT, False, PREC, BIG,
-                                 LOWP, INTERP)
-            if nbad > 0:
-                tl.store(flag + i_c * H + i_h, 0)   # the one writer of a 0 after the inverse
+        for j in range(0, (V + BV - 1) // BV):
+            nbad += _wu_tile(j, v, gc, u, Ts, hi, lo, row0, rmask, H, V, BV, BT, False, PREC, BIG,
+                             LOWP, INTERP)
+        if nbad > 0:
+            tl.store(flag + i_c * H + i_h, 0)   # the one writer of a 0 after the inverse
 
 
 @triton.jit
@@ -243,66 +224,24 @@ def _wu_tile(j, x, gc, y, Ts, hi, lo, row0, rmask, H: tl.constexpr, W: tl.conste
 
 
 @triton.jit
-def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT, NC,
+def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr,
-                    WUC: tl.constexpr):
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
     """The WY prep, part 2 (`_wu_side`): w then u of a chunk in one program (grid: chunks,
-    heads), T read once.  WUC > 1 (candidate): a program takes WUC chunks of a head in a loop
-    with the tile loops unrolled and no branch, which Triton pipelines, so that the next
-    chunk's T and tiles load while this one's products run."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    if WUC == 1:
-        row0, rmask = _rows_of(i_p, cb_ptr, ce_ptr, T, NT, i_h, H, BT, IS_VARLEN)
-        Tm = _t_of(tm, row0, rmask, H, BT)
-        for side in tl.static_range(2):
-            _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_p, i_h, 0.0, 0.0, H, K, V,
-                     BV, BT, GATE, PREC, BIG, LOWP, INTERP, False)
-    else:
-        c0 = i_p * WUC
-        c1 = tl.minimum(c0 + WUC, NC)
-        rn, mn = _rows_of(c0, cb_ptr, ce_ptr, T, NT, i_h, H, BT, IS_VARLEN)
-        Tn, bn, gn = _ahead_of(tm, beta, gc, rn, _and(mn, c0 < c1), H, BT, GATE)
-        for i_c in range(c0, c1):
-            # this chunk's rows, T, beta and gate, found an iteration ahead; the next chunk's
-            # issued now (the last chunk's rows again past the program's end: varlen reads tables)
-            row0, rmask, Tm, bt, gt = rn, mn, Tn, bn, gn
-            rn, mn = _rows_of(tl.minimum(i_c + 1, c1 - 1), cb_ptr, ce_ptr, T, NT, i_h, H, BT, IS_VARLEN)
-            Tn, bn, gn = _ahead_of(tm, beta, gc, rn, _and(mn, i_c + 1 < c1), H, BT, GATE)
-            for side in tl.static_range(2):
-                _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, bt, gt, H, K,
-                         V, BV, BT, GATE, PREC, BIG, LOWP, INTERP, True)
-
-
-@triton.jit
-def _rows_of(i_c, cb_ptr, ce_ptr, T, NT, i_h, H: tl.constexpr, BT: tl.constexpr,
-             IS_VARLEN: tl.constexpr):
-    """Chunk i_c's base row at head i_h and its valid rows."""
+    heads), T read once."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
     # int64 offset per element costs two registers each
-    return bos.to(tl.int64) * H + i_h, bos + tl.arange(0, BT) < eos
-
-
-@triton.jit
-def _t_of(tm, row0, rmask, H: tl.constexpr, BT: tl.constexpr):
-    """A chunk's T, its rows where ``rmask`` (zeros elsewhere)."""
+    row0 = bos.to(tl.int64) * H + i_h
     rr = tl.arange(0, BT)
-    return tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
-
-
-@triton.jit
-def _ahead_of(tm, beta, gc, row0, rmask, H: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr):
-    """A chunk's T, beta (fp32) and, for the scalar gate, its cumulative gate (else zeros), its
-    rows where ``rmask``: what the WUC loop loads a chunk ahead."""
-    rr = tl.arange(0, BT)
-    bt = tl.load(beta + row0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
-    gt = tl.zeros([BT], dtype=tl.float32)
-    if GATE == 1:
-        gt = tl.load(gc + row0 + rr * H, mask=rmask, other=0.0)
-    return _t_of(tm, row0, rmask, H, BT), bt, gt
+    rmask = bos + rr < eos
+    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
+    for side in tl.static_range(2):
+        _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
+                 GATE, PREC, BIG, LOWP, INTERP)
 
 
 # The two launches' warps and the w/u loop's pipeline stages (Triton's default);
@@ -317,16 +256,7 @@ def _ahead_of(tm, beta, gc, row0, rmask, H: tl.constexpr, BT: tl.constexpr, GATE
 # them for device bring-up (e.g.
 # '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in session 10
 # (gdn/NOTES_BWD.md).
-# "wu_chunks" (candidate, session 21, CPU only): the chunks of a head one `_prep_wu_kernel`
-# program takes, in a loop with no branch that Triton pipelines (1: a program a chunk, as
-# timed).  sm_90 offline at the bench shape a program a chunk waits on T's load (not an
-# asynchronous copy) and then on beta's before its first tile's copy is even issued, and on
-# beta again for u: three HBM latencies in a row a chunk.  In the loop the next chunk's T,
-# beta and gate load an iteration ahead and its k and v tiles are pipelined; at 4 chunks, 2
-# stages, uncapped: 184 registers (two programs an SM, against four), no spill, 57344 B of
-# shared memory.  To time with "wu_maxnreg": null.
-PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
-               "wu_chunks": 1}
+PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
@@ -345,9 +275,7 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               W=W, num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
-    WUC = PREP_LAUNCH["wu_chunks"]
-    _prep_wu_kernel[(triton.cdiv(NC, WUC), H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, NC,
-                                               V=V, BV=BV, LOWP=lowp, INTERP=interp, WUC=WUC,
-                                               num_warps=PREP_LAUNCH["wu_warps"],
-                                               num_stages=PREP_LAUNCH["wu_stages"],
-                                               **_cap("wu_maxnreg", interp, lowp), **prep)
+    _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
+                             INTERP=interp, num_warps=PREP_LAUNCH["wu_warps"],
+                             num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp),
+                             **prep)

@@ -68,9 +68,12 @@ def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmas
 @triton.jit
 def _ahead(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr,
            BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
-    """Chunk c's scalars, loaded a chunk ahead of their use (PREFETCH): its flags (delta rule,
-    gate) and, for the scalar gate, its last token's cumulative gate (hi, lo); zeros past the
-    sequence's last chunk."""
+    """Chunk c's scalars, loaded a chunk ahead of their use by the matrix part: its flags (delta
+    rule, gate) and, for the scalar gate, its last token's cumulative gate (hi, lo); zeros past
+    the sequence's last chunk.  Loaded in the chunk's own step they were plain loads on the
+    serial chain (sm_90 SASS: the last gate issued after the w S product's wait and consumed a
+    barrier later); a chunk ahead they issue at the loop's top and are consumed at its end.  On
+    the H200 (session 22, bf16 GDN B8 T4096 H16 K=V=128) the state pass went 0.250 -> 0.243 ms."""
     live = c < nch
     cid = (c_first + c).to(tl.int64)
     fl = 0
@@ -143,8 +146,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr,
-                  CLAMP: tl.constexpr, PREFETCH: tl.constexpr):
+                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
@@ -177,34 +179,24 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             S = tl.zeros((BK, BV), dtype=tl.float32)
         alive = nch >= 0
         stopc = nch
-        if PREFETCH:
-            fl, gfl, gk, gkl = _ahead(flag, gflag, gc, gcl, c_first, bos, eos, 0, nch, i_h, H, BT,
-                                      GATE, DELTA)
+        fl, gfl, gk, gkl = _ahead(flag, gflag, gc, gcl, c_first, bos, eos, 0, nch, i_h, H, BT,
+                                  GATE, DELTA)
         for c in range(0, nch):
             cid = (c_first + c).to(tl.int64)
             t0 = bos + c * BT
             r0 = t0.to(tl.int64) * H + i_h
             rmask = t0 + rr < eos
             nlast = tl.minimum(BT, eos - t0) - 1   # the chunk's last token's row
-            ra = rr   # the rows behind the tiles' addresses (the masks keep rr's)
-            if CLAMP:
-                # candidate (CLAMP_ROWS): no row past the sequence's last, so that the copies the
-                # pipeline issues masked (zero-size, at the row's address) stay inside the tensors
-                ra = tl.minimum(rr, nlast)
-            fl_c = 0
-            gfl_c = 0
-            gk_c = 0.0
-            gkl_c = 0.0
-            if PREFETCH:   # this chunk's scalars, and the next chunk's loads issued
-                fl_c, gfl_c, gk_c, gkl_c = fl, gfl, gk, gkl
-                fl, gfl, gk, gkl = _ahead(flag, gflag, gc, gcl, c_first, bos, eos, c + 1, nch, i_h,
-                                          H, BT, GATE, DELTA)
+            # this chunk's scalars, and the next chunk's loads issued (`_ahead`)
+            fl_c, gfl_c, gk_c, gkl_c = fl, gfl, gk, gkl
+            fl, gfl, gk, gkl = _ahead(flag, gflag, gc, gcl, c_first, bos, eos, c + 1, nch, i_h,
+                                      H, BT, GATE, DELTA)
             _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
-            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, ra, rmask, i_h, cid, dk, kmask, dv, vmask,
-                                   fl_c, gfl_c, H, K, V, GATE, DELTA, BIG, SBIG, MODE, PREFETCH)
+            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
+                                   fl_c, gfl_c, H, K, V, GATE, DELTA, BIG, SBIG, MODE, True)
             ok = ok & alive
-            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, ra, rmask, nlast, dk, kmask, dv,
-                              vmask, ok, gk_c, gkl_c, H, K, V, GATE, DELTA, PREC, DT, PREFETCH)
+            Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv,
+                              vmask, ok, gk_c, gkl_c, H, K, V, GATE, DELTA, PREC, DT, True)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
             alive = ok
@@ -246,21 +238,6 @@ TUNE = True  # False: every new key takes the first config that fits (benchmarks
 # has, and so must a pick (session 8's device verify: G07 at fp32, K = V = 256, BV 64 at 2
 # stages, "out of resource: shared memory, Required: 312320, Hardware limit: 232448").
 SPREAD = False
-# Candidate (session 20, CPU only; GDN_FWD_CLAMP=1): the matrix part's tile addresses built from
-# rows clamped to the sequence's last, for the open GPU fault at bf16 B4 T16 H16 K33 V64
-# (README, Known findings): the pipeline issues a masked asynchronous copy with zero size at
-# the unmasked row's address, up to about 360 KB past u's end there.  Results are the same
-# (the masks are rr's); to test on the device with tools/run_case.py.
-CLAMP_ROWS = os.environ.get("GDN_FWD_CLAMP") == "1"
-# Candidate (session 21, CPU only; GDN_FWD_PREFETCH=1): the matrix part loads each chunk's
-# scalars (its flags, the scalar gate's last token) a chunk ahead (`_ahead`), as loop-carried
-# values.  sm_90 offline at the bench shape (4 warps, 2 stages) the loop issued them as plain
-# loads (LDG, not pipelined): the flags just before the w S product and consumed after it,
-# the last gate after that product's wait and consumed about 70 instructions and a barrier
-# later, before the state's decay and the k^T v_new product, on the serial chain (a load
-# from HBM is many hundreds of cycles).  fla's h pass has its last-gate load pipelined (0
-# LDG in its loop).  Results are bitwise the same (test); to time on the device.
-PREFETCH = os.environ.get("GDN_FWD_PREFETCH") == "1"
 KEY = ["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"]
 
 
@@ -278,6 +255,30 @@ def _state_configs():
     if INTERPRET:
         return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
     return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in STATE_CONFIGS]
+
+
+def _sound_configs(configs, K: int) -> list:
+    """``configs`` less those that the CUDA 12.8 assembler (ptxas 12.8.93, Triton 3.6's for
+    sm_90) compiles wrong at this K: at an odd K, BV 32 tiles.  There, in the matrix part's
+    SASS, a wgmma shared-memory descriptor of the k^T v_new product is built by adding to a
+    uniform register that nothing wrote (`UIADD3 UR10, UP0, UR10, 0x40`, the PTX right), so
+    the product reads shared memory at an address left from before: on the H200, bf16 GDN
+    B4 T16 H16 K33 V64 at BV 32, 4 warps, 3 stages faulted (an illegal address, session 20)
+    and compute-sanitizer named it, "Invalid __shared__ read of size 1024 bytes ... Access to
+    0x3c400 is out of bounds" (session 22).  Offline (sm_90, Triton 3.6) the same read
+    appears at K 33, 35, 49, 65, 97 and 127 with BV 32 at 4 or 8 warps, never at an even K
+    or at BV 16 and 64 (gdn/NOTES.md, session 22).  Under the interpreter nothing is pruned."""
+    if INTERPRET or K % 2 == 0:
+        return list(configs)
+    sound = [c for c in configs if c.kwargs["BV"] != 32]
+    if not sound:
+        raise ValueError(f"no state-pass config left at K={K}: BV 32 is miscompiled at an odd K "
+                         f"(gdn.fwd_state._sound_configs); the configs given: {configs}")
+    return sound
+
+
+def _prune(configs, named_args, **kwargs):
+    return _sound_configs(configs, kwargs["K"])
 
 
 def _spread_order(configs, key: dict) -> list:
@@ -306,7 +307,8 @@ RESUME_BV = 16
 
 # OCC (the number of sequence-heads, rounded up to a power of 2) is in the key:
 # few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
-_state = triton.autotune(configs=_state_configs(), key=KEY)(_state_kernel)
+_state = triton.autotune(configs=_state_configs(), key=KEY,
+                         prune_configs_by={"early_config_prune": _prune})(_state_kernel)
 
 
 def launch_state(args, NH, **kw):
@@ -316,12 +318,11 @@ def launch_state(args, NH, **kw):
     SPREAD's order or in their own (TUNE False: at fp32 K = V = 256 the first, BV 32 at 2
     stages, does not fit the H200's shared memory, sm_90 offline)."""
     V = kw["V"]
-    kw = dict(kw, CLAMP=CLAMP_ROWS, PREFETCH=PREFETCH)
     if SPREAD or not TUNE:
         def launch(c):
             _state_kernel[(triton.cdiv(V, c.kwargs["BV"]), NH)](
                 *args, PART=0, BV=c.kwargs["BV"], num_warps=c.num_warps, num_stages=c.num_stages, **kw)
-        configs = _state_configs()
+        configs = _sound_configs(_state_configs(), kw["K"])
         _first_that_fits(_spread_order(configs, {**kw, "OCC": args[-1]}) if SPREAD else configs, launch)
     else:
         _state[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)

@@ -433,38 +433,6 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
         assert_close(got, [None if b is None else b.double() for b in narrow], 1e-5)
 
 
-@pytest.mark.parametrize("gate,delta,dtype,cu,special", [
-    (1, True, torch.float32, None, None),
-    (2, True, torch.float32, [0, 20, 53, 100], None),
-    (0, True, torch.bfloat16, None, None),
-    (2, False, torch.float32, None, ("q", 70))])
-def test_grads_p_slices_loaded_before_the_value_loop_give_the_same_gradients(monkeypatch, gate, delta,
-                                                                             dtype, cu, special):
-    """Candidate `GDN_BWD_LAUNCH`'s "grads_p_ahead" (1 q, 2 k, 3 both): `_grads_p` loads its K
-    slice's q and k before its V loop: every gradient bitwise the default's, on the
-    backward's own chunks (both early) and on the forward's saves (each alone), K 80 (two
-    slices, the second masked), every gate, linear, varlen, bf16, a NaN in q.  Planted,
-    the early q slice one column off fails (dk)."""
-    import gdn.chunk_bwd
-    from gdn.chunk_fwd import chunk_gdn_fwd
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(1, 100, 2, 80, 32, gate, delta, dtype, cu=cu)
-    if special is not None:
-        x = with_nan(x, *special)
-    kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                         cu_seqlens=cu, delta=delta, return_saved=True)[2]
-
-    def grads(ahead, saved):
-        monkeypatch.setitem(gdn.chunk_bwd.LAUNCH, "grads_p_ahead", ahead)
-        return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                             initial_state=x["h0"], cu_seqlens=cu, delta=delta,
-                             saved=kept if saved else None)
-    for saved, aheads in ((False, (3,)), (True, (1, 2))):
-        want = grads(0, saved)
-        for ahead in aheads:
-            assert_bitwise(grads(ahead, saved), want)
-
-
 @pytest.mark.parametrize("gate,delta,cu,special", [
     (1, True, None, ("q", 70)),
     (1, True, None, ("do", 41)),

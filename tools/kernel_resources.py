@@ -127,7 +127,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
     inv_sig = {**_ptrs(["k", "beta"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
-              **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal, "NC": "i32"}
+              **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     lowp = gate != 2 and not fp32   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
     out = cf.out_launch(common["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)
@@ -139,20 +139,20 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"]),
              fp.PREP_LAUNCH["inv_warps"], 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
-             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, WUC=fp.PREP_LAUNCH["wu_chunks"]),
+             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False),
              fp.PREP_LAUNCH["wu_warps"],
              fp.PREP_LAUNCH["wu_stages"]),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
-             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, CLAMP=fs.CLAMP_ROWS, PREFETCH=fs.PREFETCH, **dt),
+             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt),
              4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
-             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, CLAMP=fs.CLAMP_ROWS, PREFETCH=fs.PREFETCH, **dt),
+             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], G=cf.OUT_CHUNKS, XAFTER=out["XAFTER"], **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], G=cf.OUT_CHUNKS, **dt),
              out["num_warps"], out.get("num_stages", 3)),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], G=cf.OUT_CHUNKS, XAFTER=out["XAFTER"], **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], G=cf.OUT_CHUNKS, **dt),
              out["num_warps"], out.get("num_stages", 3))):
         # as a launch at B8 T4096 (NT 64, NC 512, OCC 128) specializes: pointers, T, NT, NC, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC", "NC"))
@@ -180,7 +180,7 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
                   GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
                   HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"],
-                  SAVED=saved, FWD_FLAGS=saved, AHEAD=cb.LAUNCH["grads_p_ahead"])
+                  SAVED=saved, FWD_FLAGS=saved)
     bvd = cb.dstates_tile(tile["BK"], V, 8 * 16, 132)   # B8 H16 on the H200's 132 SMs
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
