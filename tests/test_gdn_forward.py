@@ -2,6 +2,7 @@
 
 Without a GPU the Triton kernel runs under the interpreter (TRITON_INTERPRET=1,
 set before gdn.chunk_fwd is imported, since triton.jit reads it then)."""
+import json
 import os
 import zlib
 
@@ -486,6 +487,40 @@ def test_the_state_pass_never_launches_bv_32_at_an_odd_k(monkeypatch):
             launched.clear()
             fs.launch_state((occ,), 4, V=128, K=33, BT=64, GATE=1, DELTA=True, PREC="tf32", DT="bf16")
             assert launched[0][1] != 32 and launched[1] == (1, 16)
+
+
+# SASS lines of the state pass's matrix part (sm_90, Triton 3.6, K 33, BV 32, 4 warps, 3 stages):
+# ptxas builds a wgmma descriptor by adding to UR10, which nothing wrote (the G03 fault)
+_MISCOMPILED_SASS = """
+        /*1400*/                   UIADD3 UR9, UR16, 0x4000, URZ ;
+        /*1440*/                   UIADD3 UR8, UR16, 0x2000, URZ ;
+        /*1460*/                   UIADD3 UR10, UP0, UR10, 0x40, URZ ;
+        /*1490*/                   USHF.R.U32.HI UR19, URZ, 0x4, UR9 ;
+        /*1520*/                   UIADD3 UR26, UP0, UR10, 0x40, URZ ;
+        /*5490*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR24].tnspA.tnspB, R24 ;
+"""
+
+
+def test_kernel_resources_finds_descriptors_built_from_unwritten_uniform_registers():
+    """tools/kernel_resources.py's `unwritten_uniform` lists the UIADD3 that reads a uniform
+    register nothing wrote before it (the ptxas 12.8 miscompile behind the G03 fault), and
+    nothing once that register is written first (UR16 here stands for a write the snippet
+    leaves out, so it is given one)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    given = "        /*0320*/                   UMOV UR16, 0x400 ;\n"
+    fixed = _MISCOMPILED_SASS.replace("UIADD3 UR10, UP0, UR10", "UIADD3 UR10, UP0, UR19")
+    fixed = fixed.replace("        /*1460*/", "        /*1498*/                   USHF.R.U32.HI UR19, URZ, 0x4, UR9 ;\n"
+                          "        /*1460*/")
+    code = ("import sys, json; sys.path.insert(0, 'tools'); import kernel_resources as kr; "
+            "print(json.dumps([kr.unwritten_uniform(t) for t in json.loads(sys.stdin.read())]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps([given + _MISCOMPILED_SASS, given + fixed]),
+                         env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    bad, good = json.loads(out.stdout.strip().splitlines()[-1])
+    assert bad == ["1460: UIADD3 UR10, UP0, UR10, 0x40, URZ"], out.stderr[-2000:]
+    assert good == []
 
 
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)], ids=["scalar-delta", "none-linear"])

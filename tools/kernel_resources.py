@@ -71,7 +71,33 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
             "ptx": hashlib.md5(code_of(k.asm["ptx"]).encode()).hexdigest()[:12],
             "convert_layout": ttgir.count("ttg.convert_layout"), "local_alloc": ttgir.count("ttg.local_alloc"),
             "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local"),
-            **loop_counts(sass)}
+            "unwritten_uniform": len(unwritten_uniform(sass)), **loop_counts(sass)}
+
+
+def unwritten_uniform(sass: str) -> list:
+    """The uniform-register additions (UIADD3) in the SASS, in program order, that read a
+    uniform register no instruction before them wrote: ptxas 12.8.93 (Triton 3.6's for sm_90)
+    builds wgmma shared-memory descriptors so in the state pass's matrix part at an odd K with
+    BV 32 (`UIADD3 UR10, UP0, UR10, 0x40`; the PTX adds to the right base), and the product
+    then reads shared memory at a stale address: the H200's G03 fault (compute-sanitizer:
+    "Invalid __shared__ read of size 1024 bytes", session 22, gdn/NOTES.md).  Program order is
+    not every path, so a register written only in a loop's later part and read at its top
+    would be listed too; ptxas writes the descriptors before the loop, where none was."""
+    written, found = set(), []
+    for ln in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s+([^;]*);", ln)
+        if not m:
+            continue
+        op, args = m.group(2), [x.strip() for x in m.group(3).split(",")]
+        dst = re.findall(r"\bUR(\d+)\b", args[0]) if args else []
+        if op.startswith("UIADD3"):
+            srcs = [r for x in args[1:] for r in re.findall(r"\bUR(\d+)\b", x)]
+            if any(r not in written for r in srcs):
+                found.append(f"{m.group(1)}: {op} {m.group(3).strip()}")
+        written.update(dst)
+        if ".64" in op or ".WIDE" in op:   # a 64-bit write names its low register only
+            written.update(str(int(r) + 1) for r in dst)
+    return found
 
 
 def loop_counts(sass: str) -> dict:
@@ -110,9 +136,9 @@ def _ptrs(names, dtype):
     return {n: dtype for n in names}
 
 
-def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
+def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
     """(label, fn, signature, constexprs, warps, stages, aligned, maxnreg) of the GDN kernels at bf16
-    (fp32: at fp32 inputs)."""
+    (fp32: at fp32 inputs); the state pass's matrix part at V tiles of ``state_bv``."""
     X, DT = ("*fp32", tl.float32) if fp32 else ("*bf16", tl.bfloat16)
     BT = 16 if gate == 2 else 64
     common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
@@ -143,7 +169,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False):
              fp.PREP_LAUNCH["wu_warps"],
              fp.PREP_LAUNCH["wu_stages"]),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
-             dict(common, BV=64, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt),
+             dict(common, BV=state_bv, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt),
              4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
              dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt),
@@ -234,12 +260,14 @@ def main():
                     help="the backward's _prep with W and U from the forward (the op's save_states)")
     ap.add_argument("--maxnreg", type=int, default=0,
                     help="cap the registers a thread (Triton's maxnreg) instead of the launch's cap")
+    ap.add_argument("--state-bv", type=int, default=64,
+                    help="the state pass's matrix part at this V tile (its autotuned configs: 16, 32, 64)")
     a = ap.parse_args()
     print("| kernel | warps | registers | stack (spill) bytes | shared bytes | layout conversions | smem buffers "
-          "| async copies | loop: instructions, barriers, shuffles, LDG | PTX code (md5) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| async copies | loop: instructions, barriers, shuffles, LDG | unwritten uniform reads | PTX code (md5) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     shape = (a.K, a.V, a.gate, not a.no_delta, a.fp32)
-    for label, fn, sig, const, warps, stages, aligned, cap in [*gdn_kernels(*shape),
+    for label, fn, sig, const, warps, stages, aligned, cap in [*gdn_kernels(*shape, state_bv=a.state_bv),
                                                                *gdn_bwd_kernels(*shape, given_t=a.given_t, saved=a.saved)]:
         if a.only not in label:
             continue
@@ -247,7 +275,8 @@ def main():
         r = resources(fn, sig, const, warps, stages, () if a.unaligned else aligned, a.maxnreg or cap)
         print(f"| {label} | {warps} | {r['registers']} | {r['stack']} | {r['shared']} | "
               f"{r['convert_layout']} | {r['local_alloc']} | {r['async_copies']} | {r['loop_instructions']}, "
-              f"{r['loop_barriers']}, {r['loop_shuffles']}, {r['loop_ldg']} | {r['ptx']} |", flush=True)
+              f"{r['loop_barriers']}, {r['loop_shuffles']}, {r['loop_ldg']} | {r['unwritten_uniform']} | "
+              f"{r['ptx']} |", flush=True)
 
 
 if __name__ == "__main__":
