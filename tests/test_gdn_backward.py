@@ -839,6 +839,36 @@ def test_the_gpu_tile_sweep_fails_a_planted_wrong_answer(monkeypatch, capsys, fo
     assert bad == len(lines) == (2 if forward else 1) and all(ln.endswith(" FAIL") for ln in lines)
 
 
+def test_the_gpu_tile_sweep_skips_a_state_config_no_launch_takes_at_that_k(monkeypatch, capsys):
+    """`sweep_gdn_gpu.py --forward --state-configs`: BV 32 at an odd K, which the state pass
+    never launches on a GPU (gdn.fwd_state._sound_configs, ptxas 12.8's miscompile), is
+    reported as skipped and not failed; BV 64 at that K runs its cases (their judging stubbed
+    here).  Without the skip the BV 32 child crashes on the launch's refusal and fails."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    import gdn.fwd_state
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        sweep = importlib.import_module("sweep_gdn_gpu")
+    finally:
+        sys.path.pop(0)
+    configs = [triton.Config({"BV": bv}, num_warps=4, num_stages=2) for bv in (32, 64)]
+    monkeypatch.setattr(gdn.fwd_state, "INTERPRET", False)
+    monkeypatch.setattr(gdn.fwd_state, "_state_configs", lambda: configs)   # child() replaces it
+    monkeypatch.setattr(gdn.fwd_state, "TUNE", gdn.fwd_state.TUNE)
+    assert sweep.child(1, 33, "fp32", "cpu", [16], True, False, state_config=0) == 0
+    assert "gate1 K33 cfg0 BV32 w4 s2: skipped" in capsys.readouterr().out
+    monkeypatch.setattr(gdn.fwd_state, "_state_configs", lambda: configs)
+    called = []
+    monkeypatch.setattr(sweep, "_forward_errors", lambda *a: called.append(1) or {"o": 0.0})
+    sweep.child(1, 33, "fp32", "cpu", [16], True, False, state_config=1)
+    assert called and "skipped" not in capsys.readouterr().out
+
+
 def test_accumulation_is_not_applicable_to_the_gdn_targets():
     """G07 is n/a on every GDN target (harnesses/gdn.py, NO_EXACT_ANSWERS): the domain makes
     no output exact by construction.  Its case from the H200 (fp32 B4 T4 H16 K=V=256,
