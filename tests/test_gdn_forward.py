@@ -455,11 +455,11 @@ def test_an_untuned_state_launch_takes_the_first_config_that_fits(monkeypatch):
     assert launched == [(0, 32, (4, 4)), (1, 16, (8, 4))]
 
 
-def test_the_state_pass_never_launches_bv_32_at_an_odd_k(monkeypatch):
-    """ptxas 12.8 miscompiles the matrix part's BV 32 tiles at an odd K (a wgmma descriptor
-    from a register nothing wrote: the open G03 fault, gdn.fwd_state._sound_configs): the
-    autotuner's prune, SPREAD's pick and the untuned launch all drop them there, keep every
-    config at an even K, and say so when nothing is left."""
+def test_the_state_pass_never_launches_bv_32_at_an_odd_k_or_one_stage(monkeypatch):
+    """ptxas 12.8 miscompiles the matrix part's BV 32 tiles at an odd K and at one stage (a
+    wgmma descriptor from a register nothing wrote: the G03 fault, gdn.fwd_state._sound_configs):
+    the autotuner's prune, SPREAD's pick and the untuned launch all drop them there, keep
+    every config at an even K and 2 or more stages, and say so when nothing is left."""
     import triton
 
     import gdn.fwd_state as fs
@@ -471,6 +471,10 @@ def test_the_state_pass_never_launches_bv_32_at_an_odd_k(monkeypatch):
         assert fs._state.early_config_prune(configs, {}, K=K) == configs
     with pytest.raises(ValueError, match="K=33"):
         fs._sound_configs(configs[:2], 33)
+    one_stage = [triton.Config({"BV": bv}, num_warps=4, num_stages=st) for bv in (32, 64) for st in (1, 2)]
+    for K in (64, 128):
+        assert [(c.kwargs["BV"], c.num_stages) for c in fs._sound_configs(one_stage, K)] == \
+            [(32, 2), (64, 1), (64, 2)]
     launched = []
 
     class Kernel:
