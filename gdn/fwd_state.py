@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.chunk_fwd import (INTERPRET, _all_within, _and, _exact_chunk, _forced, _gate_last,
+from gdn.chunk_fwd import (INTERPRET, _all_within, _and, _exact_chunk, _forced,
                            _handoff, _load_gates, _odot)
 
 
@@ -39,41 +39,37 @@ def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask, fl, gfl,
+def _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
-              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr,
-              PRE: tl.constexpr):
+              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
     """(ok, k tile as loaded, v tile fp32 or None): whether the chunk's inputs and the state
-    entering it admit the matrix path, with the tiles the check loaded.  The chunk's flags are
-    loaded here, or with PRE are ``fl`` and ``gfl``, loaded a chunk ahead (`_ahead`)."""
+    entering it admit the matrix path, with the tiles the check loaded; ``fl`` and ``gfl``
+    are the chunk's flags (`_chunk_scalars`)."""
     mk = rmask[:, None] & kmask[None, :]
     kt = tl.load(_stile(k, r0, rr, dk, K, H), mask=mk, other=0.0)
     ok = _all_within(S, SBIG)
     vt = kt
     if DELTA:
-        if not PRE:
-            fl = tl.load(flag + cid * H + i_h)
         ok = ok & (fl != 0)
     else:
         vt = tl.load(_stile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
                      other=0.0).to(tl.float32)
         ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
     if GATE != 0:
-        if not PRE:
-            gfl = tl.load(gflag + cid * H + i_h)
         ok = ok & (gfl != 0)
     return _forced(ok, MODE), kt, vt
 
 
 @triton.jit
-def _ahead(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr,
-           BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
-    """Chunk c's scalars, loaded a chunk ahead of their use by the matrix part: its flags (delta
-    rule, gate) and, for the scalar gate, its last token's cumulative gate (hi, lo); zeros past
-    the sequence's last chunk.  Loaded in the chunk's own step they were plain loads on the
-    serial chain (sm_90 SASS: the last gate issued after the w S product's wait and consumed a
-    barrier later); a chunk ahead they issue at the loop's top and are consumed at its end.  On
-    the H200 (session 22, bf16 GDN B8 T4096 H16 K=V=128) the state pass went 0.250 -> 0.243 ms."""
+def _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr,
+                   BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """Chunk c's scalars: its flags (delta rule, gate) and, for the scalar gate, its last
+    token's cumulative gate (hi, lo); zeros past the sequence's last chunk.  The matrix part
+    loads them a chunk ahead of their use: loaded in the chunk's own step they were plain
+    loads on the serial chain (sm_90 SASS: the last gate issued after the w S product's wait
+    and consumed a barrier later); a chunk ahead they issue at the loop's top and are consumed
+    at its end.  On the H200 (session 22, bf16 GDN B8 T4096 H16 K=V=128) the state pass went
+    0.250 -> 0.243 ms.  The resume part loads them in the chunk's own step."""
     live = c < nch
     cid = (c_first + c).to(tl.int64)
     fl = 0
@@ -95,7 +91,7 @@ def _ahead(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr
 @triton.jit
 def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv, vmask, store,
                  gk, gkl, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
-                 DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PRE: tl.constexpr):
+                 DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
     state leaving the chunk.  The scalar gate's in-chunk decay exp(G_C - G_t) goes on v_new's
     tile [BT, BV], not on the keys [BT, K] (as fla's h pass does), so the key tile reaches the
@@ -111,11 +107,7 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, 
         G, Glo, Gl, Gll = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt
         vt = vt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
-        if PRE:   # the last token's gate, loaded a chunk ahead (`_ahead`)
-            S = S * tl.exp(gk + gkl)
-        else:
-            Gk, Gkl = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)   # Gl is a [BT] vector
-            S = S * tl.exp(Gk + Gkl)[:, None]
+        S = S * tl.exp(gk + gkl)   # the last token's gate (`_chunk_scalars`)
     elif GATE == 2:
         G, _, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt * tl.exp(Gl[None, :] - G)
@@ -179,24 +171,24 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
             S = tl.zeros((BK, BV), dtype=tl.float32)
         alive = nch >= 0
         stopc = nch
-        fl, gfl, gk, gkl = _ahead(flag, gflag, gc, gcl, c_first, bos, eos, 0, nch, i_h, H, BT,
-                                  GATE, DELTA)
+        fl, gfl, gk, gkl = _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, 0, nch, i_h, H,
+                                          BT, GATE, DELTA)
         for c in range(0, nch):
             cid = (c_first + c).to(tl.int64)
             t0 = bos + c * BT
             r0 = t0.to(tl.int64) * H + i_h
             rmask = t0 + rr < eos
             nlast = tl.minimum(BT, eos - t0) - 1   # the chunk's last token's row
-            # this chunk's scalars, and the next chunk's loads issued (`_ahead`)
+            # this chunk's scalars, and the next chunk's loads issued
             fl_c, gfl_c, gk_c, gkl_c = fl, gfl, gk, gkl
-            fl, gfl, gk, gkl = _ahead(flag, gflag, gc, gcl, c_first, bos, eos, c + 1, nch, i_h,
-                                      H, BT, GATE, DELTA)
+            fl, gfl, gk, gkl = _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c + 1, nch,
+                                              i_h, H, BT, GATE, DELTA)
             _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
-            ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv, vmask,
-                                   fl_c, gfl_c, H, K, V, GATE, DELTA, BIG, SBIG, MODE, True)
+            ok, kt, vt = _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl_c, gfl_c,
+                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE)
             ok = ok & alive
             Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv,
-                              vmask, ok, gk_c, gkl_c, H, K, V, GATE, DELTA, PREC, DT, True)
+                              vmask, ok, gk_c, gkl_c, H, K, V, GATE, DELTA, PREC, DT)
             S = tl.where(ok, Sn, S)
             stopc = tl.where(alive & (ok == 0), c, stopc)
             alive = ok
@@ -215,13 +207,15 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 r0 = t0.to(tl.int64) * H + i_h
                 rmask = t0 + rr < eos
                 nlast = tl.minimum(BT, eos - t0) - 1
-                ok, kt, vt = _chunk_ok(k, v, gflag, flag, S, r0, rr, rmask, i_h, cid, dk, kmask, dv,
-                                       vmask, 0, 0, H, K, V, GATE, DELTA, BIG, SBIG, MODE, False)
+                fl, gfl, gk, gkl = _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h,
+                                                  H, BT, GATE, DELTA)
+                ok, kt, vt = _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
+                                       H, K, V, GATE, DELTA, BIG, SBIG, MODE)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
-                                     dv, vmask, ok, 0.0, 0.0, H, K, V, GATE, DELTA, PREC, DT, False)
+                                     dv, vmask, ok, gk, gkl, H, K, V, GATE, DELTA, PREC, DT)
                 else:   # float64 steps, the state kept fp32 between them
                     S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
                                      smask, H, K, V, BT, GATE, DELTA, False)

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from gdn.chunk_fwd import _saturated, chunk_gdn_fwd  # noqa: E402
-from gdn.fwd_state import _ahead as _real_ahead  # noqa: E402
+from gdn.fwd_state import _chunk_scalars as _real_scalars  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 from gdn.reference import chunked  # noqa: E402
 
@@ -248,10 +248,10 @@ def test_triton_nonfinite_sets_equal_oracle_fp16(gate, delta):
 
 
 @triton.jit
-def _ahead_one_too_far(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr,
-                       BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
-    """A planted `gdn.fwd_state._ahead`: the chunk after the one asked for."""
-    return _real_ahead(flag, gflag, gc, gcl, c_first, bos, eos, c + 1, nch, i_h, H, BT, GATE, DELTA)
+def _scalars_one_too_far(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.constexpr,
+                         BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """A planted `gdn.fwd_state._chunk_scalars`: the chunk after the one asked for."""
+    return _real_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c + 1, nch, i_h, H, BT, GATE, DELTA)
 
 
 @pytest.mark.parametrize("gate,delta,T,cu,nan_in,planted", [
@@ -265,7 +265,7 @@ def _ahead_one_too_far(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: 
 def test_state_scalars_loaded_a_chunk_ahead_follow_the_recurrence(monkeypatch, gate, delta, T, cu,
                                                                   nan_in, planted):
     """The state pass's matrix part takes each chunk's flags and last gate from loads issued a
-    chunk ahead (`gdn.fwd_state._ahead`): o and the final state follow the recurrence, NaNs
+    chunk ahead (`gdn.fwd_state._chunk_scalars`): o and the final state follow the recurrence, NaNs
     where it has them, over sequences of 3 to 5 chunks, every gate, delta rule on and off,
     varlen with short sequences, a NaN stopping the matrix part in mid-sequence.  Planted,
     the scalars of the chunk after the right one fail it."""
@@ -285,7 +285,7 @@ def test_state_scalars_loaded_a_chunk_ahead_follow_the_recurrence(monkeypatch, g
         assert_same_nonfinite(s2, s, BOUND[torch.float32])
     check()
     if planted:
-        monkeypatch.setattr(gdn.fwd_state, "_ahead", _ahead_one_too_far)
+        monkeypatch.setattr(gdn.fwd_state, "_chunk_scalars", _scalars_one_too_far)
         with pytest.raises(AssertionError):
             check()
 

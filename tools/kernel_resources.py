@@ -77,8 +77,8 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
 def unwritten_uniform(sass: str) -> list:
     """The uniform-register additions (UIADD3) in the SASS, in program order, that read a
     uniform register no instruction before them wrote: ptxas 12.8.93 (Triton 3.6's for sm_90)
-    builds wgmma shared-memory descriptors so in the state pass's matrix part at an odd K with
-    BV 32 (`UIADD3 UR10, UP0, UR10, 0x40`; the PTX adds to the right base), and the product
+    builds wgmma shared-memory descriptors so in the state pass's matrix part with BV 32 at an
+    odd K or one stage (`UIADD3 UR10, UP0, UR10, 0x40`; the PTX adds to the right base), and the product
     then reads shared memory at a stale address: the H200's G03 fault (compute-sanitizer:
     "Invalid __shared__ read of size 1024 bytes", session 22, gdn/NOTES.md).  Program order is
     not every path, so a register written only in a loop's later part and read at its top
