@@ -56,7 +56,7 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     strict = rows[:, None] > rows[None, :]
     b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
+    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.).to(tl.float32)
     if C >= 32 and BKS >= 32 and BV >= 32:
         # every product then takes T as a DT operand (`_odot`: their N is C, BKS or BV), so
         # round it once, here: half its registers (sm_90 offline, 4 warps, scalar gate: stack

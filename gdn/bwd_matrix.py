@@ -169,7 +169,7 @@ def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constex
     tm = 0.
     if WU:
         if GIVEN_T:
-            tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.)
+            tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.).to(tl.float32)
         else:
             tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, t0, eos, H, C, IW, PREC)
             tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])

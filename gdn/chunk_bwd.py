@@ -285,9 +285,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     if fwd_states is not None and delta and inverse is None:   # _prep forms no T beside them
         raise ValueError("saved states with the delta rule need the forward's T: saved['inverse'] "
                          "or inverse=; got neither")
+    t_dtypes = (torch.float32, torch.bfloat16) if q.dtype == torch.bfloat16 else (torch.float32,)
     if inverse is not None and (not delta or tuple(inverse.shape) != (B, T, H, C)
-                                or inverse.dtype != torch.float32 or inverse.device != dev):
-        raise ValueError(f"inverse must be the forward's T, fp32 [{B},{T},{H},{C}] on {dev} with "
+                                or inverse.dtype not in t_dtypes or inverse.device != dev):
+        raise ValueError(f"inverse must be the forward's T, fp32 (or bf16 for bf16 inputs) "
+                         f"[{B},{T},{H},{C}] on {dev} with "
                          f"delta=True; got {inverse.dtype} {tuple(inverse.shape)} on {inverse.device}"
                          f"{'' if delta else ' with delta=False'}")
     if T == 0 or NC == 0:

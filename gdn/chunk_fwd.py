@@ -620,15 +620,16 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     # 32-wide (V 32, K >= 64) o 0.36-0.7 off or an illegal address (session 7, tools/sweep_gdn_gpu.py)
     BVP = 64
     if delta and mode != 2:
-        tm = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
+        from gdn import fwd_prep   # here: gdn.fwd_prep imports this module's helpers
+        lowp = q.dtype == torch.bfloat16 and gate != 2
+        tm = torch.empty(B, T, H, BT, dtype=fwd_prep.t_dtype(lowp, BT), device=dev)
         w = torch.empty(B, T, H, K, dtype=inter, device=dev)
         u = torch.empty(B, T, H, V, dtype=inter, device=dev)
         vn = torch.empty(B, T, H, V, dtype=inter, device=dev)
         flag = torch.empty(NC, H, dtype=i32, device=dev)
         prep = dict(H=H, K=K, BK=BK, BT=BT, GATE=gate, IS_VARLEN=cu_seqlens is not None, PREC=prec, BIG=BIG)
-        from gdn import fwd_prep   # here: gdn.fwd_prep imports this module's helpers
         fwd_prep.launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, max(NT, 1), V=V, BV=BVP,
-                             lowp=q.dtype == torch.bfloat16 and gate != 2, interp=INTERPRET, **prep)
+                             lowp=lowp, interp=INTERPRET, **prep)
     else:
         tm = None
         w = u = vn = flag = q.new_zeros(1)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -59,10 +60,11 @@ def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _diag_inverse(tmc, n, H, BT: tl.constexpr, W: tl.constexpr):
+def _diag_inverse(tmc, n, RS, BT: tl.constexpr, W: tl.constexpr, FULL: tl.constexpr):
     """(I + D_b)^-1 of the BT // 16 diagonal 16x16 blocks D_b of the strictly lower A whose
-    transpose is stored at tmc (the chunk's first row of T, rows H BT apart, n of them valid,
-    BT columns), as a [W, 16] tile XT[16 b + c, j] = (I + D_b)^-1[j, c] (W = 32 x warps, a
+    transpose is stored at tmc (the chunk's first row of T, rows RS apart, n of them valid:
+    FULL, all BT columns, A^T[r, c] in column c; else the diagonal blocks only, A^T[r, c] in
+    column c % 16), as a [W, 16] tile XT[16 b + c, j] = (I + D_b)^-1[j, c] (W = 32 x warps, a
     multiple of BT: the tile repeated, so that each thread holds one row).  Step i:
     X_b[i, :] = e_i - sum_{j < i} D_b[i, j] X_b[j, :], the sum over j inside the thread.
 
@@ -80,7 +82,7 @@ def _diag_inverse(tmc, n, H, BT: tl.constexpr, W: tl.constexpr):
         # D_b[i, j] = A^T[16 b + j, 16 b + i]: one scalar load a (row, j), a column of the
         # tile's row lying in one thread
         r = b16 + jj
-        d = tl.load(tmc + (r * (H * BT) + b16 + i), mask=(jj < i) & (r < n), other=0.0)
+        d = tl.load(tmc + (r * RS + b16 * FULL + i), mask=(jj < i) & (r < n), other=0.0)
         new = tl.sum(d * X, axis=1)
         X = tl.where(jj == i, tl.where(cc - b16 == i, 1.0, 0.0) - new[:, None], X)
     return X
@@ -95,23 +97,43 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
     (one block, the vector gate): v5.2's substitution on A in registers, leaner there."""
     if BT == 16:
         return _inv_unit_lower(A, BT, PREC)
-    ttr = (tm + r0 * BT) + (rr[None, :] * (H * BT) + rr[:, None])   # the transpose's place
-    tl.store(ttr, A, mask=rmask[None, :])
-    tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-    X = _diag_inverse(tm + r0 * BT, eos - bos, H, BT, W)
-    jj = tl.arange(0, 16)[None, :]
-    cc = tl.arange(0, W)[:, None]
-    # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
-    tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
-    tl.store((tm + r0 * BT) + (cc * (H * BT) + (cc // 16) * 16 + jj), X,
-             mask=(cc < BT) & (bos + cc < eos))
-    tl.debug_barrier()
-    M = tl.load(ttr, mask=rmask[None, :], other=0.0)   # Dinv on the diagonal, A below
-    same = (rr[:, None] // 16) == (rr[None, :] // 16)
-    eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-    Dinv = tl.where(same, M, 0.0)
-    F = tl.dot(Dinv, tl.where((rr[:, None] // 16) > (rr[None, :] // 16), M, 0.0),
-               input_precision=PREC)
+    if tm.dtype.element_ty == tl.bfloat16:
+        # T stored bf16 (PREP_LAUNCH "t_bf16"): the scratch is fp32 in the same bytes, half a
+        # row of T each, so it holds A^T's diagonal blocks only (column c % 16); A's blocks
+        # below them stay in registers
+        same = (rr[:, None] // 16) == (rr[None, :] // 16)
+        RS = H * (BT // 2)
+        sp = tm.to(tl.pointer_type(tl.float32), bitcast=True) + r0 * (BT // 2)
+        ttr = sp + (rr[None, :] * RS + rr[:, None] % 16)
+        tl.store(ttr, A, mask=same & rmask[None, :])
+        tl.debug_barrier()   # A's rows, stored by other threads, are read back below
+        X = _diag_inverse(sp, eos - bos, RS, BT, W, 0)
+        jj = tl.arange(0, 16)[None, :]
+        cc = tl.arange(0, W)[:, None]
+        tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
+        tl.store(sp + (cc * RS + jj), X, mask=(cc < BT) & (bos + cc < eos))
+        tl.debug_barrier()
+        Dinv = tl.load(ttr, mask=same & rmask[None, :], other=0.0)
+        Ab = tl.where((rr[:, None] // 16) > (rr[None, :] // 16), A, 0.0)
+        eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+    else:
+        ttr = (tm + r0 * BT) + (rr[None, :] * (H * BT) + rr[:, None])   # the transpose's place
+        tl.store(ttr, A, mask=rmask[None, :])
+        tl.debug_barrier()   # A's rows, stored by other threads, are read back below
+        X = _diag_inverse(tm + r0 * BT, eos - bos, H * BT, BT, W, 1)
+        jj = tl.arange(0, 16)[None, :]
+        cc = tl.arange(0, W)[:, None]
+        # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
+        tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
+        tl.store((tm + r0 * BT) + (cc * (H * BT) + (cc // 16) * 16 + jj), X,
+                 mask=(cc < BT) & (bos + cc < eos))
+        tl.debug_barrier()
+        M = tl.load(ttr, mask=rmask[None, :], other=0.0)   # Dinv on the diagonal, A below
+        same = (rr[:, None] // 16) == (rr[None, :] // 16)
+        eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+        Dinv = tl.where(same, M, 0.0)
+        Ab = tl.where((rr[:, None] // 16) > (rr[None, :] // 16), M, 0.0)
+    F = tl.dot(Dinv, Ab, input_precision=PREC)
     P = eye - F
     P = eye - tl.dot(F, P, input_precision=PREC)
     P = eye - tl.dot(F, P, input_precision=PREC)
@@ -159,15 +181,18 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     rmask = bos + rr < eos
     Tm, ok = _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H, K, BK, BT, GATE, PREC, BIG,
                       LOWP, INTERP, W)
-    tl.store(_tile(tm, r0, rr, rr, BT, H), Tm, mask=rmask[:, None])
+    tl.store(_tile(tm, r0, rr, rr, BT, H), Tm.to(tm.dtype.element_ty), mask=rmask[:, None])
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
 
 @triton.jit
-def _t_dot(Ts, hi, lo, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
-    """Ts x for one tile x of k or v: (hi + lo) x on bf16 operands (LOWP; x exact in bf16),
-    else one product on fp32 operands at PREC."""
+def _t_dot(Ts, hi, lo, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+           TLO: tl.constexpr):
+    """Ts x for one tile x of k or v: (hi + lo) x on bf16 operands (LOWP; x exact in bf16;
+    hi x alone where not TLO), else one product on fp32 operands at PREC."""
     if LOWP:
+        if not TLO:
+            return _bdot(hi, x, True, INTERP, PREC)
         return _bdot(hi, x, True, INTERP, PREC) + _bdot(lo, x, True, INTERP, PREC)
     return tl.dot(Ts, x.to(tl.float32), input_precision=PREC)
 
@@ -176,7 +201,7 @@ def _t_dot(Ts, hi, lo, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.con
 def _wu_side(i_s: tl.constexpr, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
              GATE: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr, LOWP: tl.constexpr,
-             INTERP: tl.constexpr):
+             INTERP: tl.constexpr, TLO: tl.constexpr):
     """Every w tile (i_s 0) or every u tile (i_s 1) of a chunk, in a loop over the BV-wide
     tiles: w = (T diag(beta Gamma)) k, u = (T diag(beta)) v, the diagonal scales on T's columns
     so that k and v enter the products as loaded, T scaled and split once (LOWP: hi + lo in
@@ -194,12 +219,12 @@ def _wu_side(i_s: tl.constexpr, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c
     if i_s == 0:
         for j in range(0, (K + BV - 1) // BV):
             _wu_tile(j, k, gc, w, Ts, hi, lo, row0, rmask, H, K, BV, BT, GATE == 2, PREC, BIG,
-                     LOWP, INTERP)
+                     LOWP, INTERP, TLO)
     else:
         nbad = 0
         for j in range(0, (V + BV - 1) // BV):
             nbad += _wu_tile(j, v, gc, u, Ts, hi, lo, row0, rmask, H, V, BV, BT, False, PREC, BIG,
-                             LOWP, INTERP)
+                             LOWP, INTERP, TLO)
         if nbad > 0:
             tl.store(flag + i_c * H + i_h, 0)   # the one writer of a 0 after the inverse
 
@@ -207,7 +232,7 @@ def _wu_side(i_s: tl.constexpr, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c
 @triton.jit
 def _wu_tile(j, x, gc, y, Ts, hi, lo, row0, rmask, H: tl.constexpr, W: tl.constexpr,
              BV: tl.constexpr, BT: tl.constexpr, KEY_GATE: tl.constexpr, PREC: tl.constexpr,
-             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, TLO: tl.constexpr):
     """y's BV-wide tile j of a chunk, y = Ts x (w from k, W = K, the vector gate on the keys
     where KEY_GATE; u from v, W = V); returns 1 where a value of x there is over BIG, else 0."""
     rr = tl.arange(0, BT)
@@ -218,7 +243,7 @@ def _wu_tile(j, x, gc, y, Ts, hi, lo, row0, rmask, H: tl.constexpr, W: tl.conste
     xs = xt
     if KEY_GATE:
         xs = xt.to(tl.float32) * tl.exp(tl.load(gc + row0 * W + ix, mask=m2, other=0.0))
-    tl.store(y + row0 * W + ix, _t_dot(Ts, hi, lo, xs, LOWP, INTERP, PREC).to(y.dtype.element_ty),
+    tl.store(y + row0 * W + ix, _t_dot(Ts, hi, lo, xs, LOWP, INTERP, PREC, TLO).to(y.dtype.element_ty),
              mask=m2)
     return tl.where(_all_within(xt, BIG), 0, 1)
 
@@ -228,7 +253,8 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr):
+                    BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr,
+                    TLO: tl.constexpr):
     """The WY prep, part 2 (`_wu_side`): w then u of a chunk in one program (grid: chunks,
     heads), T read once."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -238,10 +264,11 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     row0 = bos.to(tl.int64) * H + i_h
     rr = tl.arange(0, BT)
     rmask = bos + rr < eos
-    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None], other=0.0)
+    Tm = tl.load(tm + row0 * BT + rr[:, None] * (H * BT) + rr[None, :], mask=rmask[:, None],
+                 other=0.0).to(tl.float32)
     for side in tl.static_range(2):
         _wu_side(side, k, v, gc, beta, Tm, w, u, flag, row0, rmask, i_c, i_h, H, K, V, BV, BT,
-                 GATE, PREC, BIG, LOWP, INTERP)
+                 GATE, PREC, BIG, LOWP, INTERP, TLO)
 
 
 # The two launches' warps and the w/u loop's pipeline stages (Triton's default);
@@ -256,7 +283,13 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # them for device bring-up (e.g.
 # '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in session 10
 # (gdn/NOTES_BWD.md).
-PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128}
+# "t_bf16" (candidate, 0: off): for the bf16 products (lowp, a chunk of 32 or more), T stored
+# in bf16 instead of fp32 (the inverse's scratch then fp32 in the same bytes: the diagonal
+# blocks only), halving T's bytes written and read (134 MB each at the bench shape); at 1 w
+# and u take one bf16 product a tile (T diag(beta Gamma) rounded to bf16, as fla's A), at 2
+# two (its hi and lo parts, as for an fp32 T).
+PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
+               "t_bf16": 0}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
@@ -268,14 +301,20 @@ def _cap(key: str, interp: bool, lowp: bool) -> dict:
     return {"maxnreg": PREP_LAUNCH[key]} if PREP_LAUNCH[key] and lowp and not interp else {}
 
 
+def t_dtype(lowp: bool, BT: int):
+    """The dtype T is stored in: fp32, or bf16 under PREP_LAUNCH "t_bf16" (see there)."""
+    return torch.bfloat16 if PREP_LAUNCH["t_bf16"] and lowp and BT >= 32 else torch.float32
+
+
 def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
-    """The two prep launches (grids: chunks x heads)."""
+    """The two prep launches (grids: chunks x heads); ``tm`` in `t_dtype`'s dtype."""
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
                               W=W, num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
-                             INTERP=interp, num_warps=PREP_LAUNCH["wu_warps"],
+                             INTERP=interp, TLO=tm.dtype == torch.float32 or PREP_LAUNCH["t_bf16"] == 2,
+                             num_warps=PREP_LAUNCH["wu_warps"],
                              num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp),
                              **prep)

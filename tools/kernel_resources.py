@@ -150,12 +150,13 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], X), **_ptrs(["g", "gc", "gcl"], "*fp32"),
                **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal, "NC": "i32"}
     dt = dict(DELTA=delta, MODE=0)
-    inv_sig = {**_ptrs(["k", "beta"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
-               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
-    wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], X), **_ptrs(["gc", "gcl", "tm"], "*fp32"),
-              **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
-    split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     lowp = gate != 2 and not fp32   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
+    t32 = fp.t_dtype(lowp, BT) == torch.float32   # T's dtype (PREP_LAUNCH "t_bf16")
+    inv_sig = {**_ptrs(["k", "beta"], X), **_ptrs(["gc", "gcl"], "*fp32"), "tm": "*fp32" if t32 else "*bf16",
+               **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
+    wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], X), **_ptrs(["gc", "gcl"], "*fp32"),
+              "tm": "*fp32" if t32 else "*bf16", **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
+    split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     out = cf.out_launch(common["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)
     caps = {"fwd _prep_inv_kernel": fp._cap("inv_maxnreg", False, lowp).get("maxnreg"),
             "fwd _prep_wu_kernel": fp._cap("wu_maxnreg", False, lowp).get("maxnreg"),
@@ -165,7 +166,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"]),
              fp.PREP_LAUNCH["inv_warps"], 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
-             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False),
+             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, TLO=t32 or fp.PREP_LAUNCH["t_bf16"] == 2),
              fp.PREP_LAUNCH["wu_warps"],
              fp.PREP_LAUNCH["wu_stages"]),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
