@@ -243,7 +243,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dtype; dg is None without a gate, dbeta None without delta, dh0 None
     without an initial state.  chunk_size (16, 32 or 64) defaults to 64, or 16
     for a vector gate.  inverse: the forward's T = (I + A)^-1 of every chunk, fp32
-    [B,T,H,C] (`chunk_gdn_fwd(..., return_inverse=True)`, delta rule only), which spares
+    (bf16 for bf16 inputs, as the forward stores it: `gdn.fwd_prep.t_dtype`) [B,T,H,C] (`chunk_gdn_fwd(..., return_inverse=True)`, delta rule only), which spares
     _prep the inverse; without it _prep forms T itself.  saved: what the forward hands over
     (`chunk_gdn_fwd(..., return_saved=True)`): its T (taken as ``inverse`` where that is not
     given) and, where it holds them, the state entering every chunk and with the delta rule w

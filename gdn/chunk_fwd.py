@@ -546,7 +546,8 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     fp16, fp32); g None, [B,T,H] or [B,T,H,K]; beta [B,T,H] (delta=True);
     initial_state [N,H,K,V]; cu_seqlens [N+1] offsets with B == 1.  Returns
     (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32 or None), and with
-    return_inverse a third item: the WY prep's T = (I + A)^-1 of every chunk, fp32
+    return_inverse a third item: the WY prep's T = (I + A)^-1 of every chunk, fp32 (bf16 for
+    bf16 inputs with no gate or a scalar one: `gdn.fwd_prep.t_dtype`)
     [B,T,H,BT] (the backward's `inverse`), or None where the prep did not run (no
     delta rule, the exact-path mode, no chunk).  With return_saved the third item is
     instead what the backward can take from the forward (`saved_for_backward`), or None where

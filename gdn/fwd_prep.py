@@ -1,6 +1,7 @@
 """The GDN forward's WY prep (version 5.3 of it; adopted in session 5, gdn/NOTES.md).
 
-Two launches: `_prep_inv_kernel` (A, T = (I + A)^-1 stored fp32, the per-(chunk, head) flag)
+Two launches: `_prep_inv_kernel` (A, T = (I + A)^-1 stored fp32, or bf16 for the bf16
+products since session 23 (PREP_LAUNCH "t_bf16"), the per-(chunk, head) flag)
 and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
 `gdn.chunk_fwd.chunk_gdn_fwd` runs before its state and output kernels.  Against v5.2's prep
 (measured on the H200, bf16 GDN B8 T4096 H16 K=V=128: 0.413 + 0.321 ms -> 0.257 + 0.305 ms):
@@ -172,7 +173,7 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                      GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                      BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
-    """The WY prep, part 1 (`_inverse`): T stored fp32 [BT rows, BT]; the flag covers k and
+    """The WY prep, part 1 (`_inverse`): T stored [BT rows, BT] (fp32, or bf16: `t_dtype`); the flag covers k and
     beta."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
@@ -283,13 +284,18 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # them for device bring-up (e.g.
 # '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in session 10
 # (gdn/NOTES_BWD.md).
-# "t_bf16" (candidate, 0: off): for the bf16 products (lowp, a chunk of 32 or more), T stored
-# in bf16 instead of fp32 (the inverse's scratch then fp32 in the same bytes: the diagonal
-# blocks only), halving T's bytes written and read (134 MB each at the bench shape); at 1 w
-# and u take one bf16 product a tile (T diag(beta Gamma) rounded to bf16, as fla's A), at 2
-# two (its hi and lo parts, as for an fp32 T).
+# "t_bf16" (1, adopted in session 23; 0 for bring-up): for the bf16 products (lowp, a chunk of
+# 32 or more) T is stored in bf16, not fp32 (the inverse's scratch then fp32 in the same
+# bytes: the diagonal blocks only, `_unit_lower_inverse`), and w and u take one bf16 product
+# a tile (T diag(beta Gamma) rounded to bf16, as fla's A is).  On the H200 (session 23, bf16
+# GDN B8 T4096 H16 K=V=128, GDN_FWD_STATE_CONFIGS [[64,4,2]]): `_prep_wu` 0.196 -> 0.171
+# ms, `_prep_inv` 0.206 -> 0.223, the forward 0.912 -> 0.906 (two runs each); o's error
+# against the float64 oracle 3.015e-3 -> 3.018e-3 and the final state's 2.250e-3 -> 2.253e-3
+# (B2 T300), so the lo part's precision was not reaching o.  Keeping the two products on a
+# bf16 T (hi and lo of its scaled form) took 0.919.  T's bytes written, read by `_prep_wu` and
+# kept for the backward halve (134 -> 67 MB).
 PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
-               "t_bf16": 0}
+               "t_bf16": 1}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
@@ -314,7 +320,7 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
                               W=W, num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
-                             INTERP=interp, TLO=tm.dtype == torch.float32 or PREP_LAUNCH["t_bf16"] == 2,
+                             INTERP=interp, TLO=tm.dtype == torch.float32,
                              num_warps=PREP_LAUNCH["wu_warps"],
                              num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp),
                              **prep)

@@ -2,7 +2,7 @@
 
 Forward: `gdn.chunk_fwd.chunk_gdn_fwd`; backward: `gdn.chunk_bwd.chunk_gdn_bwd`.  The
 forward saves its inputs and, with the delta rule, the WY inverse T = (I + A)^-1 its prep
-formed (fp32 [B,T,H,C]), so that the backward's prep does not invert again (as fla keeps
+formed ([B,T,H,C], fp32; bf16 for bf16 inputs, gdn.fwd_prep.t_dtype), so that the backward's prep does not invert again (as fla keeps
 its A); with ``save_states`` (the default) also the state entering every chunk and, with the
 delta rule, w and v_new (`gdn.chunk_fwd.saved_for_backward`), so that the backward does not
 recompute them (fla recomputes them); without it the backward recomputes every chunk state.
@@ -62,7 +62,7 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     initial_state; non-contiguous inputs are copied.
 
     Memory.  The forward keeps, beyond references to its inputs, the delta rule's
-    WY inverse T, fp32 [B,T,H,C] (C = 64, 16 for a vector gate; 134 MB at the
+    WY inverse T, fp32 or bf16 [B,T,H,C] (C = 64, 16 for a vector gate; 67 MB in bf16 at the
     shape below), which spares the backward a second inversion, and with
     ``save_states`` (the default) the state entering every chunk, ceil(T/C) * B*H*K*V
     elements in the hand-off dtype (bf16 for bf16 inputs, fp32 otherwise; 268 MB), and

@@ -652,41 +652,42 @@ def test_handoff_saturates_finite_states_beyond_bf16():
     assert torch.equal(z[:7], x[:7]) and z[7].isnan()
 
 
-@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("gate,nan_in", [("scalar", None), ("none", None), ("scalar", "k")],
                          ids=["scalar", "none", "scalar-nan-k"])
-def test_t_stored_in_bf16_is_the_fp32_t_rounded(monkeypatch, mode, gate, nan_in):
-    """PREP_LAUNCH "t_bf16" (candidate): T stored in bf16, the inverse's scratch fp32 in the
-    same bytes (the diagonal blocks only, A's blocks below them kept in registers).  bf16
-    GDN inputs (T 150: a short last chunk; K 48: masked key columns): T within a bf16 unit
-    of the default's fp32 T (the interpreter rounds by truncation), o and the final state
-    within bf16's bound of the oracle, and with a NaN in k the oracle's NaN/Inf sets; the
-    backward on the forward's saved bf16 T gives the fp32 T's gradients to 2e-2.  Planted,
-    the diagonal blocks' inverses stored one scratch column off, all 6 cases fail (session
-    23, by hand)."""
+def test_t_stored_in_bf16_is_the_fp32_t_rounded(monkeypatch, gate, nan_in):
+    """PREP_LAUNCH "t_bf16" (the default since session 23): for bf16 inputs T is stored in bf16,
+    the inverse's scratch fp32 in the same bytes (the diagonal blocks only, A's blocks below
+    them kept in registers), and w, u take one bf16 product a tile.  bf16 GDN inputs (T 150:
+    a short last chunk; K 48: masked key columns): T within a bf16 unit of the fp32 T of
+    t_bf16 0 (the interpreter rounds by truncation), o and the final state within bf16's bound
+    of the oracle, and with a NaN in k the oracle's NaN/Inf sets; the backward on the
+    forward's saved bf16 T gives the fp32 T's gradients to 2e-2.  Planted, the diagonal
+    blocks' inverses stored one scratch column off, all 6 cases (then also two products a
+    tile) fail (session 23, by hand)."""
     import gdn.fwd_prep as fp
     from gdn.chunk_bwd import chunk_gdn_bwd
+    assert fp.PREP_LAUNCH["t_bf16"] == 1
     x = make_inputs(gate, True, B=1, T=150, H=2, K=48, V=24, seed=11, dtype=torch.bfloat16)
     if nan_in is not None:
         inject(x, nan_in, float("nan"))
     gen = torch.Generator().manual_seed(12)
     do = torch.randn(x["v"].shape, generator=gen).to(DEV, torch.bfloat16)
     runs = {}
-    for m in (0, mode):
+    for m in (0, 1):
         monkeypatch.setitem(fp.PREP_LAUNCH, "t_bf16", m)
         o, s, saved = call(chunk_gdn_fwd, x, output_final_state=True, return_saved=True)
         grads = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], do,
                               initial_state=x["initial_state"], saved=saved)
         runs[m] = (o, s, saved["inverse"], grads)
-    t32, t16 = runs[0][2], runs[mode][2]
+    t32, t16 = runs[0][2], runs[1][2]
     assert t32.dtype == torch.float32 and t16.dtype == torch.bfloat16
     fin = t32.isfinite()
     assert torch.equal(fin, t16.isfinite())
     assert ((t16.float() - t32).abs() <= 2 ** -7 * t32.abs())[fin].all()
     o, s = call(recurrence, x, delta=True)
-    assert_same_nonfinite(runs[mode][0], o, BOUND[torch.bfloat16])
-    assert_same_nonfinite(runs[mode][1], s, BOUND[torch.bfloat16])
-    for a, b in zip(runs[mode][3], runs[0][3]):
+    assert_same_nonfinite(runs[1][0], o, BOUND[torch.bfloat16])
+    assert_same_nonfinite(runs[1][1], s, BOUND[torch.bfloat16])
+    for a, b in zip(runs[1][3], runs[0][3]):
         if a is not None and nan_in is None:
             assert rel(a, b) < 2e-2
         elif a is not None:

@@ -166,7 +166,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"]),
              fp.PREP_LAUNCH["inv_warps"], 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
-             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, TLO=t32 or fp.PREP_LAUNCH["t_bf16"] == 2),
+             dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, TLO=t32),
              fp.PREP_LAUNCH["wu_warps"],
              fp.PREP_LAUNCH["wu_stages"]),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
