@@ -92,48 +92,47 @@ def _diag_inverse(tmc, n, RS, BT: tl.constexpr, W: tl.constexpr, FULL: tl.conste
 @triton.jit
 def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: tl.constexpr,
                         PREC: tl.constexpr):
-    """T = (I + A)^-1 for the chunk's strictly lower A [BT, BT] (rows r0 + rr H of the fp32
+    """T = (I + A)^-1 for the chunk's strictly lower A [BT, BT] (rows r0 + rr H of the
     [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A^T and the diagonal blocks'
-    inverses pass through it, so the caller stores T there only after this returns).  BT 16
+    inverses pass through it, fp32 (in a bf16 tm, fp32 words in its bytes: the diagonal
+    blocks only), so the caller stores T there only after this returns).  BT 16
     (one block, the vector gate): v5.2's substitution on A in registers, leaner there."""
     if BT == 16:
         return _inv_unit_lower(A, BT, PREC)
     if tm.dtype.element_ty == tl.bfloat16:
         # T stored bf16 (PREP_LAUNCH "t_bf16"): the scratch is fp32 in the same bytes, half a
-        # row of T each, so it holds A^T's diagonal blocks only (column c % 16); A's blocks
-        # below them stay in registers
-        same = (rr[:, None] // 16) == (rr[None, :] // 16)
+        # row of T each, so it holds A^T's diagonal blocks only (column c % 16, CM 0); A's
+        # blocks below them stay in registers
+        CM: tl.constexpr = 0
         RS = H * (BT // 2)
         sp = tm.to(tl.pointer_type(tl.float32), bitcast=True) + r0 * (BT // 2)
         ttr = sp + (rr[None, :] * RS + rr[:, None] % 16)
-        tl.store(ttr, A, mask=same & rmask[None, :])
-        tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-        X = _diag_inverse(sp, eos - bos, RS, BT, W, 0)
-        jj = tl.arange(0, 16)[None, :]
-        cc = tl.arange(0, W)[:, None]
-        tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
-        tl.store(sp + (cc * RS + jj), X, mask=(cc < BT) & (bos + cc < eos))
-        tl.debug_barrier()
-        Dinv = tl.load(ttr, mask=same & rmask[None, :], other=0.0)
-        Ab = tl.where((rr[:, None] // 16) > (rr[None, :] // 16), A, 0.0)
-        eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+        smask = ((rr[:, None] // 16) == (rr[None, :] // 16)) & rmask[None, :]   # the diagonal blocks
     else:
-        ttr = (tm + r0 * BT) + (rr[None, :] * (H * BT) + rr[:, None])   # the transpose's place
-        tl.store(ttr, A, mask=rmask[None, :])
-        tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-        X = _diag_inverse(tm + r0 * BT, eos - bos, H * BT, BT, W, 1)
-        jj = tl.arange(0, 16)[None, :]
-        cc = tl.arange(0, W)[:, None]
-        # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j]
-        tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
-        tl.store((tm + r0 * BT) + (cc * (H * BT) + (cc // 16) * 16 + jj), X,
-                 mask=(cc < BT) & (bos + cc < eos))
-        tl.debug_barrier()
-        M = tl.load(ttr, mask=rmask[None, :], other=0.0)   # Dinv on the diagonal, A below
+        CM: tl.constexpr = 1
+        RS = H * BT
+        sp = tm + r0 * BT
+        ttr = sp + (rr[None, :] * RS + rr[:, None])   # the transpose's place
+        smask = rmask[None, :]
+    tl.store(ttr, A, mask=smask)
+    tl.debug_barrier()   # A's rows, stored by other threads, are read back below
+    X = _diag_inverse(sp, eos - bos, RS, BT, W, CM)
+    jj = tl.arange(0, 16)[None, :]
+    cc = tl.arange(0, W)[:, None]
+    # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j] (column j, CM 0)
+    tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
+    tl.store(sp + (cc * RS + (cc // 16) * (16 * CM) + jj), X, mask=(cc < BT) & (bos + cc < eos))
+    tl.debug_barrier()
+    M = tl.load(ttr, mask=smask, other=0.0)   # Dinv on the diagonal (A below, CM 1)
+    if CM:
         same = (rr[:, None] // 16) == (rr[None, :] // 16)
         eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
         Dinv = tl.where(same, M, 0.0)
         Ab = tl.where((rr[:, None] // 16) > (rr[None, :] // 16), M, 0.0)
+    else:
+        Dinv = M
+        Ab = tl.where((rr[:, None] // 16) > (rr[None, :] // 16), A, 0.0)
+        eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
     F = tl.dot(Dinv, Ab, input_precision=PREC)
     P = eye - F
     P = eye - tl.dot(F, P, input_precision=PREC)
