@@ -90,8 +90,64 @@ def _diag_inverse(tmc, n, RS, BT: tl.constexpr, W: tl.constexpr, FULL: tl.conste
 
 
 @triton.jit
+def _quad_row(tmc, b16, i: tl.constexpr, q: tl.constexpr, n, RS, FULL: tl.constexpr):
+    """Words 4 q .. 4 q + 3 of D_b[i, :] = A[16 b + i, 16 b + :] (a [W, 4] tile, one row a
+    thread, the same row for a block's threads), zero from column i on (A strictly lower)."""
+    j4 = tl.arange(0, 4)[None, :]
+    d = tl.load(tmc + ((b16 + i) * RS + b16 * FULL + 4 * q + j4), mask=b16 + i < n, other=0.0)
+    return tl.where(4 * q + j4 < i, d, 0.0)
+
+
+@triton.jit
+def _quad_step(X, i: tl.constexpr, q: tl.constexpr, new, cq):
+    """Quad q of the tile after step i: column i set to e_i - new where it lies in quad q."""
+    if i // 4 == q:
+        j4 = tl.arange(0, 4)[None, :]
+        X = tl.where(j4 == i % 4, tl.where(cq == i, 1.0, 0.0) - new[:, None], X)
+    return X
+
+
+@triton.jit
+def _diag_inverse_rows(tmc, n, RS, bos, eos, BT: tl.constexpr, W: tl.constexpr, FULL: tl.constexpr):
+    """`_diag_inverse` on A stored in its own orientation (A[r, c] at row r, column c; column
+    c % 16 where not FULL): D_b's row i is 16 consecutive words, loaded as four [W, 4] quads
+    with one row a thread (a [W, 16] load's layout spreads a row over 4 threads, and every
+    step's sum then shuffles: `inv_rows`, session 23), and the tile held as four quads too.
+    Stores X_b[j, c] in A's place [16 b + j, 16 b + c] (column c where not FULL) after a
+    barrier (every thread has read its rows of A's diagonal blocks)."""
+    cc = tl.arange(0, W)[:, None] % BT
+    b16 = (cc // 16) * 16
+    cq = cc - b16
+    j4 = tl.arange(0, 4)[None, :]
+    X0 = tl.where(j4 == cq, 1.0, 0.0)
+    X1 = tl.where(4 + j4 == cq, 1.0, 0.0)
+    X2 = tl.where(8 + j4 == cq, 1.0, 0.0)
+    X3 = tl.where(12 + j4 == cq, 1.0, 0.0)
+    for i in tl.static_range(1, 16):
+        new = tl.sum(_quad_row(tmc, b16, i, 0, n, RS, FULL) * X0, axis=1)
+        if i > 4:
+            new += tl.sum(_quad_row(tmc, b16, i, 1, n, RS, FULL) * X1, axis=1)
+        if i > 8:
+            new += tl.sum(_quad_row(tmc, b16, i, 2, n, RS, FULL) * X2, axis=1)
+        if i > 12:
+            new += tl.sum(_quad_row(tmc, b16, i, 3, n, RS, FULL) * X3, axis=1)
+        X0 = _quad_step(X0, i, 0, new, cq)
+        X1 = _quad_step(X1, i, 1, new, cq)
+        X2 = _quad_step(X2, i, 2, new, cq)
+        X3 = _quad_step(X3, i, 3, new, cq)
+    tl.debug_barrier()
+    cw = tl.arange(0, W)[:, None]
+    m = cw < BT
+    base = tmc + b16 * FULL + cq
+    tl.store(base + (b16 + j4) * RS, X0, mask=m & (bos + b16 + j4 < eos))
+    tl.store(base + (b16 + 4 + j4) * RS, X1, mask=m & (bos + b16 + 4 + j4 < eos))
+    tl.store(base + (b16 + 8 + j4) * RS, X2, mask=m & (bos + b16 + 8 + j4 < eos))
+    tl.store(base + (b16 + 12 + j4) * RS, X3, mask=m & (bos + b16 + 12 + j4 < eos))
+
+
+@triton.jit
 def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, AR: tl.constexpr):
     """T = (I + A)^-1 for the chunk's strictly lower A [BT, BT] (rows r0 + rr H of the
     [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A^T and the diagonal blocks'
     inverses pass through it, fp32 (in a bf16 tm, fp32 words in its bytes: the diagonal
@@ -106,22 +162,33 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
         CM: tl.constexpr = 0
         RS = H * (BT // 2)
         sp = tm.to(tl.pointer_type(tl.float32), bitcast=True) + r0 * (BT // 2)
-        ttr = sp + (rr[None, :] * RS + rr[:, None] % 16)
-        smask = ((rr[:, None] // 16) == (rr[None, :] // 16)) & rmask[None, :]   # the diagonal blocks
+        if AR:
+            ttr = sp + (rr[:, None] * RS + rr[None, :] % 16)
+            smask = ((rr[:, None] // 16) == (rr[None, :] // 16)) & rmask[:, None]
+        else:
+            ttr = sp + (rr[None, :] * RS + rr[:, None] % 16)
+            smask = ((rr[:, None] // 16) == (rr[None, :] // 16)) & rmask[None, :]   # the diagonal blocks
     else:
         CM: tl.constexpr = 1
         RS = H * BT
         sp = tm + r0 * BT
-        ttr = sp + (rr[None, :] * RS + rr[:, None])   # the transpose's place
-        smask = rmask[None, :]
+        if AR:
+            ttr = sp + (rr[:, None] * RS + rr[None, :])
+            smask = rmask[:, None]
+        else:
+            ttr = sp + (rr[None, :] * RS + rr[:, None])   # the transpose's place
+            smask = rmask[None, :]
     tl.store(ttr, A, mask=smask)
     tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-    X = _diag_inverse(sp, eos - bos, RS, BT, W, CM)
-    jj = tl.arange(0, 16)[None, :]
-    cc = tl.arange(0, W)[:, None]
-    # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j] (column j, CM 0)
-    tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
-    tl.store(sp + (cc * RS + (cc // 16) * (16 * CM) + jj), X, mask=(cc < BT) & (bos + cc < eos))
+    if AR:
+        _diag_inverse_rows(sp, eos - bos, RS, bos, eos, BT, W, CM)
+    else:
+        X = _diag_inverse(sp, eos - bos, RS, BT, W, CM)
+        jj = tl.arange(0, 16)[None, :]
+        cc = tl.arange(0, W)[:, None]
+        # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j] (column j, CM 0)
+        tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
+        tl.store(sp + (cc * RS + (cc // 16) * (16 * CM) + jj), X, mask=(cc < BT) & (bos + cc < eos))
     tl.debug_barrier()
     M = tl.load(ttr, mask=smask, other=0.0)   # Dinv on the diagonal (A below, CM 1)
     if CM:
@@ -144,7 +211,8 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
 @triton.jit
 def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: tl.constexpr,
              BK: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
-             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
+             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr,
+             AR: tl.constexpr):
     """A chunk's T = (I + A)^-1 (fp32, its strictly lower A formed here and passed through tm,
     `_unit_lower_inverse`) and whether its k and beta admit the matrix path."""
     nlast = eos - bos - 1   # the chunk's last token's row
@@ -164,14 +232,15 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
             G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
             A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
     A = tl.where(lower, A * bt[:, None], 0.0)
-    return _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC), ok
+    return _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC, AR), ok
 
 
 @triton.jit
 def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                      GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
+                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr,
+                     AR: tl.constexpr):
     """The WY prep, part 1 (`_inverse`): T stored [BT rows, BT] (fp32, or bf16: `t_dtype`); the flag covers k and
     beta."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -180,7 +249,7 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     r0 = bos.to(tl.int64) * H + i_h
     rmask = bos + rr < eos
     Tm, ok = _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H, K, BK, BT, GATE, PREC, BIG,
-                      LOWP, INTERP, W)
+                      LOWP, INTERP, W, AR)
     tl.store(_tile(tm, r0, rr, rr, BT, H), Tm.to(tm.dtype.element_ty), mask=rmask[:, None])
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
@@ -294,7 +363,7 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # bf16 T (hi and lo of its scaled form) took 0.919.  T's bytes written, read by `_prep_wu` and
 # kept for the backward halve (134 -> 67 MB).
 PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
-               "t_bf16": 1}
+               "t_bf16": 1, "a_rows": 0}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
@@ -316,7 +385,7 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, num_warps=PREP_LAUNCH["inv_warps"],
+                              W=W, AR=PREP_LAUNCH["a_rows"], num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
                              INTERP=interp, TLO=tm.dtype == torch.float32,
