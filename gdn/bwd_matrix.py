@@ -171,7 +171,7 @@ def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constex
         if GIVEN_T:
             tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.).to(tl.float32)
         else:
-            tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, t0, eos, H, C, IW, PREC, 0)
+            tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, t0, eos, H, C, IW, PREC)
             tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
         tl.store(_tile(W, r0, rows, ck, K, H), _mm(tm, kb, F32, DT).to(W.dtype.element_ty), mask=mqk)
     return tm

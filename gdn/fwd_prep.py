@@ -9,9 +9,9 @@ and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
 - The 16x16 diagonal blocks of T by forward substitution on a [W, 16] tile that holds
   column c of block b in row 16 b + c (the BT rows repeated up to W = 32 x warps), so
   that every row of the tile lies in one thread: a step reads row i of each block's A
-  (stored transposed in T's place first, read back through the cache) and sums over j
-  inside the thread, with no shuffle and no barrier (`_diag_inverse`; session 15 turned
-  the tile from [16, W], which Triton 3.6 spread over threads: 0.224 -> 0.206 ms).  The
+  (stored in T's place first, read back through the cache, 16 consecutive words) and sums
+  over j inside the thread, with no shuffle and no barrier (`_diag_inverse`, which lists
+  the layouts tried: 0.224 -> 0.206 -> 0.210 ms, the last with T in bf16).  The
   v5.2 substitution on a [4, 16, 16] tensor spread the summed axis over the warps: 107
   barriers and 437 shuffles in the sm_90 SASS.  The block merges are v5.2's (tf32
   products).  A 16-token chunk (vector gate) keeps v5.2's substitution, leaner for one
@@ -61,35 +61,6 @@ def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _diag_inverse(tmc, n, RS, BT: tl.constexpr, W: tl.constexpr, FULL: tl.constexpr):
-    """(I + D_b)^-1 of the BT // 16 diagonal 16x16 blocks D_b of the strictly lower A whose
-    transpose is stored at tmc (the chunk's first row of T, rows RS apart, n of them valid:
-    FULL, all BT columns, A^T[r, c] in column c; else the diagonal blocks only, A^T[r, c] in
-    column c % 16), as a [W, 16] tile XT[16 b + c, j] = (I + D_b)^-1[j, c] (W = 32 x warps, a
-    multiple of BT: the tile repeated, so that each thread holds one row).  Step i:
-    X_b[i, :] = e_i - sum_{j < i} D_b[i, j] X_b[j, :], the sum over j inside the thread.
-
-    The tile is [W, 16], not [16, W]: on [16, W] the device's Triton 3.6 spread each column
-    over 4 threads (sizePerThread [4, 1], threadsPerWarp [4, 8], the store's coalesced
-    layout propagated back; Triton 3.9 kept it in one thread), so every step's sum
-    shuffled: 127 SHFL in the kernel's SASS against 67 (sm_90 offline), and ncu on the
-    H200 had `_prep_inv` at 82% of L1/TEX throughput.  On the H200 (session 15, bf16 GDN
-    B8 T4096 H16 K=V=128) `_prep_inv` took 0.224 -> 0.206 ms, the forward 0.974 -> 0.953."""
-    jj = tl.arange(0, 16)[None, :]
-    cc = tl.arange(0, W)[:, None] % BT
-    b16 = (cc // 16) * 16
-    X = tl.where(jj == cc - b16, 1.0, 0.0)
-    for i in tl.static_range(1, 16):
-        # D_b[i, j] = A^T[16 b + j, 16 b + i]: one scalar load a (row, j), a column of the
-        # tile's row lying in one thread
-        r = b16 + jj
-        d = tl.load(tmc + (r * RS + b16 * FULL + i), mask=(jj < i) & (r < n), other=0.0)
-        new = tl.sum(d * X, axis=1)
-        X = tl.where(jj == i, tl.where(cc - b16 == i, 1.0, 0.0) - new[:, None], X)
-    return X
-
-
-@triton.jit
 def _quad_row(tmc, b16, i: tl.constexpr, q: tl.constexpr, n, RS, FULL: tl.constexpr):
     """Words 4 q .. 4 q + 3 of D_b[i, :] = A[16 b + i, 16 b + :] (a [W, 4] tile, one row a
     thread, the same row for a block's threads), zero from column i on (A strictly lower)."""
@@ -108,13 +79,30 @@ def _quad_step(X, i: tl.constexpr, q: tl.constexpr, new, cq):
 
 
 @triton.jit
-def _diag_inverse_rows(tmc, n, RS, bos, eos, BT: tl.constexpr, W: tl.constexpr, FULL: tl.constexpr):
-    """`_diag_inverse` on A stored in its own orientation (A[r, c] at row r, column c; column
-    c % 16 where not FULL): D_b's row i is 16 consecutive words, loaded as four [W, 4] quads
-    with one row a thread (a [W, 16] load's layout spreads a row over 4 threads, and every
-    step's sum then shuffles: `inv_rows`, session 23), and the tile held as four quads too.
-    Stores X_b[j, c] in A's place [16 b + j, 16 b + c] (column c where not FULL) after a
-    barrier (every thread has read its rows of A's diagonal blocks)."""
+def _diag_inverse(tmc, RS, bos, eos, BT: tl.constexpr, W: tl.constexpr, FULL: tl.constexpr):
+    """(I + D_b)^-1 of the BT // 16 diagonal 16x16 blocks D_b of the strictly lower A stored
+    at tmc (the chunk's first row of T, rows RS apart, tokens bos to eos: FULL, all BT columns,
+    A[r, c] in column c; else the diagonal blocks only, A[r, c] in column c % 16), stored in
+    A's place: X_b[j, c] at [16 b + j, 16 b + c] (column c where not FULL), after a barrier
+    (every thread has read its rows of A's diagonal blocks).
+
+    The tile XT[16 b + c, j] = X_b[j, c] (W = 32 x warps rows, a multiple of BT: the tile
+    repeated) lies one row a thread, so that step i, X_b[i, :] = e_i - sum_{j < i} D_b[i, j]
+    X_b[j, :], sums over j inside the thread with no shuffle and no barrier; it is held as
+    four [W, 4] quads, and D_b's row i (16 consecutive words, the same for a block's
+    threads) is loaded as four such quads.  History (sm_90 offline, Triton 3.6; H200, bf16
+    GDN B8 T4096 H16 K=V=128):
+    - a [16, W] tile: Triton spread each column over 4 threads and every step's sum shuffled
+      (127 SHFL against 67); [W, 16] took `_prep_inv` 0.224 -> 0.206 ms (session 15);
+    - A stored transposed (A^T, so that a step read D_b[i, j] as one scalar a (row, j)): its
+      stores, the inverses' stores and the Dinv load were one row a lane, 158 scalar LDG,
+      and ncu had the kernel L1/TEX-bound (81%, 89% with T in bf16);
+    - D_b's row loaded as one [W, 16] tile: Triton laid it out for the contiguous load (a
+      row over 4 threads): SHFL 3 -> 123 (session 23's `inv_rows`);
+    - A in its own orientation, rows as quads (session 24): instructions 2568 -> 2480,
+      scalar LDG 158 -> 42, barriers 27 -> 18, shuffles 3; `_prep_inv` 0.223 -> 0.210 ms,
+      the forward 0.903 -> 0.892 (two runs each)."""
+    n = eos - bos
     cc = tl.arange(0, W)[:, None] % BT
     b16 = (cc // 16) * 16
     cq = cc - b16
@@ -147,48 +135,32 @@ def _diag_inverse_rows(tmc, n, RS, bos, eos, BT: tl.constexpr, W: tl.constexpr, 
 
 @triton.jit
 def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: tl.constexpr,
-                        PREC: tl.constexpr, AR: tl.constexpr):
+                        PREC: tl.constexpr):
     """T = (I + A)^-1 for the chunk's strictly lower A [BT, BT] (rows r0 + rr H of the
-    [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A^T and the diagonal blocks'
-    inverses pass through it, fp32 (in a bf16 tm, fp32 words in its bytes: the diagonal
+    [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A and the diagonal blocks'
+    inverses pass through it in A's orientation, fp32 (in a bf16 tm, fp32 words in its bytes: the diagonal
     blocks only), so the caller stores T there only after this returns).  BT 16
     (one block, the vector gate): v5.2's substitution on A in registers, leaner there."""
     if BT == 16:
         return _inv_unit_lower(A, BT, PREC)
     if tm.dtype.element_ty == tl.bfloat16:
         # T stored bf16 (PREP_LAUNCH "t_bf16"): the scratch is fp32 in the same bytes, half a
-        # row of T each, so it holds A^T's diagonal blocks only (column c % 16, CM 0); A's
+        # row of T each, so it holds A's diagonal blocks only (column c % 16, CM 0); A's
         # blocks below them stay in registers
         CM: tl.constexpr = 0
         RS = H * (BT // 2)
         sp = tm.to(tl.pointer_type(tl.float32), bitcast=True) + r0 * (BT // 2)
-        if AR:
-            ttr = sp + (rr[:, None] * RS + rr[None, :] % 16)
-            smask = ((rr[:, None] // 16) == (rr[None, :] // 16)) & rmask[:, None]
-        else:
-            ttr = sp + (rr[None, :] * RS + rr[:, None] % 16)
-            smask = ((rr[:, None] // 16) == (rr[None, :] // 16)) & rmask[None, :]   # the diagonal blocks
+        ttr = sp + (rr[:, None] * RS + rr[None, :] % 16)
+        smask = ((rr[:, None] // 16) == (rr[None, :] // 16)) & rmask[:, None]   # the diagonal blocks
     else:
         CM: tl.constexpr = 1
         RS = H * BT
         sp = tm + r0 * BT
-        if AR:
-            ttr = sp + (rr[:, None] * RS + rr[None, :])
-            smask = rmask[:, None]
-        else:
-            ttr = sp + (rr[None, :] * RS + rr[:, None])   # the transpose's place
-            smask = rmask[None, :]
+        ttr = sp + (rr[:, None] * RS + rr[None, :])
+        smask = rmask[:, None]
     tl.store(ttr, A, mask=smask)
     tl.debug_barrier()   # A's rows, stored by other threads, are read back below
-    if AR:
-        _diag_inverse_rows(sp, eos - bos, RS, bos, eos, BT, W, CM)
-    else:
-        X = _diag_inverse(sp, eos - bos, RS, BT, W, CM)
-        jj = tl.arange(0, 16)[None, :]
-        cc = tl.arange(0, W)[:, None]
-        # X_b[j, c] goes to A^T's place [16 b + c, 16 b + j] (column j, CM 0)
-        tl.debug_barrier()   # every thread has read its rows of A's diagonal blocks
-        tl.store(sp + (cc * RS + (cc // 16) * (16 * CM) + jj), X, mask=(cc < BT) & (bos + cc < eos))
+    _diag_inverse(sp, RS, bos, eos, BT, W, CM)
     tl.debug_barrier()
     M = tl.load(ttr, mask=smask, other=0.0)   # Dinv on the diagonal (A below, CM 1)
     if CM:
@@ -211,8 +183,7 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
 @triton.jit
 def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: tl.constexpr,
              BK: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
-             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr,
-             AR: tl.constexpr):
+             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
     """A chunk's T = (I + A)^-1 (fp32, its strictly lower A formed here and passed through tm,
     `_unit_lower_inverse`) and whether its k and beta admit the matrix path."""
     nlast = eos - bos - 1   # the chunk's last token's row
@@ -232,15 +203,14 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
             G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
             A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
     A = tl.where(lower, A * bt[:, None], 0.0)
-    return _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC, AR), ok
+    return _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC), ok
 
 
 @triton.jit
 def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                      GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr,
-                     AR: tl.constexpr):
+                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
     """The WY prep, part 1 (`_inverse`): T stored [BT rows, BT] (fp32, or bf16: `t_dtype`); the flag covers k and
     beta."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -249,7 +219,7 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     r0 = bos.to(tl.int64) * H + i_h
     rmask = bos + rr < eos
     Tm, ok = _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H, K, BK, BT, GATE, PREC, BIG,
-                      LOWP, INTERP, W, AR)
+                      LOWP, INTERP, W)
     tl.store(_tile(tm, r0, rr, rr, BT, H), Tm.to(tm.dtype.element_ty), mask=rmask[:, None])
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
@@ -363,7 +333,7 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # bf16 T (hi and lo of its scaled form) took 0.919.  T's bytes written, read by `_prep_wu` and
 # kept for the backward halve (134 -> 67 MB).
 PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
-               "t_bf16": 1, "a_rows": 0}
+               "t_bf16": 1}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
@@ -385,7 +355,7 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, AR=PREP_LAUNCH["a_rows"], num_warps=PREP_LAUNCH["inv_warps"],
+                              W=W, num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
                              INTERP=interp, TLO=tm.dtype == torch.float32,
