@@ -61,6 +61,18 @@ def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _mdot(a, b, MB: tl.constexpr, PREC: tl.constexpr):
+    """A product of T's block merges: on fp32 operands at PREC (MB 0), or on bf16 ones (MB 1;
+    MB 2 under the interpreter: the operands rounded to bf16, multiplied in fp32)."""
+    if MB == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    if MB == 2:
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
+                      input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _quad_row(tmc, b16, i: tl.constexpr, q: tl.constexpr, n, RS, FULL: tl.constexpr):
     """Words 4 q .. 4 q + 3 of D_b[i, :] = A[16 b + i, 16 b + :] (a [W, 4] tile, one row a
     thread, the same row for a block's threads), zero from column i on (A strictly lower)."""
@@ -135,7 +147,7 @@ def _diag_inverse(tmc, RS, bos, eos, BT: tl.constexpr, W: tl.constexpr, FULL: tl
 
 @triton.jit
 def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, MB: tl.constexpr = 0):
     """T = (I + A)^-1 for the chunk's strictly lower A [BT, BT] (rows r0 + rr H of the
     [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A and the diagonal blocks'
     inverses pass through it in A's orientation, fp32 (in a bf16 tm, fp32 words in its bytes: the diagonal
@@ -172,18 +184,19 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
         Dinv = M
         Ab = tl.where((rr[:, None] // 16) > (rr[None, :] // 16), A, 0.0)
         eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-    F = tl.dot(Dinv, Ab, input_precision=PREC)
+    F = _mdot(Dinv, Ab, MB, PREC)
     P = eye - F
-    P = eye - tl.dot(F, P, input_precision=PREC)
-    P = eye - tl.dot(F, P, input_precision=PREC)
+    P = eye - _mdot(F, P, MB, PREC)
+    P = eye - _mdot(F, P, MB, PREC)
     tl.debug_barrier()   # every thread has read M before T overwrites it
-    return tl.dot(P, Dinv, input_precision=PREC)
+    return _mdot(P, Dinv, MB, PREC)
 
 
 @triton.jit
 def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: tl.constexpr,
              BK: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
-             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
+             BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr,
+             MB: tl.constexpr):
     """A chunk's T = (I + A)^-1 (fp32, its strictly lower A formed here and passed through tm,
     `_unit_lower_inverse`) and whether its k and beta admit the matrix path."""
     nlast = eos - bos - 1   # the chunk's last token's row
@@ -203,14 +216,15 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
             G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
             A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
     A = tl.where(lower, A * bt[:, None], 0.0)
-    return _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC), ok
+    return _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC, MB), ok
 
 
 @triton.jit
 def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                      GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr):
+                     BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr,
+                     MB: tl.constexpr):
     """The WY prep, part 1 (`_inverse`): T stored [BT rows, BT] (fp32, or bf16: `t_dtype`); the flag covers k and
     beta."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -219,7 +233,7 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     r0 = bos.to(tl.int64) * H + i_h
     rmask = bos + rr < eos
     Tm, ok = _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H, K, BK, BT, GATE, PREC, BIG,
-                      LOWP, INTERP, W)
+                      LOWP, INTERP, W, MB)
     tl.store(_tile(tm, r0, rr, rr, BT, H), Tm.to(tm.dtype.element_ty), mask=rmask[:, None])
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
@@ -333,7 +347,7 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # bf16 T (hi and lo of its scaled form) took 0.919.  T's bytes written, read by `_prep_wu` and
 # kept for the backward halve (134 -> 67 MB).
 PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
-               "t_bf16": 1}
+               "t_bf16": 1, "merge_bf16": 0}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 
@@ -355,7 +369,8 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, num_warps=PREP_LAUNCH["inv_warps"],
+                              W=W, MB=(2 if interp else 1) if PREP_LAUNCH["merge_bf16"] and lowp else 0,
+                              num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
                              INTERP=interp, TLO=tm.dtype == torch.float32,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.chunk_fwd import (INTERPRET, _all_within, _and, _exact_chunk, _forced,
+from gdn.chunk_fwd import (INTERPRET, _all_within, _all_within_max, _and, _exact_chunk, _forced,
                            _handoff, _load_gates, _odot)
 
 
@@ -47,7 +47,7 @@ def _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
     are the chunk's flags (`_chunk_scalars`)."""
     mk = rmask[:, None] & kmask[None, :]
     kt = tl.load(_stile(k, r0, rr, dk, K, H), mask=mk, other=0.0)
-    ok = _all_within(S, SBIG)
+    ok = _all_within_max(S, SBIG)
     vt = kt
     if DELTA:
         ok = ok & (fl != 0)
