@@ -14,8 +14,8 @@ and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
   the layouts tried: 0.224 -> 0.206 -> 0.210 ms, the last with T in bf16).  The
   v5.2 substitution on a [4, 16, 16] tensor spread the summed axis over the warps: 107
   barriers and 437 shuffles in the sm_90 SASS.  The block merges are v5.2's (tf32
-  products).  A 16-token chunk (vector gate) keeps v5.2's substitution, leaner for one
-  block (offline).
+  products; bf16 ones for bf16 inputs since session 24, PREP_LAUNCH "merge_bf16").  A
+  16-token chunk (vector gate) keeps v5.2's substitution, leaner for one block (offline).
 - w then u of a chunk in one program, each in a pipelined loop over BV-wide tiles with T
   scaled and split once a side, T read once a chunk: 0.212 -> 0.196 ms on the H200 (session
   16, capped at 128 registers: 124 at sm_90 offline, no spill) against a program for each
@@ -346,8 +346,22 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # (B2 T300), so the lo part's precision was not reaching o.  Keeping the two products on a
 # bf16 T (hi and lo of its scaled form) took 0.919.  T's bytes written, read by `_prep_wu` and
 # kept for the backward halve (134 -> 67 MB).
+# "merge_bf16" (1, adopted in session 24; 0 for bring-up): for the bf16 products (lowp) the
+# four block merges of `_unit_lower_inverse` (F = Dinv A_below, the Neumann steps, P Dinv)
+# take bf16 operands (fp32 sums) instead of tf32 ones (`_mdot`); the diagonal blocks' own
+# substitution stays fp32.  sm_90 offline: shared memory 49152 -> 16400 B, STS 132 -> 4 (ncu
+# had 33% of `_prep_inv`'s shared-memory wavefronts as bank conflicts of the fp32 operand
+# stores, L1/TEX 87% busy), HGMMA 40 -> 24.  On the H200 (session 24, bf16 GDN B8 T4096 H16
+# K=V=128, GDN_FWD_STATE_CONFIGS [[64,4,2]]): `_prep_inv` 0.211 -> 0.152 ms, the forward
+# 0.887 -> 0.828 / 0.826 (two runs each side); at 96 registers (5 programs an SM) the same,
+# 0.151.  Error against the float64 oracle (bf16 GDN H16 K=V=128, o / final state):
+# normalized keys unchanged, B2 T300 3.018e-3 / 2.253e-3 -> 3.018e-3 / 2.255e-3, B1 T4096
+# 3.074e-3 / 2.168e-3 -> 3.074e-3 / 2.170e-3; keys not normalized (N(0, 0.0625): steps that
+# expand) B2 T300 3.717e-3 / 2.892e-3 -> 3.777e-3 / 2.934e-3, B1 T4096 3.726e-3 / 2.719e-3
+# -> 3.783e-3 / 2.760e-3.  The backward's own inverse (`chunk_gdn_bwd` without the forward's
+# T) keeps tf32 merges.
 PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
-               "t_bf16": 1, "merge_bf16": 0}
+               "t_bf16": 1, "merge_bf16": 1}
 PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
 
 

@@ -48,6 +48,30 @@ NAMES = {("none", True): "DeltaNet", ("scalar", True): "GDN", ("vector", True): 
          ("none", False): "linear attn", ("scalar", False): "Mamba2-SSD", ("vector", False): "GLA"}
 
 
+def fla_member(gate, delta):
+    """fla 0.6.0's forward for a family member, as (q, k, v, g, beta, h0) -> (o, final state),
+    gates in natural-log space as ours: GDN chunk_gated_delta_rule, Mamba2-SSD and linear
+    attention chunk_simple_gla (g None for the latter), DeltaNet chunk_delta_rule, KDA
+    chunk_kda (its gate given, not formed in the kernel), GLA chunk_gla."""
+    try:
+        if (gate, delta) == ("scalar", True):
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
+            return lambda q, k, v, g, b, h0: f(q, k, v, g, b, initial_state=h0, output_final_state=True)
+        if not delta and gate in ("scalar", "none"):
+            from fla.ops.simple_gla import chunk_simple_gla as f
+            return lambda q, k, v, g, b, h0: f(q, k, v, g=g, initial_state=h0, output_final_state=True)
+        if (gate, delta) == ("none", True):
+            from fla.ops.delta_rule import chunk_delta_rule as f
+            return lambda q, k, v, g, b, h0: f(q, k, v, b, initial_state=h0, output_final_state=True)
+        if (gate, delta) == ("vector", True):
+            from fla.ops.kda import chunk_kda as f
+            return lambda q, k, v, g, b, h0: f(q, k, v, g, b, initial_state=h0, output_final_state=True)
+        from fla.ops.gla import chunk_gla as f
+        return lambda q, k, v, g, b, h0: f(q, k, v, g, initial_state=h0, output_final_state=True)
+    except ImportError:
+        return None
+
+
 def inputs(B, T, H, K, V, dtype, gate="scalar", delta=True, seed=0, device="cuda"):
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -374,9 +398,13 @@ def main():
                 o, s = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
                 o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
                 fo = fs = "-"
-                if fla is not None and (gate, delta) == ("scalar", True):
-                    o2, s2 = fla(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-                    fo, fs = f"{rel(o2, o):.2e}", f"{rel(s2, s):.2e}"
+                ref = fla_member(gate, delta) if fla is not None else None
+                if ref is not None:
+                    try:
+                        o2, s2 = ref(q, k, v, g, beta, h0)
+                        fo, fs = f"{rel(o2, o):.2e}", f"{rel(s2, s):.2e}"
+                    except Exception as e:  # noqa: BLE001
+                        fo = fs = f"fla failed: {type(e).__name__}"
                 rep.add(f"| {NAMES[gate, delta]} | {str(dtype)[6:]} | {rel(o1, o):.2e} | "
                         f"{rel(s1, s):.2e} | {fo} | {fs} |")
             except Exception:  # noqa: BLE001
