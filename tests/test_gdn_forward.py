@@ -694,6 +694,43 @@ def test_t_stored_in_bf16_is_the_fp32_t_rounded(monkeypatch, gate, nan_in):
             assert torch.equal(a.isfinite(), b.isfinite())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_stored_inverse_is_the_float64_inverse(dtype):
+    """T, as the forward stores it (`return_inverse`), against (I + A)^-1 in float64 chunk by
+    chunk, A = tril(beta k k^T Gamma_i / Gamma_j, -1) from the inputs as the kernel reads them.
+    The keys share a direction (cosine about 0.9), so that A's entries are near beta and the
+    block merges' far terms (F^2, F^3 of `gdn.fwd_prep._unit_lower_inverse`) are large: with
+    random normalized keys those terms are below every output's tolerance.  bf16 (T stored in
+    bf16, the merges on bf16 operands, PREP_LAUNCH "merge_bf16"): within 1e-2 normwise a
+    chunk (3.1e-3 under the interpreter); fp32 (tf32x3 merges; "ieee" under the interpreter,
+    1.4e-7): within 1e-4.  T 150: a short last chunk.  Planted, the merges' last Neumann step
+    dropped for the bf16 operands: the bf16 case at 3.3e-2, failing (session 24, by hand)."""
+    B, T, H, K, V, BT = 1, 150, 2, 32, 16, 64
+    gen = torch.Generator().manual_seed(21)
+    base = torch.nn.functional.normalize(torch.randn(K, generator=gen), dim=0)
+    k = torch.nn.functional.normalize(base + 0.25 * torch.randn(B, T, H, K, generator=gen), dim=-1)
+    x = dict(q=torch.randn(B, T, H, K, generator=gen), k=k,
+             v=torch.randn(B, T, H, V, generator=gen), g=-0.05 * torch.rand(B, T, H, generator=gen),
+             beta=0.5 + 0.5 * torch.rand(B, T, H, generator=gen), initial_state=None)
+    for name in ("q", "k", "v"):
+        x[name] = x[name].to(dtype)
+    x = {n: (t.to(DEV) if t is not None else None) for n, t in x.items()}
+    _, _, tm = call(chunk_gdn_fwd, x, return_inverse=True)
+    assert tm.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    kd, bd, gd = x["k"].double().cpu(), x["beta"].double().cpu(), x["g"].double().cpu()
+    worst = 0.0
+    for c0 in range(0, T, BT):
+        n = min(BT, T - c0)
+        for h in range(H):
+            kc = kd[0, c0:c0 + n, h]
+            G = gd[0, c0:c0 + n, h].cumsum(0)
+            decay = torch.exp(G[:, None] - G[None, :])
+            A = torch.tril(bd[0, c0:c0 + n, h, None] * (kc @ kc.T) * decay, -1)
+            ref = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A)
+            worst = max(worst, rel(tm[0, c0:c0 + n, h, :n].cpu(), ref))
+    assert worst < (1e-2 if dtype == torch.bfloat16 else 1e-4), worst
+
+
 def test_varlen_plan_is_kept_per_tensor_and_version(monkeypatch):
     """`gdn.chunk_fwd.varlen_plan` builds the chunk tables once per cu_seqlens tensor and
     version: a second forward on the same tensor reads nothing on the host, an in-place write
