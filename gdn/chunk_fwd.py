@@ -8,8 +8,8 @@ the statement this file follows).  Up to seven launches:
      (chunk, head) that says whether the gates admit the matrix path.
   1. `gdn.fwd_prep._prep_inv_kernel` (delta members), one program per (chunk,
      head): builds A = tril(beta k k^T * decay) and its inverse T = (I + A)^-1
-     from 16x16 blocks, stores T (fp32), and one flag per (chunk, head) that
-     says whether the chunk's k and beta admit the matrix path;
+     from 16x16 blocks, stores T (fp32; bf16 for bf16 inputs), and one flag per
+     (chunk, head) that says whether the chunk's k and beta admit the matrix path;
   1b. `gdn.fwd_prep._prep_wu_kernel`, one program per (chunk, head): w = T
      (beta Gamma k), then u = T (beta v), from the stored T; the flag gains v's
      check.  (One fused prep launch took 1.40 ms on the H200 at B8 T4096 H16
