@@ -150,8 +150,9 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
                         PREC: tl.constexpr, MB: tl.constexpr = 0):
     """T = (I + A)^-1 for the chunk's strictly lower A [BT, BT] (rows r0 + rr H of the
     [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A and the diagonal blocks'
-    inverses pass through it in A's orientation, fp32 (in a bf16 tm, fp32 words in its bytes: the diagonal
-    blocks only), so the caller stores T there only after this returns).  BT 16
+    inverses pass through it in A's orientation, fp32 (in a bf16 tm, fp32 words in its
+    bytes: the diagonal blocks only), so the caller stores T there only after this
+    returns).  The block merges' products by `_mdot` (MB: PREP_LAUNCH "merge_bf16").  BT 16
     (one block, the vector gate): v5.2's substitution on A in registers, leaner there."""
     if BT == 16:
         return _inv_unit_lower(A, BT, PREC)
@@ -382,9 +383,9 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     """The two prep launches (grids: chunks x heads); ``tm`` in `t_dtype`'s dtype."""
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
+    MB = (2 if interp else 1) if PREP_LAUNCH["merge_bf16"] and lowp else 0   # `_mdot`
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, MB=(2 if interp else 1) if PREP_LAUNCH["merge_bf16"] and lowp else 0,
-                              num_warps=PREP_LAUNCH["inv_warps"],
+                              W=W, MB=MB, num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
                              INTERP=interp, TLO=tm.dtype == torch.float32,
