@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gdn.chunk_fwd import kept_plan
+
 
 @triton.jit
 def _coords(cid, T, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -81,9 +83,16 @@ def _seq_tile(inh, iv, T, H, K, V, cu, coff, C: tl.constexpr, BK: tl.constexpr, 
 
 def chunk_plan(cu_seqlens, B: int, T: int, C: int):
     """(sequences, total chunks, chunk table [NC, 2] int32 or None, first chunk
-    of each sequence [N] int32 or None) for fixed-length or varlen batches."""
+    of each sequence [N] int32 or None) for fixed-length or varlen batches; a varlen
+    batch's tables kept per cu_seqlens tensor and version (`gdn.chunk_fwd.kept_plan`: their
+    count is read on the host, which waits for the GPU)."""
     if cu_seqlens is None:
         return B, B * triton.cdiv(T, C), None, None
+    return kept_plan(cu_seqlens, ("bwd", C), lambda: _varlen_tables(cu_seqlens, C))
+
+
+def _varlen_tables(cu_seqlens, C: int):
+    """`chunk_plan`'s tables of a varlen batch, built (one read on the host)."""
     cu = cu_seqlens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
     counts = (lens + C - 1) // C

@@ -559,8 +559,8 @@ def out_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
     return out
 
 
-# The varlen chunk tables of the last few cu_seqlens (`varlen_plan`), newest last.
-PLAN_CACHE_SIZE = 8
+# The varlen chunk tables of the last few cu_seqlens (`kept_plan`), newest last.
+PLAN_CACHE_SIZE = 16   # a forward's and a backward's table for each of 8 cu_seqlens tensors
 _plans: OrderedDict = OrderedDict()
 
 
@@ -581,29 +581,36 @@ def _build_plan(cu_seqlens, T: int, BT: int, dev):
     return N, len(spans), cu, cb, ce, choff
 
 
-def varlen_plan(cu_seqlens, T: int, BT: int, dev):
-    """`_build_plan`'s tables, kept for the last PLAN_CACHE_SIZE cu_seqlens tensors.  Reading
-    cu_seqlens on the host waits for the GPU, so a forward that builds them on every call
-    runs its host work with the GPU idle: on the H200 (session 23, bf16 GDN, 64 varlen
-    sequences, T 32768 H16 K=V=128) the kernels took 1.152 ms and the forward 2.223.  An
-    entry is the same tensor object (held by the cache, so its id is not reused) at the same
-    version counter, which every in-place write through torch (views included) advances, with
-    the same T, chunk and device; a tensor without a version counter (made in inference mode)
-    is read every time.  A write that bypasses torch (a raw kernel on its memory) is not seen:
-    call `_plans.clear()` after one."""
+def kept_plan(cu_seqlens, key: tuple, build):
+    """``build()`` (a chunk table made from cu_seqlens), kept for the last PLAN_CACHE_SIZE
+    (cu_seqlens tensor, ``key``) pairs: the forward's (`varlen_plan`) and the backward's
+    (`gdn.bwd_chunks.chunk_plan`).  Reading cu_seqlens on the host waits for the GPU, so a
+    launch that builds its tables on every call runs its host work with the GPU idle: on the
+    H200 (session 23, bf16 GDN, 64 varlen sequences, T 32768 H16 K=V=128) the forward's
+    kernels took 1.152 ms and the forward 2.223.  An entry is the same tensor object (held by
+    the cache, so its id is not reused) at the same version counter, which every in-place
+    write through torch (views included) advances; a tensor without a version counter (made
+    in inference mode) is read every time.  A write that bypasses torch (a raw kernel on its
+    memory) is not seen: call `_plans.clear()` after one."""
     try:
-        key = (id(cu_seqlens), cu_seqlens._version, cu_seqlens.data_ptr(), T, BT, str(dev))
+        full = (id(cu_seqlens), cu_seqlens._version, cu_seqlens.data_ptr()) + tuple(key)
     except RuntimeError:   # an inference tensor: no version counter
-        return _build_plan(cu_seqlens, T, BT, dev)
-    hit = _plans.get(key)
+        return build()
+    hit = _plans.get(full)
     if hit is not None and hit[0] is cu_seqlens:
-        _plans.move_to_end(key)
+        _plans.move_to_end(full)
         return hit[1]
-    plan = _build_plan(cu_seqlens, T, BT, dev)
-    _plans[key] = (cu_seqlens, plan)
+    plan = build()
+    _plans[full] = (cu_seqlens, plan)
     while len(_plans) > PLAN_CACHE_SIZE:
         _plans.popitem(last=False)
     return plan
+
+
+def varlen_plan(cu_seqlens, T: int, BT: int, dev):
+    """`_build_plan`'s tables, kept (`kept_plan`) per cu_seqlens tensor and version, T, chunk
+    and device."""
+    return kept_plan(cu_seqlens, ("fwd", T, BT, str(dev)), lambda: _build_plan(cu_seqlens, T, BT, dev))
 
 
 def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,

@@ -880,3 +880,33 @@ def test_accumulation_is_not_applicable_to_the_gdn_targets():
     assert len(gdn) == 14
     for t in gdn:
         assert "softplus" in (GATES["G07"].not_applicable(t) or ""), t.name
+
+
+def test_the_backwards_varlen_tables_are_kept_per_tensor_and_version(monkeypatch):
+    """`gdn.bwd_chunks.chunk_plan` keeps a varlen batch's chunk tables per cu_seqlens tensor
+    and version (`gdn.chunk_fwd.kept_plan`, the forward's cache): a second backward on the
+    same tensor reads nothing on the host, an in-place write (a new version) builds them
+    again, another tensor with equal values too, and every backward matches float64 autograd
+    at the offsets it was given.  Planted, the key without the version counter: the
+    backward after the in-place write runs on the old offsets and fails (session 24, by
+    hand)."""
+    import gdn.bwd_chunks as bc
+    import gdn.chunk_fwd as cf
+    builds = []
+    real = bc._varlen_tables
+    monkeypatch.setattr(bc, "_varlen_tables", lambda *a: builds.append(1) or real(*a))
+    monkeypatch.setattr(cf, "_plans", type(cf._plans)())
+    cu = torch.tensor([0, 20, 53, 100], device=DEV)
+    x = make_inputs(1, 100, 2, 16, 16, 1, True, torch.float32, cu=[0, 20, 53, 100])
+
+    def check():
+        assert_close(kernel_grads(x, cu, True, 16), oracle_grads(x, cu, True), TOL[torch.float32])
+    check()
+    check()
+    assert len(builds) == 1
+    cu[1] = 40   # in place: the same object, a new version
+    check()
+    assert len(builds) == 2
+    cu = cu.clone()   # equal values, another tensor
+    check()
+    assert len(builds) == 3
