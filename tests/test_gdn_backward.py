@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gdn.chunk_bwd import chunk_gdn_bwd  # noqa: E402
+from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
 from gdn.op import gdn_attention  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 from gdn.reference import chunked  # noqa: E402
@@ -286,7 +287,6 @@ def test_op_backward_on_the_forwards_inverse_matches_oracle(B, T, H, K, V, gate,
     """The op saves the forward prep's T = (I + A)^-1 and the backward's _prep reads it
     (INV 2) instead of inverting again: gradients within the bound at 64- and 16-token
     chunks, varlen, bf16; a NaN in k (its chunk's T is NaN) reaches exactly the oracle's."""
-    from gdn.chunk_fwd import chunk_gdn_fwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, True, dtype, cu=cu)
     if special:
@@ -882,25 +882,35 @@ def test_accumulation_is_not_applicable_to_the_gdn_targets():
         assert "softplus" in (GATES["G07"].not_applicable(t) or ""), t.name
 
 
-def test_the_backwards_varlen_tables_are_kept_per_tensor_and_version(monkeypatch):
-    """`gdn.bwd_chunks.chunk_plan` keeps a varlen batch's chunk tables per cu_seqlens tensor
-    and version (`gdn.chunk_fwd.kept_plan`, the forward's cache): a second backward on the
-    same tensor reads nothing on the host, an in-place write (a new version) builds them
-    again, another tensor with equal values too, and every backward matches float64 autograd
-    at the offsets it was given.  Planted, the key without the version counter: the
-    backward after the in-place write runs on the old offsets and fails (session 24, by
-    hand)."""
+@pytest.mark.parametrize("side", ["forward", "backward"])
+def test_varlen_tables_are_kept_per_tensor_and_version(monkeypatch, side):
+    """The forward's (`gdn.chunk_fwd.varlen_plan`) and the backward's
+    (`gdn.bwd_chunks.chunk_plan`) varlen chunk tables are built once per cu_seqlens tensor and
+    version (`gdn.chunk_fwd.kept_plan`): a second call on the same tensor reads nothing on the
+    host, an in-place write to it (a new version) builds them again, another tensor with equal
+    values too, and every call matches the float64 oracle (forward) or autograd through it
+    (backward) at the offsets it was given.  Planted, the key without the version counter:
+    the call after the in-place write runs on the old offsets and fails, forward (session 23)
+    and backward (dq 1e37 off; session 24), by hand."""
     import gdn.bwd_chunks as bc
     import gdn.chunk_fwd as cf
+    mod, name = (cf, "_build_plan") if side == "forward" else (bc, "_varlen_tables")
     builds = []
-    real = bc._varlen_tables
-    monkeypatch.setattr(bc, "_varlen_tables", lambda *a: builds.append(1) or real(*a))
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a: builds.append(1) or real(*a))
     monkeypatch.setattr(cf, "_plans", type(cf._plans)())
     cu = torch.tensor([0, 20, 53, 100], device=DEV)
     x = make_inputs(1, 100, 2, 16, 16, 1, True, torch.float32, cu=[0, 20, 53, 100])
 
     def check():
-        assert_close(kernel_grads(x, cu, True, 16), oracle_grads(x, cu, True), TOL[torch.float32])
+        if side == "backward":
+            assert_close(kernel_grads(x, cu, True, 16), oracle_grads(x, cu, True), TOL[torch.float32])
+            return
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        want = recurrence(*args, initial_state=x["h0"], cu_seqlens=cu)
+        got = chunk_gdn_fwd(*args, initial_state=x["h0"], cu_seqlens=cu)
+        for a, b in zip(got, want):
+            assert (a.double() - b.double()).norm() / b.double().norm() < TOL[torch.float32]
     check()
     check()
     assert len(builds) == 1
