@@ -22,13 +22,13 @@ and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
   side (session 8: 0.305 -> 0.211, T read twice a chunk, not once a tile).  One tile a
   program (sessions 5-7) stalled on its loads at 4 programs an SM (ncu: L1TEX scoreboard
   53% of the stalls, 108 registers); a chunk a program, unpipelined: 0.761 ms.
-- For bf16 inputs and no gate or a scalar gate, products on bf16
-  operands where that loses nothing: k k^T on the raw keys (each product exact in the fp32
-  sum; the decay and beta scale the [BT, BT] result), and w, u as (T_hi + T_lo) k,
-  (T_hi + T_lo) v with T diag(beta Gamma) split into two bf16 parts (T to about 2^-16, the
-  raw k, v exact: more precise than v5.2's tf32 operands, which round both to 2^-11).  fp16 and fp32 inputs and the
-  vector gate keep v5.2's operands: an fp16 T could overflow, and a per-key decay cannot
-  be moved off the keys.
+- For bf16 inputs and no gate or a scalar gate, products on bf16 operands: k k^T on the
+  raw keys (each product exact in the fp32 sum; the decay and beta scale the [BT, BT]
+  result); w, u as T' k, T' v with T' = T diag(beta Gamma) rounded to bf16 and T stored in
+  bf16 (PREP_LAUNCH "t_bf16", session 23; before it T' was split into two bf16 parts, hi +
+  lo, two products a tile); T's block merges on bf16 operands (PREP_LAUNCH "merge_bf16",
+  session 24).  fp16 and fp32 inputs and the vector gate keep v5.2's operands: an fp16 T
+  could overflow, and a per-key decay cannot be moved off the keys.
 
 Under the Triton interpreter the bf16 operands are rounded to bf16 and multiplied in fp32
 ("ieee"): the same products (exact) as a bf16 tensor-core product, since the
