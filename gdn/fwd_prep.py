@@ -61,18 +61,6 @@ def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _mdot(a, b, MB: tl.constexpr, PREC: tl.constexpr):
-    """A product of T's block merges: on fp32 operands at PREC (MB 0), or on bf16 ones (MB 1;
-    MB 2 under the interpreter: the operands rounded to bf16, multiplied in fp32)."""
-    if MB == 1:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    if MB == 2:
-        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
-                      input_precision="ieee")
-    return tl.dot(a, b, input_precision=PREC)
-
-
-@triton.jit
 def _quad_row(tmc, b16, i: tl.constexpr, q: tl.constexpr, n, RS, FULL: tl.constexpr):
     """Words 4 q .. 4 q + 3 of D_b[i, :] = A[16 b + i, 16 b + :] (a [W, 4] tile, one row a
     thread, the same row for a block's threads), zero from column i on (A strictly lower)."""
@@ -152,7 +140,8 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
     [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A and the diagonal blocks'
     inverses pass through it in A's orientation, fp32 (in a bf16 tm, fp32 words in its
     bytes: the diagonal blocks only), so the caller stores T there only after this
-    returns).  The block merges' products by `_mdot` (MB: PREP_LAUNCH "merge_bf16").  BT 16
+    returns).  The block merges' products by `_bdot`: fp32 operands at PREC (MB 0) or bf16 ones
+    (MB 1; 2 under the interpreter), `merge_mode`.  BT 16
     (one block, the vector gate): v5.2's substitution on A in registers, leaner there."""
     if BT == 16:
         return _inv_unit_lower(A, BT, PREC)
@@ -185,12 +174,12 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
         Dinv = M
         Ab = tl.where((rr[:, None] // 16) > (rr[None, :] // 16), A, 0.0)
         eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-    F = _mdot(Dinv, Ab, MB, PREC)
+    F = _bdot(Dinv, Ab, MB != 0, MB == 2, PREC)
     P = eye - F
-    P = eye - _mdot(F, P, MB, PREC)
-    P = eye - _mdot(F, P, MB, PREC)
+    P = eye - _bdot(F, P, MB != 0, MB == 2, PREC)
+    P = eye - _bdot(F, P, MB != 0, MB == 2, PREC)
     tl.debug_barrier()   # every thread has read M before T overwrites it
-    return _mdot(P, Dinv, MB, PREC)
+    return _bdot(P, Dinv, MB != 0, MB == 2, PREC)
 
 
 @triton.jit
@@ -349,7 +338,7 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
 # kept for the backward halve (134 -> 67 MB).
 # "merge_bf16" (1, adopted in session 24; 0 for bring-up): for the bf16 products (lowp) the
 # four block merges of `_unit_lower_inverse` (F = Dinv A_below, the Neumann steps, P Dinv)
-# take bf16 operands (fp32 sums) instead of tf32 ones (`_mdot`); the diagonal blocks' own
+# take bf16 operands (fp32 sums) instead of tf32 ones (`merge_mode`); the diagonal blocks' own
 # substitution stays fp32.  sm_90 offline: shared memory 49152 -> 16400 B, STS 132 -> 4 (ncu
 # had 33% of `_prep_inv`'s shared-memory wavefronts as bank conflicts of the fp32 operand
 # stores, L1/TEX 87% busy), HGMMA 40 -> 24.  On the H200 (session 24, bf16 GDN B8 T4096 H16
@@ -374,6 +363,13 @@ def _cap(key: str, interp: bool, lowp: bool) -> dict:
     return {"maxnreg": PREP_LAUNCH[key]} if PREP_LAUNCH[key] and lowp and not interp else {}
 
 
+def merge_mode(lowp: bool, interp: bool) -> int:
+    """`_unit_lower_inverse`'s MB: its block merges on bf16 operands (1; 2 under the
+    interpreter, whose bf16 tl.dot is wrong) under PREP_LAUNCH "merge_bf16" for the bf16
+    products, else on fp32 ones (0)."""
+    return (2 if interp else 1) if PREP_LAUNCH["merge_bf16"] and lowp else 0
+
+
 def t_dtype(lowp: bool, BT: int):
     """The dtype T is stored in: fp32, or bf16 under PREP_LAUNCH "t_bf16" (see there)."""
     return torch.bfloat16 if PREP_LAUNCH["t_bf16"] and lowp and BT >= 32 else torch.float32
@@ -383,9 +379,8 @@ def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lo
     """The two prep launches (grids: chunks x heads); ``tm`` in `t_dtype`'s dtype."""
     NC, H = flag.shape
     W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
-    MB = (2 if interp else 1) if PREP_LAUNCH["merge_bf16"] and lowp else 0   # `_mdot`
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, MB=MB, num_warps=PREP_LAUNCH["inv_warps"],
+                              W=W, MB=merge_mode(lowp, interp), num_warps=PREP_LAUNCH["inv_warps"],
                               **_cap("inv_maxnreg", interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
                              INTERP=interp, TLO=tm.dtype == torch.float32,

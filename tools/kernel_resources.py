@@ -164,7 +164,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
     for label, fn, sig, const, warps, stages in (
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
              dict(split, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"],
-                  MB=1 if fp.PREP_LAUNCH["merge_bf16"] and lowp else 0),
+                  MB=fp.merge_mode(lowp, False)),
              fp.PREP_LAUNCH["inv_warps"], 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
              dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, TLO=t32),
