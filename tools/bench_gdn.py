@@ -309,114 +309,15 @@ def forward_profile_stage(rep, members=("KDA", "GDN"), out_launches=({},)):
     fwd.OUT_LAUNCH.update(default)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_fwd.md")
-    ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
-    ap.add_argument("--stages", default="fwd,bwd",
-                    help="comma-separated: fwd, bwd, bwdprof, fwdprof (ours per kernel), "
-                         "flaprof (fla per kernel)")
-    ap.add_argument("--members", default="KDA,GDN", help="fwdprof: the members to profile")
-    ap.add_argument("--out-launches", default="[{}]",
-                    help='fwdprof: JSON list of output-kernel launches to profile, e.g. \'[{}, {"bk": 64}]\'')
-    args = ap.parse_args()
-    stages = set(args.stages.split(","))
-    t_start = time.time()
-    rep = Report(args.out)
-    fla = None
-    if not args.no_fla:
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
-        except Exception as e:  # noqa: BLE001
-            rep.add(f"(fla not importable: {e!r})")
-    dev = torch.cuda.get_device_name()
-    rep.add(f"Device: {dev}; torch {torch.__version__}; triton {triton.__version__}; "
-            f"python {platform.python_version()}; fla {'yes' if fla else 'no'}.\n")
-    if "bwd" in stages:
-        backward_stage(rep, fla)
-        rep.add("")
-    if "bwdprof" in stages:
-        backward_profile_stage(rep)
-        rep.add("")
-    if "fwdprof" in stages:
-        forward_profile_stage(rep, args.members.split(","), json.loads(args.out_launches))
-        rep.add("")
-    if "flaprof" in stages and fla is not None:
-        fla_profile_stage(rep, fla)
-        rep.add("")
-    if "fwd" not in stages:
-        return
 
-    # -- timing -------------------------------------------------------------------
-    rep.add("### Time (bf16, GDN: scalar gate, delta rule; median of triton.testing.do_bench)\n\n"
-            "| case | ours ms | fla ms | fla/ours | bytes floor ms | FLOP floor ms | ours vs fla rel. diff |\n"
-            "| --- | --- | --- | --- | --- | --- | --- |")
-    gen = torch.Generator().manual_seed(1)
-    lens = torch.randint(64, 960, (64,), generator=gen)
-    lens = (lens * 32768 / lens.sum()).long()
-    lens[-1] += 32768 - lens.sum()
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).cuda()
-    cases = [("B8 T4096 H16 K=V=128", 8, 4096, None), ("B1 T65536 H16 K=V=128", 1, 65536, None),
-             ("64 seqs varlen, T=32768 H16 K=V=128", 1, 32768, cu)]
-    def time_case(name, B, T, cus):
-        try:
-            q, k, v, g, beta = inputs(B, T, 16, 128, 128, torch.bfloat16)
-            N = B if cus is None else len(cus) - 1
-            ours = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, cu_seqlens=cus)  # noqa: E731
-            o1, s1 = ours()
-            t_ours = do_bench(ours, warmup=50, rep=200, return_mode="median")
-            t_fla, diff = float("nan"), float("nan")
-            if fla is not None and time.time() - t_start < args.budget:
-                fl = lambda: fla(q, k, v, g, beta, output_final_state=True, cu_seqlens=cus)  # noqa: E731
-                o2, s2 = fl()
-                t_fla = do_bench(fl, warmup=50, rep=200, return_mode="median")
-                diff = rel(o1, o2)
-            by, flp = floors(B, T, 16, 128, 128, N, 2)
-            rep.add(f"| {name} | {t_ours:.3f} | {t_fla:.3f} | {t_fla / t_ours:.2f} | "
-                    f"{by / COPY_BW * 1e3:.3f} | {flp / BF16_RATE * 1e3:.3f} | {diff:.1e} |")
-        except Exception:  # noqa: BLE001
-            rep.add(f"| {name} | failed: {traceback.format_exc(limit=3)!r} |")
-    time_case(*cases[0])
-    rep.add("")
-
-    # -- accuracy -------------------------------------------------------------------
-    fwd_state.TUNE = False
-    B, T, H, K, V = 2, 300, 16, 128, 128
-    rep.add(f"### Accuracy: normwise rel. error vs the float64 oracle (B={B} T={T} H={H} K=V={K}, "
-            "on the GPU; o / final state)\n\n| member | dtype | ours o | ours state | fla o | fla state |\n"
-            "| --- | --- | --- | --- | --- | --- |")
-    def accuracy(dtype):
-        for gate, delta in MEMBERS:
-            if time.time() - t_start > args.budget:
-                rep.add("| (budget spent) |")
-                break
-            try:
-                q, k, v, g, beta = inputs(B, T, H, K, V, dtype, gate, delta, seed=2)
-                torch.manual_seed(2)
-                h0 = torch.randn(B, H, K, V, device="cuda")
-                o, s = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
-                o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
-                fo = fs = "-"
-                ref = fla_member(gate, delta) if fla is not None else None
-                if ref is not None:
-                    try:
-                        o2, s2 = ref(q, k, v, g, beta, h0)
-                        fo, fs = f"{rel(o2, o):.2e}", f"{rel(s2, s):.2e}"
-                    except Exception as e:  # noqa: BLE001
-                        fo = fs = f"fla failed: {type(e).__name__}"
-                rep.add(f"| {NAMES[gate, delta]} | {str(dtype)[6:]} | {rel(o1, o):.2e} | "
-                        f"{rel(s1, s):.2e} | {fo} | {fs} |")
-            except Exception:  # noqa: BLE001
-                rep.add(f"| {NAMES[gate, delta]} | {dtype} | failed: {traceback.format_exc(limit=3)!r} |")
-    accuracy(torch.bfloat16)
-
-    # -- the NaN/Inf contract on the device ---------------------------------------------
+def nan_stage(rep, B, T, H, K, V, out_of_time):
+    """The NaN/Inf contract on the device: one value injected mid-chunk into each input of
+    each member; ours must give NaN and Inf exactly where the float64 oracle does."""
     bad, runs, lost = [], 0, None
     for gate, delta in MEMBERS:
         for name in ("q", "k", "v", "g", "beta", "h0"):
             for val in (float("nan"), float("inf"), float("-inf")):
-                if time.time() - t_start > args.budget or lost:
+                if out_of_time() or lost:
                     break
                 q, k, v, g, beta = inputs(B, T, H, K, V, torch.bfloat16, gate, delta, seed=3)
                 h0 = torch.randn(B, H, K, V, device="cuda")
@@ -445,16 +346,124 @@ def main():
     rep.add(f"### NaN/Inf sets on the device (bf16, B={B} T={T} H={H} K=V={K}, one value injected "
             f"mid-chunk): {runs} runs, {len(bad)} mismatches or failures {bad[:10]}\n")
     if lost:
-        rep.add(f"The CUDA context was lost at `{lost}`; the stages after it were not run.\n")
-        return
-    rep.add("### Accuracy, fp32 inputs (same shape)\n\n| member | dtype | ours o | ours state | fla o | fla state |\n"
-            "| --- | --- | --- | --- | --- | --- |")
-    accuracy(torch.float32)
-    rep.add("\n### Time, more shapes (bf16, GDN)\n\n| case | ours ms | fla ms | fla/ours | bytes floor ms | "
-            "FLOP floor ms | ours vs fla rel. diff |\n| --- | --- | --- | --- | --- | --- | --- |")
-    for case in cases[1:]:
-        if time.time() - t_start < args.budget:
-            time_case(*case)
+        rep.add(f"The CUDA context was lost at `{lost}`; the runs after it were not made.\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_fwd.md")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
+    ap.add_argument("--stages", default="fwd,bwd",
+                    help="comma-separated: fwd (= fwdtime, fwdacc, fwdnan), fwdtime (the three "
+                         "shapes), fwdacc (accuracy against float64 beside fla), fwdnan (NaN/Inf sets), "
+                         "bwd, bwdprof, fwdprof (ours per kernel), flaprof (fla per kernel)")
+    ap.add_argument("--acc-members", default=",".join(NAMES[m] for m in MEMBERS),
+                    help="fwdacc: the members, by name")
+    ap.add_argument("--acc-dtypes", default="bfloat16,float32", help="fwdacc: the input dtypes")
+    ap.add_argument("--members", default="KDA,GDN", help="fwdprof: the members to profile")
+    ap.add_argument("--out-launches", default="[{}]",
+                    help='fwdprof: JSON list of output-kernel launches to profile, e.g. \'[{}, {"bk": 64}]\'')
+    args = ap.parse_args()
+    stages = set(args.stages.split(","))
+    if "fwd" in stages:
+        stages |= {"fwdtime", "fwdacc", "fwdnan"}
+    t_start = time.time()
+    rep = Report(args.out)
+    fla = None
+    if not args.no_fla:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+        except Exception as e:  # noqa: BLE001
+            rep.add(f"(fla not importable: {e!r})")
+    dev = torch.cuda.get_device_name()
+    rep.add(f"Device: {dev}; torch {torch.__version__}; triton {triton.__version__}; "
+            f"python {platform.python_version()}; fla {'yes' if fla else 'no'}.\n")
+    if "bwd" in stages:
+        backward_stage(rep, fla)
+        rep.add("")
+    if "bwdprof" in stages:
+        backward_profile_stage(rep)
+        rep.add("")
+    if "fwdprof" in stages:
+        forward_profile_stage(rep, args.members.split(","), json.loads(args.out_launches))
+        rep.add("")
+    if "flaprof" in stages and fla is not None:
+        fla_profile_stage(rep, fla)
+        rep.add("")
+
+    # -- timing -------------------------------------------------------------------
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(64, 960, (64,), generator=gen)
+    lens = (lens * 32768 / lens.sum()).long()
+    lens[-1] += 32768 - lens.sum()
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).cuda()
+    cases = [("B8 T4096 H16 K=V=128", 8, 4096, None), ("B1 T65536 H16 K=V=128", 1, 65536, None),
+             ("64 seqs varlen, T=32768 H16 K=V=128", 1, 32768, cu)]
+    def time_case(name, B, T, cus):
+        try:
+            q, k, v, g, beta = inputs(B, T, 16, 128, 128, torch.bfloat16)
+            N = B if cus is None else len(cus) - 1
+            ours = lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, cu_seqlens=cus)  # noqa: E731
+            o1, s1 = ours()
+            t_ours = do_bench(ours, warmup=50, rep=200, return_mode="median")
+            t_fla, diff = float("nan"), float("nan")
+            if fla is not None and time.time() - t_start < args.budget:
+                fl = lambda: fla(q, k, v, g, beta, output_final_state=True, cu_seqlens=cus)  # noqa: E731
+                o2, s2 = fl()
+                t_fla = do_bench(fl, warmup=50, rep=200, return_mode="median")
+                diff = rel(o1, o2)
+            by, flp = floors(B, T, 16, 128, 128, N, 2)
+            rep.add(f"| {name} | {t_ours:.3f} | {t_fla:.3f} | {t_fla / t_ours:.2f} | "
+                    f"{by / COPY_BW * 1e3:.3f} | {flp / BF16_RATE * 1e3:.3f} | {diff:.1e} |")
+        except Exception:  # noqa: BLE001
+            rep.add(f"| {name} | failed: {traceback.format_exc(limit=3)!r} |")
+    if "fwdtime" in stages:
+        rep.add("### Time (bf16, GDN: scalar gate, delta rule; median of triton.testing.do_bench; "
+                "the shapes after the first skipped past the budget)\n\n"
+                "| case | ours ms | fla ms | fla/ours | bytes floor ms | FLOP floor ms | ours vs fla rel. diff |\n"
+                "| --- | --- | --- | --- | --- | --- | --- |")
+        for case in cases:
+            if case is cases[0] or time.time() - t_start < args.budget:
+                time_case(*case)
+        rep.add("")
+
+    # -- accuracy -------------------------------------------------------------------
+    fwd_state.TUNE = False
+    B, T, H, K, V = 2, 300, 16, 128, 128
+    def accuracy(dtype):
+        for gate, delta in (m for m in MEMBERS if NAMES[m] in args.acc_members.split(",")):
+            if time.time() - t_start > args.budget:
+                rep.add("| (budget spent) |")
+                break
+            try:
+                q, k, v, g, beta = inputs(B, T, H, K, V, dtype, gate, delta, seed=2)
+                torch.manual_seed(2)
+                h0 = torch.randn(B, H, K, V, device="cuda")
+                o, s = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
+                o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
+                fo = fs = "-"
+                ref = fla_member(gate, delta) if fla is not None else None
+                if ref is not None:
+                    try:
+                        o2, s2 = ref(q, k, v, g, beta, h0)
+                        fo, fs = f"{rel(o2, o):.2e}", f"{rel(s2, s):.2e}"
+                    except Exception as e:  # noqa: BLE001
+                        why = str(e).splitlines()[0][:70].replace("|", "/") if str(e) else ""
+                        fo = fs = f"fla failed: {type(e).__name__} {why}"
+                rep.add(f"| {NAMES[gate, delta]} | {str(dtype)[6:]} | {rel(o1, o):.2e} | "
+                        f"{rel(s1, s):.2e} | {fo} | {fs} |")
+            except Exception:  # noqa: BLE001
+                rep.add(f"| {NAMES[gate, delta]} | {dtype} | failed: {traceback.format_exc(limit=3)!r} |")
+    if "fwdacc" in stages:
+        rep.add(f"### Accuracy: normwise rel. error vs the float64 oracle (B={B} T={T} H={H} K=V={K}, "
+                "on the GPU; o / final state)\n\n| member | dtype | ours o | ours state | fla o | fla state |\n"
+                "| --- | --- | --- | --- | --- | --- |")
+        for dtype in args.acc_dtypes.split(","):
+            accuracy(getattr(torch, dtype))
+        rep.add("")
+    if "fwdnan" in stages:
+        nan_stage(rep, B, T, H, K, V, lambda: time.time() - t_start > args.budget)
     rep.add(f"(bench wall time {time.time() - t_start:.0f} s)")
 
 
