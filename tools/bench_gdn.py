@@ -2,7 +2,13 @@
 chunk_gated_delta_rule on a GPU: time, floors, accuracy against the float64
 oracle, and the NaN/Inf contract on the device.
 
-    python tools/bench_gdn.py --out OUT.md [--no-fla] [--budget SECONDS] [--stages fwd,bwd,bwdprof]
+    python tools/bench_gdn.py --out OUT.md [--no-fla] [--budget SECONDS] [--stages fwd,bwd,...]
+
+The ``fwd`` stage is three: ``fwdtime`` (ours and fla at B8 T4096, B1 T65536 and 64 varlen
+sequences, in that order, the later shapes skipped past ``--budget``), ``fwdacc`` (every
+member's error against the float64 oracle beside fla's own op, ``--acc-members`` and
+``--acc-dtypes``; fla's fp32 autotuning takes minutes on a fresh machine) and ``fwdnan`` (the
+NaN/Inf sets); each can be run alone.
 
 The ``bwd`` stage times our backward (gdn.chunk_bwd) and forward+backward
 (gdn.op.gdn_attention through autograd) against fla's chunk_gated_delta_rule
