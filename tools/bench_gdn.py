@@ -315,7 +315,6 @@ def forward_profile_stage(rep, members=("KDA", "GDN"), out_launches=({},)):
     fwd.OUT_LAUNCH.update(default)
 
 
-
 def nan_stage(rep, B, T, H, K, V, out_of_time):
     """The NaN/Inf contract on the device: one value injected mid-chunk into each input of
     each member; ours must give NaN and Inf exactly where the float64 oracle does."""
