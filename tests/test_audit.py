@@ -16,7 +16,7 @@ from kfuzz.kernelbench import (KernelBenchError, WeightsContractError, as_target
 ROOT = Path(__file__).resolve().parents[1]
 CONTROLS = ROOT / "harnesses" / "kernelbench_controls"
 CORPORA = ROOT.parent / "shared" / "corpora"
-CI_ROWS = ROOT / "audit" / "ci_rows.json"
+CI_ROWS = ROOT / "reports" / "audit" / "ci_rows.json"
 
 
 def control(stem):
@@ -83,14 +83,14 @@ def test_audit_cli_refuses_a_missing_corpus(tmp_path):
 
 
 def test_ci_audit_controls_and_cpu_rows(tmp_path):
-    """The CPU-runnable CUDA-L1 rows named in audit/ci_rows.json end as recorded there, and
+    """The CPU-runnable CUDA-L1 rows named in reports/audit/ci_rows.json end as recorded there, and
     every control ends as planted (each kernel in its own sandboxed process)."""
     spec = json.loads(CI_ROWS.read_text())
     entries = read_corpus(CONTROLS)
     corpus = CORPORA / spec["corpus"]
     if corpus.is_file():
         digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
-        assert digest == spec["sha256"], f"{corpus} changed (sha256 {digest}); re-measure audit/ci_rows.json"
+        assert digest == spec["sha256"], f"{corpus} changed (sha256 {digest}); re-measure reports/audit/ci_rows.json"
         entries += [e for e in read_corpus(corpus) if e.key.rsplit(":", 1)[1] in spec["rows"]]
     records = list(run_audit(entries, tmp_path, spec["gates"], jobs=2, timeout=60))
     assert len(records) == len(entries)

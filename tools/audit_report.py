@@ -1,6 +1,6 @@
 """The audit's report: markdown, a PNG and JSON from one or more ``results.jsonl`` files.
 
-    python tools/audit_report.py audit/results.jsonl --out audit [--corpora DIR]
+    python tools/audit_report.py reports/audit/results.jsonl [--out reports/audit] [--corpora DIR]
 
 writes ``report.md``, ``report.json`` (the totals and one row per kernel) and
 ``report.png`` (violations by gate, by generating model, and the calibration
@@ -176,7 +176,7 @@ def markdown(s: dict) -> str:
            f"{s['unbuilt']} that did not build or import here (not judged).", "",
            *([f"{s['without_mode']} records predate the train/eval mode field: their models ran in train "
               f"mode, which differs from CUDA-L1's eval mode for references with BatchNorm or dropout "
-              f"(AUDIT.md; `kfuzz audit --retry` redoes those).", ""] if s["without_mode"] else []),
+              f"(docs/audit.md; `kfuzz audit --retry` redoes those).", ""] if s["without_mode"] else []),
            f"G07 (exact accumulation) is n/a on a reference with float weights (no exact answer by "
            f"construction): {s['g07_not_applicable']} kernels, {s['g07_failures_not_applicable']} of them with a "
            f"G07 failure recorded before that rule, counted as n/a"
@@ -248,7 +248,7 @@ def plot(s: dict, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="results.jsonl file(s) from kfuzz audit")
-    ap.add_argument("--out", default="audit", help="folder for report.md, report.json, report.png")
+    ap.add_argument("--out", default="reports/audit", help="folder for report.md, report.json, report.png")
     ap.add_argument("--corpora", help="folder of the corpus files, for whether older records' references have "
                     "float weights (default .corpora, then ../shared/corpora)")
     a = ap.parse_args(argv)

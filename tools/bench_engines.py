@@ -2,7 +2,7 @@
 
     python tools/bench_engines.py detection [--seeds 5] [--cap 2000] [--out out/bench_engines.json]
     python tools/bench_engines.py throughput [--runs 400]
-    python tools/bench_engines.py table out/bench_engines.json   # writes BENCHMARKS.md's section
+    python tools/bench_engines.py table out/bench_engines.json   # writes docs/benchmarks.md's section
 
 Detection: each planted combination bug of ``harnesses/controls_search.py``, each engine
 configuration, several seeds; a campaign (kernel in process, ``jobs=0``, so that process
@@ -222,7 +222,7 @@ same command on an idle machine with spare cores measures the design rather than
 """
 
 
-def write_section(text: str, path: Path = Path("BENCHMARKS.md")) -> None:
+def write_section(text: str, path: Path = Path("docs/benchmarks.md")) -> None:
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
     if SECTION in doc:
         head, _, rest = doc.partition(SECTION)

@@ -2,7 +2,7 @@
 chunk_gated_delta_rule on a GPU: time, floors, accuracy against the float64
 oracle, and the NaN/Inf contract on the device.
 
-    python tools/bench_gdn.py --out OUT.md [--no-fla] [--budget SECONDS] [--stages fwd,bwd,...]
+    python tools/bench_gdn.py [--out reports/bench_gdn.md] [--no-fla] [--budget SECONDS] [--stages fwd,bwd,...]
 
 The ``fwd`` stage is three: ``fwdtime`` (ours and fla at B8 T4096, B1 T65536 and 64 varlen
 sequences, in that order, the later shapes skipped past ``--budget``), ``fwdacc`` (every
@@ -23,7 +23,7 @@ forward per kernel (torch profiler); ``flaprof`` does the same for fla.  ``fwdpr
 ``--members`` (e.g. GDN) and ``--out-launches``, a JSON list of output-kernel launches
 (gdn.chunk_fwd.OUT_LAUNCH overrides) timed one after another in the same process.
 
-Writes a Markdown section (pasted into BENCHMARKS.md, "GDN forward") after
+Writes a Markdown section (docs/benchmarks.md, "GDN on the H200", shows it) after
 every stage, so a run cut short still leaves what it measured.
 """
 from __future__ import annotations
@@ -356,7 +356,7 @@ def nan_stage(rep, B, T, H, K, V, out_of_time):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_fwd.md")
+    ap.add_argument("--out", default="reports/bench_gdn.md")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds; later stages skip past it")
     ap.add_argument("--stages", default="fwd,bwd",

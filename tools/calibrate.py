@@ -13,8 +13,8 @@ changes. ``--check`` re-runs the gates with C = BOUND_C x f at the grid factors
 on either side of r and asserts the verdicts flip there, so the reading is
 measured, not assumed.
 
-Writes CALIBRATION.md (the table, per target and gate, over the grid of factors
-1/16 ... 1024) and calibration.png (each gate's needed C, correct kernels against
+Writes reports/calibration.md (the table, per target and gate, over the grid of factors
+1/16 ... 1024) and reports/calibration.png (each gate's needed C, correct kernels against
 planted bugs, with the chosen C).
 
 ``--family gdn`` measures the GDN targets instead (harnesses/gdn.py), whose bound
@@ -22,7 +22,7 @@ in force is C x the target's ``bound_scale`` (``BOUND_SCALE``): the ratios, the
 grid factors and ``--check`` are all relative to that bound. They have no planted
 variants; the evidence on the other side is the real bugs the bound caught, read
 from the ``bound-*`` records under crashes/gdn_* (each verdict's ratio as it was
-when found). Writes CALIBRATION_GDN.md and calibration_gdn.png. It refuses a
+when found). Writes reports/calibration_gdn.md and reports/calibration_gdn.png. It refuses a
 target list whose members have different ``bound_scale`` (one table, one bound).
 """
 from __future__ import annotations
@@ -264,18 +264,18 @@ def plot(rows, chosen, path, scale=1.0, bugs=()):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=("operators", "gdn"), default="operators",
-                    help="operators (default: CALIBRATION.md) or gdn (CALIBRATION_GDN.md, bound C x BOUND_SCALE)")
+                    help="operators (reports/calibration.md) or gdn (reports/calibration_gdn.md, bound C x BOUND_SCALE)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--targets", default=None,
                     help="comma-separated; default: operator targets and variants, or " + ",".join(GDN_DEFAULT))
     ap.add_argument("--check", action="store_true", help="re-run at the grid factors around each reading")
-    ap.add_argument("--md", default=None, help="default CALIBRATION.md (gdn: CALIBRATION_GDN.md)")
-    ap.add_argument("--png", default=None, help="default calibration.png (gdn: calibration_gdn.png)")
+    ap.add_argument("--md", default=None, help="default reports/calibration.md (gdn: reports/calibration_gdn.md)")
+    ap.add_argument("--png", default=None, help="default reports/calibration.png (gdn: reports/calibration_gdn.png)")
     a = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     gdn = a.family == "gdn"
-    md = a.md or ("CALIBRATION_GDN.md" if gdn else "CALIBRATION.md")
-    png = a.png or ("calibration_gdn.png" if gdn else "calibration.png")
+    md = a.md or ("reports/calibration_gdn.md" if gdn else "reports/calibration.md")
+    png = a.png or ("reports/calibration_gdn.png" if gdn else "reports/calibration.png")
     targets = load_targets()
     if a.targets:
         names = a.targets.split(",")

@@ -1,6 +1,6 @@
-"""Run the twelve gates on every operator target and its planted-bug variants; write GATES.md.
+"""Run the twelve gates on every operator target and its planted-bug variants; write the matrix.
 
-    python tools/gate_matrix.py [--seeds 0,1,2] [--out GATES.md] [--json gate_matrix.json]
+    python tools/gate_matrix.py [--seeds 0,1,2] [--out reports/gate_matrix.md] [--json reports/gate_matrix.json]
 
 Correct kernels run with every seed (12/12 or n/a with the reason, no false alarm);
 planted-bug variants with the first seed. The matrix says which gate caught which bug,
@@ -106,8 +106,8 @@ def render(data: dict) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--out", default="GATES.md")
-    ap.add_argument("--json", default="gate_matrix.json")
+    ap.add_argument("--out", default="reports/gate_matrix.md")
+    ap.add_argument("--json", default="reports/gate_matrix.json")
     a = ap.parse_args(argv)
     data = collect([int(s) for s in a.seeds.split(",")], log=lambda m: print(m, file=sys.stderr, flush=True))
     Path(a.json).write_text(json.dumps(data, indent=1, default=str))

@@ -1,9 +1,9 @@
 """Run every reward hack through the standard KernelBench-style test and through kfuzz's
-gates; write the table into HACKS.md (between its table markers) and the raw results as JSON.
+gates; write the table into docs/sandbox.md (between its table markers) and the raw results as JSON.
 
     python tools/hack_table.py [--gates G01,G03] [--device cpu|cuda] [--runs 5] [--json out/hacks.json]
-                               [--write HACKS.md] [--only NAME,...] [--in-process]
-    python tools/hack_table.py --from-json out/hacks.json --write HACKS.md   # re-render only
+                               [--write docs/sandbox.md] [--only NAME,...] [--in-process]
+    python tools/hack_table.py --from-json out/hacks.json --write docs/sandbox.md   # re-render only
 
 The standard test is ``kfuzz.kernelbench.standard_test`` on the hack's KernelBench source in
 ``harnesses/kernelbench_hacks/`` (run in this process, as that test runs; what a hack patches
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated hack names")
     p.add_argument("--runs", type=int, default=5, help="standard-test runs per hack (some hacks race)")
     p.add_argument("--json", default=None, help="write the raw results here")
-    p.add_argument("--write", default=None, help="write the table into this markdown file (e.g. HACKS.md)")
+    p.add_argument("--write", default=None, help="write the table into this markdown file (e.g. docs/sandbox.md)")
     p.add_argument("--from-json", default=None, help="render the table from an earlier --json, running nothing")
     p.add_argument("--in-process", action="store_true",
                    help="run the kernels in this process, not in sandboxed workers (kfuzz verify --in-process)")

@@ -1,7 +1,7 @@
-"""Write MINIMIZE.md: each saved failure as found and after minimization, and a
+"""Write reports/minimize.md: each saved failure as found and after minimization, and a
 multi-megabyte reported input imported from a .pt and shrunk.
 
-    python tools/minimize_report.py [--crashes crashes] [--out MINIMIZE.md]
+    python tools/minimize_report.py [--crashes crashes] [--out reports/minimize.md]
 
 The first table is read from the records in crashes/ (``kfuzz run`` and ``kfuzz
 minimize`` write the case as found, the steps and the executions there). Each
@@ -94,7 +94,7 @@ def import_demo() -> list[str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--crashes", default="crashes")
-    ap.add_argument("--out", default="MINIMIZE.md")
+    ap.add_argument("--out", default="reports/minimize.md")
     a = ap.parse_args()
     lines = ["# Minimization", "", "Written by `python tools/minimize_report.py`; the numbers are measured, "
              "not typed in (CPU, Triton kernels under the interpreter).", "",

@@ -1,7 +1,7 @@
 """Train a small byte-level LM for each GDN family member, through our Triton op and
 through the float32 chunked reference, with the same seed and the same data order.
 
-    python tools/train_family.py --out DIR [--members gated_deltanet,deltanet,kda,mamba2,gla]
+    python tools/train_family.py [--out reports/training/cpu] [--members gated_deltanet,deltanet,kda,mamba2,gla]
         [--steps N] [--seq-len T] [--batch B] [--d-model D] [--layers L] [--heads H]
         [--head-dim K] [--device cuda|cpu] [--seed S] [--op-dtype float32|bfloat16]
         [--lr LR] [--data-bytes N] [--heldout-windows N]
@@ -80,7 +80,7 @@ def parse_args(argv):
                    help="bytes of standard-library source to read (5%% of them held out)")
     p.add_argument("--heldout-windows", type=int, default=64,
                    help="held-out windows of --seq-len bytes evaluated after training")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", default=Path("reports/training/cpu"), type=Path)
     a = p.parse_args(argv)
     a.members = [m.strip() for m in a.members.split(",") if m.strip()]
     bad = [m for m in a.members if m not in MEMBER_NAMES]
