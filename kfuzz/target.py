@@ -9,6 +9,13 @@ the target names another ``trusted``), and the outputs to compare.
 Targets register through one decorator, ``@target``; kfuzz finds them by
 importing the modules named in the entry-point group ``kfuzz.targets``, so
 kfuzz's own ``harnesses/`` are written exactly as a user's package would be.
+The group ``kfuzz.fixtures`` names the test suite's targets (sandbox escapes,
+reward hacks, the gates' positive controls); it is imported only when the
+environment sets ``KFUZZ_FIXTURES=1``.
+
+A target module that fails to import is that module's error, not every
+target's: its targets are absent, ``broken_modules()`` names it with its
+exception, and every other target still loads.
 
 Refuses: duplicate names, unknown names (``TargetError``), and cases that break
 the contract (``CaseError`` from ``Target.validate``).
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable, Mapping, Sequence
@@ -211,21 +219,72 @@ def prepare_triton() -> None:
         pass
 
 
+GROUP = "kfuzz.targets"
+FIXTURE_GROUP = "kfuzz.fixtures"
+FIXTURES_ENV = "KFUZZ_FIXTURES"
+OPTIONAL_DEPENDENCIES = {"triton", "atheris"}   # a module that needs a missing one is simply absent
+
+
+@dataclass(frozen=True)
+class BrokenModule:
+    """A target module that failed to import: its entry point, its module, the exception."""
+
+    entry_point: str
+    module: str
+    error: str          # "ExceptionType: message"
+
+    def __str__(self) -> str:
+        return f"target module {self.module!r} (entry point {self.entry_point!r}) failed to import: {self.error}"
+
+
+_BROKEN: dict[str, BrokenModule] = {}
+
+
+def fixtures_enabled() -> bool:
+    return os.environ.get(FIXTURES_ENV) == "1"
+
+
+def target_entry_points() -> list:
+    """The entry points whose modules register targets: ``kfuzz.targets``, and
+    ``kfuzz.fixtures`` when ``KFUZZ_FIXTURES=1``."""
+    groups = [GROUP] + ([FIXTURE_GROUP] if fixtures_enabled() else [])
+    return [ep for g in groups for ep in entry_points(group=g)]
+
+
+def _import_target_module(ep) -> None:
+    module = ep.value.split(":")[0]
+    before = set(_REGISTRY)
+    try:
+        importlib.import_module(module)
+    except (Exception, SystemExit) as e:
+        # a half-imported module registers nothing (target modules it imported itself stay)
+        for name in set(_REGISTRY) - before:
+            if getattr(_REGISTRY[name].kernel, "__module__", None) not in sys.modules:
+                del _REGISTRY[name]
+        if isinstance(e, ImportError) and getattr(e, "name", None) in OPTIONAL_DEPENDENCIES:
+            return
+        _BROKEN[module] = BrokenModule(ep.name, module, f"{type(e).__name__}: {e}")
+
+
 def load_targets() -> dict[str, Target]:
-    """Import every module of the ``kfuzz.targets`` entry-point group (once)."""
+    """Import every target module of the entry points (once); a module that fails is
+    recorded in ``broken_modules()`` and the others load."""
     global _LOADED
     if not _LOADED:
         prepare_triton()
-        for ep in entry_points(group="kfuzz.targets"):
-            try:
-                importlib.import_module(ep.value.split(":")[0])
-            except ImportError as e:
-                # a target whose optional dependency is missing is simply absent
-                if getattr(e, "name", None) in {"triton", "atheris"}:
-                    continue
-                raise
+        seen = set()
+        for ep in target_entry_points():
+            if ep.value not in seen:
+                seen.add(ep.value)
+                _import_target_module(ep)
         _LOADED = True
     return dict(_REGISTRY)
+
+
+def broken_modules() -> list[BrokenModule]:
+    """The target modules that failed to import, in entry-point order."""
+    load_targets()
+    return list(_BROKEN.values())
 
 
 # targets built on demand from their name: prefix -> module whose ``resolve(name)`` builds one
@@ -239,5 +298,8 @@ def get_target(name: str) -> Target:
         for prefix, module in RESOLVERS.items():
             if name.startswith(prefix):
                 return add_target(importlib.import_module(module).resolve(name))
-        raise TargetError(f"unknown target {name!r} (known: {', '.join(sorted(targets)) or 'none'})")
+        why = "".join(f"; {b}" for b in _BROKEN.values())
+        if not fixtures_enabled() and any(True for _ in entry_points(group=FIXTURE_GROUP)):
+            why += f"; the test suite's fixture targets load with {FIXTURES_ENV}=1"
+        raise TargetError(f"unknown target {name!r} (known: {', '.join(sorted(targets)) or 'none'}){why}")
     return targets[name]

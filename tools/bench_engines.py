@@ -34,6 +34,8 @@ from kfuzz.execute import execute
 from kfuzz.sandbox import Policy
 from kfuzz.target import get_target
 
+os.environ.setdefault("KFUZZ_FIXTURES", "1")   # searchsum and its bugs are test-suite targets (kfuzz.fixtures)
+
 BUGS = ("searchsum.tailinf", "searchsum.transbf16", "searchsum.fp16max", "searchsum.deep")
 CONFIGS = {
     "random": lambda t, s: RandomEngine(t, seed=s),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from kfuzz.corpus import iter_case_files, load
 from kfuzz.gates import GATES, run_gate
 from kfuzz.target import load_targets
 from kfuzz.tensors import unit_roundoff
+
+os.environ.setdefault("KFUZZ_FIXTURES", "1")   # the gates' positive controls are test-suite targets (kfuzz.fixtures)
 
 TOLERANCE_GATES = ("G01", "G02", "G03", "G04", "G12")
 FACTORS = [2.0 ** k for k in range(-4, 11)]          # 1/16 ... 1024

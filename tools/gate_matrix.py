@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from kfuzz.gates import GATES, run_gates
 from kfuzz.target import load_targets
+
+os.environ.setdefault("KFUZZ_FIXTURES", "1")   # the gates' positive controls are test-suite targets (kfuzz.fixtures)
 
 OPERATORS = ("softmax", "rowsum", "layernorm", "rmsnorm", "matmul", "cumsum")
 # the gate each positive control was built for (harnesses/controls_gates.py and the core harnesses)
