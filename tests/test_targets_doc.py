@@ -14,18 +14,25 @@ from kfuzz.engines.random import RandomEngine
 from kfuzz.execute import execute
 from kfuzz.target import get_target, load_targets
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "targets.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "targets.md"
 
 
-def doc_files() -> dict[str, str]:
+def doc_files(page: Path = DOC) -> dict[str, str]:
     """The page's code blocks whose first line is ``# file: PATH``, by path."""
-    blocks = re.findall(r"```(?:python|toml)\n# file: (\S+)\n(.*?)```", DOC.read_text(), re.S)
+    blocks = re.findall(r"```(?:python|toml)\n# file: (\S+)\n(.*?)```", page.read_text(), re.S)
     return {path: body for path, body in blocks}
 
 
 def test_the_page_has_the_whole_package():
     assert set(doc_files()) == {"mykernels/pyproject.toml", "mykernels/mykernels/__init__.py",
                                 "mykernels/mykernels/targets.py"}
+
+
+def test_the_readme_shows_the_same_package():
+    readme = doc_files(ROOT / "README.md")
+    assert set(readme) == {"mykernels/pyproject.toml", "mykernels/mykernels/targets.py"}
+    assert all(body == doc_files()[path] for path, body in readme.items())
 
 
 def test_the_example_plugin_registers_and_runs(install_plugin, tmp_path, monkeypatch):
