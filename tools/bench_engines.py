@@ -172,7 +172,7 @@ def table(results: dict, cap: int, thr: dict | None) -> str:
              "the correct base `searchsum` passes the same case. `atheris` is the default (harness coverage, "
              "no divergence features), `atheris+div` adds the divergence features, `atheris-hypothesis` "
              "decodes through hypothesis's `fuzz_one_input`. `python tools/bench_engines.py detection`; "
-             "what was chosen from it: README, \"Choices\".", "",
+             "what was chosen from it: docs/engines.md.", "",
              "| target | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
     for bug in BUGS:
         row = [bug]
@@ -199,7 +199,7 @@ def table(results: dict, cap: int, thr: dict | None) -> str:
             lines.append(f"| kfuzz campaign, {what} | {thr[f'kfuzz_{key}_execs_per_s']} | "
                          f"{thr[f'kfuzz_{key}_overhead']:+.0%} | {cpu} |")
         over = thr["kfuzz_one_worker_overhead"]
-        lines += ["", THROUGHPUT_NOTES, "", f"Issue #3's target, kfuzz's overhead under 20% of the bare loop's time per "
+        lines += ["", THROUGHPUT_NOTES, "", f"The target, kfuzz's overhead under 20% of the bare loop's time per "
                   f"execution with the default sandboxed worker, is {'met' if over < 0.2 else 'not met'} in this "
                   f"measurement ({over:+.0%})."]
     return "\n".join(lines) + "\n"
@@ -213,10 +213,11 @@ worker runs the kernel under the call contract and sends the outputs back as raw
 process does the bare loop's work minus the kernel call, and with a free core the worker's share
 overlaps it. What is extra: the messages, the worker's loop (~100 us), a worker's start (~45 ms,
 once per campaign and per crash), and the audit hook that names escapes: it runs on every audit
-event of the worker, and the call contract's namespace snapshot (`kfuzz/contract.py`) reads each watched function's
-`__code__` (~700 reads a call, each an audit event), so naming costs what separates the two
-sandboxed rows (the OS layers themselves cost nothing measurable: ~0.6 ms a case for the worker's
-loop with or without them, measured in one process). With no free
+event of the worker; the call contract (`kfuzz/contract.py`) learns of `__code__` assignments
+from the audit event CPython raises for them rather than reading every watched function's
+`__code__`, so naming costs little, and what separates the two sandboxed rows is mostly noise
+(the OS layers themselves cost nothing measurable: ~0.6 ms a case for the worker's loop with or
+without them, measured in one process). With no free
 core the two processes' work adds up (the CPU column), and on this shared 2-CPU machine the
 neighbours' load sets the wall clock more than kfuzz does: the rounds of one run vary by 2x. The
 same command on an idle machine with spare cores measures the design rather than the neighbours:
