@@ -10,7 +10,7 @@ gates draw theirs from (gate, seed, index)) in this process and prints one line 
 
 Why: `kfuzz verify --jobs N` runs gates, not cases, in parallel, and every `gdn_bwd` case is a
 new shape class that compiles for 35-200 s on the H200; G03 (61 cases) in one process outlasts
-a device call.  Sessions 16 and 18 ran G03 and G04 spread over 10-15 processes this way beside
+a device call.  G03 and G04 spread over 10-15 processes this way run beside
 `kfuzz verify --gates` for the other ten.  What a part cannot judge: a gate's n/a decisions
 that need all its verdicts (`Gate.no_evidence`) and the saving of failing cases; run the whole
 gate through `kfuzz verify` for those.

@@ -18,14 +18,14 @@ The sweep (``main``) runs `gdn.chunk_fwd.chunk_gdn_fwd` (and with ``--backward``
 `gdn.chunk_bwd.chunk_gdn_bwd` after it, on the forward's T as `gdn.op` runs it) for every family member with one NaN or +Inf in q,
 k, v, g, beta or the initial state (B2 T130 H1 K=V=32, bf16: three chunks, the last one
 partial), so the exact and resume parts run; one line per run, exit 1 on any out-of-bounds
-access. Made for the H200 fault of 2026-12-01 (README, Known findings): the forward's 62
+access. On the H200 faults of docs/findings.md the forward's 62
 runs passed, and 66 forward-and-backward runs at other shapes (K 24 V 20, K 184 V 1, K 32
 V 16; NaN in k, g or the initial state), so that fault is not in the index arithmetic.
 
-``masked_out(fn)`` surveys instead the masked-off lanes (session 20): per kernel and argument,
+``masked_out(fn)`` surveys instead the masked-off lanes: per kernel and argument,
 the farthest address outside every argument that a masked lane presents. Those read nothing
 here; on a GPU a pipelined load is an asynchronous copy issued with zero size at that address
-(the leading hypothesis for the open state-pass fault, README Known findings). At that fault's
+(a hypothesis for the state pass's fault in docs/findings.md, which it did not explain). At that fault's
 case (bf16 B4 T16 H16 K33 V64) the state pass's u load reaches byte 229374 of u's 131072 in
 the chunk itself (48 rows past the sequence's end), before any chunk the GPU's pipeline
 fetches ahead.
@@ -42,7 +42,7 @@ import numpy as np
 # None, or a dict that the check fills with masked-off lanes outside every argument (see
 # `masked_out`): the interpreter computes every lane's address, masked or not, as Triton does
 # on GPUs, where a pipelined load is an asynchronous copy issued with zero size at the lane's
-# address (sm_90 PTX; session 20's open fault in the state pass, README Known findings)
+# address (sm_90 PTX; the state pass's fault in docs/findings.md)
 MASKED_OUT: dict | None = None
 
 

@@ -7,8 +7,8 @@ Compiles each kernel (Triton's own ptxas) for an H100/H200 target on any machine
 and reads the cubin's resource usage with cuobjdump: registers per thread, stack
 bytes (spills), shared memory, and how many layout conversions and shared-memory
 buffers the Triton GPU IR holds, and its asynchronous copies: the loads Triton's
-pipeliner issues ahead of use (a loop with a branch in it gets none; session 11 found the
-backward's sequential kernels so). A tuning loop that costs no device time: a kernel
+pipeliner issues ahead of use (a loop with a branch in it gets none, which is why the
+sequential kernels launch a branch-free matrix part first; docs/gdn.md). A tuning loop that costs no device time: a kernel
 at 255 registers with a stack frame is spilling, which the device profile then
 confirms or not. The loop column counts what one pass of the kernel's longest loop
 issues, from its SASS (`loop_counts`). The last column, an md5 of the PTX's code (`code_of`: debug info
@@ -50,7 +50,7 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     would specialize as divisible by 16 (pointers from torch, integers that are multiples of 16);
     without the hint every offset built from a runtime integer is assumed unaligned, loads are
     not vectorized and the stack is far larger than the launch's (the backward's _grads_p at the
-    bench shape: 1376 bytes without, see gdn/NOTES_BWD.md)."""
+    bench shape: 1376 bytes without)."""
     sig = dict(signature, **{n: "constexpr" for n in constexprs})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -80,7 +80,7 @@ def unwritten_uniform(sass: str) -> list:
     builds wgmma shared-memory descriptors so in the state pass's matrix part with BV 32 at an
     odd K or one stage (`UIADD3 UR10, UP0, UR10, 0x40`; the PTX adds to the right base), and the product
     then reads shared memory at a stale address: the H200's G03 fault (compute-sanitizer:
-    "Invalid __shared__ read of size 1024 bytes", session 22, gdn/NOTES.md).  Program order is
+    "Invalid __shared__ read of size 1024 bytes"; docs/findings.md).  Program order is
     not every path, so a register written only in a loop's later part and read at its top
     would be listed too; ptxas writes the descriptors before the loop, where none was."""
     written, found = set(), []
@@ -104,8 +104,8 @@ def loop_counts(sass: str) -> dict:
     """What one pass of the kernel's longest loop issues, from its SASS (the instructions from
     the target of the longest backward branch to the branch): instructions, barriers
     (BAR.SYNC: every warp of the program waits there), shuffles and global loads not issued
-    as asynchronous copies (LDG).  A sequential kernel's loop is its serial chain: session 14
-    found the scalar gate's scans and sums there (gdn/NOTES_BWD.md).  Zeros where no loop."""
+    as asynchronous copies (LDG).  A sequential kernel's loop is its serial chain: the scalar
+    gate's scans and sums show there.  Zeros where no loop."""
     code = [ln for ln in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", ln)]
     addr = [int(re.match(r"\s*/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in code]
     body = []
@@ -123,8 +123,8 @@ def code_of(ptx: str) -> str:
     """The PTX's code alone: without the debug sections, `.loc` lines, comments, the labels
     that mark inlined calls' debug ranges (`$L__tmpN`), file names and parameter numbers.  Two
     sources that compile to the same code give the same text: a helper function moved out of
-    a kernel changes only the debug labels (session 13: the backward's chunk-entry helper;
-    session 11 compared PTX with them and concluded the code changed)."""
+    a kernel changes only the debug labels, which a comparison of raw PTX would count as a
+    change of code."""
     ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
     for pattern, repl in ((r"^\s*\.loc.*$", ""), (r"^\s*//.*$", ""), (r"^\$L__tmp\d+:\s*$", ""),
                           (r"\.file.*", ""), (r"_param_\d+", "_param_N"), (r"\n\s*\n+", "\n")):

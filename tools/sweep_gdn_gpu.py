@@ -9,7 +9,7 @@ Run on a CUDA machine from the repository root:
 
 Why: on the H200 with Triton 3.6 some narrow tile shapes compiled to wrong code with no
 memory error, and the interpreter on CPU runs none of that code, so only a sweep on the GPU
-finds such shapes.  Session 7 found, with V tiles that followed V: backward BK 32 with BV 16
+finds such shapes.  With V tiles that followed V it found: backward BK 32 with BV 16
 (bf16) NaN dq (right with `_prep` at 8 warps; compute-sanitizer's memcheck, initcheck and
 racecheck found nothing), BK 64 with BV 32 dq 0.56 off, V == 1 at K 32 NaN dk; forward V 32 at
 K >= 64 o 0.36-0.7 off or an illegal address.  Both now take 64-wide V tiles at every K
@@ -27,7 +27,7 @@ autotuner's pick after it tried them all, against the oracle's o and final state
 `chunk_gdn_fwd(..., return_inverse=True)` formed (its _prep then skips the inversion).
 `--forward --state-configs all` (or indices) runs every case at each of the state pass's
 configs in turn (its matrix part at that one config), `--shape B,T,H` the cases' shape (the
-state pass's open fault, README's Known findings, was at B4 T16 H16).
+state pass's fault in docs/findings.md was at B4 T16 H16).
 `--launch` sets GDN_BWD_LAUNCH (the launch overrides of gdn.chunk_bwd) in the children.  The
 last line is ALLOK or NOTOK.
 """
@@ -168,7 +168,7 @@ def main():
         sys.stdout.flush()
         # every case is judged and printed (each synchronized): leave without the interpreter's
         # teardown, which once aborted a child on the H200 ("terminate called without an
-        # active exception", exit -6) after all its cases had printed ok (session 7)
+        # active exception", exit -6) after all its cases had printed ok
         os._exit(1 if bad else 0)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if a.launch:

@@ -7,7 +7,7 @@
 Why: on the H200 a gdn_bwd gate case costs about 45 s of Triton compiles (every case is a new
 shape class: the forward's H, K, V are constexprs, the backward specializes T, H, K, V), and
 `kfuzz verify --jobs N` runs gates, not cases, in parallel, so its longest gate (G03 or G04,
-about 30 cases) took the time (session 5: G05's 9 cases alone 437 s, BENCHMARKS.md).  Triton's
+about 30 cases) took the time (G05's 9 cases alone took 437 s).  Triton's
 on-disk cache (TRITON_CACHE_DIR, default ~/.triton/cache) is shared by every process on the
 machine, so this tool spreads all the gates' cases over --jobs processes, each calling the
 kernel once per case (compiling what the case needs), and the verify that follows finds them
@@ -16,11 +16,11 @@ compiled.  Same seed, same cases: the gates draw theirs from (gate, seed, index)
 The kernel's result is not judged here and an exception is counted, not fatal (the gate
 judges it).  Prints the cases run, the calls that raised, and the seconds; exit 0.
 
-Two rounds (session 11): first one case of each compile class (`compile_class`: the
+Two rounds: first one case of each compile class (`compile_class`: the
 dtype and the dims), spread over the processes, then the rest (compiled by then).  Spread round-robin in one round,
 processes compiled the same class at once, each for itself (Triton's cache has no lock
-between processes): on the H200 (session 11, gdn_bwd G01-G04, G06, G07, 15 processes, six
-verify processes beside them) the warm-up ran out of its 301 s, and every gate of its 154 s.
+between processes): on the H200 (gdn_bwd G01-G04, G06, G07, 15 processes, six verify
+processes beside them) the warm-up ran out of its 301 s, and every gate of its 154 s.
 """
 from __future__ import annotations
 
