@@ -1,6 +1,6 @@
 """Positive controls for the twelve gates: one planted bug per gate, each a variant of an
 operator target whose correct kernel passes all twelve, and each built so that only its
-gate's property can see it (``tools/gate_matrix.py`` checks that and writes GATES.md).
+gate's property can see it (``tools/gate_matrix.py`` checks that and writes reports/gate_matrix.md).
 
 | variant | gate | the bug |
 | --- | --- | --- |

@@ -6,7 +6,7 @@ a matrix product (``matmul``'s). Each is registered as ``hacks.<name>``, a
 variant of its operator, so ``kfuzz verify --target hacks.<name>`` judges it
 like any kernel; ``harnesses/kernelbench_hacks/`` holds the same hacks as
 KernelBench ``ModelNew`` sources, and ``tools/hack_table.py`` runs both the
-standard KernelBench-style test and kfuzz's gates on every hack (HACKS.md).
+standard KernelBench-style test and kfuzz's gates on every hack (docs/sandbox.md).
 ``hacks.honest_softmax`` and ``matmul`` are the correct twins.
 
 Every hack is real: threads really write late, memory really is returned

@@ -15,7 +15,7 @@ hypothesis shrinks toward the simplest case: small sizes, the first dtype, conti
 layouts, the normal distribution, no injections.
 
 The atheris engine can drive these strategies through hypothesis's ``fuzz_one_input``
-(``AtherisEngine(mode="hypothesis")``); see README "Choices" for why it does not by default.
+(``AtherisEngine(mode="hypothesis")``); see docs/engines.md for why it does not by default.
 """
 from __future__ import annotations
 

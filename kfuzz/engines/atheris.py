@@ -16,7 +16,7 @@ process and drives kernels through its sandboxed workers. The two meet in
    on, how close the case came to failing (verdict kind, error-over-bound bucket,
    count of non-finite outputs, exception site). Divergence feedback is off by
    default: measured, it did not help and on the deepest control it hurt (every
-   new error bucket is a corpus entry, and the corpus drowns; BENCHMARKS.md).
+   new error bucket is a corpus entry, and the corpus drowns; docs/benchmarks.md).
 
 Only the decoder and the feature leaves are instrumented, not torch.
 libFuzzer mutates through ``mutate_case`` (structure-aware: one change to dims,
@@ -34,7 +34,7 @@ under ``seeds/<target>/``, so the next campaign starts from it.
 
 ``mode="hypothesis"`` decodes instead with ``kfuzz.strategies`` through hypothesis's
 ``fuzz_one_input`` (no custom mutator, no seeds); it is kept for the measurement in
-BENCHMARKS.md.
+docs/benchmarks.md.
 """
 from __future__ import annotations
 
