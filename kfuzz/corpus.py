@@ -17,22 +17,34 @@ per signature: a second failure with a signature already on disk is not saved.
 
 Writes go to a temporary file in the same folder and are renamed into place,
 so an interrupted write never leaves a truncated case, and a bad file never
-stops the others from loading.
+stops the others from loading. Files are created with the user's umask. Saving
+a failure holds an exclusive lock on its signature's folder while it checks for
+an open failure and writes, so processes saving at once (two campaigns on one
+root) keep one case a signature.
+
+A case file may come from outside: ``load`` reads at most a case file's cap
+(``kfuzz.limits``) from a regular file and checks the record's fields that
+replay and minimize rely on; ``load_checked`` also resolves the case's target and
+checks its contract and storage budget, naming the file in every error.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
 import kfuzz
 from kfuzz.case import Case, decode, encode
-from kfuzz.errors import CaseError
+from kfuzz.errors import CaseError, KfuzzError
+from kfuzz.limits import CASE_FILE_ENV, describe, max_case_file_bytes
+from kfuzz.target import Target, get_target
 from kfuzz.verdict import Signature, Verdict
 
 SUFFIX = ".case.zst"
@@ -66,8 +78,11 @@ def versions(device: str = "cpu") -> dict:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, renamed into
+    place; the file gets the user's umask (as ``open`` would give it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    tmp = path.parent / f".tmp-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -80,20 +95,75 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+@contextlib.contextmanager
+def locked(folder: Path):
+    """An exclusive lock on ``folder`` (created if missing) for the ``with`` block: the
+    processes that take it on one folder take turns."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def make_record(verdict: Verdict, expect: str = "fail", device: str = "cpu", **extra) -> dict:
     return {"verdict": verdict.to_json(), "signature": verdict.signature.to_json(), "expect": expect,
             "versions": versions(device),
             "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **extra}
 
 
+_SLACK = 1 << 16     # a zstd frame may be a little larger than what it holds
+
+
 def load(path: str | Path) -> tuple[Case, dict | None]:
     """The case and record in ``path``; CaseError names the file and what is wrong."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        if not p.is_file():
+            raise CaseError(f"{p}: no such file" if not p.exists() else f"{p}: not a regular file")
+        cap = max_case_file_bytes() + _SLACK
+        with p.open("rb") as f:
+            data = f.read(cap + 1)
     except OSError as e:
         raise CaseError(f"{p}: cannot read ({e.strerror})") from None
-    return decode(data, str(p))
+    if len(data) > cap:
+        raise CaseError(f"{p}: larger than {describe(cap)}, more than a case file may hold "
+                        f"(set {CASE_FILE_ENV} to raise it)")
+    case, record = decode(data, str(p))
+    if record is not None:
+        check_record(record, str(p))
+    return case, record
+
+
+def check_record(record: Mapping, source: str) -> None:
+    """The record's fields that replay, minimize and the gates read: ``expect`` is ``pass`` or
+    ``fail`` (the default); a ``signature`` (which ``fail`` needs) and a ``verdict`` name a kind."""
+    expect = record.get("expect", "fail")
+    if expect not in ("pass", "fail"):
+        raise CaseError(f"{source}: record field 'expect' is {expect!r}; it must be 'pass' or 'fail'")
+    for key, needed in (("signature", ("target", "kind")), ("verdict", ("kind",))):
+        entry = record.get(key)
+        if entry is None and not (key == "signature" and expect == "fail"):
+            continue
+        if not isinstance(entry, Mapping) or not all(isinstance(entry.get(k), str) for k in needed):
+            raise CaseError(f"{source}: record field {key!r} must be an object naming its {' and '.join(needed)}")
+        optional = ("output", "exc_type", "frame") if key == "signature" else ("output", "detail", "exc_type", "frame")
+        if any(entry.get(k) is not None and not isinstance(entry.get(k), str) for k in optional):
+            raise CaseError(f"{source}: record field {key!r} has a field that is not a string")
+
+
+def load_checked(path: str | Path) -> tuple[Case, dict | None, Target]:
+    """``load``, then the case's target and its contract and storage budget (``Target.validate``)
+    checked before anything is materialized; every error names the file."""
+    case, record = load(path)
+    try:
+        target = get_target(case.target)
+        target.validate(case)
+    except KfuzzError as e:
+        raise type(e)(f"{path}: {e}") from None
+    return case, record, target
 
 
 def iter_case_files(paths: Iterable[str | Path]) -> Iterator[Path]:
@@ -143,17 +213,21 @@ class Corpus:
     def save_failure(self, case: Case, verdict: Verdict, expect: str = "fail", device: str = "cpu",
                      replace_existing: bool = False, **extra) -> Path | None:
         """Save a failing case unless its signature already has an open failure kept
-        (``has_open_failure``); returns the path written."""
+        (``has_open_failure``); returns the path written. The check and the write hold the
+        signature folder's lock (``locked``), so of processes saving one signature at once,
+        one saves."""
         if verdict.passed:
             raise ValueError("only failures are saved in crashes/")
         sig = verdict.signature
-        if self.has_open_failure(sig) and not replace_existing:
-            return None
+        data = encode(case, make_record(verdict, expect, device, **extra))
         path = self.failure_path(case, sig)
-        if replace_existing:
-            for old in path.parent.glob(f"*{SUFFIX}"):
-                old.unlink()
-        write_atomic(path, encode(case, make_record(verdict, expect, device, **extra)))
+        with locked(path.parent):
+            if self.has_open_failure(sig) and not replace_existing:
+                return None
+            if replace_existing:
+                for old in path.parent.glob(f"*{SUFFIX}"):
+                    old.unlink()
+            write_atomic(path, data)
         return path
 
     def save_seed(self, case: Case) -> Path:
