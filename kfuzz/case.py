@@ -105,14 +105,12 @@ class Layout:
             raise CaseError(f"{where}: expanded dims {list(self.dims)} out of range for {rank} dims")
 
     def span(self, shape: tuple[int, ...]) -> int:
-        """How many storage elements the layout takes for a tensor of ``shape`` (what
-        ``kfuzz.tensors.lay_out`` allocates); exact, in Python ints. Needs ``check_rank``."""
+        """How many storage elements the layout holds for a tensor of ``shape``, at most (what
+        ``kfuzz.tensors.lay_out`` allocates or keeps), in Python ints. Needs ``check_rank``."""
         if self.kind == "strided":
             return math.prod(n * s for n, s in zip(shape, self.step))
         if self.kind == "offset":
             return self.offset + math.prod(shape)
-        if self.kind == "expanded":
-            return math.prod(1 if d in self.dims else n for d, n in enumerate(shape))
         return math.prod(shape)
 
     def to_json(self) -> dict:

@@ -139,19 +139,24 @@ def load(path: str | Path) -> tuple[Case, dict | None]:
 
 def check_record(record: Mapping, source: str) -> None:
     """The record's fields that replay, minimize and the gates read: ``expect`` is ``pass`` or
-    ``fail`` (the default); a ``signature`` (which ``fail`` needs) and a ``verdict`` name a kind."""
+    ``fail`` (the default); ``signature`` (which ``fail`` needs) and ``verdict`` parse."""
     expect = record.get("expect", "fail")
     if expect not in ("pass", "fail"):
         raise CaseError(f"{source}: record field 'expect' is {expect!r}; it must be 'pass' or 'fail'")
-    for key, needed in (("signature", ("target", "kind")), ("verdict", ("kind",))):
-        entry = record.get(key)
-        if entry is None and not (key == "signature" and expect == "fail"):
-            continue
-        if not isinstance(entry, Mapping) or not all(isinstance(entry.get(k), str) for k in needed):
-            raise CaseError(f"{source}: record field {key!r} must be an object naming its {' and '.join(needed)}")
-        optional = ("output", "exc_type", "frame") if key == "signature" else ("output", "detail", "exc_type", "frame")
-        if any(entry.get(k) is not None and not isinstance(entry.get(k), str) for k in optional):
-            raise CaseError(f"{source}: record field {key!r} has a field that is not a string")
+    if expect == "fail" and "signature" not in record:
+        raise CaseError(f"{source}: record expects a failure but names no 'signature'")
+    for key, parse in (("signature", Signature.from_json), ("verdict", lambda d: Verdict.from_json("", d))):
+        if key in record:
+            entry = record[key]
+            try:
+                if not isinstance(entry, Mapping):
+                    raise TypeError(f"a {type(entry).__name__}, not an object")
+                parsed = parse(entry)
+                fields = (parsed.target, parsed.kind, parsed.output, parsed.exc_type, parsed.frame)
+                if not all(f is None or isinstance(f, str) for f in fields):
+                    raise TypeError("a name that is not a string")
+            except (KeyError, TypeError, ValueError) as e:
+                raise CaseError(f"{source}: record field {key!r} is malformed ({type(e).__name__}: {e})") from None
 
 
 def load_checked(path: str | Path) -> tuple[Case, dict | None, Target]:
