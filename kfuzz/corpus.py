@@ -43,8 +43,9 @@ import torch
 import kfuzz
 from kfuzz.case import Case, decode, encode
 from kfuzz.errors import CaseError, KfuzzError
-from kfuzz.limits import CASE_FILE_ENV, describe, max_case_file_bytes
+from kfuzz.limits import CASE_FILE_ENV, describe, max_case_bytes, max_case_file_bytes
 from kfuzz.target import Target, get_target
+from kfuzz.tensors import check_storage
 from kfuzz.verdict import Signature, Verdict
 
 SUFFIX = ".case.zst"
@@ -160,15 +161,22 @@ def check_record(record: Mapping, source: str) -> None:
 
 
 def load_checked(path: str | Path) -> tuple[Case, dict | None, Target]:
-    """``load``, then the case's target and its contract and storage budget (``Target.validate``)
-    checked before anything is materialized; every error names the file."""
+    """``load``, then ``checked_target``; every error names the file."""
     case, record = load(path)
+    return case, record, checked_target(case, path)
+
+
+def checked_target(case: Case, source: str | Path) -> Target:
+    """The target of a case read from ``source``, once the case is checked against its
+    contract (``Target.validate``) and the global cap on its storage
+    (``kfuzz.tensors.check_storage``), before anything is materialized."""
     try:
         target = get_target(case.target)
         target.validate(case)
+        check_storage(case, target, max_case_bytes())
     except KfuzzError as e:
-        raise type(e)(f"{path}: {e}") from None
-    return case, record, target
+        raise type(e)(f"{source}: {e}") from None
+    return target
 
 
 def iter_case_files(paths: Iterable[str | Path]) -> Iterator[Path]:
@@ -242,12 +250,16 @@ class Corpus:
         return path
 
     def seeds_of(self, target: str) -> list[Case]:
+        """The seeds kept for ``target``; a file that is unreadable, another target's, or
+        breaks the contract or the storage cap is skipped."""
         out, folder = [], self.seed_folder(target)
         for f in iter_case_files([folder]) if folder.is_dir() else []:
             try:
                 case = load(f)[0]
-            except CaseError:
+                if case.target != target:   # the case's own field says whose it is, not the folder
+                    continue
+                checked_target(case, f)
+            except KfuzzError:
                 continue
-            if case.target == target:       # the case's own field says whose it is, not the folder
-                out.append(case)
+            out.append(case)
         return out

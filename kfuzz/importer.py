@@ -40,7 +40,7 @@ from kfuzz.execute import execute
 from kfuzz.limits import CASE_BYTES_ENV, describe, max_case_bytes
 from kfuzz.minimize import DEFAULT_BUDGET, Minimized, NotReproducible, minimize
 from kfuzz.target import Target
-from kfuzz.tensors import encode_payload
+from kfuzz.tensors import check_storage, encode_payload
 from kfuzz.verdict import Verdict
 
 Tensors = dict[str, torch.Tensor] | list[torch.Tensor]
@@ -200,8 +200,10 @@ def contract_of(target: Target, tensors: Mapping[str, torch.Tensor] | Sequence[t
     if undetermined:
         raise CaseError(f"{source}: no argument gives the size of dims {sorted(undetermined)}")
     dtype = case_dtypes.pop() if case_dtypes else target.dtypes[0]
-    try:   # the dims and the storage budget, before any value is read or encoded
-        target.validate(Case.make(target.name, dtype, 0, dims))
+    bare = Case.make(target.name, dtype, 0, dims)   # its storage bounds the payload's (drawn in float64)
+    try:   # the dims and the storage cap, before any value is read or encoded
+        target.validate(bare)
+        check_storage(bare, target, max_case_bytes())
     except CaseError as e:
         raise CaseError(f"{source}: {e}") from None
     return tensors, dims, dtype

@@ -10,8 +10,8 @@ suffix (``512M``, ``32G``):
   decompression; such a file may also hold at most ``MAX_JSON_VALUES`` JSON values
   (a long list of tiny values costs far more memory than its text).
 - ``KFUZZ_MAX_CASE_BYTES`` (default a quarter of the machine's physical memory, 4 GiB
-  where it cannot be read): the memory that materializing one case takes, as
-  ``kfuzz.tensors.case_bytes`` counts it.
+  where it cannot be read): the memory that materializing one case read from a file
+  takes (``kfuzz.tensors.check_storage``), and the tensors of an imported input.
 
 Refuses (``KfuzzError``): a value that is not a size.
 """

@@ -126,7 +126,7 @@ class Target:
     # the contract ---------------------------------------------------------------------
     def validate(self, case: Case) -> None:
         """Raise CaseError naming what in ``case`` breaks this target's contract, the storage
-        budget (``kfuzz.tensors.check_storage``) included."""
+        its layouts and payload may take included (``kfuzz.tensors.check_storage``)."""
         where = f"case for target {self.name!r}"
         if case.target != self.name:
             raise CaseError(f"{where}: names target {case.target!r}")

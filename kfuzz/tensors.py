@@ -16,11 +16,12 @@ the device or the thread count. The order is fixed:
    dtypes), so a kernel that reads outside the view's elements shows it;
 6. move to the device.
 
-The storage budget (``check_storage``, part of ``Target.validate``): before anything is
-allocated, each argument's storage is computed from its shape and layout, and refused
-when its layout spans more than the contract admits (``STEP_ROOM`` per dim times the
-argument's largest size under the contract, plus ``OFFSET_ROOM`` elements) or when the
-whole case would take more than ``kfuzz.limits.max_case_bytes()``.
+The storage budget (``check_storage``): before anything is allocated, each argument's
+storage is computed from its shape and layout, and refused when its layout spans more
+than the contract admits (``STEP_ROOM`` per dim times the argument's largest size under
+the contract, plus ``OFFSET_ROOM`` elements; ``Target.validate`` checks this on every
+case) or, for a case read from outside, when the whole case would take more than
+``kfuzz.limits.max_case_bytes()``.
 
 Refuses (CaseError): payload tensors of the wrong shape or dtype, layouts and payloads
 over the storage budget.
@@ -39,7 +40,7 @@ import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.errors import CaseError
-from kfuzz.limits import CASE_BYTES_ENV, describe, max_case_bytes
+from kfuzz.limits import CASE_BYTES_ENV, describe
 
 if TYPE_CHECKING:
     from kfuzz.target import Target
@@ -215,12 +216,14 @@ def _largest_size(target: "Target", name: str) -> int:
     return target.numel(name, {d: spec.hi for d, spec in target.dims.items()})
 
 
-def check_storage(case: Case, target: "Target") -> int:
-    """The bytes materializing ``case`` takes (``case_bytes``), computed from shapes and
-    layouts before anything is allocated. CaseError if an argument's layout spans more
-    storage than the contract admits, a payload entry disagrees with the contract, or the
-    total is over ``max_case_bytes()``. Needs the checks of ``Target.validate`` before it
-    (dims in the contract, layouts of the right rank)."""
+def check_storage(case: Case, target: "Target", cap: int | None = None) -> int:
+    """The bytes materializing ``case`` takes, computed from shapes and layouts before
+    anything is allocated: each argument's storage in its dtype and its logical values
+    (drawn in float64; a payload's in its dtype). CaseError if an argument's layout spans
+    more storage than the contract admits, a payload entry disagrees with the contract, or
+    the total is over ``cap`` (what is read from outside is held to ``max_case_bytes()``).
+    Needs the checks of ``Target.validate`` before it (dims in the contract, layouts of the
+    right rank); ``Target.validate`` calls it without a cap."""
     where = f"case for target {target.name!r}"
     dims, payload, total = case.dim, case.payload_dict or {}, 0
     for name in target.args:
@@ -241,10 +244,8 @@ def check_storage(case: Case, target: "Target") -> int:
             if len(entry["data"]) != payload_chars(numel * itemsize):
                 raise CaseError(f"{where}: payload for {name!r} holds {len(entry['data'])} base64 characters, "
                                 f"{list(shape)} {dtype} takes {payload_chars(numel * itemsize)}")
-        # the storage, and the logical values it is filled from (drawn in float64)
         total += span * itemsize + numel * (itemsize if name in payload else 8)
-    cap = max_case_bytes()
-    if total > cap:
+    if cap is not None and total > cap:
         raise CaseError(f"{where}: materializing it takes {describe(total)}, over the cap of {describe(cap)} "
                         f"(set {CASE_BYTES_ENV} to raise it)")
     return total

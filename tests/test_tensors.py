@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
-from kfuzz.case import ArgCase, Case, Dist, Layout
+from kfuzz.case import ArgCase, Case, Dist, Layout, encode
+from kfuzz.corpus import load_checked
 from kfuzz.errors import CaseError, KfuzzError
 from kfuzz.target import get_target
-from kfuzz.tensors import encode_payload, lay_out, materialize, special_value_table
+from kfuzz.tensors import check_storage, encode_payload, lay_out, materialize, special_value_table
 
 SOFTMAX = get_target("softmax")
 
@@ -143,10 +144,9 @@ def test_layouts_and_payloads_past_the_contract_are_refused(case, message):
         SOFTMAX.validate(case)
 
 
-def test_the_contract_admits_kfuzzs_own_widest_layouts(monkeypatch):
+def test_the_contract_admits_kfuzzs_own_widest_layouts():
     """Steps of 3 on every dim and an offset of 17 (the most kfuzz's engines draw), at every
-    dim's largest size, fit the room the contract gives; one step more per dim does not."""
-    monkeypatch.setenv("KFUZZ_MAX_CASE_BYTES", "1T")
+    dim's largest size, fit the room the contract gives; steps of 5 do not."""
     for name in ("softmax", "matmul", "gdn_bwd"):
         target = get_target(name)
         dims = {d: spec.hi for d, spec in target.dims.items()}
@@ -161,16 +161,20 @@ def test_the_contract_admits_kfuzzs_own_widest_layouts(monkeypatch):
             target.validate(Case.make(name, target.dtypes[0], 0, dims, wider))
 
 
-def test_the_global_cap_refuses_a_case_and_names_how_to_raise_it(monkeypatch):
+def test_the_global_cap_refuses_a_case_read_from_a_file_and_names_how_to_raise_it(tmp_path, monkeypatch):
     case = make(dims={"N": 64, "D": 512})           # 32768 elements: 128 KiB, drawn in float64 256 KiB
-    SOFTMAX.validate(case)
+    assert check_storage(case, SOFTMAX) == 393216
+    path = tmp_path / "big.case.zst"
+    path.write_bytes(encode(case))
+    load_checked(path)
     monkeypatch.setenv("KFUZZ_MAX_CASE_BYTES", "256K")
-    with pytest.raises(CaseError, match=r"takes 384.0 KiB \(393216 bytes\), over the cap of 256.0 KiB.*"
-                                        "set KFUZZ_MAX_CASE_BYTES to raise it"):
-        SOFTMAX.validate(case)
+    SOFTMAX.validate(case)                          # the contract admits it; the cap is for what is read
+    with pytest.raises(CaseError, match=r"big.case.zst: .* takes 384.0 KiB \(393216 bytes\), over the cap of "
+                                        "256.0 KiB.*set KFUZZ_MAX_CASE_BYTES to raise it"):
+        load_checked(path)
     monkeypatch.setenv("KFUZZ_MAX_CASE_BYTES", "lots")
     with pytest.raises(KfuzzError, match="KFUZZ_MAX_CASE_BYTES='lots' is not a size"):
-        SOFTMAX.validate(case)
+        load_checked(path)
 
 
 def test_span_is_what_lay_out_allocates():
