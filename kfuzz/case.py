@@ -11,21 +11,31 @@ compressed with zstd (``.case.zst``). A file may also carry a ``record`` (the
 verdict it was saved with, what replay expects of it, versions, time); the
 record is not part of the case and does not enter its hash.
 
+A case file may come from outside (a pull request, a bug report), so decoding
+is bounded before anything is allocated: the zstd stream is decompressed only up
+to ``kfuzz.limits.max_case_file_bytes()`` and its JSON may hold at most
+``kfuzz.limits.MAX_JSON_VALUES`` values.
+
 This module refuses: unknown schema versions, unknown keys, unknown layouts,
-distributions and special-value names. Checks that need the target's contract
-(dims, dtypes, argument names) live in ``Target.validate``.
+distributions and special-value names, a number that is not an integer where
+one belongs (``1e9`` for an offset), a payload entry that is not a dtype, a shape
+and a base64 string, and a file over those caps. Checks that need the target's
+contract (dims, dtypes, argument names, the storage a case takes) live in
+``Target.validate``.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import zstandard
 
 from kfuzz.errors import CaseError
+from kfuzz.limits import CASE_FILE_ENV, MAX_JSON_VALUES, describe, max_case_file_bytes
 
 SCHEMA = 1
 
@@ -37,6 +47,21 @@ DISTRIBUTIONS = (
 # parameters a distribution takes, with their defaults
 DIST_PARAMS = {"scaled": {"factor": 100.0}, "shifted": {"shift": 5.0}}
 SPECIAL_VALUES = ("nan", "inf", "-inf", "-0", "max", "-max", "tiny", "subnormal")
+
+
+def _integer(value: Any, what: str) -> int:
+    """``value`` as an int; CaseError if it is not an integer (a float, a bool, a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise CaseError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _integers(values: Any, what: str) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    if not isinstance(values, (list, tuple)):
+        raise CaseError(f"{what} must be a list of integers, got {values!r}")
+    return tuple(_integer(v, f"{what} entry") for v in values)
 
 
 def _freeze(x: Any) -> Any:
@@ -58,8 +83,11 @@ class Layout:
     dims: tuple[int, ...] | None = None   # expanded: logical dims held at stride 0
 
     def __post_init__(self):
-        if self.kind not in LAYOUTS:
+        if not isinstance(self.kind, str) or self.kind not in LAYOUTS:
             raise CaseError(f"unknown layout {self.kind!r} (known: {', '.join(LAYOUTS)})")
+        for name in ("perm", "step", "dims"):
+            object.__setattr__(self, name, _integers(getattr(self, name), f"layout {self.kind!r}: {name}"))
+        object.__setattr__(self, "offset", _integer(self.offset, f"layout {self.kind!r}: offset"))
         needs = {"permuted": "perm", "strided": "step", "expanded": "dims"}.get(self.kind)
         if needs and getattr(self, needs) is None:
             raise CaseError(f"layout {self.kind!r} needs {needs!r}")
@@ -75,6 +103,15 @@ class Layout:
             raise CaseError(f"{where}: step has {len(self.step)} entries for {rank} dims")
         if self.dims is not None and any(not 0 <= d < rank for d in self.dims):
             raise CaseError(f"{where}: expanded dims {list(self.dims)} out of range for {rank} dims")
+
+    def span(self, shape: tuple[int, ...]) -> int:
+        """How many storage elements the layout holds for a tensor of ``shape``, at most (what
+        ``kfuzz.tensors.lay_out`` allocates or keeps), in Python ints. Needs ``check_rank``."""
+        if self.kind == "strided":
+            return math.prod(n * s for n, s in zip(shape, self.step))
+        if self.kind == "offset":
+            return self.offset + math.prod(shape)
+        return math.prod(shape)
 
     def to_json(self) -> dict:
         d: dict = {"kind": self.kind}
@@ -97,9 +134,8 @@ class Layout:
         unknown = set(d) - {"kind", "perm", "step", "offset", "dims"}
         if unknown:
             raise CaseError(f"layout has unknown keys {sorted(unknown)}")
-        tup = lambda v: None if v is None else tuple(int(x) for x in v)  # noqa: E731
-        return cls(kind=d["kind"], perm=tup(d.get("perm")), step=tup(d.get("step")),
-                   offset=int(d.get("offset", 0)), dims=tup(d.get("dims")))
+        return cls(kind=d["kind"], perm=d.get("perm"), step=d.get("step"), offset=d.get("offset", 0),
+                   dims=d.get("dims"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +146,7 @@ class Dist:
     params: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
-        if self.kind not in DISTRIBUTIONS:
+        if not isinstance(self.kind, str) or self.kind not in DISTRIBUTIONS:
             raise CaseError(f"unknown distribution {self.kind!r} (known: {', '.join(DISTRIBUTIONS)})")
         allowed = DIST_PARAMS.get(self.kind, {})
         for k, v in self.params:
@@ -133,8 +169,13 @@ class Dist:
             return cls(d)
         if not isinstance(d, Mapping) or "kind" not in d:
             raise CaseError(f"dist must be a name or an object with 'kind', got {d!r}")
-        params = tuple(sorted((k, float(v)) for k, v in d.items() if k != "kind"))
-        return cls(d["kind"], params)
+        params = []
+        for k, v in d.items():
+            if k != "kind":
+                if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                    raise CaseError(f"distribution parameter {k!r} must be a number, got {v!r}")
+                params.append((k, float(v)))
+        return cls(d["kind"], tuple(sorted(params)))
 
 
 def _check_special(value: Any) -> Any:
@@ -144,6 +185,8 @@ def _check_special(value: Any) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CaseError(f"special value must be a name or a number, got {value!r}")
+    if not math.isfinite(value):
+        raise CaseError(f"special value {value!r} is not finite (name it: {', '.join(SPECIAL_VALUES)})")
     return float(value)
 
 
@@ -157,7 +200,7 @@ class ArgCase:
 
     def __post_init__(self):
         for pos, value in self.inject:
-            if not isinstance(pos, int) or pos < 0:
+            if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
                 raise CaseError(f"injection position must be an int >= 0, got {pos!r}")
             _check_special(value)
 
@@ -177,6 +220,8 @@ class ArgCase:
         if unknown:
             raise CaseError(f"argument entry has unknown keys {sorted(unknown)}")
         inject = []
+        if not isinstance(d.get("inject", []), (list, tuple)):
+            raise CaseError(f"injections must be a list of [position, value], got {d['inject']!r}")
         for item in d.get("inject", []):
             if not isinstance(item, (list, tuple)) or len(item) != 2:
                 raise CaseError(f"injection must be [position, value], got {item!r}")
@@ -264,30 +309,85 @@ class Case:
         if not isinstance(args, Mapping):
             raise CaseError("case field 'args' must be an object")
         return cls.make(d["target"], d["dtype"], d["seed"], d["dims"],
-                        {k: ArgCase.from_json(v) for k, v in args.items()}, d.get("payload"))
+                        {k: ArgCase.from_json(v) for k, v in args.items()}, _check_payload(d.get("payload")))
+
+
+def _check_payload(payload: Any) -> Any:
+    """A payload as a case file holds it: argument name -> {dtype, shape, data (base64)}.
+    Whether each entry fits the contract is ``kfuzz.tensors.check_storage``'s question."""
+    if payload is None:
+        return None
+    if not isinstance(payload, Mapping):
+        raise CaseError(f"case field 'payload' must be an object, got {type(payload).__name__}")
+    for name, entry in payload.items():
+        if not isinstance(entry, Mapping) or set(entry) != {"dtype", "shape", "data"}:
+            raise CaseError(f"payload for argument {name!r} must be an object with dtype, shape and data")
+        if not isinstance(entry["dtype"], str) or not isinstance(entry["data"], str):
+            raise CaseError(f"payload for argument {name!r}: dtype and data must be strings")
+        for n in _integers(entry["shape"], f"payload for argument {name!r}: shape"):
+            if n < 0:
+                raise CaseError(f"payload for argument {name!r}: negative size in shape {entry['shape']}")
+    return payload
 
 
 # the .case.zst codec ------------------------------------------------------------------
 
 def encode(case: Case, record: Mapping | None = None) -> bytes:
-    """Canonical JSON of the case (plus an optional record), zstd-compressed."""
+    """Canonical JSON of the case (plus an optional record), zstd-compressed. CaseError if
+    the JSON is larger than ``decode`` would read back."""
     doc = case.to_json()
     if record is not None:
         doc["record"] = record
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return zstandard.ZstdCompressor(level=10).compress(text.encode())
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    cap = max_case_file_bytes()
+    if len(text) > cap:
+        raise CaseError(f"case for target {case.target!r} is {describe(len(text))} of JSON, over the "
+                        f"{describe(cap)} a case file may hold (set {CASE_FILE_ENV} to raise it)")
+    return zstandard.ZstdCompressor(level=10).compress(text)
+
+
+def decompress(data: bytes, source: str = "<bytes>") -> bytes:
+    """The one zstd frame in ``data``, decompressed in chunks and refused (CaseError naming
+    ``source``) as soon as it passes ``max_case_file_bytes()``: a small file that claims or
+    expands to gigabytes never gets them."""
+    cap, size = max_case_file_bytes(), 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+            while True:
+                chunk = reader.read(min(1 << 20, cap + 1 - size))
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > cap:
+                    raise CaseError(f"{source}: decompresses to more than {describe(cap)}, the most a "
+                                    f"case file may hold (set {CASE_FILE_ENV} to raise it)")
+        # within the cap: decode again in one piece, which tells a whole frame from a cut one
+        whole = zstandard.ZstdDecompressor().decompressobj()
+        text = whole.decompress(data)
+    except zstandard.ZstdError as e:
+        raise CaseError(f"{source}: not a valid zstd stream ({e})") from None
+    if not whole.eof:
+        raise CaseError(f"{source}: not a valid zstd stream (the frame is cut short)")
+    if whole.unused_data:
+        raise CaseError(f"{source}: not a valid zstd stream ({len(whole.unused_data)} bytes after the frame)")
+    return text
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def decode(data: bytes, source: str = "<bytes>") -> tuple[Case, dict | None]:
     """The case and its record (or None) from ``.case.zst`` bytes; CaseError names ``source``."""
+    text = decompress(data, source)
+    values = sum(text.count(c) for c in (b",", b":", b"[", b"{"))
+    if values > MAX_JSON_VALUES:
+        raise CaseError(f"{source}: holds about {values} JSON values, more than the {MAX_JSON_VALUES} "
+                        f"a case file may hold")
     try:
-        text = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30)
-    except zstandard.ZstdError as e:
-        raise CaseError(f"{source}: not a valid zstd stream ({e})") from None
-    try:
-        doc = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CaseError(f"{source}: not valid case JSON ({e})") from None
+        doc = json.loads(text, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CaseError(f"{source}: not valid case JSON ({type(e).__name__}: {e})") from None
     try:
         case = Case.from_json(doc)
     except CaseError as e:

@@ -17,22 +17,35 @@ per signature: a second failure with a signature already on disk is not saved.
 
 Writes go to a temporary file in the same folder and are renamed into place,
 so an interrupted write never leaves a truncated case, and a bad file never
-stops the others from loading.
+stops the others from loading. Files are created with the user's umask. Saving
+a failure holds an exclusive lock on its signature's folder while it checks for
+an open failure and writes, so processes saving at once (two campaigns on one
+root) keep one case a signature.
+
+A case file may come from outside: ``load`` reads at most a case file's cap
+(``kfuzz.limits``) from a regular file and checks the record's fields that
+replay and minimize rely on; ``load_checked`` also resolves the case's target and
+checks its contract and storage budget, naming the file in every error.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
 import kfuzz
 from kfuzz.case import Case, decode, encode
-from kfuzz.errors import CaseError
+from kfuzz.errors import CaseError, KfuzzError
+from kfuzz.limits import CASE_FILE_ENV, describe, max_case_bytes, max_case_file_bytes
+from kfuzz.target import Target, get_target
+from kfuzz.tensors import check_storage
 from kfuzz.verdict import Signature, Verdict
 
 SUFFIX = ".case.zst"
@@ -66,8 +79,11 @@ def versions(device: str = "cpu") -> dict:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, renamed into
+    place; the file gets the user's umask (as ``open`` would give it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    tmp = path.parent / f".tmp-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -80,20 +96,87 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+@contextlib.contextmanager
+def locked(folder: Path):
+    """An exclusive lock on ``folder`` (created if missing) for the ``with`` block: the
+    processes that take it on one folder take turns."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def make_record(verdict: Verdict, expect: str = "fail", device: str = "cpu", **extra) -> dict:
     return {"verdict": verdict.to_json(), "signature": verdict.signature.to_json(), "expect": expect,
             "versions": versions(device),
             "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **extra}
 
 
+_SLACK = 1 << 16     # a zstd frame may be a little larger than what it holds
+
+
 def load(path: str | Path) -> tuple[Case, dict | None]:
     """The case and record in ``path``; CaseError names the file and what is wrong."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        if not p.is_file():
+            raise CaseError(f"{p}: no such file" if not p.exists() else f"{p}: not a regular file")
+        cap = max_case_file_bytes() + _SLACK
+        with p.open("rb") as f:
+            data = f.read(cap + 1)
     except OSError as e:
         raise CaseError(f"{p}: cannot read ({e.strerror})") from None
-    return decode(data, str(p))
+    if len(data) > cap:
+        raise CaseError(f"{p}: larger than {describe(cap)}, more than a case file may hold "
+                        f"(set {CASE_FILE_ENV} to raise it)")
+    case, record = decode(data, str(p))
+    if record is not None:
+        check_record(record, str(p))
+    return case, record
+
+
+def check_record(record: Mapping, source: str) -> None:
+    """The record's fields that replay, minimize and the gates read: ``expect`` is ``pass`` or
+    ``fail`` (the default); ``signature`` (which ``fail`` needs) and ``verdict`` parse."""
+    expect = record.get("expect", "fail")
+    if expect not in ("pass", "fail"):
+        raise CaseError(f"{source}: record field 'expect' is {expect!r}; it must be 'pass' or 'fail'")
+    if expect == "fail" and "signature" not in record:
+        raise CaseError(f"{source}: record expects a failure but names no 'signature'")
+    for key, parse in (("signature", Signature.from_json), ("verdict", lambda d: Verdict.from_json("", d))):
+        if key in record:
+            entry = record[key]
+            try:
+                if not isinstance(entry, Mapping):
+                    raise TypeError(f"a {type(entry).__name__}, not an object")
+                parsed = parse(entry)
+                fields = (parsed.target, parsed.kind, parsed.output, parsed.exc_type, parsed.frame)
+                if not all(f is None or isinstance(f, str) for f in fields):
+                    raise TypeError("a name that is not a string")
+            except (KeyError, TypeError, ValueError) as e:
+                raise CaseError(f"{source}: record field {key!r} is malformed ({type(e).__name__}: {e})") from None
+
+
+def load_checked(path: str | Path) -> tuple[Case, dict | None, Target]:
+    """``load``, then ``checked_target``; every error names the file."""
+    case, record = load(path)
+    return case, record, checked_target(case, path)
+
+
+def checked_target(case: Case, source: str | Path) -> Target:
+    """The target of a case read from ``source``, once the case is checked against its
+    contract (``Target.validate``) and the global cap on its storage
+    (``kfuzz.tensors.check_storage``), before anything is materialized."""
+    try:
+        target = get_target(case.target)
+        target.validate(case)
+        check_storage(case, target, max_case_bytes())
+    except KfuzzError as e:
+        raise type(e)(f"{source}: {e}") from None
+    return target
 
 
 def iter_case_files(paths: Iterable[str | Path]) -> Iterator[Path]:
@@ -143,17 +226,21 @@ class Corpus:
     def save_failure(self, case: Case, verdict: Verdict, expect: str = "fail", device: str = "cpu",
                      replace_existing: bool = False, **extra) -> Path | None:
         """Save a failing case unless its signature already has an open failure kept
-        (``has_open_failure``); returns the path written."""
+        (``has_open_failure``); returns the path written. The check and the write hold the
+        signature folder's lock (``locked``), so of processes saving one signature at once,
+        one saves."""
         if verdict.passed:
             raise ValueError("only failures are saved in crashes/")
         sig = verdict.signature
-        if self.has_open_failure(sig) and not replace_existing:
-            return None
+        data = encode(case, make_record(verdict, expect, device, **extra))
         path = self.failure_path(case, sig)
-        if replace_existing:
-            for old in path.parent.glob(f"*{SUFFIX}"):
-                old.unlink()
-        write_atomic(path, encode(case, make_record(verdict, expect, device, **extra)))
+        with locked(path.parent):
+            if self.has_open_failure(sig) and not replace_existing:
+                return None
+            if replace_existing:
+                for old in path.parent.glob(f"*{SUFFIX}"):
+                    old.unlink()
+            write_atomic(path, data)
         return path
 
     def save_seed(self, case: Case) -> Path:
@@ -163,12 +250,16 @@ class Corpus:
         return path
 
     def seeds_of(self, target: str) -> list[Case]:
+        """The seeds kept for ``target``; a file that is unreadable, another target's, or
+        breaks the contract or the storage cap is skipped."""
         out, folder = [], self.seed_folder(target)
         for f in iter_case_files([folder]) if folder.is_dir() else []:
             try:
                 case = load(f)[0]
-            except CaseError:
+                if case.target != target:   # the case's own field says whose it is, not the folder
+                    continue
+                checked_target(case, f)
+            except KfuzzError:
                 continue
-            if case.target == target:       # the case's own field says whose it is, not the folder
-                out.append(case)
+            out.append(case)
         return out

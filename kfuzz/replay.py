@@ -2,9 +2,11 @@
 
 A case recorded with ``expect: fail`` must fail again with the same signature
 (a known open bug still reproduces); ``expect: pass`` (or no record, as for
-seeds) must pass (a fixed bug stays fixed). A file that cannot be read, or
-names a target that does not exist, is reported as bad input and the other
-files still replay.
+seeds) must pass (a fixed bug stays fixed). A file that cannot be read, names a
+target that does not exist, breaks its target's contract or storage budget
+(checked before anything is materialized: ``kfuzz.corpus.load_checked``), or
+whose replay raises, is one ``error`` result naming what is wrong, and the
+other files still replay.
 """
 from __future__ import annotations
 
@@ -13,10 +15,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from kfuzz.case import encode
-from kfuzz.corpus import iter_case_files, load, make_record, write_atomic
+from kfuzz.corpus import iter_case_files, load, load_checked, make_record, write_atomic
 from kfuzz.errors import KfuzzError
 from kfuzz.execute import execute
-from kfuzz.target import get_target
 from kfuzz.verdict import Signature, Verdict
 
 
@@ -36,12 +37,14 @@ def _without_path(e: KfuzzError, path) -> str:
 
 
 def replay_file(path: Path, device: str = "cpu") -> ReplayResult:
+    """The result of replaying one file; never raises for what is in the file."""
     try:
-        case, record = load(path)
-        target = get_target(case.target)
+        case, record, target = load_checked(path)
         verdict = execute(case, target, device=device)
     except KfuzzError as e:
         return ReplayResult(path, "error", message=_without_path(e, path))
+    except Exception as e:    # noqa: BLE001 - one file's failure to replay must not stop the others
+        return ReplayResult(path, "error", message=f"could not replay it ({type(e).__name__}: {e})"[:2000])
     expect = (record or {}).get("expect", "pass")
     if expect == "fail":
         want = Signature.from_json(record["signature"])

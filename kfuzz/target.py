@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 
 from kfuzz.case import Case
 from kfuzz.errors import CaseError, TargetError
-from kfuzz.tensors import DTYPES, special_value_table
+from kfuzz.tensors import DTYPES, check_storage, special_value_table
 
 ALL_LAYOUTS = ("contiguous", "permuted", "strided", "offset", "expanded")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -133,7 +133,8 @@ class Target:
 
     # the contract ---------------------------------------------------------------------
     def validate(self, case: Case) -> None:
-        """Raise CaseError naming what in ``case`` breaks this target's contract."""
+        """Raise CaseError naming what in ``case`` breaks this target's contract, the storage
+        its layouts and payload may take included (``kfuzz.tensors.check_storage``)."""
         where = f"case for target {self.name!r}"
         if case.target != self.name:
             raise CaseError(f"{where}: names target {case.target!r}")
@@ -169,6 +170,7 @@ class Target:
             unknown = set(case.payload_dict) - set(self.args)
             if unknown:
                 raise CaseError(f"{where}: payload names unknown arguments {sorted(unknown)}")
+        check_storage(case, self)
 
 
 # the registry ---------------------------------------------------------------------------

@@ -16,11 +16,21 @@ the device or the thread count. The order is fixed:
    dtypes), so a kernel that reads outside the view's elements shows it;
 6. move to the device.
 
-Refuses (CaseError): payload tensors of the wrong shape or dtype.
+The storage budget (``check_storage``): before anything is allocated, each argument's
+storage is computed from its shape and layout, and refused when its layout spans more
+than the contract admits (``STEP_ROOM`` per dim times the argument's largest size under
+the contract, plus ``OFFSET_ROOM`` elements; ``Target.validate`` checks this on every
+case) or, for a case read from outside, when the whole case would take more than
+``kfuzz.limits.max_case_bytes()``.
+
+Refuses (CaseError): payload tensors of the wrong shape or dtype, layouts and payloads
+over the storage budget.
 """
 from __future__ import annotations
 
 import base64
+import binascii
+import json
 import math
 import zlib
 from typing import TYPE_CHECKING, Mapping
@@ -30,6 +40,7 @@ import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.errors import CaseError
+from kfuzz.limits import CASE_BYTES_ENV, describe
 
 if TYPE_CHECKING:
     from kfuzz.target import Target
@@ -117,11 +128,18 @@ def decode_payload(entry: Mapping, name: str) -> torch.Tensor:
     try:
         dt = torch_dtype(entry["dtype"])
         shape = tuple(int(s) for s in entry["shape"])
-        raw = base64.b64decode(entry["data"])
+        if len(entry["data"]) != payload_chars(math.prod(shape) * dt.itemsize):
+            raise ValueError(f"{len(entry['data'])} base64 characters for {list(shape)} {entry['dtype']}")
+        raw = base64.b64decode(entry["data"], validate=True)
         t = torch.frombuffer(bytearray(raw), dtype=dt) if raw else torch.empty(0, dtype=dt)
         return t.reshape(shape).clone()
-    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+    except (KeyError, ValueError, RuntimeError, TypeError, binascii.Error) as e:
         raise CaseError(f"payload for argument {name!r} is malformed ({e})") from None
+
+
+def payload_chars(nbytes: int) -> int:
+    """The length of the base64 text of ``nbytes`` bytes."""
+    return 4 * -(-nbytes // 3)
 
 
 def encode_payload(t: torch.Tensor) -> dict:
@@ -185,6 +203,52 @@ def _expanded_positions(argcase: ArgCase, shape: tuple[int, ...]) -> ArgCase:
             idx[d] = 0
         moved.append((int(np.ravel_multi_index(idx, shape)), value))
     return ArgCase(argcase.layout, argcase.dist, tuple(moved))
+
+
+# the storage budget ----------------------------------------------------------------------------
+
+STEP_ROOM = 4        # per dim, how far a layout may spread an argument beyond its size (kfuzz draws steps <= 3)
+OFFSET_ROOM = 4096   # storage elements a layout may add besides (kfuzz draws offsets <= 17)
+
+
+def _largest_size(target: "Target", name: str) -> int:
+    """Argument ``name``'s element count with every dim at the contract's largest size."""
+    return target.numel(name, {d: spec.hi for d, spec in target.dims.items()})
+
+
+def check_storage(case: Case, target: "Target", cap: int | None = None) -> int:
+    """The bytes materializing ``case`` takes, computed from shapes and layouts before
+    anything is allocated: each argument's storage in its dtype and its logical values
+    (drawn in float64; a payload's in its dtype). CaseError if an argument's layout spans
+    more storage than the contract admits, a payload entry disagrees with the contract, or
+    the total is over ``cap`` (what is read from outside is held to ``max_case_bytes()``).
+    Needs the checks of ``Target.validate`` before it (dims in the contract, layouts of the
+    right rank); ``Target.validate`` calls it without a cap."""
+    where = f"case for target {target.name!r}"
+    dims, payload, total = case.dim, case.payload_dict or {}, 0
+    for name in target.args:
+        shape = target.shape_of(target.args[name].shape, dims)
+        dtype = target.arg_dtype(name, case.dtype)
+        itemsize = torch_dtype(dtype).itemsize
+        layout = case.arg(name).layout
+        span, numel = layout.span(shape), math.prod(shape)
+        room = _largest_size(target, name) * STEP_ROOM ** len(shape) + OFFSET_ROOM
+        if span > room:
+            raise CaseError(f"{where}: argument {name!r} with layout {json.dumps(layout.to_json())} spans {span} storage "
+                            f"elements; its contract admits at most {room}")
+        if name in payload:
+            entry = payload[name]
+            if entry["dtype"] != dtype or tuple(entry["shape"]) != shape:
+                raise CaseError(f"{where}: payload for {name!r} is {list(entry['shape'])} {entry['dtype']}, "
+                                f"the contract wants {list(shape)} {dtype}")
+            if len(entry["data"]) != payload_chars(numel * itemsize):
+                raise CaseError(f"{where}: payload for {name!r} holds {len(entry['data'])} base64 characters, "
+                                f"{list(shape)} {dtype} takes {payload_chars(numel * itemsize)}")
+        total += span * itemsize + numel * (itemsize if name in payload else 8)
+    if cap is not None and total > cap:
+        raise CaseError(f"{where}: materializing it takes {describe(total)}, over the cap of {describe(cap)} "
+                        f"(set {CASE_BYTES_ENV} to raise it)")
+    return total
 
 
 # the whole path --------------------------------------------------------------------------------

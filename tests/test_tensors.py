@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
-from kfuzz.case import ArgCase, Case, Dist, Layout
-from kfuzz.errors import CaseError
+from kfuzz.case import ArgCase, Case, Dist, Layout, encode
+from kfuzz.corpus import load_checked
+from kfuzz.errors import CaseError, KfuzzError
 from kfuzz.target import get_target
-from kfuzz.tensors import encode_payload, materialize, special_value_table
+from kfuzz.tensors import check_storage, encode_payload, lay_out, materialize, special_value_table
 
 SOFTMAX = get_target("softmax")
 
@@ -121,3 +122,65 @@ def test_payload_replaces_generation():
 def test_contract_refusals(case, message):
     with pytest.raises(CaseError, match=message):
         SOFTMAX.validate(case)
+
+
+# the storage budget: refused from the shapes and layouts, before anything is allocated ------
+
+def _payload(shape, data):
+    return {"x": {"dtype": "float32", "shape": list(shape), "data": data}}
+
+
+@pytest.mark.parametrize("case, message", [
+    (make(layout=Layout("offset", offset=10**9)), r"spans 1000000045 storage elements; its contract admits at most"),
+    (make(layout=Layout("strided", step=(10**5, 10**5))), "spans 450000000000 storage elements"),
+    (make(dims={"N": 64, "D": 512}, layout=Layout("strided", step=(1, 17))), "its contract admits at most 528384"),
+    (Case.make("softmax", "float32", 0, {"N": 4, "D": 4}, payload=_payload((4, 4), "AAAA")),
+     "holds 4 base64 characters, \\[4, 4\\] float32 takes 88"),
+    (Case.make("softmax", "float32", 0, {"N": 4, "D": 4}, payload=_payload((10**6, 10**6), "AAAA")),
+     "payload for 'x' is \\[1000000, 1000000\\] float32, the contract wants \\[4, 4\\]"),
+], ids=["offset", "strided", "step-past-room", "short-payload", "payload-shape"])
+def test_layouts_and_payloads_past_the_contract_are_refused(case, message):
+    with pytest.raises(CaseError, match=message):
+        SOFTMAX.validate(case)
+
+
+def test_the_contract_admits_kfuzzs_own_widest_layouts():
+    """Steps of 3 on every dim and an offset of 17 (the most kfuzz's engines draw), at every
+    dim's largest size, fit the room the contract gives; steps of 5 do not."""
+    for name in ("softmax", "matmul", "gdn_bwd"):
+        target = get_target(name)
+        dims = {d: spec.hi for d, spec in target.dims.items()}
+        for layout in ("strided", "offset"):
+            args = {a: ArgCase(Layout("strided", step=(3,) * len(arg.shape)) if layout == "strided"
+                               else Layout("offset", offset=17))
+                    for a, arg in target.args.items() if layout in arg.layouts}
+            target.validate(Case.make(name, target.dtypes[0], 0, dims, args))
+        wider = {a: ArgCase(Layout("strided", step=(5,) * len(arg.shape)))
+                 for a, arg in target.args.items() if "strided" in arg.layouts}
+        with pytest.raises(CaseError, match="its contract admits at most"):
+            target.validate(Case.make(name, target.dtypes[0], 0, dims, wider))
+
+
+def test_the_global_cap_refuses_a_case_read_from_a_file_and_names_how_to_raise_it(tmp_path, monkeypatch):
+    case = make(dims={"N": 64, "D": 512})           # 32768 elements: 128 KiB, drawn in float64 256 KiB
+    assert check_storage(case, SOFTMAX) == 393216
+    path = tmp_path / "big.case.zst"
+    path.write_bytes(encode(case))
+    load_checked(path)
+    monkeypatch.setenv("KFUZZ_MAX_CASE_BYTES", "256K")
+    SOFTMAX.validate(case)                          # the contract admits it; the cap is for what is read
+    with pytest.raises(CaseError, match=r"big.case.zst: .* takes 384.0 KiB \(393216 bytes\), over the cap of "
+                                        "256.0 KiB.*set KFUZZ_MAX_CASE_BYTES to raise it"):
+        load_checked(path)
+    monkeypatch.setenv("KFUZZ_MAX_CASE_BYTES", "lots")
+    with pytest.raises(KfuzzError, match="KFUZZ_MAX_CASE_BYTES='lots' is not a size"):
+        load_checked(path)
+
+
+def test_span_is_what_lay_out_allocates():
+    values = torch.zeros(5, 9)
+    for layout in (Layout(), Layout("permuted", perm=(1, 0)), Layout("strided", step=(2, 3)),
+                   Layout("offset", offset=17), Layout("expanded", dims=(0,)), Layout("expanded", dims=(1,))):
+        held = lay_out(values, layout).untyped_storage().nbytes() // 4
+        assert held <= layout.span((5, 9)), layout
+        assert held == layout.span((5, 9)) or layout.kind == "expanded", layout

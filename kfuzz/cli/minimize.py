@@ -5,9 +5,8 @@ import click
 
 from kfuzz.case import encode
 from kfuzz.cli import cli, handles_bad_input
-from kfuzz.corpus import SUFFIX, load, make_record, write_atomic
+from kfuzz.corpus import SUFFIX, load_checked, make_record, write_atomic
 from kfuzz.minimize import DEFAULT_BUDGET, Minimized, minimize
-from kfuzz.target import get_target
 from kfuzz.verdict import Signature
 
 
@@ -38,8 +37,7 @@ def render(m: Minimized) -> None:
 @handles_bad_input
 def minimize_cmd(path, out, replace, budget, device):
     """Shrink a failing case; the result fails with the same signature. Exit 2 if it does not fail."""
-    case, record = load(path)
-    target = get_target(case.target)
+    case, record, target = load_checked(path)
     want = Signature.from_json(record["signature"]) if record and "signature" in record else None
     m = minimize(case, target, signature=want, device=device, max_executions=budget)
     click.echo(f"signature {m.verdict.signature}")
