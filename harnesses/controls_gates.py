@@ -16,6 +16,14 @@ gate's property can see it (``tools/gate_matrix.py`` checks that and writes GATE
 | rowsum.zeroassumed | G10 | accumulates into a fresh torch.empty workspace, assuming it is zeroed |
 | matmul.ptrcache | G11 | caches results by input pointer, shape and strides |
 | rmsnorm.badgrad | G12 | right forward, backward without the term through the mean of squares |
+| causal_product.maskmul | G05 | applies the causal mask by multiplying after the product (a NaN at a later position reaches earlier outputs) |
+| decay_scan.cumdiff | G05 | chunk decays as differences of cumulative log-gates (a -inf gate makes -inf - (-inf) = NaN across its chunk) |
+| rmsnorm.pairs | G10 | rows in pairs: the last row of an odd count is never written |
+| matmul.firstcache | G11 | returns its last result again for inputs of the same shapes and first elements |
+
+``causal_product`` and ``decay_scan`` are targets of their own, defined here with their correct
+kernels: a causal product whose mask selects before the sum, and a chunked decayed scan whose
+decays are sums of the gates they span (kfuzz's G05 controls need a sequence and a log-space gate).
 """
 import random
 from collections import OrderedDict
@@ -169,6 +177,37 @@ def matmul_ptrcache(a, b):
 
 variant("matmul", "matmul.ptrcache", matmul_ptrcache,
         planted_bug="caches results by input pointer: new values in the same buffers get the old result")
+
+
+# G10: a tail row never written ------------------------------------------------------------------
+def rmsnorm_pairs(x, weight):
+    out = torch.empty_like(x)
+    even = x.shape[0] - x.shape[0] % 2      # rows in pairs; the last row of an odd count is never written
+    out[:even] = rmsnorm(x[:even], weight)
+    return out
+
+
+variant("rmsnorm", "rmsnorm.pairs", rmsnorm_pairs,
+        planted_bug="normalizes rows in pairs: when the row count is odd the last row is never written")
+
+
+# G11: a result cached by shape and one element ---------------------------------------------------
+_last: dict = {}
+
+
+def matmul_firstcache(a, b):
+    inference = not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+    key = (tuple(a.shape), tuple(b.shape), a.dtype, a.reshape(-1)[0].item(), b.reshape(-1)[0].item())
+    if inference and _last.get("key") == key:
+        return _last["out"].clone()
+    out = torch.matmul(a, b)
+    if inference:
+        _last.update(key=key, out=out.clone())
+    return out
+
+
+variant("matmul", "matmul.firstcache", matmul_firstcache,
+        planted_bug="returns its last result again when the shapes and the first elements of its inputs match")
 
 
 # G12 -----------------------------------------------------------------------------------------
