@@ -3,7 +3,9 @@
 G01-G04 (reference, distributions, shapes, layouts) judge by the error bound of
 ``kfuzz.compare`` (``kfuzz.execute.judge``); G05-G07 are tolerance-free:
 nonfinite sets exact, finiteness where the oracle is finite, exact answers bit
-for bit. Each builds its cases from the target's contract and a seed.
+for bit. Each builds its cases from the target's contract and a seed. G05 and
+G06 put one special value into one argument at a time (``kfuzz.gates.specials``);
+G07 adds totals past fp16's integer range where the contract admits them.
 
 Refuses nothing itself: a case that breaks the contract is a ``CaseError``.
 """
@@ -262,7 +264,9 @@ def _finite_where_oracle_finite(out, oracle, dtype: str):
 
 class Range(Gate):
     id, name = "G06", "range"
-    property = "inputs near the dtype's largest and smallest magnitudes: where the oracle is finite, so is the kernel"
+    property = ("inputs near the dtype's largest and smallest magnitudes (each argument scaled, and one max, tiny "
+                "or subnormal in one argument at a time at the first, middle and last index of every dim): "
+                "where the oracle is finite, so is the kernel")
 
     def cases(self, target, seed):
         dims = nominal_dims(target)
