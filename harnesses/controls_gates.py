@@ -16,6 +16,14 @@ gate's property can see it (``tools/gate_matrix.py`` checks that and writes repo
 | rowsum.zeroassumed | G10 | accumulates into a fresh torch.empty workspace, assuming it is zeroed |
 | matmul.ptrcache | G11 | caches results by input pointer, shape and strides |
 | rmsnorm.badgrad | G12 | right forward, backward without the term through the mean of squares |
+| causal_product.maskmul | G05 | applies the causal mask by multiplying after the product (a NaN at a later position reaches earlier outputs) |
+| decay_scan.cumdiff | G05 | chunk decays as differences of cumulative log-gates (a -inf gate makes -inf - (-inf) = NaN across its chunk) |
+| rmsnorm.pairs | G10 | rows in pairs: the last row of an odd count is never written |
+| matmul.firstcache | G11 | returns its last result again for inputs of the same shapes and first elements |
+
+``causal_product`` and ``decay_scan`` are targets of their own, defined here with their correct
+kernels: a causal product whose mask selects before the sum, and a chunked decayed scan whose
+decays are sums of the gates they span (kfuzz's G05 controls need a sequence and a log-space gate).
 """
 import random
 from collections import OrderedDict
@@ -29,7 +37,7 @@ from harnesses.rmsnorm import EPS as RMS_EPS, rmsnorm
 from harnesses.rowsum import rowsum
 from harnesses.softmax import softmax_math
 from kfuzz.gates.base import nominal_dims
-from kfuzz.target import variant
+from kfuzz.target import Arg, Dim, Output, target, variant
 
 
 # G01 -----------------------------------------------------------------------------------------
@@ -171,6 +179,37 @@ variant("matmul", "matmul.ptrcache", matmul_ptrcache,
         planted_bug="caches results by input pointer: new values in the same buffers get the old result")
 
 
+# G10: a tail row never written ------------------------------------------------------------------
+def rmsnorm_pairs(x, weight):
+    out = torch.empty_like(x)
+    even = x.shape[0] - x.shape[0] % 2      # rows in pairs; the last row of an odd count is never written
+    out[:even] = rmsnorm(x[:even], weight)
+    return out
+
+
+variant("rmsnorm", "rmsnorm.pairs", rmsnorm_pairs,
+        planted_bug="normalizes rows in pairs: when the row count is odd the last row is never written")
+
+
+# G11: a result cached by shape and one element ---------------------------------------------------
+_last: dict = {}
+
+
+def matmul_firstcache(a, b):
+    inference = not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+    key = (tuple(a.shape), tuple(b.shape), a.dtype, a.reshape(-1)[0].item(), b.reshape(-1)[0].item())
+    if inference and _last.get("key") == key:
+        return _last["out"].clone()
+    out = torch.matmul(a, b)
+    if inference:
+        _last.update(key=key, out=out.clone())
+    return out
+
+
+variant("matmul", "matmul.firstcache", matmul_firstcache,
+        planted_bug="returns its last result again when the shapes and the first elements of its inputs match")
+
+
 # G12 -----------------------------------------------------------------------------------------
 class _RMSNormBadGrad(torch.autograd.Function):
     @staticmethod
@@ -190,3 +229,114 @@ class _RMSNormBadGrad(torch.autograd.Function):
 
 variant("rmsnorm", "rmsnorm.badgrad", lambda x, weight: _RMSNormBadGrad.apply(x, weight),
         planted_bug="backward drops the term through the mean of squares (forward is right)")
+
+
+# G05: causal products --------------------------------------------------------------------------
+# o_t = sum over s <= t of (q_t . k_s) v_s. The oracle forms each term and keeps the causal ones by
+# selection, so a NaN or Inf at position s reaches outputs t >= s only.
+def causal_math(q, k, v):
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    terms = (q @ k.transpose(-1, -2))[..., None] * v[..., None, :, :]      # [N, t, s, E]
+    return torch.where(causal[..., None], terms, torch.zeros((), dtype=terms.dtype)).sum(-2)
+
+
+def _row_scaled(q):
+    """q divided by each row's largest finite magnitude, and that scale: scores of rows near the
+    largest magnitudes stay finite (the scale multiplies once at the end; the product is linear
+    in q, so the scale is a constant to autograd)."""
+    s = torch.where(torch.isfinite(q), q.abs(), torch.zeros((), dtype=q.dtype)).amax(-1, keepdim=True)
+    s = torch.where(s > 0, s, torch.ones((), dtype=s.dtype)).detach()
+    return q / s, s
+
+
+@target("causal_product", reference=causal_math,
+        args={"q": Arg(("N", "T", "D")), "k": Arg(("N", "T", "D")), "v": Arg(("N", "T", "E"))},
+        outputs={"out": Output(("N", "T", "E"))},
+        dims={"N": Dim(1, 8), "T": Dim(1, 128), "D": Dim(1, 64), "E": Dim(1, 64)},
+        options={"nominal": {"N": 2, "T": 16, "D": 16, "E": 16}},
+        description="causal product o_t = sum_{s<=t} (q_t . k_s) v_s of [N, T, D] and [N, T, E], torch, "
+                    "fp32 with rows of q scaled, the mask applied by selection before the sum")
+def causal_product(q, k, v):
+    qs, s = _row_scaled(q.float())
+    return (causal_math(qs, k.float(), v.float()) * s).to(q.dtype)
+
+
+def causal_maskmul(q, k, v):
+    t = q.shape[-2]
+    mask = torch.ones(t, t, device=q.device).tril()
+    qs, s = _row_scaled(q.float())
+    return ((((qs @ k.float().transpose(-1, -2)) * mask) @ v.float()) * s).to(q.dtype)
+
+
+variant("causal_product", "causal_product.maskmul", causal_maskmul,
+        planted_bug="applies the causal mask by multiplying the scores by 0/1 and then a matrix product: "
+                    "a NaN or Inf at a later position reaches earlier outputs (0 * NaN = NaN)")
+
+
+# G05: chunked decays --------------------------------------------------------------------------
+# y_t = exp(g_t) y_{t-1} + x_t along T, with g a log-space gate (g = -softplus(u) <= 0, so g = -inf is
+# a complete forget and the true answer stays finite).
+CHUNK = 8
+
+
+def decay_math(x, g):
+    ys, y = [], torch.zeros_like(x[..., 0])
+    for t in range(x.shape[-1]):
+        y = torch.exp(g[..., t]) * y + x[..., t]
+        ys.append(y)
+    return torch.stack(ys, -1)
+
+
+def decay_domain(values, dims):
+    return {**values, "g": -torch.nn.functional.softplus(values["g"])}
+
+
+def _chunked_decay(x, g, segment):
+    """The chunked form: within a chunk y_i = sum_{s<=i} exp(G(s, i]) x_s (the sum of g over (s, i]),
+    by selection; between chunks the carry decays by exp(G(start-1, i]). ``segment(g)`` gives
+    G(s, i] as [..., i, s] for one chunk of gates, and [..., i] over the whole chunk."""
+    xf, gf = x.float(), g.float()
+    outs, carry = [], torch.zeros_like(xf[..., 0])
+    for start in range(0, xf.shape[-1], CHUNK):
+        xc, gc = xf[..., start:start + CHUNK], gf[..., start:start + CHUNK]
+        n = xc.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        within, whole = segment(gc)
+        terms = torch.exp(within) * xc[..., None, :]                      # [..., i, s]
+        y = torch.where(causal, terms, torch.zeros(())).sum(-1) + torch.exp(whole) * carry[..., None]
+        outs.append(y)
+        carry = y[..., -1]
+    return torch.cat(outs, -1).to(x.dtype)
+
+
+def _segsum(gc):
+    """G(s, i] as a sum over (s, i] of the gates themselves, kept by selection (no difference of totals)."""
+    r = torch.arange(gc.shape[-1], device=gc.device)
+    span = (r[None, None, :] > r[None, :, None]) & (r[None, None, :] <= r[:, None, None])   # [i, s, r]
+    within = torch.where(span, gc[..., None, None, :], torch.zeros(())).sum(-1)
+    return within, gc.cumsum(-1)
+
+
+def _cumdiff(gc):
+    """G(s, i] as a difference of cumulative gates: G_i - G_s (-inf - -inf = NaN after a -inf gate)."""
+    total = gc.cumsum(-1)
+    return total[..., :, None] - total[..., None, :], total
+
+
+@target("decay_scan", reference=decay_math,
+        args={"x": Arg(("N", "T")), "g": Arg(("N", "T"), dtype="float32")},
+        outputs={"out": Output(("N", "T"))},
+        dims={"N": Dim(1, 16), "T": Dim(1, 256)}, domain=decay_domain,
+        trusted=lambda x, g: decay_math(x.float(), g).to(x.dtype),
+        options={"nominal": {"N": 4, "T": 32},
+                 "no_exact_answers": "the domain sends every gate through softplus, so no output is exact "
+                                     "by construction"},
+        description="decayed running sum y_t = exp(g_t) y_{t-1} + x_t along T of [N, T] with log-space gates "
+                    "g <= 0, torch, chunks of 8, each decay a sum of the gates it spans")
+def decay_scan(x, g):
+    return _chunked_decay(x, g, _segsum)
+
+
+variant("decay_scan", "decay_scan.cumdiff", lambda x, g: _chunked_decay(x, g, _cumdiff),
+        planted_bug="forms each chunk's decays as differences of cumulative log-gates: one -inf gate makes "
+                    "-inf - (-inf) = NaN across the rest of its chunk (the true answer is finite)")

@@ -30,6 +30,10 @@ CONTROLS = [
     ("rowsum.zeroassumed", "G10", "stale", "out"),
     ("matmul.ptrcache", "G11", "stale", "out"),
     ("rmsnorm.badgrad", "G12", "bound", "grad.x"),
+    ("causal_product.maskmul", "G05", "nonfinite", "out"),
+    ("decay_scan.cumdiff", "G05", "nonfinite", "out"),
+    ("rmsnorm.pairs", "G10", "stale", "out"),
+    ("matmul.firstcache", "G11", "stale", "out"),
 ]
 
 
@@ -371,3 +375,76 @@ def test_run_case_runs_one_case_and_says_how_it_ended(monkeypatch, capsys):
         with pytest.raises(SystemExit) as e:
             run_case.main([bad])
         assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+# one special in one argument (G05, G06) ------------------------------------------------------------
+@pytest.mark.parametrize("name, says", [
+    ("causal_product.maskmul", "in 'k' at index"),     # a later key's NaN reaches earlier outputs
+    ("decay_scan.cumdiff", "-inf in 'g' at index"),    # a legal -inf gate: NaN across its chunk
+])
+def test_a_single_injection_failure_names_the_argument_the_value_and_the_index(name, says):
+    r = run_gate(GATES["G05"], get_target(name), seed=0)
+    assert r.status == "fail" and says in r.reason, r.reason
+
+
+def test_specials_go_where_the_domain_maps_them_to_a_value_of_their_kind():
+    from kfuzz.gates.specials import SINGLE_CASES
+    t = get_target("gdn_fwd")      # g = -softplus(u): +inf becomes -inf; k normalized: Inf becomes NaN
+    got = {}
+    for c in GATES["G05"].cases(t, 0):
+        injected = [(n, v) for n, a in c.args for _, v in a.inject]
+        if len(injected) == 1:
+            got.setdefault((c.dtype, injected[0][0]), set()).add(injected[0][1])
+    assert got[("float32", "g")] == {"nan", "-inf"} and got[("float32", "k")] == {"nan"}
+    assert got[("float32", "beta")] == {"nan"} and got[("float32", "q")] == {"nan", "inf", "-inf"}
+    per_dtype = [sum(1 for c in GATES["G05"].cases(t, 0) if c.dtype == dt) for dt in t.dtypes]
+    assert max(per_dtype) <= SINGLE_CASES + 1
+    extremes = {v for c in GATES["G06"].cases(t, 0) for n, a in c.args if n == "g" for _, v in a.inject}
+    assert extremes == {"-max"}      # softplus sends max to -max; tiny and subnormal to -log 2
+
+
+def test_single_injections_reach_the_first_middle_and_last_index_of_every_dim():
+    from kfuzz.gates.specials import probe_positions
+    assert probe_positions((4, 5)) == [(2, 2), (0, 2), (3, 2), (2, 0), (2, 4), (0, 0), (3, 4)]
+    t = get_target("layernorm")
+    flats = {p for c in GATES["G05"].cases(t, 0) if c.dtype == "float32" for n, a in c.args
+             if n == "x" and len(a.inject) == 1 for p, _ in a.inject}
+    n, d = 16, 64
+    assert {0, n * d - 1, (n // 2) * d + d // 2, (n // 2) * d, (n // 2) * d + d - 1, d // 2, (n - 1) * d + d // 2} <= flats
+
+
+# KernelBench-format controls for the classes of G07 and G11 ------------------------------------------
+KB_CONTROLS = [
+    # file, the gate built to catch it (None: a correct kernel), the verdict kind it must give
+    ("fp16_running_total", "G07", "bound"),
+    ("fp16_cumsum_carry", "G07", "bound"),
+    ("cached_first", "G11", "stale"),
+    ("correct_sum", None, None),
+    ("correct_cumsum", None, None),
+]
+
+
+@pytest.mark.parametrize("stem, gate, kind", KB_CONTROLS, ids=[r[0] for r in KB_CONTROLS])
+def test_kernelbench_controls_fail_their_gate_and_correct_ones_pass(stem, gate, kind):
+    from pathlib import Path
+    from kfuzz.audit import read_corpus
+    from kfuzz.kernelbench import as_target
+    folder = Path(__file__).resolve().parents[1] / "harnesses" / "kernelbench_controls"
+    entry = next(e for e in read_corpus(folder) if e.key.endswith(":" + stem))
+    t = as_target(entry.pair)
+    for gid in ("G07", "G11"):
+        r = run_gate(GATES[gid], t, seed=0)
+        if gid == gate:
+            assert r.status == "fail" and r.first_failure[1].kind == kind, r.reason
+        elif gate is None:
+            assert r.status == "pass", (gid, r.reason)
+    if stem == "fp16_cumsum_carry":     # the carry goes wrong past 2048 only: the long cases catch it
+        assert "exact 2050.0" in run_gate(GATES["G07"], t, seed=0).reason
+
+
+def test_g10_and_g11_cases_reach_odd_sizes_and_shared_elements():
+    t = get_target("rmsnorm")
+    dims = [c.dim for c in GATES["G10"].cases(t, 0)]
+    assert {"N": 13, "D": 67} in dims and {"N": 7, "D": 131} in dims
+    kept = [c for c in GATES["G11"].cases(t, 0) if c.args]
+    assert {a.inject[0][0] for c in kept for n, a in c.args if n == "x"} == {0, 16 * 64 // 2, 16 * 64 - 1}

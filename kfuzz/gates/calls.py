@@ -9,11 +9,17 @@
   caller still holds).
 - G10 complete writes: memory handed out during the call is poisoned (NaN) and
   must never show in the output; the kernel runs before any reference run.
+  Cases at the nominal shape and at odd prime sizes, so that a kernel that
+  skips a tail row or column (the last of an odd count, the rest past a
+  block) leaves poison there.
 - G11 input dependence: inputs whose oracle outputs differ give kernel outputs
   that differ, both for fresh tensors (called right after the first call's
   outputs are freed) and for new values written into the same buffers
   (catches constant outputs, caching by shape or by pointer, and returning
-  freed memory that still holds an earlier result).
+  freed memory that still holds an earlier result). Some cases' new inputs
+  differ from the first everywhere but one element (the first, a middle or
+  the last of every float argument), which catches a result cached by the
+  shape and that one element.
 
 Guard regions surround kernel inputs only: outputs are the kernel's own
 allocations, so nothing can be placed around them.
@@ -24,15 +30,18 @@ import torch
 
 from kfuzz.compare import BOUND_C
 from kfuzz.execute import _storage_bytes, bits, oracle_outputs
-from kfuzz.gates.base import Gate, fit_dims, gate_seed, make_case, nominal_dims
+from kfuzz.case import ArgCase
+from kfuzz.gates.base import Gate, fit_dims, float_args, gate_seed, inner_dims, make_case, nominal_dims
 from kfuzz.programs import (Program, changed_input, executor_for, malformed, outputs_of,
                             poisoned_allocations)  # noqa: F401  (poisoned_allocations: the gate's tool)
-from kfuzz.tensors import materialize, torch_dtype
+from kfuzz.tensors import logical_values, materialize, torch_dtype
 from kfuzz.verdict import Verdict
 
 REPEATS = 4           # G08: calls on the same inputs
 GUARD_BYTES = 256     # G09: guard region on each side of every input
 GUARD_FILL = 0xA5
+ODD_SHAPES = ((67, 13), (131, 7))   # G10: (inner, other) sizes, primes past blocks of 64 and 128
+KEPT = ("first", "middle", "last")  # G11: the one element new inputs share with the first ones
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -155,12 +164,31 @@ def _pair(span) -> tuple[int, int]:
     return lo, hi
 
 
+def odd_dims(target, inner: int, other: int) -> dict[str, int] | None:
+    """Inner dims at ``inner``, others at ``other``, each moved to the largest odd size the contract
+    admits at or below that (the search's CPU cap included)."""
+    inner_names = inner_dims(target)
+    wanted = {}
+    for n, d in target.dims.items():
+        k = min(inner if n in inner_names else other, d.search_hi)
+        wanted[n] = k - 1 if k % 2 == 0 and d.admits(k - 1) else k
+    return fit_dims(target, wanted)
+
+
 class CompleteWrites(Gate):
     id, name = "G10", "complete writes"
-    property = "memory poisoned before the call never shows in the output; the kernel runs before any reference run"
+    property = ("memory poisoned before the call never shows in the output, at the nominal shape and at odd "
+                "prime sizes (tail rows and columns); the kernel runs before any reference run")
 
     def cases(self, target, seed):
-        return _per_dtype(self, target, seed, nominal_dims(target))
+        yield from _per_dtype(self, target, seed, nominal_dims(target))
+        shapes = [d for d in (odd_dims(target, *s) for s in ODD_SHAPES) if d is not None]
+        shapes = [d for k, d in enumerate(shapes) if d not in shapes[:k]]
+        i = 0
+        for dims in shapes:
+            for dtype in target.dtypes:
+                yield make_case(target, dtype, gate_seed(seed, self.id + "-odd", i), dims)
+                i += 1
 
     def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
         inputs = materialize(case, target)
@@ -185,13 +213,37 @@ class CompleteWrites(Gate):
         return Verdict(target.name, "pass")
 
 
+def kept_element(case) -> str:
+    """Which element the partner inputs of a G11 case share with the case's own (for the detail)."""
+    kept = {n: a.inject[0][0] for n, a in case.args if a.inject}
+    if not kept:
+        return ""
+    return ", differing from the first everywhere but " + ", ".join(f"{n!r}[flat {p}]" for n, p in kept.items())
+
+
 class InputDependence(Gate):
     id, name = "G11", "input dependence"
     property = ("inputs whose oracle outputs differ give kernel outputs that differ, for fresh tensors and for "
-                "new values written into the same buffers")
+                "new values written into the same buffers, also when the new inputs share one element (the "
+                "first, a middle or the last) with the first ones")
 
     def cases(self, target, seed):
-        return _per_dtype(self, target, seed, nominal_dims(target))
+        dims = nominal_dims(target)
+        yield from _per_dtype(self, target, seed, dims)
+        # the partner (seed + 1) keeps the case's injections: one element of every float argument,
+        # set to the value the case draws there, is the same in both inputs and all else differs
+        i = 0
+        for dtype in target.dtypes:
+            for where in KEPT:
+                base = make_case(target, dtype, gate_seed(seed, self.id + "-kept", i), dims)
+                values = logical_values(base, target)
+                args = {}
+                for n in float_args(target, dtype):
+                    size = target.numel(n, dims)
+                    pos = {"first": 0, "middle": size // 2, "last": size - 1}[where]
+                    args[n] = ArgCase(inject=((pos, float(values[n].reshape(-1)[pos])),))
+                yield make_case(target, dtype, base.seed, dims, args)
+                i += 1
 
     def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
         partner = case.with_(seed=case.seed + 1)
@@ -214,6 +266,7 @@ class InputDependence(Gate):
             for how, out in (("fresh tensors", second[name]), ("the same buffers", reused[name])):
                 if _same_bits(out, first[name]):
                     return Verdict(target.name, "stale", output=name,
-                                   detail=(f"new inputs in {how} (seed {partner.seed}) gave bitwise the same output "
-                                           f"{name!r} as seed {case.seed}, though the oracle's outputs differ"))
+                                   detail=(f"new inputs in {how} (seed {partner.seed}{kept_element(case)}) gave "
+                                           f"bitwise the same output {name!r} as seed {case.seed}, though the "
+                                           f"oracle's outputs differ"))
         return Verdict(target.name, "pass")

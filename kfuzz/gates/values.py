@@ -3,7 +3,9 @@
 G01-G04 (reference, distributions, shapes, layouts) judge by the error bound of
 ``kfuzz.compare`` (``kfuzz.execute.judge``); G05-G07 are tolerance-free:
 nonfinite sets exact, finiteness where the oracle is finite, exact answers bit
-for bit. Each builds its cases from the target's contract and a seed.
+for bit. Each builds its cases from the target's contract and a seed. G05 and
+G06 put one special value into one argument at a time (``kfuzz.gates.specials``);
+G07 adds totals past fp16's integer range where the contract admits them.
 
 Refuses nothing itself: a case that breaks the contract is a ``CaseError``.
 """
@@ -18,6 +20,8 @@ from kfuzz.compare import BOUND_C, compare
 from kfuzz.execute import flush_subnormals, judge, oracle_outputs, trusted_outputs
 from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims, make_case,
                               nominal_dims)
+from kfuzz.gates.specials import (SINGLE_CASES, describe_injection, extreme_value, nonfinite_value,
+                                  single_case_args, single_injections)
 from kfuzz.programs import Program, called, executor_for
 from kfuzz.tensors import lay_out, logical_values, materialize, special_value_table, torch_dtype
 from kfuzz.verdict import Verdict
@@ -30,6 +34,9 @@ SHAPE_CAP = 1024      # G03/G07 sizes stop here: the Triton interpreter is slow 
 G02_DISTS = (Dist("scaled", (("factor", 100.0),)), Dist("scaled", (("factor", 0.01),)),
              Dist("shifted", (("shift", 5.0),)), Dist("heavytailed"), Dist("ones"), Dist("uniform01"))
 G07_DISTS = (Dist("ones"), Dist("binary01"), Dist("smallint"))
+FP16_INTEGERS = 2048  # fp16 holds every integer up to 2^11 and not all beyond
+LONG_CAP = 4095       # G07's long totals: up to the largest odd size below 4096
+ROW_STARTS = 64       # G07: rows whose first element is raised, per argument
 
 
 def _all_float(target, dtype, argcase: ArgCase) -> dict:
@@ -205,25 +212,30 @@ class Layouts(Reference):
 
 class Nonfinite(Gate):
     id, name = "G05", "nonfinite"
-    property = "with NaN/Inf injected, the kernel's NaN set and Inf set equal the oracle's exactly"
+    property = ("one NaN, +Inf or -Inf in one argument at a time (first, middle and last index of every dim), "
+                "and every special in every argument at once: the kernel's NaN set and Inf sets equal the "
+                "oracle's exactly")
 
     def cases(self, target, seed):
         dims = nominal_dims(target)
         i = 0
         for dtype in target.dtypes:
             names = float_args(target, dtype)
-            table = special_value_table(dtype)
-            specials = [s for s in ("nan", "inf", "-inf") if table[s] is not None]
-            plans = [{names[0]: ("nan",)}, {names[0]: tuple(s for s in specials if s != "nan") or ("nan",)},
-                     {n: tuple(specials) for n in names}]
-            for plan in plans:
-                args = {}
-                for name, values in plan.items():
-                    size = target.numel(name, dims)
-                    step = max(1, size // (len(values) + 1))
-                    args[name] = ArgCase(inject=tuple(((k + 1) * step % size, v) for k, v in enumerate(values)))
-                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, args)
+            for name, flat, value in single_injections(target, dtype, dims, names, ("nan", "inf", "-inf"),
+                                                       lambda table, v, dt: nonfinite_value(table, v)):
+                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, single_case_args(name, flat, value))
                 i += 1
+            # every special in every argument at once
+            specials = [s for s in ("nan", "inf", "-inf") if special_value_table(dtype)[s] is not None]
+            args = {}
+            for name in names:
+                table = special_value_table(target.arg_dtype(name, dtype))
+                values = [s for s in specials if table[s] is not None]
+                size = target.numel(name, dims)
+                step = max(1, size // (len(values) + 1))
+                args[name] = ArgCase(inject=tuple(((k + 1) * step % size, v) for k, v in enumerate(values)))
+            yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, args)
+            i += 1
 
     def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
         inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor))
@@ -233,7 +245,8 @@ class Nonfinite(Gate):
         for name, out in outputs.items():
             f = compare(out, oracle[name], None, target.output_dtype(name, case.dtype), c * target.bound_scale)
             if f.kind == "nonfinite":
-                return Verdict(target.name, "nonfinite", output=name, detail=f.detail, ratio=f.ratio)
+                return Verdict(target.name, "nonfinite", output=name, ratio=f.ratio,
+                               detail=f"{describe_injection(target, case)}: {f.detail}")
         return Verdict(target.name, "pass")
 
 
@@ -251,7 +264,9 @@ def _finite_where_oracle_finite(out, oracle, dtype: str):
 
 class Range(Gate):
     id, name = "G06", "range"
-    property = "inputs near the dtype's largest and smallest magnitudes: where the oracle is finite, so is the kernel"
+    property = ("inputs near the dtype's largest and smallest magnitudes (each argument scaled, and one max, tiny "
+                "or subnormal in one argument at a time at the first, middle and last index of every dim): "
+                "where the oracle is finite, so is the kernel")
 
     def cases(self, target, seed):
         dims = nominal_dims(target)
@@ -268,13 +283,14 @@ class Range(Gate):
                 plans += [{name: ArgCase(dist=Dist("scaled", (("factor", big),)))},
                           {name: ArgCase(dist=Dist("scaled", (("factor", small),)))},
                           {name: ArgCase(dist=Dist("subnormal"))}]
-            # one argument at a time and one huge value in it: two extremes whose huge products cancel
-            # (max*b - max*c) overflow any honest fp32 total though the exact answer is finite
-            edge = [s for s in ("max", "tiny", "subnormal") if table[s] is not None]
-            plans += [{n: ArgCase(inject=tuple((k * 7 % target.numel(n, dims), s) for k, s in enumerate(edge)))}
-                      for n in names]
             for plan in plans:
                 yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, plan)
+                i += 1
+            # one value at a time in one argument: two extremes whose huge products cancel
+            # (max*b - max*c) overflow any honest fp32 total though the exact answer is finite
+            for name, flat, value in single_injections(target, dtype, dims, names, ("max", "tiny", "subnormal"),
+                                                       extreme_value, max(len(names), SINGLE_CASES + 1 - len(plans))):
+                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, single_case_args(name, flat, value))
                 i += 1
 
     def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
@@ -293,7 +309,8 @@ class Range(Gate):
             if bad is not None:
                 idx = int(bad.reshape(-1).nonzero()[0])
                 return Verdict(target.name, "nonfinite", output=name, ratio=float("inf"),
-                               detail=(f"{int(bad.sum())} position(s) nonfinite where the oracle is finite, first at "
+                               detail=(f"{describe_injection(target, case)}: "
+                                       f"{int(bad.sum())} position(s) nonfinite where the oracle is finite, first at "
                                        f"flat index {idx}: kernel {out.reshape(-1)[idx].item()!r}, "
                                        f"oracle {oracle[name].reshape(-1)[idx].item()!r}"))
         return Verdict(target.name, "pass")
@@ -305,17 +322,60 @@ def accumulation_dims(target) -> dict[str, int] | None:
     return fit_dims(target, {n: min(d.hi, SHAPE_CAP) if n in inner else 4 for n, d in target.dims.items()})
 
 
+def long_dims(target) -> dict[str, int] | None:
+    """Inner dims at the largest odd size up to LONG_CAP the contract admits, others 2; None unless
+    an inner dim then runs past FP16_INTEGERS, where an fp16 total or carry loses exact integers."""
+    inner = inner_dims(target)
+    wanted = {}
+    for n, d in target.dims.items():
+        k = min(d.search_hi, LONG_CAP) if n in inner else 2
+        wanted[n] = k - 1 if n in inner and k % 2 == 0 and d.admits(k - 1) else k
+    dims = fit_dims(target, wanted)
+    if dims is None or not any(dims[n] > FP16_INTEGERS for n in inner if n in dims):
+        return None
+    return dims
+
+
+def row_starts(target, name: str, dims: dict[str, int]) -> tuple[int, ...]:
+    """Flat positions of the first element of each innermost row of argument ``name`` (at most
+    ROW_STARTS of them)."""
+    shape = target.shape_of(target.args[name].shape, dims)
+    width = shape[-1] if shape else 1
+    return tuple(range(0, target.numel(name, dims), width))[:ROW_STARTS]
+
+
+def long_cases(target, seed, gate_id, dims):
+    """Totals past fp16's integer range: ones, ones with each row's first element 2 (so every
+    running total and every carry between blocks of a power-of-two size is odd), 0/1 and small
+    integers, per dtype, at ``long_dims``."""
+    i = 0
+    for dtype in target.dtypes:
+        names = float_args(target, dtype)
+        plans = [{n: ArgCase(dist=Dist("ones")) for n in names},
+                 {n: ArgCase(dist=Dist("ones"), inject=tuple((p, 2.0) for p in row_starts(target, n, dims)))
+                  for n in names},
+                 {n: ArgCase(dist=Dist("binary01")) for n in names},
+                 {n: ArgCase(dist=Dist("smallint")) for n in names}]
+        for plan in plans:
+            yield make_case(target, dtype, gate_seed(seed, gate_id + "-long", i), dims, plan)
+            i += 1
+
+
 class Accumulation(Gate):
     """G07. Applies where exactness is by construction: every value an output depends on is set
     by the case (exact-answer inputs). A target whose outputs also depend on other floats names
     why in ``options["no_exact_answers"]`` and the gate is n/a there."""
 
     id, name = "G07", "accumulation"
-    property = ("exact-answer inputs (ones, 0/1, small integers) at the largest sizes: where the true result "
-                "is representable and the trusted implementation gets it exactly, the kernel returns it bit for bit")
+    property = ("exact-answer inputs (ones, 0/1, small integers) at the largest sizes, and totals past fp16's "
+                "integer range where the contract admits them: where the true result is representable and the "
+                "trusted implementation gets it exactly, the kernel returns it bit for bit")
 
     def cases(self, target, seed):
-        return distribution_cases(target, seed, self.id, accumulation_dims(target), G07_DISTS)
+        yield from distribution_cases(target, seed, self.id, accumulation_dims(target), G07_DISTS)
+        dims = long_dims(target)
+        if dims is not None:
+            yield from long_cases(target, seed, self.id, dims)
 
     def not_applicable(self, target, executor=None):
         # exactness must come from the case: a target whose outputs also depend on values the case

@@ -1,0 +1,20 @@
+# reference: reference_cumsum.py
+# planted: a blocked scan whose carry between blocks of 32 columns is kept in float16
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    BLOCK = 32
+
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        carry = torch.zeros(x.shape[0], 1, dtype=torch.float16, device=x.device)
+        for k in range(0, x.shape[1], self.BLOCK):
+            part = x[:, k:k + self.BLOCK].float().cumsum(dim=1) + carry.float()
+            out[:, k:k + self.BLOCK] = part
+            carry = part[:, -1:].half()
+        return out
