@@ -21,7 +21,7 @@ from gdn.chunk_fwd import _group_flag, _tile
 def _exact_step(S, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE: tl.constexpr,
                 DELTA: tl.constexpr):
     """One step of the recurrence on a [BK, BV] block of S, as gdn.oracle writes it, in S's
-    precision (fp32 in the sequential kernels, float64 in _exact)."""
+    precision (float64: the sequential kernels convert their fp32 state for a stepped chunk)."""
     tt = (t * H + ih).to(tl.int64)
     b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(S.dtype)
     b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(S.dtype)
@@ -41,20 +41,21 @@ def _exact_step(S, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE: tl.const
 @triton.jit
 def _exact_dstep(dS, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv, mv,
                  GATE: tl.constexpr, DELTA: tl.constexpr):
-    """The state gradient before step t from the one after it (autograd's order)."""
+    """The state gradient before step t from the one after it (autograd's order), in dS's
+    precision (float64, as `_exact_step`)."""
     tt = (t * H + ih).to(tl.int64)
-    b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float32) * scale
-    b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float32)
+    b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(dS.dtype) * scale
+    b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(dS.dtype)
     dS = dS + b_q[:, None] * b_do[None, :]
     if DELTA:
-        b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float32)
-        bk = tl.load(beta + tt).to(tl.float32) * b_k
+        b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(dS.dtype)
+        bk = tl.load(beta + tt).to(dS.dtype) * b_k
         dx = tl.sum(-dS * bk[:, None], 0)
         dS = dS + b_k[:, None] * dx[None, :]
     if GATE == 1:
-        dS = tl.exp(tl.load(g + tt).to(tl.float32)) * dS
+        dS = tl.exp(tl.load(g + tt).to(dS.dtype)) * dS
     elif GATE == 2:
-        dS = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float32))[:, None] * dS
+        dS = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(dS.dtype))[:, None] * dS
     return dS
 
 

@@ -333,8 +333,11 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
                 tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32))
                 t0 = bos + ic * C
                 if not ok:
+                    hx = h.to(tl.float64)   # float64 steps (`_exact_step`), rounded once
                     for t in range(t0, tl.minimum(t0 + C, eos)):
-                        h = _exact_step(h, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
+                        hx = _exact_step(hx, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE,
+                                         DELTA)
+                    h = hx.to(tl.float32)
                 else:
                     h = _states_step(k, v, g, W, U, h, True, t0, eos, rows, ih, H, K, V, ck, mk,
                                      cv, mv, GATE, DELTA, F32, DT)
@@ -469,10 +472,12 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, hs, HD, stop,
                 tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
                 t0 = bos + ic * C
                 if not ok:
+                    dx = dh.to(tl.float64)   # float64 steps (`_exact_dstep`), rounded once
                     for s in range(0, tl.minimum(C, eos - t0)):
                         t = tl.minimum(t0 + C, eos) - 1 - s
-                        dh = _exact_dstep(dh, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv,
+                        dx = _exact_dstep(dx, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv,
                                           mv, GATE, DELTA)
+                    dh = dx.to(tl.float32)
                 else:
                     dh = _dstates_step(q, k, g, do, W, dU, dh, True, t0, eos, rows, ih, H, K, V,
                                        ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)

@@ -586,6 +586,27 @@ def test_exact_path_over_several_value_tiles(dtype, tol):
     assert_close(got, want, tol)
 
 
+@pytest.mark.parametrize("T,V,t,chunk", [(1, 2, 0, None), (37, 16, 21, 16)])
+def test_a_stepped_chunk_keeps_the_state_gradient_in_range_where_the_oracle_does(T, V, t, chunk):
+    """beta at fp32's largest value (outside its domain, as kfuzz injects it) sends its chunk to
+    the step path, where beta k (k . dS) overflows fp32 while the gate's exp(g) < 1 brings the
+    true state gradient, and dh0, back within range: every gradient has the NaN/Inf sets of
+    the float64 oracle's rounded to fp32, and its finite values."""
+    x = make_inputs(1, T, 1, 1, V, 1, True, torch.float32, seed=3)
+    x["beta"] = x["beta"].clone()
+    x["beta"][0, t, 0] = torch.finfo(torch.float32).max
+    x["g"] = x["g"].clone()
+    x["g"][0, t, 0] = -4.0
+    got = kernel_grads(x, None, True, chunk)
+    want = [None if w is None else w.to(torch.float32) for w in oracle_grads(x, None, True)]
+    assert_same_specials(got, want)
+    assert torch.isfinite(want[5]).all()
+    assert_close([None if w is None else torch.where(torch.isfinite(w.cpu()), a.cpu(), 0)
+                  for a, w in zip(got, want)],
+                 [None if w is None else torch.nan_to_num(w.cpu().double(), 0., 0., 0.)
+                  for w in want], 1e-5)
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="a GPU compile question: 16-wide float64 tiles at wide keys")
 @pytest.mark.parametrize("K,V", [(184, 64), (256, 16), (128, 128)])
 def test_exact_path_wide_keys_on_gpu(K, V):
