@@ -1,12 +1,15 @@
 """The random engine: samples valid cases from a target's contract.
 
 Sizes lean toward the edges that break kernels (1, primes, powers of two and
-their neighbours, the contract's bounds); layouts, distributions and special
-values are drawn with fixed probabilities. Every proposed case passes
-``Target.validate``.
+their neighbours, the contract's bounds) and toward small sizes, where bugs live and
+cases are cheap to judge: the largest admitted size is drawn rarely, and sizes over the
+whole range log-uniformly (a size in [8, 16) as often as one in [4096, 8192)). Layouts,
+distributions and special values are drawn with fixed probabilities. Every proposed case
+passes ``Target.validate``.
 """
 from __future__ import annotations
 
+import math
 import random
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
@@ -23,12 +26,14 @@ def sample_size(rng: random.Random, lo: int, hi: int, multiple_of: int = 1) -> i
         r = rng.random()
         if r < 0.5:
             n = rng.choice([s for s in EDGE_SIZES if lo <= s <= hi] or [lo])
-        elif r < 0.6:
-            n = rng.choice((lo, hi))
-        elif r < 0.85:
+        elif r < 0.56:
+            n = lo
+        elif r < 0.58:
+            n = hi
+        elif r < 0.83:
             n = rng.randint(lo, min(hi, max(lo, 64)))
-        else:
-            n = rng.randint(lo, hi)
+        else:   # log-uniform over the range
+            n = min(hi, int(math.exp(rng.uniform(math.log(max(lo, 1)), math.log(hi + 1)))))
         n -= n % multiple_of
         if lo <= n <= hi and n % multiple_of == 0:
             return n
@@ -95,6 +100,10 @@ class RandomEngine:
         self.rng = random.Random(seed)
 
     def next_case(self) -> Case:
+        return sample_case(self.target, self.rng)
+
+    def redraw(self) -> Case:
+        """Another case in place of the last one drawn (the scheduler holds a draw back)."""
         return sample_case(self.target, self.rng)
 
     def feedback(self, case: Case, verdict) -> None:
