@@ -194,7 +194,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     try:
         devices = worker_devices(device, max(1, jobs), cuda_count)
         stats.devices = dict(Counter(devices)) if jobs else {device: 0}
-        n_judges = default_judges(device, jobs) if judges is None else judges
+        # an in-process kernel shares kfuzz's process: a judge pool's threads would be its threads
+        n_judges = 0 if jobs == 0 else default_judges(device, jobs) if judges is None else judges
         stats.judges = n_judges
         runner = (InProcess(target, device, wants_coverage) if jobs == 0 else
                   Pool(target, jobs, device, timeout, wants_coverage, policy=policy, devices=devices))

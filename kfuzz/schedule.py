@@ -10,19 +10,19 @@ spends its time compiling.
 declares (``options["specialization"]``: ``(dims, dtype) -> hashable``), else Triton's
 default rules above, per dimension. A ``Scheduler`` learns from each executed case whether
 its key compiled (``kfuzz.jit`` notes) and lets the engine's draws through while compiling
-has taken at most ``share`` of the campaign's time; past it, it asks an engine that can
-redraw (``Engine.redraw``, the random engine) for a case whose key has run before, and
-passes the engine's case on otherwise. Without compiles (the CPU, the Triton
-interpreter) it never holds a case back.
+has taken at most ``share`` of the campaign's time; past it, a draw of a new key is
+replaced by a fresh case of the dims and dtype of a specialization that has run (one at
+random), from an engine that can redraw (``redraw(like)``, the random engine); other
+engines' cases pass unchanged. Without compiles (the CPU, the Triton interpreter) it never
+holds a case back.
 """
 from __future__ import annotations
 
+import random
 from typing import Hashable
 
 from kfuzz.case import Case
 from kfuzz.target import Target
-
-REDRAWS = 32    # draws for a compiled specialization before a new one is let through
 
 
 def _pow2(n: int) -> int:
@@ -41,10 +41,12 @@ class Scheduler:
     """Draws cases from ``engine`` for ``target``, preferring compiled specializations once
     compiling has taken ``share`` of the time."""
 
-    def __init__(self, target: Target, engine, share: float = 0.25):
+    def __init__(self, target: Target, engine, share: float = 0.25, seed: int = 0):
         self.target, self.engine, self.share = target, engine, share
         self.ran: dict[Hashable, float] = {}   # key -> seconds its compile took (0: none seen)
+        self.like: dict[Hashable, Case] = {}   # key -> a case that ran it
         self.held = 0                          # draws replaced by one of a compiled key
+        self.rng = random.Random(seed)
 
     @property
     def size(self) -> int:
@@ -55,15 +57,12 @@ class Scheduler:
         if compile_seconds <= self.share * elapsed or specialization(self.target, case) in self.ran:
             return case
         redraw = getattr(self.engine, "redraw", None)
-        if redraw is None:
+        if redraw is None or not self.like:
             return case
-        for _ in range(REDRAWS):
-            other = redraw()
-            if specialization(self.target, other) in self.ran:
-                self.held += 1
-                return other
-        return case
+        self.held += 1
+        return redraw(self.like[self.rng.choice(list(self.like))])
 
     def observe(self, case: Case, compile_seconds: float) -> None:
         key = specialization(self.target, case)
         self.ran[key] = max(self.ran.get(key, 0.0), compile_seconds)
+        self.like.setdefault(key, case)

@@ -77,12 +77,15 @@ def sample_injections(rng: random.Random, numel: int, dtype: str) -> tuple:
     return tuple(sorted(picks.items()))
 
 
-def sample_case(target: Target, rng: random.Random) -> Case:
-    for _ in range(100):
+def sample_case(target: Target, rng: random.Random, like: Case | None = None) -> Case:
+    """A case for ``target``; with ``like``, one of its dims and dtype (everything else drawn)."""
+    for _ in range(100 if like is None else 0):
         dims = {name: sample_size(rng, d.lo, d.search_hi, d.multiple_of) for name, d in target.dims.items()}
         if target.constraint is None or not target.constraint(dims):
             break
-    dtype = rng.choice(target.dtypes)
+    if like is not None:
+        dims = like.dim
+    dtype = rng.choice(target.dtypes) if like is None else like.dtype
     args = {}
     for name, arg in target.args.items():
         args[name] = ArgCase(layout=sample_layout(rng, len(arg.shape), arg.layouts), dist=sample_dist(rng),
@@ -102,9 +105,10 @@ class RandomEngine:
     def next_case(self) -> Case:
         return sample_case(self.target, self.rng)
 
-    def redraw(self) -> Case:
-        """Another case in place of the last one drawn (the scheduler holds a draw back)."""
-        return sample_case(self.target, self.rng)
+    def redraw(self, like: Case) -> Case:
+        """A case in place of the last one drawn, of ``like``'s dims and dtype (so of a JIT
+        specialization already compiled: ``kfuzz.schedule``)."""
+        return sample_case(self.target, self.rng, like)
 
     def feedback(self, case: Case, verdict) -> None:
         """The random engine learns nothing."""
