@@ -22,8 +22,9 @@ failure whose signature already had an open case saved before the campaign is co
 ``known`` and not saved again.
 
 Compile-aware scheduling (``kfuzz.schedule``): a case whose specialization is not compiled
-yet costs a JIT compile; the scheduler opens new ones only while compiling has taken at
-most ``compile_share`` of the campaign's time.
+yet costs a JIT compile; the scheduler opens new ones one (or ``compile_share`` of the
+workers) at a time, and only while compiling has taken at most ``compile_share`` of the
+workers' time; the other cases reuse specializations already opened.
 
 Cases that an engine keeps in its corpus (new coverage or, for the atheris engine, a new
 divergence feature) are saved under ``seeds/<target>/``.
@@ -158,7 +159,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     found: list[tuple[Case, Verdict, Path, str]] = []   # new failures, saved as found
     seen_edges: set[int] = set()
     runner = judging = None
-    schedule = Scheduler(target, engine, compile_share)
+    schedule = Scheduler(target, engine, compile_share, workers=max(1, jobs))
     submitted = 0
 
     def finish(case: Case, verdict: Verdict, ran: Executed, where: str) -> None:

@@ -9,7 +9,8 @@ candidate left is done. The list is swept until a whole sweep changes nothing
 (a fixed point) or the budget of executions is spent. Cheap, large reductions
 come first (drop injections, shrink dims), so that later passes run on small,
 fast cases; zeroing payload elements, the one pass that can cost many
-executions, comes last.
+executions, comes last. On a GPU, where each new shape or dtype costs a JIT
+compile, the passes that keep them come first (``COMPILED_PASSES``).
 
 "Simpler" has one order per part of the case, so that two runs of the
 minimizer agree: fewer injections; smaller dims (the contract fixes the rank,
@@ -331,6 +332,17 @@ class ShrinkPass:
 PASSES = tuple(ShrinkPass(f.__name__, f) for f in (
     drop_injections, shrink_dims, simplify_layouts, simplify_dtype, simplify_distributions,
     simplify_injected_values, seed_toward_zero, drop_payload, zero_payload_elements))
+# where every new shape or dtype costs a JIT compile (a Triton kernel on a GPU: seconds each),
+# the passes that keep the case's dims and dtype come first, on the kernel already compiled,
+# so that a budget spent in the compiles still leaves a case without its noise
+COMPILED_PASSES = tuple(ShrinkPass(f.__name__, f) for f in (
+    drop_injections, simplify_layouts, simplify_distributions, simplify_injected_values,
+    seed_toward_zero, drop_payload, shrink_dims, simplify_dtype, zero_payload_elements))
+
+
+def passes_for(device: str) -> tuple[ShrinkPass, ...]:
+    """The pass order for a kernel on ``device``: ``COMPILED_PASSES`` on a GPU."""
+    return COMPILED_PASSES if str(device).startswith("cuda") else PASSES
 
 
 # the driver ------------------------------------------------------------------------------------
@@ -419,8 +431,8 @@ def minimize(case: Case, target: Target | None = None, *, signature: Signature |
 
 
 def minimize_failure(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
-                     max_executions: int = DEFAULT_BUDGET, max_seconds: float | None = None, executor=None
-                     ) -> tuple[Case, Verdict, dict]:
+                     max_executions: int = DEFAULT_BUDGET, max_seconds: float | None = None, executor=None,
+                     passes: tuple[ShrinkPass, ...] | None = None) -> tuple[Case, Verdict, dict]:
     """What the corpus keeps of a new failure: the minimized case, its verdict and a note
     for the record; the case as found (and why) when it does not reproduce. Without a
     sandboxed ``executor`` a crash or a hang is kept as found (it would take this process
@@ -429,7 +441,7 @@ def minimize_failure(case: Case, target: Target, verdict: Verdict, device: str =
         return case, verdict, {"minimize": {"error": f"a {verdict.kind} is kept as found, not minimized in process"}}
     try:
         m = minimize(case, target, signature=verdict.signature, device=device, max_executions=max_executions,
-                     max_seconds=max_seconds, executor=executor)
+                     max_seconds=max_seconds, executor=executor, passes=passes or passes_for(device))
     except NotReproducible as e:
         return case, verdict, {"minimize": {"error": str(e)}}
     return m.case, m.verdict, {"minimize": m.to_json()}

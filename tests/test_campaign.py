@@ -195,20 +195,27 @@ def test_an_interrupt_during_worker_startup_still_writes_the_summary(tmp_path):
 
 # compile-aware scheduling ------------------------------------------------------------------------
 
-def test_past_its_compile_share_the_scheduler_draws_compiled_specializations():
+def test_the_scheduler_opens_one_specialization_at_a_time_and_keeps_to_its_compile_share():
     target = get_target("softmax")
-    engine = RandomEngine(target, seed=1)
-    schedule = Scheduler(target, engine, share=0.25)
-    first = [schedule.next_case(elapsed=1.0, compile_seconds=0.0) for _ in range(6)]
-    for case in first:
-        schedule.observe(case, compile_seconds=2.0)
-    known = {specialization(target, c) for c in first}
-    # compiling took 12 s of 20: over the share, so draws come from the compiled ones
-    later = [schedule.next_case(elapsed=20.0, compile_seconds=12.0) for _ in range(20)]
-    assert sum(specialization(target, c) in known for c in later) == 20 and schedule.held > 0
-    assert len({c.hash for c in later}) == 20           # fresh cases, of compiled dims and dtypes
-    # under the share (or without compiles, as on the CPU) every draw is the engine's own
-    held = schedule.held
-    for _ in range(10):
-        schedule.next_case(elapsed=100.0, compile_seconds=12.0)
-    assert schedule.held == held
+    schedule = Scheduler(target, RandomEngine(target, seed=1), share=0.25, workers=4)
+    # cold: the first case opens a specialization; the others in flight reuse it
+    first = [schedule.next_case(elapsed=0.0, compile_seconds=0.0) for _ in range(8)]
+    assert len({specialization(target, c) for c in first}) == 1 and len({c.hash for c in first}) == 8
+    schedule.observe(first[0], compile_seconds=10.0)
+    # one new key at a time while compiling has taken at most 1/4 of 4 workers' time
+    more = [schedule.next_case(elapsed=20.0, compile_seconds=10.0) for _ in range(8)]
+    assert len({specialization(target, c) for c in first + more}) == 2
+    # past the share, every draw reuses an opened specialization
+    for c in more:
+        schedule.observe(c, compile_seconds=0.0)
+    later = [schedule.next_case(elapsed=20.0, compile_seconds=30.0) for _ in range(20)]
+    assert {specialization(target, c) for c in later} <= {specialization(target, c) for c in first + more}
+    assert len({c.hash for c in later}) == 20 and schedule.held >= 20
+
+
+def test_without_compiles_the_scheduler_passes_the_engines_draws():
+    target = get_target("softmax")
+    schedule = Scheduler(target, RandomEngine(target, seed=1), workers=4)
+    schedule.observe(schedule.next_case(0.0, 0.0), compile_seconds=0.0)
+    drawn = [schedule.next_case(elapsed=5.0, compile_seconds=0.0) for _ in range(10)]
+    assert schedule.held == 0 and len({specialization(target, c) for c in drawn}) >= 8

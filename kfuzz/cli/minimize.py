@@ -8,7 +8,7 @@ from kfuzz.cli import cli, handles_bad_input
 from kfuzz.corpus import SUFFIX, load, make_record, write_atomic
 from kfuzz.devices import resolve_device
 from kfuzz.executor import InProcess, Pool
-from kfuzz.minimize import DEFAULT_BUDGET, Minimized, minimize
+from kfuzz.minimize import DEFAULT_BUDGET, Minimized, minimize, passes_for
 from kfuzz.target import get_target
 from kfuzz.verdict import Signature
 
@@ -55,7 +55,7 @@ def minimize_cmd(path, out, replace, budget, seconds, device, in_process, timeou
     want = Signature.from_json(record["signature"]) if record and "signature" in record else None
     with (InProcess(target, device) if in_process else Pool(target, 1, device, timeout)) as executor:
         m = minimize(case, target, signature=want, device=device, max_executions=budget, max_seconds=seconds,
-                     executor=executor)
+                     executor=executor, passes=passes_for(device))
     click.echo(f"signature {m.verdict.signature}")
     render(m)
     dest = Path(out) if out else Path(path).parent / f"{m.case.hash}{SUFFIX}"
