@@ -1,17 +1,36 @@
 """A fuzzing campaign: an engine proposes cases, sandboxed workers run the kernel, kfuzz's
-own process judges each result against the oracle, and every failure with a signature
-that has no open failure in the corpus is saved (a signature whose kept cases are all
-fixed bugs, ``expect: pass``, does not hide a new one: `Corpus.has_open_failure`).
+judges compare each result with the oracle, and every failure with a signature that has no
+open failure in the corpus is saved (a signature whose kept cases are all fixed bugs,
+``expect: pass``, does not hide a new one: `Corpus.has_open_failure`), then minimized.
 
-``jobs`` workers run at once (``jobs=0`` runs the kernel in this process, unprotected).
-A worker that crashes or hangs yields a ``crash`` or ``timeout`` verdict whose case is
-saved like any other failure; the campaign goes on until its time or run limit. At the
-limit no new case is submitted and the ones in flight are finished.
+``jobs`` workers run at once (``jobs=0`` runs the kernel in this process, unprotected); on
+a GPU machine they are spread over the GPUs visible (``kfuzz.devices.spread``), and
+``judges`` processes run the oracle and the trusted implementation beside them, on the
+kernel's device (``kfuzz.judges``). A worker that crashes or hangs yields a ``crash`` or
+``timeout`` verdict whose case is saved like any other failure; the campaign goes on
+until its time or run limit.
+
+Deadlines: at ``seconds`` the campaign ends, compiles included. The cases still in flight
+(in a worker or waiting for a judge) are dropped and counted (``unfinished``), never judged
+or saved.
+
+Minimizing (``kfuzz.minimize``) has a budget of its own, ``minimize_seconds``, spent after
+the campaign's time: each new failure is saved as found the moment it is judged (nothing is
+lost to an interrupt), then minimized to a fixed point on the device where it was found, in
+a sandboxed worker when the campaign's were, and the minimized case takes its place. A
+failure whose signature already had an open case saved before the campaign is counted in
+``known`` and not saved again.
+
+Compile-aware scheduling (``kfuzz.schedule``): a case whose specialization is not compiled
+yet costs a JIT compile; the scheduler opens new ones one (or ``compile_share`` of the
+workers) at a time, and only while compiling has taken at most ``compile_share`` of the
+workers' time; the other cases reuse specializations already opened.
 
 Cases that an engine keeps in its corpus (new coverage or, for the atheris engine, a new
 divergence feature) are saved under ``seeds/<target>/``.
 
-The library never prints: progress reaches the caller through ``on_progress``.
+The library never prints: progress reaches the caller through ``on_progress``, called after
+each judged case and at least every ``tick`` seconds (with ``None`` for the verdict).
 """
 from __future__ import annotations
 
@@ -21,14 +40,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kfuzz.corpus import Corpus
-from kfuzz.execute import judge
-from kfuzz.minimize import minimize_confined, minimize_failure
+from kfuzz.case import Case, encode
+from kfuzz.corpus import Corpus, make_record, write_atomic
+from kfuzz.devices import spread, visible_gpus
+from kfuzz.executor import InProcess, Pool
+from kfuzz.judges import Judges
+from kfuzz.minimize import DEFAULT_BUDGET, minimize_failure
+from kfuzz.programs import Program, settled
 from kfuzz.sandbox import Policy
+from kfuzz.schedule import Scheduler
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
-from kfuzz.workers import InProcess, WorkerPool
+
+MINIMIZE_SECONDS = 120.0     # the minimizer's default budget, all new failures together
 
 
 @dataclass
@@ -36,19 +61,30 @@ class CampaignStats:
     target: str
     engine: str
     jobs: int = 1
-    executions: int = 0
+    executions: int = 0            # judged cases
     seconds: float = 0.0
     failures: Counter = field(default_factory=Counter)   # signature -> count
     first_seen: dict = field(default_factory=dict)         # signature -> execution number
+    known: Counter = field(default_factory=Counter)      # signature -> count, an open case saved before
     saved: list[Path] = field(default_factory=list)
     corpus_size: int = 0           # cases the engine kept (seeds saved)
     coverage: int = 0              # distinct harness edges seen
     new_coverage: int = 0          # executions that found an edge not seen before
     worker_restarts: int = 0
-    unfinished: int = 0            # cases still running --timeout after the time limit: dropped
+    unfinished: int = 0            # cases in flight at the time limit or an interrupt: dropped
     worker_cpu_seconds: float = 0.0   # CPU time of the workers' processes (0 in process)
     sandbox: dict = field(default_factory=dict)   # what confined the workers, layer by layer
     interrupted: bool = False      # stopped by KeyboardInterrupt (kfuzz run: SIGINT, SIGTERM, SIGHUP)
+    devices: dict = field(default_factory=dict)   # device -> workers on it
+    judges: int = 0                # judge processes (0: judged in kfuzz's process)
+    first_judged: float | None = None   # seconds from the start to the first judged case
+    compiles: int = 0              # cases whose kernel call compiled (kfuzz.jit notes)
+    compile_seconds: float = 0.0   # summed over workers
+    kernel_seconds: float = 0.0    # the kernel's side, compiles excluded, summed over workers
+    judge_seconds: float = 0.0     # the oracle and the trusted implementation, summed over judges
+    specializations: int = 0       # distinct specializations run (kfuzz.schedule)
+    minimize_seconds: float = 0.0  # spent minimizing, after the campaign's time
+    minimized: dict = field(default_factory=dict)   # saved path -> the minimizer's note
 
     @property
     def execs_per_second(self) -> float:
@@ -58,25 +94,60 @@ class CampaignStats:
         return {"target": self.target, "engine": self.engine, "jobs": self.jobs,
                 "executions": self.executions, "seconds": round(self.seconds, 3),
                 "execs_per_second": round(self.execs_per_second, 2),
+                "first_judged_seconds": None if self.first_judged is None else round(self.first_judged, 3),
                 "corpus_size": self.corpus_size, "coverage_edges": self.coverage,
                 "new_coverage_executions": self.new_coverage, "worker_restarts": self.worker_restarts,
                 "unfinished": self.unfinished, "interrupted": self.interrupted,
                 "worker_cpu_seconds": round(self.worker_cpu_seconds, 3),
+                "devices": self.devices, "judges": self.judges,
+                "compiles": self.compiles, "compile_seconds": round(self.compile_seconds, 3),
+                "kernel_seconds": round(self.kernel_seconds, 3), "judge_seconds": round(self.judge_seconds, 3),
+                "specializations": self.specializations,
+                "minimize_seconds": round(self.minimize_seconds, 3),
                 "sandbox": self.sandbox,
                 "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
                              for k, v in self.failures.items()},
-                "saved": [str(p) for p in self.saved]}
+                "known": {str(k): v for k, v in self.known.items()},
+                "saved": [str(p) for p in self.saved],
+                "minimized": {str(k): v for k, v in self.minimized.items()}}
+
+
+@dataclass
+class Executed:
+    """One case's kernel side as an engine's feedback sees it."""
+
+    case: Case
+    outputs: dict | None
+    coverage: frozenset
+    seconds: float
+
+
+def worker_devices(device: str, jobs: int, cuda_count: int | None = None) -> list[str]:
+    """The device of each of ``jobs`` workers: spread over the GPUs ``device`` covers."""
+    gpus = visible_gpus(device, cuda_count)
+    if len(gpus) <= 1:
+        return [device] * jobs
+    return [f"cuda:{g}" for g, n in spread(jobs, gpus) for _ in range(n)]
+
+
+def default_judges(device: str, jobs: int) -> int:
+    """Judge processes by default: one per worker where the kernel runs on a GPU (the oracle
+    is then most of a case's time), none on the CPU (the workers and the oracle share the cores)."""
+    return jobs if device.startswith("cuda") and jobs > 0 else 0
 
 
 def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | None = None,
                  runs: int | None = None, device: str = "cpu", jobs: int = 1, timeout: float = 60.0,
-                 stop_on_failure: bool = False, on_progress: Callable[[CampaignStats, Verdict], None] | None = None,
-                 policy: Policy | None = None) -> CampaignStats:
-    """Execute cases from ``engine`` until ``seconds`` pass or ``runs`` cases ran (or, with
-    ``stop_on_failure``, the first failure). ``policy`` confines the workers (``kfuzz.sandbox``;
-    by default the device's).  A KeyboardInterrupt ends the campaign as a time limit would,
-    with ``interrupted`` set: the cases in flight are dropped, the failures already saved stay,
-    and the stats are returned."""
+                 stop_on_failure: bool = False, on_progress: Callable[[CampaignStats, Verdict | None], None] | None = None,
+                 policy: Policy | None = None, minimize_seconds: float = MINIMIZE_SECONDS,
+                 judges: int | None = None, compile_share: float = 0.25, tick: float = 1.0,
+                 cuda_count: int | None = None) -> CampaignStats:
+    """Execute cases from ``engine`` until ``seconds`` pass or ``runs`` cases are judged (or,
+    with ``stop_on_failure``, the first failure); then minimize the new failures for up to
+    ``minimize_seconds``. ``policy`` confines the workers (``kfuzz.sandbox``; by default the
+    device's). A KeyboardInterrupt, worker startup included, ends the campaign as a time
+    limit would, with ``interrupted`` set and nothing minimized: the cases in flight are
+    dropped, the failures already saved stay (as found), and the stats are returned."""
     if seconds is None and runs is None:
         raise ValueError("give seconds or runs")
     if jobs < 0:
@@ -84,83 +155,144 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     wants_coverage = getattr(engine, "wants_coverage", False)
     stats = CampaignStats(target.name, engine.name, jobs)
     start = time.monotonic()
-    runner = (InProcess(target, device, wants_coverage) if jobs == 0 else
-              WorkerPool(target, jobs, device, timeout, wants_coverage, policy=policy))
-    stats.sandbox = runner.confinement
-    if hasattr(engine, "start"):
-        engine.start(corpus, parallel=max(1, jobs))
+    end = None if seconds is None else start + seconds
+    found: list[tuple[Case, Verdict, Path, str]] = []   # new failures, saved as found
     seen_edges: set[int] = set()
+    runner = judging = None
+    schedule = Scheduler(target, engine, compile_share, workers=max(1, jobs))
     submitted = 0
-    first_result = 0.0
+
+    def finish(case: Case, verdict: Verdict, ran: Executed, where: str) -> None:
+        stats.executions += 1
+        if stats.first_judged is None:
+            stats.first_judged = time.monotonic() - start
+        new_edges = ran.coverage - seen_edges
+        if new_edges:
+            seen_edges.update(new_edges)
+            stats.coverage = len(seen_edges)
+            stats.new_coverage += 1
+        kept = engine.feedback(case, verdict, ran) if wants_coverage else engine.feedback(case, verdict)
+        if kept:
+            corpus.save_seed(case)
+            stats.corpus_size += 1
+        if not verdict.passed:
+            sig = verdict.signature
+            stats.failures[sig] += 1
+            stats.first_seen.setdefault(sig, stats.executions)
+            if stats.failures[sig] == 1 and not any(v.signature == sig for _, v, _, _ in found):
+                path = corpus.save_failure(case, verdict, device=where)
+                if path is None:
+                    stats.known[sig] += 1
+                else:
+                    stats.saved.append(path)
+                    found.append((case, verdict, path, where))
+            elif sig in stats.known:
+                stats.known[sig] += 1
+        stats.seconds = time.monotonic() - start
+        if on_progress is not None:
+            on_progress(stats, verdict)
+
     try:
+        devices = worker_devices(device, max(1, jobs), cuda_count)
+        stats.devices = dict(Counter(devices)) if jobs else {device: 0}
+        # an in-process kernel shares kfuzz's process: a judge pool's threads would be its threads
+        n_judges = 0 if jobs == 0 else default_judges(device, jobs) if judges is None else judges
+        stats.judges = n_judges
+        runner = (InProcess(target, device, wants_coverage) if jobs == 0 else
+                  Pool(target, jobs, device, timeout, wants_coverage, policy=policy, devices=devices))
+        judging = Judges(target, n_judges, device)
+        runner.start()
+        stats.sandbox = runner.confinement
+        if hasattr(engine, "start"):
+            engine.start(corpus, parallel=max(1, jobs))
+        last_tick = time.monotonic()
         while True:
-            stats.seconds = time.monotonic() - start
-            # a timed campaign submits a case only while it should finish in time (after the
-            # cases in flight, at the mean time a case has taken): slow targets under the
-            # interpreter otherwise overran --time by a case or two in flight
-            # seconds a case takes, between results (the first result also paid the workers' start)
-            per_case = (stats.seconds - first_result) / (stats.executions - 1) if stats.executions > 1 else 0.0
-            open_ = ((seconds is None or stats.seconds < seconds) and (runs is None or submitted < runs)
+            now = time.monotonic()
+            stats.seconds = now - start
+            open_ = ((end is None or now < end) and (runs is None or submitted < runs)
                      and not (stop_on_failure and stats.failures))
             capacity = getattr(engine, "capacity", None)   # cases it can have out at once
             while (open_ and runner.idle > 0 and (runs is None or submitted < runs)
-                   and (capacity is None or runner.busy < capacity)
-                   and (seconds is None or submitted == 0
-                        or stats.seconds + (runner.busy + 1) * per_case <= seconds)):
-                runner.submit(engine.next_case())
+                   and (capacity is None or runner.busy + judging.busy < capacity)
+                   and judging.busy <= max(2 * n_judges, 1)):
+                case = schedule.next_case(stats.seconds, stats.compile_seconds)
+                runner.submit(Program("call", case, {"case": materialize(case, target, "cpu")}))
                 submitted += 1
-            if runner.busy == 0:
+            if runner.busy == 0 and judging.busy == 0:
                 break
-            # past the time limit, the cases in flight get --timeout more, compiles included
-            # (kfuzz.jit stops a case's clock while it compiles, for up to 10 minutes): then
-            # they are dropped, unjudged, rather than called hangs or waited for
-            until = None if seconds is None else start + seconds + timeout
-            if until is not None and time.monotonic() >= until and jobs > 0:
-                stats.unfinished = runner.abandon()
+            if end is not None and time.monotonic() >= end:
+                stats.unfinished = runner.abandon() + judging.drop()
                 break
-            for result in runner.results(until):
-                case = result.case
-                verdict = result.verdict
-                if verdict is None:
-                    inputs = result.inputs if result.inputs is not None else materialize(case, target, "cpu")
-                    verdict = judge(case, target, inputs, result.outputs)
-                stats.executions += 1
-                if stats.executions == 1:
-                    first_result = time.monotonic() - start
-                new_edges = result.coverage - seen_edges
-                if new_edges:
-                    seen_edges |= new_edges
-                    stats.coverage = len(seen_edges)
-                    stats.new_coverage += 1
-                kept = engine.feedback(case, verdict, result) if wants_coverage else engine.feedback(case, verdict)
-                if kept:
-                    corpus.save_seed(case)
-                    stats.corpus_size += 1
-                if not verdict.passed:
-                    stats.failures[verdict.signature] += 1
-                    stats.first_seen.setdefault(verdict.signature, stats.executions)
-                    path = None
-                    if not corpus.has_open_failure(verdict.signature):   # minimize new failures only
-                        # a timed campaign ends near its time: minimizing gets what is left (5 s at least)
-                        left = None if seconds is None else max(5.0, seconds - (time.monotonic() - start))
-                        # a sandboxed campaign minimizes in a sandbox too: shrunk cases run the kernel
-                        kept, kept_verdict, note = (
-                            minimize_failure(case, target, verdict, device=device, max_seconds=left) if jobs == 0
-                            else minimize_confined(case, target, verdict, device, left, runner.policy))
-                        path = corpus.save_failure(kept, kept_verdict, device=device, **note)
-                    if path is not None:
-                        stats.saved.append(path)
-                stats.seconds = time.monotonic() - start
-                if on_progress is not None:
-                    on_progress(stats, verdict)
+            wake = time.monotonic() + (0.01 if judging.busy else tick)
+            until = wake if end is None else min(end, wake)
+            for r in runner.results(until):
+                case, inputs = r.program.case, r.program.inputs["case"]
+                stats.kernel_seconds += max(0.0, r.seconds - r.compile_seconds)
+                stats.compile_seconds += r.compile_seconds
+                stats.compiles += r.compile_seconds > 0
+                schedule.observe(case, r.compile_seconds)
+                stats.specializations = schedule.size
+                outputs, verdict = settled(r, target, case, inputs)
+                ran = Executed(case, outputs, r.coverage, r.seconds)
+                if verdict is not None:
+                    finish(case, verdict, ran, r.device or device)
+                elif end is None or time.monotonic() < end:
+                    judging.submit(case, inputs, outputs, (ran, r.device or device))
+            for (ran, where), verdict in judging.done(0.0 if runner.busy else 0.01):
+                if end is not None and time.monotonic() >= end:
+                    stats.unfinished += 1
+                    continue
+                finish(ran.case, verdict, ran, where)
+            stats.judge_seconds = judging.seconds
+            if on_progress is not None and time.monotonic() - last_tick >= tick:
+                last_tick = time.monotonic()
+                stats.seconds = last_tick - start
+                on_progress(stats, None)
     except KeyboardInterrupt:
         stats.interrupted = True
-        stats.unfinished = runner.busy
+        stats.unfinished += (runner.busy if runner is not None else 0) + (judging.busy if judging is not None else 0)
     finally:
-        stats.worker_restarts = runner.restarts
-        stats.worker_cpu_seconds = runner.worker_cpu_seconds
-        runner.close()
+        if runner is not None:
+            stats.worker_restarts = runner.restarts
+            stats.worker_cpu_seconds = runner.worker_cpu_seconds
+            runner.close()
+        if judging is not None:
+            stats.judge_seconds = judging.seconds
+            judging.close()
         if hasattr(engine, "close"):
             engine.close()
         stats.seconds = time.monotonic() - start
+    if found and not stats.interrupted and minimize_seconds > 0:
+        minimize_found(target, corpus, found, stats, minimize_seconds, jobs, timeout, policy)
     return stats
+
+
+def minimize_found(target: Target, corpus: Corpus, found: list, stats: CampaignStats, budget: float,
+                   jobs: int, timeout: float, policy: Policy | None) -> None:
+    """Minimize each new failure on the device where it was found, within ``budget`` seconds
+    in all (a share each), and keep the minimized case in place of the one saved as found.
+    A KeyboardInterrupt stops it; the cases not minimized stay as found."""
+    began = time.monotonic()
+    try:
+        for i, (case, verdict, path, where) in enumerate(found):
+            left = budget - (time.monotonic() - began)
+            if left <= 0:
+                break
+            share = left / (len(found) - i)
+            executor = InProcess(target, where) if jobs == 0 else Pool(target, 1, where, timeout, policy=policy)
+            try:
+                kept, kept_verdict, note = minimize_failure(case, target, verdict, where,
+                                                            max_executions=20 * DEFAULT_BUDGET,
+                                                            max_seconds=share, executor=executor)
+            finally:
+                executor.close()
+            dest = corpus.failure_path(kept, kept_verdict.signature)
+            write_atomic(dest, encode(kept, make_record(kept_verdict, "fail", where, **note)))
+            if dest != path:
+                path.unlink(missing_ok=True)
+                stats.saved[stats.saved.index(path)] = dest
+            stats.minimized[dest] = note.get("minimize", {})
+    except KeyboardInterrupt:
+        stats.interrupted = True
+    finally:
+        stats.minimize_seconds = time.monotonic() - began

@@ -29,11 +29,11 @@ The call contract, checked on every call:
 
 The tripwires behind the hooks, threads, overlap and namespace checks are in
 ``kfuzz.contract``. This module does not isolate the kernel: ``kernel_stage`` and
-``call_kernel`` are the kernel's side, which ``kfuzz.workers`` (campaigns) and
-``kfuzz.programs.Sandboxed`` (the gates, ``kfuzz verify``, the audit) run in a
-sandboxed worker; ``judge`` and the oracle's functions are kfuzz's side. Called
-directly (``execute``), both run in this process, and a kernel that segfaults takes
-it down.
+``call_kernel`` are the kernel's side, which ``kfuzz.executor`` (campaigns, the
+gates, the minimizer, the audit) runs in a sandboxed worker; ``judge`` and the
+oracle's functions are kfuzz's side (``kfuzz.judges`` runs several judges at once).
+Called directly (``execute``), both run in this process, and a kernel that segfaults
+takes it down.
 """
 from __future__ import annotations
 
@@ -132,15 +132,22 @@ def flush_subnormals(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 def oracle_outputs(target: Target, inputs: Mapping[str, torch.Tensor], device="cpu") -> dict[str, torch.Tensor]:
-    """The reference math on float64-upcast copies of ``inputs``."""
+    """The reference math on float64-upcast copies of ``inputs``, computed on ``device``."""
     return as_outputs(target.reference(**_upcast(inputs, device)), target)
 
 
-def trusted_outputs(target: Target, case: Case, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The trusted implementation at the kernel's own precision, on copies of ``inputs``,
-    its outputs rounded to the declared output dtypes."""
-    outs = as_outputs(target.call_trusted({k: v.detach().clone() for k, v in inputs.items()}), target)
+def trusted_outputs(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
+                    device=None) -> dict[str, torch.Tensor]:
+    """The trusted implementation at the kernel's own precision, on copies of ``inputs`` (moved
+    to ``device`` if given), its outputs rounded to the declared output dtypes."""
+    copies = {k: (v.detach().to(device, copy=True) if device is not None else v.detach().clone())
+              for k, v in inputs.items()}
+    outs = as_outputs(target.call_trusted(copies), target)
     return {k: v.to(torch_dtype(target.output_dtype(k, case.dtype))) for k, v in outs.items()}
+
+
+def _here(outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.cpu() for k, v in outputs.items()}
 
 
 def is_device_error(e: BaseException) -> bool:
@@ -241,21 +248,25 @@ def kernel_stage(case: Case, target: Target, device: str = "cpu",
 
 
 def execute(case: Case, target: Target | None = None, device: str = "cpu",
-            oracle_device: str = "cpu", c: float = BOUND_C) -> Verdict:
-    """Run ``case`` once and judge it: pass, or the first failure found."""
+            oracle_device: str | None = None, c: float = BOUND_C) -> Verdict:
+    """Run ``case`` once and judge it: pass, or the first failure found. The oracle runs on
+    ``oracle_device``, by default the kernel's ``device``."""
     target = target or get_target(case.target)
     inputs, outputs, verdict = kernel_stage(case, target, device)
     if verdict is not None:
         return verdict
-    return judge(case, target, inputs, outputs, oracle_device, c)
+    return judge(case, target, inputs, outputs, oracle_device or device, c)
 
 
 def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
           outputs: Mapping[str, torch.Tensor], oracle_device: str = "cpu", c: float = BOUND_C) -> Verdict:
     """The oracle's half: compare the kernel's ``outputs`` on ``inputs`` with the float64
-    oracle, the bound scaled by the trusted implementation (FTZ-tolerant)."""
-    oracle = oracle_outputs(target, inputs, oracle_device)
-    trusted = trusted_outputs(target, case, inputs)
+    oracle, the bound scaled by the trusted implementation (FTZ-tolerant). The oracle and the
+    trusted implementation run on ``oracle_device`` (a GPU, where the kernel ran on one);
+    the comparison on the CPU."""
+    oracle = _here(oracle_outputs(target, inputs, oracle_device))
+    trusted = _here(trusted_outputs(target, case, inputs, oracle_device))
+    outputs = _here(outputs)
     flushed = flush_subnormals(inputs)
     worst = 0.0
     metrics: dict[str, float] = {}
@@ -264,8 +275,8 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
         finding = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale)
         if finding.kind is not None and flushed is not None:
             # flush-to-zero is a legitimate IEEE mode on GPUs: judge against it too
-            oracle_ftz = oracle_outputs(target, flushed, oracle_device)
-            trusted_ftz = trusted_outputs(target, case, flushed)
+            oracle_ftz = _here(oracle_outputs(target, flushed, oracle_device))
+            trusted_ftz = _here(trusted_outputs(target, case, flushed, oracle_device))
             alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale)
             finding = alt if alt.kind is None else finding
         metrics.update({f"{name}.{k}": v for k, v in finding.metrics})

@@ -9,7 +9,8 @@ candidate left is done. The list is swept until a whole sweep changes nothing
 (a fixed point) or the budget of executions is spent. Cheap, large reductions
 come first (drop injections, shrink dims), so that later passes run on small,
 fast cases; zeroing payload elements, the one pass that can cost many
-executions, comes last.
+executions, comes last. On a GPU, where each new shape or dtype costs a JIT
+compile, the passes that keep them come first (``COMPILED_PASSES``).
 
 "Simpler" has one order per part of the case, so that two runs of the
 minimizer agree: fewer injections; smaller dims (the contract fixes the rank,
@@ -29,33 +30,29 @@ Where cases come from hypothesis strategies, hypothesis's own shrinker shrinks
 them (it sees the choice sequence); these passes cover what it cannot reach:
 cases read from the corpus and imported payloads, which have no choice sequence.
 
-``minimize_confined`` runs the minimizer in a confined process of its own, as a
-campaign does for an untrusted kernel: the shrunk cases run that kernel too.
+The kernel's calls go to an ``executor`` (``kfuzz.executor``): by default this process,
+and for an untrusted kernel a sandboxed worker, as in a campaign (the shrunk cases run
+that kernel too); a crash or a hang is then a verdict like any other, and is minimized
+too. The oracle always runs here, on the kernel's device.
 
 This module refuses (``NotReproducible``): a case that passes, or does not fail
 with the signature asked for on every run.
 """
 from __future__ import annotations
 
-import json
-import multiprocessing
-import shutil
-import tempfile
 import time
-
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from kfuzz import sandbox
 from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.errors import KfuzzError
-from kfuzz.execute import execute
+from kfuzz.execute import execute, judge
+from kfuzz.programs import Program, settled
 from kfuzz.target import Target, get_target
-from kfuzz.tensors import decode_payload, encode_payload, logical_values, torch_dtype
+from kfuzz.tensors import decode_payload, encode_payload, logical_values, materialize, torch_dtype
 from kfuzz.verdict import Signature, Verdict
 
 DTYPE_ORDER = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
@@ -78,12 +75,22 @@ class BudgetSpent(Exception):
 
 # the predicate -------------------------------------------------------------------------------
 
+def run_once(case: Case, target: Target, device: str = "cpu", executor=None) -> Verdict:
+    """One execution of ``case``: in this process (``execute``), or its kernel in ``executor``
+    and the oracle here."""
+    if executor is None:
+        return execute(case, target, device=device)
+    inputs = materialize(case, target, "cpu")
+    outputs, verdict = settled(executor.run(Program("call", case, {"case": inputs})), target, case, inputs)
+    return verdict if verdict is not None else judge(case, target, inputs, outputs, device)
+
+
 class SameFailure:
     """Does a candidate fail with ``signature`` on each of ``1 + reruns`` executions?"""
 
     def __init__(self, target: Target, signature: Signature, device: str = "cpu", reruns: int = 1,
-                 max_executions: int = DEFAULT_BUDGET, deadline: float | None = None):
-        self.target, self.signature, self.device = target, signature, device
+                 max_executions: int = DEFAULT_BUDGET, deadline: float | None = None, executor=None):
+        self.target, self.signature, self.device, self.executor = target, signature, device, executor
         self.reruns, self.max_executions, self.deadline = reruns, max_executions, deadline
         self.executions = 0
         self.answers: dict[str, bool] = {}
@@ -106,7 +113,7 @@ class SameFailure:
                 raise BudgetSpent
             self.executions += 1
             try:
-                verdict = execute(case, self.target, device=self.device)
+                verdict = run_once(case, self.target, self.device, self.executor)
             except KfuzzError:
                 return False
             if verdict.signature != self.signature:
@@ -325,6 +332,17 @@ class ShrinkPass:
 PASSES = tuple(ShrinkPass(f.__name__, f) for f in (
     drop_injections, shrink_dims, simplify_layouts, simplify_dtype, simplify_distributions,
     simplify_injected_values, seed_toward_zero, drop_payload, zero_payload_elements))
+# where every new shape or dtype costs a JIT compile (a Triton kernel on a GPU: seconds each),
+# the passes that keep the case's dims and dtype come first, on the kernel already compiled,
+# so that a budget spent in the compiles still leaves a case without its noise
+COMPILED_PASSES = tuple(ShrinkPass(f.__name__, f) for f in (
+    drop_injections, simplify_layouts, simplify_distributions, simplify_injected_values,
+    seed_toward_zero, drop_payload, shrink_dims, simplify_dtype, zero_payload_elements))
+
+
+def passes_for(device: str) -> tuple[ShrinkPass, ...]:
+    """The pass order for a kernel on ``device``: ``COMPILED_PASSES`` on a GPU."""
+    return COMPILED_PASSES if str(device).startswith("cuda") else PASSES
 
 
 # the driver ------------------------------------------------------------------------------------
@@ -365,21 +383,23 @@ class Minimized:
 def minimize(case: Case, target: Target | None = None, *, signature: Signature | None = None,
              device: str = "cpu", max_executions: int = DEFAULT_BUDGET, reruns: int = 1,
              max_seconds: float | None = None, passes: tuple[ShrinkPass, ...] = PASSES,
-             on_step: Callable[[Step, Case], None] | None = None) -> Minimized:
+             on_step: Callable[[Step, Case], None] | None = None, executor=None) -> Minimized:
     """Shrink ``case`` keeping its failure signature (by default the one its first run shows).
+    ``executor`` runs the kernel (default: this process); ``max_seconds`` and
+    ``max_executions`` bound the work, re-runs included.
 
     Raises NotReproducible if the case passes, or fails otherwise or flakily."""
     target = target or get_target(case.target)
     target.validate(case)
     executions = 0
     if signature is None:
-        first = execute(case, target, device=device)
+        first = run_once(case, target, device, executor)
         executions = 1
         if first.passed:
             raise NotReproducible(f"case {case.hash} for {case.target!r} passes: there is no failure to keep")
         signature = first.signature
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
-    same = SameFailure(target, signature, device, reruns, max_executions, deadline)
+    same = SameFailure(target, signature, device, reruns, max_executions, deadline, executor)
     same.executions = executions
     try:
         reproduced = same(case)
@@ -411,71 +431,17 @@ def minimize(case: Case, target: Target | None = None, *, signature: Signature |
 
 
 def minimize_failure(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
-                     max_executions: int = DEFAULT_BUDGET, max_seconds: float | None = None
-                     ) -> tuple[Case, Verdict, dict]:
+                     max_executions: int = DEFAULT_BUDGET, max_seconds: float | None = None, executor=None,
+                     passes: tuple[ShrinkPass, ...] | None = None) -> tuple[Case, Verdict, dict]:
     """What the corpus keeps of a new failure: the minimized case, its verdict and a note
-    for the record; the case as found (and why) when it does not reproduce."""
-    if verdict.kind in ("crash", "timeout"):
-        # minimizing runs the kernel in this process, which a crash or hang would take down
+    for the record; the case as found (and why) when it does not reproduce. Without a
+    sandboxed ``executor`` a crash or a hang is kept as found (it would take this process
+    down)."""
+    if executor is None and verdict.kind in ("crash", "timeout"):
         return case, verdict, {"minimize": {"error": f"a {verdict.kind} is kept as found, not minimized in process"}}
     try:
         m = minimize(case, target, signature=verdict.signature, device=device, max_executions=max_executions,
-                     max_seconds=max_seconds)
+                     max_seconds=max_seconds, executor=executor, passes=passes or passes_for(device))
     except NotReproducible as e:
         return case, verdict, {"minimize": {"error": str(e)}}
     return m.case, m.verdict, {"minimize": m.to_json()}
-
-
-# the minimizer in a confined process -------------------------------------------------------------
-
-def _minimize_main(conn: Connection, target_name: str, module: str | None, case_json: dict, verdict_json: dict,
-                   device: str, max_seconds: float | None, policy: sandbox.Policy, workdir: str) -> None:
-    from kfuzz.workers import _load_target
-    try:
-        target = _load_target(target_name, module)
-        sandbox.confine(policy, workdir)
-        case, verdict, note = minimize_failure(Case.from_json(case_json), target,
-                                               Verdict.from_json(target_name, verdict_json), device, max_seconds=max_seconds)
-        conn.send_bytes(json.dumps(["ok", case.to_json(), verdict.to_json(), note]).encode())
-    except BaseException as e:  # noqa: BLE001 - an escape, an exception: the case is kept as found
-        conn.send_bytes(json.dumps(["error", f"{type(e).__name__}: {e}"[:500]]).encode())
-
-
-def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
-                      max_seconds: float | None = None, policy: sandbox.Policy | None = None,
-                      timeout: float = 600.0) -> tuple[Case, Verdict, dict]:
-    """``minimize.minimize_failure`` in a confined worker: minimizing runs the kernel on
-    shrunk cases, which an untrusted kernel could use to act outside a campaign's worker.
-    The case as found when that worker escapes, dies or runs past ``timeout`` (plus
-    ``max_seconds``)."""
-    ctx = multiprocessing.get_context("forkserver")
-    workdir = tempfile.mkdtemp(prefix="kfuzz-minimize-")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_minimize_main, daemon=True, name=f"kfuzz-minimize-{target.name}",
-                       args=(child, target.name, getattr(target.kernel, "__module__", None), case.to_json(),
-                             verdict.to_json(), device, max_seconds, policy or sandbox.Policy.for_device(device),
-                             workdir))
-    proc.start()
-    child.close()
-    try:   # JSON, checked: the answer comes from the kernel's process
-        got = (json.loads(conn.recv_bytes()) if conn.poll(timeout + (max_seconds or 0))
-               else ["error", f"no answer within {timeout:g} s"])
-        if got[0] == "ok":
-            kept, kept_verdict = Case.from_json(got[1]), Verdict.from_json(target.name, got[2])
-            target.validate(kept)
-            if kept_verdict.signature != verdict.signature or not isinstance(got[3], dict):
-                raise ValueError("the minimized case does not keep the failure's signature")
-    except EOFError:
-        proc.join(10)
-        got = ["error", f"the minimizing worker died ({sandbox.death_name(proc.exitcode)})"]
-    except (ValueError, TypeError, KeyError, IndexError, KfuzzError) as e:
-        got = ["error", f"its answer is malformed ({e})"]
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
-        conn.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-    if got[0] != "ok":
-        return case, verdict, {"minimize": {"error": f"minimizing in a sandboxed worker failed: {got[1]}"}}
-    return kept, kept_verdict, got[3]

@@ -1,5 +1,6 @@
-"""Kernel programs: each gate's use of the kernel, as a small named program that the kernel
-side runs on inputs kfuzz's process materialized, and the executors that run them.
+"""Kernel programs: each use of the kernel (a campaign's case, a gate's calls, the audit's
+checks), as a small named program that the kernel side runs on inputs kfuzz's process
+materialized.
 
 A gate never calls the kernel itself. It builds a ``Program`` (a name, the case's target,
 dtype and dims, never its seed; input tensors by role, made by kfuzz; a few JSON parameters)
@@ -13,7 +14,7 @@ judged in kfuzz's process, on what came back.
 
 The programs (``PROGRAMS``), with the gates that use them:
 
-- ``call`` (G01-G07): one call under the call contract (``execute.kernel_stage``), its
+- ``call`` (campaigns, the minimizer, G01-G07): one call under the call contract (``execute.kernel_stage``), its
   outputs copied at return;
 - ``repeat`` (G08): the same inputs ``repeats`` times, the ``other`` case's launch
   between the second and third call; every call's outputs;
@@ -30,11 +31,10 @@ The programs (``PROGRAMS``), with the gates that use them:
   the standard test that accepted it; both run the solution, so they are kernel-side too,
   and what they report is the kernel process's word (an audit records it as such).
 
-Two executors, one interface: ``InProcess`` runs a program in this process on copies of
-the inputs (trusted kernels, measurements, tests; no isolation), ``Sandboxed`` in a
-confined worker (``kfuzz.workers``): the oracle and its outputs never enter that process,
-and a worker that dies or hangs is that program's ``crash`` or ``timeout``, the next
-program getting a fresh worker.
+The executors that run them (``kfuzz.executor``: ``InProcess`` in this process, ``Pool``
+and ``Sandboxed`` in confined workers) are one interface for every caller: the oracle
+and its outputs never enter a worker, and a worker that dies or hangs is that program's
+``crash`` or ``timeout``. A campaign's cases are ``call`` programs too.
 
 Refuses: an unknown program name (KeyError on the kernel side is a malformed request).
 """
@@ -42,20 +42,18 @@ from __future__ import annotations
 
 import contextlib
 import resource
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from kfuzz import sandbox
 from kfuzz.case import Case
-from kfuzz.errors import KfuzzError
 from kfuzz.execute import _storage_bytes, bits, call_kernel, kernel_stage, raising_frame
 from kfuzz.target import Target
 from kfuzz.verdict import Verdict
-from kfuzz.wire import dense_outputs, geometry, pack, rebuild, unpack
-from kfuzz.workers import _WORKER_VERDICTS, Worker, _worker_case, death, resource_crash, worker_policy
+from kfuzz.wire import dense_outputs, geometry, pack, rebuild
+from kfuzz.workers import resource_crash
 
 Tensors = dict[str, torch.Tensor]
 
@@ -81,6 +79,19 @@ class ProgramResult:
     outputs: dict[str, Tensors] = field(default_factory=dict)
     facts: dict = field(default_factory=dict)
     seconds: float = 0.0
+    program: Program | None = None          # what ran (its inputs are kfuzz's own, for the judge)
+    coverage: frozenset = frozenset()       # harness edges reached, when the executor records them
+    compile_seconds: float = 0.0            # of ``seconds``, the JIT compiles (kfuzz.jit notes)
+    device: str = ""                        # where the kernel ran
+
+    @property
+    def case(self) -> Case | None:
+        return self.program.case if self.program is not None else None
+
+    @property
+    def inputs(self) -> Tensors | None:
+        """kfuzz's own inputs of the ``call`` program (the case's arguments)."""
+        return self.program.inputs.get("case") if self.program is not None else None
 
 
 # the kernel side: the programs themselves ---------------------------------------------------------
@@ -307,10 +318,9 @@ def outputs_of(result: ProgramResult, target: Target, case: Case, role: str) -> 
     return malformed(target.name, f"{role}: {bad[1]}") if bad else outs
 
 
-def called(executor, target: Target, case: Case, inputs: Tensors) -> tuple[Tensors | None, Verdict | None]:
-    """One call (the ``call`` program) on kfuzz's ``inputs``: the outputs to judge, or the
-    verdict that ends the case (the call's own, or a change to the inputs seen here)."""
-    r = executor.run(Program("call", case, {"case": inputs}))
+def settled(r: ProgramResult, target: Target, case: Case, inputs: Tensors) -> tuple[Tensors | None, Verdict | None]:
+    """What a ``call`` program's result on kfuzz's ``inputs`` leaves to judge: the outputs, or
+    the verdict that ends the case (the call's own, or a change to the inputs seen here)."""
     if r.verdict is not None:
         return None, r.verdict
     verdict = changed_input(target.name, inputs, r.outputs.get("after:case", {}))
@@ -320,19 +330,30 @@ def called(executor, target: Target, case: Case, inputs: Tensors) -> tuple[Tenso
     return (None, outs) if isinstance(outs, Verdict) else (outs, None)
 
 
+def called(executor, target: Target, case: Case, inputs: Tensors) -> tuple[Tensors | None, Verdict | None]:
+    """One call (the ``call`` program) on kfuzz's ``inputs`` in ``executor``: the outputs to
+    judge, or the verdict that ends the case."""
+    return settled(executor.run(Program("call", case, {"case": inputs})), target, case, inputs)
+
+
 # the worker's side -------------------------------------------------------------------------------
 
 def answer(target: Target, case: Case, name: str, params: dict, layouts: list, storages: list,
-           device: str, cpu_seconds: int | None) -> tuple[bytes, bool]:
+           device: str, cpu_seconds: int | None, coverage=None) -> tuple[bytes, bool]:
     """The worker's side: run one kernel program on the inputs received (storages and their
-    layouts by role); the answer to send, and whether the worker must end (a crash verdict)."""
+    layouts by role); the answer to send, and whether the worker must end (a crash verdict).
+    ``coverage``: a ``kfuzz.coverage.HarnessCoverage`` to record the harness edges with."""
+    if device.startswith("cuda:"):    # a worker pinned to one GPU: Triton launches on the current one
+        torch.cuda.set_device(torch.device(device))
     inputs: dict[str, dict[str, torch.Tensor]] = {}
     for (role, arg, geo), st in zip(layouts, storages):
         inputs.setdefault(role, {})[arg] = rebuild(st, geo, device)
     sandbox.start_case(cpu_seconds)
-    outputs, facts = {}, {}
+    outputs, facts, edges = {}, {}, ()
     try:
-        verdict, outputs, facts = run_program(target, Program(name, case, {}, params), inputs, device)
+        with coverage if coverage is not None else contextlib.nullcontext():
+            verdict, outputs, facts = run_program(target, Program(name, case, {}, params), inputs, device)
+        edges = sorted(coverage.edges) if coverage is not None else ()
         verdict = resource_crash(verdict)
     except sandbox.SandboxViolation:
         verdict = None
@@ -350,134 +371,13 @@ def answer(target: Target, case: Case, name: str, params: dict, layouts: list, s
             tensors.append(t.detach())
     usage = resource.getrusage(resource.RUSAGE_SELF)
     msg = pack(("program-done", back, None if verdict is None else verdict.to_json(), facts,
-                usage.ru_utime + usage.ru_stime), tensors)
+                usage.ru_utime + usage.ru_stime, list(edges)), tensors)
     return msg, verdict is not None and verdict.kind == "crash"
 
 
-# executors -----------------------------------------------------------------------------------------
-
-class InProcess:
-    """Runs programs in this process, on copies of kfuzz's inputs: no isolation, no timeout.
-    For trusted kernels, measurements and tests."""
-
-    def __init__(self, target: Target, device: str = "cpu"):
-        self.target, self.device = target, device
-
-    def run(self, program: Program) -> ProgramResult:
-        start = time.monotonic()
-        inputs = {role: {k: replicate(v, self.device) for k, v in ts.items()} for role, ts in program.inputs.items()}
-        told = Program(program.name, Case(program.case.target, program.case.dtype, 0, program.case.dims), {},
-                       program.params)     # as a worker is told: no seed
-        verdict, outputs, facts = run_program(self.target, told, inputs, self.device)
-        back = {role: {k: (replicate(v) if is_storage_role(role) else v.detach().cpu().clone())
-                       for k, v in ts.items()} for role, ts in sendable(outputs).items()}
-        return ProgramResult(verdict, back, facts, time.monotonic() - start)
-
-    def restart(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-# what a worker imports before it is confined: the programs, and torch._dynamo, which
-# torch.use_deterministic_algorithms (G10) imports and which makes a directory in /tmp
-PROGRAM_IMPORTS = ("kfuzz.programs", "torch._dynamo")
-
-
-class Sandboxed:
-    """Runs programs in a confined worker (``kfuzz.workers.Worker``: forked from a forkserver
-    that never touched CUDA, confined by ``kfuzz.sandbox``), one at a time. A worker that
-    dies is that program's ``crash`` (its signal or the limit it hit), one that gives no
-    answer within ``timeout`` seconds is killed, ``timeout``; an answer that is not one
-    (the kernel can reach its pipe) is ``crash``/``malformed-answer``; the next program gets a
-    fresh worker. The worker finds the target by its name (``resolve``: options for a
-    resolver such as ``kb:``'s), so the target must be registered or resolvable by name."""
-
-    def __init__(self, target: Target, device: str = "cpu", timeout: float = 120.0,
-                 policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = ()):
-        self.target, self.device, self.timeout, self.resolve = target, device, timeout, resolve
-        self.preload = PROGRAM_IMPORTS + tuple(preload)
-        self.policy = worker_policy(policy, device, timeout)
-        self.worker = None
-        self.spawned = 0          # workers started (the first, then one after each death or hang)
-
-    def _spawn(self):
-        return Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device, False,
-                      self.policy, self.resolve, self.preload)
-
-    def restart(self) -> None:
-        """End the current worker; the next program starts a fresh one."""
-        if self.worker is not None:
-            self.worker.stop()
-            self.worker = None
-
-    def _lost(self, kind: str, exc_type: str | None, detail: str, start: float) -> ProgramResult:
-        self.worker.kill()
-        self.worker = None
-        return ProgramResult(Verdict(self.target.name, kind, exc_type=exc_type, detail=detail),
-                             seconds=time.monotonic() - start)
-
-    def run(self, program: Program) -> ProgramResult:
-        if self.worker is None:
-            self.worker = self._spawn()
-            self.spawned += 1
-        layouts, tensors = [], []
-        for role, ts in program.inputs.items():
-            for arg, t in ts.items():
-                layouts.append((role, arg, geometry(t)))
-                tensors.append(t)
-        w, start = self.worker, time.monotonic()
-        w.started = start
-        w.credit.reset()
-        w.post(pack(("program", _worker_case(program.case), program.name, program.params, layouts), tensors))
-        while True:   # the deadline moves on while the kernel compiles (kfuzz.jit)
-            if not w.conn.poll(max(0.0, w.deadline(self.timeout) - time.monotonic())):
-                if time.monotonic() < w.deadline(self.timeout):
-                    continue
-                return self._lost("timeout", None, f"no answer within {self.timeout:g} s; the worker was killed",
-                                  start)
-            try:
-                msg = w.conn.recv_bytes()
-            except (EOFError, OSError):
-                return self._lost("crash", *death(w, self.policy), start)
-            if not w.compile_note(msg):
-                break
-        try:   # the answer is data from the kernel's process: parsed, checked
-            (kind, back, verdict_json, facts, _cpu), storages = unpack(msg)
-            if kind != "program-done" or not isinstance(facts, dict) or len(back) != len(storages):
-                raise ValueError("not an answer to a program")
-            verdict = None if verdict_json is None else Verdict.from_json(self.target.name, verdict_json)
-            if verdict is not None and verdict.kind not in _WORKER_VERDICTS:
-                raise ValueError(f"a worker may not report {verdict.kind!r}; kfuzz judges")
-            outputs: dict[str, Tensors] = {}
-            for (role, arg, geo), st in zip(back, storages):
-                if not isinstance(role, str) or not isinstance(arg, str):
-                    raise ValueError("a role or a name is not a string")
-                outputs.setdefault(role, {})[arg] = rebuild(st, geo)
-        except (ValueError, TypeError, KeyError, RuntimeError, KfuzzError) as e:
-            return self._lost("crash", "malformed-answer", f"the worker's answer is malformed: {e}"[:2000], start)
-        if verdict is not None and verdict.kind == "crash":
-            self.worker.kill()      # the worker ends itself after a crash verdict
-            self.worker = None
-        return ProgramResult(verdict, outputs, facts, time.monotonic() - start)
-
-    def close(self) -> None:
-        self.restart()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def executor_for(target: Target, device: str = "cpu", executor: Any = None):
-    """``executor`` if given, else an in-process one (the library's default: the CLI sandboxes)."""
-    return executor if executor is not None else InProcess(target, device)
+def __getattr__(name: str):
+    """The executors live in ``kfuzz.executor``; their names here still work."""
+    if name in ("InProcess", "Sandboxed", "executor_for", "PROGRAM_IMPORTS"):
+        from kfuzz import executor
+        return getattr(executor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,12 +11,13 @@ answers one case at a time.
 
 kfuzz's process materializes each case's inputs once: it sends their storage
 bytes to the worker and keeps them for the judge. The worker sees the case's
-target, dtype and dims, never its seed. It calls the kernel under the call
-contract (``execute.kernel_stage``) and sends back the outputs as raw bytes, or
-the verdict that already ends the case (exception, contract, mutation). The
-oracle and the trusted implementation run in kfuzz's own process
-(``execute.judge``), so their outputs never enter the kernel's process. Each
-worker holds up to two cases, so kfuzz judges one while the kernel runs the next.
+target, dtype and dims, never its seed. It runs a kernel program
+(``kfuzz.programs``: a campaign's case is the ``call`` program, a gate's several
+calls another) and sends back the outputs as raw bytes, or the verdict that
+already ends the program (exception, contract, mutation). The oracle and the
+trusted implementation run in kfuzz's processes (``execute.judge``), so their
+outputs never enter the kernel's process. The executors that drive workers,
+queue programs on them and turn their deaths into verdicts are in ``kfuzz.executor``.
 
 What kills or stalls a worker becomes a verdict and the campaign goes on with
 a fresh worker:
@@ -34,14 +35,8 @@ a fresh worker:
   ``malformed-answer``. Answers are JSON and raw bytes, never pickles, and a worker
   may report only the failures of the call itself (never a pass: kfuzz judges).
 
-``InProcess`` runs the same kernel half in kfuzz's own process, without any of
-this protection; it is for trusted kernels and measurements.
-
-The same worker also runs the gates' kernel programs (``kfuzz.programs``: several calls
-on inputs kfuzz sent, the results sent back for kfuzz to judge), one at a time, for
-``kfuzz.programs.Sandboxed``. ``fork_server_here`` lets a short-lived process that
-starts workers (an audited kernel's oracle process) fork its forkserver from itself
-instead of importing torch again.
+``fork_server_here`` lets a short-lived process that starts workers (an audited
+kernel's oracle process) fork its forkserver from itself instead of importing torch again.
 
 Harness coverage (``kfuzz.coverage``): on request a worker records the edges it
 executes in the target's own source file, as engines' feedback.
@@ -51,27 +46,19 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-import resource
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from queue import Queue
-from typing import Iterator, Mapping
-
-import torch
 
 from kfuzz import jit, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
-from kfuzz.errors import KfuzzError
-from kfuzz.execute import kernel_stage
-from kfuzz.jit import COMPILE_ALLOWANCE, Credit
+from kfuzz.jit import Credit
 from kfuzz.target import Target, get_target, prepare_triton
-from kfuzz.tensors import materialize
-from kfuzz.wire import dense_outputs, geometry, pack, rebuild, unpack
+from kfuzz.wire import pack, unpack
 from kfuzz.verdict import Verdict
 
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
@@ -82,18 +69,6 @@ STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded mac
 DIRECT_SEND = 64 << 10
 
 
-@dataclass
-class KernelResult:
-    """The kernel's half of one execution, as kfuzz's process receives it."""
-
-    case: Case
-    outputs: dict[str, torch.Tensor] | None   # on the CPU; None when ``verdict`` ends the case
-    verdict: Verdict | None
-    coverage: frozenset[int] = frozenset()
-    seconds: float = 0.0
-    inputs: dict[str, torch.Tensor] | None = None   # kfuzz's own copy, for the judge
-
-
 def resource_crash(verdict: Verdict | None) -> Verdict | None:
     """An exception that says a resource ran out (memory, open files) is a ``crash`` named
     after the resource, not the kernel's exception."""
@@ -102,20 +77,6 @@ def resource_crash(verdict: Verdict | None) -> Verdict | None:
         if kind is not None:
             return Verdict(verdict.target, "crash", detail=verdict.detail, exc_type=kind)
     return verdict
-
-
-def run_kernel(case: Case, target: Target, device: str = "cpu", coverage: HarnessCoverage | None = None,
-               inputs: Mapping[str, torch.Tensor] | None = None
-               ) -> tuple[dict, dict | None, Verdict | None, frozenset]:
-    """One kernel half: (inputs, outputs, verdict, coverage); see ``execute.kernel_stage``."""
-    if coverage is None:
-        inputs, outputs, verdict = kernel_stage(case, target, device, inputs)
-        edges = frozenset()
-    else:
-        with coverage:
-            inputs, outputs, verdict = kernel_stage(case, target, device, inputs)
-        edges = frozenset(coverage.edges)
-    return inputs, outputs, resource_crash(verdict), edges
 
 
 # the worker process ------------------------------------------------------------------------
@@ -165,30 +126,12 @@ def _worker_main(conn: Connection, target_name: str, module: str | None, device:
             return
         case = Case(told[0], told[1], 0, tuple((k, int(v)) for k, v in told[2]))
         if kind == "program":
-            from kfuzz.programs import answer    # here: a campaign's worker never needs it
+            from kfuzz.programs import answer    # preloaded by the pools that send programs
             reply, crashed = answer(target, case, header[2], header[3], header[4], storages, device,
-                                    policy.cpu_seconds if policy is not None else None)
+                                    cpu_seconds, coverage)
             conn.send_bytes(reply)
             if crashed:
-                return
-            continue
-        layouts = header[2]
-        inputs = {name: rebuild(st, geo, device) for (name, geo), st in zip(layouts, storages)}
-        sandbox.start_case(cpu_seconds)
-        try:
-            _, outputs, verdict, edges = run_kernel(case, target, device, coverage, inputs)
-        except sandbox.SandboxViolation:
-            outputs, verdict, edges = None, None, frozenset()
-        escape = sandbox.violation()    # recorded even when the kernel caught it
-        if escape is not None:
-            outputs, verdict = None, Verdict(target.name, "crash", exc_type=escape[0], detail=escape[1])
-        sent = [] if outputs is None else dense_outputs(outputs)
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        conn.send_bytes(pack(("done", None if outputs is None else [(k, geometry(t)) for k, t in zip(outputs, sent)],
-                              None if verdict is None else verdict.to_json(), sorted(edges),
-                              usage.ru_utime + usage.ru_stime), sent))
-        if verdict is not None and verdict.kind == "crash":
-            return   # an escape, a CUDA error or OOM may leave the process unusable: start afresh
+                return   # an escape, a CUDA error or OOM may leave the process unusable: start afresh
 
 
 def _sender(conn: Connection, outbox: Queue) -> None:
@@ -245,16 +188,6 @@ class Worker:
             raise RuntimeError(f"worker for {target_name!r} died while starting "
                                f"({sandbox.death_name(self.process.exitcode)})") from None
         assert kind == "ready"
-
-    def submit(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
-        msg = pack(("case", _worker_case(case), [(k, geometry(t)) for k, t in inputs.items()]),
-                   list(inputs.values()))
-        if not self.queue:
-            self.started = time.monotonic()
-            self.credit.reset()
-        unread = sum(size for _, _, size in self.queue)   # at most: the worker reads a case before its reply
-        self.queue.append((case, inputs, len(msg)))
-        self.post(msg, unread)
 
     def post(self, msg: bytes, unread: int = 0) -> None:
         """Send ``msg`` without ever blocking on the worker: directly while the pipe has room
@@ -359,164 +292,10 @@ def death(worker: Worker, policy: sandbox.Policy) -> tuple[str, str]:
     return name, f"the worker died ({name}){why} while running the kernel"
 
 
-class WorkerPool:
-    """``jobs`` sandboxed workers for one target; results come back as each finishes.
-
-    Each worker holds up to ``depth`` cases: the next one waits in its pipe while kfuzz's
-    process judges the last, so the two processes overlap. When a worker dies or hangs,
-    the case it was running gets the verdict and the ones queued behind it go to its
-    replacement. ``policy`` confines the workers (``kfuzz.sandbox``; by default
-    ``Policy.for_device(device)``, its CPU time per case the timeout times the CPU count).
-    A case's JIT compiles stop its clock for at most ``compile_allowance`` seconds (kfuzz.jit)."""
-
-    def __init__(self, target: Target, jobs: int = 1, device: str = "cpu", timeout: float = 60.0,
-                 coverage: bool = False, depth: int = 2, policy: sandbox.Policy | None = None,
-                 compile_allowance: float = COMPILE_ALLOWANCE):
-        if jobs < 1:
-            raise ValueError("a worker pool needs jobs >= 1")
-        self.target, self.device, self.timeout, self.coverage = target, device, timeout, coverage
-        self.depth, self.compile_allowance = depth, compile_allowance
-        self.policy = worker_policy(policy, device, timeout)
-        self.workers: list[Worker | None] = [self._spawn() for _ in range(jobs)]
-        self.confinement = self.workers[0].confinement
-        self.restarts = 0
-        self.cpu: dict[int, float] = {}   # worker pid -> CPU seconds it reported last
-
-    @property
-    def worker_cpu_seconds(self) -> float:
-        """CPU time the workers used (kernel calls and their own share of kfuzz's work),
-        as of each one's last answer."""
-        return sum(self.cpu.values())
-
-    def _spawn(self) -> Worker:
-        worker = Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.device,
-                        self.coverage, self.policy)
-        worker.credit.allowance = self.compile_allowance
-        return worker
-
-    @property
-    def idle(self) -> int:
-        return sum(self.depth - (len(w.queue) if w is not None else 0) for w in self.workers)
-
-    @property
-    def busy(self) -> int:
-        return sum(len(w.queue) for w in self.workers if w is not None)
-
-    def submit(self, case: Case, inputs: dict[str, torch.Tensor] | None = None) -> None:
-        """Queue ``case``; its inputs are materialized here (on the CPU) unless given."""
-        if inputs is None:
-            inputs = materialize(case, self.target, "cpu")
-        i = min(range(len(self.workers)),
-                key=lambda i: len(self.workers[i].queue) if self.workers[i] is not None else 0)
-        if self.workers[i] is None:   # replaced lazily, so a campaign's end waits for no restart
-            self.workers[i] = self._spawn()
-            self.restarts += 1
-        self.workers[i].submit(case, inputs)
-
-    def _replace(self, worker: Worker) -> None:
-        """Kill ``worker``; the cases queued behind its head go to a fresh one."""
-        worker.kill()
-        i = self.workers.index(worker)
-        self.workers[i] = None
-        for case, inputs, _ in worker.queue:
-            self.submit(case, inputs)
-
-    def _failed(self, worker: Worker, kind: str, exc_type: str | None, detail: str) -> KernelResult:
-        seconds = time.monotonic() - worker.started
-        case, inputs, _ = worker.queue.pop(0)
-        self._replace(worker)
-        return KernelResult(case, None, Verdict(self.target.name, kind, exc_type=exc_type, detail=detail),
-                            seconds=seconds, inputs=inputs)
-
-    def _died(self, worker: Worker) -> KernelResult:
-        return self._failed(worker, "crash", *death(worker, self.policy))
-
-    def results(self, until: float | None = None) -> Iterator[KernelResult]:
-        """Wait for at least one busy worker to finish, die or time out (or for the clock to
-        reach ``until``); yield what ended."""
-        busy = [w for w in self.workers if w is not None and w.queue]
-        if not busy:
-            return
-        wait_for = max(0.0, min([w.deadline(self.timeout) for w in busy] + ([until] if until else []))
-                       - time.monotonic())
-        if len(busy) == 1:    # one pipe: poll it directly, cheaper than a selector
-            ready = [busy[0].conn] if busy[0].conn.poll(wait_for) else []
-        else:
-            ready = wait([w.conn for w in busy], timeout=wait_for)
-        for w in busy:
-            if w.conn in ready:
-                try:
-                    msg = w.conn.recv_bytes()
-                except (EOFError, OSError):
-                    yield self._died(w)
-                    continue
-                if w.compile_note(msg):
-                    continue
-                try:   # the worker's answer is data from the kernel's process: parsed, checked
-                    (_, layouts, verdict_json, edges, cpu), storages = unpack(msg)
-                    verdict = None if verdict_json is None else Verdict.from_json(self.target.name, verdict_json)
-                    if verdict is not None and verdict.kind not in _WORKER_VERDICTS:
-                        raise ValueError(f"a worker may not report {verdict.kind!r}; kfuzz judges")
-                    outputs = None if layouts is None else {
-                        name: rebuild(st, geo) for (name, geo), st in zip(layouts, storages)}
-                    edges, cpu = frozenset(int(e) for e in edges), float(cpu)
-                except (ValueError, TypeError, KeyError, RuntimeError, KfuzzError) as e:
-                    yield self._failed(w, "crash", "malformed-answer", f"the worker's answer is malformed: {e}"[:2000])
-                    continue
-                seconds = time.monotonic() - w.started
-                self.cpu[w.process.pid] = cpu
-                case, inputs = w.finish_head()
-                if verdict is not None and verdict.kind == "crash":
-                    self._replace(w)   # the worker ends itself after a crash verdict
-                yield KernelResult(case, outputs, verdict, edges, seconds, inputs)
-            elif time.monotonic() >= w.deadline(self.timeout):
-                yield self._failed(w, "timeout", None,
-                                   f"no answer within {self.timeout:g} s; the worker was killed")
-
-    def abandon(self) -> int:
-        """Kill the busy workers; their cases get no verdict. How many cases that was."""
-        dropped = 0
-        for i, w in enumerate(self.workers):
-            if w is not None and w.queue:
-                dropped += len(w.queue)
-                w.kill()
-                self.workers[i] = None
-        return dropped
-
-    def close(self) -> None:
-        for w in self.workers:
-            if w is not None:
-                w.stop()
-
-
-class InProcess:
-    """The same interface as ``WorkerPool``, running the kernel in this process: no sandbox,
-    no timeout. For trusted kernels and for measuring kfuzz's own overhead."""
-
-    def __init__(self, target: Target, device: str = "cpu", coverage: bool = False):
-        self.target, self.device = target, device
-        self.coverage = HarnessCoverage(harness_files(target)) if coverage else None
-        self.pending: list[Case] = []
-        self.restarts = 0
-        self.confinement: dict[str, str] = {}
-        self.worker_cpu_seconds = 0.0
-
-    idle = property(lambda self: 1 - len(self.pending))
-    busy = property(lambda self: len(self.pending))
-
-    def submit(self, case: Case) -> None:
-        self.pending.append(case)
-
-    def results(self, until: float | None = None) -> Iterator[KernelResult]:
-        while self.pending:
-            case = self.pending.pop(0)
-            start = time.perf_counter()
-            inputs, outputs, verdict, edges = run_kernel(case, self.target, self.device, self.coverage)
-            if outputs is not None:
-                outputs = {k: v.cpu() for k, v in outputs.items()}
-            # the judge reuses the inputs instead of materializing them again
-            yield KernelResult(case, outputs, verdict, edges, time.perf_counter() - start,
-                               inputs if outputs is not None else None)
-
-    def close(self) -> None:
-        self.pending.clear()
+def __getattr__(name: str):
+    """The executors that drive workers live in ``kfuzz.executor``; their names here still work
+    (``WorkerPool`` is ``Pool``)."""
+    if name in ("WorkerPool", "InProcess"):
+        from kfuzz import executor
+        return executor.Pool if name == "WorkerPool" else executor.InProcess
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,9 @@ import click
 from kfuzz.case import encode
 from kfuzz.cli import cli, handles_bad_input
 from kfuzz.corpus import SUFFIX, load_checked, make_record, write_atomic
-from kfuzz.minimize import DEFAULT_BUDGET, Minimized, minimize
+from kfuzz.devices import resolve_device
+from kfuzz.executor import InProcess, Pool
+from kfuzz.minimize import DEFAULT_BUDGET, Minimized, minimize, passes_for
 from kfuzz.verdict import Signature
 
 
@@ -33,13 +35,25 @@ def render(m: Minimized) -> None:
 @click.option("--replace", is_flag=True, help="Remove CASE once the minimized case is written.")
 @click.option("--budget", type=int, default=DEFAULT_BUDGET, show_default=True,
               help="Most executions to spend, re-runs included.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--time", "seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Most seconds to spend (default: no limit but --budget).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N.")
+@click.option("--in-process", "in_process", is_flag=True,
+              help="Run the kernel in this process, not in a sandboxed worker: for trusted kernels "
+                   "(a crash or a hang then ends kfuzz).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Seconds one kernel call may take in the worker before it is a timeout (compiles not counted).")
 @handles_bad_input
-def minimize_cmd(path, out, replace, budget, device):
-    """Shrink a failing case; the result fails with the same signature. Exit 2 if it does not fail."""
+def minimize_cmd(path, out, replace, budget, seconds, device, in_process, timeout):
+    """Shrink a failing case; the result fails with the same signature. Exit 2 if it does not fail.
+    The kernel runs in a sandboxed worker on DEVICE (a crash or a hang is minimized too)."""
+    device = resolve_device(device)
     case, record, target = load_checked(path)
     want = Signature.from_json(record["signature"]) if record and "signature" in record else None
-    m = minimize(case, target, signature=want, device=device, max_executions=budget)
+    with (InProcess(target, device) if in_process else Pool(target, 1, device, timeout)) as executor:
+        m = minimize(case, target, signature=want, device=device, max_executions=budget, max_seconds=seconds,
+                     executor=executor, passes=passes_for(device))
     click.echo(f"signature {m.verdict.signature}")
     render(m)
     dest = Path(out) if out else Path(path).parent / f"{m.case.hash}{SUFFIX}"

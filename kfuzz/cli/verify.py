@@ -1,6 +1,6 @@
 """kfuzz verify --target NAME: the twelve gates, one line each, and a summary.
 
-The kernel runs in a sandboxed worker (``kfuzz.programs.Sandboxed``): the oracle and its
+The kernel runs in a sandboxed worker (``kfuzz.executor.Sandboxed``): the oracle and its
 outputs stay in this process, a crash or hang is that case's verdict and the gates go on.
 ``--in-process`` runs it here instead, for trusted kernels and speed. ``--jobs N`` runs N
 gates at once, each in a process of its own with its own worker and 1/N of the CPUs' torch
@@ -18,9 +18,10 @@ from xml.sax.saxutils import escape, quoteattr
 import click
 
 from kfuzz.cli import cli, handles_bad_input
+from kfuzz.devices import resolve_device
 from kfuzz.errors import KfuzzError
+from kfuzz.executor import InProcess, Sandboxed
 from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gate, run_gates
-from kfuzz.programs import InProcess, Sandboxed
 from kfuzz.target import get_target
 
 
@@ -57,7 +58,8 @@ def _junit(target, results, seconds) -> str:
 @click.option("--gates", default=None, help="Comma-separated gate ids, e.g. G05,G08 (default: all twelve).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "junit"]), default="text", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="The gates' seed: same seed, same cases.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", default="auto", show_default=True,
+              help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N.")
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True,
               help="Failing cases go to OUT/gates/<gate>/crashes/<target>/<signature>/.")
 @click.option("--replay", "replay_paths", multiple=True, type=click.Path(),
@@ -77,6 +79,7 @@ def _junit(target, results, seconds) -> str:
 def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout, jobs,
                verbose):
     """Judge a target against the twelve gates. Exit 1 if any gate fails, 2 on bad input."""
+    device = resolve_device(device)
     if timeout <= 0:
         raise KfuzzError(f"--timeout must be > 0 seconds, not {timeout:g}")
     executors: dict = {}

@@ -1,12 +1,15 @@
 """The random engine: samples valid cases from a target's contract.
 
 Sizes lean toward the edges that break kernels (1, primes, powers of two and
-their neighbours, the contract's bounds); layouts, distributions and special
-values are drawn with fixed probabilities. Every proposed case passes
-``Target.validate``.
+their neighbours, the contract's bounds) and toward small sizes, where bugs live and
+cases are cheap to judge: the largest admitted size is drawn rarely, and sizes over the
+whole range log-uniformly (a size in [8, 16) as often as one in [4096, 8192)). Layouts,
+distributions and special values are drawn with fixed probabilities. Every proposed case
+passes ``Target.validate``.
 """
 from __future__ import annotations
 
+import math
 import random
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
@@ -23,12 +26,14 @@ def sample_size(rng: random.Random, lo: int, hi: int, multiple_of: int = 1) -> i
         r = rng.random()
         if r < 0.5:
             n = rng.choice([s for s in EDGE_SIZES if lo <= s <= hi] or [lo])
-        elif r < 0.6:
-            n = rng.choice((lo, hi))
-        elif r < 0.85:
+        elif r < 0.56:
+            n = lo
+        elif r < 0.58:
+            n = hi
+        elif r < 0.83:
             n = rng.randint(lo, min(hi, max(lo, 64)))
-        else:
-            n = rng.randint(lo, hi)
+        else:   # log-uniform over the range
+            n = min(hi, int(math.exp(rng.uniform(math.log(max(lo, 1)), math.log(hi + 1)))))
         n -= n % multiple_of
         if lo <= n <= hi and n % multiple_of == 0:
             return n
@@ -72,12 +77,15 @@ def sample_injections(rng: random.Random, numel: int, dtype: str) -> tuple:
     return tuple(sorted(picks.items()))
 
 
-def sample_case(target: Target, rng: random.Random) -> Case:
-    for _ in range(100):
+def sample_case(target: Target, rng: random.Random, like: Case | None = None) -> Case:
+    """A case for ``target``; with ``like``, one of its dims and dtype (everything else drawn)."""
+    for _ in range(100 if like is None else 0):
         dims = {name: sample_size(rng, d.lo, d.search_hi, d.multiple_of) for name, d in target.dims.items()}
         if target.constraint is None or not target.constraint(dims):
             break
-    dtype = rng.choice(target.dtypes)
+    if like is not None:
+        dims = like.dim
+    dtype = rng.choice(target.dtypes) if like is None else like.dtype
     args = {}
     for name, arg in target.args.items():
         args[name] = ArgCase(layout=sample_layout(rng, len(arg.shape), arg.layouts), dist=sample_dist(rng),
@@ -96,6 +104,11 @@ class RandomEngine:
 
     def next_case(self) -> Case:
         return sample_case(self.target, self.rng)
+
+    def redraw(self, like: Case) -> Case:
+        """A case in place of the last one drawn, of ``like``'s dims and dtype (so of a JIT
+        specialization already compiled: ``kfuzz.schedule``)."""
+        return sample_case(self.target, self.rng, like)
 
     def feedback(self, case: Case, verdict) -> None:
         """The random engine learns nothing."""

@@ -1,0 +1,78 @@
+"""Compile-aware scheduling: most cases from JIT specializations already compiled.
+
+A Triton kernel compiles again for every new *specialization*: a new dtype, a new
+``constexpr`` (block sizes are usually the next power of two of a dimension), an integer
+argument that becomes 1 or stops being a multiple of 16. A compile costs seconds (each
+worker process compiles, or loads from the disk cache, once per specialization) and the
+compiled kernel's call costs milliseconds, so a campaign that draws every case afresh
+spends its time compiling.
+
+``specialization(target, case)`` is the key of the kernel a case runs: what the target
+declares (``options["specialization"]``: ``(dims, dtype) -> hashable``), else the case's
+dtype and dims. A ``Scheduler`` opens a new key only while (a) fewer than
+``max(1, share * workers)`` new keys are in flight and (b) compiling has taken at most
+``share`` of the workers' time (``kfuzz.jit`` notes, summed over the workers); otherwise a
+draw of a new key is replaced by a fresh case of the dims and dtype of a key already
+opened (one at random), from an engine that can redraw (``redraw(like)``, the random
+engine); other engines' cases pass unchanged. So a cold campaign compiles one
+specialization while its other workers run cases of it, and a warm one settles at a
+steady rate. Once cases have come back without any compile (the CPU, the Triton
+interpreter), every draw passes.
+"""
+from __future__ import annotations
+
+import random
+from typing import Hashable
+
+from kfuzz.case import Case
+from kfuzz.target import Target
+
+
+def specialization(target: Target, case: Case) -> Hashable:
+    """The JIT specialization ``case`` runs (see the module docstring)."""
+    declared = target.options.get("specialization") if target.options else None
+    if declared is not None:
+        return declared(case.dim, case.dtype)
+    return (case.dtype, case.dims)
+
+
+class Scheduler:
+    """Draws cases from ``engine`` for ``target`` (see the module docstring)."""
+
+    def __init__(self, target: Target, engine, share: float = 0.25, workers: int = 1, seed: int = 0):
+        self.target, self.engine, self.share, self.workers = target, engine, share, max(1, workers)
+        self.ran: dict[Hashable, float] = {}   # key -> the longest compile seen for it (0: none)
+        self.like: dict[Hashable, Case] = {}   # key -> a case of it (opened: in flight or ran)
+        self.opening: set[Hashable] = set()    # keys opened whose first case has not come back
+        self.held = 0                          # draws replaced by a case of an opened key
+        self.rng = random.Random(seed)
+
+    @property
+    def size(self) -> int:
+        return len(self.ran)
+
+    def next_case(self, elapsed: float, compile_seconds: float) -> Case:
+        """The next case, ``elapsed`` seconds into the campaign, its workers having compiled
+        for ``compile_seconds`` in all."""
+        case = self.engine.next_case()
+        key = specialization(self.target, case)
+        if key in self.like:
+            return case
+        redraw = getattr(self.engine, "redraw", None)
+        # until a case has come back, any may compile; after, only where compiles were seen
+        compiles = not self.ran or compile_seconds > 0
+        may_open = not compiles or (len(self.opening) < max(1, int(self.share * self.workers))
+                                    and compile_seconds <= self.share * elapsed * self.workers)
+        if may_open or redraw is None or not self.like:
+            self.like[key] = case
+            self.opening.add(key)
+            return case
+        self.held += 1
+        return redraw(self.like[self.rng.choice(list(self.like))])
+
+    def observe(self, case: Case, compile_seconds: float) -> None:
+        """``case`` came back, its kernel call having compiled for ``compile_seconds``."""
+        key = specialization(self.target, case)
+        self.ran[key] = max(self.ran.get(key, 0.0), compile_seconds)
+        self.like.setdefault(key, case)
+        self.opening.discard(key)

@@ -1,0 +1,221 @@
+"""Campaigns on any machine: devices checked before anything runs, workers spread over GPUs,
+the oracle judged in parallel processes, the minimizer's own budget, progress without a
+terminal, an interrupt during worker startup, compile-aware scheduling."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from kfuzz.campaign import run_campaign, worker_devices
+from kfuzz.case import ArgCase, Case, Dist
+from kfuzz.cli import cli
+from kfuzz.corpus import Corpus, load
+from kfuzz.devices import DeviceError, resolve_device, spread
+from kfuzz.engines.random import RandomEngine
+from kfuzz.execute import execute, judge, kernel_stage
+from kfuzz.judges import Judges
+from kfuzz.schedule import Scheduler, specialization
+from kfuzz.target import get_target
+
+import kfuzz.cli.minimize, kfuzz.cli.run, kfuzz.cli.verify  # noqa: F401,E401  (register the verbs)
+
+OVERFLOW = Case.make("softmax.nomax", "float32", 3, {"N": 4, "D": 33},
+                     {"x": ArgCase(dist=Dist("scaled", (("factor", 100.0),)))})
+
+
+class ListEngine:
+    name = "list"
+
+    def __init__(self, cases):
+        self.cases, self.i = cases, 0
+
+    def next_case(self):
+        self.i += 1
+        return self.cases[(self.i - 1) % len(self.cases)]
+
+    def feedback(self, case, verdict):
+        return None
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+# devices -----------------------------------------------------------------------------------------
+
+def test_auto_is_cuda_only_where_a_gpu_is_visible():
+    assert resolve_device("auto", cuda_count=0) == "cpu"
+    assert resolve_device("auto", cuda_count=2) == "cuda"
+    assert resolve_device("CUDA:1", cuda_count=2) == "cuda:1"
+    for bad, count in (("cuda", 0), ("cuda:2", 2), ("gpu", 1), ("cuda0", 1), ("", 0)):
+        if bad == "":
+            assert resolve_device(bad, cuda_count=count) == "cpu"    # empty is the default
+            continue
+        with pytest.raises(DeviceError):
+            resolve_device(bad, cuda_count=count)
+
+
+@pytest.mark.parametrize("verb", [
+    ("run", "--target", "softmax.nomax", "--runs", "3"),
+    ("verify", "--target", "softmax.nomax", "--gates", "G01"),
+])
+@pytest.mark.parametrize("device", ["cuda", "tpu", "cuda:7"])
+def test_a_device_this_machine_lacks_exits_2_and_saves_nothing(tmp_path, verb, device):
+    import torch
+    if torch.cuda.is_available() and device != "tpu":
+        pytest.skip("this machine has CUDA")
+    where = ("--root", str(tmp_path)) if verb[0] == "run" else ("--out", str(tmp_path / "out"))
+    r = invoke(*verb, "--device", device, *where)
+    assert r.exit_code == 2 and "--device" in r.output
+    assert not any(tmp_path.iterdir())
+
+
+def test_minimize_refuses_a_device_this_machine_lacks(tmp_path):
+    import torch
+    path = Corpus(tmp_path).save_failure(OVERFLOW, execute(OVERFLOW))
+    before = sorted(p.name for p in path.parent.iterdir())
+    r = invoke("minimize", str(path), "--device", "cuda" if not torch.cuda.is_available() else "npu")
+    assert r.exit_code == 2 and "--device" in r.output
+    assert sorted(p.name for p in path.parent.iterdir()) == before
+
+
+def test_workers_spread_over_the_gpus_one_pool_each():
+    assert spread(5, [0, 1]) == [(0, 3), (1, 2)]
+    assert spread(1, [0, 1, 2]) == [(0, 1)]
+    assert spread(4, []) == [(None, 4)]
+    assert worker_devices("cuda", 5, cuda_count=2) == ["cuda:0"] * 3 + ["cuda:1"] * 2
+    assert worker_devices("cuda", 3, cuda_count=1) == ["cuda"] * 3      # one GPU: every worker on it
+    assert worker_devices("cuda:1", 2, cuda_count=4) == ["cuda:1"] * 2  # the one named
+    assert worker_devices("cpu", 2, cuda_count=4) == ["cpu"] * 2
+
+
+# judging -----------------------------------------------------------------------------------------
+
+def test_a_judge_process_gives_the_verdict_judged_here():
+    target = get_target("softmax.nomax")
+    cases = [OVERFLOW, Case.make("softmax.nomax", "float32", 4, {"N": 3, "D": 17})]
+    ran, here = {}, {}
+    for case in cases:     # before the judges start: their pool's threads are not the kernel's
+        inputs, outputs, verdict = kernel_stage(case, target)
+        assert verdict is None
+        ran[case] = inputs, outputs
+        here[case] = judge(case, target, inputs, outputs)
+    judges = Judges(target, processes=1)
+    try:
+        for case, (inputs, outputs) in ran.items():
+            judges.submit(case, inputs, outputs, case)
+        got = {}
+        deadline = time.monotonic() + 120
+        while judges.busy and time.monotonic() < deadline:
+            got.update(judges.done(5.0))
+    finally:
+        judges.close()
+    assert {c: v.signature for c, v in got.items()} == {c: v.signature for c, v in here.items()}
+    assert not got[OVERFLOW].passed and got[cases[1]].passed
+
+
+# the minimizer's budget --------------------------------------------------------------------------
+
+def test_the_minimizer_has_a_budget_of_its_own(tmp_path):
+    """A failure found at the campaign's first case, and the campaign's time spent to its end:
+    minimizing still runs to a fixed point, after --time, within --minimize-time."""
+    target = get_target("softmax.nomax")
+    start = time.monotonic()
+    stats = run_campaign(target, ListEngine([OVERFLOW]), Corpus(tmp_path), seconds=2.0, jobs=0,
+                         minimize_seconds=120.0)
+    assert stats.seconds < 2.0 + 5.0 and stats.minimize_seconds > 0
+    assert time.monotonic() - start < stats.seconds + stats.minimize_seconds + 5
+    (path,) = stats.saved
+    case, record = load(path)
+    assert record["minimize"]["fixed_point"] and case.dim == {"N": 1, "D": 1}
+    assert len(list(path.parent.glob("*.case.zst"))) == 1     # the case as found was replaced
+
+
+def test_without_a_minimizing_budget_the_failure_is_saved_as_found(tmp_path):
+    stats = run_campaign(get_target("softmax.nomax"), ListEngine([OVERFLOW]), Corpus(tmp_path), runs=2,
+                         jobs=0, minimize_seconds=0)
+    (path,) = stats.saved
+    assert load(path)[0] == OVERFLOW and stats.failures and stats.minimize_seconds == 0
+
+
+def test_a_sandboxed_minimizer_shrinks_a_crash():
+    from kfuzz.executor import Pool
+    from kfuzz.minimize import minimize
+    target = get_target("searchsum.crashhang")
+    crash = Case.make(target.name, "float32", 1, {"N": 3, "D": 8}, {"x": ArgCase(inject=((3, "nan"), (9, "inf")))})
+    with Pool(target, 1, timeout=30.0) as executor:
+        m = minimize(crash, target, executor=executor, max_seconds=240)
+    assert m.verdict.kind == "crash" and m.verdict.exc_type == "SIGSEGV"
+    assert m.case.dim == {"N": 1, "D": 1} and m.case.arg("x").inject == ((0, "nan"),)
+
+
+# progress, known failures, interrupts -----------------------------------------------------------
+
+def test_status_lines_appear_without_a_terminal(tmp_path):
+    r = invoke("run", "--target", "softmax", "--time", "6", "--status-interval", "0.5", "--jobs", "0",
+               "--root", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.output.splitlines() if line.startswith("kfuzz run softmax:") and "executions" in line]
+    assert len(lines) >= 3, r.output
+    assert "/s)" in lines[-1] and "failure signature(s)" in lines[-1] and "compile(s)" in lines[-1]
+
+
+def test_a_failure_matching_an_open_saved_case_is_counted_and_named(tmp_path):
+    corpus = Corpus(tmp_path)
+    corpus.save_failure(OVERFLOW, execute(OVERFLOW))
+    stats = run_campaign(get_target("softmax.nomax"), ListEngine([OVERFLOW]), corpus, runs=3, jobs=0)
+    (sig,) = stats.failures
+    assert stats.known[sig] == 3 and not stats.saved
+    r = invoke("run", "--target", "softmax.nomax", "--runs", "30", "--jobs", "0", "--root", str(tmp_path))
+    assert r.exit_code == 1 and "already saved; not saved again" in r.output
+
+
+def test_an_interrupt_during_worker_startup_still_writes_the_summary(tmp_path):
+    stats_json = tmp_path / "stats.json"
+    p = subprocess.Popen([sys.executable, "-c", "from kfuzz.cli import main; main()", "run", "--target", "softmax",
+                          "--time", "300", "--jobs", "2", "--root", str(tmp_path), "--stats-json", str(stats_json)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stderr.readline()          # printed just before the workers start
+        assert first.startswith("kfuzz run softmax"), first
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, out + err
+    stats = json.loads(stats_json.read_text())
+    assert stats["interrupted"] is True and stats["executions"] == 0
+    assert "interrupted" in out
+
+
+# compile-aware scheduling ------------------------------------------------------------------------
+
+def test_the_scheduler_opens_one_specialization_at_a_time_and_keeps_to_its_compile_share():
+    target = get_target("softmax")
+    schedule = Scheduler(target, RandomEngine(target, seed=1), share=0.25, workers=4)
+    # cold: the first case opens a specialization; the others in flight reuse it
+    first = [schedule.next_case(elapsed=0.0, compile_seconds=0.0) for _ in range(8)]
+    assert len({specialization(target, c) for c in first}) == 1 and len({c.hash for c in first}) == 8
+    schedule.observe(first[0], compile_seconds=10.0)
+    # one new key at a time while compiling has taken at most 1/4 of 4 workers' time
+    more = [schedule.next_case(elapsed=20.0, compile_seconds=10.0) for _ in range(8)]
+    assert len({specialization(target, c) for c in first + more}) == 2
+    # past the share, every draw reuses an opened specialization
+    for c in more:
+        schedule.observe(c, compile_seconds=0.0)
+    later = [schedule.next_case(elapsed=20.0, compile_seconds=30.0) for _ in range(20)]
+    assert {specialization(target, c) for c in later} <= {specialization(target, c) for c in first + more}
+    assert len({c.hash for c in later}) == 20 and schedule.held >= 20
+
+
+def test_without_compiles_the_scheduler_passes_the_engines_draws():
+    target = get_target("softmax")
+    schedule = Scheduler(target, RandomEngine(target, seed=1), workers=4)
+    schedule.observe(schedule.next_case(0.0, 0.0), compile_seconds=0.0)
+    drawn = [schedule.next_case(elapsed=5.0, compile_seconds=0.0) for _ in range(10)]
+    assert schedule.held == 0 and len({specialization(target, c) for c in drawn}) >= 8
