@@ -72,5 +72,5 @@ def replay(paths: Iterable[str | Path], device: str = "cpu") -> Iterator[ReplayR
 def mark_fixed(result: ReplayResult, device: str = "cpu") -> None:
     """Rewrite a recorded failure that now passes as a ``pass`` case (the bug is fixed)."""
     case, record = load(result.path)
-    old = Verdict.from_json(case.target, record["verdict"])
+    old = Verdict.from_json(case.target, record.get("verdict") or record["signature"])
     write_atomic(result.path, encode(case, make_record(old, "pass", device, fixed_from=record["signature"])))
