@@ -26,9 +26,11 @@ The programs (``PROGRAMS``), with the gates that use them:
   partner's values written into the first buffers and a third call;
 - ``backward`` (G12): a forward on grad-enabled leaves and a backward with kfuzz's
   cotangents; the gradients, and whether the outputs carried a graph (a reported fact);
-- ``weights`` and ``standard`` (the audit): a KernelBench solution's weights contract and
-  the standard test that accepted it; both run the solution, so they are kernel-side too,
-  and what they report is the kernel process's word (an audit records it as such).
+- ``weights``, ``standard`` and ``build`` (the audit): a KernelBench solution's weights
+  contract, the standard test that accepted it, and the build of its ``load_inline``
+  extensions (``kfuzz.kernelbench.build``, in a worker of its own); all run the solution, so
+  they are kernel-side too, and what they report is the kernel process's word (an audit
+  records it as such).
 
 Two executors, one interface: ``InProcess`` runs a program in this process on copies of
 the inputs (trusted kernels, measurements, tests; no isolation), ``Sandboxed`` in a
@@ -226,6 +228,11 @@ def _weights(target, program, inputs, device):
     return None, {}, {"status": bench.weights_status or ""}
 
 
+def _build(target, program, inputs, device):
+    from kfuzz.kernelbench.build import build_solution
+    return None, {}, build_solution(target.options["pair"], device=str(device))
+
+
 def _standard(target, program, inputs, device):
     from kfuzz.kernelbench import standard_test
     pair = target.options["pair"] if "pair" in target.options else target.options["bench"].pair
@@ -235,7 +242,7 @@ def _standard(target, program, inputs, device):
 # name -> (target, program, inputs on the device by role, device) -> (verdict, outputs by role, facts)
 PROGRAMS: dict[str, Callable[..., tuple[Verdict | None, dict[str, Tensors], dict]]] = {
     "call": _call, "repeat": _repeat, "guarded": _guarded, "poisoned": _poisoned, "rebind": _rebind,
-    "backward": _backward, "weights": _weights, "standard": _standard}
+    "backward": _backward, "weights": _weights, "standard": _standard, "build": _build}
 
 
 def run_program(target: Target, program: Program, inputs: dict[str, Tensors], device: str

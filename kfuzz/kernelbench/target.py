@@ -411,18 +411,24 @@ def nominal(target: KernelBenchTarget) -> dict[str, int]:
     return {n: d.hi for n, d in target.dims.items()}
 
 
-def resolve(name: str, weights: str = "strict", device: str = "cpu", standard: bool = False):
+def resolve(name: str, weights: str = "strict", device: str = "cpu", standard: bool = False,
+            prebuilt: bool = False):
     """The target named ``kb:<corpus file>:<row>`` (how a sandboxed worker finds its pair), with
-    ``weights`` as in ``as_target``. With ``standard``, only what the standard test needs
-    (``StandardOnly``: the pair, nothing run), so that a reference the adapter refuses still
-    gets its standard test."""
+    ``weights`` as in ``as_target``. With ``standard``, only what the standard test and the build
+    step need (``StandardOnly``: the pair, nothing run), so that a reference the adapter refuses
+    still gets its standard test. With ``prebuilt``, the solution's extensions are loaded as the
+    build step left them, never built here (``build.prebuilt_only``: a worker that may not start
+    the compiler)."""
     from kfuzz.audit import read_row
+    from kfuzz.kernelbench.build import compiles, prebuilt_only
     if not name.startswith(PREFIX) or ":" not in name[len(PREFIX):]:
         raise KernelBenchError(f"{name!r}: a KernelBench target is named kb:<corpus file>:<row>")
     path, row = name[len(PREFIX):].rsplit(":", 1)
     entry = read_row(path, row)
     if entry.pair is None:
         raise KernelBenchError(f"{name!r}: {entry.skip}")
+    if prebuilt and compiles(entry.pair.custom_code):
+        prebuilt_only()
     if standard:
         return StandardOnly(name, {"pair": entry.pair})
     return as_target(entry.pair, device, weights)
