@@ -329,7 +329,9 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
             if not isinstance(status, str):
                 raise RuntimeError(w.verdict.detail if w.verdict is not None else "no weights status came back")
             # the kernel process's word (it ran ModelNew to load the weights)
+            flags = w.facts.get("flags")
             emit("weights", {"status": "fail" if status.startswith("seed only") else status, "detail": status,
+                             "flags": [str(f)[:100] for f in flags[:10]] if isinstance(flags, list) else [],
                              "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
                              "params": params, "seconds": round(time.monotonic() - start, 3)})
         except Exception as e:

@@ -225,7 +225,7 @@ def _weights(target, program, inputs, device):
     bench = target.options["bench"]
     model = bench.solution_model(dict(bench.contract.dims), device)
     del model
-    return None, {}, {"status": bench.weights_status or ""}
+    return None, {}, {"status": bench.weights_status or "", "flags": sorted(bench.flags_changed)}
 
 
 def _build(target, program, inputs, device):

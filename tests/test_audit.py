@@ -576,3 +576,93 @@ def test_audit_exit_codes_follow_expectations_over_the_whole_results_file(tmp_pa
     assert r.exit_code == 1 and "cuda-l1-x.jsonl:0 (relu_rows)" in r.output, r.output
     r = run(jsonl, "--out", tmp_path / "c", "--gates", "G05")
     assert r.exit_code == 1 and "(0 now)" in r.output and "first: G05" in r.output, r.output
+
+
+# the oracle, the sizes and the precision flags of a KernelBench target ------------------------------
+
+EXPLICIT_FLOAT32 = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[-1], dtype=torch.float32)      # float32 whatever the default dtype
+        mix = torch.ones(8, 8).float() / 8
+        return self.lin(x + pos) @ mix
+
+
+batch = 4
+
+
+def get_inputs():
+    return [torch.randn(batch, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_the_float64_oracle_lifts_tensors_a_reference_makes_in_float32():
+    """A reference that makes float32 tensors inside forward (an explicit dtype, .float()) meets
+    its float64 weights in one op: the oracle lifts them to float64 instead of raising."""
+    from kfuzz.gates import GATES, run_gate
+    pair = load_pair(EXPLICIT_FLOAT32, EXPLICIT_FLOAT32.replace("class Model(", "class ModelNew("), "explicit_f32")
+    target = as_target(pair)
+    out = target.reference(x=torch.randn(4, 8, dtype=torch.float64))[0]
+    assert out.dtype == torch.float64
+    assert run_gate(GATES["G01"], target, seed=0).status == "pass"
+
+
+def test_size_constants_from_tuple_and_chained_assignments():
+    code = "a = 3\nheight, width = 16, 32\nx = y = 4\nc: int = 5\np, q = f()\nr = 2.0\na = -1\n[m, n] = [7, 8]\n"
+    assert size_constants(code) == {"height": 16, "width": 32, "x": 4, "y": 4, "c": 5, "m": 7, "n": 8}
+
+
+STATE_FROM_A_CONSTANT = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h0 = torch.ones(batch_size, 8)     # sized by the module's constant, as an LSTM's h0
+
+    def forward(self, x):
+        return x * self.h0
+
+
+batch_size = 4
+
+
+def get_inputs():
+    return [torch.randn(batch_size, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_models_are_built_under_the_cases_size_constants_and_precision_flags_are_put_back():
+    """A verbatim copy of a reference whose __init__ reads a size constant passes G03 (both
+    models are built under the case's constants); TF32 and cuDNN flags that the solution sets are
+    put back after the standard test and after each kernel call, and named."""
+    from kfuzz.gates import GATES, run_gate
+    new = STATE_FROM_A_CONSTANT.replace("class Model(", "class ModelNew(").replace(
+        "super().__init__()", "super().__init__()\n        torch.backends.cuda.matmul.allow_tf32 = True\n"
+                              "        torch.backends.cudnn.benchmark = True")
+    pair = load_pair(STATE_FROM_A_CONSTANT, new, "state_from_constant")
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark)
+    v = standard_test(pair)
+    assert v.passed and "torch.backends.cuda.matmul.allow_tf32=True" in v.undone, v
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark) == before
+    target = as_target(pair)
+    assert run_gate(GATES["G03"], target, seed=0).status == "pass"
+    assert {"torch.backends.cuda.matmul.allow_tf32=True", "torch.backends.cudnn.benchmark=True"} \
+        <= target.options["bench"].flags_changed
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark) == before

@@ -35,6 +35,7 @@ floating point other than float32, or that do not run at their own sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
@@ -45,13 +46,37 @@ from functools import lru_cache
 
 import torch
 
-from kfuzz.kernelbench.source import (PREFIX, SEED, KernelBenchError, KernelBenchPair, outputs_of, pair_module,
-                                      set_seed, size_constants, sized)
+from kfuzz.kernelbench.source import (PRECISION, PREFIX, SEED, KernelBenchError, KernelBenchPair, outputs_of,
+                                      own_constants, pair_module, precision, reads_names, set_seed, size_constants,
+                                      sized)
 from kfuzz.target import Arg, Dim, Output, Target
 
 MODEL_SETS = 2            # sets of models (distinct init inputs) kept per pair
 # why G07 does not apply to a model with float weights (``float_weights``)
 FLOAT_WEIGHTS = "outputs depend on float weights the case does not set; no exact answer by construction"
+
+
+class OracleDtype(torch.overrides.TorchFunctionMode):
+    """Every floating tensor of a lower precision that an op takes or makes becomes ``dtype``
+    (float64): the oracle's precision reaches tensors a reference makes inside ``forward`` with
+    an explicit dtype (``torch.arange(n, dtype=torch.float32)``, ``.float()``), which the default
+    dtype does not, and which would otherwise meet float64 weights in one op."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def _lift(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+            return x.to(self.dtype)
+        if isinstance(x, torch.dtype) and x.is_floating_point and x != self.dtype:
+            return self.dtype
+        return x
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+        args, kwargs = tree_map(self._lift, (args, kwargs or {}))
+        return tree_map(self._lift, func(*args, **kwargs))
 
 
 class WeightsContractError(RuntimeError):
@@ -133,6 +158,11 @@ class Bench:
         self.inits: dict = {}           # dims -> (init key, get_init_inputs() there)
         self.cache: dict = {}           # per-dims facts (structure)
         self.weights_status: str | None = None
+        self.flags_changed: set[str] = set()    # precision flags the solution set (then put back)
+        # a model class that reads a size constant: built (and called) under the case's values,
+        # so its models depend on the dims, not only on get_init_inputs()
+        self.dims_in_models = bool(contract.dims) and (reads_names(pair.ref_code, "Model", contract.dims)
+                                                       or reads_names(pair.custom_code, "ModelNew", contract.dims))
 
     def dims_of(self, inputs: dict) -> dict[str, int]:
         return {d: int(inputs[name].shape[axis]) for d, (name, axis) in self.where.items()}
@@ -147,7 +177,7 @@ class Bench:
             with sized(ref, dims):
                 set_seed(SEED)
                 init = ref.get_init_inputs()
-            self.inits[d] = (repr(init), init)
+            self.inits[d] = (repr(init) + (repr(d) if self.dims_in_models else ""), init)
         key, init = self.inits[d]
         keys = list(dict.fromkeys(k[0] for k in self.models))
         if key not in keys and len(keys) >= MODEL_SETS:
@@ -160,8 +190,10 @@ class Bench:
     def _ref_cpu(self, dims: dict) -> torch.nn.Module:
         key, init = self._init(dims)
         if (key, "ref") not in self.models:
-            set_seed(SEED)
-            self.models[(key, "ref")] = pair_module(self.pair, "ref").Model(*init).train(not self.pair.eval_mode)
+            ref = pair_module(self.pair, "ref")
+            with sized(ref, dims):
+                set_seed(SEED)
+                self.models[(key, "ref")] = ref.Model(*init).train(not self.pair.eval_mode)
         return self.models[(key, "ref")]
 
     def reference_model(self, dims: dict, dtype: torch.dtype, device) -> torch.nn.Module:
@@ -180,8 +212,10 @@ class Bench:
         key = (init_key, "new", str(device))
         if key not in self.models:
             ref_model = self._ref_cpu(dims)
-            set_seed(SEED)
-            model = pair_module(self.pair, "new").ModelNew(*init)
+            new = pair_module(self.pair, "new")
+            with sized(new, own_constants(new, dims)), precision(PRECISION, self.flags_changed):
+                set_seed(SEED)
+                model = new.ModelNew(*init)
             self.weights_status = load_weights(model, ref_model, strict=self.weights == "strict")
             self.models[key] = model.to(device).train(not self.pair.eval_mode)
         return self.models[key]
@@ -339,16 +373,20 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         if not solution:
             raise KernelBenchError(f"{pair.name}: this process is the oracle's; the solution runs only in "
                                    f"a sandboxed worker (kfuzz.programs.Sandboxed)")
-        model = bench.solution_model(bench.dims_of(inputs), next(iter(inputs.values())).device)
-        with torch.no_grad():
+        dims = bench.dims_of(inputs)
+        model = bench.solution_model(dims, next(iter(inputs.values())).device)
+        new = pair_module(pair, "new")
+        with torch.no_grad(), sized(new, own_constants(new, dims)), precision(PRECISION, bench.flags_changed):
             return outputs_of(model(*[inputs[n] for n in names]))
 
     def run_reference(inputs, dtype, where):
-        model = bench.reference_model(bench.dims_of(inputs), dtype, where)
+        dims = bench.dims_of(inputs)
+        model = bench.reference_model(dims, dtype, where)
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype)     # tensors made inside forward take the oracle's precision
         try:
-            with torch.no_grad():
+            with torch.no_grad(), sized(pair_module(pair, "ref"), dims), precision(PRECISION, set()), \
+                    (OracleDtype(dtype) if dtype == torch.float64 else contextlib.nullcontext()):
                 return outputs_of(model(*[inputs[n].to(where) for n in names]))
         finally:
             torch.set_default_dtype(old)
