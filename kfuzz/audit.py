@@ -357,7 +357,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
         # made now: a worker may write only beneath directories that exist when it is confined
         os.makedirs(os.environ["TORCH_EXTENSIONS_DIR"], exist_ok=True)
-    os.environ.setdefault("MAX_JOBS", str(max_jobs))
+    os.environ["MAX_JOBS"] = str(max_jobs)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import warnings
     import torch
@@ -612,7 +612,7 @@ def _beneath(a: Path, b: Path) -> bool:
 
 def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str], jobs: int = 1,
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
-              threads: int = 1, max_jobs: int = 2, retry: bool = False, key: str | Path | None = None,
+              threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None
               ) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
@@ -620,7 +620,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
     ``out`` inside the cache), and, unless ``allow_unconfined``, a machine where an OS layer would
     not block the kernels' network, writes or processes (``confinement``). ``policy``: overrides of
-    the kernels' sandbox Policy fields."""
+    the kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
+    ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once)."""
     entries = list(entries)
     out_dir = Path(out).resolve()
     key_file = Path(key).resolve() if key is not None else key_path().resolve()
@@ -643,6 +644,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: G10 and model code import it on first use, 4 s in every kernel process
     ctx.set_forkserver_preload(["kfuzz.audit", "kfuzz.kernelbench", "kfuzz.gates", "kfuzz.programs", "torch._dynamo"])
+    if max_jobs is None:
+        max_jobs = int(os.environ.get("MAX_JOBS") or 0) or max(1, (os.cpu_count() or 1) // jobs)
     args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}))
     running: list[_Running] = []
     queue = list(todo)

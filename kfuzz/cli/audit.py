@@ -55,7 +55,8 @@ def _line(rec: dict) -> str:
 @click.option("--cache", type=click.Path(file_okay=False), default=None,
               help="Compiled extensions, one folder per solution hash, outside OUT "
                    "(default ~/.cache/kfuzz/extensions).")
-@click.option("--max-jobs", type=int, default=2, show_default=True, help="MAX_JOBS for each extension build.")
+@click.option("--max-jobs", type=int, default=None,
+              help="MAX_JOBS (ninja's jobs) for each extension build (default: the cores divided by --jobs).")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
 @click.option("--key", type=click.Path(dir_okay=False), default=None,
@@ -77,8 +78,8 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     from kfuzz.audit import RESULTS, judge_record, outcome, read_corpus, read_results, results_key, run_audit
     from kfuzz.gates import parse_gates
     ids = parse_gates(gates)
-    if jobs < 1 or (limit is not None and limit < 0):
-        raise KfuzzError("--jobs must be >= 1 and --limit >= 0")
+    if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1):
+        raise KfuzzError("--jobs and --max-jobs must be >= 1 and --limit >= 0")
     entries = [e for path in corpora for e in read_corpus(path)]
     if select == "cpu":
         entries = [e for e in entries if e.cpu_runnable]
