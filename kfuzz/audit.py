@@ -413,8 +413,6 @@ class _Running:
             self.record["phase"] = str(d.get("phase"))
         elif kind in ("build", "standard", "weights", "adapter", "unbuilt", "error"):
             self.record[kind] = d
-        elif kind == "ended":
-            self.record["ended"] = str(d.get("how"))
 
     def kill(self) -> None:
         """End the kernel's process group: its oracle process, the workers and their forkserver."""
@@ -566,32 +564,45 @@ def append_record(out: str | Path, record: dict, key: bytes | None = None) -> No
 
 # the machine's sandbox --------------------------------------------------------------------------
 
+def _context():
+    """The forkserver context the audit's processes come from (its server never touches CUDA)."""
+    ctx = multiprocessing.get_context("forkserver")
+    # torch._dynamo: G10 and model code import it on first use, 4 s in every kernel process
+    ctx.set_forkserver_preload(["kfuzz.audit", "kfuzz.kernelbench", "kfuzz.gates", "kfuzz.programs", "torch._dynamo"])
+    return ctx
+
+
+def _probe(conn, policy: "sandbox.Policy", workdir: str) -> None:
+    from kfuzz import sandbox
+    try:
+        conn.send(sandbox.confine(policy, workdir))
+    finally:
+        conn.close()
+
+
 def confinement(device: str = "cpu", policy: dict | None = None) -> dict[str, str]:
     """What ``kfuzz.sandbox.confine`` gets on this machine for the audited kernels' policy
-    (``kernel_policy``), in its own words: a throwaway child confines itself and reports."""
+    (``kernel_policy``), in its own words: a throwaway process confines itself and reports."""
     import shutil
     import tempfile
-    from kfuzz import sandbox
-    confined = kernel_policy(device, **(policy or {}))
+    ctx = _context()
     workdir = tempfile.mkdtemp(prefix="kfuzz-probe-")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            report = sandbox.confine(confined, workdir)
-            os.write(w, json.dumps(report).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    shutil.rmtree(workdir, ignore_errors=True)
+    conn, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_probe, args=(child, kernel_policy(device, **(policy or {})), workdir), daemon=True,
+                       name="kfuzz-audit-probe")
+    proc.start()
+    child.close()
     try:
-        return json.loads(data)
-    except json.JSONDecodeError:
-        return {}
+        report = conn.recv() if conn.poll(120) else {}
+    except (EOFError, OSError):
+        report = {}
+    finally:
+        conn.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return report if isinstance(report, dict) else {}
 
 
 def unconfined_layers(report: dict[str, str]) -> list[str]:
@@ -641,9 +652,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
             raise KfuzzError("this machine's sandbox would not block the kernels' " + ", ".join(
                 f"{k} ({report.get(k, 'unknown')})" for k in missing) + "; the audit runs untrusted code only "
                 "under an OS layer (pass allow_unconfined, --allow-unconfined in the CLI, to run it with what is here)")
-    ctx = multiprocessing.get_context("forkserver")
-    # torch._dynamo: G10 and model code import it on first use, 4 s in every kernel process
-    ctx.set_forkserver_preload(["kfuzz.audit", "kfuzz.kernelbench", "kfuzz.gates", "kfuzz.programs", "torch._dynamo"])
+    ctx = _context()
     if max_jobs is None:
         max_jobs = int(os.environ.get("MAX_JOBS") or 0) or max(1, (os.cpu_count() or 1) // jobs)
     args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}))

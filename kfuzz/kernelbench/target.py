@@ -159,10 +159,11 @@ class Bench:
         self.cache: dict = {}           # per-dims facts (structure)
         self.weights_status: str | None = None
         self.flags_changed: set[str] = set()    # precision flags the solution set (then put back)
-        # a model class that reads a size constant: built (and called) under the case's values,
-        # so its models depend on the dims, not only on get_init_inputs()
-        self.dims_in_models = bool(contract.dims) and (reads_names(pair.ref_code, "Model", contract.dims)
-                                                       or reads_names(pair.custom_code, "ModelNew", contract.dims))
+        # a reference whose Model reads a size constant: the problem's models are built under the
+        # case's values (the solution's from its own module's copies of the constants), so they
+        # depend on the dims, not only on get_init_inputs(); the solution's calls are not: a
+        # forward that reads a constant at call time is hard-coded to the fixed shape
+        self.dims_in_models = bool(contract.dims) and reads_names(pair.ref_code, "Model", contract.dims)
 
     def dims_of(self, inputs: dict) -> dict[str, int]:
         return {d: int(inputs[name].shape[axis]) for d, (name, axis) in self.where.items()}
@@ -213,7 +214,8 @@ class Bench:
         if key not in self.models:
             ref_model = self._ref_cpu(dims)
             new = pair_module(self.pair, "new")
-            with sized(new, own_constants(new, dims)), precision(PRECISION, self.flags_changed):
+            with sized(new, own_constants(new, dims) if self.dims_in_models else {}), \
+                    precision(PRECISION, self.flags_changed):
                 set_seed(SEED)
                 model = new.ModelNew(*init)
             self.weights_status = load_weights(model, ref_model, strict=self.weights == "strict")
@@ -373,10 +375,8 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         if not solution:
             raise KernelBenchError(f"{pair.name}: this process is the oracle's; the solution runs only in "
                                    f"a sandboxed worker (kfuzz.programs.Sandboxed)")
-        dims = bench.dims_of(inputs)
-        model = bench.solution_model(dims, next(iter(inputs.values())).device)
-        new = pair_module(pair, "new")
-        with torch.no_grad(), sized(new, own_constants(new, dims)), precision(PRECISION, bench.flags_changed):
+        model = bench.solution_model(bench.dims_of(inputs), next(iter(inputs.values())).device)
+        with torch.no_grad(), precision(PRECISION, bench.flags_changed):
             return outputs_of(model(*[inputs[n] for n in names]))
 
     def run_reference(inputs, dtype, where):
