@@ -268,6 +268,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     programs in a third (``kfuzz.programs.Sandboxed``) that resolves the same ``kb:`` name, while
     the oracle, the trusted implementation and every comparison run here. ``policy``: overrides
     of the workers' Policy fields."""
+    from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
     from kfuzz.kernelbench import as_target
@@ -306,6 +307,10 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
         f = finding(v)
         emit("standard", {"passed": False, "reason": f"{f['finding']}: {f['detail']}"[:500], "trials": 0, **f})
         return
+    exhausted = sandbox.resource_kind(None, standard["reason"]) if not standard["passed"] else None
+    if exhausted is not None:   # the solution raised running out of a limited resource: a finding
+        standard = {**standard, "finding": exhausted, "kind": "crash", "exc_type": exhausted,
+                    "detail": standard["reason"][:600]}
     emit("standard", standard)
     if standard["reason"].startswith("compile"):
         # the solution does not build or import here: nothing for the gates to judge

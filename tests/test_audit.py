@@ -455,11 +455,16 @@ def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
 
 def test_attempts_against_the_sandbox_in_the_standard_test_are_findings(tmp_path):
     """fork_bomb forks 100 processes and shell_out runs sh -c, each catching the refusal and
-    answering right: each is a finding named by the attempt, never a pass or a skip."""
+    answering right; memory_hog reserves 20 GiB: each is a finding named by the attempt, never a
+    pass or a skip."""
     from kfuzz.audit import outcome
-    entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1] in ("fork_bomb", "shell_out")]
+    entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1] in ("fork_bomb", "shell_out", "memory_hog")]
     records = list(run_audit(entries, tmp_path, ["G01"], jobs=2, timeout=120))
-    assert len(records) == 2
+    assert len(records) == 3
+    hog = next(r for r in records if r["key"].endswith("memory_hog"))
+    records.remove(hog)
+    # 20 GiB of address space is past the workers' limit: a finding, however the kernel goes on
+    assert judge_record(hog)["violations"][0] == "resource-memory" and hog["standard"]["finding"] == "resource-memory"
     for rec in records:
         j = judge_record(rec)
         assert j["audited"] and j["violations"] == ["sandbox-fork"] and j["broken"], rec
