@@ -259,7 +259,7 @@ def finding(verdict) -> dict:
 
 def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
-                 policy: dict | None = None) -> None:
+                 policy: dict | None = None, build_only: bool = False) -> None:
     """The build (a solution that compiles), the standard test, the weights contract and each gate
     on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
@@ -267,7 +267,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     process, as the original harness ran them); the weights contract and the gates' kernel
     programs in a third (``kfuzz.programs.Sandboxed``) that resolves the same ``kb:`` name, while
     the oracle, the trusted implementation and every comparison run here. ``policy``: overrides
-    of the workers' Policy fields."""
+    of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging)."""
     from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
@@ -295,6 +295,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
         if built["status"] != "built":
             emit("unbuilt", {"error": f"build: {built.get('error', '')}"[:1000]})
             return
+    if build_only:
+        return
     emit("phase", {"phase": "standard"})
     with Sandboxed(bare, device, timeout, confined, resolve={"standard": True, "prebuilt": True},
                    preload=KERNEL_PRELOAD) as ex:
@@ -356,7 +358,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
 
 
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
-           threads: int, max_jobs: int, timeout: float, policy: dict | None) -> None:
+           threads: int, max_jobs: int, timeout: float, policy: dict | None, build_only: bool = False) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
     if cache and entry.pair is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
@@ -376,7 +378,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     fork_server_here(close=(conn.fileno(),))
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
-                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy)
+                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only)
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
         conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000]}))
     conn.send(("done", {}))
@@ -397,15 +399,15 @@ def base_record(entry: CorpusEntry) -> dict:
 
 
 class _Running:
-    def __init__(self, ctx, entry, args, timeout: float):
+    def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False):
         self.entry, self.start, self.timeout = entry, time.monotonic(), timeout
         self.deadline = self.start + timeout
         # kernel_side: where the solution ran (records before it ran it beside the oracle)
         self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers"}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
-        self.proc = ctx.Process(target=_child, args=(child, entry, *args), daemon=False,
-                                name=f"kfuzz-audit-{entry.key}")
+        self.proc = ctx.Process(target=_child, args=(child, entry, *args, build_only), daemon=False,
+                                name=f"kfuzz-{'build' if build_only else 'audit'}-{entry.key}")
         self.proc.start()
         child.close()
 
@@ -629,15 +631,17 @@ def _beneath(a: Path, b: Path) -> bool:
 def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str], jobs: int = 1,
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
-              trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None
-              ) -> Iterator[dict]:
+              trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
+              build_jobs: int = 0) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish); yields each record once appended, signed with the key at ``key`` (by default
     ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
     ``out`` inside the cache), and, unless ``allow_unconfined``, a machine where an OS layer would
     not block the kernels' network, writes or processes (``confinement``). ``policy``: overrides of
     the kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
-    ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once)."""
+    ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once).
+    ``build_jobs``: builds of solutions further down the queue that run ahead of their judging (a
+    compile phase beside the judging; the kernel's own build step then finds its extension built)."""
     entries = list(entries)
     out_dir = Path(out).resolve()
     key_file = Path(key).resolve() if key is not None else key_path().resolve()
@@ -662,11 +666,15 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
         max_jobs = int(os.environ.get("MAX_JOBS") or 0) or max(1, (os.cpu_count() or 1) // jobs)
     args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}))
     running: list[_Running] = []
+    builders: list[_Running] = []     # builds ahead of judging: no record of their own
     queue = list(todo)
+    ahead = [e for e in queue if e.compiles]
     try:
         while queue or running:
             while queue and len(running) < jobs:
                 entry = queue.pop(0)
+                if entry in ahead:
+                    ahead.remove(entry)
                 if entry.pair is None:
                     record = base_record(entry)
                     append_record(out, record, secret)
@@ -675,9 +683,22 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 running.append(_Running(ctx, entry, args, timeout))
             if not running:
                 continue
-            deadline = min(r.deadline for r in running)
-            wait([r.conn for r in running] + [r.proc.sentinel for r in running],
+            while ahead and len(builders) < build_jobs:
+                builders.append(_Running(ctx, ahead.pop(0), args, timeout, build_only=True))
+            deadline = min(r.deadline for r in running + builders)
+            wait([r.conn for r in running + builders] + [r.proc.sentinel for r in running + builders],
                  timeout=max(0.0, deadline - time.monotonic()))
+            for b in list(builders):
+                try:
+                    while b.conn.poll():
+                        b.conn.recv()
+                except (EOFError, OSError):
+                    pass
+                if not b.proc.is_alive() or time.monotonic() >= b.deadline:
+                    b.kill()
+                    b.proc.join(10)
+                    b.conn.close()
+                    builders.remove(b)
             for r in list(running):
                 how = None
                 try:
@@ -705,7 +726,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 append_record(out, record, secret)
                 yield record
     finally:   # a caller that stops early (an interrupt): no kernel outlives the audit
-        for r in running:
+        for r in running + builders:
             r.kill()
             r.proc.join(10)
 

@@ -491,16 +491,20 @@ def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(
     """compiled_relu builds a C++ extension with load_inline: in the build step (processes
     allowed, writes beneath its cache folder only), then loaded by workers that may not start a
     process (they would need ninja to build it). compiled_fork, built alike, forks in forward:
-    a finding, although its extension needed the compiler."""
+    a finding, although its extension needed the compiler. With build_jobs, the second kernel's
+    build runs ahead, beside the first kernel's judging."""
     from kfuzz.audit import build_policy, kernel_policy
     assert build_policy("cpu", "/x").processes and not kernel_policy("cpu").processes
     assert not build_policy("cuda", "/x").network and build_policy("cuda", "/x").confine_writes
     entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1].startswith("compiled")]
     assert all(e.compiles for e in entries) and len(entries) == 2
-    records = {r["key"].rsplit(":", 1)[1]: r
-               for r in run_audit(entries, tmp_path / "out", ["G01"], jobs=2, timeout=300, cache=tmp_path / "ext")}
+    # one kernel judged at a time; the other's build runs ahead of its judging
+    records = {r["key"].rsplit(":", 1)[1]: r for r in run_audit(
+        entries, tmp_path / "out", ["G01"], jobs=1, build_jobs=1, timeout=300, cache=tmp_path / "ext")}
     for rec in records.values():
         assert rec["build"]["status"] == "built" and rec["build"]["extensions"] == ["kfuzz_escapes_relu"], rec
+    # compiled_fork (first) built its own; compiled_relu's build step found its extension built
+    assert records["compiled_relu"]["build"]["seconds"] < records["compiled_fork"]["build"]["seconds"], records
     clean = records["compiled_relu"]
     assert clean["standard"]["passed"] and clean["gates"]["G01"]["status"] == "pass", clean
     assert judge_record(clean)["violations"] == []

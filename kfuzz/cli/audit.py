@@ -57,6 +57,8 @@ def _line(rec: dict) -> str:
                    "(default ~/.cache/kfuzz/extensions).")
 @click.option("--max-jobs", type=int, default=None,
               help="MAX_JOBS (ninja's jobs) for each extension build (default: the cores divided by --jobs).")
+@click.option("--build-jobs", type=int, default=0, show_default=True,
+              help="Builds of load_inline solutions further down the queue run ahead of their judging, N at once.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
 @click.option("--key", type=click.Path(dir_okay=False), default=None,
@@ -67,8 +69,8 @@ def _line(rec: dict) -> str:
 @click.option("--allow-unconfined", is_flag=True,
               help="Run the kernels even where no OS layer blocks their network, writes or processes.")
 @handles_bad_input
-def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, threads,
-              retry, key, trust_unsigned, allow_unconfined):
+def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, build_jobs,
+              threads, retry, key, trust_unsigned, allow_unconfined):
     """Audit the kernels of CORPORA (CUDA-L1 .jsonl, leaderboard .json, controls folder).
 
     Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
@@ -78,8 +80,8 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     from kfuzz.audit import RESULTS, judge_record, outcome, read_corpus, read_results, results_key, run_audit
     from kfuzz.gates import parse_gates
     ids = parse_gates(gates)
-    if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1):
-        raise KfuzzError("--jobs and --max-jobs must be >= 1 and --limit >= 0")
+    if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1) or build_jobs < 0:
+        raise KfuzzError("--jobs and --max-jobs must be >= 1, --limit and --build-jobs >= 0")
     entries = [e for path in corpora for e in read_corpus(path)]
     if select == "cpu":
         entries = [e for e in entries if e.cpu_runnable]
@@ -93,7 +95,7 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     now = {}
     for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
                          threads=threads, max_jobs=max_jobs, retry=retry, key=key, trust_unsigned=trust_unsigned,
-                         allow_unconfined=allow_unconfined):
+                         allow_unconfined=allow_unconfined, build_jobs=build_jobs):
         now[rec["key"]] = rec
         click.echo(_line(rec))
     # the whole results file for the selected kernels, this run's records first
