@@ -675,3 +675,40 @@ def test_models_are_built_under_the_cases_size_constants_and_precision_flags_are
     assert {"torch.backends.cuda.matmul.allow_tf32=True", "torch.backends.cudnn.benchmark=True"} \
         <= target.options["bench"].flags_changed
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark) == before
+
+
+SQUARES = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return {body}
+
+
+batch_size = 8
+dim = 64
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_g06_excuses_what_the_reference_in_float32_cannot_do_either():
+    """A solution bitwise the reference overflows exactly where the float32 reference does (the
+    float64 oracle stays finite): reference-limited, G06 passes. A kernel that overflows where the
+    float32 reference does not still fails."""
+    from kfuzz.gates import GATES, run_gate
+    ref = SQUARES.format(body="torch.sqrt((x * x).sum(dim=1))")
+    same = load_pair(ref, ref.replace("class Model(", "class ModelNew("), "squares")
+    assert run_gate(GATES["G06"], as_target(same), seed=0).status == "pass"
+    ref = SQUARES.format(body="x.abs().amax(dim=1)")
+    worse = load_pair(ref, SQUARES.format(body="torch.sqrt((x * x).amax(dim=1))").replace(
+        "class Model(", "class ModelNew("), "squares_worse")
+    r = run_gate(GATES["G06"], as_target(worse), seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "nonfinite", r.reason
