@@ -314,12 +314,28 @@ def outputs_of(result: ProgramResult, target: Target, case: Case, role: str) -> 
     return malformed(target.name, f"{role}: {bad[1]}") if bad else outs
 
 
+def shared_exception(target: Target, inputs: Tensors, verdict: Verdict) -> Verdict | None:
+    """For a target whose trusted implementation is its reference's own math
+    (``options["reference_limited"]``, KernelBench): a kernel exception that the trusted
+    implementation raises too, of the same type, on the same inputs. The case is outside the
+    contract: a pass that says so. None otherwise."""
+    if verdict.kind != "exception" or not verdict.exc_type or not target.options.get("reference_limited"):
+        return None
+    try:
+        target.call_trusted({k: v.detach().clone() for k, v in inputs.items()})
+    except Exception as e:
+        if type(e).__name__ == verdict.exc_type:
+            return Verdict(target.name, "pass", detail=f"outside the contract: the reference raises "
+                                                       f"{verdict.exc_type} on these inputs too ({e})"[:500])
+    return None
+
+
 def called(executor, target: Target, case: Case, inputs: Tensors) -> tuple[Tensors | None, Verdict | None]:
     """One call (the ``call`` program) on kfuzz's ``inputs``: the outputs to judge, or the
     verdict that ends the case (the call's own, or a change to the inputs seen here)."""
     r = executor.run(Program("call", case, {"case": inputs}))
     if r.verdict is not None:
-        return None, r.verdict
+        return None, shared_exception(target, inputs, r.verdict) or r.verdict
     verdict = changed_input(target.name, inputs, r.outputs.get("after:case", {}))
     if verdict is not None:
         return None, verdict

@@ -712,3 +712,41 @@ def test_g06_excuses_what_the_reference_in_float32_cannot_do_either():
         "class Model(", "class ModelNew("), "squares_worse")
     r = run_gate(GATES["G06"], as_target(worse), seed=0)
     assert r.status == "fail" and r.first_failure[1].kind == "nonfinite", r.reason
+
+
+FACTOR = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, a):
+        return {body}
+
+
+n = 8
+
+
+def get_inputs():
+    x = torch.randn(n, n)
+    return [x @ x.T + n * torch.eye(n)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_an_exception_the_reference_raises_too_is_outside_the_contract():
+    """Cholesky of inputs that are not positive definite (kfuzz's draws): the reference raises,
+    so a verbatim solution raising the same error is not a failure; a solution raising another
+    error type there still fails."""
+    from kfuzz.gates import GATES, run_gate
+    ref = FACTOR.format(body="torch.linalg.cholesky(a)")
+    same = as_target(load_pair(ref, ref.replace("class Model(", "class ModelNew("), "cholesky"))
+    r = run_gate(GATES["G02"], same, seed=0)
+    assert r.status == "pass", r.reason
+    other = FACTOR.format(body="torch.linalg.cholesky(a) if bool((torch.linalg.eigvalsh(a) > 0).all()) "
+                               "else (_ for _ in ()).throw(ValueError('not positive definite'))")
+    wrong = as_target(load_pair(ref, other.replace("class Model(", "class ModelNew("), "cholesky_other"))
+    r = run_gate(GATES["G02"], wrong, seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "exception", r.reason
