@@ -15,28 +15,44 @@ A corpus is a file or folder of KernelBench pairs (``read_corpus``):
   (``# reference: <file>``) and the planted bug (``# planted: <bug>`` or ``none``).
 
 Every kernel gets its own process, forked from a forkserver that never touches
-CUDA: the oracle's side, which never runs the solution's source. It runs the
-standard test in a sandboxed worker (reference and solution in one process, as the
-accepting harness ran them), then the weights contract and each gate with their
-kernel programs in a second worker (``kfuzz.programs.Sandboxed``: the oracle and its
-outputs stay in the oracle's process) and streams each result as it ends. A worker
-that dies in a gate is that case's ``crash`` and the gates go on; the kernel's
-processes are one process group, killed after ``timeout`` seconds (what finished is
-kept) or once its record is written. CUDA
-extensions built by ``load_inline`` go to ``TORCH_EXTENSIONS_DIR`` =
-``<cache>/<hash of the solution's source>``, so a rerun never rebuilds one and
-kernels with the same extension name never collide; ``jobs`` processes build at
-once, each with ``MAX_JOBS`` ninja jobs.
+CUDA: the oracle's side, which never runs the solution's source. A solution that builds
+an extension (``load_inline``) is built first in a confined step of its own (new
+processes allowed, no network, writes only beneath its build folder:
+``kfuzz.kernelbench.build``). Then the standard test runs in a sandboxed worker
+(reference and solution in one process, as the accepting harness ran them), then the
+weights contract and each gate with their kernel programs in a second worker
+(``kfuzz.programs.Sandboxed``: the oracle and its outputs stay in the oracle's process);
+both load the built extension and may not start processes. Each result is streamed as
+it ends. A worker that dies in a gate is that case's ``crash`` and the gates go on; a
+standard test or build that ends in a sandbox violation, a crash or a timeout is a
+finding of that kind. The kernel's processes are one process group, killed after
+``timeout`` seconds (the build gets its own ``timeout``; what finished is kept) or once
+its record is written. CUDA extensions built by ``load_inline`` go to
+``TORCH_EXTENSIONS_DIR`` = ``<cache>/<hash of the solution's source>``, so a rerun never
+rebuilds one and kernels with the same extension name never collide; ``jobs`` processes
+build at once, each with ``MAX_JOBS`` ninja jobs.
 
-Results are appended to ``<out>/results.jsonl``, one line a kernel, written
-with one ``write`` on an ``O_APPEND`` descriptor; a rerun skips the keys
-already there (a torn last line is ignored and redone).
+Untrusted code runs only under an operating-system sandbox layer: ``run_audit`` probes
+what ``kfuzz.sandbox.confine`` gets here for the kernels' policy (``confinement``) and
+refuses (``KfuzzError``) when network, writes or processes would not be blocked, unless
+``allow_unconfined``.
+
+Results are appended to ``<out>/results.jsonl`` by the supervising process only, one
+line a kernel, written with one ``write`` on an ``O_APPEND`` descriptor. Each line
+carries an HMAC-SHA256 (``hmac``) under a key kept outside the results folder
+(``results_key``: ``$KFUZZ_AUDIT_KEY``, else ``~/.config/kfuzz/audit.key``, made on
+first use, mode 0600) that no kernel process is handed; ``read_results`` refuses a line
+whose HMAC fails (or that has none, unless ``trust_unsigned``) and says which
+(``Results.refused``). A rerun skips the keys already there (a torn last line is ignored
+and redone).
 
 Refuses (``KfuzzError``): unknown corpus formats, unreadable files, rows that are not
 JSON objects. Kernels that misbehave are never errors: they are records.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import multiprocessing
 import os
@@ -86,8 +102,9 @@ class CorpusEntry:
 
     @property
     def compiles(self) -> bool:
-        return self.pair is not None and ("load_inline" in self.pair.custom_code
-                                          or "cpp_extension" in self.pair.custom_code)
+        """The solution builds an extension (a static check): it gets a build step."""
+        from kfuzz.kernelbench.build import compiles
+        return self.pair is not None and compiles(self.pair.custom_code)
 
 
 def _load_json_lines(path: Path) -> list[dict]:
@@ -112,8 +129,10 @@ def _entry(key: str, ref: str | None, custom: str | None, skip_null: str, **meta
     if ref is None:
         return CorpusEntry(key, None, "no reference code to join with")
     expect = meta.pop("expect", None)
+    name = meta.pop("name", None)
     try:
-        return CorpusEntry(key, load_pair(ref, custom, key, source=meta.pop("source"), **meta), expect=expect)
+        return CorpusEntry(key, load_pair(ref, custom, name if isinstance(name, str) and name else key,
+                                          source=meta.pop("source"), **meta), expect=expect)
     except KernelBenchError as e:
         return CorpusEntry(key, None, str(e), expect)
 
@@ -121,7 +140,8 @@ def _entry(key: str, ref: str | None, custom: str | None, skip_null: str, **meta
 def _cuda_l1(path: Path, only: str | None = None) -> list[CorpusEntry]:
     gpu = path.stem.removeprefix("cuda-l1-")
     return [_entry(f"{path.name}:{i}", r.get("ref_code"), r.get("custom_code"),
-                   "custom_code is null (not accepted)", level=r.get("level_id"), problem=r.get("task_id"),
+                   "custom_code is null (not accepted)", name=r.get("name"), level=r.get("level_id"),
+                   problem=r.get("task_id"),
                    model=f"cuda-l1/{gpu}", source=f"{path}:{i}", eval_mode=True)
             for i, r in enumerate(_load_json_lines(path)) if only is None or str(i) == only]
 
@@ -150,7 +170,7 @@ def _leaderboard(path: Path) -> list[CorpusEntry]:
     def problem(r: dict) -> int:
         return int(r.get("problem_id", -1)) + LEADERBOARD_FIRST_PROBLEM
     return [_entry(f"{path.name}:{i}", refs.get((int(r.get("level", -1)), problem(r))),
-                   r.get("code"), "code is null", level=r.get("level"), problem=problem(r),
+                   r.get("code"), "code is null", name=r.get("name"), level=r.get("level"), problem=problem(r),
                    model=str(r.get("model", "")), source=f"{path}:{i}")
             for i, r in enumerate(rows)]
 
@@ -203,50 +223,102 @@ def read_row(path: str | Path, row: str | int) -> CorpusEntry:
 
 # the kernel side's processes: forked from a forkserver of their own (started by the kernel's
 # oracle process, never touching CUDA) with what every kernel needs imported once
-KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench")
+KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench", "kfuzz.kernelbench.build")
+KERNEL_MEMORY = 16 << 30    # on the CPU: address space a kernel's worker may add (a level-3 network's models)
+# what the kernels' workers must have blocked by an OS layer (``confinement``)
+OS_LAYERS = ("network", "writes", "processes")
 
 
-def kernel_policy(device: str, cache: str | None = None) -> "sandbox.Policy":
-    """The confinement of an audited kernel's processes: ``Policy.for_device``, less what a
-    KernelBench solution needs that a campaign's kernel does not: building an extension
-    (``load_inline`` runs ninja and the compiler: new processes, writes beneath ``cache``) and
-    memory as the model needs (a level-3 network's weights; the per-kernel timeout stays)."""
+def kernel_policy(device: str, **overrides) -> "sandbox.Policy":
+    """The confinement of the workers that run an audited kernel (its standard test, weights
+    contract and gates): ``Policy.for_device``, with memory as a network's models need on the CPU
+    (``KERNEL_MEMORY``; none on CUDA, whose driver reserves more). No new processes: an extension
+    was built beforehand (``build_policy``). ``overrides``: Policy fields to change."""
     from kfuzz import sandbox
-    return sandbox.Policy.for_device(device, memory=None, processes=True,
-                                     writable=(cache,) if cache else ())
+    memory = None if str(device).startswith("cuda") else KERNEL_MEMORY
+    return sandbox.Policy.for_device(device, **{"memory": memory, **overrides})
+
+
+def build_policy(device: str, folder: str | None, **overrides) -> "sandbox.Policy":
+    """The confinement of a solution's build step: new processes (ninja, the compiler), no
+    network, writes only beneath its extension ``folder`` (and its private directory), memory
+    as a compiler needs, on every device (the build touches no driver)."""
+    from kfuzz import sandbox
+    return sandbox.Policy(**{"memory": None, "processes": True, "network": False, "confine_writes": True,
+                             "writable": (folder,) if folder else (), **overrides})
+
+
+def finding(verdict) -> dict:
+    """A worker's verdict that ended a build or a standard test, as a finding: ``finding`` names
+    it (the sandbox's or a limit's kind, ``malformed-answer``, else ``crash`` or ``timeout``)."""
+    exc = verdict.exc_type or ""
+    named = exc if verdict.kind == "crash" and exc.startswith(("sandbox-", "resource-", "malformed")) else verdict.kind
+    return {"finding": named, "kind": verdict.kind, "exc_type": verdict.exc_type,
+            "detail": (verdict.detail or "")[:600]}
 
 
 def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
-                 emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None) -> None:
-    """The standard test, the weights contract and each gate on one kernel, each result handed
-    to ``emit`` as it ends. This process is the oracle's: it never runs the solution's source.
-    The standard test runs in a sandboxed worker of its own (reference and solution in one
+                 emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
+                 policy: dict | None = None, build_only: bool = False) -> None:
+    """The build (a solution that compiles), the standard test, the weights contract and each gate
+    on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
+    process is the oracle's: it never runs the solution's source. The build runs in a worker of
+    its own (``build_policy``), the standard test in another (reference and solution in one
     process, as the original harness ran them); the weights contract and the gates' kernel
-    programs in a second one (``kfuzz.programs.Sandboxed``) that resolves the same ``kb:``
-    name, while the oracle, the trusted implementation and every comparison run here."""
+    programs in a third (``kfuzz.programs.Sandboxed``) that resolves the same ``kb:`` name, while
+    the oracle, the trusted implementation and every comparison run here. ``policy``: overrides
+    of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging)."""
+    from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
     from kfuzz.kernelbench import as_target
     from kfuzz.kernelbench.target import StandardOnly
     from kfuzz.programs import Program, Sandboxed, malformed
     pair = entry.pair
-    policy = kernel_policy(device, cache)
-    with Sandboxed(StandardOnly(pair.target_name, {"pair": pair}), device, timeout, policy,
-                   resolve={"standard": True}, preload=KERNEL_PRELOAD) as ex:
-        r = ex.run(Program("standard", Case(pair.target_name, "float32", 0, ()), {}))
+    overrides = dict(policy or {})
+    confined = kernel_policy(device, **overrides)
+    bare = StandardOnly(pair.target_name, {"pair": pair})
+    nothing = Case(pair.target_name, "float32", 0, ())
+    if entry.compiles:
+        emit("phase", {"phase": "build"})
+        with Sandboxed(bare, device, timeout, build_policy(device, cache, **overrides), resolve={"standard": True},
+                       preload=KERNEL_PRELOAD) as ex:
+            r = ex.run(Program("build", nothing))
+        built = r.facts
+        v = r.verdict
+        if v is None and not isinstance(built.get("status"), str):
+            v = malformed(pair.target_name, f"the build step's report is malformed: {str(built)[:200]}")
+        if v is not None:
+            emit("build", {"status": "finding", **finding(v), "seconds": round(r.seconds, 3)})
+            return
+        emit("build", built)
+        if built["status"] != "built":
+            emit("unbuilt", {"error": f"build: {built.get('error', '')}"[:1000]})
+            return
+    if build_only:
+        return
+    emit("phase", {"phase": "standard"})
+    with Sandboxed(bare, device, timeout, confined, resolve={"standard": True, "prebuilt": True},
+                   preload=KERNEL_PRELOAD) as ex:
+        r = ex.run(Program("standard", nothing))
     standard, v = r.facts, r.verdict
     if v is None and not (isinstance(standard.get("passed"), bool) and isinstance(standard.get("reason"), str)):
         v = malformed(pair.target_name, f"the standard test's verdict is malformed: {str(standard)[:200]}")
     if v is not None:
-        # the standard test's process died or hung: what a kernel's process doing so was before
-        emit("ended", {"how": f"{v.kind} ({v.exc_type or v.detail[:200]}) in the standard test"})
+        # the standard test's worker was stopped (a sandbox violation, a limit), died or hung
+        f = finding(v)
+        emit("standard", {"passed": False, "reason": f"{f['finding']}: {f['detail']}"[:500], "trials": 0, **f})
         return
+    exhausted = sandbox.resource_kind(None, standard["reason"]) if not standard["passed"] else None
+    if exhausted is not None:   # the solution raised running out of a limited resource: a finding
+        standard = {**standard, "finding": exhausted, "kind": "crash", "exc_type": exhausted,
+                    "detail": standard["reason"][:600]}
     emit("standard", standard)
     if standard["reason"].startswith("compile"):
-        # the solution does not build or import here: nothing for the gates to judge, and each
-        # gate would only try the (minutes long) build again
+        # the solution does not build or import here: nothing for the gates to judge
         emit("unbuilt", {"error": standard["reason"][:1000]})
         return
+    emit("phase", {"phase": "gates"})
     start = time.monotonic()
     try:
         target = as_target(pair, device, weights="seed", solution=False)
@@ -256,7 +328,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     bench = target.options["bench"]
     # the reference has float weights the case does not set: G07 is n/a (kfuzz.kernelbench.float_weights)
     params = bool(target.options.get("no_exact_answers"))
-    with Sandboxed(target, device, timeout, policy, resolve={"weights": "seed", "device": device},
+    with Sandboxed(target, device, timeout, confined, resolve={"weights": "seed", "device": device, "prebuilt": True},
                    preload=KERNEL_PRELOAD) as ex:
         try:
             w = ex.run(Program("weights", Case(target.name, "float32", 0, tuple(sorted(bench.contract.dims.items())))))
@@ -264,7 +336,9 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
             if not isinstance(status, str):
                 raise RuntimeError(w.verdict.detail if w.verdict is not None else "no weights status came back")
             # the kernel process's word (it ran ModelNew to load the weights)
+            flags = w.facts.get("flags")
             emit("weights", {"status": "fail" if status.startswith("seed only") else status, "detail": status,
+                             "flags": [str(f)[:100] for f in flags[:10]] if isinstance(flags, list) else [],
                              "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
                              "params": params, "seconds": round(time.monotonic() - start, 3)})
         except Exception as e:
@@ -275,6 +349,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                 d = r.to_json()
                 d.pop("saved", None)
                 d["kind"] = r.first_failure[1].kind if r.first_failure else None
+                d["exc_type"] = r.first_failure[1].exc_type if r.first_failure else None
                 d["reason"] = d["reason"][:600]
             except Exception as e:    # the gate itself could not run (the reference failed, say)
                 d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
@@ -283,18 +358,18 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
 
 
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
-           threads: int, max_jobs: int, timeout: float) -> None:
+           threads: int, max_jobs: int, timeout: float, policy: dict | None, build_only: bool = False) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
     if cache and entry.pair is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
         # made now: a worker may write only beneath directories that exist when it is confined
         os.makedirs(os.environ["TORCH_EXTENSIONS_DIR"], exist_ok=True)
-    os.environ.setdefault("MAX_JOBS", str(max_jobs))
+    os.environ["MAX_JOBS"] = str(max_jobs)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import warnings
     import torch
     import torch._dynamo  # noqa: F401  (model code and G10 import it: once here, not in each worker)
-    import kfuzz.kernelbench, kfuzz.programs  # noqa: F401,E401  (preloaded unless another forkserver was first)
+    import kfuzz.kernelbench, kfuzz.kernelbench.build, kfuzz.programs  # noqa: F401,E401  (preloaded)
     from kfuzz.workers import fork_server_here
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")     # the kernels' own warnings are not the audit's output
@@ -303,7 +378,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     fork_server_here(close=(conn.fileno(),))
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
-                     os.environ.get("TORCH_EXTENSIONS_DIR"))
+                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only)
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
         conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000]}))
     conn.send(("done", {}))
@@ -324,24 +399,27 @@ def base_record(entry: CorpusEntry) -> dict:
 
 
 class _Running:
-    def __init__(self, ctx, entry, args):
-        self.entry, self.start = entry, time.monotonic()
+    def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False):
+        self.entry, self.start, self.timeout = entry, time.monotonic(), timeout
+        self.deadline = self.start + timeout
         # kernel_side: where the solution ran (records before it ran it beside the oracle)
         self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers"}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
-        self.proc = ctx.Process(target=_child, args=(child, entry, *args), daemon=False,
-                                name=f"kfuzz-audit-{entry.key}")
+        self.proc = ctx.Process(target=_child, args=(child, entry, *args, build_only), daemon=False,
+                                name=f"kfuzz-{'build' if build_only else 'audit'}-{entry.key}")
         self.proc.start()
         child.close()
 
     def take(self, kind: str, d: dict) -> None:
         if kind == "gate":
             self.record["gates"][d["gate"]] = d
-        elif kind in ("standard", "weights", "adapter", "unbuilt", "error"):
+        elif kind == "phase":
+            if self.record.get("phase") == "build":    # the build had its own timeout
+                self.deadline = time.monotonic() + self.timeout
+            self.record["phase"] = str(d.get("phase"))
+        elif kind in ("build", "standard", "weights", "adapter", "unbuilt", "error"):
             self.record[kind] = d
-        elif kind == "ended":
-            self.record["ended"] = str(d.get("how"))
 
     def kill(self) -> None:
         """End the kernel's process group: its oracle process, the workers and their forkserver."""
@@ -358,40 +436,125 @@ class _Running:
         return self.record
 
 
-def read_results(path: str | Path) -> dict[str, dict]:
-    """The records of a results file by key, the last line of a key winning (a retried kernel
-    appends a new one); a torn line is skipped."""
-    records = {}
+# the results file: signed by the supervising process -------------------------------------------
+
+KEY_ENV = "KFUZZ_AUDIT_KEY"
+
+
+def key_path() -> Path:
+    """Where the results' key lives: ``$KFUZZ_AUDIT_KEY``, else ``$XDG_CONFIG_HOME/kfuzz/audit.key``
+    (``~/.config/kfuzz/audit.key``)."""
+    if os.environ.get(KEY_ENV):
+        return Path(os.environ[KEY_ENV])
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "kfuzz" / "audit.key"
+
+
+def results_key(path: str | Path | None = None, create: bool = True) -> bytes:
+    """The key that signs results (``key_path`` unless ``path``): made on first use (32 random
+    bytes in hex, mode 0600, in a folder of mode 0700) if ``create``. Refuses (``KfuzzError``) a
+    missing key when not ``create``, and a file that is not a key."""
+    p = Path(path) if path is not None else key_path()
+    if not p.exists():
+        if not create:
+            raise KfuzzError(f"{p}: no audit key (results are verified with the key that signed them)")
+        p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:     # another audit made it first
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(32).hex() + "\n")
+    for _ in range(50):             # another audit may be writing it this instant
+        try:
+            text = p.read_text().strip()
+        except OSError as e:
+            raise KfuzzError(f"{p}: cannot read the audit key ({e.strerror})") from None
+        if text:
+            break
+        time.sleep(0.01)
+    if len(text) < 32:
+        raise KfuzzError(f"{p}: not an audit key (want at least 32 characters of secret, got {len(text)})")
+    return text.encode()
+
+
+def _mac(key: bytes, record: dict) -> str:
+    body = json.dumps({k: v for k, v in record.items() if k != "hmac"}, sort_keys=True, default=str)
+    return hmac.new(key, b"kfuzz-audit-record\0" + body.encode(), hashlib.sha256).hexdigest()
+
+
+class Results(dict):
+    """Records by key, the last valid line of a key winning (a retried kernel appends a new one);
+    ``refused``: (line number, why) for each line that is not a valid signed record (a torn line,
+    no HMAC, an HMAC that fails); ``unsigned``: lines taken without an HMAC (``trust_unsigned``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refused: list[tuple[int, str]] = []
+        self.unsigned = 0
+
+
+def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: bool = False) -> Results:
+    """The records of a results file by key (``Results``), each checked against its HMAC under
+    ``key`` (by default ``results_key()``; with no key, every signed line is refused). Lines
+    without an HMAC are refused unless ``trust_unsigned`` (records made before results were
+    signed); a line whose HMAC fails is always refused."""
+    if key is None:
+        try:
+            key = results_key(create=False)
+        except KfuzzError:
+            key = None
+    out = Results()
     path = Path(path)
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-                records[rec["key"]] = rec
-            except (json.JSONDecodeError, KeyError, TypeError):
+    if not path.is_file():
+        return out
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            name = rec["key"]
+            if not isinstance(name, str):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            out.refused.append((n, "not a record (a torn or foreign line)"))
+            continue
+        mac = rec.pop("hmac", None)
+        if mac is None:
+            if not trust_unsigned:
+                out.refused.append((n, f"{name}: no HMAC (not written by kfuzz audit under a key)"))
                 continue
-    return records
+            out.unsigned += 1
+        elif key is None or not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, rec)):
+            out.refused.append((n, f"{name}: the HMAC does not match (forged or altered, or another key's)"))
+            continue
+        out[name] = rec
+    return out
 
 
 def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
     """A record the kernel's run did not finish (killed for time, a gate that could not run),
     or one made before the audit kept the accepting harness's train/eval mode, of a reference
     that the mode changes."""
-    return (record.get("ended") or "").startswith("timeout") or any(
+    return judge_record(record)["incomplete"] or any(
         g.get("status") == "error" for g in record.get("gates", {}).values()) or (
         "mode" not in record and entry is not None and entry.mode_sensitive)
 
 
-def done_keys(out: str | Path, retry: bool = False, entries: Iterable[CorpusEntry] = ()) -> set[str]:
-    """Keys already recorded in ``out``'s results; with ``retry``, less those ``needs_retry``."""
+def done_keys(out: str | Path, retry: bool = False, entries: Iterable[CorpusEntry] = (), key: bytes | None = None,
+              trust_unsigned: bool = False) -> set[str]:
+    """Keys validly recorded in ``out``'s results; with ``retry``, less those ``needs_retry``."""
     by_key = {e.key: e for e in entries}
-    return {k for k, r in read_results(Path(out) / RESULTS).items()
+    return {k for k, r in read_results(Path(out) / RESULTS, key, trust_unsigned).items()
             if not (retry and needs_retry(r, by_key.get(k)))}
 
 
-def append_record(out: str | Path, record: dict) -> None:
+def append_record(out: str | Path, record: dict, key: bytes | None = None) -> None:
+    """Append ``record`` to ``out``'s results, signed with ``key`` (by default ``results_key()``)."""
+    key = key if key is not None else results_key()
     Path(out).mkdir(parents=True, exist_ok=True)
-    line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+    line = (json.dumps({**record, "hmac": _mac(key, record)}, sort_keys=True, default=str) + "\n").encode()
     path = Path(out) / RESULTS
     if path.is_file() and path.stat().st_size:
         with open(path, "rb") as f:
@@ -406,36 +569,136 @@ def append_record(out: str | Path, record: dict) -> None:
         os.close(fd)
 
 
-def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str], jobs: int = 1,
-              device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
-              threads: int = 1, max_jobs: int = 2, retry: bool = False) -> Iterator[dict]:
-    """Audit ``entries`` not yet recorded in ``out`` (with ``retry``, also those whose run did not
-    finish); yields each record once appended."""
-    entries = list(entries)
-    done = done_keys(out, retry, entries)
-    todo = [e for e in entries if e.key not in done]
+# the machine's sandbox --------------------------------------------------------------------------
+
+def _context():
+    """The forkserver context the audit's processes come from (its server never touches CUDA)."""
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: G10 and model code import it on first use, 4 s in every kernel process
     ctx.set_forkserver_preload(["kfuzz.audit", "kfuzz.kernelbench", "kfuzz.gates", "kfuzz.programs", "torch._dynamo"])
-    cache = str(Path(cache).resolve()) if cache else None
-    args = (device, gates, seed, cache, threads, max_jobs, timeout)
+    return ctx
+
+
+def _probe(conn, policy: "sandbox.Policy", workdir: str) -> None:
+    from kfuzz import sandbox
+    try:
+        conn.send(sandbox.confine(policy, workdir))
+    finally:
+        conn.close()
+
+
+def confinement(device: str = "cpu", policy: dict | None = None) -> dict[str, str]:
+    """What ``kfuzz.sandbox.confine`` gets on this machine for the audited kernels' policy
+    (``kernel_policy``), in its own words: a throwaway process confines itself and reports."""
+    import shutil
+    import tempfile
+    ctx = _context()
+    workdir = tempfile.mkdtemp(prefix="kfuzz-probe-")
+    conn, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_probe, args=(child, kernel_policy(device, **(policy or {})), workdir), daemon=True,
+                       name="kfuzz-audit-probe")
+    proc.start()
+    child.close()
+    try:
+        report = conn.recv() if conn.poll(120) else {}
+    except (EOFError, OSError):
+        report = {}
+    finally:
+        conn.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return report if isinstance(report, dict) else {}
+
+
+def unconfined_layers(report: dict[str, str]) -> list[str]:
+    """What an OS layer does not block for the kernels (``OS_LAYERS`` not reported ``blocked``)."""
+    return [k for k in OS_LAYERS if not str(report.get(k, "")).startswith("blocked")]
+
+
+def default_cache() -> Path:
+    """Compiled extensions, one folder per solution hash, outside any results folder:
+    ``$XDG_CACHE_HOME/kfuzz/extensions`` (``~/.cache/kfuzz/extensions``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kfuzz" / "extensions"
+
+
+def _beneath(a: Path, b: Path) -> bool:
+    return a == b or b in a.parents
+
+
+def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str], jobs: int = 1,
+              device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
+              threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
+              trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
+              build_jobs: int = 0) -> Iterator[dict]:
+    """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
+    did not finish); yields each record once appended, signed with the key at ``key`` (by default
+    ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
+    ``out`` inside the cache), and, unless ``allow_unconfined``, a machine where an OS layer would
+    not block the kernels' network, writes or processes (``confinement``). ``policy``: overrides of
+    the kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
+    ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once).
+    ``build_jobs``: builds of solutions further down the queue that run ahead of their judging (a
+    compile phase beside the judging; the kernel's own build step then finds its extension built)."""
+    entries = list(entries)
+    out_dir = Path(out).resolve()
+    key_file = Path(key).resolve() if key is not None else key_path().resolve()
+    if _beneath(key_file, out_dir):
+        raise KfuzzError(f"{key_file}: the audit key must be kept outside the results folder {out_dir}")
+    cache_dir = Path(cache).resolve() if cache else default_cache().resolve()
+    if _beneath(out_dir, cache_dir) or _beneath(cache_dir, out_dir):
+        raise KfuzzError(f"{cache_dir}: the extension cache (where builds write) and the results folder "
+                         f"{out_dir} must not contain one another")
+    secret = results_key(key_file)
+    done = done_keys(out, retry, entries, secret, trust_unsigned)
+    todo = [e for e in entries if e.key not in done]
+    if any(e.pair is not None for e in todo) and not allow_unconfined:
+        report = confinement(device, policy)
+        missing = unconfined_layers(report)
+        if missing:
+            raise KfuzzError("this machine's sandbox would not block the kernels' " + ", ".join(
+                f"{k} ({report.get(k, 'unknown')})" for k in missing) + "; the audit runs untrusted code only "
+                "under an OS layer (pass allow_unconfined, --allow-unconfined in the CLI, to run it with what is here)")
+    ctx = _context()
+    if max_jobs is None:
+        max_jobs = int(os.environ.get("MAX_JOBS") or 0) or max(1, (os.cpu_count() or 1) // jobs)
+    args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}))
     running: list[_Running] = []
+    builders: list[_Running] = []     # builds ahead of judging: no record of their own
     queue = list(todo)
+    ahead = [e for e in queue if e.compiles]
     try:
         while queue or running:
             while queue and len(running) < jobs:
                 entry = queue.pop(0)
+                if entry in ahead:
+                    ahead.remove(entry)
                 if entry.pair is None:
                     record = base_record(entry)
-                    append_record(out, record)
+                    append_record(out, record, secret)
                     yield record
                     continue
-                running.append(_Running(ctx, entry, args))
+                running.append(_Running(ctx, entry, args, timeout))
             if not running:
                 continue
-            deadline = min(r.start + timeout for r in running)
-            wait([r.conn for r in running] + [r.proc.sentinel for r in running],
+            while ahead and len(builders) < build_jobs:
+                builders.append(_Running(ctx, ahead.pop(0), args, timeout, build_only=True))
+            deadline = min(r.deadline for r in running + builders)
+            wait([r.conn for r in running + builders] + [r.proc.sentinel for r in running + builders],
                  timeout=max(0.0, deadline - time.monotonic()))
+            for b in list(builders):
+                try:
+                    while b.conn.poll():
+                        b.conn.recv()
+                except (EOFError, OSError):
+                    pass
+                if not b.proc.is_alive() or time.monotonic() >= b.deadline:
+                    b.kill()
+                    b.proc.join(10)
+                    b.conn.close()
+                    builders.remove(b)
             for r in list(running):
                 how = None
                 try:
@@ -449,7 +712,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                     how = "crash"
                 if how is None and not r.proc.is_alive() and not r.conn.poll():
                     how = "crash"
-                if how is None and time.monotonic() >= r.start + timeout:
+                if how is None and time.monotonic() >= r.deadline:
                     how = "timeout"
                 if how is None:
                     continue
@@ -460,26 +723,40 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 record = r.end(None if how == "done" else how)
                 running.remove(r)
                 r.conn.close()
-                append_record(out, record)
+                append_record(out, record, secret)
                 yield record
     finally:   # a caller that stops early (an interrupt): no kernel outlives the audit
-        for r in running:
+        for r in running + builders:
             r.kill()
             r.proc.join(10)
 
 
 # judging a record -------------------------------------------------------------------------------
 
+def _old_standard_end(record: dict) -> str | None:
+    """Records made before the standard test's end was a finding: ``ended`` "<kind> (...) in the
+    standard test"."""
+    ended = record.get("ended") or ""
+    return ended.split()[0] if "standard" not in record and ended.endswith("in the standard test") else None
+
+
 def judge_record(record: dict) -> dict:
-    """A record's verdicts: ``violations`` (gate ids failed, ``W`` for the weights contract,
-    ``crash`` for a kernel process that died), ``broken`` (a tolerance-free failure,
-    or an error over BROKEN_RATIO times the bound), ``standard`` (the standard test passed).
+    """A record's verdicts: ``violations`` (gate ids failed, ``W`` for the weights contract, a
+    finding's kind where the build or the standard test ended in a sandbox violation, a limit, a
+    crash or a timeout, ``crash`` for a kernel process that died), ``broken`` (a tolerance-free
+    failure, or an error over BROKEN_RATIO times the bound), ``standard`` (the standard test
+    passed), ``incomplete`` (killed for time in the gates or the build: judged on what finished).
 
     G07 counts only where it applies: not on a reference with float weights (the weights
     record's ``params``; records made before G07 was n/a there say ``params`` only if the
     report tool filled it in from the corpus), whose G07 result is ``g07_not_applicable``."""
     from kfuzz.gates import GATES
     violations, broken = [], False
+    for where in ("build", "standard"):
+        found = (record.get(where) or {}).get("finding")
+        if found:
+            violations.append(str(found))
+            broken = True
     g07_na = record.get("weights", {}).get("params") is True and "G07" in record.get("gates", {})
     for gid, g in sorted(record.get("gates", {}).items()):
         if g.get("status") != "fail" or (gid == "G07" and g07_na):
@@ -492,13 +769,56 @@ def judge_record(record: dict) -> dict:
     if record.get("weights", {}).get("status") in ("fail", "error"):
         violations.append("W")
     ended = record.get("ended") or ""
+    old = _old_standard_end(record)
     if ended.startswith("crash"):
         violations.append("crash")
         broken = True
+    elif old == "timeout" or (ended.startswith("timeout") and record.get("phase") == "standard"
+                              and "standard" not in record):
+        violations.append("timeout")     # the standard test did not end in time: a finding
+        broken = True
     std = record.get("standard")
-    # a kernel process killed for time is incomplete, not judged: slow at the fixed size on a
-    # CPU (or a slow oracle) looks the same as a hang from outside
+    # a kernel process killed for time in the gates is incomplete, not judged: slow at the fixed
+    # size on a CPU (or a slow oracle) looks the same as a hang from outside
+    incomplete = ended.startswith("timeout") and "timeout" not in violations
     return {"violations": violations, "broken": broken, "violation": bool(violations),
             "standard": None if std is None else bool(std.get("passed")),
-            "incomplete": ended.startswith("timeout"), "g07_not_applicable": g07_na,
-            "audited": "standard" in record and not {"adapter", "unbuilt", "skip"} & set(record)}
+            "incomplete": incomplete, "g07_not_applicable": g07_na,
+            "audited": not {"adapter", "unbuilt", "skip"} & set(record) and ("standard" in record or bool(violations))}
+
+
+def first_failure(record: dict) -> str | None:
+    """The record's first failure in words: a build or standard-test finding, else the first
+    failing gate (by id) with its kind, else the weights contract, else how the process ended."""
+    for where in ("build", "standard"):
+        r = record.get(where) or {}
+        if r.get("finding"):
+            return f"{where} {r['finding']}: {str(r.get('detail', ''))[:100]}"
+    j = judge_record(record)
+    for gid, g in sorted(record.get("gates", {}).items()):
+        if gid in j["violations"]:
+            kind = g.get("kind") or "fail"
+            if g.get("exc_type"):
+                kind += f" ({g['exc_type']})"
+            return f"{gid} {kind}: {str(g.get('reason', ''))[:100]}"
+    if "W" in j["violations"]:
+        return f"W: {str(record['weights'].get('detail', ''))[:100]}"
+    if record.get("ended"):
+        return f"ended {record['ended']}" + (f" in the {record['phase']}" if record.get("phase") else "")
+    return None
+
+
+def outcome(record: dict) -> str:
+    """How a record ends against what was expected of it: ``skipped`` (not audited: no pair, the
+    adapter refused the reference, the solution did not build), ``incomplete`` (killed for time in
+    the gates or build), ``expected`` (no violation in a corpus without expectations; a control
+    ending as planted), or ``unexpected`` (a violation where none is expected, a planted bug
+    missed, a correct control flagged)."""
+    j = judge_record(record)
+    if not j["audited"]:
+        return "skipped"
+    if j["incomplete"] and not j["violation"]:
+        return "incomplete"
+    want = record.get("expect")
+    wanted_violation = want is not None and want != "none"
+    return "expected" if j["violation"] == wanted_violation else "unexpected"

@@ -27,9 +27,11 @@ The programs (``PROGRAMS``), with the gates that use them:
   partner's values written into the first buffers and a third call;
 - ``backward`` (G12): a forward on grad-enabled leaves and a backward with kfuzz's
   cotangents; the gradients, and whether the outputs carried a graph (a reported fact);
-- ``weights`` and ``standard`` (the audit): a KernelBench solution's weights contract and
-  the standard test that accepted it; both run the solution, so they are kernel-side too,
-  and what they report is the kernel process's word (an audit records it as such).
+- ``weights``, ``standard`` and ``build`` (the audit): a KernelBench solution's weights
+  contract, the standard test that accepted it, and the build of its ``load_inline``
+  extensions (``kfuzz.kernelbench.build``, in a worker of its own); all run the solution, so
+  they are kernel-side too, and what they report is the kernel process's word (an audit
+  records it as such).
 
 The executors that run them (``kfuzz.executor``: ``InProcess`` in this process, ``Pool``
 and ``Sandboxed`` in confined workers) are one interface for every caller: the oracle
@@ -234,7 +236,12 @@ def _weights(target, program, inputs, device):
     bench = target.options["bench"]
     model = bench.solution_model(dict(bench.contract.dims), device)
     del model
-    return None, {}, {"status": bench.weights_status or ""}
+    return None, {}, {"status": bench.weights_status or "", "flags": sorted(bench.flags_changed)}
+
+
+def _build(target, program, inputs, device):
+    from kfuzz.kernelbench.build import build_solution
+    return None, {}, build_solution(target.options["pair"], device=str(device))
 
 
 def _standard(target, program, inputs, device):
@@ -246,7 +253,7 @@ def _standard(target, program, inputs, device):
 # name -> (target, program, inputs on the device by role, device) -> (verdict, outputs by role, facts)
 PROGRAMS: dict[str, Callable[..., tuple[Verdict | None, dict[str, Tensors], dict]]] = {
     "call": _call, "repeat": _repeat, "guarded": _guarded, "poisoned": _poisoned, "rebind": _rebind,
-    "backward": _backward, "weights": _weights, "standard": _standard}
+    "backward": _backward, "weights": _weights, "standard": _standard, "build": _build}
 
 
 def run_program(target: Target, program: Program, inputs: dict[str, Tensors], device: str
@@ -318,11 +325,27 @@ def outputs_of(result: ProgramResult, target: Target, case: Case, role: str) -> 
     return malformed(target.name, f"{role}: {bad[1]}") if bad else outs
 
 
+def shared_exception(target: Target, inputs: Tensors, verdict: Verdict) -> Verdict | None:
+    """For a target whose trusted implementation is its reference's own math
+    (``options["reference_limited"]``, KernelBench): a kernel exception that the trusted
+    implementation raises too, of the same type, on the same inputs. The case is outside the
+    contract: a pass that says so. None otherwise."""
+    if verdict.kind != "exception" or not verdict.exc_type or not target.options.get("reference_limited"):
+        return None
+    try:
+        target.call_trusted({k: v.detach().clone() for k, v in inputs.items()})
+    except Exception as e:
+        if type(e).__name__ == verdict.exc_type:
+            return Verdict(target.name, "pass", detail=f"outside the contract: the reference raises "
+                                                       f"{verdict.exc_type} on these inputs too ({e})"[:500])
+    return None
+
+
 def settled(r: ProgramResult, target: Target, case: Case, inputs: Tensors) -> tuple[Tensors | None, Verdict | None]:
     """What a ``call`` program's result on kfuzz's ``inputs`` leaves to judge: the outputs, or
     the verdict that ends the case (the call's own, or a change to the inputs seen here)."""
     if r.verdict is not None:
-        return None, r.verdict
+        return None, shared_exception(target, inputs, r.verdict) or r.verdict
     verdict = changed_input(target.name, inputs, r.outputs.get("after:case", {}))
     if verdict is not None:
         return None, verdict

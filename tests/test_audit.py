@@ -1,6 +1,7 @@
 """The KernelBench adapter and the audit: controls caught, corpus rows as recorded, resumable."""
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from click.testing import CliRunner
 from kfuzz.audit import append_record, done_keys, judge_record, read_corpus, run_audit
 import kfuzz.cli.audit  # noqa: F401  (registers the verb)
 from kfuzz.cli import cli
+from kfuzz.errors import KfuzzError
 from kfuzz.kernelbench import (KernelBenchError, WeightsContractError, as_target, infer_contract, load_pair,
                                load_weights, pair_module, size_constants, standard_test)
 
@@ -17,6 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTROLS = ROOT / "harnesses" / "kernelbench_controls"
 CORPORA = ROOT.parent / "shared" / "corpora"
 CI_ROWS = ROOT / "reports" / "audit" / "ci_rows.json"
+ESCAPES = ROOT / "harnesses" / "kernelbench_hacks" / "escapes"
+
+
+@pytest.fixture(autouse=True)
+def audit_key(tmp_path_factory, monkeypatch):
+    """Every test signs and verifies results with a key of its own, outside its results folder."""
+    path = tmp_path_factory.mktemp("key") / "audit.key"
+    monkeypatch.setenv("KFUZZ_AUDIT_KEY", str(path))
+    return path
 
 
 def control(stem):
@@ -373,3 +384,375 @@ def test_the_leaderboard_counts_problems_from_zero(tmp_path):
     first, beyond = read_corpus(tmp_path / "board.json")
     assert "first" in first.pair.ref_code and first.pair.problem == 1
     assert beyond.pair is None and "no reference" in beyond.skip     # problem 3 has none here
+
+
+# the results file: signed, forged lines refused -------------------------------------------------
+
+def test_forged_altered_and_unsigned_results_are_refused(tmp_path, audit_key):
+    from kfuzz.audit import RESULTS, read_results, results_key
+    record = {"key": "c:k", "standard": {"passed": False, "reason": "mismatch"}, "gates": {}}
+    append_record(tmp_path, record)
+    assert oct(audit_key.stat().st_mode & 0o777) == "0o600"
+    path = tmp_path / RESULTS
+    real = json.loads(path.read_text())
+    forged = {**real, "standard": {"passed": True, "reason": "pass"}}          # the old HMAC kept
+    with open(path, "a") as f:
+        f.write(json.dumps(forged) + "\n")
+        f.write(json.dumps({**forged, "hmac": "0" * 64}) + "\n")
+        f.write(json.dumps({k: v for k, v in forged.items() if k != "hmac"}) + "\n")
+    got = read_results(path)
+    assert got["c:k"]["standard"]["passed"] is False                          # the real verdict stands
+    assert [n for n, _ in got.refused] == [2, 3, 4]
+    assert "HMAC does not match" in got.refused[0][1] and "no HMAC" in got.refused[2][1]
+    # lines made before results were signed are taken only when asked, and counted
+    trusted = read_results(path, trust_unsigned=True)
+    assert trusted["c:k"]["standard"]["passed"] is True and trusted.unsigned == 1
+    # under another key nothing verifies
+    assert read_results(path, key=b"x" * 64).refused[0][0] == 1
+    assert results_key(audit_key) == results_key()
+    audit_key.write_text("short\n")
+    with pytest.raises(KfuzzError, match="not an audit key"):
+        results_key(audit_key)
+
+
+def test_the_key_and_the_extension_cache_stay_outside_the_results_folder(tmp_path):
+    with pytest.raises(KfuzzError, match="outside the results folder"):
+        list(run_audit([control("correct_sum")], tmp_path, ["G01"], key=tmp_path / "k"))
+    with pytest.raises(KfuzzError, match="must not contain one another"):
+        list(run_audit([control("correct_sum")], tmp_path, ["G01"], cache=tmp_path / "ext"))
+
+
+def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
+    """forge_results forks a detached grandchild that waits for the kernel's real record and
+    appends a forged all-pass one. Where processes and writes are not blocked (a machine without
+    OS layers, simulated by the policy), the forged line lands and is refused, and the real
+    verdict stands; where they are blocked, the fork is the finding."""
+    from kfuzz.audit import RESULTS, first_failure, read_results
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "reference_relu.py").write_text((CONTROLS / "reference_relu.py").read_text())
+    (corpus / "forge_results.py").write_text(
+        (ESCAPES / "forge_results.py").read_text().replace("../../kernelbench_controls/", ""))
+    (rec,) = run_audit(read_corpus(corpus), tmp_path / "out", ["G01"], timeout=120, allow_unconfined=True,
+                       policy={"processes": True, "confine_writes": False})
+    assert judge_record(rec)["violations"] == ["G01"] and not rec["standard"]["passed"]
+    path = tmp_path / "out" / RESULTS
+    deadline = time.monotonic() + 60
+    while len(path.read_text().splitlines()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lines = path.read_text().splitlines()
+    assert len(lines) >= 2 and json.loads(lines[-1])["standard"]["passed"] is True      # the forgery landed
+    got = read_results(path)
+    assert [n for n, _ in got.refused] == list(range(2, len(lines) + 1))
+    assert judge_record(got["corpus:forge_results"])["violations"] == ["G01"]
+    # confined (this machine's OS layers): the fork itself is the finding
+    (rec,) = run_audit(read_corpus(corpus), tmp_path / "confined", ["G01"], timeout=120)
+    assert judge_record(rec)["violations"] == ["sandbox-fork"] and judge_record(rec)["broken"]
+    assert first_failure(rec).startswith("standard sandbox-fork: os.fork()")
+
+
+# findings: attempts against the sandbox are verdicts ------------------------------------------------
+
+def test_attempts_against_the_sandbox_in_the_standard_test_are_findings(tmp_path):
+    """fork_bomb forks 100 processes and shell_out runs sh -c, each catching the refusal and
+    answering right; memory_hog reserves 20 GiB: each is a finding named by the attempt, never a
+    pass or a skip."""
+    from kfuzz.audit import outcome
+    entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1] in ("fork_bomb", "shell_out", "memory_hog")]
+    records = list(run_audit(entries, tmp_path, ["G01"], jobs=2, timeout=120))
+    assert len(records) == 3
+    hog = next(r for r in records if r["key"].endswith("memory_hog"))
+    records.remove(hog)
+    # 20 GiB of address space is past the workers' limit: a finding, however the kernel goes on
+    assert judge_record(hog)["violations"][0] == "resource-memory" and hog["standard"]["finding"] == "resource-memory"
+    for rec in records:
+        j = judge_record(rec)
+        assert j["audited"] and j["violations"] == ["sandbox-fork"] and j["broken"], rec
+        assert rec["standard"]["finding"] == "sandbox-fork" and not rec["standard"]["passed"]
+        assert outcome(rec) == "expected"
+    assert "subprocess.Popen('sh'" in next(r for r in records if r["key"].endswith("shell_out"))["standard"]["detail"]
+
+
+def test_a_standard_test_that_ends_in_a_crash_or_a_timeout_is_a_finding():
+    base = {"key": "c:k", "gates": {}, "expect": None}
+    crashed = {**base, "standard": {"passed": False, "reason": "crash: ...", "finding": "crash", "kind": "crash",
+                                    "exc_type": "SIGSEGV"}}
+    killed = {**base, "phase": "standard", "ended": "timeout"}
+    old = {**base, "ended": "timeout (no answer within 60 s) in the standard test"}
+    slow_gates = {**base, "phase": "gates", "ended": "timeout", "standard": {"passed": True, "reason": "pass"}}
+    for rec, want in ((crashed, "crash"), (killed, "timeout"), (old, "timeout")):
+        j = judge_record(rec)
+        assert j["audited"] and j["violations"] == [want] and j["broken"] and not j["incomplete"], (rec, j)
+    j = judge_record(slow_gates)
+    assert j["incomplete"] and not j["violation"] and j["audited"]
+
+
+def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(tmp_path):
+    """compiled_relu builds a C++ extension with load_inline: in the build step (processes
+    allowed, writes beneath its cache folder only), then loaded by workers that may not start a
+    process (they would need ninja to build it). compiled_fork, built alike, forks in forward:
+    a finding, although its extension needed the compiler. With build_jobs, the second kernel's
+    build runs ahead, beside the first kernel's judging."""
+    import shutil
+    from kfuzz.audit import build_policy, kernel_policy
+    assert build_policy("cpu", "/x").processes and not kernel_policy("cpu").processes
+    if not (shutil.which("ninja") and shutil.which("c++")):
+        pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
+    assert not build_policy("cuda", "/x").network and build_policy("cuda", "/x").confine_writes
+    entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1].startswith("compiled")]
+    assert all(e.compiles for e in entries) and len(entries) == 2
+    # one kernel judged at a time; the other's build runs ahead of its judging
+    records = {r["key"].rsplit(":", 1)[1]: r for r in run_audit(
+        entries, tmp_path / "out", ["G01"], jobs=1, build_jobs=1, timeout=300, cache=tmp_path / "ext")}
+    for rec in records.values():
+        assert rec["build"]["status"] == "built" and rec["build"]["extensions"] == ["kfuzz_escapes_relu"], rec
+    # compiled_fork (first) built its own; compiled_relu's build step found its extension built
+    assert records["compiled_relu"]["build"]["seconds"] < records["compiled_fork"]["build"]["seconds"], records
+    clean = records["compiled_relu"]
+    assert clean["standard"]["passed"] and clean["gates"]["G01"]["status"] == "pass", clean
+    assert judge_record(clean)["violations"] == []
+    assert judge_record(records["compiled_fork"])["violations"] == ["sandbox-fork"]
+
+
+def test_a_kernel_that_builds_nothing_in_the_build_step_is_not_built_by_its_worker(tmp_path, monkeypatch):
+    """A worker of a kernel loads extensions only (kfuzz.kernelbench.build.prebuilt_only): an
+    extension missing from the build folder is an error naming it, not a compiler run."""
+    import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench.build import builds_lazily, prebuilt_only
+    monkeypatch.setattr(ext, "_write_ninja_file_and_build_library", ext._write_ninja_file_and_build_library)
+    monkeypatch.setattr(ext, "FileBaton", ext.FileBaton)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    prebuilt_only()
+    with pytest.raises(RuntimeError, match="'kfuzz_never_built' was not built by the build step"):
+        ext.load_inline("kfuzz_never_built", cpp_sources="int f() { return 1; }", no_implicit_headers=True)
+    folder = tmp_path / "kfuzz_never_built"
+    assert not list(folder.glob("*.so")) and not (folder / "lock").exists()
+    assert builds_lazily("def forward(self, x):\n    m = load_inline('a', '')\n")
+    assert not builds_lazily("m = load_inline('a', '')\nclass M:\n    def __init__(self):\n        load('b', [])\n")
+
+
+# a machine without OS layers ---------------------------------------------------------------------
+
+def test_the_audit_refuses_a_machine_whose_sandbox_would_not_block_the_kernels(tmp_path, monkeypatch):
+    from kfuzz.audit import confinement, unconfined_layers
+    here = confinement("cpu")
+    if unconfined_layers(here):
+        pytest.skip(f"this machine's sandbox lacks OS layers ({here}): the refusal is all one can see")
+    # processes allowed: what a machine without seccomp gives (the probe confines a real child)
+    allowing = {"processes": True}
+    assert unconfined_layers(confinement("cpu", allowing)) == ["processes"]
+    with pytest.raises(KfuzzError, match="would not block the kernels' processes"):
+        list(run_audit([control("correct_sum")], tmp_path, ["G05"], policy=allowing))
+    assert not (tmp_path / "results.jsonl").exists()
+    # the GPU machine's report (gVisor: no Landlock, no seccomp), through the CLI
+    gpu = {"network": "allowed", "writes": "allowed", "processes": "allowed",
+           "signals": "named, not blocked (no OS layer here)"}
+    monkeypatch.setattr("kfuzz.audit.confinement", lambda device, policy=None: gpu)
+    r = CliRunner().invoke(cli, ["audit", str(CONTROLS), "--out", str(tmp_path / "o"), "--gates", "G05"])
+    assert r.exit_code == 2 and "--allow-unconfined" in r.output and "network (allowed)" in r.output, r.output
+
+
+# exit codes and the whole results file -------------------------------------------------------------
+
+def _controls_folder(tmp_path, stems):
+    folder = tmp_path / "controls"
+    folder.mkdir()
+    for f in CONTROLS.glob("reference_*.py"):
+        (folder / f.name).write_text(f.read_text())
+    for stem in stems:
+        (folder / f"{stem}.py").write_text((CONTROLS / f"{stem}.py").read_text())
+    return folder
+
+
+def test_audit_exit_codes_follow_expectations_over_the_whole_results_file(tmp_path):
+    """Controls as planted: exit 0; a planted bug the chosen gates miss: exit 1; a corpus without
+    expectations: exit 1 on a violation. A rerun reports every selected kernel in the results
+    file (none audited now) with the same exit code; each line names the kernel and its first
+    failure, and the output explains its labels."""
+    folder = _controls_folder(tmp_path, ["correct_sum", "drops_nan"])
+    def run(*args):
+        return CliRunner().invoke(cli, ["audit", *map(str, args)])
+    r = run(folder, "--out", tmp_path / "a", "--gates", "G05", "--timeout", "120")
+    assert r.exit_code == 0, r.output
+    assert "VIOLATE" in r.output or "BROKEN" in r.output
+    assert "first: G05 nonfinite" in r.output and "labels: BROKEN = " in r.output and "VIOLATE = " in r.output
+    r = run(folder, "--out", tmp_path / "a", "--gates", "G05")
+    assert r.exit_code == 0 and "2 kernel(s) recorded by an earlier run" in r.output and "(0 now)" in r.output, r.output
+    # G01 alone does not see drops_nan's planted bug: a control ends otherwise than planted
+    r = run(folder, "--out", tmp_path / "b", "--gates", "G01", "--timeout", "120")
+    assert r.exit_code == 1 and "1 ended otherwise than expected" in r.output, r.output
+    # a corpus without expectations: a violation is unexpected, and stays so on a rerun
+    def row(code):
+        return {"level_id": 1, "task_id": 1, "ref_code": (CONTROLS / "reference_relu.py").read_text(),
+                "custom_code": code, "name": "relu_rows"}
+    jsonl = tmp_path / "cuda-l1-x.jsonl"
+    jsonl.write_text(json.dumps(row((CONTROLS / "drops_nan.py").read_text())) + "\n")
+    r = run(jsonl, "--out", tmp_path / "c", "--gates", "G05", "--timeout", "120")
+    assert r.exit_code == 1 and "cuda-l1-x.jsonl:0 (relu_rows)" in r.output, r.output
+    r = run(jsonl, "--out", tmp_path / "c", "--gates", "G05")
+    assert r.exit_code == 1 and "(0 now)" in r.output and "first: G05" in r.output, r.output
+
+
+# the oracle, the sizes and the precision flags of a KernelBench target ------------------------------
+
+EXPLICIT_FLOAT32 = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[-1], dtype=torch.float32)      # float32 whatever the default dtype
+        mix = torch.ones(8, 8).float() / 8
+        return self.lin(x + pos) @ mix
+
+
+batch = 4
+
+
+def get_inputs():
+    return [torch.randn(batch, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_the_float64_oracle_lifts_tensors_a_reference_makes_in_float32():
+    """A reference that makes float32 tensors inside forward (an explicit dtype, .float()) meets
+    its float64 weights in one op: the oracle lifts them to float64 instead of raising."""
+    from kfuzz.gates import GATES, run_gate
+    pair = load_pair(EXPLICIT_FLOAT32, EXPLICIT_FLOAT32.replace("class Model(", "class ModelNew("), "explicit_f32")
+    target = as_target(pair)
+    out = target.reference(x=torch.randn(4, 8, dtype=torch.float64))[0]
+    assert out.dtype == torch.float64
+    assert run_gate(GATES["G01"], target, seed=0).status == "pass"
+
+
+def test_size_constants_from_tuple_and_chained_assignments():
+    code = "a = 3\nheight, width = 16, 32\nx = y = 4\nc: int = 5\np, q = f()\nr = 2.0\na = -1\n[m, n] = [7, 8]\n"
+    assert size_constants(code) == {"height": 16, "width": 32, "x": 4, "y": 4, "c": 5, "m": 7, "n": 8}
+
+
+STATE_FROM_A_CONSTANT = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h0 = torch.ones(batch_size, 8)     # sized by the module's constant, as an LSTM's h0
+
+    def forward(self, x):
+        return x * self.h0
+
+
+batch_size = 4
+
+
+def get_inputs():
+    return [torch.randn(batch_size, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_models_are_built_under_the_cases_size_constants_and_precision_flags_are_put_back():
+    """A verbatim copy of a reference whose __init__ reads a size constant passes G03 (both
+    models are built under the case's constants); TF32 and cuDNN flags that the solution sets are
+    put back after the standard test and after each kernel call, and named."""
+    from kfuzz.gates import GATES, run_gate
+    new = STATE_FROM_A_CONSTANT.replace("class Model(", "class ModelNew(").replace(
+        "super().__init__()", "super().__init__()\n        torch.backends.cuda.matmul.allow_tf32 = True\n"
+                              "        torch.backends.cudnn.benchmark = True")
+    pair = load_pair(STATE_FROM_A_CONSTANT, new, "state_from_constant")
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark)
+    v = standard_test(pair)
+    assert v.passed and "torch.backends.cuda.matmul.allow_tf32=True" in v.undone, v
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark) == before
+    target = as_target(pair)
+    assert run_gate(GATES["G03"], target, seed=0).status == "pass"
+    assert {"torch.backends.cuda.matmul.allow_tf32=True", "torch.backends.cudnn.benchmark=True"} \
+        <= target.options["bench"].flags_changed
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark) == before
+
+
+SQUARES = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return {body}
+
+
+batch_size = 8
+dim = 64
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_g06_excuses_what_the_reference_in_float32_cannot_do_either():
+    """A solution bitwise the reference overflows exactly where the float32 reference does (the
+    float64 oracle stays finite): reference-limited, G06 passes. A kernel that overflows where the
+    float32 reference does not still fails."""
+    from kfuzz.gates import GATES, run_gate
+    ref = SQUARES.format(body="torch.sqrt((x * x).sum(dim=1))")
+    same = load_pair(ref, ref.replace("class Model(", "class ModelNew("), "squares")
+    assert run_gate(GATES["G06"], as_target(same), seed=0).status == "pass"
+    ref = SQUARES.format(body="x.abs().amax(dim=1)")
+    worse = load_pair(ref, SQUARES.format(body="torch.sqrt((x * x).amax(dim=1))").replace(
+        "class Model(", "class ModelNew("), "squares_worse")
+    r = run_gate(GATES["G06"], as_target(worse), seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "nonfinite", r.reason
+
+
+FACTOR = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, a):
+        return {body}
+
+
+n = 8
+
+
+def get_inputs():
+    x = torch.randn(n, n)
+    return [x @ x.T + n * torch.eye(n)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_an_exception_the_reference_raises_too_is_outside_the_contract():
+    """Cholesky of inputs that are not positive definite (kfuzz's draws): the reference raises,
+    so a verbatim solution raising the same error is not a failure; a solution raising another
+    error type there still fails."""
+    from kfuzz.gates import GATES, run_gate
+    ref = FACTOR.format(body="torch.linalg.cholesky(a)")
+    same = as_target(load_pair(ref, ref.replace("class Model(", "class ModelNew("), "cholesky"))
+    r = run_gate(GATES["G02"], same, seed=0)
+    assert r.status == "pass", r.reason
+    other = FACTOR.format(body="torch.linalg.cholesky(a) if bool((torch.linalg.eigvalsh(a) > 0).all()) "
+                               "else (_ for _ in ()).throw(ValueError('not positive definite'))")
+    wrong = as_target(load_pair(ref, other.replace("class Model(", "class ModelNew("), "cholesky_other"))
+    r = run_gate(GATES["G02"], wrong, seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "exception", r.reason

@@ -1,10 +1,14 @@
 """The audit's report: markdown, a PNG and JSON from one or more ``results.jsonl`` files.
 
-    python tools/audit_report.py reports/audit/results.jsonl [--out reports/audit] [--corpora DIR]
+    python tools/audit_report.py reports/audit/results.jsonl [--out reports/audit] [--corpora DIR] [--key FILE] [--trust-unsigned]
 
 writes ``report.md``, ``report.json`` (the totals and one row per kernel) and
 ``report.png`` (violations by gate, by generating model, and the calibration
 sweep). A key recorded twice (a retried kernel) counts once, its last record.
+Each line is checked against its HMAC under the audit's key (``--key``, default
+``kfuzz.audit.key_path()``): a line that fails is left out and counted in the
+report; lines without an HMAC (made before results were signed) are taken only
+with ``--trust-unsigned``, and counted.
 
 G07 is judged as the audit now runs it: n/a on a reference with float weights
 (``kfuzz.kernelbench.float_weights``). Records made before say nothing of the
@@ -23,7 +27,7 @@ import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from kfuzz.audit import BROKEN_RATIO, judge_record, read_corpus, read_results
+from kfuzz.audit import BROKEN_RATIO, judge_record, read_corpus, read_results, results_key
 from kfuzz.compare import BOUND_C
 from kfuzz.gates import GATES
 
@@ -174,6 +178,9 @@ def markdown(s: dict) -> str:
            f"that finished; {s['gate_errors']} with a gate that could not run, judged on the others), "
            f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
            f"{s['unbuilt']} that did not build or import here (not judged).", "",
+           *([f"Results lines: {s['lines_refused']} refused (not a record, or its HMAC fails: forged, altered, "
+              f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (made before results were "
+              f"signed).", ""] if s.get("lines_refused") or s.get("lines_unsigned") else []),
            *([f"{s['without_mode']} records predate the train/eval mode field: their models ran in train "
               f"mode, which differs from CUDA-L1's eval mode for references with BatchNorm or dropout "
               f"(docs/audit.md; `kfuzz audit --retry` redoes those).", ""] if s["without_mode"] else []),
@@ -189,7 +196,8 @@ def markdown(s: dict) -> str:
            "| measure | value |", "| --- | --- |",
            f"| broken beyond any tolerance (a tolerance-free failure, or error > {s['broken_ratio']:g} x bound) | "
            f"{s['broken']} ({pct(s['share_broken'])}) |",
-           f"| at least one violation (a gate failed or the weights contract) | {s['violation']} "
+           f"| at least one violation (a gate failed, the weights contract, or a finding of the build or standard "
+           f"test: a sandbox violation, a limit, a crash, a timeout) | {s['violation']} "
            f"({pct(s['share_violation'])}) |",
            f"| our standard test agrees with the corpora's (all rows accepted) | {pct(s['standard_agreement'])} |",
            f"| accepted by our standard test, rejected by the gates | {s['accepted_by_standard_rejected_by_gates']} |",
@@ -202,7 +210,9 @@ def markdown(s: dict) -> str:
                    f"{c.get(f'standard_{std}__gates_clean', 0)} |")
     out += ["", "## Violations by gate", "", "| gate | kernels | share |", "| --- | --- | --- |"]
     for g, k in s["by_gate"].items():
-        name = GATES[g].name if g in GATES else {"W": "weights contract", "crash": "kernel process died"}.get(g, g)
+        name = GATES[g].name if g in GATES else {
+            "W": "weights contract", "crash": "kernel process died",
+            "timeout": "standard test did not end in time"}.get(g, "build or standard test ended in" if "-" in g else g)
         out.append(f"| {g} {name} | {k} | {pct(k / max(1, s['audited']))} |")
     out += ["", "## By generating model", "", "| model | kernels | standard pass | violation | broken |",
             "| --- | --- | --- | --- | --- |"]
@@ -251,17 +261,31 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/audit", help="folder for report.md, report.json, report.png")
     ap.add_argument("--corpora", help="folder of the corpus files, for whether older records' references have "
                     "float weights (default .corpora, then ../shared/corpora)")
+    ap.add_argument("--key", help="the key file that signed the results (default: kfuzz audit's)")
+    ap.add_argument("--trust-unsigned", action="store_true",
+                    help="take lines without an HMAC (made before results were signed)")
     a = ap.parse_args(argv)
     if a.corpora and not Path(a.corpora).is_dir():
         ap.error(f"--corpora {a.corpora}: no such folder")
     records: dict[str, dict] = {}
+    refused, unsigned = 0, 0
+    key = None
+    if a.key:
+        try:
+            key = results_key(a.key, create=False)
+        except Exception as e:
+            ap.error(str(e))
     for path in a.results:
         if not Path(path).is_file():
             ap.error(f"{path}: no such results file")
-        records.update(read_results(path))
+        got = read_results(path, key, a.trust_unsigned)
+        records.update(got)
+        refused += len(got.refused)
+        unsigned += got.unsigned
     recs = list(records.values())
     params = fill_params(recs, CorpusWeights([a.corpora] if a.corpora else DEFAULT_CORPORA))
     s = summarize(recs, params)
+    s.update(lines_refused=refused, lines_unsigned=unsigned)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(markdown(s))

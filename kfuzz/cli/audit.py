@@ -8,22 +8,29 @@ from kfuzz.cli import cli, handles_bad_input
 from kfuzz.errors import KfuzzError
 
 SELECT = ("all", "cpu", "no-compile", "compile")
+LABELS = {"BROKEN": "a violation no tolerance explains (a tolerance-free gate or kind, a sandbox violation, a crash "
+                    "or timeout in the standard test, an error over 1000x the bound)",
+          "VIOLATE": "at least one violation (a gate failed, W the weights contract, or a finding of the build or "
+                     "standard test), all within some tolerance",
+          "TIMEOUT": "killed at --timeout in the gates or the build: judged on what finished",
+          "ok": "no violation", "skip": "not audited (no pair, the reference refused, the solution did not build)"}
 
 
 def _line(rec: dict) -> str:
-    from kfuzz.audit import judge_record
+    from kfuzz.audit import first_failure, judge_record
+    name = rec["key"] if rec.get("name") in (None, rec["key"]) else f"{rec['key']} ({rec['name']})"
     if rec.get("skip"):
-        return f"skip     {rec['key']}: {rec['skip'][:120]}"
+        return f"skip     {name}: {rec['skip'][:120]}"
+    for why in ("adapter", "unbuilt"):
+        if why in rec:
+            return f"skip     {name}: {why}: {rec[why]['error'][:120]}"
     j = judge_record(rec)
     std = rec.get("standard", {})
     head = "BROKEN " if j["broken"] else "VIOLATE" if j["violation"] else "TIMEOUT" if j["incomplete"] else "ok     "
-    head += f"  {rec['key']}"
-    head += f"  standard {'pass' if std.get('passed') else std.get('reason', '-')[:60]}"
-    for why in ("adapter", "unbuilt"):
-        if why in rec:
-            head = f"{why:8s} {rec['key']}: {rec[why]['error'][:120]}"
+    said = "pass" if std.get("passed") else std.get("finding") or str(std.get("reason", "-"))[:60]
+    head += f"  {name}  standard {said}"
     if j["violations"]:
-        head += f"  violations {','.join(j['violations'])}"
+        head += f"  violations {','.join(j['violations'])}  first: {first_failure(rec)}"
     if rec.get("expect"):
         head += f"  (planted: {rec['expect']})"
     return head + f"  {rec.get('seconds', 0):.1f}s"
@@ -36,32 +43,45 @@ def _line(rec: dict) -> str:
 @click.option("--limit", type=int, default=None, help="Audit at most N kernels (after selection and order).")
 @click.option("--jobs", type=int, default=1, show_default=True, help="Kernels audited (and compiled) at once.")
 @click.option("--out", type=click.Path(file_okay=False), default="out/audit", show_default=True,
-              help="OUT/results.jsonl gets one line a kernel; a rerun skips what is there.")
+              help="OUT/results.jsonl gets one signed line a kernel; a rerun skips what is there.")
 @click.option("--gates", default=None, help="Comma-separated gate ids (default: all twelve).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="The gates' seed.")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
-              help="Seconds a kernel may take in all (compile included) before it is killed.")
+              help="Seconds a kernel may take (its standard test and gates); a build gets as long again.")
 @click.option("--select", type=click.Choice(SELECT), default="all", show_default=True,
               help="cpu: solutions that neither compile CUDA nor ask for the GPU (a static check); "
                    "no-compile / compile: by whether they build a load_inline extension.")
 @click.option("--cache", type=click.Path(file_okay=False), default=None,
-              help="Compiled extensions, one folder per solution hash (default OUT/extensions).")
-@click.option("--max-jobs", type=int, default=2, show_default=True, help="MAX_JOBS for each extension build.")
+              help="Compiled extensions, one folder per solution hash, outside OUT "
+                   "(default ~/.cache/kfuzz/extensions).")
+@click.option("--max-jobs", type=int, default=None,
+              help="MAX_JOBS (ninja's jobs) for each extension build (default: the cores divided by --jobs).")
+@click.option("--build-jobs", type=int, default=0, show_default=True,
+              help="Builds of load_inline solutions further down the queue run ahead of their judging, N at once.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
+@click.option("--key", type=click.Path(dir_okay=False), default=None,
+              help="The key file that signs OUT/results.jsonl, outside OUT (default $KFUZZ_AUDIT_KEY, else "
+                   "~/.config/kfuzz/audit.key; made on first use).")
+@click.option("--trust-unsigned", is_flag=True,
+              help="Take lines of OUT/results.jsonl that carry no HMAC (made before results were signed).")
+@click.option("--allow-unconfined", is_flag=True,
+              help="Run the kernels even where no OS layer blocks their network, writes or processes.")
 @handles_bad_input
-def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, threads,
-              retry):
+def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, build_jobs,
+              threads, retry, key, trust_unsigned, allow_unconfined):
     """Audit the kernels of CORPORA (CUDA-L1 .jsonl, leaderboard .json, controls folder).
 
-    Solutions that need no compile go first. Exit 1 if a control ends otherwise than planted
-    (a planted bug not caught, a correct control flagged), 2 on bad input."""
-    from kfuzz.audit import judge_record, read_corpus, run_audit
+    Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
+    run's and earlier ones. Exit 0 when each ends as expected, 1 when any does not (a violation in
+    a corpus without expectations, a control whose verdict differs from its planting, a kernel
+    killed for time), 2 on bad input (AUDIT.md, "Exit codes")."""
+    from kfuzz.audit import RESULTS, judge_record, outcome, read_corpus, read_results, results_key, run_audit
     from kfuzz.gates import parse_gates
     ids = parse_gates(gates)
-    if jobs < 1 or (limit is not None and limit < 0):
-        raise KfuzzError("--jobs must be >= 1 and --limit >= 0")
+    if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1) or build_jobs < 0:
+        raise KfuzzError("--jobs and --max-jobs must be >= 1, --limit and --build-jobs >= 0")
     entries = [e for path in corpora for e in read_corpus(path)]
     if select == "cpu":
         entries = [e for e in entries if e.cpu_runnable]
@@ -72,26 +92,34 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     entries.sort(key=lambda e: e.compiles)         # stable: the fast ones first
     skipped = [e for e in entries if e.pair is None]  # recorded (cheap), never counted in --limit
     entries = [e for e in entries if e.pair is not None][:limit] + skipped
-    cache = cache or str(Path(out) / "extensions")
-    counts = {"audited": 0, "skipped": 0, "violation": 0, "broken": 0, "controls_wrong": 0}
-    for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout,
-                         cache=cache, threads=threads, max_jobs=max_jobs, retry=retry):
+    now = {}
+    for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
+                         threads=threads, max_jobs=max_jobs, retry=retry, key=key, trust_unsigned=trust_unsigned,
+                         allow_unconfined=allow_unconfined, build_jobs=build_jobs):
+        now[rec["key"]] = rec
         click.echo(_line(rec))
-        if rec.get("skip"):
-            counts["skipped"] += 1
-            continue
-        j = judge_record(rec)
-        if not j["audited"]:
-            counts["skipped"] += 1
-            continue
-        counts["audited"] += 1
-        counts["violation"] += j["violation"]
-        counts["broken"] += j["broken"]
-        if rec.get("expect") is not None and j["violation"] != (rec["expect"] != "none"):
-            counts["controls_wrong"] += 1
-    click.echo(f"audit: {counts['audited']} kernel(s) audited now ({counts['violation']} with a violation, "
-               f"{counts['broken']} broken beyond any tolerance), {counts['skipped']} skipped; "
-               f"results in {Path(out) / 'results.jsonl'}")
-    if counts["controls_wrong"]:
-        click.echo(f"audit: {counts['controls_wrong']} control(s) ended otherwise than planted", err=True)
-    sys.exit(1 if counts["controls_wrong"] else 0)
+    # the whole results file for the selected kernels, this run's records first
+    results = read_results(Path(out) / RESULTS, results_key(key) if key else None, trust_unsigned)
+    earlier = [results[e.key] for e in entries if e.key not in now and e.key in results]
+    if earlier:
+        click.echo(f"audit: {len(earlier)} kernel(s) recorded by an earlier run:")
+        for rec in earlier:
+            click.echo(_line(rec))
+    records = list(now.values()) + earlier
+    ends = [outcome(r) for r in records]
+    counts = {k: ends.count(k) for k in ("expected", "unexpected", "incomplete", "skipped")}
+    judged = [judge_record(r) for r in records]
+    audited = sum(j["audited"] for j in judged)
+    click.echo(f"audit: {len(records)} kernel(s) in {Path(out) / RESULTS} ({len(now)} now): {audited} audited, "
+               f"{sum(j['violation'] for j in judged)} with a violation, {sum(j['broken'] for j in judged)} broken "
+               f"beyond any tolerance, {counts['incomplete']} incomplete, {counts['skipped']} skipped; "
+               f"{counts['unexpected']} ended otherwise than expected")
+    missing = [e.key for e in entries if e.key not in now and e.key not in results]
+    if missing:
+        click.echo(f"audit: {len(missing)} selected kernel(s) have no valid record: {', '.join(missing[:5])}", err=True)
+    for line, why in results.refused[:10]:
+        click.echo(f"audit: refused line {line} of {Path(out) / RESULTS}: {why}", err=True)
+    if len(results.refused) > 10:
+        click.echo(f"audit: ... {len(results.refused)} line(s) refused in all", err=True)
+    click.echo("labels: " + "; ".join(f"{k} = {v}" for k, v in LABELS.items()))
+    sys.exit(1 if counts["unexpected"] or counts["incomplete"] or missing else 0)

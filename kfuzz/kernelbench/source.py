@@ -3,7 +3,7 @@
 ``load_pair`` checks that the reference defines ``Model``, ``get_inputs`` and
 ``get_init_inputs`` and the solution ``ModelNew`` (parsing only: nothing is
 run); ``size_constants`` reads the reference's module-level ``NAME = <positive
-int>`` constants with ``ast``; ``pair_module`` executes a source as a module,
+int>`` constants with ``ast`` (tuple and chained assignments too); ``pair_module`` executes a source as a module,
 once per process, and ``sized`` sets its size constants for a while.
 ``pair_module(pair, "new")`` runs untrusted code: call it in a sandboxed worker.
 
@@ -93,21 +93,34 @@ def load_pair(ref_code: str, custom_code: str, name: str, **meta) -> KernelBench
     return KernelBenchPair(name=name, ref_code=ref_code, custom_code=custom_code, **meta)
 
 
+def _bindings(node: ast.stmt) -> list[tuple[str, ast.expr | None]]:
+    """The (name, value) pairs a module-level statement binds: ``a = 1``, ``a: int = 1``,
+    ``a = b = 1``, ``a, b = 1, 2``; a name bound to something unknown gets ``None``."""
+    if isinstance(node, ast.AnnAssign):
+        return [(node.target.id, node.value)] if isinstance(node.target, ast.Name) else []
+    if not isinstance(node, ast.Assign):
+        return []
+    out = []
+    for target in node.targets:
+        if isinstance(target, ast.Name):
+            out.append((target.id, node.value))
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            values = node.value.elts if isinstance(node.value, (ast.Tuple, ast.List)) \
+                and len(node.value.elts) == len(target.elts) else [None] * len(target.elts)
+            out += [(t.id, v) for t, v in zip(target.elts, values) if isinstance(t, ast.Name)]
+    return out
+
+
 def size_constants(ref_code: str) -> dict[str, int]:
-    """The reference's module-level ``NAME = <positive int>`` assignments, in source order."""
+    """The reference's module-level ``NAME = <positive int>`` bindings (also ``a, b = 16, 16``
+    and ``a = b = 16``), in source order."""
     out = {}
     for node in ast.parse(ref_code).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            value = node.value
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-            value = node.value
-        else:
-            continue
-        name = node.targets[0].id if isinstance(node, ast.Assign) else node.target.id
-        if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
-            out[name] = value.value
-        else:
-            out.pop(name, None)      # reassigned to something else: not a size constant
+        for name, value in _bindings(node):
+            if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
+                out[name] = value.value
+            else:
+                out.pop(name, None)      # reassigned to something else: not a size constant
     return out
 
 
@@ -144,6 +157,75 @@ def sized(mod: types.ModuleType, values: dict[str, int]):
         yield
     finally:
         mod.__dict__.update(old)
+
+
+# torch's process-wide precision flags that a solution may set (TF32 in matmuls and convolutions,
+# cuDNN's autotuning), and the values the trusted run and the kernel are both judged under: full
+# float32 precision (cuDNN's TF32 is on by default; a solution turning TF32 on in ``__init__``
+# would otherwise leak it into every later matmul of its process)
+PRECISION = {"float32_matmul_precision": "highest", "torch.backends.cuda.matmul.allow_tf32": False,
+             "torch.backends.cudnn.allow_tf32": False, "torch.backends.cudnn.benchmark": False,
+             "torch.backends.cudnn.deterministic": False}
+
+
+def _flag(path: str):
+    owner, attr = path.rsplit(".", 1)
+    obj = torch
+    for part in owner.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj, attr
+
+
+def precision_flags() -> dict:
+    """The ``PRECISION`` flags as they are now."""
+    return {k: torch.get_float32_matmul_precision() if k == "float32_matmul_precision" else getattr(*_flag(k))
+            for k in PRECISION}
+
+
+def set_precision_flags(values: dict) -> None:
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k, v in values.items():      # the matmul precision first: it also sets matmul TF32
+            if k == "float32_matmul_precision":
+                torch.set_float32_matmul_precision(v)
+        for k, v in values.items():
+            if k != "float32_matmul_precision":
+                setattr(*_flag(k), v)
+
+
+@contextmanager
+def precision(fixed: dict | None, changed: set):
+    """Run the block under the precision flags ``fixed`` (``None``: as they are); add to ``changed``
+    the flags the block changed, and put every flag back as it was before."""
+    before = precision_flags()
+    if fixed is not None:
+        set_precision_flags(fixed)
+    start = precision_flags()
+    try:
+        yield
+    finally:
+        now = precision_flags()
+        changed.update(f"{k}={now[k]}" for k in now if now[k] != start[k])
+        set_precision_flags(before)
+
+
+def own_constants(mod: types.ModuleType, dims: dict) -> dict:
+    """The ``dims`` that ``mod`` defines as module-level names (a solution's own copies of the
+    reference's size constants)."""
+    return {k: v for k, v in dims.items() if k in mod.__dict__}
+
+
+def reads_names(code: str, cls: str, names) -> bool:
+    """Class ``cls`` of ``code`` reads one of ``names`` (a module-level size constant) anywhere in
+    its body."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+    names = set(names)
+    return any(isinstance(node, ast.ClassDef) and node.name == cls and any(
+        isinstance(n, ast.Name) and n.id in names for n in ast.walk(node)) for node in tree.body)
 
 
 def set_seed(seed: int) -> None:

@@ -9,7 +9,8 @@ mode the accepting harness used (``KernelBenchPair.eval_mode``). The verdict
 is that harness's, including being fooled by a solution that patches
 ``torch.allclose``; what such a solution replaced is put back afterwards
 (``StandardVerdict.undone``), so kfuzz's later judgement in the same process
-is not fooled too. The reported max abs diff is NaN when an output holds NaN.
+is not fooled too; so are torch's precision flags (TF32, cuDNN) that it set. The reported max
+abs diff is NaN when an output holds NaN.
 
 It runs the untrusted solution in this process: callers run it in a sandbox.
 It refuses nothing: a solution that does not build, construct or run gets a
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kfuzz.contract import NamespaceSnapshot, current_hooks, restore_hooks
-from kfuzz.kernelbench.source import SEED, KernelBenchPair, outputs_of, pair_module, set_seed
+from kfuzz.kernelbench.source import SEED, KernelBenchPair, outputs_of, pair_module, precision, set_seed
 
 ATOL = RTOL = 1e-2
 TRIALS = 5
@@ -71,12 +72,14 @@ def standard_test(pair: KernelBenchPair, device: str = "cpu", trials: int = TRIA
     Its verdict is the original harness's, fooled as it would be by a solution that patches
     ``torch.allclose``; what the solution replaced in the watched namespaces (and any trace,
     profile or signal hook it left) is put back before returning, so later judgements in this
-    process see the real torch, and ``undone`` names it."""
-    namespaces, hooks = NamespaceSnapshot(), current_hooks()
+    process see the real torch, and ``undone`` names it, with the precision flags it changed (TF32,
+    cuDNN: ``source.PRECISION``), put back as ``name=value``."""
+    namespaces, hooks, flags = NamespaceSnapshot(), current_hooks(), set()
     try:
-        verdict = _standard_test(pair, device, trials, atol, rtol, seed)
+        with precision(None, flags):     # the harness ran with the flags as they were
+            verdict = _standard_test(pair, device, trials, atol, rtol, seed)
     finally:
-        undone = tuple(namespaces.undo() + restore_hooks(hooks))
+        undone = tuple(namespaces.undo() + restore_hooks(hooks) + sorted(flags))
     return dataclasses.replace(verdict, undone=undone)
 
 

@@ -25,6 +25,8 @@
   no output is exact by construction, and a correct kernel that sums in another
   order (a tiled loop, another library algorithm) loses what one order got
   exactly by chance (``harnesses/kernelbench_controls/correct_linear_blocked.py``).
+- G06 (range) excuses positions where the reference in float32 is non-finite too
+  (``options["reference_limited"]``): float32 itself cannot do better there.
 
 ``as_target`` runs the reference to learn its contract; ``custom_code`` runs
 only when the kernel is first called (in a sandboxed worker). ``resolve``
@@ -35,6 +37,7 @@ floating point other than float32, or that do not run at their own sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
@@ -45,13 +48,37 @@ from functools import lru_cache
 
 import torch
 
-from kfuzz.kernelbench.source import (PREFIX, SEED, KernelBenchError, KernelBenchPair, outputs_of, pair_module,
-                                      set_seed, size_constants, sized)
+from kfuzz.kernelbench.source import (PRECISION, PREFIX, SEED, KernelBenchError, KernelBenchPair, outputs_of,
+                                      own_constants, pair_module, precision, reads_names, set_seed, size_constants,
+                                      sized)
 from kfuzz.target import Arg, Dim, Output, Target
 
 MODEL_SETS = 2            # sets of models (distinct init inputs) kept per pair
 # why G07 does not apply to a model with float weights (``float_weights``)
 FLOAT_WEIGHTS = "outputs depend on float weights the case does not set; no exact answer by construction"
+
+
+class OracleDtype(torch.overrides.TorchFunctionMode):
+    """Every floating tensor of a lower precision that an op takes or makes becomes ``dtype``
+    (float64): the oracle's precision reaches tensors a reference makes inside ``forward`` with
+    an explicit dtype (``torch.arange(n, dtype=torch.float32)``, ``.float()``), which the default
+    dtype does not, and which would otherwise meet float64 weights in one op."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def _lift(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+            return x.to(self.dtype)
+        if isinstance(x, torch.dtype) and x.is_floating_point and x != self.dtype:
+            return self.dtype
+        return x
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+        args, kwargs = tree_map(self._lift, (args, kwargs or {}))
+        return tree_map(self._lift, func(*args, **kwargs))
 
 
 class WeightsContractError(RuntimeError):
@@ -133,6 +160,12 @@ class Bench:
         self.inits: dict = {}           # dims -> (init key, get_init_inputs() there)
         self.cache: dict = {}           # per-dims facts (structure)
         self.weights_status: str | None = None
+        self.flags_changed: set[str] = set()    # precision flags the solution set (then put back)
+        # a reference whose Model reads a size constant: the problem's models are built under the
+        # case's values (the solution's from its own module's copies of the constants), so they
+        # depend on the dims, not only on get_init_inputs(); the solution's calls are not: a
+        # forward that reads a constant at call time is hard-coded to the fixed shape
+        self.dims_in_models = bool(contract.dims) and reads_names(pair.ref_code, "Model", contract.dims)
 
     def dims_of(self, inputs: dict) -> dict[str, int]:
         return {d: int(inputs[name].shape[axis]) for d, (name, axis) in self.where.items()}
@@ -147,7 +180,7 @@ class Bench:
             with sized(ref, dims):
                 set_seed(SEED)
                 init = ref.get_init_inputs()
-            self.inits[d] = (repr(init), init)
+            self.inits[d] = (repr(init) + (repr(d) if self.dims_in_models else ""), init)
         key, init = self.inits[d]
         keys = list(dict.fromkeys(k[0] for k in self.models))
         if key not in keys and len(keys) >= MODEL_SETS:
@@ -160,8 +193,10 @@ class Bench:
     def _ref_cpu(self, dims: dict) -> torch.nn.Module:
         key, init = self._init(dims)
         if (key, "ref") not in self.models:
-            set_seed(SEED)
-            self.models[(key, "ref")] = pair_module(self.pair, "ref").Model(*init).train(not self.pair.eval_mode)
+            ref = pair_module(self.pair, "ref")
+            with sized(ref, dims):
+                set_seed(SEED)
+                self.models[(key, "ref")] = ref.Model(*init).train(not self.pair.eval_mode)
         return self.models[(key, "ref")]
 
     def reference_model(self, dims: dict, dtype: torch.dtype, device) -> torch.nn.Module:
@@ -180,8 +215,11 @@ class Bench:
         key = (init_key, "new", str(device))
         if key not in self.models:
             ref_model = self._ref_cpu(dims)
-            set_seed(SEED)
-            model = pair_module(self.pair, "new").ModelNew(*init)
+            new = pair_module(self.pair, "new")
+            with sized(new, own_constants(new, dims) if self.dims_in_models else {}), \
+                    precision(PRECISION, self.flags_changed):
+                set_seed(SEED)
+                model = new.ModelNew(*init)
             self.weights_status = load_weights(model, ref_model, strict=self.weights == "strict")
             self.models[key] = model.to(device).train(not self.pair.eval_mode)
         return self.models[key]
@@ -340,15 +378,17 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
             raise KernelBenchError(f"{pair.name}: this process is the oracle's; the solution runs only in "
                                    f"a sandboxed worker (kfuzz.programs.Sandboxed)")
         model = bench.solution_model(bench.dims_of(inputs), next(iter(inputs.values())).device)
-        with torch.no_grad():
+        with torch.no_grad(), precision(PRECISION, bench.flags_changed):
             return outputs_of(model(*[inputs[n] for n in names]))
 
     def run_reference(inputs, dtype, where):
-        model = bench.reference_model(bench.dims_of(inputs), dtype, where)
+        dims = bench.dims_of(inputs)
+        model = bench.reference_model(dims, dtype, where)
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype)     # tensors made inside forward take the oracle's precision
         try:
-            with torch.no_grad():
+            with torch.no_grad(), sized(pair_module(pair, "ref"), dims), precision(PRECISION, set()), \
+                    (OracleDtype(dtype) if dtype == torch.float64 else contextlib.nullcontext()):
                 return outputs_of(model(*[inputs[n].to(where) for n in names]))
         finally:
             torch.set_default_dtype(old)
@@ -390,6 +430,9 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         domain=domain, constraint=constraint,
         description=f"KernelBench level {pair.level} problem {pair.problem} ({pair.model})",
         options={"bench": bench, "device": device, "fixed": contract.fixed,
+                 # G06: where the reference in float32 (the trusted run) is non-finite too, a
+                 # kernel's non-finite output is the reference's limit, not a violation
+                 "reference_limited": True,
                  # G07 applies where exactness is by construction: not through float weights
                  "no_exact_answers": FLOAT_WEIGHTS if float_weights(pair) else None})
     target.options["nominal"] = nominal(target)
@@ -411,18 +454,24 @@ def nominal(target: KernelBenchTarget) -> dict[str, int]:
     return {n: d.hi for n, d in target.dims.items()}
 
 
-def resolve(name: str, weights: str = "strict", device: str = "cpu", standard: bool = False):
+def resolve(name: str, weights: str = "strict", device: str = "cpu", standard: bool = False,
+            prebuilt: bool = False):
     """The target named ``kb:<corpus file>:<row>`` (how a sandboxed worker finds its pair), with
-    ``weights`` as in ``as_target``. With ``standard``, only what the standard test needs
-    (``StandardOnly``: the pair, nothing run), so that a reference the adapter refuses still
-    gets its standard test."""
+    ``weights`` as in ``as_target``. With ``standard``, only what the standard test and the build
+    step need (``StandardOnly``: the pair, nothing run), so that a reference the adapter refuses
+    still gets its standard test. With ``prebuilt``, the solution's extensions are loaded as the
+    build step left them, never built here (``build.prebuilt_only``: a worker that may not start
+    the compiler)."""
     from kfuzz.audit import read_row
+    from kfuzz.kernelbench.build import compiles, prebuilt_only
     if not name.startswith(PREFIX) or ":" not in name[len(PREFIX):]:
         raise KernelBenchError(f"{name!r}: a KernelBench target is named kb:<corpus file>:<row>")
     path, row = name[len(PREFIX):].rsplit(":", 1)
     entry = read_row(path, row)
     if entry.pair is None:
         raise KernelBenchError(f"{name!r}: {entry.skip}")
+    if prebuilt and compiles(entry.pair.custom_code):
+        prebuilt_only()
     if standard:
         return StandardOnly(name, {"pair": entry.pair})
     return as_target(entry.pair, device, weights)
