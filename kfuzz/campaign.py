@@ -212,9 +212,12 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             open_ = ((end is None or now < end) and (runs is None or submitted < runs)
                      and not (stop_on_failure and stats.failures))
             capacity = getattr(engine, "capacity", None)   # cases it can have out at once
+            # until a case has come back, one at a time: a cold GPU campaign compiles its first
+            # specialization in one worker, the others then load it from the JIT cache
+            first_round = jobs > 1 and schedule.size == 0 and device.startswith("cuda")
             while (open_ and runner.idle > 0 and (runs is None or submitted < runs)
                    and (capacity is None or runner.busy + judging.busy < capacity)
-                   and judging.busy <= max(2 * n_judges, 1)):
+                   and judging.busy <= max(2 * n_judges, 1) and not (first_round and runner.busy)):
                 case = schedule.next_case(stats.seconds, stats.compile_seconds)
                 runner.submit(Program("call", case, {"case": materialize(case, target, "cpu")}))
                 submitted += 1
