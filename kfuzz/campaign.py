@@ -224,11 +224,14 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             if runner.busy == 0 and judging.busy == 0:
                 break
             if end is not None and time.monotonic() >= end:
-                stats.unfinished = runner.abandon() + judging.drop()
+                stats.unfinished += runner.abandon() + judging.drop()
                 break
             wake = time.monotonic() + (0.01 if judging.busy else tick)
             until = wake if end is None else min(end, wake)
             for r in runner.results(until):
+                if end is not None and time.monotonic() >= end:
+                    stats.unfinished += 1       # came back past the limit: dropped, not judged
+                    continue
                 case, inputs = r.program.case, r.program.inputs["case"]
                 stats.kernel_seconds += max(0.0, r.seconds - r.compile_seconds)
                 stats.compile_seconds += r.compile_seconds
@@ -239,7 +242,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 ran = Executed(case, outputs, r.coverage, r.seconds)
                 if verdict is not None:
                     finish(case, verdict, ran, r.device or device)
-                elif end is None or time.monotonic() < end:
+                else:
                     judging.submit(case, inputs, outputs, (ran, r.device or device))
             for (ran, where), verdict in judging.done(0.0 if runner.busy else 0.01):
                 if end is not None and time.monotonic() >= end:
