@@ -18,7 +18,10 @@ complete forget, exp(g) = 0); beta = sigmoid(x) in (0, 1); keys L2-normalized
 over K. The initial state is float32, as is the final state.
 
 The oracle is ``gdn.oracle.recurrence`` (float64, step by step), and for the
-backward targets float64 autograd through it. The trusted implementation is
+backward targets float64 autograd through it; it is evaluated by
+``gdn.oracle_fast.fast_recurrence``, the same values to float64 rounding by a chunked
+closed form where the inputs are finite and in the domain, step by step elsewhere (and
+wherever a gradient comes out non-finite). The trusted implementation is
 ``gdn.reference.chunked`` at the kernel's own precision: float32 arithmetic with
 every matrix product's operands rounded to the input dtype (bf16/fp16), as a
 GPU's matrix units see them, and for gradients torch autograd through it with
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 
 import gdn.fwd_state
 from gdn.oracle import recurrence
+from gdn.oracle_fast import fast_recurrence
 from gdn.reference import chunked
 from kfuzz.target import Arg, Dim, Output, add_target, Target
 
@@ -140,6 +144,15 @@ def _grads(fn, x, delta, wide=None):
     return tuple(torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, grads))
 
 
+def _oracle_grads(x, delta):
+    """The float64 gradients, by the closed form where it applies; step by step where they
+    are not all finite (the NaN/Inf pattern is the definition's)."""
+    grads = _grads(fast_recurrence, x, delta)
+    if all(bool(torch.isfinite(t).all()) for t in grads):
+        return grads
+    return _grads(recurrence, x, delta)
+
+
 def _same_precision(x):
     """The chunked reference with matrix operands rounded to the kernel's dtype."""
     return functools.partial(chunked, operand_dtype=x["q"].dtype)
@@ -164,9 +177,9 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
         return _grads(gdn_attention, x, delta)
 
     for name, kernel, reference, trusted, outputs, backward in (
-        (f"gdn_fwd{suffix}", fwd_kernel, lambda **x: _call(recurrence, x, delta),
+        (f"gdn_fwd{suffix}", fwd_kernel, lambda **x: _call(fast_recurrence, x, delta),
          lambda **x: _call(_same_precision(x), x, delta), fwd_outputs, False),
-        (f"gdn_bwd{suffix}", bwd_kernel, lambda **x: _grads(recurrence, x, delta),
+        (f"gdn_bwd{suffix}", bwd_kernel, lambda **x: _oracle_grads(x, delta),
          lambda **x: _grads(_same_precision(x), x, delta, wide=torch.float32),
          bwd_outputs, True),
     ):

@@ -212,20 +212,26 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             open_ = ((end is None or now < end) and (runs is None or submitted < runs)
                      and not (stop_on_failure and stats.failures))
             capacity = getattr(engine, "capacity", None)   # cases it can have out at once
+            # until a case has come back, one at a time: a cold GPU campaign compiles its first
+            # specialization in one worker, the others then load it from the JIT cache
+            first_round = jobs > 1 and schedule.size == 0 and device.startswith("cuda")
             while (open_ and runner.idle > 0 and (runs is None or submitted < runs)
                    and (capacity is None or runner.busy + judging.busy < capacity)
-                   and judging.busy <= max(2 * n_judges, 1)):
+                   and judging.busy <= max(2 * n_judges, 1) and not (first_round and runner.busy)):
                 case = schedule.next_case(stats.seconds, stats.compile_seconds)
                 runner.submit(Program("call", case, {"case": materialize(case, target, "cpu")}))
                 submitted += 1
             if runner.busy == 0 and judging.busy == 0:
                 break
             if end is not None and time.monotonic() >= end:
-                stats.unfinished = runner.abandon() + judging.drop()
+                stats.unfinished += runner.abandon() + judging.drop()
                 break
             wake = time.monotonic() + (0.01 if judging.busy else tick)
             until = wake if end is None else min(end, wake)
             for r in runner.results(until):
+                if end is not None and time.monotonic() >= end:
+                    stats.unfinished += 1       # came back past the limit: dropped, not judged
+                    continue
                 case, inputs = r.program.case, r.program.inputs["case"]
                 stats.kernel_seconds += max(0.0, r.seconds - r.compile_seconds)
                 stats.compile_seconds += r.compile_seconds
@@ -236,7 +242,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 ran = Executed(case, outputs, r.coverage, r.seconds)
                 if verdict is not None:
                     finish(case, verdict, ran, r.device or device)
-                elif end is None or time.monotonic() < end:
+                else:
                     judging.submit(case, inputs, outputs, (ran, r.device or device))
             for (ran, where), verdict in judging.done(0.0 if runner.busy else 0.01):
                 if end is not None and time.monotonic() >= end:

@@ -13,7 +13,8 @@ and every judgement stay with the caller, in kfuzz's process.
   an answer that is not one (a kernel can reach its worker's pipe) is ``crash``/
   ``malformed-answer``. A dead worker's slot gets a fresh worker at the next program, and
   the programs queued behind the one that killed it go to the replacement.
-  ``Sandboxed`` is a pool of one for programs run one at a time.
+  ``Sandboxed`` is a pool of one for programs run one at a time; ``WorkerPool`` a pool
+  that takes cases and yields each call's outputs (``KernelResult``).
 
 Both forms offer the same calls: ``run(program)`` runs one program and waits for it;
 ``submit(program)`` queues one, ``results(until)`` yields those that ended (a campaign keeps
@@ -25,6 +26,7 @@ the seconds its JIT compiles took, so that a campaign can account for them.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Iterator
 
@@ -34,7 +36,7 @@ from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.errors import KfuzzError
 from kfuzz.jit import COMPILE_ALLOWANCE
 from kfuzz.programs import (Program, ProgramResult, Tensors, is_storage_role, replicate, run_program,
-                            sendable)
+                            sendable, settled)
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
@@ -323,6 +325,29 @@ class Sandboxed(Pool):
     @property
     def worker(self) -> Worker | None:
         return self.workers[0]
+
+
+@dataclass
+class KernelResult:
+    """A case's kernel side as ``WorkerPool`` yields it: the outputs to judge (on the CPU), or
+    the verdict that ended the case."""
+
+    case: Case
+    outputs: Tensors | None
+    verdict: Verdict | None
+    coverage: frozenset = frozenset()
+    seconds: float = 0.0
+    inputs: Tensors | None = None     # kfuzz's own copy, for the judge
+
+
+class WorkerPool(Pool):
+    """A ``Pool`` for cases: each submitted case runs as the ``call`` program, and ``results``
+    yields ``KernelResult`` objects (the call's outputs, or the verdict that ended it)."""
+
+    def results(self, until: float | None = None) -> Iterator[KernelResult]:
+        for r in super().results(until):
+            outputs, verdict = settled(r, self.target, r.case, r.inputs)
+            yield KernelResult(r.case, outputs, verdict, r.coverage, r.seconds, r.inputs)
 
 
 def executor_for(target: Target, device: str = "cpu", executor=None):

@@ -34,8 +34,8 @@ def _start(name: str, module: str | None, threads: int, device: str) -> None:
     global _TARGET
     from kfuzz.workers import _load_target
     torch.set_num_threads(threads)
-    if device.startswith("cuda:"):
-        torch.cuda.set_device(torch.device(device))
+    if device.startswith("cuda"):    # a current device for autograd's own threads (cuBLAS)
+        torch.cuda.set_device(torch.device(device) if ":" in device else 0)
     _TARGET = _load_target(name, module)
 
 

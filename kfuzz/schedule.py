@@ -14,10 +14,9 @@ dtype and dims. A ``Scheduler`` opens a new key only while (a) fewer than
 ``share`` of the workers' time (``kfuzz.jit`` notes, summed over the workers); otherwise a
 draw of a new key is replaced by a fresh case of the dims and dtype of a key already
 opened (one at random), from an engine that can redraw (``redraw(like)``, the random
-engine); other engines' cases pass unchanged. So a cold campaign compiles one
-specialization while its other workers run cases of it, and a warm one settles at a
-steady rate. Once cases have come back without any compile (the CPU, the Triton
-interpreter), every draw passes.
+engine); other engines' cases pass unchanged. So a campaign that compiles settles at a
+steady rate, most of its workers running cases of specializations already compiled. Until
+a compile is seen (the CPU, the Triton interpreter: never) every draw passes.
 """
 from __future__ import annotations
 
@@ -59,10 +58,9 @@ class Scheduler:
         if key in self.like:
             return case
         redraw = getattr(self.engine, "redraw", None)
-        # until a case has come back, any may compile; after, only where compiles were seen
-        compiles = not self.ran or compile_seconds > 0
-        may_open = not compiles or (len(self.opening) < max(1, int(self.share * self.workers))
-                                    and compile_seconds <= self.share * elapsed * self.workers)
+        # bounded once compiles were seen (a cold campaign's first round is the campaign's)
+        may_open = compile_seconds <= 0 or (len(self.opening) < max(1, int(self.share * self.workers))
+                                            and compile_seconds <= self.share * elapsed * self.workers)
         if may_open or redraw is None or not self.like:
             self.like[key] = case
             self.opening.add(key)

@@ -293,9 +293,8 @@ def death(worker: Worker, policy: sandbox.Policy) -> tuple[str, str]:
 
 
 def __getattr__(name: str):
-    """The executors that drive workers live in ``kfuzz.executor``; their names here still work
-    (``WorkerPool`` is ``Pool``)."""
-    if name in ("WorkerPool", "InProcess"):
+    """The executors that drive workers live in ``kfuzz.executor``; their names here still work."""
+    if name in ("WorkerPool", "InProcess", "KernelResult"):
         from kfuzz import executor
-        return executor.Pool if name == "WorkerPool" else executor.InProcess
+        return getattr(executor, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
