@@ -392,8 +392,8 @@ PROGRAM_IMPORTS = ("kfuzz.programs", "torch._dynamo")
 
 
 class Sandboxed:
-    """Runs programs in a confined worker (``kfuzz.workers.Worker``: forked from a forkserver
-    that never touched CUDA, confined by ``kfuzz.sandbox``), one at a time. A worker that
+    """Runs programs in a confined worker (``kfuzz.workers.Worker``: forked from kfuzz's
+    zygote, which never touches CUDA, confined by ``kfuzz.sandbox``), one at a time. A worker that
     dies is that program's ``crash`` (its signal or the limit it hit), one that gives no
     answer within ``timeout`` seconds is killed, ``timeout``; an answer that is not one
     (the kernel can reach its pipe) is ``crash``/``malformed-answer``; the next program gets a
@@ -463,6 +463,9 @@ class Sandboxed:
                 outputs.setdefault(role, {})[arg] = rebuild(st, geo)
         except (ValueError, TypeError, KeyError, RuntimeError, KfuzzError) as e:
             return self._lost("crash", "malformed-answer", f"the worker's answer is malformed: {e}"[:2000], start)
+        escape = w.escape()     # seen by kfuzz, whatever the kernel did to its process's bookkeeping
+        if escape is not None:
+            return self._lost("crash", *escape, start)
         if verdict is not None and verdict.kind == "crash":
             self.worker.kill()      # the worker ends itself after a crash verdict
             self.worker = None

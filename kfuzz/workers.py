@@ -63,7 +63,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from kfuzz import jit, sandbox
+from kfuzz import jit, launcher, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.errors import KfuzzError
@@ -141,17 +141,38 @@ def _load_target(name: str, module: str | None, resolve: dict | None = None) -> 
     return get_target(name)
 
 
-def _worker_main(conn: Connection, target_name: str, module: str | None, device: str,
+def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, workdir: str | None,
+                 device: str) -> Connection:
+    """A worker's first steps, before it imports its target: its namespaces (while it has one
+    thread), its compile cache inside its directory (or kfuzz's campaign cache), and on CUDA
+    the driver and Triton's launcher stubs initialised while exec is still allowed."""
+    if policy is not None:
+        sandbox.isolate(policy)
+    if workdir is not None:
+        sandbox.compile_cache(workdir)
+    prepare_triton()
+    if str(device).startswith("cuda"):
+        torch.zeros(1, device=device)
+        try:
+            from triton.runtime import driver
+            driver.active.get_current_device()
+            driver.active.utils     # noqa: B018  (builds Triton's stub with the C compiler, once)
+        except Exception:   # noqa: BLE001 - no Triton, or its CUDA driver: a kernel of this target has none
+            pass
+    return Connection(conn_fd)
+
+
+def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | None, device: str,
                  with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
                  resolve: dict | None = None, preload: tuple[str, ...] = ()) -> None:
-    prepare_triton()
+    conn = start_worker(conn_fd, channel_fd, policy, workdir, device)
     for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
         importlib.import_module(name)
     target = _load_target(target_name, module, resolve)
     jit.report_compiles(conn.send_bytes)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
     # confined after the target's import (the harness is trusted), before any kernel call
-    confinement = sandbox.confine(policy, workdir) if policy is not None else {}
+    confinement = sandbox.confine(policy, workdir, channel_fd) if policy is not None else {}
     cpu_seconds = policy.cpu_seconds if policy is not None else None
     conn.send_bytes(pack(("ready", os.getpid(), confinement), []))
     while True:
@@ -214,22 +235,29 @@ def _worker_case(case: Case) -> tuple:
 
 
 class Worker:
-    """One worker process, its private directory, and the cases queued on it (the head one
-    is running) with the inputs kfuzz materialized for each."""
+    """One worker process (forked by kfuzz's zygote, ``kfuzz.launcher``), its private
+    directory, its violation channel (``sandbox.Channel``), and the cases queued on it (the
+    head one is running) with the inputs kfuzz materialized for each."""
 
     def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool,
                  policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = ()):
-        ctx = multiprocessing.get_context("forkserver")
-        # takes effect when the server first starts; it must stay free of CUDA
-        ctx.set_forkserver_preload(["kfuzz.workers"] + ([module] if module else []) + list(preload))
         self.workdir = tempfile.mkdtemp(prefix="kfuzz-worker-")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main,
-                                   args=(child, target_name, module, device, with_coverage, policy, self.workdir,
-                                         resolve, tuple(preload)),
-                                   daemon=True, name=f"kfuzz-worker-{target_name}")
-        self.process.start()
-        child.close()
+        self.conn, child = multiprocessing.Pipe()
+        self.channel = sandbox.Channel()
+        try:
+            self.process = launcher.start(("kfuzz.workers", "_worker_main"),
+                                          (target_name, module, device, with_coverage, policy, self.workdir,
+                                           resolve, tuple(preload)),
+                                          (child.fileno(), self.channel.theirs.fileno()),
+                                          preload=("kfuzz.workers", *preload))
+        except launcher.LaunchError as e:
+            self.conn.close()
+            self.channel.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise RuntimeError(f"no worker for {target_name!r}: {e}") from None
+        finally:
+            child.close()
+        self.channel.handed_over()
         self.queue: list[tuple[Case, dict, int]] = []   # case, kfuzz's inputs, message size
         self.started = 0.0            # when the head case began to run
         self.credit = Credit()        # the head case's compile time (kfuzz.jit)
@@ -241,10 +269,15 @@ class Worker:
             (kind, _, self.confinement), _ = unpack(self.conn.recv_bytes())
         except EOFError:
             self.process.join(5)
+            name = sandbox.death_name(self.process.exitcode)
             self.kill()
-            raise RuntimeError(f"worker for {target_name!r} died while starting "
-                               f"({sandbox.death_name(self.process.exitcode)})") from None
+            raise RuntimeError(f"worker for {target_name!r} died while starting ({name})") from None
         assert kind == "ready"
+
+    def escape(self, answered: bool = True) -> tuple[str, str] | None:
+        """The first attempt to leave the sandbox that the worker's channel reported (a closed
+        or torn channel, when the worker ``answered``, is one too), or None."""
+        return self.channel.verdict(answered)
 
     def submit(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
         msg = pack(("case", _worker_case(case), [(k, geometry(t)) for k, t in inputs.items()]),
@@ -288,12 +321,15 @@ class Worker:
         return self.started + timeout + self.credit.extension(time.monotonic())
 
     def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
+        """Kill the worker (its PID namespace, and with it every process it started, dies with
+        it) and remove its directory."""
+        self.process.kill()
         self.process.join(10)
+        self.process.release()
         if self.outbox is not None:
             self.outbox.put(None)     # the sender, if blocked, fails now that the worker is gone
         self.conn.close()
+        self.channel.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def stop(self) -> None:
@@ -307,38 +343,14 @@ class Worker:
 
 
 def fork_server_here(close: tuple[int, ...] = ()) -> bool:
-    """Make this process's forkserver a fork of this process as it is now, instead of a fresh
-    interpreter that imports torch again (seconds a process): for a short-lived process that
-    starts workers and has imported what they need. Call it before touching CUDA and before
-    holding anything a kernel must not see: every worker is a copy of this moment. ``close``:
-    descriptors the server (so every worker) must not inherit, such as a pipe to a parent that
-    unpickles what it reads. False (nothing done) where this Python's forkserver is not the
-    one this is written for; workers then come from a fresh server, as usual."""
-    import socket
-    from multiprocessing import connection, forkserver
-    server = forkserver._forkserver
-    if not hasattr(server, "_forkserver_address") or hasattr(server, "_forkserver_authkey") \
-            or server._forkserver_pid is not None:
-        return False
-    inherited = server._forkserver_alive_fd    # a fork of a forkserver's child holds its server's
-    with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")
-        listener.bind(address)
-        os.chmod(address, 0o600)
-        listener.listen()
-        alive_r, alive_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:    # the server: it ends when this process (its only client) does
-            try:
-                os.close(alive_w)
-                for fd in (*close, *([inherited] if inherited is not None else [])):
-                    os.close(fd)
-                forkserver.main(listener.fileno(), alive_r, [])
-            finally:
-                os._exit(0)
-        os.close(alive_r)
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-    return True
+    """Make this process's zygote (``kfuzz.launcher``) a fork of this process as it is now,
+    instead of a fresh interpreter that imports torch again (seconds a process): for a
+    short-lived process that starts workers and has imported what they need. Call it before
+    touching CUDA and before holding anything a kernel must not see: every worker is a copy of
+    this moment. The zygote keeps no descriptor but its socket to this process (``close`` is
+    accepted for callers that name descriptors to drop; all are). False (nothing done) where a
+    fork now would be unsafe; workers then come from a fresh zygote, as usual."""
+    return launcher.zygote_here()
 
 
 def worker_policy(policy: sandbox.Policy | None, device: str, timeout: float) -> sandbox.Policy:
@@ -351,9 +363,17 @@ def worker_policy(policy: sandbox.Policy | None, device: str, timeout: float) ->
 
 
 def death(worker: Worker, policy: sandbox.Policy) -> tuple[str, str]:
-    """The ``exc_type`` and detail of a worker that died while running the kernel."""
+    """The ``exc_type`` and detail of a worker that died while running the kernel: the first
+    attempt its channel reported, else how it died (``sandbox-syscall`` for a call the
+    system-call filter forbids)."""
     worker.process.join(10)
+    escape = worker.escape(answered=False)
+    if escape is not None:
+        return escape
     name = sandbox.death_name(worker.process.exitcode)
+    if name == sandbox.SYSCALL:
+        return name, ("the system-call filter killed the worker: the kernel made a call the sandbox forbids "
+                      "(a new process, a socket, a namespace, ptrace, a signal to another process)")
     why = {sandbox.CPU: f" past its CPU-time limit of {policy.cpu_seconds} s a case",
            sandbox.FILE_SIZE: " writing a file past its size limit"}.get(name, "")
     return name, f"the worker died ({name}){why} while running the kernel"
@@ -466,6 +486,9 @@ class WorkerPool:
                 seconds = time.monotonic() - w.started
                 self.cpu[w.process.pid] = cpu
                 case, inputs = w.finish_head()
+                escape = w.escape()   # seen by kfuzz, whatever the kernel did to its process's bookkeeping
+                if escape is not None:
+                    outputs, verdict = None, Verdict(self.target.name, "crash", exc_type=escape[0], detail=escape[1])
                 if verdict is not None and verdict.kind == "crash":
                     self._replace(w)   # the worker ends itself after a crash verdict
                 yield KernelResult(case, outputs, verdict, edges, seconds, inputs)
