@@ -101,9 +101,9 @@ def _threads() -> int:
 
 # the zygote's side ---------------------------------------------------------------------------------
 
-def _children_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (a scan of /proc)."""
-    found = []
+def _parents() -> dict[int, tuple[int, str]]:
+    """Every live process's parent and state (a scan of /proc)."""
+    found = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
@@ -112,9 +112,28 @@ def _children_of(pid: int) -> list[int]:
             except OSError:
                 continue
             fields = stat[stat.rfind(b")") + 2:].split()
-            if len(fields) > 1 and int(fields[1]) == pid:
-                found.append(int(name))
+            if len(fields) > 1:
+                found[int(name)] = (int(fields[1]), fields[0].decode())
     return found
+
+
+def _children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    return [p for p, (parent, _) in _parents().items() if parent == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """The live (not zombie) processes below ``pid`` in the process tree."""
+    tree = _parents()
+    below, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for p, (pp, state) in tree.items():
+            if pp == parent:
+                todo.append(p)
+                if state != "Z":
+                    below.append(p)
+    return below
 
 
 def _kill(pid: int) -> None:
@@ -178,9 +197,10 @@ class _Zygote:
     def handle(self, msg, fds: list[int]) -> None:
         kind = msg[0]
         if kind == "start":
-            _, entry, args = msg
+            _, entry, args, path = msg
             pid = os.fork()
             if pid == 0:
+                sys.path[:] = path      # kfuzz's, as it is now (a target's module may have been added)
                 _child(entry, args, fds, self.sock.fileno())
             for fd in fds:
                 os.close(fd)
@@ -375,7 +395,7 @@ class Launcher:
         """Fork a child that runs ``entry`` (module, function) with ``fds`` (passed as the
         first arguments; the caller still holds and closes its copies) then ``args``."""
         with self.lock:
-            _send(self.sock, ("start", entry, args), fds)
+            _send(self.sock, ("start", entry, args, list(sys.path)), fds)
             return Child(self, self._reply(STARTUP_TIMEOUT, "started")[1])
 
     def close(self) -> None:

@@ -463,7 +463,8 @@ class Sandboxed:
                 outputs.setdefault(role, {})[arg] = rebuild(st, geo)
         except (ValueError, TypeError, KeyError, RuntimeError, KfuzzError) as e:
             return self._lost("crash", "malformed-answer", f"the worker's answer is malformed: {e}"[:2000], start)
-        escape = w.escape()     # seen by kfuzz, whatever the kernel did to its process's bookkeeping
+        # seen by kfuzz, whatever the kernel did to its process's bookkeeping
+        escape = w.escape(answered=verdict is None or verdict.kind != "crash")
         if escape is not None:
             return self._lost("crash", *escape, start)
         if verdict is not None and verdict.kind == "crash":

@@ -55,6 +55,7 @@ import math
 import os
 import platform
 import resource
+import shutil
 import signal
 import socket
 import sys
@@ -103,9 +104,10 @@ class Policy:
 
 def cuda_executables() -> tuple[str, ...]:
     """What a CUDA worker runs: Triton's bundled tools (ptxas) and the system's C compiler
-    and ``ldconfig`` (Triton builds its launcher stubs with them)."""
-    found = [p for p in ("/usr/bin", "/usr/lib/gcc", "/usr/libexec", "/usr/sbin/ldconfig", "/sbin/ldconfig",
-                         "/usr/local/cuda/bin") if os.path.exists(p)]
+    (Triton builds its launcher stubs with it): no shell, no other program."""
+    found = glob.glob("/usr/lib/gcc") + glob.glob("/usr/libexec/gcc") + glob.glob("/usr/local/cuda/bin/ptxas")
+    for pattern in ("gcc*", "cc", "c++", "g++*", "x86_64-linux-gnu-*", "as", "ld", "ld.*", "clang*"):
+        found += glob.glob(os.path.join("/usr/bin", pattern))
     try:
         import importlib.util
         spec = importlib.util.find_spec("triton")
@@ -177,9 +179,10 @@ class _Auditor:
         self.readable = [os.path.realpath(p) for p in readable] + self.writable
         self.channel = channel
         self.pid = os.getpid()
+        self.executable = [os.path.realpath(p) for p in policy.executable]
+        self.spawned = 0
         watched = {"open", "socket.__new__", "os.kill", "os.killpg", "ctypes.dlsym"} | _NET_EVENTS | _NS_EVENTS
-        if not policy.processes:
-            watched |= _SPAWN_EVENTS
+        watched |= _SPAWN_EVENTS
         if policy.confine_writes:
             watched |= set(_WRITE_EVENTS)
         self.watched = frozenset(watched)
@@ -201,12 +204,14 @@ class _Auditor:
 
     def _judge(self, event: str, args: tuple) -> tuple[str, str] | None:
         if event in _SPAWN_EVENTS:
-            return FORK, f"{event}{_short(args)}: a kernel may not start processes"
+            if not self.policy.processes:
+                return FORK, f"{event}{_short(args)}: a kernel may not start processes"
+            return self._spawn(event, args)
         if event in _NS_EVENTS:
             return NAMESPACE, f"{event}{_short(args)}: a kernel may not enter or make namespaces"
         if event == "socket.__new__":
             family = args[1] if len(args) > 1 else None
-            if not self.policy.network:
+            if not self.policy.network and family != -1:    # -1: an object around a descriptor it holds
                 return NETWORK, f"socket({family!r}): a kernel may not open sockets"
             return None
         if event in _NET_EVENTS:
@@ -245,6 +250,30 @@ class _Auditor:
         for p in [args[i] for i in _WRITE_EVENTS[event] if i < len(args)]:
             if isinstance(p, (str, bytes, os.PathLike)) and not self.may_write(p):
                 return WRITE, f"{event} {os.fsdecode(p)!r}: a kernel may write only beneath its own directory"
+        return None
+
+    def _spawn(self, event: str, args: tuple) -> tuple[str, str] | None:
+        """A process start where processes are allowed: within their number, and exec only of
+        what lies beneath ``policy.executable``."""
+        if event in ("os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system",
+                     "pty.spawn"):
+            self.spawned += 1
+            if self.spawned > self.policy.max_processes:
+                return FORK, f"{event}: more than {self.policy.max_processes} processes started"
+        if event == "os.system":
+            program = "/bin/sh"
+        elif event in ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn"):
+            program = args[0] if args else None
+            if event == "subprocess.Popen" and program is None and len(args) > 1:
+                argv = args[1]
+                program = argv if isinstance(argv, (str, bytes, os.PathLike)) else (argv[0] if argv else None)
+        else:
+            return None
+        if isinstance(program, (str, bytes, os.PathLike)):
+            name = os.fsdecode(program)
+            where = name if os.sep in name else (shutil.which(name) or name)
+            if not _beneath(os.path.realpath(where), self.executable):
+                return FORK, f"{event} {name!r}: a kernel may run only {len(self.executable)} allowed tools"
         return None
 
     def may_write(self, path) -> bool:
@@ -439,7 +468,8 @@ def python_environment() -> list[str]:
 
 def readable_paths(policy: Policy) -> list[str]:
     """What a confined worker may read besides the directories it may write."""
-    paths = [*_SYSTEM_READS, *python_environment(), *policy.readable, *policy.executable, f"/proc/{os.getpid()}"]
+    paths = [*_SYSTEM_READS, *python_environment(), *policy.readable, *policy.executable,
+             os.path.realpath("/proc/self")]
     paths += glob.glob("/usr/local/cuda*") + glob.glob("/dev/nvidia*") + ["/opt/nvidia"]
     if policy.processes:     # its children read their own /proc entries (kfuzz's and the zygote are not dumpable)
         paths.append("/proc")
@@ -613,29 +643,84 @@ def isolate(policy: Policy) -> dict[str, str]:
     if not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
         got.append("network")
     if _libc.unshare(_CLONE_NEWPID) == 0:
-        pid = os.fork()
-        if pid == 0:
-            _init()
+        # a thread may not be made once the process's children go to another PID namespace:
+        # the worker itself must be inside it, and not as its init (whose signals, SIGXCPU and
+        # its own included, the kernel drops): this process relays, a child is the init, and
+        # the init's child goes on as the worker
+        r, w = os.pipe()
+        init = os.fork()
+        if init != 0:
+            os.close(w)
+            _relay(r, init)
+        os.close(r)
+        worker = os.fork()
+        if worker != 0:
+            _init(w, worker)
+        os.close(w)
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         got.append("pid")
     _isolated[:] = got
     return {"namespaces": "+".join(got) if got else "none (the machine refuses them)"}
 
 
-def _init() -> None:
-    """The init of a worker's PID namespace: it reaps, and dies with the worker."""
+def _keep_only(*fds: int) -> None:
+    lo, top = 0, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1 << 20
+    for fd in sorted(fds) + [top]:
+        if fd > lo:
+            os.closerange(lo, fd)
+        lo = fd + 1
+
+
+def _relay(status: int, init: int) -> None:
+    """The worker as its parent (kfuzz's zygote) sees it: waits for the worker's status from
+    the init of its PID namespace and ends the same way (the same exit code, or the same
+    signal), so that a death by ``SIGSYS`` or ``SIGXCPU`` reaches kfuzz as such."""
+    try:
+        _keep_only(2, status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        got = b""
+        while len(got) < 4:
+            chunk = os.read(status, 4 - len(got))
+            if not chunk:
+                break
+            got += chunk
+        try:
+            os.waitpid(init, 0)
+        except ChildProcessError:
+            pass
+        if len(got) == 4:
+            code = os.waitstatus_to_exitcode(int.from_bytes(got, "little", signed=True))
+            if code < 0:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, set(signal.Signals))
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+                os._exit(128 - code)
+            os._exit(code)
+        os.kill(os.getpid(), signal.SIGKILL)    # the init was killed: so was the worker
+    finally:
+        os._exit(1)
+
+
+def _init(status: int, worker: int) -> None:
+    """The init of a worker's PID namespace: it reaps, reports the worker's status, and
+    ends with it; its end kills every process left in the namespace. It dies with its parent."""
     try:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         _libc.prctl(_PR_SET_NAME, b"kfuzz-init", 0, 0, 0)
-        os.closerange(0, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1 << 20)
+        _keep_only(2, status)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         while True:
-            signal.sigwait({signal.SIGCHLD})
             while True:
                 try:
-                    if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                        break
+                    pid, st = os.waitpid(-1, os.WNOHANG)
                 except ChildProcessError:
+                    os._exit(0)
+                if pid == 0:
                     break
+                if pid == worker:
+                    os.write(status, st.to_bytes(4, "little", signed=True))
+                    os._exit(0)
+            signal.sigwait({signal.SIGCHLD})
     finally:
         os._exit(0)
 
@@ -649,6 +734,7 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
     os.environ["TMPDIR"] = tempfile.tempdir = workdir
     sys.dont_write_bytecode = True      # an import may not write __pycache__ outside
     report["directory"] = workdir
+    report["isolation"] = "+".join(_isolated) or "none"
     mapped = address_space()
     _limit(resource.RLIMIT_AS, policy.memory and mapped + policy.memory)
     _limit(resource.RLIMIT_NOFILE, policy.open_files)

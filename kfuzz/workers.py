@@ -273,11 +273,22 @@ class Worker:
             self.kill()
             raise RuntimeError(f"worker for {target_name!r} died while starting ({name})") from None
         assert kind == "ready"
+        # where the kernel may start processes, none may outlive its call: the worker's own
+        # tree is its relay, the init of its PID namespace and itself (kfuzz.sandbox.isolate)
+        self.watch_tree = policy is not None and policy.processes
+        self.own_tree = 2 if "pid" in str(self.confinement.get("isolation", "")).split("+") else 0
 
     def escape(self, answered: bool = True) -> tuple[str, str] | None:
-        """The first attempt to leave the sandbox that the worker's channel reported (a closed
-        or torn channel, when the worker ``answered``, is one too), or None."""
-        return self.channel.verdict(answered)
+        """The first attempt to leave the sandbox that the worker's channel reported, or None.
+        ``answered``: the worker answered and goes on, so it must still hold its end; a closed
+        or torn channel is then a violation too, and so is a process the kernel started that
+        is still running."""
+        found = self.channel.verdict(answered)
+        if found is None and answered and self.watch_tree:
+            left = len(launcher.descendants(self.process.pid)) - self.own_tree
+            if left > 0:
+                found = sandbox.FORK, f"{left} process(es) the kernel started outlived its call"
+        return found
 
     def submit(self, case: Case, inputs: dict[str, torch.Tensor]) -> None:
         msg = pack(("case", _worker_case(case), [(k, geometry(t)) for k, t in inputs.items()]),
@@ -486,7 +497,9 @@ class WorkerPool:
                 seconds = time.monotonic() - w.started
                 self.cpu[w.process.pid] = cpu
                 case, inputs = w.finish_head()
-                escape = w.escape()   # seen by kfuzz, whatever the kernel did to its process's bookkeeping
+                # seen by kfuzz, whatever the kernel did to its process's bookkeeping (a worker that
+                # reported a crash ends itself: its channel's end closes with it)
+                escape = w.escape(answered=verdict is None or verdict.kind != "crash")
                 if escape is not None:
                     outputs, verdict = None, Verdict(self.target.name, "crash", exc_type=escape[0], detail=escape[1])
                 if verdict is not None and verdict.kind == "crash":
