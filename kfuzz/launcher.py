@@ -210,6 +210,7 @@ class _Zygote:
             if msg[1] in self.workers:
                 _kill(msg[1])
         elif kind == "preload":
+            sys.path[:] = msg[2]
             _send(self.sock, ("preloaded", self.preload(msg[1])))
 
 
@@ -386,7 +387,7 @@ class Launcher:
         missing = [m for m in preload if m not in self.preloaded]
         if missing and self.hazard is None:
             with self.lock:
-                _send(self.sock, ("preload", missing))
+                _send(self.sock, ("preload", missing, list(sys.path)))
                 self.hazard = self._reply(STARTUP_TIMEOUT, "preloaded")[1]
             self.preloaded.update(missing)
         return self.hazard

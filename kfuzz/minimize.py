@@ -44,7 +44,6 @@ import tempfile
 import time
 
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Callable, Iterator
 
 import numpy as np
@@ -428,12 +427,14 @@ def minimize_failure(case: Case, target: Target, verdict: Verdict, device: str =
 
 # the minimizer in a confined process -------------------------------------------------------------
 
-def _minimize_main(conn: Connection, target_name: str, module: str | None, case_json: dict, verdict_json: dict,
-                   device: str, max_seconds: float | None, policy: sandbox.Policy, workdir: str) -> None:
-    from kfuzz.workers import _load_target
+def _minimize_main(conn_fd: int, channel_fd: int, target_name: str, module: str | None, case_json: dict,
+                   verdict_json: dict, device: str, max_seconds: float | None, policy: sandbox.Policy,
+                   workdir: str) -> None:
+    from kfuzz.workers import _load_target, start_worker
+    conn = start_worker(conn_fd, channel_fd, policy, workdir, device)
     try:
         target = _load_target(target_name, module)
-        sandbox.confine(policy, workdir)
+        sandbox.confine(policy, workdir, channel_fd)
         case, verdict, note = minimize_failure(Case.from_json(case_json), target,
                                                Verdict.from_json(target_name, verdict_json), device, max_seconds=max_seconds)
         conn.send_bytes(json.dumps(["ok", case.to_json(), verdict.to_json(), note]).encode())
@@ -448,18 +449,24 @@ def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str 
     shrunk cases, which an untrusted kernel could use to act outside a campaign's worker.
     The case as found when that worker escapes, dies or runs past ``timeout`` (plus
     ``max_seconds``)."""
-    ctx = multiprocessing.get_context("forkserver")
+    from kfuzz import launcher
     workdir = tempfile.mkdtemp(prefix="kfuzz-minimize-")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_minimize_main, daemon=True, name=f"kfuzz-minimize-{target.name}",
-                       args=(child, target.name, getattr(target.kernel, "__module__", None), case.to_json(),
-                             verdict.to_json(), device, max_seconds, policy or sandbox.Policy.for_device(device),
-                             workdir))
-    proc.start()
-    child.close()
+    conn, child = multiprocessing.Pipe()
+    channel = sandbox.Channel()
+    try:
+        proc = launcher.start(("kfuzz.minimize", "_minimize_main"),
+                              (target.name, getattr(target.kernel, "__module__", None), case.to_json(),
+                               verdict.to_json(), device, max_seconds, policy or sandbox.Policy.for_device(device),
+                               workdir), (child.fileno(), channel.theirs.fileno()))
+    finally:
+        child.close()
+        channel.handed_over()
     try:   # JSON, checked: the answer comes from the kernel's process
         got = (json.loads(conn.recv_bytes()) if conn.poll(timeout + (max_seconds or 0))
                else ["error", f"no answer within {timeout:g} s"])
+        escape = channel.verdict(answered=False)    # kfuzz's own view, whatever the process said
+        if escape is not None:
+            got = ["error", f"{escape[0]}: {escape[1]}"]
         if got[0] == "ok":
             kept, kept_verdict = Case.from_json(got[1]), Verdict.from_json(target.name, got[2])
             target.validate(kept)
@@ -471,10 +478,11 @@ def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str 
     except (ValueError, TypeError, KeyError, IndexError, KfuzzError) as e:
         got = ["error", f"its answer is malformed ({e})"]
     finally:
-        if proc.is_alive():
-            proc.kill()
+        proc.kill()
         proc.join(10)
+        proc.release()
         conn.close()
+        channel.close()
         shutil.rmtree(workdir, ignore_errors=True)
     if got[0] != "ok":
         return case, verdict, {"minimize": {"error": f"minimizing in a sandboxed worker failed: {got[1]}"}}
