@@ -242,7 +242,9 @@ class _Auditor:
                 return None
             if writes and self.policy.confine_writes and not self.may_write(path):
                 return WRITE, f"open {os.fsdecode(path)!r} for writing: a kernel may write only beneath its own directory"
-            if not writes and self.policy.confine_reads and not self.may_read(path):
+            # a directory outside is not named (the import system lists every sys.path entry);
+            # Landlock still refuses to list it
+            if not writes and self.policy.confine_reads and not self.may_read(path) and not os.path.isdir(path):
                 return READ, f"open {os.fsdecode(path)!r}: a kernel may read only its environment and its own directory"
             return None
         if not self.policy.confine_writes:
