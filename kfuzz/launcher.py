@@ -37,7 +37,7 @@ import traceback
 
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER = 1, 4, 36
 STARTUP_TIMEOUT = 600.0     # importing torch on a loaded machine is slow
-PRELOAD = ("torch", "kfuzz.workers", "kfuzz.sandbox")
+PRELOAD = ("torch", "triton", "triton.language", "kfuzz.workers", "kfuzz.sandbox")   # those installed
 _MAX_FDS = 8
 
 
@@ -258,7 +258,10 @@ def _zygote_main(fd: int) -> None:
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     z = _Zygote(sock)
     for name in PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     z.baseline = _threads()
     _send(sock, ("ready", os.getpid(), z.preload(hello["preload"])))
     z.serve()

@@ -429,9 +429,9 @@ def minimize_failure(case: Case, target: Target, verdict: Verdict, device: str =
 
 def _minimize_main(conn_fd: int, channel_fd: int, target_name: str, module: str | None, case_json: dict,
                    verdict_json: dict, device: str, max_seconds: float | None, policy: sandbox.Policy,
-                   workdir: str) -> None:
+                   workdir: str, level: str = "full") -> None:
     from kfuzz.workers import _load_target, start_worker
-    conn = start_worker(conn_fd, channel_fd, policy, workdir, device)
+    conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level)
     try:
         target = _load_target(target_name, module)
         sandbox.confine(policy, workdir, channel_fd)
@@ -450,6 +450,7 @@ def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str 
     The case as found when that worker escapes, dies or runs past ``timeout`` (plus
     ``max_seconds``)."""
     from kfuzz import launcher
+    from kfuzz.workers import isolation_level
     workdir = tempfile.mkdtemp(prefix="kfuzz-minimize-")
     conn, child = multiprocessing.Pipe()
     channel = sandbox.Channel()
@@ -457,7 +458,7 @@ def minimize_confined(case: Case, target: Target, verdict: Verdict, device: str 
         proc = launcher.start(("kfuzz.minimize", "_minimize_main"),
                               (target.name, getattr(target.kernel, "__module__", None), case.to_json(),
                                verdict.to_json(), device, max_seconds, policy or sandbox.Policy.for_device(device),
-                               workdir), (child.fileno(), channel.theirs.fileno()))
+                               workdir, isolation_level(device)), (child.fileno(), channel.theirs.fileno()))
     finally:
         child.close()
         channel.handed_over()

@@ -1,49 +1,28 @@
-"""Confinement of a worker that runs an untrusted kernel: resource limits, a private
-directory, no network, no new processes, no writes outside, and a verdict that names
-the escape a kernel tried.
+"""Confinement of a worker that runs an untrusted kernel: namespaces, resource limits, a
+private directory, no network, no new processes, no reads or writes outside, and a verdict
+that names the escape a kernel tried. docs/sandbox.md has the whole picture, per machine.
 
-``confine`` is applied once in a worker process, after its target is loaded and before
-the first case; ``start_case`` and ``violation`` bracket each call. What each layer
-does, and where the operating system cannot do it:
+``isolate`` runs first in a worker, while it has one thread: a user, IPC, network and PID
+namespace (the worker is the child of the namespace's init, so every process it starts dies
+with it). ``confine`` runs once the worker's target is loaded, before the first case:
 
-- memory: ``RLIMIT_AS`` (address space), set to what the worker maps at confinement
-  (torch, the target) plus ``Policy.memory``: the limit is on what the kernel adds. (An
-  absolute 4 GiB failed on the H200 machine, whose torch build maps its CUDA libraries even
-  in a CPU run: the worker could not start a thread.) An allocation past it fails inside
-  the call and the case is a ``crash`` with ``exc_type`` ``resource-memory``. Not on CUDA:
-  the driver reserves far more address space than any limit a user would set;
-- CPU time: ``RLIMIT_CPU``, a budget for each case (at least the limit, at most twice);
-  the kernel gets ``SIGXCPU`` (``resource-cpu``). The parent's wall-clock timeout stays
-  the backstop;
-- open files, file size, core dumps: ``RLIMIT_NOFILE`` (``resource-files``),
-  ``RLIMIT_FSIZE`` (``resource-filesize``), ``RLIMIT_CORE`` 0;
-- a private directory, made by the parent, is the cwd and ``TMPDIR``;
-- network: a new network namespace where permitted (root), a Landlock TCP rule
-  (ABI >= 4), and a seccomp filter that lets ``socket`` create only Unix sockets
-  (``sandbox-network``);
-- processes: a seccomp filter refuses fork, vfork, exec and every clone that is not a
-  thread (``sandbox-fork``). ``RLIMIT_NPROC`` is no use here: it counts per user, and
-  the kernel ignores it for root, whatever the capabilities;
-- writes: Landlock (ABI >= 1) allows writing beneath the private directory, the Triton
-  cache and /dev/null only (``sandbox-write``); without Landlock writes are detected
-  (Python-level), not blocked;
-- signals: Landlock's scope (ABI >= 6) stops the kernel from signalling kfuzz;
-- capabilities: a root worker drops them all, so that it can lift none of its hard
-  limits (``CAP_SYS_RESOURCE``) nor leave its namespace; ``no_new_privs`` is set.
+- limits: ``RLIMIT_AS`` (what the worker maps at confinement plus ``Policy.memory``; none on
+  CUDA, whose driver reserves far more), ``RLIMIT_CPU`` per case, ``RLIMIT_NOFILE``,
+  ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` 0, and ``RLIMIT_NPROC`` where processes are allowed;
+- Landlock: writes beneath the private directory and the compile cache only, reads of the
+  Python environment and system files only, exec of ``Policy.executable`` only, TCP,
+  signals and abstract sockets scoped (what the kernel's ABI has of these);
+- a seccomp filter that kills the process (``SIGSYS``, seen by its parent) on a forbidden
+  call: sockets, namespaces, ptrace, mounts, io_uring, and unless processes are allowed,
+  fork/exec, a clone that is not a thread, a signal to another process;
+- capabilities dropped, ``no_new_privs``;
+- a Python audit hook that names the Python-level attempts and reports each to kfuzz over
+  the worker's violation channel (``Channel``) before it raises ``SandboxViolation`` (a
+  ``BaseException``): kfuzz's verdict rests on that channel and the exit status, never on
+  this process's own record.
 
-The operating system blocks; a Python audit hook names. The hook sees the Python-level
-attempt (``os.fork``, ``subprocess``, ``socket``, ``open`` for writing, ``os.kill``, and
-libc's fork/socket/... looked up through ctypes), records it and raises ``SandboxViolation``,
-a ``BaseException`` so that a kernel's ``except Exception`` fallback does not swallow it;
-a record the kernel swallows anyway still ends the case. A kernel that calls the system
-directly is blocked without a name (it sees ``EPERM``). On CUDA the path is permissive,
-untested here: limits on open files, file size and CPU time, the private directory and
-signals named; no memory, fork, network or write confinement and no privileges dropped
-(the driver's address space, Triton's ptxas, the driver's and Triton's caches, the
-driver's setuid helper).
-
-Refuses nothing at import: every layer that the running kernel does not allow is
-reported as such by ``confine`` instead of failing the worker.
+Refuses nothing at import: every layer that the running kernel does not allow is reported as
+such by ``confine`` instead of failing the worker.
 """
 from __future__ import annotations
 
@@ -619,27 +598,39 @@ def _write(path: str, text: str) -> None:
 _isolated: list[str] = []     # the namespaces ``isolate`` made
 
 
-def isolate(policy: Policy) -> dict[str, str]:
+ISOLATION_LEVELS = ("full", "no-user", "none")   # what ``isolate`` tries, most first
+
+
+def isolate(policy: Policy, level: str = "full") -> dict[str, str]:
     """Namespaces for a worker, called first thing after its fork, while it has one thread:
     a user namespace of its own (root inside maps to the same user outside; nothing of the
     host's privileges; ``RLIMIT_NPROC`` then counts this worker's tasks alone, even for root),
     a network namespace without ``policy.network`` (no interface but a down loopback), an IPC
     namespace, and a PID namespace for the processes it starts, whose init (a child of the
     worker that only reaps) dies with the worker: the kernel then kills every process in the
-    namespace, ``setsid`` descendants included. What the machine refuses is reported, not
+    namespace, ``setsid`` descendants included. ``level``: ``no-user`` leaves out the user
+    namespace (root can make the others without it), ``none`` makes none (a machine whose
+    CUDA driver does not start inside them). What the machine refuses is reported, not
     fatal. Returns the report's ``namespaces`` entry."""
-    if not _LINUX:
-        return {"namespaces": "none (not Linux)"}
+    if not _LINUX or level == "none":
+        _isolated[:] = []
+        return {"namespaces": "none"}
     got = []
     uid, gid = os.geteuid(), os.getegid()
-    if _libc.unshare(_CLONE_NEWUSER) == 0:
-        try:
-            _write("/proc/self/setgroups", "deny")
-            _write("/proc/self/uid_map", f"{uid} {uid} 1")
-            _write("/proc/self/gid_map", f"{gid} {gid} 1")
-            got.append("user")
-        except OSError:
-            got.append("user (unmapped)")
+    if level == "full":
+        if uid == 0:     # pinned memory (CUDA) past the default limit needs no capability then
+            try:
+                resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            except (ValueError, OSError):
+                pass
+        if _libc.unshare(_CLONE_NEWUSER) == 0:
+            try:
+                _write("/proc/self/setgroups", "deny")
+                _write("/proc/self/uid_map", f"{uid} {uid} 1")
+                _write("/proc/self/gid_map", f"{gid} {gid} 1")
+                got.append("user")
+            except OSError:
+                got.append("user (unmapped)")
     if _libc.unshare(_CLONE_NEWIPC) == 0:
         got.append("ipc")
     if not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:

@@ -1,13 +1,13 @@
 """Sandboxed execution: the kernel runs in spawned worker processes, the oracle in kfuzz's.
 
-A worker is started by ``multiprocessing``'s *forkserver*: a fresh process,
-itself spawned (exec'd), that imports torch and the target's module once and
-never touches CUDA; each worker is forked from it, so none inherits a CUDA
-context (a fork of a process that has touched CUDA cannot use it), and a
-restart after a crash costs a fork, not a torch import (4 s on a loaded CPU).
-It loads its target itself, confines itself (``kfuzz.sandbox``: resource limits,
-a private directory, no network, no new processes, no writes outside), then
-answers one case at a time.
+A worker is forked by kfuzz's zygote (``kfuzz.launcher``): a fresh process, itself
+exec'd, that imports torch and kfuzz once, never a target's module, and never touches
+CUDA; so no worker inherits a CUDA context or a target's import-time state, and a restart
+after a crash costs a fork, not a torch import. The worker makes its namespaces, imports
+its target itself, confines itself (``kfuzz.sandbox``: limits, a private directory, no
+network, no new processes, no reads or writes outside), then answers one case at a time.
+What it tried and the sandbox caught reaches kfuzz over its violation channel
+(``sandbox.Channel``), or as its death by ``SIGSYS``; docs/sandbox.md has the details.
 
 kfuzz's process materializes each case's inputs once: it sends their storage
 bytes to the worker and keeps them for the judge. The worker sees the case's
@@ -29,7 +29,8 @@ a fresh worker:
   ``kfuzz.jit``) do not count;
 - an escape the sandbox stopped, an allocation past the memory limit, a CUDA
   error or out-of-memory inside the call: ``crash`` with its ``exc_type``
-  (``sandbox-write``, ``resource-memory``, ...), and the worker is replaced;
+  (``sandbox-write``, ``sandbox-syscall``, ``resource-memory``, ...), and the worker is
+  replaced;
 - an answer that is not one (a kernel can reach its worker's pipe): ``crash``,
   ``malformed-answer``. Answers are JSON and raw bytes, never pickles, and a worker
   may report only the failures of the call itself (never a pass: kfuzz judges).
@@ -40,8 +41,8 @@ this protection; it is for trusted kernels and measurements.
 The same worker also runs the gates' kernel programs (``kfuzz.programs``: several calls
 on inputs kfuzz sent, the results sent back for kfuzz to judge), one at a time, for
 ``kfuzz.programs.Sandboxed``. ``fork_server_here`` lets a short-lived process that
-starts workers (an audited kernel's oracle process) fork its forkserver from itself
-instead of importing torch again.
+starts workers (an audited kernel's oracle process) fork its zygote from itself instead
+of importing torch again.
 
 Harness coverage (``kfuzz.coverage``): on request a worker records the edges it
 executes in the target's own source file, as engines' feedback.
@@ -141,31 +142,56 @@ def _load_target(name: str, module: str | None, resolve: dict | None = None) -> 
     return get_target(name)
 
 
+CUDA_UNAVAILABLE = 75     # a worker's exit code: CUDA does not start inside its namespaces
+_levels: dict[str, list[str]] = {}     # device kind -> the isolation levels still to try, best first
+
+
+def isolation_level(device: str) -> str:
+    """The namespaces a worker for ``device`` gets (``sandbox.isolate``): all of them, unless a
+    CUDA worker of this process could not start CUDA inside them."""
+    return _levels.setdefault(str(device).split(":")[0], list(sandbox.ISOLATION_LEVELS))[0]
+
+
+def _isolation_failed(device: str, level: str) -> bool:
+    """Give up ``level`` for ``device``; whether a lesser one is left to try."""
+    levels = _levels.setdefault(str(device).split(":")[0], list(sandbox.ISOLATION_LEVELS))
+    if level in levels and len(levels) > 1:
+        levels.remove(level)
+        return True
+    return False
+
+
 def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, workdir: str | None,
-                 device: str) -> Connection:
+                 device: str, level: str = "full") -> Connection:
     """A worker's first steps, before it imports its target: its namespaces (while it has one
     thread), its compile cache inside its directory (or kfuzz's campaign cache), and on CUDA
-    the driver and Triton's launcher stubs initialised while exec is still allowed."""
+    the driver and Triton's launcher stubs initialised while exec is still allowed. A CUDA
+    that does not start inside the namespaces ends the worker with ``CUDA_UNAVAILABLE``."""
     if policy is not None:
-        sandbox.isolate(policy)
+        sandbox.isolate(policy, level)
     if workdir is not None:
         sandbox.compile_cache(workdir)
-    prepare_triton()
     if str(device).startswith("cuda"):
-        torch.zeros(1, device=device)
+        try:
+            torch.zeros(1, device=device)
+        except Exception:   # noqa: BLE001 - kfuzz retries with fewer namespaces
+            if level != "none":
+                os._exit(CUDA_UNAVAILABLE)
+            raise
         try:
             from triton.runtime import driver
             driver.active.get_current_device()
             driver.active.utils     # noqa: B018  (builds Triton's stub with the C compiler, once)
         except Exception:   # noqa: BLE001 - no Triton, or its CUDA driver: a kernel of this target has none
             pass
+    prepare_triton()
     return Connection(conn_fd)
 
 
 def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | None, device: str,
                  with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
-                 resolve: dict | None = None, preload: tuple[str, ...] = ()) -> None:
-    conn = start_worker(conn_fd, channel_fd, policy, workdir, device)
+                 resolve: dict | None = None, preload: tuple[str, ...] = (), level: str = "full") -> None:
+    conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level)
     for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
         importlib.import_module(name)
     target = _load_target(target_name, module, resolve)
@@ -234,6 +260,10 @@ def _worker_case(case: Case) -> tuple:
     return case.target, case.dtype, case.dims
 
 
+class _CudaUnavailable(Exception):
+    pass
+
+
 class Worker:
     """One worker process (forked by kfuzz's zygote, ``kfuzz.launcher``), its private
     directory, its violation channel (``sandbox.Channel``), and the cases queued on it (the
@@ -241,13 +271,23 @@ class Worker:
 
     def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool,
                  policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = ()):
+        while True:
+            level = isolation_level(device)
+            try:
+                self._start(target_name, module, device, with_coverage, policy, resolve, preload, level)
+                break
+            except _CudaUnavailable:
+                if not _isolation_failed(device, level):
+                    raise RuntimeError(f"worker for {target_name!r}: CUDA does not start in a worker") from None
+
+    def _start(self, target_name, module, device, with_coverage, policy, resolve, preload, level) -> None:
         self.workdir = tempfile.mkdtemp(prefix="kfuzz-worker-")
         self.conn, child = multiprocessing.Pipe()
         self.channel = sandbox.Channel()
         try:
             self.process = launcher.start(("kfuzz.workers", "_worker_main"),
                                           (target_name, module, device, with_coverage, policy, self.workdir,
-                                           resolve, tuple(preload)),
+                                           resolve, tuple(preload), level),
                                           (child.fileno(), self.channel.theirs.fileno()),
                                           preload=("kfuzz.workers", *preload))
         except launcher.LaunchError as e:
@@ -269,9 +309,11 @@ class Worker:
             (kind, _, self.confinement), _ = unpack(self.conn.recv_bytes())
         except EOFError:
             self.process.join(5)
-            name = sandbox.death_name(self.process.exitcode)
+            code = self.process.exitcode
             self.kill()
-            raise RuntimeError(f"worker for {target_name!r} died while starting ({name})") from None
+            if code == CUDA_UNAVAILABLE:
+                raise _CudaUnavailable() from None
+            raise RuntimeError(f"worker for {target_name!r} died while starting ({sandbox.death_name(code)})") from None
         assert kind == "ready"
         # where the kernel may start processes, none may outlive its call: the worker's own
         # tree is its relay, the init of its PID namespace and itself (kfuzz.sandbox.isolate)

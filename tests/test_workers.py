@@ -310,3 +310,15 @@ def _report_fds(fd: int) -> None:
         except OSError:
             pass
     os.write(fd, "\n".join(lines).encode())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_worker_tries_fewer_namespaces_before_it_gives_up(monkeypatch):
+    """Where CUDA does not start inside a worker's namespaces, kfuzz retries with fewer (no user
+    namespace, then none) and remembers the level that works; here CUDA never starts, so every
+    level is tried and the error says why."""
+    from kfuzz import sandbox, workers
+    monkeypatch.setattr(workers, "_levels", {})
+    with pytest.raises(RuntimeError, match="died while starting"):
+        workers.Worker("searchsum", None, "cuda", False, sandbox.Policy())
+    assert workers._levels["cuda"] == ["none"] and workers.isolation_level("cpu") == "full"
