@@ -68,7 +68,8 @@ class Policy:
     drop_privileges: bool = True     # no_new_privs, and a root worker drops its capabilities
     writable: tuple[str, ...] = field(default=())   # more directories the kernel may write beneath
     readable: tuple[str, ...] = field(default=())   # more paths it may read
-    executable: tuple[str, ...] = field(default=())  # where it may exec from, when ``processes``
+    # where it may exec from, when ``processes``: None is anywhere (a build's compilers)
+    executable: tuple[str, ...] | None = None
 
     @classmethod
     def for_device(cls, device: str = "cpu", **overrides) -> "Policy":
@@ -158,7 +159,7 @@ class _Auditor:
         self.readable = [os.path.realpath(p) for p in readable] + self.writable
         self.channel = channel
         self.pid = os.getpid()
-        self.executable = [os.path.realpath(p) for p in policy.executable]
+        self.executable = None if policy.executable is None else [os.path.realpath(p) for p in policy.executable]
         self.spawned = 0
         watched = {"open", "socket.__new__", "os.kill", "os.killpg", "ctypes.dlsym"} | _NET_EVENTS | _NS_EVENTS
         watched |= _SPAWN_EVENTS
@@ -241,6 +242,8 @@ class _Auditor:
             self.spawned += 1
             if self.spawned > self.policy.max_processes:
                 return FORK, f"{event}: more than {self.policy.max_processes} processes started"
+        if self.executable is None:
+            return None
         if event == "os.system":
             program = "/bin/sh"
         elif event in ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn"):
@@ -423,8 +426,10 @@ _SYSTEM_READS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/sys", "/etc/ld.so.
 
 
 def python_environment() -> list[str]:
-    """Where this interpreter's code lives: its prefixes, site-packages, and the directory of
-    each package imported from elsewhere (the project's tree, a target's module)."""
+    """Where this interpreter's code lives: its prefixes, site-packages, the directory of each
+    package imported from elsewhere (a target's module), and what the other ``sys.path``
+    entries hold for Python (package directories and modules; not the data beside them, such
+    as a project's saved cases or an audit's results)."""
     import site
     found = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
     try:
@@ -444,12 +449,24 @@ def python_environment() -> list[str]:
             where = os.path.dirname(where)
         if not _beneath(where, roots):
             found.add(where)
+    for entry in sys.path:
+        entry = os.path.realpath(entry or os.getcwd())
+        if not os.path.isdir(entry) or _beneath(entry, roots):
+            continue
+        try:
+            names = os.listdir(entry)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(entry, name)
+            if name.endswith((".py", ".pyc", ".so", ".pth")) or os.path.isfile(os.path.join(path, "__init__.py")):
+                found.add(path)
     return sorted(found)
 
 
 def readable_paths(policy: Policy) -> list[str]:
     """What a confined worker may read besides the directories it may write."""
-    paths = [*_SYSTEM_READS, *python_environment(), *policy.readable, *policy.executable,
+    paths = [*_SYSTEM_READS, *python_environment(), *policy.readable, *(policy.executable or ()),
              os.path.realpath("/proc/self")]
     paths += glob.glob("/usr/local/cuda*") + glob.glob("/dev/nvidia*") + ["/opt/nvidia"]
     if policy.processes:     # its children read their own /proc entries (kfuzz's and the zygote are not dumpable)
@@ -743,8 +760,10 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
     readable = readable_paths(policy) if policy.confine_reads else ["/"]
     layers: dict[str, list[str]] = {"network": [], "writes": [], "reads": [], "processes": [], "signals": [],
                                     "namespaces": []}
-    if policy.processes and _LINUX:
-        tasks = len(os.listdir("/proc/self/task"))
+    if policy.processes and "user" in _isolated:
+        # counted in the worker's own user namespace: its tasks (threads included) alone;
+        # outside one it would count every process of the user, and of root none
+        tasks = len(os.listdir("/proc/self/task")) + 2     # the relay and the init
         _limit(resource.RLIMIT_NPROC, tasks + policy.max_processes)
         report["process limit"] = f"RLIMIT_NPROC {tasks} tasks + {policy.max_processes}"
     if "network" in _isolated:
@@ -760,12 +779,14 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
         full = (1 << 13) - 1 | _REFER | _TRUNCATE | _IOCTL_DEV
         read = _READ_FILE | _READ_DIR
         handled = (full & ~read if not policy.confine_reads else full)
+        if policy.processes and policy.executable is None:
+            handled &= ~_EXECUTE
         if not policy.confine_writes:
             handled &= read | _EXECUTE
         rules = [(p, full) for p in writable] + [(os.devnull, read | _WRITE_FILE | _TRUNCATE)]
         rules += [(p, read) for p in readable]
         rules += [(p, _WRITE_FILE | read | _IOCTL_DEV) for p in glob.glob("/dev/nvidia*")]
-        rules += [(p, read | _EXECUTE) for p in policy.executable] if policy.processes else []
+        rules += [(p, read | _EXECUTE) for p in policy.executable or ()] if policy.processes else []
         try:
             for what in _landlock(abi, rules, handled, policy.network):
                 layers["network" if what == "tcp" else "processes" if what == "exec" else what].append(f"landlock-{abi}")
@@ -790,14 +811,16 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
         sys.addaudithook(_Auditor(policy, writable, readable, channel).hook())
     named = " and named" if policy.name_escapes else ""
     for key, allowed in (("network", policy.network), ("writes", not policy.confine_writes),
-                         ("reads", not policy.confine_reads), ("processes", policy.processes and not
-                                                               layers["processes"]),
+                         ("reads", not policy.confine_reads), ("processes", policy.processes),
                          ("signals", False), ("namespaces", False)):
         blocked = "+".join(layers[key])
         report[key] = "allowed" if allowed else (f"blocked ({blocked}){named}" if blocked else
                                                  "named, not blocked (no OS layer here)" if named else "not blocked")
-    if policy.processes and layers["processes"]:
-        report["processes"] = f"exec only beneath {len(policy.executable)} directories ({'+'.join(layers['processes'])})"
+    if policy.processes:
+        execs = "of any program" if policy.executable is None else f"only of {len(policy.executable)} tools"
+        tree = ", killed with the worker (pid-namespace)" if "pid" in _isolated else ""
+        report["processes"] = f"allowed: {policy.max_processes} at most, exec {execs}{tree}" + \
+            ("" if policy.executable is None or abi else " (named only: no Landlock here)")
     return report
 
 

@@ -247,7 +247,7 @@ def test_cli_refuses_a_bad_memory_limit(tmp_path):
 # kernels that fight back: each catches what stops it and returns the right sum ------------------
 
 # processes allowed (as on CUDA, or for a build), but no program to run and at most 16 of them
-PROCS = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=5, processes=True, max_processes=16)
+PROCS = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=5, processes=True, max_processes=16, executable=())
 
 
 def _one_verdict(name: str, policy: sandbox.Policy):
