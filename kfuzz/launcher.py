@@ -148,6 +148,7 @@ class _Zygote:
         self.sock = sock
         self.workers: set[int] = set()
         self.baseline = None
+        self.swept = 0.0
 
     def preload(self, names) -> str | None:
         for name in names:
@@ -180,6 +181,7 @@ class _Zygote:
                 time.sleep(0.01)
 
     def reap(self) -> None:
+        reaped = False
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -187,12 +189,15 @@ class _Zygote:
                 break
             if pid == 0:
                 break
+            reaped = True
             if pid in self.workers:
                 self.workers.discard(pid)
                 _send(self.sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
-        for pid in _children_of(os.getpid()):   # orphans of a worker's tree
-            if pid not in self.workers:
-                _kill(pid)
+        if reaped or time.monotonic() - self.swept > 1.0:    # orphans of a worker's tree (a /proc scan)
+            self.swept = time.monotonic()
+            for pid in _children_of(os.getpid()):
+                if pid not in self.workers:
+                    _kill(pid)
 
     def handle(self, msg, fds: list[int]) -> None:
         kind = msg[0]
@@ -201,7 +206,7 @@ class _Zygote:
             pid = os.fork()
             if pid == 0:
                 sys.path[:] = path      # kfuzz's, as it is now (a target's module may have been added)
-                _child(entry, args, fds, self.sock.fileno())
+                _child(entry, args, fds)
             for fd in fds:
                 os.close(fd)
             self.workers.add(pid)
@@ -223,7 +228,7 @@ def _close_all_but(keep) -> None:
         lo = fd + 1
 
 
-def _child(entry: tuple[str, str], args: tuple, keep: list[int], control: int) -> None:
+def _child(entry: tuple[str, str], args: tuple, keep: list[int]) -> None:
     """A worker, right after the fork: nothing of the zygote's but ``keep``, then ``entry``.
     Never returns (whatever happens, the zygote's loop must not run on in a child)."""
     code = 1
