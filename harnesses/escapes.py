@@ -19,14 +19,38 @@ for every case and keep running:
   only on inputs of at most two elements, which the minimizer reaches while shrinking the
   failure: minimizing must run confined too.
 
+Kernels that fight back: each tries its attack, catches whatever stops it and returns the
+correct sum, so that only a verdict kfuzz itself sees can fail it:
+
+- ``escapes.launcher``: connects to every Unix socket with a path that it can find (kfuzz's
+  worker launcher, a multiprocessing forkserver's listener): ``crash``/``sandbox-network``;
+- ``escapes.bookkeeping``: tries the network, catches the violation and clears the sandbox
+  module's record of it: ``crash``/``sandbox-network``;
+- ``escapes.forkbomb``: forks 100 short-lived children: ``crash``/``sandbox-fork``;
+- ``escapes.orphan``: a ``setsid`` grandchild (``ORPHAN``) that outlives the call and writes a
+  probe file seconds later: ``crash``/``sandbox-fork``, and it dies with its worker;
+- ``escapes.reserve``: reserves 20 GiB of address space (``MAP_NORESERVE``): ``crash``/
+  ``resource-memory``;
+- ``escapes.cache``: writes a probe file into ``~/.triton``: ``crash``/``sandbox-write``;
+- ``escapes.secrets``: reads ``/etc/shadow``: ``crash``/``sandbox-read``;
+- ``escapes.userns``: ``unshare(CLONE_NEWUSER)`` through libc: ``crash``/``sandbox-namespace``;
+- ``escapes.shell``: ``sh -c`` that writes a probe file: ``crash``/``sandbox-fork``;
+- ``escapes.rawfork``: the ``fork`` system call by number (past any Python-level hook): the
+  system-call filter kills the worker, ``crash``/``sandbox-syscall``.
+
 Each is bounded so that, run unconfined by mistake, it cannot harm the machine: at most
-8 GiB, three short-lived children, one small probe file per place (``PROBE``), one socket,
-two minutes of spinning. Unconfined, each then returns the correct sum (a ``pass``): a
+8 GiB touched (20 GiB reserved, never touched), 100 children living 0.2 s, one grandchild
+living 3 s, one small probe file per place (``PROBE``), one connection attempt per socket
+(nothing sent), a one-byte read, two minutes of spinning. Unconfined, each then returns the correct sum (a ``pass``): a
 sandbox that lets one through shows as a missing verdict, not as damage.
 """
+import ctypes
+import glob
+import mmap
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,13 +59,15 @@ import torch
 from kfuzz.target import Arg, Dim, Output, target, variant
 
 PROBE = "kfuzz-escape-probe.txt"
+ORPHAN = "kfuzz-orphan"     # the name (comm) of escapes.orphan's grandchild
 MEMORY_CAP = 8 << 30
 REPO = Path(__file__).resolve().parents[1]
 
 
 def probe_paths() -> list[Path]:
-    """Where ``escapes.write`` tries to write: the user's home and the repository's corpus."""
-    return [Path.home() / PROBE, REPO / "crashes" / PROBE]
+    """Where the escapes try to write: the user's home, the repository's corpus, Triton's
+    default cache."""
+    return [Path.home() / PROBE, REPO / "crashes" / PROBE, Path.home() / ".triton" / PROBE]
 
 
 def _total(x):
@@ -116,6 +142,124 @@ def spin(x):
     return _total(x)
 
 
+def _quietly(attempt):
+    """Run ``attempt``; whatever stops it (an error, the sandbox's exception) is swallowed."""
+    try:
+        attempt()
+    except BaseException:   # noqa: BLE001 - what a kernel that fights back does
+        pass
+
+
+def _unix_socket_paths() -> list[str]:
+    paths = glob.glob("/tmp/pymp-*/listener-*")
+    try:
+        with open("/proc/net/unix") as f:
+            paths += [line.split()[-1] for line in f.read().splitlines()[1:] if line.split()[-1].startswith("/")]
+    except OSError:
+        pass
+    return paths[:50]
+
+
+def launcher(x):
+    def connect(path):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(0.5)
+            s.connect(path)
+        finally:
+            s.close()
+    for path in _unix_socket_paths() or ["/tmp/kfuzz-no-such-socket"]:
+        _quietly(lambda: connect(path))
+    return _total(x)
+
+
+def bookkeeping(x):
+    _quietly(lambda: network(x))
+    _quietly(lambda: sys.modules["kfuzz.sandbox"]._violations.clear())
+    return _total(x)
+
+
+def forkbomb(x):
+    def one():
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(0.2)
+            os._exit(0)
+    for _ in range(100):
+        _quietly(one)
+    _quietly(lambda: [os.waitpid(-1, os.WNOHANG) for _ in range(100)])
+    return _total(x)
+
+
+def _grandchild():
+    ctypes.CDLL(None).prctl(15, ORPHAN.encode(), 0, 0, 0)    # PR_SET_NAME
+    time.sleep(3.0)
+    with open(Path.home() / PROBE, "w") as f:
+        f.write("written by escapes.orphan's grandchild after its call returned\n")
+
+
+def orphan(x):
+    def start():
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                if os.fork() == 0:
+                    _quietly(_grandchild)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    _quietly(start)
+    return _total(x)
+
+
+def reserve(x):
+    def take():
+        m = mmap.mmap(-1, 20 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+        m.close()
+    try:
+        take()
+    except OSError as e:
+        raise MemoryError(f"mmap of 20 GiB: {e}") from None
+    return _total(x)
+
+
+def cache(x):
+    def write():
+        (Path.home() / ".triton").mkdir(exist_ok=True)
+        with open(Path.home() / ".triton" / PROBE, "w") as f:
+            f.write("written by escapes.cache from inside a kfuzz worker\n")
+    _quietly(write)
+    return _total(x)
+
+
+def secrets(x):
+    def read():
+        with open("/etc/shadow", "rb") as f:
+            f.read(1)
+    _quietly(read)
+    return _total(x)
+
+
+def userns(x):
+    _quietly(lambda: ctypes.CDLL(None, use_errno=True).unshare(0x10000000))
+    return _total(x)
+
+
+def shell(x):
+    _quietly(lambda: subprocess.run(["sh", "-c", f"echo escaped > {Path.home() / PROBE}"], check=False, timeout=10))
+    return _total(x)
+
+
+def rawfork(x):
+    pid = ctypes.CDLL(None, use_errno=True).syscall(57)    # fork, x86-64
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    return _total(x)
+
+
 variant("escapes", "escapes.memory", memory, planted_bug="allocates 64 MiB blocks until it dies (capped at 8 GiB)")
 variant("escapes", "escapes.fork", fork, planted_bug="forks three children and runs a subprocess")
 variant("escapes", "escapes.write", write, planted_bug="writes a probe file into $HOME and the repository's crashes/")
@@ -124,3 +268,15 @@ variant("escapes", "escapes.spin", spin, planted_bug="spins the CPU for two minu
 variant("escapes", "escapes.forge", forge, planted_bug="sends kfuzz a forged 'pass' through its worker's pipe")
 variant("escapes", "escapes.shrink", shrink,
         planted_bug="doubles every sum; on inputs of at most two elements also writes escapes.write's files")
+variant("escapes", "escapes.launcher", launcher, planted_bug="connects to kfuzz's control sockets (any Unix socket path)")
+variant("escapes", "escapes.bookkeeping", bookkeeping,
+        planted_bug="catches its network violation and clears kfuzz's record of it")
+variant("escapes", "escapes.forkbomb", forkbomb, planted_bug="forks 100 children")
+variant("escapes", "escapes.orphan", orphan,
+        planted_bug="leaves a setsid grandchild that writes a file into $HOME three seconds later")
+variant("escapes", "escapes.reserve", reserve, planted_bug="reserves 20 GiB of address space")
+variant("escapes", "escapes.cache", cache, planted_bug="writes a file into ~/.triton")
+variant("escapes", "escapes.secrets", secrets, planted_bug="reads /etc/shadow")
+variant("escapes", "escapes.userns", userns, planted_bug="makes a user namespace")
+variant("escapes", "escapes.shell", shell, planted_bug="runs sh -c, which writes a file into $HOME")
+variant("escapes", "escapes.rawfork", rawfork, planted_bug="calls fork by its system-call number")

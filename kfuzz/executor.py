@@ -248,6 +248,11 @@ class Pool:
         self.cpu[w.process.pid] = cpu
         device = self.devices[self.workers.index(w)]
         program, _ = w.finish_head()
+        # seen by kfuzz, whatever the kernel did to its process's bookkeeping (a worker that
+        # reported a crash ends itself: its channel's end closes with it)
+        escape = w.escape(answered=verdict is None or verdict.kind != "crash")
+        if escape is not None:
+            outputs, verdict = {}, Verdict(self.target.name, "crash", exc_type=escape[0], detail=escape[1])
         if verdict is not None and verdict.kind == "crash":
             self._replace(w)   # the worker ends itself after a crash verdict
         return ProgramResult(verdict, outputs, facts, seconds, program, edges, compiled, device)

@@ -1,58 +1,40 @@
-"""Confinement of a worker that runs an untrusted kernel: resource limits, a private
-directory, no network, no new processes, no writes outside, and a verdict that names
-the escape a kernel tried.
+"""Confinement of a worker that runs an untrusted kernel: namespaces, resource limits, a
+private directory, no network, no new processes, no reads or writes outside, and a verdict
+that names the escape a kernel tried. docs/sandbox.md has the whole picture, per machine.
 
-``confine`` is applied once in a worker process, after its target is loaded and before
-the first case; ``start_case`` and ``violation`` bracket each call. What each layer
-does, and where the operating system cannot do it:
+``isolate`` runs first in a worker, while it has one thread: a user, IPC, network and PID
+namespace (the worker is the child of the namespace's init, so every process it starts dies
+with it). ``confine`` runs once the worker's target is loaded, before the first case:
 
-- memory: ``RLIMIT_AS`` (address space), set to what the worker maps at confinement
-  (torch, the target) plus ``Policy.memory``: the limit is on what the kernel adds. (An
-  absolute 4 GiB failed on the H200 machine, whose torch build maps its CUDA libraries even
-  in a CPU run: the worker could not start a thread.) An allocation past it fails inside
-  the call and the case is a ``crash`` with ``exc_type`` ``resource-memory``. Not on CUDA:
-  the driver reserves far more address space than any limit a user would set;
-- CPU time: ``RLIMIT_CPU``, a budget for each case (at least the limit, at most twice);
-  the kernel gets ``SIGXCPU`` (``resource-cpu``). The parent's wall-clock timeout stays
-  the backstop;
-- open files, file size, core dumps: ``RLIMIT_NOFILE`` (``resource-files``),
-  ``RLIMIT_FSIZE`` (``resource-filesize``), ``RLIMIT_CORE`` 0;
-- a private directory, made by the parent, is the cwd and ``TMPDIR``;
-- network: a new network namespace where permitted (root), a Landlock TCP rule
-  (ABI >= 4), and a seccomp filter that lets ``socket`` create only Unix sockets
-  (``sandbox-network``);
-- processes: a seccomp filter refuses fork, vfork, exec and every clone that is not a
-  thread (``sandbox-fork``). ``RLIMIT_NPROC`` is no use here: it counts per user, and
-  the kernel ignores it for root, whatever the capabilities;
-- writes: Landlock (ABI >= 1) allows writing beneath the private directory, the Triton
-  cache and /dev/null only (``sandbox-write``); without Landlock writes are detected
-  (Python-level), not blocked;
-- signals: Landlock's scope (ABI >= 6) stops the kernel from signalling kfuzz;
-- capabilities: a root worker drops them all, so that it can lift none of its hard
-  limits (``CAP_SYS_RESOURCE``) nor leave its namespace; ``no_new_privs`` is set.
+- limits: ``RLIMIT_AS`` (what the worker maps at confinement plus ``Policy.memory``; none on
+  CUDA, whose driver reserves far more), ``RLIMIT_CPU`` per case, ``RLIMIT_NOFILE``,
+  ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` 0, and ``RLIMIT_NPROC`` where processes are allowed;
+- Landlock: writes beneath the private directory and the compile cache only, reads of the
+  Python environment and system files only, exec of ``Policy.executable`` only, TCP,
+  signals and abstract sockets scoped (what the kernel's ABI has of these);
+- a seccomp filter that kills the process (``SIGSYS``, seen by its parent) on a forbidden
+  call: sockets, namespaces, ptrace, mounts, io_uring, and unless processes are allowed,
+  fork/exec, a clone that is not a thread, a signal to another process;
+- capabilities dropped, ``no_new_privs``;
+- a Python audit hook that names the Python-level attempts and reports each to kfuzz over
+  the worker's violation channel (``Channel``) before it raises ``SandboxViolation`` (a
+  ``BaseException``): kfuzz's verdict rests on that channel and the exit status, never on
+  this process's own record.
 
-The operating system blocks; a Python audit hook names. The hook sees the Python-level
-attempt (``os.fork``, ``subprocess``, ``socket``, ``open`` for writing, ``os.kill``, and
-libc's fork/socket/... looked up through ctypes), records it and raises ``SandboxViolation``,
-a ``BaseException`` so that a kernel's ``except Exception`` fallback does not swallow it;
-a record the kernel swallows anyway still ends the case. A kernel that calls the system
-directly is blocked without a name (it sees ``EPERM``). On CUDA the path is permissive,
-untested here: limits on open files, file size and CPU time, the private directory and
-signals named; no memory, fork, network or write confinement and no privileges dropped
-(the driver's address space, Triton's ptxas, the driver's and Triton's caches, the
-driver's setuid helper).
-
-Refuses nothing at import: every layer that the running kernel does not allow is
-reported as such by ``confine`` instead of failing the worker.
+Refuses nothing at import: every layer that the running kernel does not allow is reported as
+such by ``confine`` instead of failing the worker.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import glob
+import json
 import math
 import os
 import platform
 import resource
+import shutil
 import signal
 import socket
 import sys
@@ -61,6 +43,8 @@ from dataclasses import dataclass, field
 
 MEMORY, CPU, FILES, FILE_SIZE = "resource-memory", "resource-cpu", "resource-files", "resource-filesize"
 FORK, WRITE, NETWORK, SIGNAL = "sandbox-fork", "sandbox-write", "sandbox-network", "sandbox-signal"
+READ, NAMESPACE, SYSCALL, CHANNEL = "sandbox-read", "sandbox-namespace", "sandbox-syscall", "sandbox-channel"
+VIOLATIONS = frozenset({FORK, WRITE, NETWORK, SIGNAL, READ, NAMESPACE, SYSCALL, CHANNEL})
 GiB = 1 << 30
 
 
@@ -74,22 +58,46 @@ class Policy:
     open_files: int | None = 512
     file_size: int | None = 1 * GiB
     processes: bool = False
+    max_processes: int = 64          # tasks a worker may add when ``processes`` allows any
     network: bool = False
     confine_writes: bool = True
+    confine_reads: bool = True       # Landlock: read only the Python environment, system files, own dirs
     # the audit hook that names escapes runs on every audit event of the process; a kernel
     # contract that reads many functions' ``__code__`` (one event each) pays for it
     name_escapes: bool = True
     drop_privileges: bool = True     # no_new_privs, and a root worker drops its capabilities
     writable: tuple[str, ...] = field(default=())   # more directories the kernel may write beneath
+    readable: tuple[str, ...] = field(default=())   # more paths it may read
+    # where it may exec from, when ``processes``: None is anywhere (a build's compilers)
+    executable: tuple[str, ...] | None = None
 
     @classmethod
     def for_device(cls, device: str = "cpu", **overrides) -> "Policy":
-        """The default policy for ``device``; on CUDA permissive (see the module docstring)."""
+        """The default policy for ``device``. On CUDA: no address-space limit (the driver
+        reserves far more than any limit a user would set) and new processes allowed, but
+        exec only of Triton's ptxas and the C compiler (Landlock), bounded in number."""
         base = {}
         if str(device).startswith("cuda"):
-            # the driver may need setuid helpers (nvidia-modprobe) and its device files
-            base = dict(memory=None, processes=True, network=True, confine_writes=False, drop_privileges=False)
+            base = dict(memory=None, processes=True, executable=cuda_executables())
         return cls(**{**base, **overrides})
+
+
+def cuda_executables() -> tuple[str, ...]:
+    """What a CUDA worker runs: Triton's bundled tools (ptxas) and the system's C compiler
+    (Triton builds its launcher stubs with it): no shell, no other program."""
+    found = glob.glob("/usr/lib/gcc") + glob.glob("/usr/libexec/gcc") + glob.glob("/usr/local/cuda/bin/ptxas")
+    for pattern in ("gcc*", "cc", "c++", "g++*", "x86_64-linux-gnu-*", "as", "ld", "ld.*", "clang*"):
+        found += glob.glob(os.path.join("/usr/bin", pattern))
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("triton")
+        if spec is not None and spec.origin:
+            tools = os.path.join(os.path.dirname(spec.origin), "backends")
+            if os.path.isdir(tools):
+                found.append(tools)
+    except (ImportError, ValueError):
+        pass
+    return tuple(found)
 
 
 def parse_size(text: str) -> int | None:
@@ -125,6 +133,7 @@ _SPAWN_EVENTS = {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn
                  "subprocess.Popen", "pty.spawn", "os.startfile"}
 _NET_EVENTS = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
                "socket.gethostbyname", "socket.gethostbyaddr"}
+_NS_EVENTS = {"os.unshare", "os.setns"}
 # event -> positions of the paths it writes
 _WRITE_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,),
                  "os.symlink": (1,), "os.link": (1,), "os.truncate": (0,), "os.chmod": (0,),
@@ -132,19 +141,28 @@ _WRITE_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.m
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _LIBC_SPAWN = ("fork", "vfork", "clone", "clone3", "execve", "execv", "execvp", "system", "posix_spawn",
                "posix_spawnp", "popen")
-_LIBC_NET = ("socket", "connect", "bind", "sendto", "getaddrinfo")
+_LIBC_NET = ("socket", "socketpair", "connect", "bind", "sendto", "getaddrinfo")
+_LIBC_NS = ("unshare", "setns")
+_LIBC_RAW = ("syscall", "ptrace", "process_vm_writev", "process_vm_readv", "kill", "tgkill", "pidfd_send_signal",
+             "pidfd_getfd")
 
 
 class _Auditor:
-    """The audit hook of a confined worker (one per process; hooks cannot be removed)."""
+    """The audit hook of a confined worker (one per process; hooks cannot be removed). Each
+    attempt it names goes to kfuzz over ``channel`` (a descriptor the worker was handed) the
+    moment it happens, before the hook raises: a kernel that catches the exception, or clears
+    this module's bookkeeping, cannot take it back."""
 
-    def __init__(self, policy: Policy, writable: list[str]):
+    def __init__(self, policy: Policy, writable: list[str], readable: list[str], channel: int | None):
         self.policy = policy
         self.writable = [os.path.realpath(p) for p in writable]
+        self.readable = [os.path.realpath(p) for p in readable] + self.writable
+        self.channel = channel
         self.pid = os.getpid()
-        watched = {"open", "socket.__new__", "os.kill", "os.killpg", "ctypes.dlsym"} | _NET_EVENTS
-        if not policy.processes:
-            watched |= _SPAWN_EVENTS
+        self.executable = None if policy.executable is None else [os.path.realpath(p) for p in policy.executable]
+        self.spawned = 0
+        watched = {"open", "socket.__new__", "os.kill", "os.killpg", "ctypes.dlsym"} | _NET_EVENTS | _NS_EVENTS
+        watched |= _SPAWN_EVENTS
         if policy.confine_writes:
             watched |= set(_WRITE_EVENTS)
         self.watched = frozenset(watched)
@@ -152,31 +170,37 @@ class _Auditor:
     def hook(self):
         """The audit hook: a closure, since it runs on every audit event of the process (a
         kernel's contract check reads functions' ``__code__``, one event each)."""
-        watched, judge, record = self.watched, self._judge, _violations.append
+        watched, judge, record, channel = self.watched, self._judge, _violations.append, self.channel
 
         def audit(event: str, args: tuple) -> None:
             if event in watched:
                 found = judge(event, args)
                 if found is not None:
                     record(found)
+                    if channel is not None:
+                        tell(channel, found)
                     raise SandboxViolation(*found)
         return audit
 
     def _judge(self, event: str, args: tuple) -> tuple[str, str] | None:
         if event in _SPAWN_EVENTS:
-            return FORK, f"{event}{_short(args)}: a kernel may not start processes"
+            if not self.policy.processes:
+                return FORK, f"{event}{_short(args)}: a kernel may not start processes"
+            return self._spawn(event, args)
+        if event in _NS_EVENTS:
+            return NAMESPACE, f"{event}{_short(args)}: a kernel may not enter or make namespaces"
         if event == "socket.__new__":
             family = args[1] if len(args) > 1 else None
-            if not self.policy.network and family not in (socket.AF_UNIX, -1):
-                return NETWORK, f"socket({family!r}): a kernel may not use the network"
+            if not self.policy.network and family != -1:    # -1: an object around a descriptor it holds
+                return NETWORK, f"socket({family!r}): a kernel may not open sockets"
             return None
         if event in _NET_EVENTS:
-            if not self.policy.network and (event.startswith("socket.get") or _is_inet(args)):
+            if not self.policy.network:
                 return NETWORK, f"{event}{_short(args)}: a kernel may not use the network"
             return None
         if event in ("os.kill", "os.killpg"):
             pid = args[0] if args else None
-            if event == "os.killpg" or pid not in (self.pid, 0):
+            if event == "os.killpg" or pid != self.pid:
                 return SIGNAL, f"{event}{_short(args)}: a kernel may signal only itself"
             return None
         if event == "ctypes.dlsym":     # the lookup of a libc function through ctypes
@@ -185,32 +209,139 @@ class _Auditor:
                 return FORK, f"libc {name}() through ctypes: a kernel may not start processes"
             if name in _LIBC_NET and not self.policy.network:
                 return NETWORK, f"libc {name}() through ctypes: a kernel may not use the network"
-            return None
-        if not self.policy.confine_writes:
+            if name in _LIBC_NS:
+                return NAMESPACE, f"libc {name}() through ctypes: a kernel may not enter or make namespaces"
+            if name in _LIBC_RAW:
+                return SYSCALL, f"libc {name}() through ctypes: a kernel may not make raw system calls"
             return None
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
                      (isinstance(flags, int) and flags & _WRITE_FLAGS)
-            paths = [path] if writes else []
-        else:
-            paths = [args[i] for i in _WRITE_EVENTS[event] if i < len(args)]
-        for p in paths:
+            if not isinstance(path, (str, bytes, os.PathLike)):
+                return None
+            if writes and self.policy.confine_writes and not self.may_write(path):
+                return WRITE, f"open {os.fsdecode(path)!r} for writing: a kernel may write only beneath its own directory"
+            # a directory outside is not named (the import system lists every sys.path entry);
+            # Landlock still refuses to list it
+            if not writes and self.policy.confine_reads and not self.may_read(path) and not os.path.isdir(path):
+                return READ, f"open {os.fsdecode(path)!r}: a kernel may read only its environment and its own directory"
+            return None
+        if not self.policy.confine_writes:
+            return None
+        for p in [args[i] for i in _WRITE_EVENTS[event] if i < len(args)]:
             if isinstance(p, (str, bytes, os.PathLike)) and not self.may_write(p):
                 return WRITE, f"{event} {os.fsdecode(p)!r}: a kernel may write only beneath its own directory"
         return None
 
+    def _spawn(self, event: str, args: tuple) -> tuple[str, str] | None:
+        """A process start where processes are allowed: within their number, and exec only of
+        what lies beneath ``policy.executable``."""
+        if event in ("os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system",
+                     "pty.spawn"):
+            self.spawned += 1
+            if self.spawned > self.policy.max_processes:
+                return FORK, f"{event}: more than {self.policy.max_processes} processes started"
+        if self.executable is None:
+            return None
+        if event == "os.system":
+            program = "/bin/sh"
+        elif event in ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn"):
+            program = args[0] if args else None
+            if event == "subprocess.Popen" and program is None and len(args) > 1:
+                argv = args[1]
+                program = argv if isinstance(argv, (str, bytes, os.PathLike)) else (argv[0] if argv else None)
+        else:
+            return None
+        if isinstance(program, (str, bytes, os.PathLike)):
+            name = os.fsdecode(program)
+            where = name if os.sep in name else (shutil.which(name) or name)
+            if not _beneath(os.path.realpath(where), self.executable):
+                return FORK, f"{event} {name!r}: a kernel may run only {len(self.executable)} allowed tools"
+        return None
+
     def may_write(self, path) -> bool:
         real = os.path.realpath(os.fsdecode(path))
-        return real == os.devnull or any(real == w or real.startswith(w + os.sep) for w in self.writable)
+        return real == os.devnull or _beneath(real, self.writable)
+
+    def may_read(self, path) -> bool:
+        return _beneath(os.path.realpath(os.fsdecode(path)), self.readable)
+
+
+def _beneath(real: str, roots: list[str]) -> bool:
+    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def tell(channel: int, found: tuple[str, str]) -> None:
+    """Send one named attempt to kfuzz (a line of JSON); a full or closed channel is kfuzz's
+    to notice."""
+    try:
+        os.write(channel, (json.dumps(list(found))[:2000] + "\n").encode())
+    except OSError:
+        pass
 
 
 def _short(args: tuple) -> str:
     return "(" + ", ".join(repr(a)[:60] for a in args[:3]) + ")"
 
 
-def _is_inet(args: tuple) -> bool:
-    return any(isinstance(a, tuple) and a and isinstance(a[0], (str, bytes)) for a in args[1:2])
+class Channel:
+    """kfuzz's end of a worker's violation channel: a socket pair (a socket, unlike a pipe,
+    cannot be reopened through /proc), the worker's end write-only. Each line is one attempt
+    the worker's audit hook named; a line that is not one, or an end the worker closed while
+    it still answers, is itself a violation (``sandbox-channel``)."""
+
+    def __init__(self):
+        self.ours, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.ours.shutdown(socket.SHUT_WR)
+        self.theirs.shutdown(socket.SHUT_RD)
+        self.ours.setblocking(False)
+        self.buffer, self.eof = b"", False
+        self.found: list[tuple[str, str]] = []
+
+    def handed_over(self) -> None:
+        """The worker holds its end now: close kfuzz's copy, so that its closing shows."""
+        self.theirs.close()
+
+    def read(self) -> list[tuple[str, str]]:
+        """Every attempt reported so far (in order), corrupt lines included as violations."""
+        while not self.eof:
+            try:
+                data = self.ours.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                data = b""
+            if not data:
+                self.eof = True
+                break
+            self.buffer += data
+            *lines, self.buffer = self.buffer.split(b"\n")
+            for line in lines:
+                try:
+                    kind, detail = json.loads(line)
+                    if kind not in VIOLATIONS or not isinstance(detail, str):
+                        raise ValueError(kind)
+                    self.found.append((kind, detail[:2000]))
+                except (ValueError, TypeError):
+                    self.found.append((CHANNEL, f"the violation channel carried a line that is not a report: "
+                                                f"{line[:200]!r}"))
+        return self.found
+
+    def verdict(self, answered: bool) -> tuple[str, str] | None:
+        """The first attempt reported; when the worker ``answered`` (so it should still hold
+        its end), a closed channel or a torn line is a violation too."""
+        found = self.read()
+        if found:
+            return found[0]
+        if answered and (self.eof or self.buffer):
+            return CHANNEL, "the kernel's process closed or tore its violation channel"
+        return None
+
+    def close(self) -> None:
+        self.ours.close()
+        if self.theirs.fileno() >= 0:
+            self.theirs.close()
 
 
 # the operating system's layers ------------------------------------------------------------------
@@ -249,29 +380,98 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def _landlock(abi: int, writable: list[str], network: bool) -> list[str]:
-    """Restrict writes to ``writable`` (and /dev/null), TCP if ``network`` is off, signals
-    to kfuzz; returns what was restricted."""
-    write_file, truncate = 1 << 1, 1 << 14
-    fs = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))     # write, remove, make-*
-    fs |= (1 << 13 if abi >= 2 else 0) | (truncate if abi >= 3 else 0)   # refer, truncate
+_EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_MAKE = sum(1 << b for b in range(4, 13))    # remove and make-* rights
+_REFER, _TRUNCATE, _IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_FILE_RIGHTS = _EXECUTE | _WRITE_FILE | _READ_FILE | _TRUNCATE | _IOCTL_DEV   # what a rule on a file may carry
+
+
+def _landlock(abi: int, rules: list[tuple[str, int]], handled: int, network: bool) -> list[str]:
+    """A Landlock domain handling ``handled`` filesystem rights, granting each (path, rights)
+    of ``rules`` (a path that does not exist is skipped), TCP if ``network`` is off, signals
+    and abstract sockets scoped; returns what was restricted."""
+    handled &= (1 << 13) - 1 | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0) | \
+        (_IOCTL_DEV if abi >= 5 else 0)
     net = 0b11 if abi >= 4 and not network else 0                       # bind and connect TCP
     scoped = 0b11 if abi >= 6 else 0                                    # abstract unix sockets, signals
-    attr = _RulesetAttr(fs, net, scoped)
+    attr = _RulesetAttr(handled, net, scoped)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     ruleset = _syscall(_SYS_LANDLOCK_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     try:
-        for path, rights in [(p, fs) for p in writable] + [(os.devnull, (write_file | truncate) & fs)]:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        for path, rights in rules:
             try:
-                rule = _PathBeneath(rights, fd)
-                _syscall(_SYS_LANDLOCK_ADD, ruleset, 1, ctypes.byref(rule), ctypes.c_uint32(0))
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                allowed = rights & handled & (_FILE_RIGHTS if not os.path.isdir(path) else ~0)
+                if allowed:
+                    _syscall(_SYS_LANDLOCK_ADD, ruleset, 1, ctypes.byref(_PathBeneath(allowed, fd)), ctypes.c_uint32(0))
             finally:
                 os.close(fd)
         _syscall(_SYS_LANDLOCK_RESTRICT, ruleset, ctypes.c_uint32(0))
     finally:
         os.close(ruleset)
-    return ["writes"] + (["tcp"] if net else []) + (["signals"] if scoped else [])
+    return ["writes"] + (["reads"] if handled & _READ_FILE else []) + (["exec"] if handled & _EXECUTE else []) + \
+        (["tcp"] if net else []) + (["signals"] if scoped else [])
+
+
+# what any worker reads: the system's libraries and tools, a few files of /etc, the CPU's and
+# memory's description in /proc and /sys
+_SYSTEM_READS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/sys", "/etc/ld.so.cache", "/etc/ld.so.conf",
+                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf",
+                 "/etc/os-release", "/etc/alternatives", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat",
+                 "/proc/filesystems", "/proc/sys", "/proc/driver", "/dev/null", "/dev/zero", "/dev/urandom",
+                 "/dev/random")
+
+
+def python_environment() -> list[str]:
+    """Where this interpreter's code lives: its prefixes, site-packages, the directory of each
+    package imported from elsewhere (a target's module), and what the other ``sys.path``
+    entries hold for Python (package directories and modules; not the data beside them, such
+    as a project's saved cases or an audit's results)."""
+    import site
+    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    try:
+        found.update(site.getsitepackages())
+        found.add(site.getusersitepackages())
+    except AttributeError:
+        pass
+    roots = [os.path.realpath(p) for p in found if p]
+    for name, module in list(sys.modules.items()):
+        if "." in name:
+            continue
+        where = getattr(module, "__file__", None)
+        if not where:
+            continue
+        where = os.path.realpath(where)
+        if os.path.basename(where) == "__init__.py":
+            where = os.path.dirname(where)
+        if not _beneath(where, roots):
+            found.add(where)
+    for entry in sys.path:
+        entry = os.path.realpath(entry or os.getcwd())
+        if not os.path.isdir(entry) or _beneath(entry, roots):
+            continue
+        try:
+            names = os.listdir(entry)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(entry, name)
+            if name.endswith((".py", ".pyc", ".so", ".pth")) or os.path.isfile(os.path.join(path, "__init__.py")):
+                found.add(path)
+    return sorted(found)
+
+
+def readable_paths(policy: Policy) -> list[str]:
+    """What a confined worker may read besides the directories it may write."""
+    paths = [*_SYSTEM_READS, *python_environment(), *policy.readable, *(policy.executable or ()),
+             os.path.realpath("/proc/self")]
+    paths += glob.glob("/usr/local/cuda*") + glob.glob("/dev/nvidia*") + ["/opt/nvidia"]
+    if policy.processes:     # its children read their own /proc entries (kfuzz's and the zygote are not dumpable)
+        paths.append("/proc")
+    return [p for p in paths if os.path.exists(p)]
 
 
 class _SockFilter(ctypes.Structure):
@@ -303,30 +503,58 @@ def _bpf(program: list[tuple]) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def seccomp_program(processes: bool, network: bool) -> list[tuple[int, int, int, int]]:
-    """The x86-64 filter: refuse starting processes and/or non-Unix sockets with EPERM."""
+# x86-64 system call numbers the filter names
+_NR = dict(socket=41, connect=42, accept=43, bind=49, listen=50, socketpair=53, clone=56, fork=57, vfork=58,
+           execve=59, kill=62, ptrace=101, rt_sigqueueinfo=129, pivot_root=155, chroot=161, mount=165,
+           umount2=166, tkill=200, tgkill=234, add_key=248, request_key=249, keyctl=250, unshare=272,
+           accept4=288, rt_tgsigqueueinfo=297, open_by_handle_at=304, setns=308, process_vm_readv=310,
+           process_vm_writev=311, bpf=321, execveat=322, userfaultfd=323, pidfd_send_signal=424,
+           io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
+           fsopen=430, fsconfig=431, fsmount=432, fspick=433, clone3=435, pidfd_getfd=438)
+_ALWAYS = ("ptrace", "process_vm_readv", "process_vm_writev", "unshare", "setns", "pidfd_getfd", "mount", "umount2",
+           "pivot_root", "chroot", "bpf", "userfaultfd", "keyctl", "add_key", "request_key", "open_by_handle_at",
+           "io_uring_setup", "io_uring_enter", "io_uring_register", "open_tree", "move_mount", "fsopen",
+           "fsconfig", "fsmount", "fspick")
+_SOCKETS = ("socket", "socketpair", "connect", "bind", "listen", "accept", "accept4")
+_SPAWN = ("fork", "vfork", "execve", "execveat", "tkill", "pidfd_send_signal")
+_SELF_SIGNALS = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")    # the first argument: a pid
+_CLONE_THREAD = 0x10000
+_CLONE_NAMESPACES = 0x7E020080     # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+FORBIDDEN = "killed"    # what the filter does to a process that makes a forbidden call
+
+
+def seccomp_program(processes: bool, network: bool, pid: int | None = None) -> list[tuple[int, int, int, int]]:
+    """The x86-64 filter. It kills the whole process (``SIGSYS``, which its parent sees) on a
+    forbidden call: namespaces, ptrace and other processes' memory, mounts, io_uring, keys,
+    BPF; sockets unless ``network``; unless ``processes``, fork/vfork/exec, a clone that is not
+    a thread, and a signal to any process but ``pid`` (this one). With ``processes``, a clone
+    into new namespaces. ``clone3`` gets ENOSYS (glibc falls back to ``clone``, whose flags the
+    filter can read); x32 and foreign ABIs are killed."""
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
-    p: list[tuple] = [(ld, 4), (jeq, 0xC000003E, "native", "deny"), ("label", "native"),
-                      (ld, 0), (jge, 0x40000000, "deny", "nr")]   # x32 and foreign ABIs are refused
-    p.append(("label", "nr"))
-    if not processes:
-        for nr in (57, 58, 59, 322):                      # fork, vfork, execve, execveat
-            p += [(jeq, nr, "deny", f"n{nr}"), ("label", f"n{nr}")]
-        p += [(jeq, 435, "enosys", "c3"), ("label", "c3"),       # clone3: glibc falls back to clone
-              (jeq, 56, "clone", "c")]
-        p.append(("label", "c"))
-    if not network:
-        p += [(jeq, 41, "socket", "s"), ("label", "s"), (jeq, 425, "deny", "u"), ("label", "u")]  # io_uring
-    p += [(jeq, 101, "deny", "p"), ("label", "p"), (jeq, 311, "deny", "allow")]   # ptrace, process_vm_writev
-    p += [("label", "clone"), (ld, 16), (jset, 0x10000, "allow", "deny"),       # CLONE_THREAD: a thread
-          ("label", "socket"), (ld, 16), (jeq, socket.AF_UNIX, "allow", "deny"),
-          ("label", "allow"), (ret, allow), ("label", "deny"), (ret, eperm), ("label", "enosys"), (ret, enosys)]
+    allow, kill, enosys = 0x7FFF0000, 0x80000000, 0x00050000 | errno.ENOSYS
+    p: list[tuple] = [(ld, 4), (jeq, 0xC000003E, "native", "kill"), ("label", "native"),
+                      (ld, 0), (jge, 0x40000000, "kill", "nr"), ("label", "nr")]
+    names = list(_ALWAYS) + ([] if network else list(_SOCKETS)) + ([] if processes else list(_SPAWN))
+    for i, name in enumerate(names):
+        p += [(jeq, _NR[name], "kill", f"k{i}"), ("label", f"k{i}")]
+    p += [(jeq, _NR["clone3"], "enosys", "c3"), ("label", "c3"), (jeq, _NR["clone"], "clone", "cl"), ("label", "cl")]
+    if not processes and pid is not None:
+        for name in _SELF_SIGNALS:
+            p += [(jeq, _NR[name], "self", f"s{name}"), ("label", f"s{name}")]
+    p += [(ret, allow)]
+    p += [("label", "clone"), (ld, 16)]
+    if processes:
+        p += [(jset, _CLONE_NAMESPACES, "kill", "allow")]
+    else:
+        p += [(jset, _CLONE_THREAD, "allow", "kill")]
+    if not processes and pid is not None:
+        p += [("label", "self"), (ld, 16), (jeq, pid & 0xFFFFFFFF, "allow", "kill")]
+    p += [("label", "allow"), (ret, allow), ("label", "kill"), (ret, kill), ("label", "enosys"), (ret, enosys)]
     return _bpf(p)
 
 
 def _seccomp(processes: bool, network: bool) -> None:
-    prog = seccomp_program(processes, network)
+    prog = seccomp_program(processes, network, os.getpid())
     arr = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
     fprog = _SockFprog(len(prog), ctypes.cast(arr, ctypes.POINTER(_SockFilter)))
     # seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, prog): every thread
@@ -366,18 +594,157 @@ def address_space() -> int:
     return 0
 
 
-def triton_cache_dir() -> str:
-    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton")
+def compile_cache(workdir: str) -> str:
+    """Triton's cache for this worker: ``TRITON_CACHE_DIR`` when kfuzz's process set one (a
+    campaign's cache), else a directory inside the worker's own; never the user's ~/.triton."""
+    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(workdir, "triton-cache")
+    os.environ["TRITON_CACHE_DIR"] = cache
+    os.makedirs(cache, exist_ok=True)
+    return cache
 
 
-def confine(policy: Policy, workdir: str) -> dict[str, str]:
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWIPC = 0x10000000, 0x20000000, 0x08000000
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+_isolated: list[str] = []     # the namespaces ``isolate`` made
+
+
+ISOLATION_LEVELS = ("full", "no-user", "none")   # what ``isolate`` tries, most first
+
+
+def isolate(policy: Policy, level: str = "full") -> dict[str, str]:
+    """Namespaces for a worker, called first thing after its fork, while it has one thread:
+    a user namespace of its own (root inside maps to the same user outside; nothing of the
+    host's privileges; ``RLIMIT_NPROC`` then counts this worker's tasks alone, even for root),
+    a network namespace without ``policy.network`` (no interface but a down loopback), an IPC
+    namespace, and a PID namespace for the processes it starts, whose init (a child of the
+    worker that only reaps) dies with the worker: the kernel then kills every process in the
+    namespace, ``setsid`` descendants included. ``level``: ``no-user`` leaves out the user
+    namespace (root can make the others without it), ``none`` makes none (a machine whose
+    CUDA driver does not start inside them). What the machine refuses is reported, not
+    fatal. Returns the report's ``namespaces`` entry."""
+    if not _LINUX or level == "none":
+        _isolated[:] = []
+        return {"namespaces": "none"}
+    got = []
+    uid, gid = os.geteuid(), os.getegid()
+    if level == "full":
+        if uid == 0:     # pinned memory (CUDA) past the default limit needs no capability then
+            try:
+                resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            except (ValueError, OSError):
+                pass
+        if _libc.unshare(_CLONE_NEWUSER) == 0:
+            try:
+                _write("/proc/self/setgroups", "deny")
+                _write("/proc/self/uid_map", f"{uid} {uid} 1")
+                _write("/proc/self/gid_map", f"{gid} {gid} 1")
+                got.append("user")
+            except OSError:
+                got.append("user (unmapped)")
+    if _libc.unshare(_CLONE_NEWIPC) == 0:
+        got.append("ipc")
+    if not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
+        got.append("network")
+    if _libc.unshare(_CLONE_NEWPID) == 0:
+        # a thread may not be made once the process's children go to another PID namespace:
+        # the worker itself must be inside it, and not as its init (whose signals, SIGXCPU and
+        # its own included, the kernel drops): this process relays, a child is the init, and
+        # the init's child goes on as the worker
+        r, w = os.pipe()
+        init = os.fork()
+        if init != 0:
+            os.close(w)
+            _relay(r, init)
+        os.close(r)
+        worker = os.fork()
+        if worker != 0:
+            _init(w, worker)
+        os.close(w)
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        got.append("pid")
+    _isolated[:] = got
+    return {"namespaces": "+".join(got) if got else "none (the machine refuses them)"}
+
+
+def _keep_only(*fds: int) -> None:
+    lo, top = 0, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1 << 20
+    for fd in sorted(fds) + [top]:
+        if fd > lo:
+            os.closerange(lo, fd)
+        lo = fd + 1
+
+
+def _relay(status: int, init: int) -> None:
+    """The worker as its parent (kfuzz's zygote) sees it: waits for the worker's status from
+    the init of its PID namespace and ends the same way (the same exit code, or the same
+    signal), so that a death by ``SIGSYS`` or ``SIGXCPU`` reaches kfuzz as such."""
+    try:
+        _keep_only(2, status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        got = b""
+        while len(got) < 4:
+            chunk = os.read(status, 4 - len(got))
+            if not chunk:
+                break
+            got += chunk
+        try:
+            os.waitpid(init, 0)
+        except ChildProcessError:
+            pass
+        if len(got) == 4:
+            code = os.waitstatus_to_exitcode(int.from_bytes(got, "little", signed=True))
+            if code < 0:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, set(signal.Signals))
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+                os._exit(128 - code)
+            os._exit(code)
+        os.kill(os.getpid(), signal.SIGKILL)    # the init was killed: so was the worker
+    finally:
+        os._exit(1)
+
+
+def _init(status: int, worker: int) -> None:
+    """The init of a worker's PID namespace: it reaps, reports the worker's status, and
+    ends with it; its end kills every process left in the namespace. It dies with its parent."""
+    try:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _libc.prctl(_PR_SET_NAME, b"kfuzz-init", 0, 0, 0)
+        _keep_only(2, status)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        while True:
+            while True:
+                try:
+                    pid, st = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    os._exit(0)
+                if pid == 0:
+                    break
+                if pid == worker:
+                    os.write(status, st.to_bytes(4, "little", signed=True))
+                    os._exit(0)
+            signal.sigwait({signal.SIGCHLD})
+    finally:
+        os._exit(0)
+
+
+def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[str, str]:
     """Confine this process (a worker) to ``policy``, its private ``workdir`` as cwd and
-    TMPDIR; returns what each layer got, in words (layers the OS refuses say so)."""
+    TMPDIR; returns what each layer got, in words (layers the OS refuses say so). ``channel``:
+    the descriptor on which the audit hook reports each attempt it names (``Channel``)."""
     report: dict[str, str] = {}
     os.chdir(workdir)
     os.environ["TMPDIR"] = tempfile.tempdir = workdir
     sys.dont_write_bytecode = True      # an import may not write __pycache__ outside
     report["directory"] = workdir
+    report["isolation"] = "+".join(_isolated) or "none"
     mapped = address_space()
     _limit(resource.RLIMIT_AS, policy.memory and mapped + policy.memory)
     _limit(resource.RLIMIT_NOFILE, policy.open_files)
@@ -389,45 +756,71 @@ def confine(policy: Policy, workdir: str) -> dict[str, str]:
         (f"{policy.file_size / GiB:g} GiB" if policy.file_size else "none")
     writable = [workdir, *(p for p in policy.writable if os.path.isdir(p))]
     if policy.confine_writes:
-        try:
-            os.makedirs(triton_cache_dir(), exist_ok=True)   # Triton creates it on first use
-            writable.append(triton_cache_dir())
-        except OSError:
-            pass
-    layers: dict[str, list[str]] = {"network": [], "writes": [], "processes": [], "signals": []}
-    if _LINUX and not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
+        writable.append(compile_cache(workdir))
+    readable = readable_paths(policy) if policy.confine_reads else ["/"]
+    layers: dict[str, list[str]] = {"network": [], "writes": [], "reads": [], "processes": [], "signals": [],
+                                    "namespaces": []}
+    if policy.processes and "user" in _isolated:
+        # counted in the worker's own user namespace: its tasks (threads included) alone;
+        # outside one it would count every process of the user, and of root none
+        tasks = len(os.listdir("/proc/self/task")) + 2     # the relay and the init
+        _limit(resource.RLIMIT_NPROC, tasks + policy.max_processes)
+        report["process limit"] = f"RLIMIT_NPROC {tasks} tasks + {policy.max_processes}"
+    if "network" in _isolated:
         layers["network"].append("namespace")
+    elif _LINUX and not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
+        layers["network"].append("namespace")
+    if "pid" in _isolated:
+        layers["processes"].append("pid-namespace")
     # each layer on its own: one the kernel refuses leaves the others in place
     nnp = _LINUX and policy.drop_privileges and _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock, seccomp
     abi = landlock_abi() if nnp else 0
-    if abi and policy.confine_writes:
+    if abi and (policy.confine_writes or policy.confine_reads):
+        full = (1 << 13) - 1 | _REFER | _TRUNCATE | _IOCTL_DEV
+        read = _READ_FILE | _READ_DIR
+        handled = (full & ~read if not policy.confine_reads else full)
+        if policy.processes and policy.executable is None:
+            handled &= ~_EXECUTE
+        if not policy.confine_writes:
+            handled &= read | _EXECUTE
+        rules = [(p, full) for p in writable] + [(os.devnull, read | _WRITE_FILE | _TRUNCATE)]
+        rules += [(p, read) for p in readable]
+        rules += [(p, _WRITE_FILE | read | _IOCTL_DEV) for p in glob.glob("/dev/nvidia*")]
+        rules += [(p, read | _EXECUTE) for p in policy.executable or ()] if policy.processes else []
         try:
-            for what in _landlock(abi, writable, policy.network):
-                layers["network" if what == "tcp" else what].append(f"landlock-{abi}")
+            for what in _landlock(abi, rules, handled, policy.network):
+                layers["network" if what == "tcp" else "processes" if what == "exec" else what].append(f"landlock-{abi}")
         except OSError as e:
             report["landlock"] = f"refused: {e}"
-    if nnp and _X86_64 and not (policy.processes and policy.network):
+    if nnp and _X86_64:
         try:
             _seccomp(policy.processes, policy.network)
-            for key, allowed in (("processes", policy.processes), ("network", policy.network)):
+            for key, allowed in (("processes", policy.processes), ("network", policy.network),
+                                 ("signals", policy.processes), ("namespaces", False)):
                 if not allowed:
-                    layers[key].append("seccomp")
+                    layers[key].append("seccomp-kill")
         except OSError as e:
             report["seccomp"] = f"refused: {e}"
-    if _LINUX and policy.drop_privileges and os.geteuid() == 0:
+    if _LINUX and policy.drop_privileges:
         try:
             _drop_capabilities()
-            report["capabilities"] = "dropped (root)"
+            report["capabilities"] = "dropped"
         except OSError as e:
             report["capabilities"] = f"kept ({e})"
     if policy.name_escapes:
-        sys.addaudithook(_Auditor(policy, writable).hook())
+        sys.addaudithook(_Auditor(policy, writable, readable, channel).hook())
     named = " and named" if policy.name_escapes else ""
     for key, allowed in (("network", policy.network), ("writes", not policy.confine_writes),
-                         ("processes", policy.processes), ("signals", False)):
+                         ("reads", not policy.confine_reads), ("processes", policy.processes),
+                         ("signals", False), ("namespaces", False)):
         blocked = "+".join(layers[key])
         report[key] = "allowed" if allowed else (f"blocked ({blocked}){named}" if blocked else
                                                  "named, not blocked (no OS layer here)" if named else "not blocked")
+    if policy.processes:
+        execs = "of any program" if policy.executable is None else f"only of {len(policy.executable)} tools"
+        tree = ", killed with the worker (pid-namespace)" if "pid" in _isolated else ""
+        report["processes"] = f"allowed: {policy.max_processes} at most, exec {execs}{tree}" + \
+            ("" if policy.executable is None or abi else " (named only: no Landlock here)")
     return report
 
 
@@ -450,7 +843,9 @@ def start_case(cpu_seconds: int | None) -> None:
 
 
 def violation() -> tuple[str, str] | None:
-    """The first escape the last call tried (even one the kernel caught), or None."""
+    """The first escape the last call tried (even one the kernel caught), or None, as this
+    process recorded it: what lets a worker end early. kfuzz's verdict does not rest on it
+    (a kernel can clear it); it reads the worker's ``Channel``."""
     return _violations[0] if _violations else None
 
 
@@ -464,7 +859,7 @@ def resource_kind(exc_type: str | None, detail: str) -> str | None:
     return None
 
 
-_DEATHS = {signal.SIGXCPU: CPU, signal.SIGXFSZ: FILE_SIZE}
+_DEATHS = {signal.SIGXCPU: CPU, signal.SIGXFSZ: FILE_SIZE, signal.SIGSYS: SYSCALL}
 
 
 def death_name(exitcode: int | None) -> str:

@@ -1,13 +1,13 @@
 """Sandboxed execution: the kernel runs in spawned worker processes, the oracle in kfuzz's.
 
-A worker is started by ``multiprocessing``'s *forkserver*: a fresh process,
-itself spawned (exec'd), that imports torch and the target's module once and
-never touches CUDA; each worker is forked from it, so none inherits a CUDA
-context (a fork of a process that has touched CUDA cannot use it), and a
-restart after a crash costs a fork, not a torch import (4 s on a loaded CPU).
-It loads its target itself, confines itself (``kfuzz.sandbox``: resource limits,
-a private directory, no network, no new processes, no writes outside), then
-answers one case at a time.
+A worker is forked by kfuzz's zygote (``kfuzz.launcher``): a fresh process, itself
+exec'd, that imports torch and kfuzz once, never a target's module, and never touches
+CUDA; so no worker inherits a CUDA context or a target's import-time state, and a restart
+after a crash costs a fork, not a torch import. The worker makes its namespaces, imports
+its target itself, confines itself (``kfuzz.sandbox``: limits, a private directory, no
+network, no new processes, no reads or writes outside), then answers one case at a time.
+What it tried and the sandbox caught reaches kfuzz over its violation channel
+(``sandbox.Channel``), or as its death by ``SIGSYS``; docs/sandbox.md has the details.
 
 kfuzz's process materializes each case's inputs once: it sends their storage
 bytes to the worker and keeps them for the judge. The worker sees the case's
@@ -30,13 +30,14 @@ a fresh worker:
   ``kfuzz.jit``) do not count;
 - an escape the sandbox stopped, an allocation past the memory limit, a CUDA
   error or out-of-memory inside the call: ``crash`` with its ``exc_type``
-  (``sandbox-write``, ``resource-memory``, ...), and the worker is replaced;
+  (``sandbox-write``, ``sandbox-syscall``, ``resource-memory``, ...), and the worker is
+  replaced;
 - an answer that is not one (a kernel can reach its worker's pipe): ``crash``,
   ``malformed-answer``. Answers are JSON and raw bytes, never pickles, and a worker
   may report only the failures of the call itself (never a pass: kfuzz judges).
 
 ``fork_server_here`` lets a short-lived process that starts workers (an audited
-kernel's oracle process) fork its forkserver from itself instead of importing torch again.
+kernel's oracle process) fork its zygote from itself instead of importing torch again.
 
 Harness coverage (``kfuzz.coverage``): on request a worker records the edges it
 executes in the target's own source file, as engines' feedback.
@@ -53,7 +54,7 @@ import time
 from multiprocessing.connection import Connection
 from queue import Queue
 
-from kfuzz import jit, sandbox
+from kfuzz import jit, launcher, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.jit import Credit
@@ -102,17 +103,63 @@ def _load_target(name: str, module: str | None, resolve: dict | None = None) -> 
     return get_target(name)
 
 
-def _worker_main(conn: Connection, target_name: str, module: str | None, device: str,
-                 with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
-                 resolve: dict | None = None, preload: tuple[str, ...] = ()) -> None:
+CUDA_UNAVAILABLE = 75     # a worker's exit code: CUDA does not start inside its namespaces
+_levels: dict[str, list[str]] = {}     # device kind -> the isolation levels still to try, best first
+
+
+def isolation_level(device: str) -> str:
+    """The namespaces a worker for ``device`` gets (``sandbox.isolate``): all of them, unless a
+    CUDA worker of this process could not start CUDA inside them."""
+    return _levels.setdefault(str(device).split(":")[0], list(sandbox.ISOLATION_LEVELS))[0]
+
+
+def _isolation_failed(device: str, level: str) -> bool:
+    """Give up ``level`` for ``device``; whether a lesser one is left to try."""
+    levels = _levels.setdefault(str(device).split(":")[0], list(sandbox.ISOLATION_LEVELS))
+    if level in levels and len(levels) > 1:
+        levels.remove(level)
+        return True
+    return False
+
+
+def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, workdir: str | None,
+                 device: str, level: str = "full") -> Connection:
+    """A worker's first steps, before it imports its target: its namespaces (while it has one
+    thread), its compile cache inside its directory (or kfuzz's campaign cache), and on CUDA
+    the driver and Triton's launcher stubs initialised while exec is still allowed. A CUDA
+    that does not start inside the namespaces ends the worker with ``CUDA_UNAVAILABLE``."""
+    if policy is not None:
+        sandbox.isolate(policy, level)
+    if workdir is not None:
+        sandbox.compile_cache(workdir)
+    if str(device).startswith("cuda"):
+        try:
+            torch.zeros(1, device=device)
+        except Exception:   # noqa: BLE001 - kfuzz retries with fewer namespaces
+            if level != "none":
+                os._exit(CUDA_UNAVAILABLE)
+            raise
+        try:
+            from triton.runtime import driver
+            driver.active.get_current_device()
+            driver.active.utils     # noqa: B018  (builds Triton's stub with the C compiler, once)
+        except Exception:   # noqa: BLE001 - no Triton, or its CUDA driver: a kernel of this target has none
+            pass
     prepare_triton()
+    return Connection(conn_fd)
+
+
+def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | None, device: str,
+                 with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
+                 resolve: dict | None = None, preload: tuple[str, ...] = (), level: str = "full") -> None:
+    conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level)
     for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
         importlib.import_module(name)
     target = _load_target(target_name, module, resolve)
     jit.report_compiles(conn.send_bytes)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
     # confined after the target's import (the harness is trusted), before any kernel call
-    confinement = sandbox.confine(policy, workdir) if policy is not None else {}
+    confinement = sandbox.confine(policy, workdir, channel_fd) if policy is not None else {}
     cpu_seconds = policy.cpu_seconds if policy is not None else None
     conn.send_bytes(pack(("ready", os.getpid(), confinement), []))
     while True:
@@ -156,23 +203,44 @@ def _worker_case(case: Case) -> tuple:
     return case.target, case.dtype, case.dims
 
 
+class _CudaUnavailable(Exception):
+    pass
+
+
 class Worker:
-    """One worker process, its private directory, and the cases queued on it (the head one
-    is running) with the inputs kfuzz materialized for each."""
+    """One worker process (forked by kfuzz's zygote, ``kfuzz.launcher``), its private
+    directory, its violation channel (``sandbox.Channel``), and the cases queued on it (the
+    head one is running) with the inputs kfuzz materialized for each."""
 
     def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool,
                  policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = ()):
-        ctx = multiprocessing.get_context("forkserver")
-        # takes effect when the server first starts; it must stay free of CUDA
-        ctx.set_forkserver_preload(["kfuzz.workers"] + ([module] if module else []) + list(preload))
+        while True:
+            level = isolation_level(device)
+            try:
+                self._start(target_name, module, device, with_coverage, policy, resolve, preload, level)
+                break
+            except _CudaUnavailable:
+                if not _isolation_failed(device, level):
+                    raise RuntimeError(f"worker for {target_name!r}: CUDA does not start in a worker") from None
+
+    def _start(self, target_name, module, device, with_coverage, policy, resolve, preload, level) -> None:
         self.workdir = tempfile.mkdtemp(prefix="kfuzz-worker-")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main,
-                                   args=(child, target_name, module, device, with_coverage, policy, self.workdir,
-                                         resolve, tuple(preload)),
-                                   daemon=True, name=f"kfuzz-worker-{target_name}")
-        self.process.start()
-        child.close()
+        self.conn, child = multiprocessing.Pipe()
+        self.channel = sandbox.Channel()
+        try:
+            self.process = launcher.start(("kfuzz.workers", "_worker_main"),
+                                          (target_name, module, device, with_coverage, policy, self.workdir,
+                                           resolve, tuple(preload), level),
+                                          (child.fileno(), self.channel.theirs.fileno()),
+                                          preload=("kfuzz.workers", *preload))
+        except launcher.LaunchError as e:
+            self.conn.close()
+            self.channel.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise RuntimeError(f"no worker for {target_name!r}: {e}") from None
+        finally:
+            child.close()
+        self.channel.handed_over()
         self.queue: list[tuple[Case, dict, int]] = []   # case, kfuzz's inputs, message size
         self.started = 0.0            # when the head case began to run
         self.credit = Credit()        # the head case's compile time (kfuzz.jit)
@@ -184,10 +252,28 @@ class Worker:
             (kind, _, self.confinement), _ = unpack(self.conn.recv_bytes())
         except EOFError:
             self.process.join(5)
+            code = self.process.exitcode
             self.kill()
-            raise RuntimeError(f"worker for {target_name!r} died while starting "
-                               f"({sandbox.death_name(self.process.exitcode)})") from None
+            if code == CUDA_UNAVAILABLE:
+                raise _CudaUnavailable() from None
+            raise RuntimeError(f"worker for {target_name!r} died while starting ({sandbox.death_name(code)})") from None
         assert kind == "ready"
+        # where the kernel may start processes, none may outlive its call: the worker's own
+        # tree is its relay, the init of its PID namespace and itself (kfuzz.sandbox.isolate)
+        self.watch_tree = policy is not None and policy.processes
+        self.own_tree = 2 if "pid" in str(self.confinement.get("isolation", "")).split("+") else 0
+
+    def escape(self, answered: bool = True) -> tuple[str, str] | None:
+        """The first attempt to leave the sandbox that the worker's channel reported, or None.
+        ``answered``: the worker answered and goes on, so it must still hold its end; a closed
+        or torn channel is then a violation too, and so is a process the kernel started that
+        is still running."""
+        found = self.channel.verdict(answered)
+        if found is None and answered and self.watch_tree:
+            left = len(launcher.descendants(self.process.pid)) - self.own_tree
+            if left > 0:
+                found = sandbox.FORK, f"{left} process(es) the kernel started outlived its call"
+        return found
 
     def post(self, msg: bytes, unread: int = 0) -> None:
         """Send ``msg`` without ever blocking on the worker: directly while the pipe has room
@@ -221,12 +307,15 @@ class Worker:
         return self.started + timeout + self.credit.extension(time.monotonic())
 
     def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
+        """Kill the worker (its PID namespace, and with it every process it started, dies with
+        it) and remove its directory."""
+        self.process.kill()
         self.process.join(10)
+        self.process.release()
         if self.outbox is not None:
             self.outbox.put(None)     # the sender, if blocked, fails now that the worker is gone
         self.conn.close()
+        self.channel.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def stop(self) -> None:
@@ -240,38 +329,14 @@ class Worker:
 
 
 def fork_server_here(close: tuple[int, ...] = ()) -> bool:
-    """Make this process's forkserver a fork of this process as it is now, instead of a fresh
-    interpreter that imports torch again (seconds a process): for a short-lived process that
-    starts workers and has imported what they need. Call it before touching CUDA and before
-    holding anything a kernel must not see: every worker is a copy of this moment. ``close``:
-    descriptors the server (so every worker) must not inherit, such as a pipe to a parent that
-    unpickles what it reads. False (nothing done) where this Python's forkserver is not the
-    one this is written for; workers then come from a fresh server, as usual."""
-    import socket
-    from multiprocessing import connection, forkserver
-    server = forkserver._forkserver
-    if not hasattr(server, "_forkserver_address") or hasattr(server, "_forkserver_authkey") \
-            or server._forkserver_pid is not None:
-        return False
-    inherited = server._forkserver_alive_fd    # a fork of a forkserver's child holds its server's
-    with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")
-        listener.bind(address)
-        os.chmod(address, 0o600)
-        listener.listen()
-        alive_r, alive_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:    # the server: it ends when this process (its only client) does
-            try:
-                os.close(alive_w)
-                for fd in (*close, *([inherited] if inherited is not None else [])):
-                    os.close(fd)
-                forkserver.main(listener.fileno(), alive_r, [])
-            finally:
-                os._exit(0)
-        os.close(alive_r)
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-    return True
+    """Make this process's zygote (``kfuzz.launcher``) a fork of this process as it is now,
+    instead of a fresh interpreter that imports torch again (seconds a process): for a
+    short-lived process that starts workers and has imported what they need. Call it before
+    touching CUDA and before holding anything a kernel must not see: every worker is a copy of
+    this moment. The zygote keeps no descriptor but its socket to this process (``close`` is
+    accepted for callers that name descriptors to drop; all are). False (nothing done) where a
+    fork now would be unsafe; workers then come from a fresh zygote, as usual."""
+    return launcher.zygote_here()
 
 
 def worker_policy(policy: sandbox.Policy | None, device: str, timeout: float) -> sandbox.Policy:
@@ -284,9 +349,17 @@ def worker_policy(policy: sandbox.Policy | None, device: str, timeout: float) ->
 
 
 def death(worker: Worker, policy: sandbox.Policy) -> tuple[str, str]:
-    """The ``exc_type`` and detail of a worker that died while running the kernel."""
+    """The ``exc_type`` and detail of a worker that died while running the kernel: the first
+    attempt its channel reported, else how it died (``sandbox-syscall`` for a call the
+    system-call filter forbids)."""
     worker.process.join(10)
+    escape = worker.escape(answered=False)
+    if escape is not None:
+        return escape
     name = sandbox.death_name(worker.process.exitcode)
+    if name == sandbox.SYSCALL:
+        return name, ("the system-call filter killed the worker: the kernel made a call the sandbox forbids "
+                      "(a new process, a socket, a namespace, ptrace, a signal to another process)")
     why = {sandbox.CPU: f" past its CPU-time limit of {policy.cpu_seconds} s a case",
            sandbox.FILE_SIZE: " writing a file past its size limit"}.get(name, "")
     return name, f"the worker died ({name}){why} while running the kernel"

@@ -9,10 +9,11 @@ import platform
 import re
 import signal
 import socket
+import time
 
 import pytest
 
-from harnesses.escapes import REPO, probe_paths
+from harnesses.escapes import ORPHAN, REPO, probe_paths
 from kfuzz import sandbox
 from kfuzz.campaign import run_campaign
 from kfuzz.corpus import Corpus, iter_case_files, load
@@ -88,22 +89,59 @@ def _in_confined_child(attempt, workdir, policy=sandbox.Policy(memory=None)) -> 
     return got
 
 
+_SYSCALL = ctypes.CDLL(None, use_errno=True).syscall   # looked up here: a lookup in a confined process is named
+
+
 def _raw(nr, *args) -> tuple[int, int]:
     """A system call made directly, past Python and its audit hook: (result, errno)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    res = libc.syscall(nr, *args)
+    res = _SYSCALL(nr, *args)
     if nr == 57 and res == 0:   # a fork that got through: the grandchild leaves at once
         os._exit(0)
     return res, ctypes.get_errno()
 
 
+def _killed_in_confined_child(attempt, workdir, policy=sandbox.Policy(memory=None)) -> int:
+    """Run ``attempt()`` in a forked, confined child; its wait status's signal (0: none)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.alarm(30)
+            sandbox.confine(policy, str(workdir))
+            attempt()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+
+
 @pytest.mark.skipif(not X86_64, reason="the seccomp filter and these syscall numbers are x86-64's")
-@pytest.mark.parametrize("what, nr, args, errno_", [
-    ("fork", 57, (), 1),                                                          # EPERM
-    ("socket(AF_INET)", 41, (socket.AF_INET, socket.SOCK_STREAM, 0), 1),
+@pytest.mark.parametrize("what, nr, args", [
+    ("fork", 57, ()),
+    ("socket(AF_INET)", 41, (socket.AF_INET, socket.SOCK_STREAM, 0)),
+    ("socket(AF_UNIX)", 41, (socket.AF_UNIX, socket.SOCK_STREAM, 0)),
+    ("unshare(CLONE_NEWUSER)", 272, (0x10000000,)),
+    ("kill(1, 0)", 62, (1, 0)),
+    ("ptrace(PTRACE_ATTACH, 1)", 101, (16, 1, 0, 0)),
 ])
-def test_raw_system_calls_are_refused(tmp_path, what, nr, args, errno_):
-    assert _in_confined_child(lambda _: _raw(nr, *args), tmp_path) == repr((-1, errno_)), what
+def test_raw_system_calls_kill_the_process(tmp_path, what, nr, args):
+    """Past the audit hook, the system-call filter kills the process: its parent sees SIGSYS,
+    which kfuzz names ``sandbox-syscall``; the kernel gets no error to catch."""
+    assert _killed_in_confined_child(lambda: _raw(nr, *args), tmp_path) == signal.SIGSYS, what
+    assert sandbox.death_name(-signal.SIGSYS) == sandbox.SYSCALL
+
+
+@pytest.mark.skipif(not X86_64, reason="the seccomp filter and these syscall numbers are x86-64's")
+def test_a_thread_and_a_signal_to_itself_are_allowed(tmp_path):
+    import threading
+
+    def fine():
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return "ok"
+    assert _in_confined_child(lambda _: fine(), tmp_path) == repr("ok")
 
 
 @pytest.mark.skipif(not LANDLOCK, reason="this kernel has no Landlock: writes are detected, not blocked")
@@ -117,6 +155,18 @@ def test_a_raw_write_outside_the_private_directory_is_refused(tmp_path):
     assert got == repr((-1, 13))
     assert _in_confined_child(lambda _: open("inside.txt", "w").write("ok"), private) == "2"
     assert victim.read_text() == "kept" and (private / "inside.txt").read_text() == "ok"
+
+
+@pytest.mark.skipif(not LANDLOCK, reason="this kernel has no Landlock: reads are named, not blocked")
+def test_a_raw_read_of_a_host_file_is_refused(tmp_path):
+    secret = tmp_path / "secret.txt"        # outside the child's directory and the Python environment
+    secret.write_text("secret")
+    private = tmp_path / "private"
+    private.mkdir()
+    assert _in_confined_child(lambda _: _raw(2, str(secret).encode(), os.O_RDONLY, 0), private) == repr((-1, 13))
+    # what a worker needs stays readable: the Python environment, its own /proc entry
+    assert _in_confined_child(lambda _: len(open(os.__file__).read()) > 0 and
+                              "VmSize" in open("/proc/self/status").read(), private) == "True"
 
 
 def test_a_caught_violation_still_counts(tmp_path):
@@ -135,10 +185,11 @@ def test_the_confinement_report_names_each_layer(tmp_path):
     assert re.fullmatch(r"RLIMIT_AS \d+\.\d\d GiB mapped \+ 4 GiB", report["memory"]) and report["files"].startswith("RLIMIT_NOFILE 512")
     assert report["directory"] == str(tmp_path)
     if X86_64:
-        assert report["processes"] == "blocked (seccomp) and named"
-        assert "seccomp" in report["network"]
+        assert "seccomp-kill" in report["processes"] and report["processes"].endswith("and named")
+        assert "seccomp-kill" in report["network"] and "seccomp-kill" in report["namespaces"]
     if LANDLOCK:
         assert report["writes"] == f"blocked (landlock-{LANDLOCK}) and named"
+        assert report["reads"] == f"blocked (landlock-{LANDLOCK}) and named"
 
 
 def _thread_then_allocations(report):
@@ -191,3 +242,126 @@ def test_cli_refuses_a_bad_memory_limit(tmp_path):
     r = CliRunner().invoke(cli, ["run", "--target", "escapes", "--runs", "1", "--memory-limit", "lots",
                                  "--root", str(tmp_path)])
     assert r.exit_code == 2 and "--memory-limit" in r.output and "lots" in r.output
+
+
+# kernels that fight back: each catches what stops it and returns the right sum ------------------
+
+# processes allowed (as on CUDA, or for a build), but no program to run and at most 16 of them
+PROCS = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=5, processes=True, max_processes=16, executable=())
+
+
+def _one_verdict(name: str, policy: sandbox.Policy):
+    from kfuzz.case import Case
+    from kfuzz.workers import WorkerPool
+    pool = WorkerPool(get_target(name), jobs=1, timeout=30.0, policy=policy)
+    try:
+        pool.submit(Case.make(name, "float32", 1, {"N": 2, "D": 8}))
+        got = []
+        while pool.busy:
+            got.extend(pool.results())
+    finally:
+        pool.close()
+    (result,) = got
+    return result.verdict
+
+
+def _named(comm: str) -> list[int]:
+    """Live processes whose name (comm) is ``comm``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.find("(") + 1:stat.rfind(")")] == comm and stat[stat.rfind(")") + 2] != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("name, policy, exc_type", [
+    ("escapes.launcher", POLICY, sandbox.NETWORK),
+    ("escapes.bookkeeping", POLICY, sandbox.NETWORK),
+    ("escapes.forkbomb", POLICY, sandbox.FORK),
+    ("escapes.forkbomb", PROCS, sandbox.FORK),
+    ("escapes.orphan", POLICY, sandbox.FORK),
+    ("escapes.orphan", PROCS, sandbox.FORK),
+    ("escapes.reserve", POLICY, sandbox.MEMORY),
+    ("escapes.cache", POLICY, sandbox.WRITE),
+    ("escapes.secrets", POLICY, sandbox.READ),
+    ("escapes.userns", POLICY, sandbox.NAMESPACE),
+    ("escapes.userns", PROCS, sandbox.NAMESPACE),
+    ("escapes.shell", POLICY, sandbox.FORK),
+    ("escapes.shell", PROCS, sandbox.FORK),
+    # without the audit hook, only the operating system's layers: the filter kills the worker
+    ("escapes.rawfork", sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=5, name_escapes=False), sandbox.SYSCALL),
+    ("escapes.userns", sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=5, name_escapes=False), sandbox.SYSCALL),
+], ids=lambda v: v if isinstance(v, str) and "." in v else None)
+def test_a_kernel_that_fights_back_gets_the_verdict_and_the_host_is_unharmed(name, policy, exc_type):
+    if name == "escapes.secrets" and not os.path.exists("/etc/shadow"):
+        pytest.skip("no /etc/shadow here")
+    before = _corpus_files()
+    verdict = _one_verdict(name, policy)
+    assert verdict is not None and (verdict.kind, verdict.exc_type) == ("crash", exc_type), verdict
+    deadline = time.monotonic() + 5
+    while _named(ORPHAN) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _named(ORPHAN), "a process the kernel started outlived its worker"
+    for probe in probe_paths():
+        assert not probe.exists(), f"{probe} was written from inside the sandbox"
+    after = _corpus_files()
+    assert {p: after.get(p) for p in before} == before
+
+
+def test_kfuzz_control_sockets_have_no_name():
+    """A kernel can reach no control channel of kfuzz's by a path or an abstract name: every
+    Unix socket that the zygote (the one process that starts workers) holds is unnamed."""
+    from kfuzz import launcher
+    verdict = _one_verdict("escapes", POLICY)     # starts the zygote, runs one case
+    assert verdict is None
+    inodes = set()
+    for pid in [launcher._shared[0].pid]:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.read().splitlines()[1:]]
+    named = [row for row in rows if row[6] in inodes and len(row) > 7]
+    assert inodes and not named, named
+
+
+def test_a_kernel_that_closes_its_violation_channel_is_caught(tmp_path):
+    """The channel is the worker's one way to name an attempt; a kernel that closes it (so that
+    later attempts go unnamed) gets ``sandbox-channel``."""
+    import textwrap
+    module = tmp_path / "closechannel.py"
+    module.write_text(textwrap.dedent('''
+        import os, socket
+        from kfuzz.target import Arg, Dim, Output, target
+
+        @target("closechannel", reference=lambda x: x.sum(dim=-1), args={"x": Arg(("N", "D"))},
+                outputs={"out": Output(("N",))}, dims={"N": Dim(1, 8), "D": Dim(1, 64)})
+        def closechannel(x):
+            import gc, stat
+            from multiprocessing.connection import Connection
+            keep = {o.fileno() for o in gc.get_objects() if isinstance(o, Connection) and not o.closed}
+            for fd in range(3, 64):
+                try:
+                    if fd not in keep and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                        os.close(fd)    # every socket but the pipe to kfuzz: the violation channel
+                except OSError:
+                    pass
+            return x.double().sum(dim=-1).to(x.dtype)
+    '''))
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import closechannel  # noqa: F401  (registers the target)
+        verdict = _one_verdict("closechannel", POLICY)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert verdict is not None and verdict.exc_type == sandbox.CHANNEL, verdict

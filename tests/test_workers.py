@@ -238,3 +238,97 @@ def test_a_terminated_campaign_still_writes_its_summary(tmp_path):
     stats = json.loads(stats_json.read_text())
     assert stats["interrupted"] is True and stats["executions"] > 0 and not stats["failures"]
     assert "interrupted" in out
+
+
+def test_a_target_whose_import_breaks_forked_copies_runs_in_workers():
+    """``harnesses.forkfragile`` ends any forked copy of the process that imported it (as a
+    library that initialises CUDA at import does): workers import their target after they are
+    forked, so every case passes, none is a crash."""
+    import harnesses.forkfragile  # noqa: F401  (registers the target here; the worker imports it itself)
+    target = get_target("forkfragile")
+    pool = WorkerPool(target, jobs=1, timeout=30.0)
+    try:
+        cases = [Case.make("forkfragile", "float32", seed, {"N": 2, "D": 8}) for seed in range(3)]
+        for case in cases:
+            pool.submit(case)
+        results = _drain(pool)
+    finally:
+        pool.close()
+    assert [r.verdict for r in results] == [None] * 3 and pool.restarts == 0
+    for r in results:
+        assert judge(r.case, target, r.inputs, r.outputs).passed
+
+
+def test_a_zygote_that_is_unsafe_to_fork_gives_way_to_a_fresh_one(tmp_path, monkeypatch):
+    """A module preloaded into the zygote that starts a thread makes forking it unsafe: the
+    zygote says so, and the worker comes from a zygote of its own (a spawn) instead."""
+    import os
+    import sys
+
+    from kfuzz import launcher
+    (tmp_path / "threadstarter.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tainted = launcher.Launcher()
+    try:
+        assert tainted.ensure(("threadstarter",)) is not None and "threads" in tainted.hazard
+        monkeypatch.setattr(launcher, "_shared", [tainted])
+        r, w = os.pipe()
+        child = launcher.start(("os", "write"), (b"ok",), (w,), preload=("threadstarter",))
+        os.close(w)
+        assert child.launcher is not tainted and child.launcher.single
+        assert os.read(r, 10) == b"ok"
+        child.join(30)
+        assert child.exitcode == 0
+        child.release()
+        os.close(r)
+    finally:
+        tainted.close()
+    assert "threadstarter" not in sys.modules    # imported by the zygote, never by kfuzz's process
+
+
+def test_a_worker_holds_no_descriptor_of_kfuzz_but_its_own(tmp_path):
+    """Whatever kfuzz's process holds open (a results file, say), a worker holds only its pipe,
+    its violation channel and the standard descriptors (stdin and stdout on /dev/null)."""
+    import os
+
+    from kfuzz import launcher
+    held = open(tmp_path / "results.jsonl", "w")
+    r, w = os.pipe()
+    try:
+        child = launcher.start(("tests.test_workers", "_report_fds"), (), (w,))
+        os.close(w)
+        got = os.read(r, 4000).decode()
+        child.join(30)
+        child.release()
+    finally:
+        os.close(r)
+        held.close()
+    fds = dict(line.split(" ", 1) for line in got.splitlines())
+    assert fds["0"] == fds["1"] == "/dev/null"
+    handed = [target for n, target in fds.items() if n not in ("0", "1", "2")]
+    assert len(handed) == 1 and handed[0].startswith("pipe:"), fds   # the pipe it was handed, and nothing else
+
+
+def _report_fds(fd: int) -> None:
+    """What this process holds open, one ``fd target`` line each, to ``fd``."""
+    import os
+    lines = []
+    for n in range(1024):
+        try:
+            lines.append(f"{n} {os.readlink(f'/proc/self/fd/{n}')}")
+        except OSError:
+            pass
+    os.write(fd, "\n".join(lines).encode())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_worker_tries_fewer_namespaces_before_it_gives_up(monkeypatch):
+    """Where CUDA does not start inside a worker's namespaces, kfuzz retries with fewer (no user
+    namespace, then none) and remembers the level that works; here CUDA never starts, so every
+    level is tried and the error says why."""
+    from kfuzz import sandbox, workers
+    monkeypatch.setattr(workers, "_levels", {})
+    with pytest.raises(RuntimeError, match="died while starting"):
+        workers.Worker("searchsum", None, "cuda", False, sandbox.Policy())
+    assert workers._levels["cuda"] == ["none"] and workers.isolation_level("cpu") == "full"
