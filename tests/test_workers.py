@@ -246,7 +246,7 @@ def test_a_target_whose_import_breaks_forked_copies_runs_in_workers():
     forked, so every case passes, none is a crash."""
     import harnesses.forkfragile  # noqa: F401  (registers the target here; the worker imports it itself)
     target = get_target("forkfragile")
-    pool = WorkerPool(target, jobs=1, timeout=30.0)
+    pool = Pool(target, jobs=1, timeout=30.0)
     try:
         cases = [Case.make("forkfragile", "float32", seed, {"N": 2, "D": 8}) for seed in range(3)]
         for case in cases:
@@ -256,7 +256,7 @@ def test_a_target_whose_import_breaks_forked_copies_runs_in_workers():
         pool.close()
     assert [r.verdict for r in results] == [None] * 3 and pool.restarts == 0
     for r in results:
-        assert judge(r.case, target, r.inputs, r.outputs).passed
+        assert judge(r.case, target, r.inputs, _outputs(r, target)).passed
 
 
 def test_a_zygote_that_is_unsafe_to_fork_gives_way_to_a_fresh_one(tmp_path, monkeypatch):
