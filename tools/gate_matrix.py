@@ -101,7 +101,7 @@ def render(data: dict) -> str:
         caught = [g for g in ids if gates[g]["status"] == "fail"]
         want = INTENDED.get(name, "")
         only = "yes" if want and caught == [want] else ("-" if not want else "no")
-        lines.append(f"| `{name}` | {want or '(core)'} | " + " | ".join(MARK[gates[g]["status"]] for g in ids)
+        lines.append(f"| `{name}` | {want or ('(audit)' if name.startswith('kb:') else '(core)')} | " + " | ".join(MARK[gates[g]["status"]] for g in ids)
                      + f" | {only} |")
     lines += ["", "Evidence (the first failing case of each gate that caught a control):", ""]
     for name, t in data["targets"].items():
