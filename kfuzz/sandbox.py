@@ -74,11 +74,15 @@ class Policy:
     @classmethod
     def for_device(cls, device: str = "cpu", **overrides) -> "Policy":
         """The default policy for ``device``. On CUDA: no address-space limit (the driver
-        reserves far more than any limit a user would set) and new processes allowed, but
-        exec only of Triton's ptxas and the C compiler (Landlock), bounded in number."""
+        reserves far more than any limit a user would set) and new processes allowed (Triton
+        runs ptxas and the C compiler), bounded in number a call and none outliving it; the
+        toolchain's folders are readable. Exec is not narrowed to the toolchain by default: a
+        compiler installed as a wrapper under its own prefix (the H200 machine's /opt/gcc) was
+        refused by Landlock's execute rule there; ``executable=cuda_executables()`` narrows it
+        where the toolchain is known to be plain binaries."""
         base = {}
         if str(device).startswith("cuda"):
-            base = dict(memory=None, processes=True, executable=cuda_executables())
+            base = dict(memory=None, processes=True, readable=cuda_executables())
         return cls(**{**base, **overrides})
 
 
@@ -88,6 +92,16 @@ def cuda_executables() -> tuple[str, ...]:
     found = glob.glob("/usr/lib/gcc") + glob.glob("/usr/libexec/gcc") + glob.glob("/usr/local/cuda/bin/ptxas")
     for pattern in ("gcc*", "cc", "c++", "g++*", "x86_64-linux-gnu-*", "as", "ld", "ld.*", "clang*"):
         found += glob.glob(os.path.join("/usr/bin", pattern))
+    # the compiler Triton would pick (``CC``, else the first ``cc``/``gcc``/``clang`` on PATH), and,
+    # when it is installed under a prefix of its own (/opt/gcc), that prefix: its cc1, as and ld
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang", "as", "ld"):
+        where = shutil.which(name) if name else None
+        if where:
+            real = os.path.realpath(where)
+            found += [where, real]
+            prefix = os.path.dirname(os.path.dirname(real))
+            if prefix not in ("/", "/usr", "/usr/local") and os.path.basename(os.path.dirname(real)) == "bin":
+                found.append(prefix)
     try:
         import importlib.util
         spec = importlib.util.find_spec("triton")
@@ -160,7 +174,6 @@ class _Auditor:
         self.channel = channel
         self.pid = os.getpid()
         self.executable = None if policy.executable is None else [os.path.realpath(p) for p in policy.executable]
-        self.spawned = 0
         watched = {"open", "socket.__new__", "os.kill", "os.killpg", "ctypes.dlsym"} | _NET_EVENTS | _NS_EVENTS
         watched |= _SPAWN_EVENTS
         if policy.confine_writes:
@@ -239,9 +252,9 @@ class _Auditor:
         what lies beneath ``policy.executable``."""
         if event in ("os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system",
                      "pty.spawn"):
-            self.spawned += 1
-            if self.spawned > self.policy.max_processes:
-                return FORK, f"{event}: more than {self.policy.max_processes} processes started"
+            _spawned[0] += 1
+            if _spawned[0] > self.policy.max_processes:
+                return FORK, f"{event}: more than {self.policy.max_processes} processes started in one call"
         if self.executable is None:
             return None
         if event == "os.system":
@@ -827,6 +840,7 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
 # each case ---------------------------------------------------------------------------------------
 
 _cpu_soft = [0]    # the RLIMIT_CPU soft limit as last set
+_spawned = [0]     # processes the current call started (where a policy allows any)
 
 
 def start_case(cpu_seconds: int | None) -> None:
@@ -834,6 +848,7 @@ def start_case(cpu_seconds: int | None) -> None:
     before ``SIGXCPU``: re-arming the limit costs ~40 us, so it is re-armed only when less
     than one budget is left."""
     _violations.clear()
+    _spawned[0] = 0
     if cpu_seconds:
         used = resource.getrusage(resource.RUSAGE_SELF)
         used = math.ceil(used.ru_utime + used.ru_stime)

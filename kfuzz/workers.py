@@ -54,6 +54,8 @@ import time
 from multiprocessing.connection import Connection
 from queue import Queue
 
+import torch
+
 from kfuzz import jit, launcher, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
