@@ -26,16 +26,26 @@ def _exact_step(S, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE: tl.const
     b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(S.dtype)
     b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(S.dtype)
     if GATE == 1:
-        S = tl.exp(tl.load(g + tt).to(S.dtype)) * S
+        S = _in_tile(tl.exp(tl.load(g + tt).to(S.dtype)) * S, mk, mv)
     elif GATE == 2:
-        S = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(S.dtype))[:, None] * S
+        S = _in_tile(tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(S.dtype))[:, None] * S,
+                     mk, mv)
     if DELTA:
-        bk = tl.load(beta + tt).to(S.dtype) * b_k
+        bk = tl.where(mk, tl.load(beta + tt).to(S.dtype) * b_k, 0.)
         x = tl.sum(b_k[:, None] * S, 0)
         S = S - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :]
     else:
         S = S + b_k[:, None] * b_v[None, :]
-    return S
+    return _in_tile(S, mk, mv)
+
+
+@triton.jit
+def _in_tile(X, mk, mv):
+    """X with the padding rows (keys past K) and columns (values past V) of its tile 0: a
+    padded key or value is a loaded 0, and 0 times an Inf of the token's other factor is a NaN
+    that the next step's sums over keys (or the gradients' over values) would carry into the
+    tile's real entries, where the recurrence has no such term."""
+    return tl.where(mk[:, None] & mv[None, :], X, 0.)
 
 
 @triton.jit
@@ -46,16 +56,17 @@ def _exact_dstep(dS, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv, mv,
     tt = (t * H + ih).to(tl.int64)
     b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(dS.dtype) * scale
     b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(dS.dtype)
-    dS = dS + b_q[:, None] * b_do[None, :]
+    dS = _in_tile(dS + b_q[:, None] * b_do[None, :], mk, mv)
     if DELTA:
         b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(dS.dtype)
-        bk = tl.load(beta + tt).to(dS.dtype) * b_k
+        bk = tl.where(mk, tl.load(beta + tt).to(dS.dtype) * b_k, 0.)
         dx = tl.sum(-dS * bk[:, None], 0)
-        dS = dS + b_k[:, None] * dx[None, :]
+        dS = _in_tile(dS + b_k[:, None] * dx[None, :], mk, mv)
     if GATE == 1:
-        dS = tl.exp(tl.load(g + tt).to(dS.dtype)) * dS
+        dS = _in_tile(tl.exp(tl.load(g + tt).to(dS.dtype)) * dS, mk, mv)
     elif GATE == 2:
-        dS = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(dS.dtype))[:, None] * dS
+        dS = _in_tile(tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(dS.dtype))[:, None] * dS,
+                      mk, mv)
     return dS
 
 
@@ -112,38 +123,38 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, 
             b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float64)
             if GATE == 1:
                 a = tl.exp(tl.load(g + tt).to(tl.float64))
-                S1 = a * S
+                S1 = _in_tile(a * S, mk, mv)
             elif GATE == 2:
                 av = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float64))
-                S1 = av[:, None] * S
+                S1 = _in_tile(av[:, None] * S, mk, mv)
             else:
                 S1 = S
             if DELTA:
                 bt = tl.load(beta + tt).to(tl.float64)
-                bk = bt * b_k
+                bk = tl.where(mk, bt * b_k, 0.)
                 x = tl.sum(b_k[:, None] * S1, 0)
-                S2 = S1 - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :]
+                S2 = _in_tile(S1 - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :], mk, mv)
             else:
-                S2 = S1 + b_k[:, None] * b_v[None, :]
-            dS2 = dS + b_q[:, None] * b_do[None, :]
+                S2 = _in_tile(S1 + b_k[:, None] * b_v[None, :], mk, mv)
+            dS2 = _in_tile(dS + b_q[:, None] * b_do[None, :], mk, mv)
             dqt = tl.sum(S2 * b_do[None, :], 1)
             if DELTA:
-                dbk = tl.sum(dS2 * b_v[None, :], 1) + tl.sum(-dS2 * x[None, :], 1)
+                dbk = tl.where(mk, tl.sum(dS2 * b_v[None, :], 1) + tl.sum(-dS2 * x[None, :], 1), 0.)
                 dvt = tl.sum(dS2 * bk[:, None], 0)
                 dx = tl.sum(-dS2 * bk[:, None], 0)
                 dkt = tl.sum(S1 * dx[None, :], 1) + bt * dbk
                 acc_db += tl.where(rows == r, tl.sum(dbk * b_k, 0), 0.)
-                dS1 = dS2 + b_k[:, None] * dx[None, :]
+                dS1 = _in_tile(dS2 + b_k[:, None] * dx[None, :], mk, mv)
             else:
                 dkt = tl.sum(dS2 * b_v[None, :], 1)
                 dvt = tl.sum(dS2 * b_k[:, None], 0)
                 dS1 = dS2
             if GATE == 1:
                 acc_dg += tl.where(rows == r, tl.sum(tl.sum(dS1 * S, 1), 0) * a, 0.)
-                dS = a * dS1
+                dS = _in_tile(a * dS1, mk, mv)
             elif GATE == 2:
                 acc_dgv += tl.where(rows[:, None] == r, (tl.sum(dS1 * S, 1) * av)[None, :], 0.)
-                dS = av[:, None] * dS1
+                dS = _in_tile(av[:, None] * dS1, mk, mv)
             else:
                 dS = dS1
             acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)

@@ -30,9 +30,18 @@ The Triton kernel adds what a reference need not have: a vector gate runs with
 C = 16 and factors Gamma_i/Gamma_j = Gamma_i * (1/Gamma_j) (safe only when the
 chunk's total decay is <= 60 per key), the inverse T is built from 16x16 blocks,
 and any chunk whose inputs or incoming state are not all finite and moderate is
-run token by token with the oracle's own formulas (see `gdn.chunk_fwd`).  This
-reference has no exact path: on non-finite inputs its NaN/Inf pattern is not
-the oracle's.
+run token by token with the oracle's own formulas (see `gdn.chunk_fwd`).
+
+Special values.  This reference, the trusted implementation of kfuzz's GDN
+targets, carries a NaN or Inf to the tokens the recurrence carries it to, and
+no others: every in-chunk mask selects before a product (a lower-triangular
+product sums row i over rows j <= i alone, `_CausalProduct`, and so do the
+products of its gradient), the inverse T is formed row by row where A is not
+finite, and a non-finite gate reaches only the decays that span it
+(`_gate_sums`).  On finite inputs every one of these is the plain product.  So
+its outputs have the oracle's NaN/Inf sets (where no intermediate overflows
+fp32), and a kernel that spreads a NaN to earlier tokens of its chunk finds no
+excuse in it.
 """
 from __future__ import annotations
 
@@ -61,6 +70,112 @@ def _operand_rounding(dtype):
     return lambda x: _RoundOperand.apply(x, dtype)
 
 
+def _masked_mm(L, X, mask):
+    """L X summing, for row i, over the rows j of X where mask[i, j] alone: a plain product
+    where X is finite, else the sum over a masked [.., n, n, d] copy of X (a NaN or Inf in a
+    row outside the mask never meets one of L's zeros: 0 * NaN is NaN)."""
+    L = torch.where(mask, L, 0.)
+    if bool(torch.isfinite(X).all()):
+        return L @ X
+    return torch.einsum("...ij,...ijd->...id", L, torch.where(mask[..., None], X.unsqueeze(-3), 0.))
+
+
+class _CausalProduct(torch.autograd.Function):
+    """L X for a chunk's lower-triangular L ([.., n, n]; ``causal`` its mask, the diagonal
+    included): row i of the result sums over the rows j <= i of X alone, as the recurrence
+    reaches token i, and the gradient of X's row j over the rows i >= j of the output's
+    gradient alone, as autograd through the recurrence carries it back.  So a NaN or Inf in
+    one token reaches the tokens the recurrence takes it to, and no others."""
+
+    @staticmethod
+    def forward(ctx, L, X, causal):
+        ctx.save_for_backward(L, X, causal)
+        return _masked_mm(L, X, causal)
+
+    @staticmethod
+    def backward(ctx, grad):
+        L, X, causal = ctx.saved_tensors
+        dL = torch.where(causal, grad @ X.transpose(-1, -2), 0.)   # entry (i, j): rows i, j alone
+        dX = _masked_mm(L.transpose(-1, -2), grad, causal.transpose(-1, -2))
+        return dL, dX, None
+
+
+class _MaskedGram(torch.autograd.Function):
+    """A B^T where ``mask`` (entry (i, j) from row i of A and row j of B alone), 0 elsewhere;
+    its gradients sum over the entries in the mask alone, so a NaN or Inf in a row of A or B
+    never meets a zero gradient of an entry outside it."""
+
+    @staticmethod
+    def forward(ctx, A, B, mask):
+        ctx.save_for_backward(A, B, mask)
+        return torch.where(mask, A @ B.transpose(-1, -2), 0.)
+
+    @staticmethod
+    def backward(ctx, grad):
+        A, B, mask = ctx.saved_tensors
+        return (_masked_mm(grad, B, mask), _masked_mm(grad.transpose(-1, -2), A, mask.transpose(-1, -2)),
+                None)
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """(I + A)^-1 for a chunk's strictly lower A ([.., n, n]; ``causal`` the lower mask, the
+    diagonal included) by forward substitution, row i from rows j < i alone; its gradient
+    dA = -strict_lower(T^T dT T^T) by products over the triangles alone."""
+
+    @staticmethod
+    def forward(ctx, A, causal):
+        n = A.shape[-1]
+        eye = torch.eye(n, device=A.device, dtype=A.dtype)
+        if bool(torch.isfinite(A).all()):
+            T = torch.linalg.solve_triangular(eye + A, eye.expand_as(A).contiguous(), upper=False,
+                                              unitriangular=True)
+        else:   # T[i, j] = delta_ij - sum_{j <= m < i} A[i, m] T[m, j]: no 0 * NaN of A's row i
+            T = eye.expand_as(A).clone()
+            for i in range(1, n):
+                terms = torch.where(causal[:i], A[..., i, :i, None] * T[..., :i, :], 0.)
+                T[..., i, :] = T[..., i, :] - terms.sum(-2)
+        ctx.save_for_backward(T, causal)
+        return T
+
+    @staticmethod
+    def backward(ctx, dT):
+        T, causal = ctx.saved_tensors
+        up = causal.transpose(-1, -2)
+        m1 = _masked_mm(T.transpose(-1, -2), torch.where(causal, dT, 0.), up)     # T^T dT
+        m2 = _masked_mm(T, m1.transpose(-1, -2), causal).transpose(-1, -2)       # (T^T dT) T^T
+        strict = causal & ~torch.eye(T.shape[-1], dtype=torch.bool, device=T.device)
+        return torch.where(strict, -m2, 0.), None
+
+
+def _causal_mm(L, X, causal):
+    return _CausalProduct.apply(L, X, causal)
+
+
+def _masked_decayed_gram(A, B, dec, mask):
+    """sum_d A[i, d] B[j, d] dec[i, j, d] where ``mask``, 0 elsewhere (the vector gate's pair
+    products), the operands selected before their products (so their gradients too)."""
+    m = mask[..., None]
+    return (torch.where(m, A.unsqueeze(-2), 0.) * torch.where(m, B.unsqueeze(-3), 0.)
+            * torch.where(m, dec, 0.)).sum(-1)
+
+
+def _gate_sums(gc):
+    """A chunk's gate sums (clamped, float64; gc [B,H,n] or [B,H,n,K]): G_i = sum_{m <= i} g_m
+    and D[i, j] = sum_{j < m <= i} g_m for i >= j ([B,H,n,n(,K)]; the decay from token j's
+    update to token i).  Where every gate is finite, D = G_i - G_j; else each D[i, j] sums its
+    own gates, so a NaN or Inf gate at token m reaches the pairs that span it alone, not every
+    pair after it (G_i - G_j is NaN - NaN there)."""
+    G = torch.cumsum(gc, dim=2)
+    if bool(torch.isfinite(gc).all()):
+        return G, G[:, :, :, None] - G[:, :, None, :]
+    n = gc.shape[2]
+    D = torch.zeros(*gc.shape[:2], n, n, *gc.shape[3:], dtype=gc.dtype, device=gc.device)
+    for i in range(n):   # D[i, j] for j <= i: the sums of g_{j+1..i}, in reverse
+        tail = torch.flip(torch.cumsum(torch.flip(gc[:, :, 1:i + 1], [2]), dim=2), [2])
+        D[:, :, i, :i] = tail
+    return G, D
+
+
 def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None):
     """One batch of equal-length sequences, [B, H, L, *] float32 each (g [B,H,L]
     or [B,H,L,K], beta [B,H,L]); S [B,H,K,V] float32.  Returns (o, S).
@@ -76,39 +191,36 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None):
         idx = torch.arange(c1 - c0, device=q.device)
         causal = idx[:, None] >= idx[None, :]
         if g is None:
-            kk = kc @ kc.transpose(-1, -2)
-            qk = qc @ kc.transpose(-1, -2)
+            kk = _MaskedGram.apply(kc, kc, causal)
+            qk = _MaskedGram.apply(qc, kc, causal)
             gq, gk, kG, gl = qc, kc, kc, 1.0
         else:
-            G = torch.cumsum(g[:, :, c0:c1].clamp(min=GATE_FLOOR).double(), dim=2)
+            G, diff = _gate_sums(g[:, :, c0:c1].clamp(min=GATE_FLOOR).double())
             Gl = G[:, :, -1:]
+            Gend = diff[:, :, -1]                                        # G_C - G_j
             if vector_gate:  # the exact decay tensor [B,H,n,n,K]
-                diff = G[:, :, :, None, :] - G[:, :, None, :, :]
                 dec = torch.exp(torch.where(causal[..., None], diff, -torch.inf).float())
-                kk = torch.einsum("bhid,bhjd,bhijd->bhij", kc, kc, dec)
-                qk = torch.einsum("bhid,bhjd,bhijd->bhij", qc, kc, dec)
-                eG, eGl = torch.exp(G.float()), torch.exp((Gl - G).float())
+                kk = _masked_decayed_gram(kc, kc, dec, causal)
+                qk = _masked_decayed_gram(qc, kc, dec, causal)
+                eG, eGl = torch.exp(G.float()), torch.exp(Gend.float())
                 gl = torch.exp(Gl.float()).transpose(-1, -2)             # [B,H,K,1]
             else:
-                diff = G[..., :, None] - G[..., None, :]
                 dec = torch.exp(torch.where(causal, diff, -torch.inf).float())
-                kk = (kc @ kc.transpose(-1, -2)) * dec
-                qk = (qc @ kc.transpose(-1, -2)) * dec
-                eG, eGl = torch.exp(G.float())[..., None], torch.exp((Gl - G).float())[..., None]
+                kk = _MaskedGram.apply(kc, kc, causal) * dec
+                qk = _MaskedGram.apply(qc, kc, causal) * dec
+                eG, eGl = torch.exp(G.float())[..., None], torch.exp(Gend.float())[..., None]
                 gl = torch.exp(Gl.float())[..., None]                    # [B,H,1,1]
             gq, gk, kG = qc * eG, kc * eGl, kc * eG
         if delta:
             bc = beta[:, :, c0:c1, None]
             A = torch.tril(bc * kk, diagonal=-1)
-            eye = torch.eye(c1 - c0, device=q.device, dtype=q.dtype)
-            Tm = torch.linalg.solve_triangular(eye + A, eye.expand_as(A).contiguous(),
-                                               upper=False, unitriangular=True)
-            u, w = r(r(Tm) @ r(bc * vc)), r(r(Tm) @ r(bc * kG))
+            Tm = _UnitLowerInverse.apply(A, causal)
+            u, w = r(_causal_mm(r(Tm), r(bc * vc), causal)), r(_causal_mm(r(Tm), r(bc * kG), causal))
             vnew = u - w @ r(S)                                          # u - w S
         else:
             vnew = vc
         vnew = r(vnew)
-        o[:, :, c0:c1] = scale * (r(gq) @ r(S) + r(torch.where(causal, qk, 0)) @ vnew)
+        o[:, :, c0:c1] = scale * (r(gq) @ r(S) + _causal_mm(r(qk), vnew, causal))
         S = gl * S + r(gk).transpose(-1, -2) @ vnew
     return o, S
 

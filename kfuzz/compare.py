@@ -6,11 +6,16 @@ where an honest kernel could land either way, and there a finite or a
 non-finite value are both accepted and the position leaves the bound: where the
 oracle's value lies within a few roundoffs of the dtype's largest finite value
 (rounding may land on either side), and where the trusted implementation at the
-kernel's precision is itself not finite while the oracle is (an fp32 running
-total of values near fp32's maximum overflows in any honest kernel), or is
-non-finite of another kind than the oracle (an intermediate overflow turned the
-oracle's Inf into NaN). Gate G06
-(range) is the strict check of that second latitude.
+kernel's precision overflowed while the oracle did not (an fp32 running total
+of values near fp32's maximum overflows in any honest kernel), or overflowed
+into a non-finite value of another kind than the oracle's (an intermediate
+overflow turned the oracle's Inf into NaN). An overflow gives Inf, and NaN only
+from Infs (inf - inf, 0 * inf): so the trusted implementation's Inf counts, and
+its NaN only in an output where the oracle has no NaN. A NaN in an output where
+the oracle has NaNs too is a NaN the inputs carry, and where the trusted
+implementation has it and the oracle does not, the trusted one spread it where
+the math does not: that excuses no kernel. Gate G06 (range) is the strict check
+of that second latitude.
 
 The bound (on the positions where both are finite), normwise and elementwise,
 so that a single wrong element in a large tensor fails:
@@ -97,9 +102,11 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     ambiguous = (edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps))
     if trusted_out is not None:
         # where the honest same-precision implementation overflows too (finite, or Inf, in the
-        # oracle, NaN or another Inf in it: inf - inf after an intermediate overflow), so may the kernel
+        # oracle, NaN or another Inf in it: inf - inf after an intermediate overflow), so may
+        # the kernel; not where its NaN is one the inputs carry (the oracle has NaNs here too)
         t = _f64(trusted_out)
-        free = ~torch.isfinite(t) & (torch.isfinite(o_rounded) | (_class(t) != _class(o_rounded)))
+        overflowed = torch.isinf(t) | (torch.isnan(t) & (not bool(torch.isnan(o_rounded).any())))
+        free = overflowed & (torch.isfinite(o_rounded) | (_class(t) != _class(o_rounded)))
     else:
         free = torch.zeros_like(ambiguous)
     bad = nonfinite_mismatch(k, o_rounded, ambiguous, free)

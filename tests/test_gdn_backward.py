@@ -586,6 +586,21 @@ def test_exact_path_over_several_value_tiles(dtype, tol):
     assert_close(got, want, tol)
 
 
+@pytest.mark.parametrize("name,gate,delta", [("do", 1, True), ("do", 2, False), ("beta", 1, True),
+                                             ("v", 0, True), ("g", 2, True), ("g", 1, False)])
+def test_an_inf_at_keys_and_values_narrower_than_their_tiles_reaches_the_oracles_gradients(
+        name, gate, delta):
+    """K = 1 and V = 3 in 16-wide tiles: an Inf in dO, beta, v or the gate (exp(inf)) at token
+    11 meets the tile's padding keys and values (loaded zeros) in the step path, and 0 * inf
+    there is a NaN the recurrence does not have; the gradients have the oracle's NaN/Inf sets."""
+    x = make_inputs(1, 20, 1, 1, 3, gate, delta, torch.float32, seed=2)
+    x[name] = x[name].clone()
+    x[name][0, 11].view(-1)[0] = float("inf")
+    got = kernel_grads(x, None, delta, 16)
+    want = [None if w is None else w.to(torch.float32) for w in oracle_grads(x, None, delta)]
+    assert_same_specials(got, want)
+
+
 @pytest.mark.parametrize("T,V,t,chunk", [(1, 2, 0, None), (37, 16, 21, 16)])
 def test_a_stepped_chunk_keeps_the_state_gradient_in_range_where_the_oracle_does(T, V, t, chunk):
     """beta at fp32's largest value (outside its domain, as kfuzz injects it) sends its chunk to

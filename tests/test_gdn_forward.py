@@ -729,3 +729,63 @@ def test_the_stored_inverse_is_the_float64_inverse(dtype):
             ref = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A)
             worst = max(worst, rel(tm[0, c0:c0 + n, h, :n].cpu(), ref))
     assert worst < (1e-2 if dtype == torch.bfloat16 else 1e-4), worst
+
+
+def test_a_campaign_fails_a_chunk_that_spreads_a_later_nan_to_earlier_tokens(tmp_path):
+    """A NaN in v at token 5 of a 16-token chunk: the recurrence (and gdn.reference.chunked,
+    the trusted implementation) reach tokens 5 on, a kernel whose causal mask meets v through
+    a product reaches tokens 0-4 too.  The campaign fails it (nonfinite o) and passes the
+    Triton kernel on the same case."""
+    import harnesses.gdn_chunkleak  # noqa: F401  (registers gdn_fwd_linear.maskafter)
+    from kfuzz.campaign import run_campaign
+    from kfuzz.case import Case
+    from kfuzz.corpus import Corpus
+    from kfuzz.target import get_target
+
+    class Cases:
+        name = "list"
+
+        def __init__(self, case):
+            self.case = case
+
+        def next_case(self):
+            return self.case
+
+        def feedback(self, case, verdict):
+            return None
+
+    def campaign(name):
+        case = Case.from_json({"kfuzz": 1, "target": name, "dtype": "float32", "seed": 7, "payload": None,
+                               "dims": {"B": 1, "T": 20, "H": 1, "K": 4, "V": 4},
+                               "args": {"v": {"inject": [[5 * 4 + 1, "nan"]]}}})
+        return run_campaign(get_target(name), Cases(case), Corpus(tmp_path / name), runs=1, jobs=0)
+
+    bad = campaign("gdn_fwd_linear.maskafter")
+    assert [(s.kind, s.output) for s in bad.failures] == [("nonfinite", "o")]
+    assert campaign("gdn_fwd_linear").failures == {}
+
+
+@pytest.mark.parametrize("name", ["v", "k", "beta", "g", "q"])
+def test_reference_spreads_a_nan_exactly_as_the_recurrence_does(name):
+    """One NaN at token 70 (the seventh of the second 64-token chunk): the chunked reference's
+    outputs have the NaN/Inf sets of the float64 recurrence's, so the first NaN of o is at
+    token 70, not at the chunk's start; and where the NaN reaches the gradients through the
+    delta rule's triangles (k, beta, q), autograd through it gives the recurrence's sets too."""
+    x = make_inputs("scalar", True, B=1, T=128, H=1, K=16, V=16, seed=5)
+    x[name] = x[name].clone()
+    x[name][0, 70].view(-1)[0] = float("nan")
+    leaves = {n: t for n, t in x.items() if t is not None}
+    outs = {}
+    for label, fn, dt in (("oracle", recurrence, torch.float64), ("reference", chunked, torch.float32)):
+        ins = {n: t.detach().to(dt).requires_grad_() for n, t in leaves.items()}
+        o, ht = call(fn, ins)
+        gen = torch.Generator().manual_seed(1)
+        loss = (o * torch.randn(o.shape, generator=gen, dtype=dt)).sum() + (ht * 0.5).sum()
+        grads = torch.autograd.grad(loss, [ins[n] for n in ("q", "k", "v", "g", "beta", "initial_state")])
+        outs[label] = (o, ht, *grads)
+    for i, (a, b) in enumerate(zip(outs["reference"], outs["oracle"])):
+        if i >= 2 and name not in ("k", "beta", "q"):
+            break
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), f"output {i}: NaN sets differ"
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), f"output {i}: Inf sets differ"
+    assert torch.isnan(outs["reference"][0][0, :70]).sum() == 0
