@@ -190,7 +190,8 @@ class _Auditor:
                 found = judge(event, args)
                 if found is not None:
                     record(found)
-                    if channel is not None:
+                    if channel is not None and not _told[0]:   # the call's first attempt is its verdict
+                        _told[0] = True
                         tell(channel, found)
                     raise SandboxViolation(*found)
         return audit
@@ -285,9 +286,13 @@ def _beneath(real: str, roots: list[str]) -> bool:
     return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
+_told = [False]    # whether the current call's first attempt went to kfuzz
+
+
 def tell(channel: int, found: tuple[str, str]) -> None:
     """Send one named attempt to kfuzz (a line of JSON); a full or closed channel is kfuzz's
-    to notice."""
+    to notice. One a call, on a non-blocking descriptor: a kernel that repeats an attempt in a
+    loop cannot fill the channel and hang on it."""
     try:
         os.write(channel, (json.dumps(list(found))[:2000] + "\n").encode())
     except OSError:
@@ -821,6 +826,8 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
         except OSError as e:
             report["capabilities"] = f"kept ({e})"
     if policy.name_escapes:
+        if channel is not None:
+            os.set_blocking(channel, False)
         sys.addaudithook(_Auditor(policy, writable, readable, channel).hook())
     named = " and named" if policy.name_escapes else ""
     for key, allowed in (("network", policy.network), ("writes", not policy.confine_writes),
@@ -849,6 +856,7 @@ def start_case(cpu_seconds: int | None) -> None:
     than one budget is left."""
     _violations.clear()
     _spawned[0] = 0
+    _told[0] = False
     if cpu_seconds:
         used = resource.getrusage(resource.RUSAGE_SELF)
         used = math.ceil(used.ru_utime + used.ru_stime)
