@@ -276,7 +276,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     from kfuzz.programs import Program, Sandboxed, malformed
     pair = entry.pair
     overrides = dict(policy or {})
-    confined = kernel_policy(device, **overrides)
+    # the workers that run the kernel load its built extensions: they read the cache, never write it
+    confined = kernel_policy(device, **{"readable": (str(cache),) if cache else (), **overrides})
     bare = StandardOnly(pair.target_name, {"pair": pair})
     nothing = Case(pair.target_name, "float32", 0, ())
     if entry.compiles:

@@ -424,9 +424,11 @@ def test_the_key_and_the_extension_cache_stay_outside_the_results_folder(tmp_pat
 
 def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
     """forge_results forks a detached grandchild that waits for the kernel's real record and
-    appends a forged all-pass one. Where processes and writes are not blocked (a machine without
-    OS layers, simulated by the policy), the forged line lands and is refused, and the real
-    verdict stands; where they are blocked, the fork is the finding."""
+    appends a forged all-pass one. Where processes are allowed and writes are not blocked (as on
+    a machine without OS layers, simulated by the policy), the grandchild outlives the call:
+    that is the finding, it dies with its worker, and the results file holds the real record
+    only; where processes are blocked, the fork itself is the finding. A line a process does
+    append anyway is refused (``test_forged_altered_and_unsigned_results_are_refused``)."""
     from kfuzz.audit import RESULTS, first_failure, read_results
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -435,16 +437,13 @@ def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
         (ESCAPES / "forge_results.py").read_text().replace("../../kernelbench_controls/", ""))
     (rec,) = run_audit(read_corpus(corpus), tmp_path / "out", ["G01"], timeout=120, allow_unconfined=True,
                        policy={"processes": True, "confine_writes": False})
-    assert judge_record(rec)["violations"] == ["G01"] and not rec["standard"]["passed"]
+    assert judge_record(rec)["violations"] == ["sandbox-fork"] and judge_record(rec)["broken"], rec
+    assert "outlived its call" in rec["standard"]["detail"], rec["standard"]
+    time.sleep(2)       # the grandchild polls every 0.1 s: had it survived, it would have written by now
     path = tmp_path / "out" / RESULTS
-    deadline = time.monotonic() + 60
-    while len(path.read_text().splitlines()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    lines = path.read_text().splitlines()
-    assert len(lines) >= 2 and json.loads(lines[-1])["standard"]["passed"] is True      # the forgery landed
     got = read_results(path)
-    assert [n for n, _ in got.refused] == list(range(2, len(lines) + 1))
-    assert judge_record(got["corpus:forge_results"])["violations"] == ["G01"]
+    assert len(path.read_text().splitlines()) == 1 and not got.refused
+    assert judge_record(got["corpus:forge_results"])["violations"] == ["sandbox-fork"]
     # confined (this machine's OS layers): the fork itself is the finding
     (rec,) = run_audit(read_corpus(corpus), tmp_path / "confined", ["G01"], timeout=120)
     assert judge_record(rec)["violations"] == ["sandbox-fork"] and judge_record(rec)["broken"]
