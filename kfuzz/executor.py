@@ -68,7 +68,6 @@ class InProcess:
         self.worker_cpu_seconds = 0.0
         self.jobs = 1
         self._compile = [0.0, None]      # seconds compiled, when the running compile began
-        jit.report_compiles(self._note)
 
     def _note(self, msg: bytes) -> None:
         now = time.monotonic()
@@ -84,13 +83,17 @@ class InProcess:
         inputs = {role: {k: replicate(v, self.device) for k, v in ts.items()} for role, ts in program.inputs.items()}
         told = Program(program.name, Case(program.case.target, program.case.dtype, 0, program.case.dims), {},
                        program.params)     # as a worker is told: no seed
-        if self.coverage is None:
-            verdict, outputs, facts = run_program(self.target, told, inputs, self.device)
-            edges = frozenset()
-        else:
-            with self.coverage:
+        previous = jit.listen(self._note)    # this call's compile notes, kfuzz's state put back after
+        try:
+            if self.coverage is None:
                 verdict, outputs, facts = run_program(self.target, told, inputs, self.device)
-            edges = frozenset(self.coverage.edges)
+                edges = frozenset()
+            else:
+                with self.coverage:
+                    verdict, outputs, facts = run_program(self.target, told, inputs, self.device)
+                edges = frozenset(self.coverage.edges)
+        finally:
+            jit.listen(previous)
         back = {role: {k: (replicate(v) if is_storage_role(role) else v.detach().cpu().clone())
                        for k, v in ts.items()} for role, ts in sendable(outputs).items()}
         return ProgramResult(resource_crash(verdict), back, facts, time.monotonic() - start, program, edges,

@@ -70,3 +70,14 @@ class Credit:
         """Seconds the case's deadline moves on by at ``now``."""
         running = now - self.since if self.since is not None else 0.0
         return min(self.allowance, self.earned + running)
+
+
+def listen(send: Callable[[bytes], None] | None) -> Callable[[bytes], None] | None:
+    """Make ``send`` this process's receiver of compile notes for a while (``None``: nobody);
+    returns the receiver it replaces, to be put back (an in-process executor's call)."""
+    previous = _send
+    if send is None:
+        globals()["_send"] = None
+    else:
+        report_compiles(send)
+    return previous

@@ -477,7 +477,9 @@ def python_environment() -> list[str]:
             continue
         for name in names:
             path = os.path.join(entry, name)
-            if name.endswith((".py", ".pyc", ".so", ".pth")) or os.path.isfile(os.path.join(path, "__init__.py")):
+            # code, and the metadata of installed distributions (entry points: the target registry)
+            if name.endswith((".py", ".pyc", ".so", ".pth", ".egg-info", ".dist-info")) \
+                    or os.path.isfile(os.path.join(path, "__init__.py")):
                 found.add(path)
     return sorted(found)
 
