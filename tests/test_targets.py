@@ -3,6 +3,7 @@ the correct kernel of the same target passes that case. (A table: one row a bug.
 import random
 
 import pytest
+import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.engines.random import sample_case
@@ -49,13 +50,25 @@ def interpreter_bf16_subnormal(case):
             and case.dtype == "bfloat16" and any(a.dist.kind == "subnormal" for _, a in case.args))
 
 
+def order_dependent_overflow(case, target):
+    """A matmul whose sum of |products| passes fp32's largest value at some output: whether an
+    fp32 accumulator overflows there depends on the order it adds in (a finite oracle, an
+    infinite kernel), which G06 judges with its own rule, not this test."""
+    if case.target != "matmul":
+        return False
+    from kfuzz.tensors import materialize
+    x = materialize(case, target)
+    reach = x["a"].double().abs() @ x["b"].double().abs()
+    return bool(reach.max() > torch.finfo(torch.float32).max)
+
+
 @pytest.mark.parametrize("name", ["softmax", "rowsum", "layernorm", "rmsnorm", "matmul", "cumsum"])
 def test_correct_kernels_pass_random_cases(name):
     target = get_target(name)
     rng = random.Random(name)
     for _ in range(25):
         case = sample_case(target, rng)
-        if interpreter_bf16_subnormal(case):
+        if interpreter_bf16_subnormal(case) or order_dependent_overflow(case, target):
             continue
         v = execute(case, target)
         assert v.passed, f"{case.to_json()} -> {v.kind}: {v.detail}"
