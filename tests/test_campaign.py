@@ -20,25 +20,12 @@ from kfuzz.execute import execute, judge, kernel_stage
 from kfuzz.judges import Judges
 from kfuzz.schedule import Scheduler, specialization
 from kfuzz.target import get_target
+from test_workers import ListEngine
 
 import kfuzz.cli.minimize, kfuzz.cli.run, kfuzz.cli.verify  # noqa: F401,E401  (register the verbs)
 
 OVERFLOW = Case.make("softmax.nomax", "float32", 3, {"N": 4, "D": 33},
                      {"x": ArgCase(dist=Dist("scaled", (("factor", 100.0),)))})
-
-
-class ListEngine:
-    name = "list"
-
-    def __init__(self, cases):
-        self.cases, self.i = cases, 0
-
-    def next_case(self):
-        self.i += 1
-        return self.cases[(self.i - 1) % len(self.cases)]
-
-    def feedback(self, case, verdict):
-        return None
 
 
 def invoke(*args):
