@@ -54,6 +54,7 @@ from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 
 MINIMIZE_SECONDS = 120.0     # the minimizer's default budget, all new failures together
+COMPILE_LOG = 200            # compiles the stats keep one by one (when, where, how long)
 
 
 @dataclass
@@ -82,6 +83,10 @@ class CampaignStats:
     compile_seconds: float = 0.0   # summed over workers
     kernel_seconds: float = 0.0    # the kernel's side, compiles excluded, summed over workers
     judge_seconds: float = 0.0     # the oracle and the trusted implementation, summed over judges
+    judge_restarts: int = 0        # judge processes that died and were replaced
+    judge_errors: list = field(default_factory=list)   # kfuzz's own: the oracle's exceptions, unjudged cases
+    compile_log: list = field(default_factory=list)    # (seconds into the campaign, worker's device, compile s)
+    workers_ready: float | None = None   # seconds from the start until the workers were up
     specializations: int = 0       # distinct specializations run (kfuzz.schedule)
     minimize_seconds: float = 0.0  # spent minimizing, after the campaign's time
     minimized: dict = field(default_factory=dict)   # saved path -> the minimizer's note
@@ -102,6 +107,9 @@ class CampaignStats:
                 "devices": self.devices, "judges": self.judges,
                 "compiles": self.compiles, "compile_seconds": round(self.compile_seconds, 3),
                 "kernel_seconds": round(self.kernel_seconds, 3), "judge_seconds": round(self.judge_seconds, 3),
+                "judge_restarts": self.judge_restarts, "judge_errors": self.judge_errors,
+                "workers_ready_seconds": None if self.workers_ready is None else round(self.workers_ready, 3),
+                "compile_log": [[round(t, 2), d, round(c, 2)] for t, d, c in self.compile_log],
                 "specializations": self.specializations,
                 "minimize_seconds": round(self.minimize_seconds, 3),
                 "sandbox": self.sandbox,
@@ -200,8 +208,9 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
         stats.judges = n_judges
         runner = (InProcess(target, device, wants_coverage) if jobs == 0 else
                   Pool(target, jobs, device, timeout, wants_coverage, policy=policy, devices=devices))
-        judging = Judges(target, n_judges, device)
+        judging = Judges(target, n_judges, device, devices=devices if jobs else None)
         runner.start()
+        stats.workers_ready = time.monotonic() - start
         stats.sandbox = runner.confinement
         if hasattr(engine, "start"):
             engine.start(corpus, parallel=max(1, jobs))
@@ -236,6 +245,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 stats.kernel_seconds += max(0.0, r.seconds - r.compile_seconds)
                 stats.compile_seconds += r.compile_seconds
                 stats.compiles += r.compile_seconds > 0
+                if r.compile_seconds > 0 and len(stats.compile_log) < COMPILE_LOG:
+                    stats.compile_log.append((time.monotonic() - start, r.device or device, r.compile_seconds))
                 schedule.observe(case, r.compile_seconds)
                 stats.specializations = schedule.size
                 outputs, verdict = settled(r, target, case, inputs)
@@ -243,7 +254,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 if verdict is not None:
                     finish(case, verdict, ran, r.device or device)
                 else:
-                    judging.submit(case, inputs, outputs, (ran, r.device or device))
+                    judging.submit(case, inputs, outputs, (ran, r.device or device), device=r.device)
             for (ran, where), verdict in judging.done(0.0 if runner.busy else 0.01):
                 if end is not None and time.monotonic() >= end:
                     stats.unfinished += 1
@@ -264,6 +275,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             runner.close()
         if judging is not None:
             stats.judge_seconds = judging.seconds
+            stats.judge_restarts, stats.judge_errors = judging.restarts, judging.errors
             judging.close()
         if hasattr(engine, "close"):
             engine.close()

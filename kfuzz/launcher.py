@@ -136,6 +136,19 @@ def descendants(pid: int) -> list[int]:
     return below
 
 
+def command(pid: int) -> str:
+    """What process ``pid`` runs, for a message: its command line, else its name."""
+    for name, sep in (("cmdline", b" "), ("comm", b"")):
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as f:
+                text = f.read().replace(b"\0", sep).strip()
+        except OSError:
+            continue
+        if text:
+            return text.decode(errors="replace")[:120]
+    return "?"
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)

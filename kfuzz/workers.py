@@ -67,6 +67,7 @@ from kfuzz.verdict import Verdict
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
 _WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
 STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded machine is slow
+EXIT_GRACE = 0.25          # seconds a process the kernel started may take to exit after the call
 # bytes that may wait unread in a worker's pipe without blocking kfuzz's send (Linux buffers
 # ~200 KiB); more goes through a sender thread, so that kfuzz never blocks on a worker
 DIRECT_SEND = 64 << 10
@@ -272,10 +273,19 @@ class Worker:
         is still running."""
         found = self.channel.verdict(answered)
         if found is None and answered and self.watch_tree:
-            left = len(launcher.descendants(self.process.pid)) - self.own_tree
-            if left > 0:
-                found = sandbox.FORK, f"{left} process(es) the kernel started outlived its call"
+            left = self.started_processes()
+            deadline = time.monotonic() + EXIT_GRACE     # one exiting as the answer was sent
+            while left and time.monotonic() < deadline:
+                time.sleep(0.005)
+                left = self.started_processes()
+            if left:
+                names = "; ".join(f"{pid}: {launcher.command(pid)}" for pid in left[:4])
+                found = sandbox.FORK, f"{len(left)} process(es) the kernel started outlived its call ({names})"
         return found
+
+    def started_processes(self) -> list[int]:
+        """The live processes below the worker other than its own tree (kfuzz.sandbox.isolate)."""
+        return launcher.descendants(self.process.pid)[self.own_tree:]
 
     def post(self, msg: bytes, unread: int = 0) -> None:
         """Send ``msg`` without ever blocking on the worker: directly while the pipe has room

@@ -19,7 +19,7 @@ from kfuzz.engines.random import RandomEngine
 from kfuzz.execute import execute, judge, kernel_stage
 from kfuzz.judges import Judges
 from kfuzz.schedule import Scheduler, specialization
-from kfuzz.target import get_target
+from kfuzz.target import Arg, Dim, Output, Target, add_target, get_target
 from test_workers import ListEngine
 
 import kfuzz.cli.minimize, kfuzz.cli.run, kfuzz.cli.verify  # noqa: F401,E401  (register the verbs)
@@ -103,6 +103,44 @@ def test_a_judge_process_gives_the_verdict_judged_here():
         judges.close()
     assert {c: v.signature for c, v in got.items()} == {c: v.signature for c, v in here.items()}
     assert not got[OVERFLOW].passed and got[cases[1]].passed
+
+
+def test_a_judge_that_dies_is_replaced_and_its_results_judged_again():
+    target = get_target("softmax.nomax")
+    case = Case.make("softmax.nomax", "float32", 4, {"N": 3, "D": 17})
+    inputs, outputs, _ = kernel_stage(case, target)
+    judges = Judges(target, processes=1)
+    try:
+        judges.submit(case, inputs, outputs, "warm")       # the pool's process exists once used
+        deadline = time.monotonic() + 120
+        got = []
+        while judges.busy and time.monotonic() < deadline:
+            got += judges.done(5.0)
+        (pool,) = judges.pools.values()
+        for p in list(pool._processes.values()):
+            p.kill()
+            p.join(10)
+        judges.submit(case, inputs, outputs, "again")
+        while judges.busy and time.monotonic() < deadline:
+            got += judges.done(5.0)
+    finally:
+        judges.close()
+    assert [tag for tag, v in got if v.passed] == ["warm", "again"]
+    assert judges.restarts == 1 and judges.errors == []
+
+
+def test_an_oracle_that_raises_is_kfuzz_s_error_not_a_verdict():
+    def reference(x):
+        raise ArithmeticError("the oracle cannot")
+    target = add_target(Target(name="raising_oracle", kernel=lambda x: (x.sum(dim=-1),), reference=reference,
+                               args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N",))},
+                               dims={"N": Dim(1, 4), "D": Dim(1, 8)}))
+    case = Case.make("raising_oracle", "float32", 1, {"N": 2, "D": 3})
+    inputs, outputs, _ = kernel_stage(case, target)
+    judges = Judges(target, processes=0)
+    judges.submit(case, inputs, outputs, "tag")
+    assert judges.done() == [] and judges.busy == 0
+    assert len(judges.errors) == 1 and "ArithmeticError: the oracle cannot" in judges.errors[0]
 
 
 # the minimizer's budget --------------------------------------------------------------------------

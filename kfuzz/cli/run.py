@@ -34,6 +34,10 @@ def _render(stats: CampaignStats, limit: str) -> Table:
     table.add_row("compiles", f"{stats.compiles} ({stats.compile_seconds:.0f} s), "
                               f"{stats.specializations} specialization(s)")
     table.add_row("workers restarted", str(stats.worker_restarts))
+    if stats.judge_errors or stats.judge_restarts:
+        first = f" (first: {stats.judge_errors[0]})" if stats.judge_errors else ""
+        table.add_row("[yellow]kfuzz errors[/yellow]", f"{len(stats.judge_errors)} case(s) not judged, "
+                                                       f"{stats.judge_restarts} judge(s) restarted{first}")
     if stats.interrupted:
         table.add_row("[yellow]interrupted[/yellow]", f"{stats.unfinished} case(s) in flight dropped, not judged")
     elif stats.unfinished:
@@ -163,6 +167,8 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, judges, minimize_t
                                        f"fixed point {'yes' if note.get('fixed_point') else 'no'})"
                                        if "error" not in note else f"  (kept as found: {note['error']})")
         click.echo(f"saved    {p}{how}")
+    for err in stats.judge_errors:
+        click.echo(f"kfuzz error  not judged: {err}", err=True)
     click.echo(f"{stats.executions} executions in {stats.seconds:.1f} s "
                f"({stats.execs_per_second:.1f}/s), {len(stats.failures)} failure signature(s)"
                + (f"; interrupted ({stats.unfinished} case(s) in flight dropped)" if stats.interrupted
