@@ -48,7 +48,7 @@ from kfuzz.judges import Judges
 from kfuzz.minimize import DEFAULT_BUDGET, minimize_failure
 from kfuzz.programs import Program, settled
 from kfuzz.sandbox import Policy
-from kfuzz.schedule import Scheduler
+from kfuzz.schedule import Scheduler, specialization
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
@@ -209,6 +209,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
         runner = (InProcess(target, device, wants_coverage) if jobs == 0 else
                   Pool(target, jobs, device, timeout, wants_coverage, policy=policy, devices=devices))
         judging = Judges(target, n_judges, device, devices=devices if jobs else None)
+        judging.start()      # the judges and the workers import torch and the target at once
         runner.start()
         stats.workers_ready = time.monotonic() - start
         stats.sandbox = runner.confinement
@@ -228,7 +229,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                    and (capacity is None or runner.busy + judging.busy < capacity)
                    and judging.busy <= max(2 * n_judges, 1) and not (first_round and runner.busy)):
                 case = schedule.next_case(stats.seconds, stats.compile_seconds)
-                runner.submit(Program("call", case, {"case": materialize(case, target, "cpu")}))
+                runner.submit(Program("call", case, {"case": materialize(case, target, "cpu")}),
+                              affinity=specialization(target, case))
                 submitted += 1
             if runner.busy == 0 and judging.busy == 0:
                 break

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Iterator
+from typing import Hashable, Iterator
 
 from kfuzz import jit, sandbox
 from kfuzz.case import Case
@@ -105,7 +105,7 @@ class InProcess:
     def start(self) -> None:
         pass
 
-    def submit(self, program: Program | Case) -> None:
+    def submit(self, program: Program | Case, affinity: Hashable | None = None) -> None:
         self.pending.append(as_program(program, self.target))
 
     def results(self, until: float | None = None) -> Iterator[ProgramResult]:
@@ -156,28 +156,35 @@ class Pool:
         self.restarts = 0          # workers started in place of one that died, hung or was dropped
         self.spawned = 0           # workers started in all
         self.cpu: dict[int, float] = {}   # worker pid -> CPU seconds it reported last
+        self.ran: list[set] = [set() for _ in range(jobs)]   # each worker's specializations (submit)
 
     @property
     def worker_cpu_seconds(self) -> float:
         """CPU time the workers used, as of each one's last answer."""
         return sum(self.cpu.values())
 
-    def _spawn(self, i: int) -> Worker:
+    def _spawn(self, i: int, wait: bool = True) -> Worker:
         w = Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.devices[i],
-                   self.coverage, self.policy, self.resolve, tuple(self.preload))
+                   self.coverage, self.policy, self.resolve, tuple(self.preload), wait=wait)
         w.credit.allowance = self.compile_allowance
         self.restarts += self.started[i]
         self.started[i] = True
+        self.ran[i] = set()
         self.spawned += 1
-        self.confinement = self.confinement or w.confinement
+        if wait:
+            self.confinement = self.confinement or w.confinement
         return w
 
     def start(self) -> None:
-        """Start every worker now (a KeyboardInterrupt meanwhile leaves none running)."""
+        """Start every worker now, all at once (a KeyboardInterrupt meanwhile leaves none running)."""
         try:
             for i, w in enumerate(self.workers):
                 if w is None:
-                    self.workers[i] = self._spawn(i)
+                    self.workers[i] = self._spawn(i, wait=False)
+            for w in self.workers:
+                if not hasattr(w, "confinement"):
+                    w.ready()
+                self.confinement = self.confinement or w.confinement
         except BaseException:
             self.abandon()
             self.close()
@@ -191,14 +198,22 @@ class Pool:
     def busy(self) -> int:
         return sum(len(w.queue) for w in self.workers if w is not None)
 
-    def submit(self, program: Program | Case) -> None:
+    def submit(self, program: Program | Case, affinity: Hashable | None = None) -> None:
         """Queue ``program`` (a case: the ``call`` program on its inputs, materialized here)
-        on the least busy worker."""
+        on the least busy worker; with ``affinity`` (a JIT specialization, ``kfuzz.schedule``),
+        on the least busy of the workers that ran one of it before, where one has room, so
+        that a specialization is compiled, or loaded from the disk cache, by few workers."""
         program = as_program(program, self.target)
-        i = min(range(len(self.workers)),
-                key=lambda i: len(self.workers[i].queue) if self.workers[i] is not None else 0)
+
+        def load(i: int) -> int:
+            return len(self.workers[i].queue) if self.workers[i] is not None else 0
+        ran = [i for i in range(len(self.workers))
+               if affinity is not None and affinity in self.ran[i] and load(i) < self.depth]
+        i = min(ran or range(len(self.workers)), key=load)
         if self.workers[i] is None:   # replaced lazily, so a campaign's end waits for no restart
             self.workers[i] = self._spawn(i)
+        if affinity is not None:
+            self.ran[i].add(affinity)
         w = self.workers[i]
         layouts, tensors = [], []
         for role, ts in program.inputs.items():

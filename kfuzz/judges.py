@@ -63,6 +63,10 @@ def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict,
             torch.cuda.empty_cache()
 
 
+def _started() -> bool:
+    return _TARGET is not None
+
+
 def _message(inputs: dict, outputs: dict) -> bytes:
     items = [("in", k, t) for k, t in inputs.items()] + [("out", k, t) for k, t in outputs.items()]
     return pack(([(role, k, geometry(t)) for role, k, t in items],), [t for _, _, t in items])
@@ -103,6 +107,12 @@ class Judges:
             max_workers=n, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
             initargs=(self.target.name, getattr(self.target.kernel, "__module__", None), self.threads, device,
                       fraction))
+
+    def start(self) -> None:
+        """Start every judge now, in the background (a pool starts its processes on demand)."""
+        for where, pool in self.pools.items():
+            for _ in range(self.share[where]):
+                pool.submit(_started)
 
     def _where(self, device: str | None) -> str:
         device = device or self.device

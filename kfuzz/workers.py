@@ -216,15 +216,29 @@ class Worker:
     head one is running) with the inputs kfuzz materialized for each."""
 
     def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool,
-                 policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = ()):
+                 policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = (),
+                 wait: bool = True):
+        """Start the worker; with ``wait=False`` it starts in the background and ``ready``
+        waits for it (so that several workers import their target at once)."""
+        self.target_name, self.device = target_name, device
+        self._args = (target_name, module, device, with_coverage, policy, resolve, preload)
+        self.level = isolation_level(device)
+        self._start(*self._args, self.level)
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until the worker has started (at a lower isolation level where CUDA does not
+        start inside the namespaces)."""
         while True:
-            level = isolation_level(device)
             try:
-                self._start(target_name, module, device, with_coverage, policy, resolve, preload, level)
-                break
+                self._await_ready()
+                return
             except _CudaUnavailable:
-                if not _isolation_failed(device, level):
-                    raise RuntimeError(f"worker for {target_name!r}: CUDA does not start in a worker") from None
+                if not _isolation_failed(self.device, self.level):
+                    raise RuntimeError(f"worker for {self.target_name!r}: CUDA does not start in a worker") from None
+                self.level = isolation_level(self.device)
+                self._start(*self._args, self.level)
 
     def _start(self, target_name, module, device, with_coverage, policy, resolve, preload, level) -> None:
         self.workdir = tempfile.mkdtemp(prefix="kfuzz-worker-")
@@ -248,6 +262,9 @@ class Worker:
         self.started = 0.0            # when the head case began to run
         self.credit = Credit()        # the head case's compile time (kfuzz.jit)
         self.outbox: Queue | None = None                 # the sender thread's, once needed
+
+    def _await_ready(self) -> None:
+        target_name, policy = self.target_name, self._args[4]
         if not self.conn.poll(STARTUP_TIMEOUT):
             self.kill()
             raise RuntimeError(f"worker for {target_name!r} did not start within {STARTUP_TIMEOUT:.0f} s")

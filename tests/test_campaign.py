@@ -242,3 +242,20 @@ def test_without_compiles_the_scheduler_passes_the_engines_draws():
     schedule.observe(schedule.next_case(0.0, 0.0), compile_seconds=0.0)
     drawn = [schedule.next_case(elapsed=5.0, compile_seconds=0.0) for _ in range(10)]
     assert schedule.held == 0 and len({specialization(target, c) for c in drawn}) >= 8
+
+
+def test_a_pool_sends_a_specialization_to_the_workers_that_ran_it():
+    from kfuzz.executor import Pool
+    target = get_target("softmax")
+    cases = [Case.make("softmax", "float32", s, {"N": 2, "D": 5 + s}) for s in range(4)]
+    with Pool(target, 2, timeout=60.0) as pool:
+        pool.submit(cases[0], affinity="a")
+        pool.submit(cases[1], affinity="a")      # worker 0 has room and ran "a"
+        pool.submit(cases[2], affinity="b")      # a new one: the least busy worker
+        placed = [[p.case for p, _, _ in w.queue] for w in pool.workers]
+        got, deadline = [], time.monotonic() + 120
+        while pool.busy and time.monotonic() < deadline:
+            got += pool.results(deadline)
+    assert placed == [cases[:2], cases[2:3]]
+    assert sorted(r.program.case.seed for r in got) == [0, 1, 2]
+    assert pool.ran == [{"a"}, {"b"}]
