@@ -179,8 +179,8 @@ class Pool:
         """Start every worker now, all at once (a KeyboardInterrupt meanwhile leaves none running)."""
         try:
             for i, w in enumerate(self.workers):
-                if w is None:
-                    self.workers[i] = self._spawn(i, wait=False)
+                if w is None:    # the first on a GPU finds the isolation level CUDA starts in
+                    self.workers[i] = self._spawn(i, wait=i == 0 and str(self.devices[i]).startswith("cuda"))
             for w in self.workers:
                 if not hasattr(w, "confinement"):
                     w.ready()

@@ -235,9 +235,11 @@ class Worker:
                 self._await_ready()
                 return
             except _CudaUnavailable:
-                if not _isolation_failed(self.device, self.level):
+                _isolation_failed(self.device, self.level)
+                lower = isolation_level(self.device)     # another worker may have given it up first
+                if lower == self.level:
                     raise RuntimeError(f"worker for {self.target_name!r}: CUDA does not start in a worker") from None
-                self.level = isolation_level(self.device)
+                self.level = lower
                 self._start(*self._args, self.level)
 
     def _start(self, target_name, module, device, with_coverage, policy, resolve, preload, level) -> None:
