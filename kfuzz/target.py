@@ -305,3 +305,22 @@ def get_target(name: str) -> Target:
             why += f"; the test suite's fixture targets load with {FIXTURES_ENV}=1"
         raise TargetError(f"unknown target {name!r} (known: {', '.join(sorted(targets)) or 'none'}){why}")
     return targets[name]
+
+
+def load_target(name: str, module: str | None = None, resolve: dict | None = None) -> Target:
+    """The target, importing only its own module when that registers it (a worker starts
+    in a second instead of importing every harness), else through the entry points.
+    ``resolve``: keyword arguments for the resolver of a name built on demand (``kb:``)."""
+    prepare_triton()
+    if resolve is not None:
+        for prefix, resolver in RESOLVERS.items():
+            if name.startswith(prefix):
+                return importlib.import_module(resolver).resolve(name, **resolve)
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+        if name in _REGISTRY:
+            return _REGISTRY[name]
+    return get_target(name)

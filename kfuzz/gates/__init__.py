@@ -26,7 +26,7 @@ from kfuzz.errors import KfuzzError
 from kfuzz.gates.base import Gate, GateResult, nominal_dims
 from kfuzz.gates.calls import CompleteWrites, Containment, Determinism, InputDependence
 from kfuzz.gates.gradients import Gradients
-from kfuzz.programs import executor_for
+from kfuzz.executor import executor_for
 from kfuzz.gates.values import (Accumulation, Distributions, Layouts, Nonfinite, Range, Reference,
                                 Shapes)
 from kfuzz.target import Target, get_target

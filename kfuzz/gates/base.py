@@ -140,7 +140,7 @@ class Gate:
               ) -> Verdict | tuple[Case, Verdict]:
         """The verdict on ``case``; or (the case that failed, its verdict) when the check
         judged inputs other than ``case``'s own (G01's hidden-seed trial). The kernel's side
-        runs in ``executor`` (default: ``kfuzz.programs.InProcess`` on ``device``)."""
+        runs in ``executor`` (default: ``kfuzz.executor.InProcess`` on ``device``)."""
         raise NotImplementedError
 
     def no_evidence(self, target: Target, verdicts: list[Verdict]) -> str | None:

@@ -19,7 +19,8 @@ from kfuzz.compare import BOUND_C, compare
 from kfuzz.execute import as_outputs
 from kfuzz.gates.base import Gate, float_args, gate_seed, make_case, nominal_dims
 from kfuzz.case import ArgCase
-from kfuzz.programs import Program, changed_input, executor_for, grads, leaves, malformed, replicate
+from kfuzz.executor import executor_for
+from kfuzz.programs import Program, changed_input, grads, leaves, malformed, replicate
 from kfuzz.tensors import materialize, rng_for
 from kfuzz.verdict import Verdict
 

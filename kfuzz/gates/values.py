@@ -22,7 +22,8 @@ from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims,
                               nominal_dims)
 from kfuzz.gates.specials import (SINGLE_CASES, describe_injection, extreme_value, nonfinite_value,
                                   single_case_args, single_injections)
-from kfuzz.programs import Program, called, executor_for
+from kfuzz.executor import executor_for
+from kfuzz.programs import Program, called
 from kfuzz.tensors import lay_out, logical_values, materialize, special_value_table, torch_dtype
 from kfuzz.verdict import Verdict
 
