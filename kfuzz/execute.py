@@ -48,8 +48,9 @@ import torch
 from kfuzz.case import Case
 from kfuzz.compare import BOUND_C, compare
 from kfuzz.contract import NamespaceSnapshot, current_hooks, overlapping, restore_hooks, threads_left
+from kfuzz.dtypes import torch_dtype
 from kfuzz.target import Target, get_target
-from kfuzz.tensors import materialize, torch_dtype
+from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
 from kfuzz.errors import KfuzzError
 
 SELECT = ("all", "cpu", "no-compile", "compile")

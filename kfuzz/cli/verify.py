@@ -17,7 +17,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 import click
 
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
 from kfuzz.devices import resolve_device
 from kfuzz.errors import KfuzzError
 from kfuzz.executor import InProcess, Sandboxed

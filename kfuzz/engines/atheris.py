@@ -52,10 +52,10 @@ from pathlib import Path
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
 from kfuzz.corpus import target_folder
+from kfuzz.dtypes import special_value_table
 from kfuzz.engines.random import EDGE_SIZES, sample_case, sample_layout, sample_size
 from kfuzz.errors import KfuzzError
 from kfuzz.target import Target, get_target, prepare_triton
-from kfuzz.tensors import special_value_table
 from kfuzz.verdict import KINDS
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
