@@ -61,8 +61,8 @@ from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.jit import Credit
 from kfuzz.target import load_target, prepare_triton
-from kfuzz.wire import pack, unpack
 from kfuzz.verdict import Verdict
+from kfuzz.wire import pack, unpack
 
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
 WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from kfuzz.case import ArgCase
 from kfuzz.compare import BOUND_C
 from kfuzz.dtypes import torch_dtype
 from kfuzz.execute import bits, oracle_outputs, storage_bytes
-from kfuzz.case import ArgCase
-from kfuzz.gates.base import Gate, fit_dims, float_args, gate_seed, inner_dims, make_case, nominal_dims
 from kfuzz.executor import executor_for
+from kfuzz.gates.base import Gate, fit_dims, float_args, gate_seed, inner_dims, make_case, nominal_dims
 from kfuzz.programs import (Program, changed_input, malformed, outputs_of,
                             poisoned_allocations)  # noqa: F401  (poisoned_allocations: the gate's tool)
 from kfuzz.tensors import logical_values, materialize

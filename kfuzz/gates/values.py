@@ -20,11 +20,11 @@ from kfuzz.compare import BOUND_C, compare
 from kfuzz.dtypes import special_value_table, torch_dtype
 from kfuzz.errors import CaseError
 from kfuzz.execute import flush_subnormals, judge, oracle_outputs, trusted_outputs
+from kfuzz.executor import executor_for
 from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims, make_case,
                               nominal_dims)
 from kfuzz.gates.specials import (SINGLE_CASES, describe_injection, extreme_value, nonfinite_value,
                                   single_case_args, single_injections)
-from kfuzz.executor import executor_for
 from kfuzz.programs import Program, called
 from kfuzz.tensors import case_from_tensors, lay_out, logical_values, materialize
 from kfuzz.verdict import Verdict
