@@ -27,6 +27,15 @@ def test_kfuzz_keeps_its_layers():
     assert layers.problems(ROOT, "kfuzz", layers.read_layers()) == []
 
 
+def test_the_one_module_named_against_the_layers_is_the_kernelbench_resolver():
+    """Imports by name (a string in the source) are not judged by ``problems``; the only one that
+    names a higher layer is ``kfuzz.target.RESOLVERS`` (docs/architecture.md, "Imports by name")."""
+    table = layers.read_layers()
+    where = {m: layers.layer_of(m, table, "kfuzz") for m in layers.modules(ROOT, "kfuzz")}
+    upward = {(i.source, i.target) for i in layers.named(ROOT, "kfuzz") if where[i.target] > where[i.source]}
+    assert upward == {("kfuzz.target", "kfuzz.kernelbench")}
+
+
 def test_the_layer_table_names_the_modules_that_exist():
     table = layers.read_layers()
     assert [name for name, _ in table] == ["core", "execution", "search", "checks", "kernelbench and audit",
