@@ -1,18 +1,7 @@
 """The audit: accepted KernelBench kernels through the standard test and the gates, one record each.
 
-A corpus is a file or folder of KernelBench pairs (``read_corpus``):
-
-- a CUDA-L1 ``*.jsonl`` (one row a line: ``level_id``, ``task_id``, ``ref_code``,
-  ``custom_code``; a null ``custom_code`` was not accepted and is skipped);
-- a KernelBench leaderboard ``*.json`` (a list of ``level``, ``problem_id``,
-  ``code``, ``model``), joined on (level, problem) with the ``ref_code`` of the
-  CUDA-L1 ``*.jsonl`` files beside it. The leaderboard counts problems from 0 and
-  CUDA-L1 (like KernelBench's file names) from 1: problem ``problem_id + 1``
-  (``LEADERBOARD_FIRST_PROBLEM``; on the shipped corpus, 412 of 413 solutions take
-  the ``__init__`` and ``forward`` arguments of the reference one further on, none
-  only of the same number);
-- a folder of controls: ``*.py`` solutions whose header names their reference
-  (``# reference: <file>``) and the planted bug (``# planted: <bug>`` or ``none``).
+A corpus is a file or folder of KernelBench pairs, read by ``kfuzz.kernelbench.read_corpus``
+(its formats are described there).
 
 Every kernel gets its own process, forked from a forkserver that never touches
 CUDA: the oracle's side, which never runs the solution's source. A solution that builds
@@ -21,7 +10,7 @@ processes allowed, no network, writes only beneath its build folder:
 ``kfuzz.kernelbench.build``). Then the standard test runs in a sandboxed worker
 (reference and solution in one process, as the accepting harness ran them), then the
 weights contract and each gate with their kernel programs in a second worker
-(``kfuzz.programs.Sandboxed``: the oracle and its outputs stay in the oracle's process);
+(``kfuzz.executor.Sandboxed``: the oracle and its outputs stay in the oracle's process);
 both load the built extension and may not start processes. Each result is streamed as
 it ends. A worker that dies in a gate is that case's ``crash`` and the gates go on; a
 standard test or build that ends in a sandbox violation, a crash or a timeout is a
@@ -46,8 +35,7 @@ whose HMAC fails (or that has none, unless ``trust_unsigned``) and says which
 (``Results.refused``). A rerun skips the keys already there (a torn last line is ignored
 and redone).
 
-Refuses (``KfuzzError``): unknown corpus formats, unreadable files, rows that are not
-JSON objects. Kernels that misbehave are never errors: they are records.
+Kernels that misbehave are never errors: they are records.
 """
 from __future__ import annotations
 
@@ -56,11 +44,9 @@ import hmac
 import json
 import multiprocessing
 import os
-import re
 import signal
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -69,6 +55,7 @@ from kfuzz.errors import KfuzzError
 
 if TYPE_CHECKING:
     from kfuzz import sandbox
+    from kfuzz.kernelbench.corpus import CorpusEntry
 
 RESULTS = "results.jsonl"
 # error/bound beyond which no plausible tolerance explains a bound failure
@@ -76,147 +63,6 @@ BROKEN_RATIO = 1e3
 # failure kinds that no threshold explains away, whatever gate met them
 TOLERANCE_FREE_KINDS = ("exception", "crash", "timeout", "contract", "nonfinite", "nondeterminism",
                         "mutation", "stale")
-_MODE_SENSITIVE = re.compile(r"BatchNorm|InstanceNorm|Dropout|dropout|\.training|\.eval\(|\.train\(")
-_GPU_ONLY = re.compile(r"load_inline|cpp_extension|\.cuda\(|device\s*=\s*['\"]cuda|torch\.cuda\.(Stream|Event|"
-                       r"CUDAGraph|graph|stream)|import triton|from triton")
-
-
-@dataclass(frozen=True)
-class CorpusEntry:
-    """One row of a corpus: the pair to audit, or why it is skipped."""
-
-    key: str                     # "<corpus file name>:<row>", unique across corpora
-    pair: object | None          # kfuzz.kernelbench.KernelBenchPair
-    skip: str | None = None
-    expect: str | None = None    # controls: the planted bug, "none" for a correct one
-
-    @property
-    def cpu_runnable(self) -> bool:
-        """A cheap static check: the solution neither compiles CUDA nor asks for the GPU."""
-        return self.pair is not None and not _GPU_ONLY.search(self.pair.custom_code)
-
-    @property
-    def mode_sensitive(self) -> bool:
-        """The reference behaves differently in train and eval mode (a static check)."""
-        return self.pair is not None and bool(_MODE_SENSITIVE.search(self.pair.ref_code))
-
-    @property
-    def compiles(self) -> bool:
-        """The solution builds an extension (a static check): it gets a build step."""
-        from kfuzz.kernelbench.build import compiles
-        return self.pair is not None and compiles(self.pair.custom_code)
-
-
-def _load_json_lines(path: Path) -> list[dict]:
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise KfuzzError(f"{path}: line {i + 1} is not JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise KfuzzError(f"{path}: line {i + 1} is not a JSON object")
-        rows.append(row)
-    return rows
-
-
-def _entry(key: str, ref: str | None, custom: str | None, skip_null: str, **meta) -> CorpusEntry:
-    from kfuzz.kernelbench import KernelBenchError, load_pair
-    if custom is None:
-        return CorpusEntry(key, None, skip_null)
-    if ref is None:
-        return CorpusEntry(key, None, "no reference code to join with")
-    expect = meta.pop("expect", None)
-    name = meta.pop("name", None)
-    try:
-        return CorpusEntry(key, load_pair(ref, custom, name if isinstance(name, str) and name else key,
-                                          source=meta.pop("source"), **meta), expect=expect)
-    except KernelBenchError as e:
-        return CorpusEntry(key, None, str(e), expect)
-
-
-def _cuda_l1(path: Path, only: str | None = None) -> list[CorpusEntry]:
-    gpu = path.stem.removeprefix("cuda-l1-")
-    return [_entry(f"{path.name}:{i}", r.get("ref_code"), r.get("custom_code"),
-                   "custom_code is null (not accepted)", name=r.get("name"), level=r.get("level_id"),
-                   problem=r.get("task_id"),
-                   model=f"cuda-l1/{gpu}", source=f"{path}:{i}", eval_mode=True)
-            for i, r in enumerate(_load_json_lines(path)) if only is None or str(i) == only]
-
-
-def _references(folder: Path) -> dict[tuple[int, int], str]:
-    refs = {}
-    for f in sorted(folder.glob("*.jsonl")):
-        for r in _load_json_lines(f):
-            if r.get("ref_code") and "level_id" in r:
-                refs.setdefault((int(r["level_id"]), int(r["task_id"])), r["ref_code"])
-    return refs
-
-
-LEADERBOARD_FIRST_PROBLEM = 1   # the KernelBench problem number of the leaderboard's problem_id 0
-
-
-def _leaderboard(path: Path) -> list[CorpusEntry]:
-    try:
-        rows = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise KfuzzError(f"{path}: not JSON ({e.msg})") from None
-    if not isinstance(rows, list):
-        raise KfuzzError(f"{path}: a leaderboard is a JSON list of entries")
-    refs = _references(path.parent)
-
-    def problem(r: dict) -> int:
-        return int(r.get("problem_id", -1)) + LEADERBOARD_FIRST_PROBLEM
-    return [_entry(f"{path.name}:{i}", refs.get((int(r.get("level", -1)), problem(r))),
-                   r.get("code"), "code is null", name=r.get("name"), level=r.get("level"), problem=problem(r),
-                   model=str(r.get("model", "")), source=f"{path}:{i}")
-            for i, r in enumerate(rows)]
-
-
-def _header(text: str, field: str) -> str | None:
-    m = re.search(rf"^#\s*{field}:\s*(.+?)\s*$", text, re.M)
-    return m.group(1) if m else None
-
-
-def _controls(folder: Path, only: str | None = None) -> list[CorpusEntry]:
-    entries = []
-    for f in sorted(folder.glob("*.py" if only is None else f"{only}.py")):
-        text = f.read_text()
-        ref_name = _header(text, "reference")
-        if ref_name is None:
-            continue                 # a reference file itself
-        ref = (folder / ref_name).read_text() if (folder / ref_name).is_file() else None
-        entries.append(_entry(f"{folder.name}:{f.stem}", ref, text, "", model="control",
-                              source=f"{folder}:{f.stem}", expect=_header(text, "planted") or "none"))
-    return entries
-
-
-def read_corpus(path: str | Path) -> list[CorpusEntry]:
-    """Every row of a corpus file or controls folder (see the module docstring)."""
-    p = Path(path)
-    if p.is_dir():
-        return _controls(p)
-    if not p.is_file():
-        raise KfuzzError(f"{p}: no such corpus file or folder")
-    if p.suffix == ".jsonl":
-        return _cuda_l1(p)
-    if p.suffix == ".json":
-        return _leaderboard(p)
-    raise KfuzzError(f"{p}: unknown corpus format (want a CUDA-L1 .jsonl, a leaderboard .json or a folder)")
-
-
-def read_row(path: str | Path, row: str | int) -> CorpusEntry:
-    """One row of a corpus by its index (a control by its file stem); only that row's sources are
-    parsed where the format allows (a worker resolves its pair in a fraction of a second)."""
-    p = Path(path)
-    entries = (_controls(p, str(row)) if p.is_dir() else _cuda_l1(p, str(row)) if p.suffix == ".jsonl"
-               and p.is_file() else read_corpus(p))
-    for e in entries:
-        if e.key.rsplit(":", 1)[1] == str(row):
-            return e
-    raise KfuzzError(f"{path}: no row {row}")
 
 
 # one kernel, in its own process ------------------------------------------------------------------
@@ -265,7 +111,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
     its own (``build_policy``), the standard test in another (reference and solution in one
     process, as the original harness ran them); the weights contract and the gates' kernel
-    programs in a third (``kfuzz.programs.Sandboxed``) that resolves the same ``kb:`` name, while
+    programs in a third (``kfuzz.executor.Sandboxed``) that resolves the same ``kb:`` name, while
     the oracle, the trusted implementation and every comparison run here. ``policy``: overrides
     of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging)."""
     from kfuzz import sandbox
@@ -273,7 +119,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     from kfuzz.gates import GATES, run_gate
     from kfuzz.kernelbench import as_target
     from kfuzz.kernelbench.target import StandardOnly
-    from kfuzz.programs import Program, Sandboxed, malformed
+    from kfuzz.executor import Sandboxed
+    from kfuzz.programs import Program, malformed
     pair = entry.pair
     overrides = dict(policy or {})
     # the workers that run the kernel load its built extensions: they read the cache, never write it

@@ -312,9 +312,14 @@ class Case:
                         {k: ArgCase.from_json(v) for k, v in args.items()}, _check_payload(d.get("payload")))
 
 
+def payload_chars(nbytes: int) -> int:
+    """The length of the base64 text of ``nbytes`` bytes."""
+    return 4 * -(-nbytes // 3)
+
+
 def _check_payload(payload: Any) -> Any:
     """A payload as a case file holds it: argument name -> {dtype, shape, data (base64)}.
-    Whether each entry fits the contract is ``kfuzz.tensors.check_storage``'s question."""
+    Whether each entry fits the contract is ``kfuzz.target.check_storage``'s question."""
     if payload is None:
         return None
     if not isinstance(payload, Mapping):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kfuzz.tensors import torch_dtype, unit_roundoff
+from kfuzz.dtypes import torch_dtype, unit_roundoff
 
 BOUND_C = 8.0
 FLOOR_ULPS = 4.0

@@ -40,12 +40,11 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-import kfuzz
+from kfuzz.version import __version__
 from kfuzz.case import Case, decode, encode
 from kfuzz.errors import CaseError, KfuzzError
 from kfuzz.limits import CASE_FILE_ENV, describe, max_case_bytes, max_case_file_bytes
-from kfuzz.target import Target, get_target
-from kfuzz.tensors import check_storage
+from kfuzz.target import Target, check_storage, get_target
 from kfuzz.verdict import Signature, Verdict
 
 SUFFIX = ".case.zst"
@@ -75,7 +74,7 @@ def versions(device: str = "cpu") -> dict:
     except ImportError:
         triton_version = None
     dev = torch.cuda.get_device_name() if str(device).startswith("cuda") and torch.cuda.is_available() else "cpu"
-    return {"kfuzz": kfuzz.__version__, "torch": torch.__version__, "triton": triton_version, "device": dev}
+    return {"kfuzz": __version__, "torch": torch.__version__, "triton": triton_version, "device": dev}
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -169,7 +168,7 @@ def load_checked(path: str | Path) -> tuple[Case, dict | None, Target]:
 def checked_target(case: Case, source: str | Path) -> Target:
     """The target of a case read from ``source``, once the case is checked against its
     contract (``Target.validate``) and the global cap on its storage
-    (``kfuzz.tensors.check_storage``), before anything is materialized."""
+    (``kfuzz.target.check_storage``), before anything is materialized."""
     try:
         target = get_target(case.target)
         target.validate(case)

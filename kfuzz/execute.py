@@ -48,8 +48,9 @@ import torch
 from kfuzz.case import Case
 from kfuzz.compare import BOUND_C, compare
 from kfuzz.contract import NamespaceSnapshot, current_hooks, overlapping, restore_hooks, threads_left
+from kfuzz.dtypes import torch_dtype
 from kfuzz.target import Target, get_target
-from kfuzz.tensors import materialize, torch_dtype
+from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,8 @@ def _tensors_of(result: Any) -> list[torch.Tensor]:
     return [v for v in values if type(v) is torch.Tensor]
 
 
-def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole storage under ``t`` (the view's bytes and those around it), as uint8."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).clone()
 
 
@@ -236,12 +238,12 @@ def kernel_stage(case: Case, target: Target, device: str = "cpu",
     kfuzz's process, so it never needs the case's seed)."""
     dev = torch.device(device)
     inputs = materialize(case, target, dev) if inputs is None else dict(inputs)
-    snapshot = {k: _storage_bytes(v) for k, v in inputs.items()}
+    snapshot = {k: storage_bytes(v) for k, v in inputs.items()}
     outputs, verdict = call_kernel(target, case, inputs, dev, at_return=True)
     if verdict is not None:
         return inputs, None, verdict
     for name, t in inputs.items():
-        if not torch.equal(_storage_bytes(t), snapshot[name]):
+        if not torch.equal(storage_bytes(t), snapshot[name]):
             return inputs, None, Verdict(target.name, "mutation", output=name,
                                          detail=f"input {name!r} (or the storage around it) changed during the call")
     return inputs, outputs, None

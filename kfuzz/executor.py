@@ -35,13 +35,13 @@ from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.errors import KfuzzError
 from kfuzz.jit import COMPILE_ALLOWANCE
-from kfuzz.programs import (Program, ProgramResult, Tensors, is_storage_role, replicate, run_program,
+from kfuzz.programs import (Program, ProgramResult, Tensors, is_storage_role, replicate, resource_crash, run_program,
                             sendable, settled)
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 from kfuzz.wire import geometry, pack, rebuild, unpack
-from kfuzz.workers import _WORKER_VERDICTS, Worker, _worker_case, death, resource_crash, worker_policy
+from kfuzz.workers import WORKER_VERDICTS as _WORKER_VERDICTS, Worker, death, worker_case as _worker_case, worker_policy
 
 # what a program worker imports before it is confined: the programs, and torch._dynamo, which
 # torch.use_deterministic_algorithms (G10) imports and which makes a directory in /tmp

@@ -29,7 +29,7 @@ from __future__ import annotations
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from kfuzz.execute import execute
 from kfuzz.limits import CASE_BYTES_ENV, describe, max_case_bytes
 from kfuzz.minimize import DEFAULT_BUDGET, Minimized, NotReproducible, minimize
 from kfuzz.target import Target
-from kfuzz.tensors import check_storage, encode_payload
+from kfuzz.tensors import case_from_tensors, contract_of
 from kfuzz.verdict import Verdict
 
 Tensors = dict[str, torch.Tensor] | list[torch.Tensor]
@@ -159,67 +159,6 @@ def _by_name_or_order(tensors: dict[str, torch.Tensor]) -> Tensors:
     """``arr_0, arr_1, ...`` (``numpy.savez`` of positional arrays) as a list."""
     positional = [f"arr_{i}" for i in range(len(tensors))]
     return [tensors[k] for k in positional] if sorted(tensors) == sorted(positional) else tensors
-
-
-def contract_of(target: Target, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                source: str = "<tensors>") -> tuple[dict[str, torch.Tensor], dict[str, int], str]:
-    """The tensors by argument name, the sizes of the target's dims and the case's dtype,
-    read off the tensors' shapes and dtypes (meta tensors will do); CaseError naming
-    ``source`` where they break the contract."""
-    names = list(target.args)
-    if not isinstance(tensors, Mapping):
-        if len(tensors) != len(names):
-            raise CaseError(f"{source}: {len(tensors)} tensors for {len(names)} arguments ({', '.join(names)})")
-        tensors = dict(zip(names, tensors))
-    missing, unknown = set(names) - set(tensors), set(tensors) - set(names)
-    if missing or unknown:
-        raise CaseError(f"{source}: target {target.name!r} takes {', '.join(names)}"
-                        + (f"; missing {sorted(missing)}" if missing else "")
-                        + (f"; unknown {sorted(unknown)}" if unknown else ""))
-    dims: dict[str, int] = {}
-    case_dtypes = set()
-    for name, spec in target.args.items():
-        t = tensors[name]
-        if t.dim() != len(spec.shape):
-            raise CaseError(f"{source}: argument {name!r} has {t.dim()} dims {list(t.shape)}, "
-                            f"the contract says {len(spec.shape)} {list(spec.shape)}")
-        for axis, (sym, n) in enumerate(zip(spec.shape, t.shape)):
-            if isinstance(sym, int):
-                if n != sym:
-                    raise CaseError(f"{source}: argument {name!r} has size {n} at axis {axis}, the contract says {sym}")
-            elif dims.setdefault(sym, int(n)) != n:
-                raise CaseError(f"{source}: dim {sym} is {dims[sym]} by one argument and {n} by {name!r}")
-        dt = str(t.dtype).removeprefix("torch.")
-        if spec.dtype == "case":
-            case_dtypes.add(dt)
-        elif dt != spec.dtype:
-            raise CaseError(f"{source}: argument {name!r} is {dt}, the contract says {spec.dtype}")
-    if len(case_dtypes) > 1:
-        raise CaseError(f"{source}: arguments of the case's dtype disagree: {sorted(case_dtypes)}")
-    undetermined = set(target.dims) - set(dims)
-    if undetermined:
-        raise CaseError(f"{source}: no argument gives the size of dims {sorted(undetermined)}")
-    dtype = case_dtypes.pop() if case_dtypes else target.dtypes[0]
-    bare = Case.make(target.name, dtype, 0, dims)   # its storage bounds the payload's (drawn in float64)
-    try:   # the dims and the storage cap, before any value is read or encoded
-        target.validate(bare)
-        check_storage(bare, target, max_case_bytes())
-    except CaseError as e:
-        raise CaseError(f"{source}: {e}") from None
-    return tensors, dims, dtype
-
-
-def case_from_tensors(target: Target, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                      source: str = "<tensors>") -> Case:
-    """The case whose payload is ``tensors``, its dims and dtype read off their shapes."""
-    tensors, dims, dtype = contract_of(target, tensors, source)
-    case = Case.make(target.name, dtype, 0, dims,
-                     payload={name: encode_payload(t) for name, t in tensors.items()})
-    try:
-        target.validate(case)
-    except CaseError as e:
-        raise CaseError(f"{source}: {e}") from None
-    return case
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ _TARGET: Target | None = None
 
 def _start(name: str, module: str | None, threads: int, device: str, memory_fraction: float) -> None:
     global _TARGET
-    from kfuzz.workers import _load_target
+    from kfuzz.target import load_target as _load_target
     torch.set_num_threads(threads)
     if device.startswith("cuda"):    # a current device for autograd's own threads (cuBLAS)
         torch.cuda.set_device(torch.device(device) if ":" in device else 0)

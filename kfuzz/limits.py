@@ -11,7 +11,7 @@ suffix (``512M``, ``32G``):
   (a long list of tiny values costs far more memory than its text).
 - ``KFUZZ_MAX_CASE_BYTES`` (default a quarter of the machine's physical memory, 4 GiB
   where it cannot be read): the memory that materializing one case read from a file
-  takes (``kfuzz.tensors.check_storage``), and the tensors of an imported input.
+  takes (``kfuzz.target.check_storage``), and the tensors of an imported input.
 
 Refuses (``KfuzzError``): a value that is not a size.
 """

@@ -48,11 +48,12 @@ import numpy as np
 import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
+from kfuzz.dtypes import torch_dtype
 from kfuzz.errors import KfuzzError
 from kfuzz.execute import execute, judge
 from kfuzz.programs import Program, settled
 from kfuzz.target import Target, get_target
-from kfuzz.tensors import decode_payload, encode_payload, logical_values, materialize, torch_dtype
+from kfuzz.tensors import decode_payload, encode_payload, logical_values, materialize
 from kfuzz.verdict import Signature, Verdict
 
 DTYPE_ORDER = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",

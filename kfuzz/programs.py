@@ -27,11 +27,8 @@ The programs (``PROGRAMS``), with the gates that use them:
   partner's values written into the first buffers and a third call;
 - ``backward`` (G12): a forward on grad-enabled leaves and a backward with kfuzz's
   cotangents; the gradients, and whether the outputs carried a graph (a reported fact);
-- ``weights``, ``standard`` and ``build`` (the audit): a KernelBench solution's weights
-  contract, the standard test that accepted it, and the build of its ``load_inline``
-  extensions (``kfuzz.kernelbench.build``, in a worker of its own); all run the solution, so
-  they are kernel-side too, and what they report is the kernel process's word (an audit
-  records it as such).
+- ``weights``, ``standard`` and ``build`` (the audit): registered by ``kfuzz.kernelbench``
+  (``register_program``; ``kfuzz.kernelbench.programs`` describes them).
 
 The executors that run them (``kfuzz.executor``: ``InProcess`` in this process, ``Pool``
 and ``Sandboxed`` in confined workers) are one interface for every caller: the oracle
@@ -51,11 +48,10 @@ import torch
 
 from kfuzz import sandbox
 from kfuzz.case import Case
-from kfuzz.execute import _storage_bytes, bits, call_kernel, kernel_stage, raising_frame
+from kfuzz.execute import bits, call_kernel, contract_violation, kernel_stage, raising_frame, storage_bytes
 from kfuzz.target import Target
 from kfuzz.verdict import Verdict
 from kfuzz.wire import dense_outputs, geometry, pack, rebuild
-from kfuzz.workers import resource_crash
 
 Tensors = dict[str, torch.Tensor]
 
@@ -94,6 +90,16 @@ class ProgramResult:
     def inputs(self) -> Tensors | None:
         """kfuzz's own inputs of the ``call`` program (the case's arguments)."""
         return self.program.inputs.get("case") if self.program is not None else None
+
+
+def resource_crash(verdict: Verdict | None) -> Verdict | None:
+    """An exception that says a resource ran out (memory, open files) is a ``crash`` named
+    after the resource, not the kernel's exception."""
+    if verdict is not None and verdict.kind == "exception":
+        kind = sandbox.resource_kind(verdict.exc_type, verdict.detail)
+        if kind is not None:
+            return Verdict(verdict.target, "crash", detail=verdict.detail, exc_type=kind)
+    return verdict
 
 
 # the kernel side: the programs themselves ---------------------------------------------------------
@@ -211,7 +217,7 @@ def grads(outputs: Tensors, leaves_: Tensors, names, cots: Tensors) -> dict[str,
 def _backward(target, program, inputs, device):
     names = list(program.params["names"])
     mine = leaves(inputs["case"], names)
-    snapshot = {k: _storage_bytes(v) for k, v in mine.items()}
+    snapshot = {k: storage_bytes(v) for k, v in mine.items()}
     with torch.enable_grad():
         outputs, verdict = call_kernel(target, program.case, mine, device)
         if verdict is not None:
@@ -226,34 +232,25 @@ def _backward(target, program, inputs, device):
             return Verdict(target.name, "exception", detail=f"backward: {type(e).__name__}: {e}"[:2000],
                            exc_type=type(e).__name__, frame="backward"), {}, {"graph": True}
     for name, t in mine.items():
-        if not torch.equal(_storage_bytes(t), snapshot[name]):
+        if not torch.equal(storage_bytes(t), snapshot[name]):
             return Verdict(target.name, "mutation", output=name,
                            detail=f"input {name!r} changed during the forward or backward call"), {}, {"graph": True}
     return None, {"grads": {k: g.detach() for k, g in got.items() if g is not None}}, {"graph": True}
 
 
-def _weights(target, program, inputs, device):
-    bench = target.options["bench"]
-    model = bench.solution_model(dict(bench.contract.dims), device)
-    del model
-    return None, {}, {"status": bench.weights_status or "", "flags": sorted(bench.flags_changed)}
-
-
-def _build(target, program, inputs, device):
-    from kfuzz.kernelbench.build import build_solution
-    return None, {}, build_solution(target.options["pair"], device=str(device))
-
-
-def _standard(target, program, inputs, device):
-    from kfuzz.kernelbench import standard_test
-    pair = target.options["pair"] if "pair" in target.options else target.options["bench"].pair
-    return None, {}, standard_test(pair, device=str(device)).to_json()
-
-
 # name -> (target, program, inputs on the device by role, device) -> (verdict, outputs by role, facts)
-PROGRAMS: dict[str, Callable[..., tuple[Verdict | None, dict[str, Tensors], dict]]] = {
+ProgramFn = Callable[..., tuple[Verdict | None, dict[str, Tensors], dict]]
+PROGRAMS: dict[str, ProgramFn] = {
     "call": _call, "repeat": _repeat, "guarded": _guarded, "poisoned": _poisoned, "rebind": _rebind,
-    "backward": _backward, "weights": _weights, "standard": _standard, "build": _build}
+    "backward": _backward}
+
+
+def register_program(name: str, program: ProgramFn) -> None:
+    """Add a kernel program to ``PROGRAMS`` (``kfuzz.kernelbench`` adds its own on import). A
+    name is registered once; the same function again is accepted."""
+    if PROGRAMS.get(name, program) is not program:
+        raise ValueError(f"kernel program {name!r} is already registered")
+    PROGRAMS[name] = program
 
 
 def run_program(target: Target, program: Program, inputs: dict[str, Tensors], device: str
@@ -274,7 +271,7 @@ def is_storage_role(role: str) -> bool:
 
 def replicate(t: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
     """A copy of ``t`` with its own storage: the same bytes, layout and bytes around the view."""
-    return rebuild(_storage_bytes(t.detach()).cpu(), geometry(t), device)
+    return rebuild(storage_bytes(t.detach()).cpu(), geometry(t), device)
 
 
 def sendable(outputs: dict[str, Tensors]) -> dict[str, Tensors]:
@@ -304,7 +301,7 @@ def changed_input(target_name: str, sent: Tensors, after: Tensors) -> Verdict | 
         if a is None:
             return malformed(target_name, f"input {name!r} did not come back from the kernel side")
         if geometry(a) == geometry(t) and a.untyped_storage().nbytes() == t.untyped_storage().nbytes():
-            same = torch.equal(_storage_bytes(a).cpu(), _storage_bytes(t).cpu())
+            same = torch.equal(storage_bytes(a).cpu(), storage_bytes(t).cpu())
         else:    # a copy of another layout (a grad-enabled leaf): its values bit for bit
             same = a.shape == t.shape and torch.equal(bits(a.cpu()), bits(t.to(a.dtype).cpu()))
         if not same:
@@ -316,7 +313,6 @@ def changed_input(target_name: str, sent: Tensors, after: Tensors) -> Verdict | 
 def outputs_of(result: ProgramResult, target: Target, case: Case, role: str) -> Tensors | Verdict:
     """The outputs of ``role``, checked again here against the call contract (names, type,
     shape, dtype): a malformed answer if they break it (the kernel side reports honest failures)."""
-    from kfuzz.execute import contract_violation
     outs = result.outputs.get(role)
     if outs is None or set(outs) != set(target.outputs):
         return malformed(target.name, f"the kernel side returned outputs {sorted(outs or ())} for {role!r}, "
@@ -397,10 +393,3 @@ def answer(target: Target, case: Case, name: str, params: dict, layouts: list, s
                 usage.ru_utime + usage.ru_stime, list(edges)), tensors)
     return msg, verdict is not None and verdict.kind == "crash"
 
-
-def __getattr__(name: str):
-    """The executors live in ``kfuzz.executor``; their names here still work."""
-    if name in ("InProcess", "Sandboxed", "executor_for", "PROGRAM_IMPORTS"):
-        from kfuzz import executor
-        return getattr(executor, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

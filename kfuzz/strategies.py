@@ -22,9 +22,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
+from kfuzz.dtypes import special_value_table
 from kfuzz.engines.random import EDGE_SIZES
 from kfuzz.target import Dim, Target
-from kfuzz.tensors import special_value_table
 
 
 def sizes(dim: Dim) -> st.SearchStrategy[int]:

@@ -23,15 +23,18 @@ the contract (``CaseError`` from ``Target.validate``).
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable, Mapping, Sequence
 
-from kfuzz.case import Case
+from kfuzz.case import Case, payload_chars
+from kfuzz.dtypes import DTYPES, special_value_table, torch_dtype
 from kfuzz.errors import CaseError, TargetError
-from kfuzz.tensors import DTYPES, check_storage, special_value_table
+from kfuzz.limits import CASE_BYTES_ENV, describe
 
 ALL_LAYOUTS = ("contiguous", "permuted", "strided", "offset", "expanded")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -134,7 +137,7 @@ class Target:
     # the contract ---------------------------------------------------------------------
     def validate(self, case: Case) -> None:
         """Raise CaseError naming what in ``case`` breaks this target's contract, the storage
-        its layouts and payload may take included (``kfuzz.tensors.check_storage``)."""
+        its layouts and payload may take included (``check_storage``)."""
         where = f"case for target {self.name!r}"
         if case.target != self.name:
             raise CaseError(f"{where}: names target {case.target!r}")
@@ -171,6 +174,52 @@ class Target:
             if unknown:
                 raise CaseError(f"{where}: payload names unknown arguments {sorted(unknown)}")
         check_storage(case, self)
+
+
+# the storage budget ----------------------------------------------------------------------------
+
+STEP_ROOM = 4        # per dim, how far a layout may spread an argument beyond its size (kfuzz draws steps <= 3)
+OFFSET_ROOM = 4096   # storage elements a layout may add besides (kfuzz draws offsets <= 17)
+
+
+def _largest_size(target: Target, name: str) -> int:
+    """Argument ``name``'s element count with every dim at the contract's largest size."""
+    return target.numel(name, {d: spec.hi for d, spec in target.dims.items()})
+
+
+def check_storage(case: Case, target: Target, cap: int | None = None) -> int:
+    """The bytes materializing ``case`` takes, computed from shapes and layouts before
+    anything is allocated: each argument's storage in its dtype and its logical values
+    (drawn in float64; a payload's in its dtype). CaseError if an argument's layout spans
+    more storage than the contract admits, a payload entry disagrees with the contract, or
+    the total is over ``cap`` (what is read from outside is held to ``max_case_bytes()``).
+    Needs the checks of ``Target.validate`` before it (dims in the contract, layouts of the
+    right rank); ``Target.validate`` calls it without a cap."""
+    where = f"case for target {target.name!r}"
+    dims, payload, total = case.dim, case.payload_dict or {}, 0
+    for name in target.args:
+        shape = target.shape_of(target.args[name].shape, dims)
+        dtype = target.arg_dtype(name, case.dtype)
+        itemsize = torch_dtype(dtype).itemsize
+        layout = case.arg(name).layout
+        span, numel = layout.span(shape), math.prod(shape)
+        room = _largest_size(target, name) * STEP_ROOM ** len(shape) + OFFSET_ROOM
+        if span > room:
+            raise CaseError(f"{where}: argument {name!r} with layout {json.dumps(layout.to_json())} spans {span} storage "
+                            f"elements; its contract admits at most {room}")
+        if name in payload:
+            entry = payload[name]
+            if entry["dtype"] != dtype or tuple(entry["shape"]) != shape:
+                raise CaseError(f"{where}: payload for {name!r} is {list(entry['shape'])} {entry['dtype']}, "
+                                f"the contract wants {list(shape)} {dtype}")
+            if len(entry["data"]) != payload_chars(numel * itemsize):
+                raise CaseError(f"{where}: payload for {name!r} holds {len(entry['data'])} base64 characters, "
+                                f"{list(shape)} {dtype} takes {payload_chars(numel * itemsize)}")
+        total += span * itemsize + numel * (itemsize if name in payload else 8)
+    if cap is not None and total > cap:
+        raise CaseError(f"{where}: materializing it takes {describe(total)}, over the cap of {describe(cap)} "
+                        f"(set {CASE_BYTES_ENV} to raise it)")
+    return total
 
 
 # the registry ---------------------------------------------------------------------------
@@ -305,3 +354,22 @@ def get_target(name: str) -> Target:
             why += f"; the test suite's fixture targets load with {FIXTURES_ENV}=1"
         raise TargetError(f"unknown target {name!r} (known: {', '.join(sorted(targets)) or 'none'}){why}")
     return targets[name]
+
+
+def load_target(name: str, module: str | None = None, resolve: dict | None = None) -> Target:
+    """The target, importing only its own module when that registers it (a worker starts
+    in a second instead of importing every harness), else through the entry points.
+    ``resolve``: keyword arguments for the resolver of a name built on demand (``kb:``)."""
+    prepare_triton()
+    if resolve is not None:
+        for prefix, resolver in RESOLVERS.items():
+            if name.startswith(prefix):
+                return importlib.import_module(resolver).resolve(name, **resolve)
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+        if name in _REGISTRY:
+            return _REGISTRY[name]
+    return get_target(name)

@@ -16,77 +16,34 @@ the device or the thread count. The order is fixed:
    dtypes), so a kernel that reads outside the view's elements shows it;
 6. move to the device.
 
-The storage budget (``check_storage``): before anything is allocated, each argument's
-storage is computed from its shape and layout, and refused when its layout spans more
-than the contract admits (``STEP_ROOM`` per dim times the argument's largest size under
-the contract, plus ``OFFSET_ROOM`` elements; ``Target.validate`` checks this on every
-case) or, for a case read from outside, when the whole case would take more than
-``kfuzz.limits.max_case_bytes()``.
+The storage budget (``kfuzz.target.check_storage``): before anything is allocated, each
+argument's storage is computed from its shape and layout, and refused when its layout spans
+more than the contract admits (``Target.validate`` checks this on every case) or, for a case
+read from outside, when the whole case would take more than ``kfuzz.limits.max_case_bytes()``.
+
+The way back: ``case_from_tensors`` makes the case whose payload is given tensors, its dims
+and dtype read off their shapes (``contract_of``), as an imported failure or a gate's
+hidden-seed inputs are saved.
 
 Refuses (CaseError): payload tensors of the wrong shape or dtype, layouts and payloads
-over the storage budget.
+over the storage budget, tensors that break the target's contract (``contract_of``).
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import json
 import math
 import zlib
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from kfuzz.case import ArgCase, Case, Dist, Layout
+from kfuzz.case import ArgCase, Case, Dist, Layout, payload_chars
+from kfuzz.dtypes import special_value_table, torch_dtype
 from kfuzz.errors import CaseError
-from kfuzz.limits import CASE_BYTES_ENV, describe
-
-if TYPE_CHECKING:
-    from kfuzz.target import Target
-
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32,
-    "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
-}
-for _name in ("float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _name):
-        DTYPES[_name] = getattr(torch, _name)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise CaseError(f"unknown dtype {name!r} (known: {', '.join(DTYPES)})") from None
-
-
-def is_float(name: str) -> bool:
-    return torch_dtype(name).is_floating_point
-
-
-def special_value_table(dtype: str) -> dict[str, float | None]:
-    """Each special value's float64 value in ``dtype``; None where the dtype has none."""
-    dt = torch_dtype(dtype)
-    if not dt.is_floating_point:
-        info = torch.iinfo(dt) if dt != torch.bool else None
-        mx = float(info.max) if info else 1.0
-        mn = float(info.min) if info else 0.0
-        return {"nan": None, "inf": None, "-inf": None, "-0": 0.0, "max": mx, "-max": mn,
-                "tiny": 1.0, "subnormal": None}
-    fi = torch.finfo(dt)
-    has_inf = dt not in (getattr(torch, "float8_e4m3fn", None),)
-    return {"nan": math.nan, "inf": math.inf if has_inf else None,
-            "-inf": -math.inf if has_inf else None, "-0": -0.0,
-            "max": float(fi.max), "-max": -float(fi.max),
-            "tiny": float(fi.tiny), "subnormal": float(fi.tiny) * float(fi.eps)}
-
-
-def unit_roundoff(dtype: str) -> float:
-    dt = torch_dtype(dtype)
-    return float(torch.finfo(dt).eps) / 2 if dt.is_floating_point else 0.0
-
+from kfuzz.limits import max_case_bytes
+from kfuzz.target import Target, check_storage
 
 # 1. drawing ------------------------------------------------------------------------------
 
@@ -135,11 +92,6 @@ def decode_payload(entry: Mapping, name: str) -> torch.Tensor:
         return t.reshape(shape).clone()
     except (KeyError, ValueError, RuntimeError, TypeError, binascii.Error) as e:
         raise CaseError(f"payload for argument {name!r} is malformed ({e})") from None
-
-
-def payload_chars(nbytes: int) -> int:
-    """The length of the base64 text of ``nbytes`` bytes."""
-    return 4 * -(-nbytes // 3)
 
 
 def encode_payload(t: torch.Tensor) -> dict:
@@ -205,55 +157,9 @@ def _expanded_positions(argcase: ArgCase, shape: tuple[int, ...]) -> ArgCase:
     return ArgCase(argcase.layout, argcase.dist, tuple(moved))
 
 
-# the storage budget ----------------------------------------------------------------------------
-
-STEP_ROOM = 4        # per dim, how far a layout may spread an argument beyond its size (kfuzz draws steps <= 3)
-OFFSET_ROOM = 4096   # storage elements a layout may add besides (kfuzz draws offsets <= 17)
-
-
-def _largest_size(target: "Target", name: str) -> int:
-    """Argument ``name``'s element count with every dim at the contract's largest size."""
-    return target.numel(name, {d: spec.hi for d, spec in target.dims.items()})
-
-
-def check_storage(case: Case, target: "Target", cap: int | None = None) -> int:
-    """The bytes materializing ``case`` takes, computed from shapes and layouts before
-    anything is allocated: each argument's storage in its dtype and its logical values
-    (drawn in float64; a payload's in its dtype). CaseError if an argument's layout spans
-    more storage than the contract admits, a payload entry disagrees with the contract, or
-    the total is over ``cap`` (what is read from outside is held to ``max_case_bytes()``).
-    Needs the checks of ``Target.validate`` before it (dims in the contract, layouts of the
-    right rank); ``Target.validate`` calls it without a cap."""
-    where = f"case for target {target.name!r}"
-    dims, payload, total = case.dim, case.payload_dict or {}, 0
-    for name in target.args:
-        shape = target.shape_of(target.args[name].shape, dims)
-        dtype = target.arg_dtype(name, case.dtype)
-        itemsize = torch_dtype(dtype).itemsize
-        layout = case.arg(name).layout
-        span, numel = layout.span(shape), math.prod(shape)
-        room = _largest_size(target, name) * STEP_ROOM ** len(shape) + OFFSET_ROOM
-        if span > room:
-            raise CaseError(f"{where}: argument {name!r} with layout {json.dumps(layout.to_json())} spans {span} storage "
-                            f"elements; its contract admits at most {room}")
-        if name in payload:
-            entry = payload[name]
-            if entry["dtype"] != dtype or tuple(entry["shape"]) != shape:
-                raise CaseError(f"{where}: payload for {name!r} is {list(entry['shape'])} {entry['dtype']}, "
-                                f"the contract wants {list(shape)} {dtype}")
-            if len(entry["data"]) != payload_chars(numel * itemsize):
-                raise CaseError(f"{where}: payload for {name!r} holds {len(entry['data'])} base64 characters, "
-                                f"{list(shape)} {dtype} takes {payload_chars(numel * itemsize)}")
-        total += span * itemsize + numel * (itemsize if name in payload else 8)
-    if cap is not None and total > cap:
-        raise CaseError(f"{where}: materializing it takes {describe(total)}, over the cap of {describe(cap)} "
-                        f"(set {CASE_BYTES_ENV} to raise it)")
-    return total
-
-
 # the whole path --------------------------------------------------------------------------------
 
-def logical_values(case: Case, target: "Target") -> dict[str, torch.Tensor]:
+def logical_values(case: Case, target: Target) -> dict[str, torch.Tensor]:
     """Steps 1-4: each argument's logical values in its dtype, on the CPU."""
     dims = case.dim
     payload = case.payload_dict or {}
@@ -283,7 +189,7 @@ def logical_values(case: Case, target: "Target") -> dict[str, torch.Tensor]:
     return out
 
 
-def materialize(case: Case, target: "Target", device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def materialize(case: Case, target: Target, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The kernel's arguments for ``case``: deterministic values, layouts, on ``device``."""
     target.validate(case)
     tensors = {}
@@ -298,3 +204,66 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     storage = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes() // t.element_size(),))
     moved = storage.to(device)
     return moved.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+# tensors back to a case -------------------------------------------------------------------
+
+def contract_of(target: Target, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                source: str = "<tensors>") -> tuple[dict[str, torch.Tensor], dict[str, int], str]:
+    """The tensors by argument name, the sizes of the target's dims and the case's dtype,
+    read off the tensors' shapes and dtypes (meta tensors will do); CaseError naming
+    ``source`` where they break the contract."""
+    names = list(target.args)
+    if not isinstance(tensors, Mapping):
+        if len(tensors) != len(names):
+            raise CaseError(f"{source}: {len(tensors)} tensors for {len(names)} arguments ({', '.join(names)})")
+        tensors = dict(zip(names, tensors))
+    missing, unknown = set(names) - set(tensors), set(tensors) - set(names)
+    if missing or unknown:
+        raise CaseError(f"{source}: target {target.name!r} takes {', '.join(names)}"
+                        + (f"; missing {sorted(missing)}" if missing else "")
+                        + (f"; unknown {sorted(unknown)}" if unknown else ""))
+    dims: dict[str, int] = {}
+    case_dtypes = set()
+    for name, spec in target.args.items():
+        t = tensors[name]
+        if t.dim() != len(spec.shape):
+            raise CaseError(f"{source}: argument {name!r} has {t.dim()} dims {list(t.shape)}, "
+                            f"the contract says {len(spec.shape)} {list(spec.shape)}")
+        for axis, (sym, n) in enumerate(zip(spec.shape, t.shape)):
+            if isinstance(sym, int):
+                if n != sym:
+                    raise CaseError(f"{source}: argument {name!r} has size {n} at axis {axis}, the contract says {sym}")
+            elif dims.setdefault(sym, int(n)) != n:
+                raise CaseError(f"{source}: dim {sym} is {dims[sym]} by one argument and {n} by {name!r}")
+        dt = str(t.dtype).removeprefix("torch.")
+        if spec.dtype == "case":
+            case_dtypes.add(dt)
+        elif dt != spec.dtype:
+            raise CaseError(f"{source}: argument {name!r} is {dt}, the contract says {spec.dtype}")
+    if len(case_dtypes) > 1:
+        raise CaseError(f"{source}: arguments of the case's dtype disagree: {sorted(case_dtypes)}")
+    undetermined = set(target.dims) - set(dims)
+    if undetermined:
+        raise CaseError(f"{source}: no argument gives the size of dims {sorted(undetermined)}")
+    dtype = case_dtypes.pop() if case_dtypes else target.dtypes[0]
+    bare = Case.make(target.name, dtype, 0, dims)   # its storage bounds the payload's (drawn in float64)
+    try:   # the dims and the storage cap, before any value is read or encoded
+        target.validate(bare)
+        check_storage(bare, target, max_case_bytes())
+    except CaseError as e:
+        raise CaseError(f"{source}: {e}") from None
+    return tensors, dims, dtype
+
+
+def case_from_tensors(target: Target, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                      source: str = "<tensors>") -> Case:
+    """The case whose payload is ``tensors``, its dims and dtype read off their shapes."""
+    tensors, dims, dtype = contract_of(target, tensors, source)
+    case = Case.make(target.name, dtype, 0, dims,
+                     payload={name: encode_payload(t) for name, t in tensors.items()})
+    try:
+        target.validate(case)
+    except CaseError as e:
+        raise CaseError(f"{source}: {e}") from None
+    return case

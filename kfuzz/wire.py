@@ -17,7 +17,7 @@ from typing import Mapping
 
 import torch
 
-from kfuzz.tensors import torch_dtype
+from kfuzz.dtypes import torch_dtype
 
 
 def storage_buffer(t: torch.Tensor):

@@ -60,12 +60,12 @@ from kfuzz import jit, launcher, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.jit import Credit
-from kfuzz.target import Target, get_target, prepare_triton
-from kfuzz.wire import pack, unpack
+from kfuzz.target import load_target, prepare_triton
 from kfuzz.verdict import Verdict
+from kfuzz.wire import pack, unpack
 
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
-_WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
+WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
 STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded machine is slow
 EXIT_GRACE = 0.25          # seconds a process the kernel started may take to exit after the call
 # bytes that may wait unread in a worker's pipe without blocking kfuzz's send (Linux buffers
@@ -73,38 +73,7 @@ EXIT_GRACE = 0.25          # seconds a process the kernel started may take to ex
 DIRECT_SEND = 64 << 10
 
 
-def resource_crash(verdict: Verdict | None) -> Verdict | None:
-    """An exception that says a resource ran out (memory, open files) is a ``crash`` named
-    after the resource, not the kernel's exception."""
-    if verdict is not None and verdict.kind == "exception":
-        kind = sandbox.resource_kind(verdict.exc_type, verdict.detail)
-        if kind is not None:
-            return Verdict(verdict.target, "crash", detail=verdict.detail, exc_type=kind)
-    return verdict
-
-
 # the worker process ------------------------------------------------------------------------
-
-def _load_target(name: str, module: str | None, resolve: dict | None = None) -> Target:
-    """The target, importing only its own module when that registers it (a worker starts
-    in a second instead of importing every harness), else through the entry points.
-    ``resolve``: keyword arguments for the resolver of a name built on demand (``kb:``)."""
-    prepare_triton()
-    if resolve is not None:
-        from kfuzz.target import RESOLVERS
-        for prefix, resolver in RESOLVERS.items():
-            if name.startswith(prefix):
-                return importlib.import_module(resolver).resolve(name, **resolve)
-    if module:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass
-        from kfuzz.target import _REGISTRY
-        if name in _REGISTRY:
-            return _REGISTRY[name]
-    return get_target(name)
-
 
 CUDA_UNAVAILABLE = 75     # a worker's exit code: CUDA does not start inside its namespaces
 _levels: dict[str, list[str]] = {}     # device kind -> the isolation levels still to try, best first
@@ -158,7 +127,7 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
     conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level)
     for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
         importlib.import_module(name)
-    target = _load_target(target_name, module, resolve)
+    target = load_target(target_name, module, resolve)
     jit.report_compiles(conn.send_bytes)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
     # confined after the target's import (the harness is trusted), before any kernel call
@@ -200,7 +169,7 @@ def _sender(conn: Connection, outbox: Queue) -> None:
             outbox.task_done()
 
 
-def _worker_case(case: Case) -> tuple:
+def worker_case(case: Case) -> tuple:
     """What a worker is told of a case: enough for the contract (target, dtype, dims), not
     the seed that would let a kernel predict its inputs."""
     return case.target, case.dtype, case.dims
@@ -395,10 +364,3 @@ def death(worker: Worker, policy: sandbox.Policy) -> tuple[str, str]:
            sandbox.FILE_SIZE: " writing a file past its size limit"}.get(name, "")
     return name, f"the worker died ({name}){why} while running the kernel"
 
-
-def __getattr__(name: str):
-    """The executors that drive workers live in ``kfuzz.executor``; their names here still work."""
-    if name in ("WorkerPool", "InProcess", "KernelResult"):
-        from kfuzz import executor
-        return getattr(executor, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,12 +8,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kfuzz.audit import append_record, done_keys, judge_record, read_corpus, run_audit
+from kfuzz.audit import append_record, done_keys, judge_record, run_audit
 import kfuzz.cli.audit  # noqa: F401  (registers the verb)
 from kfuzz.cli import cli
 from kfuzz.errors import KfuzzError
 from kfuzz.kernelbench import (KernelBenchError, WeightsContractError, as_target, infer_contract, load_pair,
-                               load_weights, pair_module, size_constants, standard_test)
+                               load_weights, pair_module, read_corpus, size_constants, standard_test)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTROLS = ROOT / "harnesses" / "kernelbench_controls"
@@ -131,7 +131,7 @@ def test_a_worker_finds_a_pair_by_name():
     from kfuzz.gates.base import make_case, nominal_dims
     from kfuzz.target import get_target
     from kfuzz.tensors import materialize
-    from kfuzz.workers import WorkerPool
+    from kfuzz.executor import WorkerPool
     t = get_target(f"kb:{CONTROLS}:skips_tail")
     pool = WorkerPool(t, jobs=1)
     try:

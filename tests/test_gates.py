@@ -181,7 +181,7 @@ def test_a_worker_gives_the_gates_verdicts_of_this_process(name, gate, kind, out
     """Each gate's kernel program (call, repeat, guarded, poisoned, rebind, backward) run by the
     sandboxed executor: the control's first failing case fails the same way, and the correct
     kernel's first cases pass, as they do in this process."""
-    from kfuzz.programs import Sandboxed
+    from kfuzz.executor import Sandboxed
     g, planted = GATES[gate], get_target(name)
     case, here = _first_failing(g, planted)
     with Sandboxed(planted, timeout=60) as ex:
@@ -211,7 +211,8 @@ def test_a_segfault_under_verify_is_that_gates_crash_and_verify_finishes(tmp_pat
 
 def test_a_hang_is_a_timeout_and_the_next_program_gets_a_fresh_worker():
     from kfuzz.case import Case
-    from kfuzz.programs import Program, Sandboxed, called
+    from kfuzz.executor import Sandboxed
+    from kfuzz.programs import Program, called
     from kfuzz.tensors import materialize
     t = get_target("searchsum.crashhang")
     hang, fine = (Case.make(t.name, dt, 1, {"N": 2, "D": d}) for dt, d in (("float16", 128), ("float32", 40)))
@@ -226,7 +227,8 @@ def test_a_gates_program_does_not_count_a_jit_compile_as_run_time():
     """The verify/audit executor stops a program's clock while its kernel compiles (kfuzz.jit):
     searchsum.slowjit's first call compiles for 2 s, over the 1 s timeout."""
     from kfuzz.case import Case
-    from kfuzz.programs import Sandboxed, called
+    from kfuzz.executor import Sandboxed
+    from kfuzz.programs import called
     from kfuzz.tensors import materialize
     t = get_target("searchsum.slowjit")
     fine = Case.make(t.name, "float32", 1, {"N": 2, "D": 40})
@@ -429,7 +431,7 @@ KB_CONTROLS = [
 @pytest.mark.parametrize("stem, gate, kind", KB_CONTROLS, ids=[r[0] for r in KB_CONTROLS])
 def test_kernelbench_controls_fail_their_gate_and_correct_ones_pass(stem, gate, kind):
     from pathlib import Path
-    from kfuzz.audit import read_corpus
+    from kfuzz.kernelbench import read_corpus
     from kfuzz.kernelbench import as_target
     folder = Path(__file__).resolve().parents[1] / "harnesses" / "kernelbench_controls"
     entry = next(e for e in read_corpus(folder) if e.key.endswith(":" + stem))

@@ -218,7 +218,8 @@ def test_in_a_worker_the_gc_hacks_find_no_oracle_output(name):
     finds nothing, and what kfuzz holds is untouched."""
     from kfuzz.execute import oracle_outputs
     from kfuzz.gates.base import make_case, nominal_dims
-    from kfuzz.programs import InProcess, Sandboxed, called
+    from kfuzz.executor import InProcess, Sandboxed
+    from kfuzz.programs import called
     from kfuzz.tensors import materialize
     target = get_target(f"hacks.{name}")
     case = make_case(target, "float32", 3, nominal_dims(target))
@@ -243,7 +244,7 @@ def test_in_a_worker_the_gc_hacks_find_no_oracle_output(name):
 def test_every_hack_is_rejected_through_the_sandboxed_worker_too():
     """kfuzz verify's default path: each hack fails its rejecting gate with its kernel side in a
     worker (the first failing case; pooled_thread races a thread against the copy at return)."""
-    from kfuzz.programs import Sandboxed
+    from kfuzz.executor import Sandboxed
     for name, gate, kind, _ in REJECTED_BY:
         if name == "pooled_thread":
             continue

@@ -14,7 +14,8 @@ from kfuzz.cli import cli
 from kfuzz.corpus import Corpus, load
 from kfuzz.errors import CaseError
 from kfuzz.execute import execute
-from kfuzz.importer import case_from_tensors, import_failure
+from kfuzz.importer import import_failure
+from kfuzz.tensors import case_from_tensors
 from kfuzz.minimize import NotReproducible, SameFailure, minimize, window
 from kfuzz.target import Arg, Dim, Output, Target, add_target, get_target
 

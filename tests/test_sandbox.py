@@ -256,7 +256,7 @@ PROCS = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=5, processes=True, ma
 
 def _one_verdict(name: str, policy: sandbox.Policy):
     from kfuzz.case import Case
-    from kfuzz.workers import WorkerPool
+    from kfuzz.executor import WorkerPool
     pool = WorkerPool(get_target(name), jobs=1, timeout=30.0, policy=policy)
     try:
         pool.submit(Case.make(name, "float32", 1, {"N": 2, "D": 8}))

@@ -6,9 +6,10 @@ import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout, encode
 from kfuzz.corpus import load_checked
+from kfuzz.dtypes import special_value_table
 from kfuzz.errors import CaseError, KfuzzError
-from kfuzz.target import get_target
-from kfuzz.tensors import check_storage, encode_payload, lay_out, materialize, special_value_table
+from kfuzz.target import check_storage, get_target
+from kfuzz.tensors import encode_payload, lay_out, materialize
 
 SOFTMAX = get_target("softmax")
 

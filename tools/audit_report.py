@@ -27,9 +27,10 @@ import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from kfuzz.audit import BROKEN_RATIO, judge_record, read_corpus, read_results, results_key
+from kfuzz.audit import BROKEN_RATIO, judge_record, read_results, results_key
 from kfuzz.compare import BOUND_C
 from kfuzz.gates import GATES
+from kfuzz.kernelbench import read_corpus
 
 SWEEP = (0.5, 1, 2, 4, 8, 16, 64, 256, 1e3, 1e4, 1e6)
 BOUND_GATES = [g for g, gate in GATES.items() if not gate.tolerance_free]

@@ -37,7 +37,7 @@ from kfuzz.compare import BOUND_C, error_scale
 from kfuzz.corpus import iter_case_files, load
 from kfuzz.gates import GATES, run_gate
 from kfuzz.target import load_targets
-from kfuzz.tensors import unit_roundoff
+from kfuzz.dtypes import unit_roundoff
 
 os.environ.setdefault("KFUZZ_FIXTURES", "1")   # the gates' positive controls are test-suite targets (kfuzz.fixtures)
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kfuzz.audit import read_corpus
+from kfuzz.kernelbench import read_corpus
 from kfuzz.gates import GATES, run_gates
 from kfuzz.kernelbench import as_target
 from kfuzz.target import load_targets

@@ -29,7 +29,7 @@ def run_part(target_name: str, gate_id: str, part: int, parts: int, device: str 
              seed: int = 0, out=sys.stdout) -> tuple[int, int, float]:
     """(cases run, failures, worst error/bound) of part ``part`` of ``parts`` of the gate."""
     from kfuzz.gates import GATES, parse_gates
-    from kfuzz.programs import executor_for
+    from kfuzz.executor import executor_for
     from kfuzz.target import get_target
     gate = GATES[parse_gates(gate_id)[0]]
     target = get_target(target_name)

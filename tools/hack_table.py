@@ -91,7 +91,7 @@ def _standard(name: str, device: str, runs: int) -> dict | None:
 
 
 def _kb_pair(name: str):
-    from kfuzz.audit import read_row
+    from kfuzz.kernelbench import read_row
     path = KB_DIR / f"{KB_NAME.get(name, name)}.py"
     if not path.exists():
         return None, None
@@ -104,7 +104,7 @@ SANDBOXED = True    # the kernel side of every gate in a sandboxed worker (--in-
 
 def _kfuzz(target, gates, device: str) -> dict:
     from kfuzz.gates import run_gates
-    from kfuzz.programs import InProcess, Sandboxed
+    from kfuzz.executor import InProcess, Sandboxed
     from kfuzz.target import get_target
     target = get_target(target) if isinstance(target, str) else target
     resolve = {"device": device} if target.name.startswith("kb:") else None

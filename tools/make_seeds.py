@@ -27,7 +27,7 @@ from kfuzz.case import ArgCase, Case, Layout
 from kfuzz.corpus import Corpus
 from kfuzz.execute import execute
 from kfuzz.target import Target, load_targets
-from kfuzz.tensors import special_value_table
+from kfuzz.dtypes import special_value_table
 
 
 def _size(dim, want: int) -> int:

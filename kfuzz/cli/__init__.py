@@ -1,34 +1,14 @@
-"""kfuzz's command line: one module per verb, each thin over the library.
+"""kfuzz's command line: one module per verb, each thin over the library, registered on the
+group ``cli`` (``kfuzz.cli.base``) when imported; ``main`` imports them all.
 
 Exit codes: 0 all as expected, 1 a failure found or a regression, 2 bad usage
 or bad input (the message names the file and what is wrong).
 """
 from __future__ import annotations
 
-import functools
-import sys
+from kfuzz.cli.base import cli, handles_bad_input
 
-import click
-
-from kfuzz.errors import KfuzzError
-
-
-def handles_bad_input(fn):
-    """Turn KfuzzError into a clear message on stderr and exit code 2."""
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        try:
-            return fn(*a, **kw)
-        except KfuzzError as e:
-            click.echo(f"kfuzz: error: {e}", err=True)
-            sys.exit(2)
-    return wrapper
-
-
-@click.group()
-@click.version_option(package_name="kfuzz")
-def cli():
-    """kfuzz: find the inputs on which a kernel disagrees with its float64 oracle."""
+__all__ = ["cli", "handles_bad_input", "main"]
 
 
 def main():

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
 from kfuzz.errors import KfuzzError
 
 SELECT = ("all", "cpu", "no-compile", "compile")
@@ -77,8 +77,9 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     run's and earlier ones. Exit 0 when each ends as expected, 1 when any does not (a violation in
     a corpus without expectations, a control whose verdict differs from its planting, a kernel
     killed for time), 2 on bad input (AUDIT.md, "Exit codes")."""
-    from kfuzz.audit import RESULTS, judge_record, outcome, read_corpus, read_results, results_key, run_audit
+    from kfuzz.audit import RESULTS, judge_record, outcome, read_results, results_key, run_audit
     from kfuzz.gates import parse_gates
+    from kfuzz.kernelbench import read_corpus
     ids = parse_gates(gates)
     if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1) or build_jobs < 0:
         raise KfuzzError("--jobs and --max-jobs must be >= 1, --limit and --build-jobs >= 0")

@@ -1,7 +1,7 @@
 """kfuzz import --target NAME FILE: a reported failing input (.pt / .npz) becomes a minimized case."""
 import click
 
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
 from kfuzz.cli.minimize import render
 from kfuzz.corpus import Corpus
 from kfuzz.importer import import_failure

@@ -4,7 +4,7 @@ from pathlib import Path
 import click
 
 from kfuzz.case import encode
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
 from kfuzz.corpus import SUFFIX, load_checked, make_record, write_atomic
 from kfuzz.devices import resolve_device
 from kfuzz.executor import InProcess, Pool

@@ -3,7 +3,7 @@ import sys
 
 import click
 
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
 from kfuzz.replay import mark_fixed, replay
 
 

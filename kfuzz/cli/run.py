@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from kfuzz.campaign import MINIMIZE_SECONDS, CampaignStats, run_campaign
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
 from kfuzz.corpus import Corpus
 from kfuzz.devices import resolve_device
 from kfuzz.engines import ENGINES

@@ -4,7 +4,7 @@ import json
 
 import click
 
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
 from kfuzz.corpus import load_checked
 
 

@@ -17,7 +17,8 @@ from xml.sax.saxutils import escape, quoteattr
 
 import click
 
-from kfuzz.cli import cli, handles_bad_input
+from kfuzz.cli.base import cli, handles_bad_input
+from kfuzz.corpus import iter_case_files
 from kfuzz.devices import resolve_device
 from kfuzz.errors import KfuzzError
 from kfuzz.executor import InProcess, Sandboxed
@@ -145,7 +146,6 @@ def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, t
 def _verify(target_name, gates, fmt, seed, device, out, replay_paths, executor, jobs=1, in_process=False,
             timeout=120.0, verbose=False):
     if replay_paths:
-        from kfuzz.corpus import iter_case_files
         changed = 0
         for path in iter_case_files(replay_paths):
             ok, _, message = replay_gate_case(path, device, executor)

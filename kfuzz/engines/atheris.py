@@ -50,12 +50,12 @@ import zlib
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
+from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout, decode, encode
 from kfuzz.corpus import target_folder
+from kfuzz.dtypes import special_value_table
 from kfuzz.engines.random import EDGE_SIZES, sample_case, sample_layout, sample_size
 from kfuzz.errors import KfuzzError
 from kfuzz.target import Target, get_target, prepare_triton
-from kfuzz.tensors import special_value_table
 from kfuzz.verdict import KINDS
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -148,7 +148,6 @@ def _dist_of(kind: str, k: int) -> Dist:
 def decode_input(data: bytes, target: Target) -> Case:
     """The case that libFuzzer's bytes stand for (see the module docstring)."""
     if data[:4] == ZSTD_MAGIC:
-        from kfuzz.case import decode
         try:
             case, _ = decode(data)
             if case.target == target.name:
@@ -323,7 +322,6 @@ def _fuzzer_main(conn: Connection, target_name: str, mode: str, corpus_dir: str,
         ask(decode_input(data, target))
 
     def custom_mutator(data: bytes, max_size: int, s: int) -> bytes:
-        from kfuzz.case import encode
         rng = random.Random(s)
         r = rng.random()
         if r < P_BYTES:
@@ -333,7 +331,6 @@ def _fuzzer_main(conn: Connection, target_name: str, mode: str, corpus_dir: str,
         return encode(mutate_case(decode_input(data, target), target, rng))[:max_size]
 
     def custom_crossover(d1: bytes, d2: bytes, max_size: int, s: int) -> bytes:
-        from kfuzz.case import encode
         rng = random.Random(s)
         return encode(crossover(decode_input(d1, target), decode_input(d2, target), target, rng))[:max_size]
 
@@ -386,7 +383,6 @@ class AtherisEngine:
             for f in sorted(seeds.glob("*.case.zst")) if seeds.is_dir() else []:
                 shutil.copyfile(f, self.workdir / "corpus" / f.name)
         if self.mode == "hand":
-            from kfuzz.case import encode
             rng = random.Random(self.seed)
             for i in range(INITIAL):
                 (self.workdir / "corpus" / f"random-{i}").write_bytes(encode(sample_case(self.target, rng)))

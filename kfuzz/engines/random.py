@@ -13,8 +13,8 @@ import math
 import random
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
+from kfuzz.dtypes import special_value_table
 from kfuzz.target import Target
-from kfuzz.tensors import special_value_table
 
 EDGE_SIZES = (1, 2, 3, 5, 7, 8, 13, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 127, 128, 129,
               255, 256, 257, 511, 512, 513, 1000, 1023, 1024, 1025, 2047, 2048, 4095, 4096)

@@ -23,10 +23,10 @@ from typing import Callable, Iterable
 from kfuzz.compare import BOUND_C
 from kfuzz.corpus import Corpus, load
 from kfuzz.errors import KfuzzError
+from kfuzz.executor import executor_for
 from kfuzz.gates.base import Gate, GateResult, nominal_dims
 from kfuzz.gates.calls import CompleteWrites, Containment, Determinism, InputDependence
 from kfuzz.gates.gradients import Gradients
-from kfuzz.programs import executor_for
 from kfuzz.gates.values import (Accumulation, Distributions, Layouts, Nonfinite, Range, Reference,
                                 Shapes)
 from kfuzz.target import Target, get_target

@@ -23,6 +23,7 @@ from typing import Iterable
 
 from kfuzz.case import ArgCase, Case
 from kfuzz.compare import BOUND_C
+from kfuzz.dtypes import is_float
 from kfuzz.target import Target
 from kfuzz.verdict import Verdict
 
@@ -81,7 +82,6 @@ def nominal_dims(target: Target) -> dict[str, int]:
 
 def float_args(target: Target, dtype: str) -> list[str]:
     """Arguments whose values are floating point in a case of ``dtype``."""
-    from kfuzz.tensors import is_float
     return [n for n in target.args if is_float(target.arg_dtype(n, dtype))]
 
 
@@ -140,7 +140,7 @@ class Gate:
               ) -> Verdict | tuple[Case, Verdict]:
         """The verdict on ``case``; or (the case that failed, its verdict) when the check
         judged inputs other than ``case``'s own (G01's hidden-seed trial). The kernel's side
-        runs in ``executor`` (default: ``kfuzz.programs.InProcess`` on ``device``)."""
+        runs in ``executor`` (default: ``kfuzz.executor.InProcess`` on ``device``)."""
         raise NotImplementedError
 
     def no_evidence(self, target: Target, verdicts: list[Verdict]) -> str | None:

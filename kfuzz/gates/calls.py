@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import torch
 
-from kfuzz.compare import BOUND_C
-from kfuzz.execute import _storage_bytes, bits, oracle_outputs
 from kfuzz.case import ArgCase
+from kfuzz.compare import BOUND_C
+from kfuzz.dtypes import torch_dtype
+from kfuzz.execute import bits, oracle_outputs, storage_bytes
+from kfuzz.executor import executor_for
 from kfuzz.gates.base import Gate, fit_dims, float_args, gate_seed, inner_dims, make_case, nominal_dims
-from kfuzz.programs import (Program, changed_input, executor_for, malformed, outputs_of,
+from kfuzz.programs import (Program, changed_input, malformed, outputs_of,
                             poisoned_allocations)  # noqa: F401  (poisoned_allocations: the gate's tool)
-from kfuzz.tensors import logical_values, materialize, torch_dtype
+from kfuzz.tensors import logical_values, materialize
 from kfuzz.verdict import Verdict
 
 REPEATS = 4           # G08: calls on the same inputs
@@ -98,7 +100,7 @@ class Determinism(Gate):
 
 def _guarded(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A copy of ``t`` (same strides) inside a storage with guard bytes before and after."""
-    data = _storage_bytes(t)
+    data = storage_bytes(t)
     pad = GUARD_BYTES // t.element_size() * t.element_size()
     raw = torch.full((pad + data.numel() + pad,), GUARD_FILL, dtype=torch.uint8, device=t.device)
     raw[pad:pad + data.numel()] = data
@@ -129,7 +131,7 @@ class Containment(Gate):
             return r.verdict
         after = r.outputs.get("after:case", {})
         for name, (_, raw, pad) in guarded.items():
-            back = _storage_bytes(after[name]).cpu() if name in after else None
+            back = storage_bytes(after[name]).cpu() if name in after else None
             if back is None or back.numel() != raw.numel():
                 return malformed(target.name, f"input {name!r} did not come back whole")
             changed = (back != raw).nonzero().reshape(-1)

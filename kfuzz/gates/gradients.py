@@ -15,11 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kfuzz.case import ArgCase
 from kfuzz.compare import BOUND_C, compare
 from kfuzz.execute import as_outputs
+from kfuzz.executor import executor_for
 from kfuzz.gates.base import Gate, float_args, gate_seed, make_case, nominal_dims
-from kfuzz.case import ArgCase
-from kfuzz.programs import Program, changed_input, executor_for, grads, leaves, malformed, replicate
+from kfuzz.programs import Program, changed_input, grads, leaves, malformed, replicate
 from kfuzz.tensors import materialize, rng_for
 from kfuzz.verdict import Verdict
 

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from kfuzz.case import ArgCase, Case, Dist
+from kfuzz.dtypes import special_value_table, torch_dtype
 from kfuzz.target import Target
-from kfuzz.tensors import draw, rng_for, special_value_table, torch_dtype
+from kfuzz.tensors import draw, rng_for
 
 SINGLE_CASES = 59        # single-injection cases a dtype (a gate adds its other cases to reach ~60)
 PROBE_SEED = 0x5EC1A1    # the draw the domain sees around a probed value

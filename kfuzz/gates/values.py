@@ -17,13 +17,16 @@ import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.compare import BOUND_C, compare
+from kfuzz.dtypes import special_value_table, torch_dtype
+from kfuzz.errors import CaseError
 from kfuzz.execute import flush_subnormals, judge, oracle_outputs, trusted_outputs
+from kfuzz.executor import executor_for
 from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims, make_case,
                               nominal_dims)
 from kfuzz.gates.specials import (SINGLE_CASES, describe_injection, extreme_value, nonfinite_value,
                                   single_case_args, single_injections)
-from kfuzz.programs import Program, called, executor_for
-from kfuzz.tensors import lay_out, logical_values, materialize, special_value_table, torch_dtype
+from kfuzz.programs import Program, called
+from kfuzz.tensors import case_from_tensors, lay_out, logical_values, materialize
 from kfuzz.verdict import Verdict
 
 SEEDS_PER_DTYPE = 4
@@ -69,8 +72,6 @@ def hidden_seed_check(target, case, executor, c):
         verdict = judge(case, target, inputs, outputs, c=c)
     if verdict.passed:
         return verdict
-    from kfuzz.errors import CaseError
-    from kfuzz.importer import case_from_tensors    # importer imports the minimizer, which imports gates
     try:
         found = case_from_tensors(target, {k: v.cpu() for k, v in inputs.items()}, "hidden-seed inputs")
         detail = f"on inputs from a seed hidden from the kernel (the case's payload holds them): {verdict.detail}"

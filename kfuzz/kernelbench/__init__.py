@@ -5,11 +5,15 @@ A KernelBench problem is a reference file (``Model``, ``get_inputs``,
 16``); a generated solution is a file defining ``ModelNew``, a drop-in
 replacement for ``Model``. One module a concept:
 
+- ``corpus``: the pairs of a corpus file or folder (``read_corpus``, ``read_row``: CUDA-L1
+  rows, a leaderboard, a folder of controls), one ``CorpusEntry`` a row;
 - ``source``: the pair (``load_pair`` checks both sources' shape by parsing,
   without running them), its size constants (``size_constants``), and the
   sources run as modules (``pair_module``);
 - ``standard``: ``standard_test``, the check that accepted the solution, run
   as the original harness ran it;
+- ``programs``: the audit's kernel programs (``weights``, ``standard``, ``build``), added to
+  ``kfuzz.programs.PROGRAMS`` when this package is imported;
 - ``target``: ``as_target``, the pair as a target that kfuzz's gates judge
   (the reference in float64 as the oracle, ``Model``'s weights loaded
   strictly, size constants as dims), and ``resolve``, which finds a pair by
@@ -24,6 +28,8 @@ Refuses (``KernelBenchError``): sources that do not parse or lack ``Model``,
 ``get_inputs``, ``get_init_inputs`` or ``ModelNew``; references whose inputs are
 not tensors, or floating point other than float32.
 """
+import kfuzz.kernelbench.programs  # noqa: F401  (registers the audit's kernel programs)
+from kfuzz.kernelbench.corpus import CorpusEntry, read_corpus, read_row
 from kfuzz.kernelbench.source import (PREFIX, SEED, KernelBenchError, KernelBenchPair, load_pair, pair_module,
                                       set_seed, size_constants, sized)
 from kfuzz.kernelbench.standard import ATOL, RTOL, TRIALS, StandardVerdict, standard_test
@@ -31,7 +37,8 @@ from kfuzz.kernelbench.target import (FLOAT_WEIGHTS, MODEL_SETS, Bench, Contract
                                       WeightsContractError, as_target, float_weights, infer_contract, load_weights,
                                       nominal, resolve)
 
-__all__ = ["ATOL", "FLOAT_WEIGHTS", "MODEL_SETS", "PREFIX", "RTOL", "SEED", "TRIALS", "Bench", "Contract", "KernelBenchError",
-           "KernelBenchPair", "KernelBenchTarget", "StandardVerdict", "WeightsContractError", "as_target",
-           "float_weights", "infer_contract", "load_pair", "load_weights", "nominal", "pair_module", "resolve",
-           "set_seed", "size_constants", "sized", "standard_test"]
+__all__ = ["ATOL", "FLOAT_WEIGHTS", "MODEL_SETS", "PREFIX", "RTOL", "SEED", "TRIALS", "Bench", "Contract",
+           "CorpusEntry", "KernelBenchError", "KernelBenchPair", "KernelBenchTarget", "StandardVerdict",
+           "WeightsContractError", "as_target", "float_weights", "infer_contract", "load_pair", "load_weights",
+           "nominal", "pair_module", "read_corpus", "read_row", "resolve", "set_seed", "size_constants", "sized",
+           "standard_test"]

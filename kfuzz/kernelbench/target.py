@@ -48,6 +48,8 @@ from functools import lru_cache
 
 import torch
 
+from kfuzz.kernelbench.build import compiles, prebuilt_only
+from kfuzz.kernelbench.corpus import read_row
 from kfuzz.kernelbench.source import (PRECISION, PREFIX, SEED, KernelBenchError, KernelBenchPair, outputs_of,
                                       own_constants, pair_module, precision, reads_names, set_seed, size_constants,
                                       sized)
@@ -376,7 +378,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
     def kernel(**inputs):
         if not solution:
             raise KernelBenchError(f"{pair.name}: this process is the oracle's; the solution runs only in "
-                                   f"a sandboxed worker (kfuzz.programs.Sandboxed)")
+                                   f"a sandboxed worker (kfuzz.executor.Sandboxed)")
         model = bench.solution_model(bench.dims_of(inputs), next(iter(inputs.values())).device)
         with torch.no_grad(), precision(PRECISION, bench.flags_changed):
             return outputs_of(model(*[inputs[n] for n in names]))
@@ -462,8 +464,6 @@ def resolve(name: str, weights: str = "strict", device: str = "cpu", standard: b
     still gets its standard test. With ``prebuilt``, the solution's extensions are loaded as the
     build step left them, never built here (``build.prebuilt_only``: a worker that may not start
     the compiler)."""
-    from kfuzz.audit import read_row
-    from kfuzz.kernelbench.build import compiles, prebuilt_only
     if not name.startswith(PREFIX) or ":" not in name[len(PREFIX):]:
         raise KernelBenchError(f"{name!r}: a KernelBench target is named kb:<corpus file>:<row>")
     path, row = name[len(PREFIX):].rsplit(":", 1)
