@@ -41,7 +41,7 @@ from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 from kfuzz.wire import geometry, pack, rebuild, unpack
-from kfuzz.workers import WORKER_VERDICTS as _WORKER_VERDICTS, Worker, death, worker_case as _worker_case, worker_policy
+from kfuzz.workers import WORKER_VERDICTS, Worker, death, worker_case, worker_policy
 
 # what a program worker imports before it is confined: the programs, and torch._dynamo, which
 # torch.use_deterministic_algorithms (G10) imports and which makes a directory in /tmp
@@ -220,7 +220,7 @@ class Pool:
             for arg, t in ts.items():
                 layouts.append((role, arg, geometry(t)))
                 tensors.append(t)
-        msg = pack(("program", _worker_case(program.case), program.name, program.params, layouts), tensors)
+        msg = pack(("program", worker_case(program.case), program.name, program.params, layouts), tensors)
         if not w.queue:
             w.started = time.monotonic()
             w.credit.reset()
@@ -251,7 +251,7 @@ class Pool:
             if kind != "program-done" or not isinstance(facts, dict) or len(back) != len(storages):
                 raise ValueError("not an answer to a program")
             verdict = None if verdict_json is None else Verdict.from_json(self.target.name, verdict_json)
-            if verdict is not None and verdict.kind not in _WORKER_VERDICTS:
+            if verdict is not None and verdict.kind not in WORKER_VERDICTS:
                 raise ValueError(f"a worker may not report {verdict.kind!r}; kfuzz judges")
             outputs: dict[str, Tensors] = {}
             for (role, arg, geo), st in zip(back, storages):

@@ -42,12 +42,12 @@ _TARGET: Target | None = None
 
 def _start(name: str, module: str | None, threads: int, device: str, memory_fraction: float) -> None:
     global _TARGET
-    from kfuzz.target import load_target as _load_target
+    from kfuzz.target import load_target
     torch.set_num_threads(threads)
     if device.startswith("cuda"):    # a current device for autograd's own threads (cuBLAS)
         torch.cuda.set_device(torch.device(device) if ":" in device else 0)
         torch.cuda.set_per_process_memory_fraction(memory_fraction)
-    _TARGET = _load_target(name, module)
+    _TARGET = load_target(name, module)
 
 
 def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict, device: str) -> dict:
