@@ -122,8 +122,49 @@ def _children_of(pid: int) -> list[int]:
     return [p for p, (parent, _) in _parents().items() if parent == pid]
 
 
-def descendants(pid: int) -> list[int]:
-    """The live (not zombie) processes below ``pid`` in the process tree."""
+def _kids(pid: int) -> list[int] | None:
+    """``pid``'s children from its threads' ``children`` files (None where the kernel has none)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids += [int(k) for k in f.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue                  # the thread ended meanwhile
+            return None                   # no CONFIG_PROC_CHILDREN
+        except OSError:
+            continue
+    return kids
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return "X"
+    return stat[stat.rfind(b")") + 2:].split()[0].decode()
+
+
+def descendants(pid: int, scan: bool = False) -> list[int]:
+    """The live (not zombie) processes below ``pid`` in the process tree: from the processes'
+    ``children`` files (a few reads), or with ``scan`` (or without those files) from a scan of
+    every process's parent."""
+    if not scan:
+        below, todo = [], [pid]
+        while todo:
+            kids = _kids(todo.pop())
+            if kids is None:
+                break
+            todo += kids
+            below += [k for k in kids if _state(k) not in "ZX"]
+        else:
+            return below
     tree = _parents()
     below, todo = [], [pid]
     while todo:

@@ -67,6 +67,7 @@ from kfuzz.wire import pack, unpack
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
 WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
 STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded machine is slow
+FULL_SCAN_EVERY = 32       # answers between scans of every process for the kernel's (else its tree's files)
 EXIT_GRACE = 0.25          # seconds a process the kernel started may take to exit after the call
 # bytes that may wait unread in a worker's pipe without blocking kfuzz's send (Linux buffers
 # ~200 KiB); more goes through a sender thread, so that kfuzz never blocks on a worker
@@ -253,6 +254,7 @@ class Worker:
         # tree is its relay, the init of its PID namespace and itself (kfuzz.sandbox.isolate)
         self.watch_tree = policy is not None and policy.processes
         self.own_tree = 2 if "pid" in str(self.confinement.get("isolation", "")).split("+") else 0
+        self.answers = 0
 
     def escape(self, answered: bool = True) -> tuple[str, str] | None:
         """The first attempt to leave the sandbox that the worker's channel reported, or None.
@@ -261,7 +263,8 @@ class Worker:
         is still running."""
         found = self.channel.verdict(answered)
         if found is None and answered and self.watch_tree:
-            left = self.started_processes()
+            self.answers += 1
+            left = self.started_processes(scan=self.answers % FULL_SCAN_EVERY == 0)
             deadline = time.monotonic() + EXIT_GRACE     # one exiting as the answer was sent
             while left and time.monotonic() < deadline:
                 time.sleep(0.005)
@@ -271,9 +274,10 @@ class Worker:
                 found = sandbox.FORK, f"{len(left)} process(es) the kernel started outlived its call ({names})"
         return found
 
-    def started_processes(self) -> list[int]:
-        """The live processes below the worker other than its own tree (kfuzz.sandbox.isolate)."""
-        return launcher.descendants(self.process.pid)[self.own_tree:]
+    def started_processes(self, scan: bool = False) -> list[int]:
+        """The live processes below the worker other than its own tree (kfuzz.sandbox.isolate);
+        ``scan``: from a scan of every process (``launcher.descendants``)."""
+        return launcher.descendants(self.process.pid, scan)[self.own_tree:]
 
     def post(self, msg: bytes, unread: int = 0) -> None:
         """Send ``msg`` without ever blocking on the worker: directly while the pipe has room
