@@ -1,5 +1,5 @@
 """The call contract's tripwires: what a kernel could do, besides returning the wrong
-numbers, to fool a comparison made after it returns (issue 9, HACKS.md).
+numbers, to fool a comparison made after it returns (docs/sandbox.md, the reward hacks).
 
 - ``NamespaceSnapshot``: the identities of the names a comparison relies on (torch,
   torch.nn.functional, torch.testing, torch.Tensor, torch.cuda, numpy, numpy.testing,

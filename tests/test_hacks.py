@@ -1,6 +1,6 @@
-"""Reward hacks (issue 9): every hack in harnesses/hacks.py is rejected by the check built
+"""Reward hacks: every hack in harnesses/hacks.py is rejected by the check built
 for it, with the verdict it should give; the standard KernelBench-style test's verdict on
-each hack's KernelBench source is as measured in HACKS.md; the correct twins pass; nothing
+each hack's KernelBench source is as measured in docs/sandbox.md; the correct twins pass; nothing
 a hack patched survives the call."""
 from pathlib import Path
 
@@ -46,7 +46,7 @@ REJECTED_BY = [
 
 # the standard test's verdict on each hack's KernelBench source, as measured on the CPU; not
 # here: late_thread and side_stream (a thread races the comparison) and ptr_cache (accepted
-# when the allocator puts a trial's inputs where the last trial's were): HACKS.md counts runs
+# when the allocator puts a trial's inputs where the last trial's were): docs/sandbox.md counts runs
 STANDARD_ACCEPTS = {
     "expanded_const": True, "fallback": True, "first_call": False, "fixed_shape": True, "fp16_inside": False,
     "freed_output": False, "gc_copy": True, "gc_nan": False, "gc_overwrite": True, "global_out": True,

@@ -27,7 +27,7 @@ LANDLOCK = sandbox.landlock_abi()
 # what the worker maps), the spinner burns 1 s a case
 POLICY = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=1)
 # the memory hog's CPU time is near the spinner's limit: its two cases took 1.8 to 4.4 CPU
-# seconds in all here, worker starts included, and in a fresh-clone CI run (session 25) one of
+# seconds in all here, worker starts included, and in a fresh-clone CI run one of
 # them ended as resource-cpu at one second; so it gets CPU headroom and the memory limit alone
 # decides its verdict
 HOG_POLICY = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=10)

@@ -76,7 +76,7 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
     run's and earlier ones. Exit 0 when each ends as expected, 1 when any does not (a violation in
     a corpus without expectations, a control whose verdict differs from its planting, a kernel
-    killed for time), 2 on bad input (AUDIT.md, "Exit codes")."""
+    killed for time), 2 on bad input (docs/audit.md, "Exit codes and output")."""
     from kfuzz.audit import RESULTS, judge_record, outcome, read_results, results_key, run_audit
     from kfuzz.gates import parse_gates
     from kfuzz.kernelbench import read_corpus

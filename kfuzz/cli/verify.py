@@ -117,10 +117,8 @@ def _share_cpus(threads: int) -> None:
     """A gate process's share of the CPUs: ``threads`` torch threads, here and in the
     kernel's workers it starts.  The float64 oracle runs on the CPU in each gate process;
     with torch's default (every core) in each of N processes, OpenMP's threads outnumber the
-    cores N times over.  On the H200's 16-core host (session 12) five gdn_bwd gates under
-    ``--jobs 5`` ended no gate in 590 s; under ``--jobs 2`` the two gate processes had used
-    229% and 564% CPU on average over their 163 s (ps) and were in the oracle's autograd, a
-    sandboxed G01 case took ~10 s, and G01 alone in one process 18.6 s for all 15 cases."""
+    cores N times over, and gates that each wait on the oracle's autograd end none within
+    their time (gdn_bwd's gates under ``--jobs 5`` on a 16-core host)."""
     import torch
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
