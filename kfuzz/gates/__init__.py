@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from kfuzz.compare import BOUND_C
-from kfuzz.corpus import Corpus, load
+from kfuzz.corpus import Corpus, check_record, load_checked
 from kfuzz.errors import KfuzzError
 from kfuzz.executor import executor_for
 from kfuzz.gates.base import Gate, GateResult, nominal_dims
@@ -29,7 +29,7 @@ from kfuzz.gates.calls import CompleteWrites, Containment, Determinism, InputDep
 from kfuzz.gates.gradients import Gradients
 from kfuzz.gates.values import (Accumulation, Distributions, Layouts, Nonfinite, Range, Reference,
                                 Shapes)
-from kfuzz.target import Target, get_target
+from kfuzz.target import Target
 from kfuzz.verdict import Signature, Verdict
 
 GATES: dict[str, Gate] = {g.id: g for g in (
@@ -119,11 +119,11 @@ def replay_gate_case(path: str | Path, device: str = "cpu",
                      executors: Callable[[Target], object] | None = None) -> tuple[bool, Verdict, str]:
     """Run a saved gate case through its gate again: (ends as recorded, verdict, message).
     ``executors``: the executor for a target (default: in this process)."""
-    case, record = load(path)
+    case, record, target = load_checked(path)      # checked before anything is materialized
     gid = (record or {}).get("gate")
     if gid not in GATES:
         raise KfuzzError(f"{path}: not a gate case (its record names no known gate)")
-    target = get_target(case.target)
+    check_record(record, str(path))
     verdict = GATES[gid].check(target, case, device, executor=executors(target) if executors else None)
     if isinstance(verdict, tuple):
         verdict = verdict[1]
