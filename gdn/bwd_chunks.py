@@ -108,8 +108,8 @@ def _varlen_tables(cu_seqlens, C: int):
 def generic_v(kernel):
     """`kernel` (a jitted backward kernel) compiled with V a plain integer, for launches at
     V == 1.  Triton makes an integer argument equal to 1 a constant, and on the H200 (Triton
-    3.6) that compile at K 32, bf16, gave NaN dk and dbeta 0.4 off where V 16 (same tiles) was
-    right; compiled generically, V 1 was right at every K and gate (session 7,
-    tools/sweep_gdn_gpu.py).  Only V == 1 takes it: compiling V generically everywhere drops
-    its divisibility-by-16 hint too, and the bench shape's backward went 4.15 -> 5.52 ms."""
+    3.6) that compile at K 32, bf16, gives NaN dk and dbeta off by 0.4 where V 16 (same tiles)
+    is right; compiled generically, V 1 is right at every K and gate (tools/sweep_gdn_gpu.py).
+    Only V == 1 takes it: compiling V generically everywhere also drops its divisibility-by-16
+    hint, which slows every other launch."""
     return triton.jit(kernel.fn, do_not_specialize=["V"])

@@ -78,11 +78,9 @@ def _gate_grad(first, pairs, last, through):
 
     The pair terms are summed along rows, then down the columns, then shifted by one:
     Z[u] = sum_{i > u} sum_{j <= u} pairs[i, j] + sum_{j <= u} last[j], and dg_t takes
-    Z[t - 1].  The reverse scan down the columns it replaced (session 16) crossed the four
-    warps of the layout the device's Triton 3.6 gives the [C, C] tile: sm_90 offline (bf16
-    GDN, K=V=128) `_grads_p` 435 -> 120 SHFL, `_grads_wy` 409 -> 89; on the H200 the two
-    kernels took 0.874 -> 0.832 and 0.768 -> 0.734 ms, the backward on the forward's T
-    3.313 -> 3.239.
+    Z[t - 1].  A reverse scan down the columns would cross the four warps of the layout
+    Triton 3.6 gives the [C, C] tile on sm_90, with a shuffle at every step; the row sums and
+    the cumsum here take a few.
     """
     return _gate_grad_of_spans(first, _pair_spans(pairs), last, through)
 

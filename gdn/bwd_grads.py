@@ -11,10 +11,8 @@ with the delta rule also T = (I + A)^-1 (``_prep``).  Two groups of terms:
 
 Two launches: ``_grads_wy`` (delta only) stores dv and dbeta and hands its share of dk and dg
 on as fp32 partials; ``_grads_p`` forms the P terms and adds the partials.  Both take K in
-slices (one or two [C, BKS] accumulators live).  Neither keeps T live beside the P terms.  (Session
-5 deleted the one-launch form, which held three [C, K] accumulators and T at once and spilled:
-on the H200 at bf16 B8 T4096 H16 K=V=128 it took 2.57 ms against these two's 1.26 + 1.00 ms,
-with the same dq, dk, dv, dbeta there and dg within 1.3e-7; gdn/NOTES_BWD.md.)
+slices (one or two [C, BKS] accumulators live).  Neither keeps T live beside the P terms: one
+launch for both would hold three [C, K] accumulators and T at once, and spills.
 
 Formulas (one chunk, see gdn.bwd_matrix's docstring for A, T, U, K_g, K_n):
     dT = dU (beta V - beta K_g h)^T,  dA = -strict_lower(T^T dT T^T),
@@ -47,10 +45,9 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     product, A's keys, dbeta's and the scalar gate's row sums), storing the slice's
     T^T (-dU h^T) share of dk in dkp; then, once dA is known, over the slices again, dA's
     share of dk added to it (and the vector gate's dg).  The second pass's stores are read
-    back by the same program after a barrier.  (Session 13 adopted this form over the one
-    that held [C, K] accumulators at 8 warps: H200, bf16 B8 T4096 H16 K=V=128, 0.953 ->
-    0.761 ms at 4 warps; sm_90 offline at fp32 K = V = 256 its shared memory 229376 -> 57344
-    B, within the A100's.)"""
+    back by the same program after a barrier.  Slices rather than [C, K] accumulators: this
+    form runs at 4 warps, and at fp32 K = V = 256 it needs 57344 B of shared memory (sm_90
+    offline), within an A100's."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
@@ -190,9 +187,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
         E = _pair_decay(G, Gl, incl)
         p = _mm(f_q, tl.trans(f_k), F32, DT) * (E * scale)
         # dg_t sums the pair terms whose decay spans step t (see _gate_grad), reduced to [C]
-        # here, before the K slices (on the H200, session 17, bf16 B8 T4096 H16 K=V=128: 0.828
-        # -> 0.802 ms against the [C, C] terms held through them; sm_90 offline 200 -> 120 B
-        # of spill)
+        # here, before the K slices, so that no [C, C] tile is held through them (less spill)
         spans = _pair_spans(tl.where(strict, dp * p, 0.))
         dp = dp * E                                  # now d(Q K^T) under the decay
     qh = tl.zeros([C], dtype=tl.float32)            # rowsum(dO h^T * Q)

@@ -12,11 +12,9 @@ the statement this file follows).  Up to seven launches:
      (chunk, head) that says whether the chunk's k and beta admit the matrix path;
   1b. `gdn.fwd_prep._prep_wu_kernel`, one program per (chunk, head): w = T
      (beta Gamma k), then u = T (beta v), from the stored T; the flag gains v's
-     check.  (One fused prep launch took 1.40 ms on the H200 at B8 T4096 H16
-     K=V=128 bf16 in session 2 (spilling at 255 registers), and 0.501 ms in
-     session 14 (the two launches' code in one, T kept in registers: 255
-     registers, no spill, sm_90 offline); the two take 0.205 + 0.196 ms
-     (session 16), the T round trip included.)
+     check.  Two launches rather than one: one program holding T in registers
+     for both runs at 255 registers and is slower than the two with T's round
+     trip through memory.
   2. `gdn.fwd_state._state_kernel`, one program per (sequence, head, V tile), walks its
      sequence chunk by chunk with the state S [K, BV] in registers, fp32: stores
      the state entering each chunk and v_new = u - w S (delta), and marks the
@@ -27,9 +25,8 @@ the statement this file follows).  Up to seven launches:
      o = scale ((Gamma q) S + (q k^T decay) v_new) from the stored state (PART 0),
      or token by token from it where xflag is set or q fails the checks (PART 1, one
      program per OUT_CHUNKS chunks, head and V tile).
-     Kept apart, the matrix parts hold no float64 tiles: on the H200 at the bench
-     shape the state kernel went 0.575 -> 0.347 ms (255 registers with spills ->
-     232 without at sm_90 offline, and its loop, now without a branch, is pipelined).
+     Kept apart, the matrix parts hold no float64 tiles: the state kernel's matrix
+     part runs without spills, and its loop, without a branch, is pipelined.
 
 The NaN/Inf contract (kfuzz G05: the NaN set and the Inf set equal those of
 `gdn.oracle.recurrence` exactly).  The matrix path mixes every position of a
@@ -52,10 +49,9 @@ bf16 inputs and fp32 otherwise.  Under the Triton
 interpreter (TRITON_INTERPRET=1) products are "ieee" (its bf16 tl.dot is wrong)
 and no autotuning runs.
 
-GPU status (gdn/NOTES.md): on the H200 (Triton 3.6) gated members faulted
-(illegal address) while their prefix sums were computed next to the products;
-they are loaded from launch 0 now, which runs right.  `tools/check_gdn_gpu.py`
-is the check to run.
+The gated members' prefix sums come from launch 0: computed next to the matrix
+path's products they fault on the H200 (Triton 3.6, an illegal address).
+`tools/check_gdn_gpu.py` checks the kernels on a GPU.
 
 Refuses: K or V over 256, mixed q/k/v dtypes, dtypes other than bf16/fp16/fp32.
 """
@@ -75,22 +71,14 @@ VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gat
 BIG = 65536.0            # input magnitude above which a chunk runs the exact path
 SBIG = 1e30              # state magnitude above which a chunk runs the exact path
 SCAN_MODE = os.environ.get("GDN_FWD_MODE")  # "1": matrix path only, "2": exact path only
-# The gated members' matrix path (prefix sums loaded from launch 0, see
-# _gate_prefix_kernel) ran right on the H200 for fp16 and fp32 inputs
-# (tools/check_gdn_gpu.py); GDN_FWD_GATED_FAST=0 sends them to the exact path.
 GATED_FAST = INTERPRET or os.environ.get("GDN_FWD_GATED_FAST", "1") == "1"
 # The output kernel's launch (`out_launch`).  For bf16 inputs where K is wider than
 # OUT_LAUNCH["bk"] (and the gate is not a vector one, whose 16-token chunks keep one
 # product), its matrix part runs K in a pipelined loop of slices that wide, with OUT_LAUNCH's
 # V tile width and warps; else K in one piece, with OUT_LAUNCH_WHOLE's.  "bv" is at least 64 (see chunk_gdn_fwd) and at most the next
-# power of 2 of V; "maxnreg" (optional) caps the registers a thread.  On the H200 (Triton 3.6,
-# bf16 GDN B8 T4096 H16 K=V=128, session 8) the output kernel took 0.306 ms sliced at
-# {"bk": 64, "bv": 128, "warps": 8} (q k^T once per chunk, 124 registers at sm_90 offline),
-# against 0.511 whole at {"bv": 64, "warps": 4} (184 registers, two programs an SM), 0.577
-# whole at 128/8, 0.363 at bk 64 with 64/4, 0.490 at bk 64 with 64/8, 0.394 at bk 32 with
-# 64/4 (the scalar gate applied after the loop; 0.321 as adopted, see _out_kernel).
-# GDN_FWD_OUT overrides OUT_LAUNCH for device bring-up ('{"bk": 0}': never sliced; "stages":
-# the loop's num_stages).
+# power of 2 of V; "maxnreg" (optional) caps the registers a thread.  Sliced at 64-wide K and
+# 128-wide V tiles with 8 warps, q k^T is formed once a chunk at 124 registers (sm_90
+# offline), the fastest of the launches swept on the H200 (Triton 3.6, bf16, K=V=128).
 OUT_LAUNCH = {"bk": 64, "bv": 128, "warps": 8}
 OUT_LAUNCH_WHOLE = {"bv": 64, "warps": 4}
 # fp32 inputs at K > 128 (see out_launch): 64-wide K slices at 64-wide V tiles, 4 warps, 2
@@ -100,14 +88,12 @@ OUT_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_OUT", "{}")))
 # The chunks one program of the output kernel's PART 1 looks at (their marks in one load)
 OUT_CHUNKS = 16
 # Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as
-# the trusted reference rounds them; only where every dimension is >= 32, see _odot), exact
-# bf16 splits in the WY prep (gdn.fwd_prep), and fp32 operands otherwise (tf32 on GPUs;
-# fp32 inputs tf32x3; "ieee" under the interpreter).  The tensors one launch hands to the
-# next (w, u, the chunk states, v_new) are stored in bf16 for bf16 inputs (as fla does; the
-# outputs are bf16 anyway) and in fp32 otherwise (an fp16 state could overflow).  Version
-# 3's bf16-operand products (LOWP) were wrong on the H200 (Triton 3.6) for two members; the
-# output kernel's at 16-wide tiles were too (2026-12-01), which may have been the same
-# miscompile.
+# the trusted reference rounds them; only where the output's N dimension is >= 32, see
+# _odot), bf16 operands in the WY prep too (gdn.fwd_prep), and fp32 operands otherwise
+# (tf32 on GPUs; fp32 inputs tf32x3; "ieee" under the interpreter).  The tensors one launch
+# hands to the next (w, u, the chunk states, v_new) are stored in bf16 for bf16 inputs (as
+# fla does; the outputs are bf16 anyway) and in fp32 otherwise (an fp16 state could
+# overflow).
 
 
 def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -133,8 +119,8 @@ def _handoff(x, ptr):
     """A state (or state gradient) in the dtype of the hand-off tensor ``ptr`` points into,
     saturated (`_saturated`): stored as it is, an fp32 state near fp32's maximum (an initial
     state or final-state gradient drawn there) rounds to inf in bf16 on the GPU, and the
-    exact path that reads it back gave NaN where the oracle is finite (session 13's device
-    verify, G06 on gdn_bwd: dq and dk of every token of the head).  Triton's interpreter
+    exact path that reads it back gives NaN where the oracle is finite (G06 on gdn_bwd: dq and
+    dk of every token of the head).  Triton's interpreter
     truncates fp32 -> bf16 where the GPU rounds to nearest, so the CPU never showed it.  Only
     the resume parts store such states: the matrix parts stop before them."""
     return _saturated(x, ptr.dtype.element_ty).to(ptr.dtype.element_ty)
@@ -157,12 +143,10 @@ def _max_nan(a, b):
 def _all_within_max(x, bound):
     """`_all_within` as one NaN-propagating max over |x| (a NaN wins it, and |inf| > bound),
     one instruction an element where `_all_within` takes a compare and a select.  The state
-    pass's check of the state entering a chunk (a [K, BV] tile a chunk, on its serial chain):
-    on the H200 (session 24, bf16 GDN B8 T4096 H16 K=V=128) the state pass went 0.243 ->
-    0.236 / 0.235 ms, the forward 0.892 / 0.895 -> 0.882 / 0.888.  The other checks keep
-    `_all_within`: with this form everywhere, `_out`'s K-sliced loop gave o 5e-2 off at gate
-    0, K 184, V >= 16 (tools/sweep_gdn_gpu.py --forward; the states right), and those
-    checks gained nothing measurable (`_out` 0.251, `_prep_wu` 0.170)."""
+    pass's check of the state entering a chunk (a [K, BV] tile a chunk, on its serial chain).
+    The other checks keep `_all_within`: with this form in it, `_out`'s K-sliced loop gives o
+    5e-2 off at gate 0, K 184, V >= 16 on the H200 (tools/sweep_gdn_gpu.py --forward; the
+    states right), and off the serial chain the form saves nothing measurable."""
     return tl.where(tl.reduce(tl.abs(x.to(tl.float32)), None, _max_nan) <= bound, 0, 1) == 0
 
 
@@ -178,11 +162,10 @@ def _tile(ptr, r0, rr, cols, W, H):
 
 # The chunk-local gate prefix sums are computed by their own kernel and stored,
 # and the matrix kernels only load them (as the fla library does).  Computed
-# inside the matrix kernels, the prefix sums met dot layouts: on the H200 with
-# Triton 3.6 v1 (tl.cumsum, cf. triton-lang/triton#7817) and v2 (a float64
-# masked sum, which the compiler converted into a slice of a dot-operand
-# layout, and a 0/1 triangular tl.dot) both faulted with an illegal address at
-# the matrix path's products.
+# inside the matrix kernels, the prefix sums meet dot layouts: on the H200 with
+# Triton 3.6 both tl.cumsum (cf. triton-lang/triton issue 7817) and a float64
+# masked sum (which the compiler converts into a slice of a dot-operand layout)
+# fault with an illegal address at the matrix path's products.
 @triton.jit
 def _gate_prefix_kernel(g, gc, gcl, gflag, cb_ptr, ce_ptr, T, NT,
                         H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
@@ -193,9 +176,8 @@ def _gate_prefix_kernel(g, gc, gcl, gflag, cb_ptr, ce_ptr, T, NT,
     the chunk (scalar: clamped at FLOOR, summed in float64 and stored as two fp32 numbers,
     gc + gcl, so that differences G_i - G_j of large sums keep their digits; vector: fp32, at
     most DECAY_MAX per chunk), and gflag = "the gates admit the matrix path" (all <= 0;
-    vector: the chunk's total decay at most DECAY_MAX per key).  (One program per (chunk,
-    head) reading one gate in 16 B apart took 0.073 ms at the bench shape on the H200, fla's
-    cumsum 0.008.)"""
+    vector: the chunk's total decay at most DECAY_MAX per key).  The scalar gate takes a block
+    of heads a program, so that its loads are contiguous rows, not one gate in every H."""
     i_c, i_x = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     rr = tl.arange(0, BT)
@@ -230,9 +212,7 @@ def _gate_last(gc, gcl, r0, nlast, idx, H: tl.constexpr, K: tl.constexpr, GATE: 
     it does the chunk's gates); vector gate, its [BK] row (``idx`` the key columns) twice.
     Loaded, not summed out of the chunk's gates: each such sum is a reduction across the
     warps, with its barriers (the state pass's serial chain had four a chunk, 24 barriers a
-    chunk at sm_90 offline; 14 loaded).  On the H200 (session 15, bf16 GDN B8 T4096 H16
-    K=V=128) the forward went 1.081 -> 1.024 ms: state pass 0.296 -> 0.286, output kernel
-    0.312 -> 0.274, inverse 0.252 -> 0.243."""
+    chunk at sm_90 offline; 14 loaded)."""
     if GATE == 1:
         return tl.load(gc + r0 + nlast * H + idx * 0), tl.load(gcl + r0 + nlast * H + idx * 0)
     GL = tl.load((gc + r0 * K) + nlast * (H * K) + idx, mask=idx < K, other=0.0)
@@ -356,13 +336,12 @@ def _exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vma
 def _odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     """A matrix product of the forward and backward kernels: bf16 operands for bf16 inputs on
     GPUs (DT), fp32 ones at PREC otherwise and wherever the output's N dimension is under 32.
-    bf16 products with N = 16 miscompiled on the H200 with Triton 3.6: the output kernel at
-    V <= 16 gave o 100% wrong (session 6), and the state kernel's 16-wide resume tiles read
-    shared memory out of bounds (compute-sanitizer, session 7: DeltaNet with a NaN in v,
-    "Invalid __shared__ read of size 512 bytes" here).  Session 7's rule also took fp32
-    operands where M or K was under 32; swept on the H200 without it (session 8: forward and
-    backward, every gate, K 16-184, V 1-80, bf16), it gave KDA's 16-token chunks their bf16
-    products back: forward 3.530 -> 3.087 ms at the bench shape."""
+    bf16 products with N = 16 miscompile on the H200 with Triton 3.6: the output kernel at
+    V <= 16 gives o 100% wrong, and the state kernel's 16-wide resume tiles read shared
+    memory out of bounds (compute-sanitizer: DeltaNet with a NaN in v, "Invalid __shared__
+    read of size 512 bytes" here).  M or K under 32 is fine (swept on the H200: forward and
+    backward, every gate, K 16-184, V 1-80, bf16), so KDA's 16-token chunks keep bf16
+    products."""
     narrow = b.shape[1] < 32
     if DT == tl.float32 or narrow:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
@@ -416,15 +395,12 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr
         if PART == 0 and BKS < BK:
             # K in BKS-wide slices (no vector gate), a pipelined loop: (Gamma q) S and q k^T
             # summed over the slices, the decay applied to q k^T after it.  (Gamma applied to
-            # the fp32 sum q S after the loop instead gave o up to 28% off on the H200 with
-            # Triton 3.6, bf16, scalar gate, K 128 and 184, at the default 3 stages; right at 1
-            # stage, or with Gamma on q as here: session 8, tools/sweep_gdn_gpu.py.)
+            # the fp32 sum q S after the loop instead gives o up to 28% off on the H200 with
+            # Triton 3.6, bf16, scalar gate, K 128 and 184, at 3 stages; tools/sweep_gdn_gpu.py.)
             acc = tl.zeros([BT, BV], dtype=tl.float32)
             Aqk = tl.zeros([BT, BT], dtype=tl.float32)
             # the state pass's xflag over the tile: loaded here, reduced across the warps after
-            # the loop, so that the loop's first copies need not wait for it (reduced before the
-            # loop, the output kernel took 0.267 ms on the H200, after it 0.252: session 22,
-            # bf16 GDN B8 T4096 H16 K=V=128)
+            # the loop, so that the loop's first copies need not wait for it
             xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
             nbad = 0
             if GATE == 1:
@@ -512,9 +488,9 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
     entering the chunk (PART 0, a program per (V tile, chunk, head), which marks in oflag the
     tiles it left); token by token from that state where the state pass stepped the chunk
     (xflag) or q fails the matrix path's checks (PART 1, launched after PART 0: a program per
-    (V tile, G chunks, head) reads their marks in one load and takes the marked ones in turn;
-    a program a tile, nearly all of them with nothing to do, took 0.009 ms on the H200 at
-    bf16 B8 T4096 H16, session 20).  Apart, the matrix part holds no float64 tiles."""
+    (V tile, G chunks, head) reads their marks in one load and takes the marked ones in turn,
+    rather than a program a tile with nearly all of them having nothing to do).  Apart, the
+    matrix part holds no float64 tiles."""
     i_v, i_h = tl.program_id(0), tl.program_id(2)
     if PART == 0:
         _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT,
@@ -586,8 +562,8 @@ def kept_plan(cu_seqlens, key: tuple, build):
     (cu_seqlens tensor, ``key``) pairs: the forward's (`varlen_plan`) and the backward's
     (`gdn.bwd_chunks.chunk_plan`).  Reading cu_seqlens on the host waits for the GPU, so a
     launch that builds its tables on every call runs its host work with the GPU idle: on the
-    H200 (session 23, bf16 GDN, 64 varlen sequences, T 32768 H16 K=V=128) the forward's
-    kernels took 1.152 ms and the forward 2.223.  An entry is the same tensor object (held by
+    H200 (bf16 GDN, 64 varlen sequences, T 32768 H16 K=V=128) that nearly doubles the
+    forward's time.  An entry is the same tensor object (held by
     the cache, so its id is not reused) at the same version counter, which every in-place
     write through torch (views included) advances; a tensor without a version counter (made
     in inference mode) is read every time.  A write that bypasses torch (a raw kernel on its
@@ -683,8 +659,8 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     else:
         gc = gcl = gflag = q.new_zeros(1, dtype=torch.float32)
     # V tiles of the prep and output kernels: 64 wide at any V (masked past it).  Narrower ones
-    # miscompiled on the H200 with Triton 3.6, bf16: 16-wide gave o 100% wrong (session 6), and
-    # 32-wide (V 32, K >= 64) o 0.36-0.7 off or an illegal address (session 7, tools/sweep_gdn_gpu.py)
+    # miscompile on the H200 with Triton 3.6, bf16: 16-wide give o 100% wrong, and 32-wide
+    # (V 32, K >= 64) o 0.36-0.7 off or an illegal address (tools/sweep_gdn_gpu.py)
     BVP = 64
     if delta and mode != 2:
         from gdn import fwd_prep   # here: gdn.fwd_prep imports this module's helpers

@@ -1,34 +1,26 @@
-"""The GDN forward's WY prep (version 5.3 of it; adopted in session 5, gdn/NOTES.md).
+"""The GDN forward's WY prep.
 
-Two launches: `_prep_inv_kernel` (A, T = (I + A)^-1 stored fp32, or bf16 for the bf16
-products since session 23 (PREP_LAUNCH "t_bf16"), the per-(chunk, head) flag)
-and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
-`gdn.chunk_fwd.chunk_gdn_fwd` runs before its state and output kernels.  Against v5.2's prep
-(measured on the H200, bf16 GDN B8 T4096 H16 K=V=128: 0.413 + 0.321 ms -> 0.257 + 0.305 ms):
+Two launches, which `gdn.chunk_fwd.chunk_gdn_fwd` runs before its state and output kernels:
+`_prep_inv_kernel` (A, T = (I + A)^-1 stored fp32, or bf16 for the bf16 products
+(`t_dtype`), and the per-(chunk, head) flag) and `_prep_wu_kernel` (w = T diag(beta Gamma) k,
+u = T diag(beta) v).
 
 - The 16x16 diagonal blocks of T by forward substitution on a [W, 16] tile that holds
   column c of block b in row 16 b + c (the BT rows repeated up to W = 32 x warps), so
   that every row of the tile lies in one thread: a step reads row i of each block's A
   (stored in T's place first, read back through the cache, 16 consecutive words) and sums
-  over j inside the thread, with no shuffle and no barrier (`_diag_inverse`, which lists
-  the layouts tried: 0.224 -> 0.206 -> 0.210 ms, the last with T in bf16).  The
-  v5.2 substitution on a [4, 16, 16] tensor spread the summed axis over the warps: 107
-  barriers and 437 shuffles in the sm_90 SASS.  The block merges are v5.2's (tf32
-  products; bf16 ones for bf16 inputs since session 24, PREP_LAUNCH "merge_bf16").  A
-  16-token chunk (vector gate) keeps v5.2's substitution, leaner for one block (offline).
+  over j inside the thread, with no shuffle and no barrier (`_diag_inverse`).  The block
+  merges are products (tf32; bf16 operands for bf16 inputs, `merge_mode`).  A 16-token
+  chunk (vector gate) takes a substitution on A in registers, leaner for one block.
 - w then u of a chunk in one program, each in a pipelined loop over BV-wide tiles with T
-  scaled and split once a side, T read once a chunk: 0.212 -> 0.196 ms on the H200 (session
-  16, capped at 128 registers: 124 at sm_90 offline, no spill) against a program for each
-  side (session 8: 0.305 -> 0.211, T read twice a chunk, not once a tile).  One tile a
-  program (sessions 5-7) stalled on its loads at 4 programs an SM (ncu: L1TEX scoreboard
-  53% of the stalls, 108 registers); a chunk a program, unpipelined: 0.761 ms.
+  scaled once a side and read once a chunk (a program a tile stalls on its loads; a chunk
+  a program without the pipelined loop is slower still).
 - For bf16 inputs and no gate or a scalar gate, products on bf16 operands: k k^T on the
   raw keys (each product exact in the fp32 sum; the decay and beta scale the [BT, BT]
   result); w, u as T' k, T' v with T' = T diag(beta Gamma) rounded to bf16 and T stored in
-  bf16 (PREP_LAUNCH "t_bf16", session 23; before it T' was split into two bf16 parts, hi +
-  lo, two products a tile); T's block merges on bf16 operands (PREP_LAUNCH "merge_bf16",
-  session 24).  fp16 and fp32 inputs and the vector gate keep v5.2's operands: an fp16 T
-  could overflow, and a per-key decay cannot be moved off the keys.
+  bf16 (`t_dtype`; as fla's A is); T's block merges on bf16 operands (`merge_mode`).  fp16
+  and fp32 inputs and the vector gate keep fp32 operands: an fp16 T could overflow, and a
+  per-key decay cannot be moved off the keys.
 
 Under the Triton interpreter the bf16 operands are rounded to bf16 and multiplied in fp32
 ("ieee"): the same products (exact) as a bf16 tensor-core product, since the
@@ -90,18 +82,16 @@ def _diag_inverse(tmc, RS, bos, eos, BT: tl.constexpr, W: tl.constexpr, FULL: tl
     repeated) lies one row a thread, so that step i, X_b[i, :] = e_i - sum_{j < i} D_b[i, j]
     X_b[j, :], sums over j inside the thread with no shuffle and no barrier; it is held as
     four [W, 4] quads, and D_b's row i (16 consecutive words, the same for a block's
-    threads) is loaded as four such quads.  History (sm_90 offline, Triton 3.6; H200, bf16
-    GDN B8 T4096 H16 K=V=128):
-    - a [16, W] tile: Triton spread each column over 4 threads and every step's sum shuffled
-      (127 SHFL against 67); [W, 16] took `_prep_inv` 0.224 -> 0.206 ms (session 15);
-    - A stored transposed (A^T, so that a step read D_b[i, j] as one scalar a (row, j)): its
-      stores, the inverses' stores and the Dinv load were one row a lane, 158 scalar LDG,
-      and ncu had the kernel L1/TEX-bound (81%, 89% with T in bf16);
-    - D_b's row loaded as one [W, 16] tile: Triton laid it out for the contiguous load (a
-      row over 4 threads): SHFL 3 -> 123 (session 23's `inv_rows`);
-    - A in its own orientation, rows as quads (session 24): instructions 2568 -> 2480,
-      scalar LDG 158 -> 42, barriers 27 -> 18, shuffles 3; `_prep_inv` 0.223 -> 0.210 ms,
-      the forward 0.903 -> 0.892 (two runs each)."""
+    threads) is loaded as four such quads.  Why this layout (sm_90, Triton 3.6):
+    - in a [16, W] tile Triton spreads each column over 4 threads and every step's sum
+      shuffles;
+    - with A stored transposed (a step reading D_b[i, j] as one scalar a (row, j)), its
+      stores, the inverses' stores and the Dinv load are one row a lane, and the kernel is
+      bound by L1/TEX;
+    - D_b's row loaded as one [W, 16] tile is laid out for the contiguous load (a row over 4
+      threads), and the sums shuffle again;
+    - A in its own orientation, rows as quads: 3 shuffles, the fewest scalar loads and
+      barriers."""
     n = eos - bos
     cc = tl.arange(0, W)[:, None] % BT
     b16 = (cc // 16) * 16
@@ -142,7 +132,8 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
     bytes: the diagonal blocks only), so the caller stores T there only after this
     returns).  The block merges' products by `_bdot`: fp32 operands at PREC (MB 0) or bf16 ones
     (MB 1; 2 under the interpreter), `merge_mode`.  BT 16
-    (one block, the vector gate): v5.2's substitution on A in registers, leaner there."""
+    (one block, the vector gate): the substitution on A in registers (`_inv_unit_lower`),
+    leaner there."""
     if BT == 16:
         return _inv_unit_lower(A, BT, PREC)
     if tm.dtype.element_ty == tl.bfloat16:

@@ -36,10 +36,10 @@ def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
-    """`gdn.chunk_fwd._tile`'s pointers from an int64 offset per element.  The state kernel's
-    tiles are addressed so: on the H200 (session 8, bench shape) its matrix part took 0.349 ms
-    against 0.379 with `_tile`'s 64-bit base and 32-bit offsets (255 registers either way
-    with Triton 3.6); the output kernel gained from `_tile` (gdn/NOTES.md, v5.6)."""
+    """`gdn.common.tile`'s pointers from an int64 offset per element.  The state kernel's
+    tiles are addressed so: its matrix part is faster on the H200 so than with `tile`'s 64-bit
+    base and 32-bit offsets (255 registers either way with Triton 3.6), where the output
+    kernel is faster with `tile`."""
     return ptr + ((r0 + rr * H)[:, None] * W + cols[None, :])
 
 
@@ -73,8 +73,7 @@ def _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.c
     loads them a chunk ahead of their use: loaded in the chunk's own step they were plain
     loads on the serial chain (sm_90 SASS: the last gate issued after the w S product's wait
     and consumed a barrier later); a chunk ahead they issue at the loop's top and are consumed
-    at its end.  On the H200 (session 22, bf16 GDN B8 T4096 H16 K=V=128) the state pass went
-    0.250 -> 0.243 ms.  The resume part loads them in the chunk's own step."""
+    at its end.  The resume part loads them in the chunk's own step."""
     live = c < nch
     cid = (c_first + c).to(tl.int64)
     fl = 0
@@ -100,8 +99,7 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, 
     """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
     state leaving the chunk.  The scalar gate's in-chunk decay exp(G_C - G_t) goes on v_new's
     tile [BT, BV], not on the keys [BT, K] (as fla's h pass does), so the key tile reaches the
-    product as its asynchronous copy loaded it: on the H200 (session 11, bf16 GDN B8 T4096 H16
-    K=V=128) the matrix part took 0.354 -> 0.312 ms, the forward 1.149 -> 1.109."""
+    product as its asynchronous copy loaded it."""
     mk = rmask[:, None] & kmask[None, :]
     mv = rmask[:, None] & vmask[None, :]
     if DELTA:
@@ -129,8 +127,7 @@ def _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H
     by ``alive`` (every chunk before it passed its checks), not by the chunk's own checks, so
     that they need not wait for its flag loads and the reduction over S.  A chunk that then
     fails has both stored again by the resume part, which runs from it (a failing chunk is
-    the stop).  On the H200 (session 15, bf16 GDN B8 T4096 H16 K=V=128) the state pass went
-    0.296 -> 0.258 ms against the stores masked by the chunk's own checks."""
+    the stop)."""
     tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=_and(smask, alive))
     tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, alive))
 
@@ -262,13 +259,13 @@ def _sound_configs(configs, K: int) -> list:
     matrix part's SASS, a wgmma shared-memory descriptor of the k^T v_new product is built by
     adding to a uniform register that nothing wrote (`UIADD3 UR10, UP0, UR10, 0x40`, the PTX
     right), so the product reads shared memory at an address left from before: on the H200,
-    bf16 GDN B4 T16 H16 K33 V64 at BV 32, 4 warps, 3 stages faulted (an illegal address,
-    session 20) and compute-sanitizer named it, "Invalid __shared__ read of size 1024 bytes
-    ... Access to 0x3c400 is out of bounds" (session 22).  Offline (sm_90, Triton 3.6,
+    bf16 GDN B4 T16 H16 K33 V64 at BV 32, 4 warps, 3 stages faults (an illegal address) and
+    compute-sanitizer names it, "Invalid __shared__ read of size 1024 bytes ... Access to
+    0x3c400 is out of bounds".  Offline (sm_90, Triton 3.6,
     tools/kernel_resources.py's "unwritten uniform reads") the same read appears at K 33, 35,
     49, 65, 97 and 127 with BV 32 at 4 or 8 warps and 2 or 3 stages, and at K 64 and 128 with
-    BV 32 at one stage (not among the built-in configs; GDN_FWD_STATE_CONFIGS can name it);
-    never at BV 16 or 64 (gdn/NOTES.md, session 22).  Under the interpreter nothing is
+    BV 32 at one stage (not among the built-in configs; a config's state_configs can name
+    it); never at BV 16 or 64 (docs/findings.md).  Under the interpreter nothing is
     pruned."""
     if INTERPRET:
         return list(configs)

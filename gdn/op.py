@@ -69,11 +69,10 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     with the delta rule w [B,T,H,K] and v_new [B,T,H,V] in that dtype (134 MB each), which
     spare the backward its state pass and its W and U, and the forward's records of the
     chunks it stepped token by token (int8, per V column and per output V tile: 1 MB and
-    16 KB).  On the H200 (session 18) that took
-    the op's forward+backward from 4.008 to 3.522 ms at the shape below (3.341 since session
-    20, against fla's 3.324), and what a forward
-    keeps for its backward (o included) from 256 to 769 MB (fla 0.6.0, which recomputes
-    them: 194).  ``save_states=False`` keeps T alone.  The backward holds transiently,
+    16 KB).  That makes the op's forward+backward faster, for more memory: what a forward
+    keeps for its backward (o included) is 769 MB at the shape below (fla 0.6.0, which
+    recomputes the states: 194 MB).  ``save_states=False`` keeps T alone.  The backward
+    holds transiently,
     besides the gradients themselves, the state gradient at every chunk end (and without
     ``save_states`` the recomputed state at every chunk start), ceil(T/C) * B*H*K*V
     elements each in the hand-off dtype, one fp32 state per sequence-head (N*H*K*V, where
@@ -81,9 +80,9 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     rule dU [B,T,H,V] in the hand-off dtype (and without ``save_states`` W, U [B,T,H,K|V])
     and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32; with a gate, the rows of
     h * dS_end, fp32 ceil(T/C) * B*H * ceil(V/BV) * K (BV 64 or 128,
-    `gdn.chunk_bwd.dstates_tile`).  Since session 19 no fp32 P^T dO [B,T,H,V] (268 MB at
-    the shape below): the state-gradient pass forms it.  The peak over a forward and
-    backward at B=8, T=4096, H=16, K=V=128 bf16 is in BENCHMARKS.md.
+    `gdn.chunk_bwd.dstates_tile`); P^T dO is formed by the state-gradient pass, not kept.
+    The peak over a forward and backward at B=8, T=4096, H=16, K=V=128 bf16 is in
+    docs/benchmarks.md.
     """
     if not delta:
         beta = None

@@ -54,9 +54,9 @@ CONTIGUOUS_ONLY = ("contiguous",)
 # G07 (accumulation) is n/a: the domain sends every case value through softplus, sigmoid or
 # the L2 normalization of the keys, so no output is exact by construction, and where the
 # float64 oracle's value happens to be representable and the trusted implementation happens
-# to round to it, a kernel with another (right) order of operations is one ulp off.  Found on
-# the H200 (session 11, gdn_bwd, fp32 B4 T4 H16 K=V=256, smallint inputs): 2 of 4391424
-# gradient entries qualified, dv 1.1567103862762451 against 1.1567105054855347
+# to round to it, a kernel with another (right) order of operations is one ulp off (e.g.
+# gdn_bwd, fp32 B4 T4 H16 K=V=256, smallint inputs: 2 of 4391424 gradient entries
+# qualified, dv 1.1567103862762451 against 1.1567105054855347)
 NO_EXACT_ANSWERS = ("the domain maps every case value through softplus, sigmoid or L2 "
                     "normalization, so no output is exact by construction (an output the oracle "
                     "gives exactly is exact by the luck of one order of operations)")
@@ -66,13 +66,12 @@ NO_EXACT_ANSWERS = ("the domain maps every case value through softplus, sigmoid 
 # of gdn_bwd on the CPU the largest error/bound ratio at C = 8 was 1.22 (fp32, K = 1, dg), and
 # a random campaign minimized a case to 2.25 (fp32, K = 1, T = 48, dk). C = 8 * 4 = 32 passes
 # both (0.31, 0.56); an fp16 running total or a dropped term is off by orders more.
-# Measured (CALIBRATION_GDN.md: `tools/calibrate.py --family gdn`, seeds 0-2, G01-G04 and G12 on
-# gdn_fwd, gdn_bwd, gdn_fwd_kda, ratios against C x 4 = 32): every cell at most 0.33 but gdn_bwd
-# G03 at 2.53 (seed 1: dg of a bf16 B=H=T=K=V=1 case, kernel 81x the trusted error; 2 of 13
-# random draws of that shape fail, fp32 none: open; 2.46 in session 12's re-run, after a
-# double rounding of dU had taken it to 6.71). The real bugs the bound caught
-# (crashes/gdn_*/bound-*, all found at 32) read 1.09 (dv), 2.02 (dg), 2.29 (ht), 27.5 (dq): a
-# scale of 10 to pass that dg case would have missed three of the four, so 4 stays.
+# `tools/calibrate.py --family gdn` (docs/calibration.md; seeds 0-2, G01-G04 and G12 on gdn_fwd,
+# gdn_bwd, gdn_fwd_kda, ratios against C x 4 = 32) puts every cell at most 0.33 but gdn_bwd G03
+# at about 2.5 (seed 1: dg of a bf16 B=H=T=K=V=1 case, kernel 81x the trusted error; 2 of 13
+# random draws of that shape fail, fp32 none: open). The real bugs the bound catches
+# (crashes/gdn_*/bound-*) read 1.09 (dv), 2.02 (dg), 2.29 (ht), 27.5 (dq): a scale of 10 to
+# pass that dg case would miss three of the four, so the scale is 4.
 BOUND_SCALE = 4.0
 
 MEMBERS = {  # suffix: (gate, delta)

@@ -173,9 +173,8 @@ def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta
     (1, 100, 2, 32, 80, 2, True, torch.float32, 16, [0, 20, 53, 100]),
     (2, 70, 2, 16, 32, 1, False, torch.bfloat16, 64, None)])
 def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype, chunk, cu):
-    """P^T dO, the state-gradient step's part without the state gradient (formed in `_prep`
-    from session 11, in `_dstates`'s step since session 19), plus K_end dS in dU (dv without
-    delta); gradients within the bound (two V tiles, varlen, every gate), and a NaN in do
+    """P^T dO, the state-gradient step's part without the state gradient (formed in
+    `_dstates`'s step), plus K_end dS in dU (dv without delta); gradients within the bound (two V tiles, varlen, every gate), and a NaN in do
     reaches exactly the oracle's."""
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
@@ -198,9 +197,8 @@ def test_the_wy_gradients_over_k_slices_match_float64_autograd(B, T, H, K, V, ga
 
 def test_the_local_du_keeps_fp16_range():
     """fp16 inputs without the delta rule: P^T dO stays fp32 until dv's store (in `_dstates`'s
-    step since session 19; sessions 11-18 in fp32 scratch from `_prep`).  G06's case
-    (gdn_bwd_linear, k at fp16's maximum) made it -inf where the oracle's dv is -3.8e4 when it
-    went to dv (fp16) alone."""
+    step).  In G06's case (gdn_bwd_linear, k at fp16's maximum) P^T dO stored in dv (fp16)
+    alone is -inf where the oracle's dv is -3.8e4."""
     from kfuzz.case import Case
     from kfuzz.gates import GATES
     from kfuzz.target import get_target
@@ -213,11 +211,11 @@ def test_the_local_du_keeps_fp16_range():
     assert verdict.passed, verdict.detail
 
 
-# Shapes that faulted on the H200 (illegal address in _states, BK = 256 with a 16-wide V tile),
-# and BK = 128 with narrow values (a 32-wide V tile there gave NaN gradients, session 5); and
-# BK 32 / 64 with V 16, where the forward's output kernel on bf16 operands at 16-wide tiles
-# gave wrong o and illegal addresses (session 6); BK 32 with V 1 / 16 (NaN gradients) and BK 64
-# with V 32 (dq 0.56 off) when V tiles followed V (session 7, gdn.chunk_bwd.tiles)
+# Shapes where narrow tiles miscompile on the H200 (Triton 3.6): BK = 256 with a 16-wide V tile
+# (illegal address in _states), BK = 128 with a 32-wide V tile (NaN gradients); BK 32 / 64 with
+# V 16, where the forward's output kernel on bf16 operands at 16-wide tiles gives wrong o and
+# illegal addresses; BK 32 with V 1 / 16 (NaN gradients) and BK 64 with V 32 (dq 0.56 off) at V
+# tiles that follow V (so gdn.chunk_bwd.tiles takes 64-wide ones)
 GPU_CASES = [(1, 64, 1, 184, 1, 1, True), (1, 64, 1, 256, 16, 1, True), (1, 64, 1, 184, 1, 0, True),
              (2, 300, 3, 184, 1, 1, True), (1, 64, 1, 256, 8, 2, True), (1, 200, 2, 128, 32, 1, True),
              (1, 200, 2, 128, 16, 0, True), (1, 200, 2, 100, 24, 1, False),
@@ -371,8 +369,8 @@ def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K
 def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name, value, gate,
                                                                           delta):
     """On the forward's saved states `_prep`'s flag leaves out v and beta (the forward checked
-    them and stepped their chunks, whose stepped columns send them to `_exact`; on the H200,
-    session 18, `_prep` 0.330 -> 0.289 ms).  With a special value in either, or in do (still
+    them and stepped their chunks, whose stepped columns send them to `_exact`).  With a
+    special value in either, or in do (still
     checked), the gradients' NaN/Inf sets are the oracle's and the finite ones within its
     bound."""
     from gdn.chunk_fwd import chunk_gdn_fwd
@@ -501,7 +499,7 @@ def test_the_state_gradient_tile_is_chosen_by_waves():
 
 def test_the_ops_backward_leaves_what_its_forward_saved_as_it_was():
     """The op's backward reads the forward's saved states, w and v_new and writes none of them
-    (before session 18, `_states` wrote U in place): a second backward through the same graph
+    (a backward that wrote U in place would change them): a second backward through the same graph
     (retain_graph) gives bitwise the first's gradients."""
     x = make_inputs(1, 70, 2, 16, 32, 1, True, torch.float32)
     leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")}
@@ -719,10 +717,9 @@ def test_gradients_as_precise_as_the_trusted_reference(name, spec, chunk, checke
 @pytest.mark.parametrize("seed", [1009, 1014, 1032])
 def test_one_token_bf16_dg_within_the_gates_bound(seed):
     """bf16, B = T = H = K = V = 1: dg is a sum that cancels (-0.0044 at seed 1009), and its
-    entry-to-end term exp(G_C) sum(h * dS_end) formed from dS_end stored in bf16 put it 2.23x,
-    1.47x, 1.27x over G01's bound at these three seeds (37 ulps at seed 1009; session 12, the
-    open calibration case).  _dstates now forms that sum from dS_end in fp32 (HD).  The
-    gate's own check, on the gdn_bwd target."""
+    entry-to-end term exp(G_C) sum(h * dS_end) formed from dS_end stored in bf16 puts it 2.23x,
+    1.47x, 1.27x over G01's bound at these three seeds (37 ulps at seed 1009), so _dstates
+    forms that sum from dS_end in fp32 (HD).  The gate's own check, on the gdn_bwd target."""
     from kfuzz.gates import GATES
     from kfuzz.gates.base import make_case
     from kfuzz.target import get_target
@@ -733,12 +730,11 @@ def test_one_token_bf16_dg_within_the_gates_bound(seed):
 
 
 def test_du_is_rounded_once():
-    """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once (sessions
-    12-18: _prep handed P^T dO over in fp32 scratch).  Handed over in
-    dU's own bf16 place (session 11), dU was rounded twice, and the stored G03 case
+    """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once.  Handed over
+    in dU's own bf16 place, dU is rounded twice, and the stored G03 case
     crashes/gdn_bwd/bound-dg/81b43ef0 (bf16, one token, key and value; dg sums that cancel)
-    went from 2.46x to 6.64x the bound (session 5, before the move: 2.53x).  It still fails
-    (the other bf16 hand-offs; README, Known findings), so this holds the reading, not a pass."""
+    reads 6.64x the bound instead of about 2.5x.  It still fails (the other bf16 hand-offs;
+    docs/findings.md), so this holds the reading, not a pass."""
     from pathlib import Path
     from kfuzz.corpus import load
     from kfuzz.gates import GATES
@@ -793,8 +789,8 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("V,generic", [(1, True), (2, False), (16, False)])
 def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, generic):
     """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:
-    the H200 miscompiled the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
-    cost the bench backward 4.15 -> 5.52 ms.  Where V is not a multiple of 16, _grads_p and
+    the H200 miscompiles the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
+    slows every other launch.  Where V is not a multiple of 16, _grads_p and
     _grads_wy keep 8 warps and 2 stages (LAUNCH_UNHINTED: at 4 warps the H200 gave dq, dk ~1
     off at K 32, V 1).  The interpreter runs them all alike, so this checks the choice, not the miscompile."""
     from gdn import chunk_bwd
@@ -816,7 +812,7 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, g
 def test_fp32_dots_launch_one_stage(launches):
     """Where the dots take fp32 operands, every pipelined kernel launches at one stage
     (`gdn.chunk_bwd.stages`): at 3 stages `_dstates` needed 295424 B of shared memory on the
-    H200's 232448 (fp32, K 100, V 64: session 13's device verify, G03).  _exact sets none."""
+    H200's 232448 (fp32, K 100, V 64).  _exact sets none."""
     from gdn import chunk_bwd
     spies, launched = launches
     x = make_inputs(1, 20, 1, 16, 1, 1, True, torch.float32)
@@ -829,7 +825,7 @@ def test_keys_over_128_launch_the_sequential_kernels_at_one_stage(monkeypatch):
     """bf16 keys over 128 (BK 256) take one stage in `_states` and `_dstates`
     (`gdn.chunk_bwd.stages`): pipelined at K 144 to 256, `_dstates` needs 393728 B of shared
     memory at 3 stages, more than the H200's 232448, and `_states` 180480 at 2, more than an
-    A100's (sm_90 offline, session 16).  BK 128 and the other kernels keep the launch's
+    A100's (sm_90 offline).  BK 128 and the other kernels keep the launch's
     stages, and the launcher hands each sequential kernel its BK."""
     from gdn import chunk_bwd
     L = chunk_bwd.LAUNCH
@@ -926,8 +922,8 @@ def test_varlen_tables_are_kept_per_tensor_and_version(monkeypatch, side):
     host, an in-place write to it (a new version) builds them again, another tensor with equal
     values too, and every call matches the float64 oracle (forward) or autograd through it
     (backward) at the offsets it was given.  Planted, the key without the version counter:
-    the call after the in-place write runs on the old offsets and fails, forward (session 23)
-    and backward (dq 1e37 off; session 24), by hand."""
+    the call after the in-place write runs on the old offsets and fails, forward and backward
+    (dq 1e37 off)."""
     import gdn.bwd_chunks as bc
     import gdn.chunk_fwd as cf
     mod, name = (cf, "_build_plan") if side == "forward" else (bc, "_varlen_tables")

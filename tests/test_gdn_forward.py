@@ -126,7 +126,7 @@ SHAPES = {
     # K, V not powers of two (masked columns), T not a multiple of either chunk size
     "T77-K24-V20": dict(B=1, T=77, H=1, K=24, V=20),
 }
-if DEV == "cuda":   # 32-wide output tiles at K 64 gave o 0.45 off or an illegal address (session 7)
+if DEV == "cuda":   # 32-wide output tiles at K 64 give o 0.45 off or an illegal address on the H200
     SHAPES["T100-K64-V32"] = dict(B=1, T=100, H=2, K=64, V=32)
 
 
@@ -218,8 +218,8 @@ def test_triton_nonfinite_sets_equal_oracle(gate, delta):
 @pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
 def test_nonfinite_v_at_bf16_wide_tiles_on_gpu(gate, delta):
     """A NaN or Inf in v sends a chunk to the state pass's 16-wide resume tiles.  With bf16
-    operands there, DeltaNet at B2 T300 H16 K=V=128 read shared memory out of bounds on the
-    H200 (Triton 3.6, session 7; compute-sanitizer placed it in the tiles' product)."""
+    operands there, DeltaNet at B2 T300 H16 K=V=128 reads shared memory out of bounds on the
+    H200 (Triton 3.6; compute-sanitizer places it in the tiles' product)."""
     for value in (float("nan"), float("inf")):
         x = make_inputs(gate, delta, B=2, T=300, H=16, K=128, V=128, seed=3, dtype=torch.bfloat16)
         x["v"][0, 150, 3, 9] = value
@@ -408,21 +408,21 @@ def test_spread_takes_one_config_per_key_and_the_same_one_each_time():
 
 def test_a_spread_pick_that_does_not_fit_the_gpu_gives_way_to_the_next():
     """SPREAD's launch skips a config the GPU cannot hold (Triton's OutOfResources, raised at
-    compile time: session 8's device verify, the state kernel at fp32 K = V = 256 needed 312320
-    bytes of shared memory), and raises when none fits."""
+    compile time: the state kernel at fp32 K = V = 256 and BV 64 at 2 stages needs 312320
+    bytes of shared memory, the H200 has 232448), and raises when none fits."""
     import triton
     from triton.runtime.errors import OutOfResources
 
     import gdn.fwd_state as fs
     configs = [triton.Config({"BV": bv}, num_warps=4) for bv in (64, 32, 16)]
-    tried = []
+    attempts = []
 
     def launch(config):
-        tried.append(config.kwargs["BV"])
+        attempts.append(config.kwargs["BV"])
         if config.kwargs["BV"] > 32:
             raise OutOfResources(312320, 232448, "shared memory")
     assert fs._first_that_fits(configs, launch).kwargs["BV"] == 32
-    assert tried == [64, 32]
+    assert attempts == [64, 32]
 
     def never(config):
         raise OutOfResources(1, 0, "shared memory")
@@ -575,7 +575,7 @@ def test_xflag_reduced_after_the_k_slices_leaves_stepped_chunks_to_the_exact_par
     loop: o and the final state follow the recurrence, NaNs where it has them, with K 48 in
     16-wide slices at bf16 and a NaN in v or k making the state pass step a chunk (its xflag
     set, so the slices' part must leave the chunk to the exact part).  Planted, the xflag never
-    added after the loop, the NaN-in-v case fails (session 22, by hand)."""
+    added after the loop, the NaN-in-v case fails."""
     import gdn.chunk_fwd as cf
     monkeypatch.setitem(cf.OUT_LAUNCH, "bk", 16)
     x = make_inputs(gate, delta, B=1, T=140, H=2, K=48, V=24, seed=8, dtype=torch.bfloat16)
@@ -638,8 +638,8 @@ def _saturate_both(x, y, z):
 def test_handoff_saturates_finite_states_beyond_bf16():
     """`gdn.chunk_fwd._saturated`, the step before a state is stored in a bf16 hand-off: finite
     fp32 values beyond bf16's largest become it (signed), so the GPU's round-to-nearest cannot
-    make them inf (session 13's device verify, G06: an initial state at fp32's maximum gave NaN
-    dq on the H200; the interpreter truncates to bf16, so only this shows it on the CPU);
+    make them inf (G06: an initial state at fp32's maximum gives NaN dq on the H200 without
+    it; the interpreter truncates to bf16, so only this shows it on the CPU);
     inf, NaN and values in range pass as they are, and an fp32 hand-off keeps everything."""
     fmax, bmax = torch.finfo(torch.float32).max, torch.finfo(torch.bfloat16).max
     x = torch.tensor([fmax, -fmax, 3.39e38, bmax, 1.5, float("inf"), -float("inf"), float("nan")],
@@ -655,7 +655,7 @@ def test_handoff_saturates_finite_states_beyond_bf16():
 @pytest.mark.parametrize("gate,nan_in", [("scalar", None), ("none", None), ("scalar", "k")],
                          ids=["scalar", "none", "scalar-nan-k"])
 def test_t_stored_in_bf16_is_the_fp32_t_rounded(monkeypatch, gate, nan_in):
-    """PREP_LAUNCH "t_bf16" (the default since session 23): for bf16 inputs T is stored in bf16,
+    """PREP_LAUNCH "t_bf16" (the default): for bf16 inputs T is stored in bf16,
     the inverse's scratch fp32 in the same bytes (the diagonal blocks only, A's blocks below
     them kept in registers), and w, u take one bf16 product a tile.  bf16 GDN inputs (T 150:
     a short last chunk; K 48: masked key columns): T within a bf16 unit of the fp32 T of
@@ -663,7 +663,7 @@ def test_t_stored_in_bf16_is_the_fp32_t_rounded(monkeypatch, gate, nan_in):
     of the oracle, and with a NaN in k the oracle's NaN/Inf sets; the backward on the
     forward's saved bf16 T gives the fp32 T's gradients to 2e-2.  Planted, the diagonal
     blocks' inverses stored one scratch column off, all 6 cases (then also two products a
-    tile) fail (session 23, by hand)."""
+    tile) fail."""
     import gdn.fwd_prep as fp
     from gdn.chunk_bwd import chunk_gdn_bwd
     assert fp.PREP_LAUNCH["t_bf16"] == 1
@@ -704,7 +704,7 @@ def test_the_stored_inverse_is_the_float64_inverse(dtype):
     bf16, the merges on bf16 operands, PREP_LAUNCH "merge_bf16"): within 1e-2 normwise a
     chunk (3.1e-3 under the interpreter); fp32 (tf32x3 merges; "ieee" under the interpreter,
     1.4e-7): within 1e-4.  T 150: a short last chunk.  Planted, the merges' last Neumann step
-    dropped for the bf16 operands: the bf16 case at 3.3e-2, failing (session 24, by hand)."""
+    dropped for the bf16 operands: the bf16 case at 3.3e-2, failing."""
     B, T, H, K, V, BT = 1, 150, 2, 32, 16, 64
     gen = torch.Generator().manual_seed(21)
     base = torch.nn.functional.normalize(torch.randn(K, generator=gen), dim=0)
