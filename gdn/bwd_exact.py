@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from gdn.bwd_chunks import _chunk_base, _coords
-from gdn.chunk_fwd import _group_flag, _tile
+from gdn.common import group_flag as _group_flag, tile as _tile
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import GATE_FLOOR, _tile
+from gdn.common import GATE_FLOOR, tile as _tile
 
 _FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other module globals
 
@@ -20,7 +20,7 @@ _FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other m
 @triton.jit
 def _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE: tl.constexpr):
     """In-chunk cumulative gate G ([C] or [C, BK]) and its last row G_C (r0: the chunk's
-    base row, as `gdn.chunk_fwd._tile` takes it)."""
+    base row, as `gdn.common.tile` takes it)."""
     rows = tl.arange(0, tok.shape[0])
     if GATE == 1:
         b_g = tl.load(g + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)

@@ -29,7 +29,7 @@ from gdn.bwd_chunks import _chunk_rows
 from gdn.bwd_gate import (_end_decay, _gate_grad, _gate_grad_of_spans, _gate_sums, _load_gate,
                           _pair_decay, _pair_spans)
 from gdn.bwd_matrix import _mm
-from gdn.chunk_fwd import _tile
+from gdn.common import tile as _tile
 
 
 @triton.jit

@@ -28,8 +28,8 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.chunk_fwd import _and, _handoff, _odot, _tile
-from gdn.fwd_prep import _unit_lower_inverse
+from gdn.common import handoff as _handoff, mask_and as _and, odot as _odot, tile as _tile
+from gdn.fwd_prep import unit_lower_inverse as _unit_lower_inverse
 
 
 @triton.jit

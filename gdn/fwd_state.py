@@ -4,26 +4,27 @@ Per (V tile, sequence-head) it walks the sequence chunk by chunk with the state 
 in registers, fp32: stores the state entering every chunk (hs), v_new = u - w S (delta; vn)
 and the final state, in two launches (`launch_state`): PART 0, the matrix part, autotuned,
 with no branch in its loop; PART 1, the resume part, from the first chunk that failed the
-matrix path's checks on (see `_state_kernel`).  `gdn.chunk_fwd` holds the shared helpers,
-the gate prefix and output kernels, and the module docstring with the NaN/Inf contract.
+matrix path's checks on (see `_state_kernel`).  PART 0's config is picked as
+``config.state_pick`` says (`gdn.config`).  `gdn.common` holds the shared helpers,
+`gdn.chunk_fwd` the gate prefix and output kernels and the module docstring with the NaN/Inf
+contract.
 """
 from __future__ import annotations
 
-import json
-import os
+import functools
 import zlib
 
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.chunk_fwd import (INTERPRET, _all_within, _all_within_max, _and, _exact_chunk, _forced,
-                           _handoff, _load_gates, _odot)
+from gdn.common import INTERPRET, all_within, all_within_max, exact_chunk, handoff, load_gates, mask_and, odot
+from gdn.config import DEFAULT, GDNConfig
 
 # the state check: one NaN-propagating max an element on a GPU; under the interpreter the same
 # test as a compare (that max's custom-combine reduce runs element by element in Python there:
 # about 1.5 s a [256, 64] tile against 5 ms), equal in value (NaN and inf fail both)
-_state_within = _all_within if INTERPRET else _all_within_max
+_state_within = all_within if INTERPRET else all_within_max
 
 
 @triton.jit
@@ -46,7 +47,7 @@ def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
 @triton.jit
 def _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
-              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
+              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr):
     """(ok, k tile as loaded, v tile fp32 or None): whether the chunk's inputs and the state
     entering it admit the matrix path, with the tiles the check loaded; ``fl`` and ``gfl``
     are the chunk's flags (`_chunk_scalars`)."""
@@ -59,10 +60,10 @@ def _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
     else:
         vt = tl.load(_stile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
                      other=0.0).to(tl.float32)
-        ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
+        ok = ok & all_within(kt, BIG) & all_within(vt, BIG)
     if GATE != 0:
         ok = ok & (gfl != 0)
-    return _forced(ok, MODE), kt, vt
+    return ok, kt, vt
 
 
 @triton.jit
@@ -104,20 +105,20 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, 
     mv = rmask[:, None] & vmask[None, :]
     if DELTA:
         wt = tl.load(_stile(w, r0, rr, dk, K, H), mask=mk, other=0.0)
-        vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
-        tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
+        vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - odot(wt, S, DT, PREC)
+        tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=mask_and(mv, store))
     if GATE == 1:
-        G, Glo, Gl, Gll = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
+        G, Glo, Gl, Gll = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt
         vt = vt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
         S = S * tl.exp(gk + gkl)   # the last token's gate (`_chunk_scalars`)
     elif GATE == 2:
-        G, _, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
+        G, _, Gl, _ = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt * tl.exp(Gl[None, :] - G)
         S = S * tl.exp(Gl)[:, None]
     else:
         kl = kt
-    return S + _odot(tl.trans(kl), vt, DT, PREC)
+    return S + odot(tl.trans(kl), vt, DT, PREC)
 
 
 @triton.jit
@@ -128,8 +129,8 @@ def _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H
     that they need not wait for its flag loads and the reduction over S.  A chunk that then
     fails has both stored again by the resume part, which runs from it (a failing chunk is
     the stop)."""
-    tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=_and(smask, alive))
-    tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, alive))
+    tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=mask_and(smask, alive))
+    tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=mask_and(vmask, alive))
 
 
 @triton.jit
@@ -140,17 +141,17 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
+                  PART: tl.constexpr, DT: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
-    PART 0, the matrix part (autotuned): walks the chunks while each admits the matrix path
+    PART 0, the matrix part (its config picked by `launch_state`): walks the chunks while each admits the matrix path
     (a loop with no branch, which Triton pipelines).  At the first chunk that does not it
     records that chunk (`stop`, per V column) and the state entering it (`sstop`, fp32), and
     leaves the rest of the sequence to PART 1 (it runs on over the rest without storing).
     PART 1, the resume part (16-column tiles, launched after PART 0; a program whose columns
     ran to the end returns at once): from the recorded chunk on, steps token by token the
-    chunks whose inputs or incoming state fail the checks (`_exact_chunk`) and the others by
+    chunks whose inputs or incoming state fail the checks (`exact_chunk`) and the others by
     the matrix path.  xflag marks, per V column, the chunks stepped token by token, so that
     _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -187,7 +188,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                                               i_h, H, BT, GATE, DELTA)
             _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
             ok, kt, vt = _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl_c, gfl_c,
-                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE)
+                                   H, K, V, GATE, DELTA, BIG, SBIG)
             ok = ok & alive
             Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv,
                               vmask, ok, gk_c, gkl_c, H, K, V, GATE, DELTA, PREC, DT)
@@ -212,45 +213,30 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 fl, gfl, gk, gkl = _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h,
                                                   H, BT, GATE, DELTA)
                 ok, kt, vt = _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
-                                       H, K, V, GATE, DELTA, BIG, SBIG, MODE)
-                tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
+                                       H, K, V, GATE, DELTA, BIG, SBIG)
+                tl.store(hs + (cid * H + i_h) * K * V + kv_off, handoff(S, hs), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
                                      dv, vmask, ok, gk, gkl, H, K, V, GATE, DELTA, PREC, DT)
                 else:   # float64 steps, the state kept fp32 between them
-                    S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
+                    S = exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
                                      smask, H, K, V, BT, GATE, DELTA, False)
             if STORE_HT:
                 tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
 
 
-TUNE = True  # False: every new key takes the first config that fits (benchmarks' accuracy sweeps)
-# SPREAD True: every new key takes one config, picked from the key alone (kfuzz's GDN targets): a case
-# runs the same config in every process, so a failure replays and minimizes, the launch
-# compiles one config instead of all of them, and different shapes exercise different configs.
-# The pick is the first config, in an order that starts at the key's CRC, that fits the GPU
-# (`_first_that_fits`): the autotuner skips a config that needs more shared memory than the GPU
-# has, and so must a pick (session 8's device verify: G07 at fp32, K = V = 256, BV 64 at 2
-# stages, "out of resource: shared memory, Required: 312320, Hardware limit: 232448").
-SPREAD = False
+# The autotune key.  OCC (the number of sequence-heads, rounded up to a power of 2) is in it:
+# few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
 KEY = ["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"]
 
 
-# The matrix part's configs on GPUs: (BV, warps, stages).  GDN_FWD_STATE_CONFIGS (a JSON list
-# of such triples) replaces them for device bring-up: fla 0.6.0's h pass autotunes BV 32 and
-# 64 over 2 and 4 warps and 2 to 4 stages (session 16), of which ours lack 2 warps at BV 32
-# and 64 and 4 stages.
-STATE_CONFIGS = ((32, 4, 2), (16, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 8, 2), (16, 2, 2),
-                 (32, 4, 3))
-if os.environ.get("GDN_FWD_STATE_CONFIGS"):
-    STATE_CONFIGS = tuple(tuple(c) for c in json.loads(os.environ["GDN_FWD_STATE_CONFIGS"]))
-
-
-def _state_configs():
+def _state_configs(config: GDNConfig) -> list:
+    """The matrix part's configs: ``config.state_configs`` on GPUs; under the interpreter one,
+    BV 32 at 4 warps and 1 stage."""
     if INTERPRET:
         return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in STATE_CONFIGS]
+    return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in config.state_configs]
 
 
 def _sound_configs(configs, K: int) -> list:
@@ -282,8 +268,8 @@ def _prune(configs, named_args, **kwargs):
 
 
 def _spread_order(configs, key: dict) -> list:
-    """``configs`` rotated to start at the one the key's CRC picks (SPREAD): the same order in
-    every process, different keys starting at different configs."""
+    """``configs`` rotated to start at the one the key's CRC picks ("spread"): the same order
+    in every process, different keys starting at different configs."""
     pick = zlib.crc32(repr([str(key.get(n)) for n in KEY]).encode()) % len(configs)
     return configs[pick:] + configs[:pick]
 
@@ -291,7 +277,9 @@ def _spread_order(configs, key: dict) -> list:
 def _first_that_fits(configs, launch):
     """Launch with the first of ``configs`` that compiles for this GPU (``launch(config)``);
     one that needs more shared memory than it has raises OutOfResources at compile time,
-    before anything runs, and the next is tried.  Returns the config launched."""
+    before anything runs, and the next is launched.  Returns the config launched.  (The
+    autotuner skips a config that needs more shared memory than the GPU has, and so must a
+    pick: at fp32 K = V = 256, BV 64 at 2 stages needs 312320 B, the H200 has 232448.)"""
     for i, config in enumerate(configs):
         try:
             launch(config)
@@ -301,30 +289,34 @@ def _first_that_fits(configs, launch):
                 raise
 
 
-# The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
-# inside one matrix tile and its columns share one stopping chunk.
-RESUME_BV = 16
-
-# OCC (the number of sequence-heads, rounded up to a power of 2) is in the key:
-# few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
-_state = triton.autotune(configs=_state_configs(), key=KEY,
-                         prune_configs_by={"early_config_prune": _prune})(_state_kernel)
+def _tuner(config: GDNConfig = DEFAULT):
+    """The autotuned matrix part over ``config``'s configs: one autotuner, with its timings, per
+    distinct list of configs (and interpreter setting, which decides the list)."""
+    return _tuned(config.state_configs, INTERPRET)
 
 
-def launch_state(args, NH, **kw):
+@functools.lru_cache(maxsize=None)
+def _tuned(state_configs: tuple, interpret: bool):
+    return triton.autotune(configs=_state_configs(GDNConfig(state_configs=state_configs)), key=KEY,
+                           prune_configs_by={"early_config_prune": _prune})(_state_kernel)
+
+
+def launch_state(args, NH, config: GDNConfig = DEFAULT, **kw):
     """PART 0 over (V tiles of its config's width, NH sequence-heads), then PART 1 over
-    16-wide tiles; ``args`` and ``kw`` as `_state_kernel` takes them, less BV and PART.
-    PART 0's config: autotuned (TUNE, not SPREAD), else the first that fits of the configs in
-    SPREAD's order or in their own (TUNE False: at fp32 K = V = 256 the first, BV 32 at 2
-    stages, does not fit the H200's shared memory, sm_90 offline)."""
+    ``config.state_resume_bv``-wide tiles; ``args`` and ``kw`` as `_state_kernel` takes them,
+    less BV and PART.  PART 0's config, by ``config.state_pick``: "tune", autotuned; "spread",
+    the first that fits of the configs in the key's order (`_spread_order`); "first", the first
+    that fits in their own order (at fp32 K = V = 256 the first built-in one, BV 32 at 2
+    stages, does not fit the H200's shared memory)."""
     V = kw["V"]
-    if SPREAD or not TUNE:
+    if config.state_pick == "tune":
+        _tuner(config)[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)
+    else:
         def launch(c):
             _state_kernel[(triton.cdiv(V, c.kwargs["BV"]), NH)](
                 *args, PART=0, BV=c.kwargs["BV"], num_warps=c.num_warps, num_stages=c.num_stages, **kw)
-        configs = _sound_configs(_state_configs(), kw["K"])
-        _first_that_fits(_spread_order(configs, {**kw, "OCC": args[-1]}) if SPREAD else configs, launch)
-    else:
-        _state[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)
-    _state_kernel[(triton.cdiv(V, RESUME_BV), NH)](*args, PART=1, BV=RESUME_BV, num_warps=4,
-                                                   **kw)
+        configs = _sound_configs(_state_configs(config), kw["K"])
+        spread = config.state_pick == "spread"
+        _first_that_fits(_spread_order(configs, {**kw, "OCC": args[-1]}) if spread else configs, launch)
+    RB = config.state_resume_bv
+    _state_kernel[(triton.cdiv(V, RB), NH)](*args, PART=1, BV=RB, num_warps=config.state_resume_warps, **kw)

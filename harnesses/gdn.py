@@ -29,27 +29,29 @@ the gradients rounded the same way.
 The backward kernel is ``gdn.op.gdn_attention``'s Triton backward: cotangents
 ``do`` (of o) and ``dht`` (of the final state) are arguments of the case.
 
-The forward's state pass is autotuned for users; here it runs with
-``gdn.fwd_state.SPREAD``: each shape takes one of the tuner's configs, picked from the
-autotune key (the first, in an order the key's CRC starts, that fits the GPU), so that a case
-runs the same config in every process (a failure replays and minimizes; a timing-picked
-config need not come back), compiles one config instead of all of them, and a campaign's
-shapes exercise every config.
+The forward's state pass is autotuned for users; the kernels here run with ``CONFIG``, whose
+``state_pick`` is "spread" (`gdn.config`), passed on every call: each shape takes one of the
+tuner's configs, picked from the autotune key (the first, in an order the key's CRC starts,
+that fits the GPU), so that a case runs the same config in every process (a failure replays
+and minimizes; a timing-picked config need not come back), compiles one config instead of all
+of them, and a campaign's shapes exercise every config.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 
-import gdn.fwd_state
+from gdn.config import DEFAULT
 from gdn.oracle import recurrence
 from gdn.oracle_fast import fast_recurrence
 from gdn.reference import chunked
 from kfuzz.target import Arg, Dim, Output, add_target, Target
 
-gdn.fwd_state.SPREAD = True
+# the kernels' launch choices: deterministic per shape ("spread"), so a case replays
+CONFIG = dataclasses.replace(DEFAULT, state_pick="spread")
 CONTIGUOUS_ONLY = ("contiguous",)
 # G07 (accumulation) is n/a: the domain sends every case value through softplus, sigmoid or
 # the L2 normalization of the keys, so no output is exact by construction, and where the
@@ -168,12 +170,14 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
     dims = _dims(varlen)
     member = f"gate={gate or 'none'}, delta={'on' if delta else 'off'}" + (", varlen" if varlen else "")
 
+    kernel_op = functools.partial(gdn_attention, config=CONFIG)
+
     def fwd_kernel(**x):
-        o, ht = _call(gdn_attention, x, delta)
+        o, ht = _call(kernel_op, x, delta)
         return o, ht
 
     def bwd_kernel(**x):
-        return _grads(gdn_attention, x, delta)
+        return _grads(kernel_op, x, delta)
 
     for name, kernel, reference, trusted, outputs, backward in (
         (f"gdn_fwd{suffix}", fwd_kernel, lambda **x: _call(fast_recurrence, x, delta),

@@ -8,6 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gdn.bwd_matrix import _dstates, _states  # noqa: E402
 from gdn.chunk_bwd import chunk_gdn_bwd  # noqa: E402
 from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
 from gdn.op import gdn_attention  # noqa: E402
@@ -130,6 +131,43 @@ def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chu
     assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
 
 
+class _FromTheFirstChunk:
+    """A sequential kernel (`_states` or `_dstates`) whose PART 0 launch runs nothing but hands
+    PART 1 the first chunk and the state (gradient) entering it: h0 for `_states`, dht for
+    `_dstates` (and dh0 = dht, which PART 1 leaves as it is for a sequence without chunks)."""
+
+    def __init__(self, kern, stop_at, first):
+        self.kern, self.stop_at, self.first = kern, stop_at, first
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if kw["PART"] == 1:
+                return self.kern[grid](*args, **kw)
+            stop, sstop = args[self.stop_at], args[self.stop_at + 1]
+            stop.zero_()
+            start = self.first(args, kw)
+            sstop.copy_(start if start is not None else torch.zeros_like(sstop))
+            if self.kern is _dstates and kw["HAS_H0"]:
+                args[6].copy_(sstop)
+        return launch
+
+
+def _h0(args, kw):
+    return args[4] if kw["HAS_H0"] else None
+
+
+def _dht(args, kw):
+    return args[5] if kw["HAS_DHT"] else None
+
+
+def branching_loop(monkeypatch):
+    """Makes `chunk_gdn_bwd` run `_states` and `_dstates` as one branching loop each: PART 1
+    alone, from the first chunk, as the oracle of the two-part launch."""
+    from gdn import chunk_bwd
+    kernels = {_states: _FromTheFirstChunk(_states, 10, _h0), _dstates: _FromTheFirstChunk(_dstates, 14, _dht)}
+    monkeypatch.setattr(chunk_bwd, "_KERNELS", tuple(kernels.get(k, k) for k in chunk_bwd._KERNELS))
+
+
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu,where", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 16, None, ("k", 41)),
     (1, 100, 2, 16, 80, 2, False, torch.float32, 16, [0, 20, 53, 100], ("do", 60)),
@@ -140,15 +178,14 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
                                                                       cu, where):
     """_states and _dstates in two parts (a matrix part with no branch in its loop, then a
     resume part from the first chunk that needs the step path) give bitwise the gradients of
-    the branching loop (GDN_BWD_SEQ=branch, PART 1 alone from the first chunk), with a NaN in
+    the branching loop (`branching_loop`: PART 1 alone from the first chunk), with a NaN in
     the middle of a sequence (in k, v or do: a flagged chunk there) or in h0 (a state outside
     SBIG from the first chunk), and the NaN set of float64 autograd through the oracle."""
-    import gdn.chunk_bwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
     x = with_nan(x, *where)
     split = kernel_grads(x, cu, delta, chunk)
-    monkeypatch.setattr(gdn.chunk_bwd, "SEQ_SPLIT", False)
+    branching_loop(monkeypatch)
     branch = kernel_grads(x, cu, delta, chunk)
     assert_bitwise(split, branch)
     assert_same_specials(split, oracle_grads(x, cu, delta))
@@ -397,16 +434,18 @@ def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name,
     (1, True, torch.bfloat16, None, None, True),
     (1, True, torch.float32, None, ("do", 41), True),
     (2, False, torch.float32, [0, 20, 53, 100], ("q", 30), False)])
-def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, gate, delta, dtype,
-                                                                   cu, special, saved):
+def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(gate, delta, dtype, cu, special,
+                                                                   saved):
     """`_dstates` at a 128-wide V tile (one program a head; `dstates_tile` picks it where it
     saves waves on the device) against two 64-wide ones, V 80 (the wide tile masked past V,
     the narrow ones 64 + 16), P^T dO formed in the step: gradients within the bound of float64
     autograd through the oracle and, at fp32, within 1e-5 of the 64-wide tiles', on the
     backward's own chunks and on the forward's saved states, every gate, varlen; with a NaN
     in do or q the NaN/Inf sets are the oracle's (dflag and HD per 128-wide tile)."""
-    import gdn.chunk_bwd
+    import dataclasses
+
     from gdn.chunk_fwd import chunk_gdn_fwd
+    from gdn.config import DEFAULT
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(1, 100, 2, 16, 80, gate, delta, dtype, cu=cu)
     if special is not None:
@@ -417,9 +456,9 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
                              cu_seqlens=cu, delta=delta, return_saved=True)[2]
 
     def grads(bv):
-        monkeypatch.setitem(gdn.chunk_bwd.LAUNCH, "dstates_bv", bv)
         return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept)
+                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept,
+                             config=dataclasses.replace(DEFAULT, bwd_dstates_bv=bv))
     narrow = grads(64)
     got = grads(128)
     want = oracle_grads(x, cu, delta)
@@ -485,16 +524,21 @@ def test_the_state_gradient_tile_is_chosen_by_waves():
     """`dstates_tile`: 128 where V > 64, BK <= 128 and one wave of 128-wide programs replaces
     two of 64-wide ones (B8 H16 on 132 SMs), 64 where both fit one wave (B1 H16), where V fits
     one narrow tile, where K is over 128 (a [256, 128] fp32 state gradient would spill), and
-    where 3 narrow waves against 2 wide do not pay for the wider program; the launch key
-    overrides."""
-    from gdn.chunk_bwd import LAUNCH, dstates_tile
-    assert LAUNCH["dstates_bv"] is None
+    where 3 narrow waves against 2 wide do not pay for the wider program; the config's
+    ``bwd_dstates_bv`` decides where set."""
+    import dataclasses
+
+    from gdn.chunk_bwd import dstates_tile
+    from gdn.config import DEFAULT
+    assert DEFAULT.bwd_dstates_bv is None
     assert dstates_tile(128, 128, 128, 132) == 128
     assert dstates_tile(128, 128, 16, 132) == 64
     assert dstates_tile(128, 64, 128, 132) == 64
     assert dstates_tile(256, 128, 128, 132) == 64
     assert dstates_tile(128, 128, 190, 132) == 64     # 3 waves at 64, 2 at 128
     assert dstates_tile(128, 256, 128, 132) == 128    # 4 waves at 64, 2 at 128
+    assert dstates_tile(128, 128, 128, 132, dataclasses.replace(DEFAULT, bwd_dstates_bv=64)) == 64
+    assert dstates_tile(128, 64, 128, 132, dataclasses.replace(DEFAULT, bwd_dstates_bv=128)) == 128
 
 
 def test_the_ops_backward_leaves_what_its_forward_saved_as_it_was():
@@ -635,14 +679,14 @@ def test_exact_path_wide_keys_on_gpu(K, V):
 
 @pytest.mark.parametrize("saved", [False, True])
 def test_flagged_chunks_past_the_first_exact_program_reach_the_oracles_gradients(saved):
-    """`_exact` looks at EXACT_CHUNKS chunks of a head a program: flagged chunks in the first
+    """`_exact` looks at ``bwd_exact_chunks`` chunks of a head a program: flagged chunks in the first
     and a later program of the same head (20 chunks of 16: a 1e6 in v in chunk 0, a NaN in
     dO in chunk 18, the second program's third), on the backward's own states and on the
     forward's saved states, give the oracle's NaN/Inf sets and its finite values."""
-    from gdn.chunk_bwd import EXACT_CHUNKS
     from gdn.chunk_fwd import chunk_gdn_fwd
+    from gdn.config import DEFAULT
     x = make_inputs(2, 160, 1, 16, 16, 2, True, torch.float32)
-    assert 2 * 160 // 16 > EXACT_CHUNKS
+    assert 2 * 160 // 16 > DEFAULT.bwd_exact_chunks
     x = dict(x, v=x["v"].clone(), do=x["do"].clone())
     x["v"][0, 5, 0, 3] = 1e6
     x["do"][1, 125, 0, 2] = float("nan")   # chunk 10 + 7 of the batch: global chunk 17
@@ -791,7 +835,7 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, g
     """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:
     the H200 miscompiles the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
     slows every other launch.  Where V is not a multiple of 16, _grads_p and
-    _grads_wy keep 8 warps and 2 stages (LAUNCH_UNHINTED: at 4 warps the H200 gave dq, dk ~1
+    _grads_wy keep 8 warps and 2 stages (``bwd_unhinted_*``: at 4 warps the H200 gives dq, dk ~1
     off at K 32, V 1).  The interpreter runs them all alike, so this checks the choice, not the miscompile."""
     from gdn import chunk_bwd
     spies, launched = launches
@@ -806,12 +850,13 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, g
         assert launched[spies[chunk_bwd._grads_p].kern] == (8, 2)
         assert launched[spies[chunk_bwd._grads_wy].kern] == (8, 2)
     want = (8, 2) if V % 16 else (4, 3)
-    assert (chunk_bwd.launch_for(V)["grads_p_warps"], chunk_bwd.launch_for(V)["grads_stages"]) == want
+    from gdn.config import DEFAULT
+    assert (DEFAULT.at_v(V).bwd_grads_p_warps, DEFAULT.at_v(V).bwd_grads_stages) == want
 
 
 def test_fp32_dots_launch_one_stage(launches):
     """Where the dots take fp32 operands, every pipelined kernel launches at one stage
-    (`gdn.chunk_bwd.stages`): at 3 stages `_dstates` needed 295424 B of shared memory on the
+    (`gdn.chunk_bwd.stages`): at 3 stages `_dstates` needs 295424 B of shared memory on the
     H200's 232448 (fp32, K 100, V 64).  _exact sets none."""
     from gdn import chunk_bwd
     spies, launched = launches
@@ -828,18 +873,18 @@ def test_keys_over_128_launch_the_sequential_kernels_at_one_stage(monkeypatch):
     A100's (sm_90 offline).  BK 128 and the other kernels keep the launch's
     stages, and the launcher hands each sequential kernel its BK."""
     from gdn import chunk_bwd
-    L = chunk_bwd.LAUNCH
-    for key in ("seq_stages", "dstates_stages"):
+    from gdn.config import DEFAULT as L
+    for key in ("bwd_seq_stages", "bwd_dstates_stages"):
         assert chunk_bwd.stages(L, key, False, 256) == 1
-        assert chunk_bwd.stages(L, key, False, 128) == L[key] > 1
-    assert chunk_bwd.stages(L, "grads_stages", False, 256) == L["grads_stages"] > 1
+        assert chunk_bwd.stages(L, key, False, 128) == getattr(L, key) > 1
+    assert chunk_bwd.stages(L, "bwd_grads_stages", False, 256) == L.bwd_grads_stages > 1
     asked = []
     right = chunk_bwd.stages
     monkeypatch.setattr(chunk_bwd, "stages", lambda *a: asked.append(a[1:]) or right(*a))
     x = make_inputs(1, 20, 1, 144, 16, 1, True, torch.bfloat16)
     kernel_grads(x, None, True, 16)
-    assert {a[0]: a[2:] for a in asked if a[0] in ("seq_stages", "dstates_stages")} == {
-        "seq_stages": (256,), "dstates_stages": (256,)}
+    assert {a[0]: a[2:] for a in asked if a[0] in ("bwd_seq_stages", "bwd_dstates_stages")} == {
+        "bwd_seq_stages": (256,), "bwd_dstates_stages": (256,)}
 
 
 @pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])
@@ -864,8 +909,6 @@ def test_the_gpu_tile_sweep_fails_a_planted_wrong_answer(monkeypatch, capsys, fo
         first, *rest = right(*a, **kw)
         return (first * 1.01, *rest)
     monkeypatch.setattr(module, name, planted)
-    import gdn.fwd_state
-    monkeypatch.setattr(gdn.fwd_state, "TUNE", gdn.fwd_state.TUNE)   # child() sets it
     bad = sweep.child(1, 16, "fp32", "cpu", [16], forward, False)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gate1")]
     assert bad == len(lines) == (2 if forward else 1) and all(ln.endswith(" FAIL") for ln in lines)
@@ -890,11 +933,9 @@ def test_the_gpu_tile_sweep_skips_a_state_config_no_launch_takes_at_that_k(monke
         sys.path.pop(0)
     configs = [triton.Config({"BV": bv}, num_warps=4, num_stages=2) for bv in (32, 64)]
     monkeypatch.setattr(gdn.fwd_state, "INTERPRET", False)
-    monkeypatch.setattr(gdn.fwd_state, "_state_configs", lambda: configs)   # child() replaces it
-    monkeypatch.setattr(gdn.fwd_state, "TUNE", gdn.fwd_state.TUNE)
+    monkeypatch.setattr(gdn.fwd_state, "_state_configs", lambda config: configs)
     assert sweep.child(1, 33, "fp32", "cpu", [16], True, False, state_config=0) == 0
     assert "gate1 K33 cfg0 BV32 w4 s2: skipped" in capsys.readouterr().out
-    monkeypatch.setattr(gdn.fwd_state, "_state_configs", lambda: configs)
     called = []
     monkeypatch.setattr(sweep, "_forward_errors", lambda *a: called.append(1) or {"o": 0.0})
     sweep.child(1, 33, "fp32", "cpu", [16], True, False, state_config=1)
@@ -918,7 +959,7 @@ def test_accumulation_is_not_applicable_to_the_gdn_targets():
 def test_varlen_tables_are_kept_per_tensor_and_version(monkeypatch, side):
     """The forward's (`gdn.chunk_fwd.varlen_plan`) and the backward's
     (`gdn.bwd_chunks.chunk_plan`) varlen chunk tables are built once per cu_seqlens tensor and
-    version (`gdn.chunk_fwd.kept_plan`): a second call on the same tensor reads nothing on the
+    version (`gdn.common.kept_plan`): a second call on the same tensor reads nothing on the
     host, an in-place write to it (a new version) builds them again, another tensor with equal
     values too, and every call matches the float64 oracle (forward) or autograd through it
     (backward) at the offsets it was given.  Planted, the key without the version counter:
@@ -926,11 +967,12 @@ def test_varlen_tables_are_kept_per_tensor_and_version(monkeypatch, side):
     (dq 1e37 off)."""
     import gdn.bwd_chunks as bc
     import gdn.chunk_fwd as cf
+    import gdn.common
     mod, name = (cf, "_build_plan") if side == "forward" else (bc, "_varlen_tables")
     builds = []
     real = getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *a: builds.append(1) or real(*a))
-    monkeypatch.setattr(cf, "_plans", type(cf._plans)())
+    monkeypatch.setattr(gdn.common, "_plans", type(gdn.common._plans)())
     cu = torch.tensor([0, 20, 53, 100], device=DEV)
     x = make_inputs(1, 100, 2, 16, 16, 1, True, torch.float32, cu=[0, 20, 53, 100])
 
