@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from gdn.bwd_chunks import _chunk_base, _coords
-from gdn.common import group_flag as _group_flag, tile as _tile
+from gdn.common import group_flag, tile
 
 
 @triton.jit
@@ -160,12 +160,12 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, 
             acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)
             acc_dk += tl.where(rows[:, None] == r, dkt[None, :], 0.)
             tl.store(dv + tt * V + cv, _rounded(dvt, dv), mask=mv)
-    tl.store(_tile(dq, r0, rows, ck, K, H), _rounded(acc_dq * scale, dq), mask=mqk)
-    tl.store(_tile(dk, r0, rows, ck, K, H), _rounded(acc_dk, dk), mask=mqk)
+    tl.store(tile(dq, r0, rows, ck, K, H), _rounded(acc_dq * scale, dq), mask=mqk)
+    tl.store(tile(dk, r0, rows, ck, K, H), _rounded(acc_dk, dk), mask=mqk)
     if GATE == 1:
         tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg, dg), mask=rv)
     elif GATE == 2:
-        tl.store(_tile(dg, r0, rows, ck, K, H), _rounded(acc_dgv, dg), mask=mqk)
+        tl.store(tile(dg, r0, rows, ck, K, H), _rounded(acc_dgv, dg), mask=mqk)
     if DELTA:
         tl.store(dbeta + tok.to(tl.int64) * H + ih, _rounded(acc_db, dbeta), mask=rv)
 
@@ -191,6 +191,6 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
                           mask=mc[:, None] & (cv0 < NVD)[None, :], other=0), 1)
     if tl.max(bad, 0) > 0:
         for j in range(0, G):
-            if _group_flag(bad, cs, c0 + j) > 0:
+            if group_flag(bad, cs, c0 + j) > 0:
                 _exact_chunk(c0 + j, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, cu,
                              tab, scale, T, H, K, V, C, BK, BV, GATE, DELTA, IS_VARLEN)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.common import GATE_FLOOR, tile as _tile
+from gdn.common import GATE_FLOOR, tile
 
 _FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other module globals
 
@@ -27,7 +27,7 @@ def _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE: tl.constexpr):
         G = tl.cumsum(b_g, 0)
         GC = tl.sum(tl.where(rows == tok.shape[0] - 1, G, 0.), 0)
     else:
-        b_g = tl.load(_tile(g, r0, rows, ck, K, H), mask=rv[:, None] & mk[None, :], other=0.).to(tl.float32)
+        b_g = tl.load(tile(g, r0, rows, ck, K, H), mask=rv[:, None] & mk[None, :], other=0.).to(tl.float32)
         G = tl.cumsum(b_g, 0)
         GC = tl.sum(tl.where(rows[:, None] == tok.shape[0] - 1, G, 0.), 0)
     return G, GC

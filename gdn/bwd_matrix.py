@@ -28,17 +28,17 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.common import handoff as _handoff, mask_and as _and, odot as _odot, tile as _tile
-from gdn.fwd_prep import unit_lower_inverse as _unit_lower_inverse
+from gdn.common import handoff, mask_and, odot, tile
+from gdn.fwd_prep import unit_lower_inverse
 
 
 @triton.jit
 def _mm(a, b, F32: tl.constexpr, DT: tl.constexpr):
-    """a b on fp32 operands ("ieee") where F32, else as `_odot` takes them for DT."""
+    """a b on fp32 operands ("ieee") where F32, else as `odot` takes them for DT."""
     if F32:
-        return _odot(a, b, tl.float32, "ieee")
+        return odot(a, b, tl.float32, "ieee")
     else:
-        return _odot(a, b, DT, "ieee")
+        return odot(a, b, DT, "ieee")
 
 
 @triton.jit
@@ -81,8 +81,8 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
     and k tiles it loaded (fp32)."""
     rows = tl.arange(0, C)
     mqk = rv[:, None] & mk[None, :]
-    b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
-    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+    b_q = tl.load(tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+    b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
     bad = _outside(b_q, BIG) + _outside(b_k, BIG)
     b_beta = tl.zeros([C], dtype=tl.float32)
     if DELTA:
@@ -114,8 +114,8 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
 def _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale):
     """A chunk's q (scale folded in) and k tiles, fp32."""
     mqk = rv[:, None] & mk[None, :]
-    b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
-    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+    b_q = tl.load(tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32) * scale
+    b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
     return b_q, b_k
 
 
@@ -169,11 +169,11 @@ def _prep_wy(Tm, W, kb, araw, b_beta, r0, rows, rv, t0, eos, H, K, C: tl.constex
     tm = 0.
     if WU:
         if GIVEN_T:
-            tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.).to(tl.float32)
+            tm = tl.load(tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.).to(tl.float32)
         else:
-            tm = _unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, t0, eos, H, C, IW, PREC)
-            tl.store(_tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
-        tl.store(_tile(W, r0, rows, ck, K, H), _mm(tm, kb, F32, DT).to(W.dtype.element_ty), mask=mqk)
+            tm = unit_lower_inverse(araw * b_beta[:, None], Tm, r0, rows, rv, t0, eos, H, C, IW, PREC)
+            tl.store(tile(Tm, r0, rows, rows, C, H), tm, mask=rv[:, None])
+        tl.store(tile(W, r0, rows, ck, K, H), _mm(tm, kb, F32, DT).to(W.dtype.element_ty), mask=mqk)
     return tm
 
 
@@ -221,15 +221,15 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, ostep, cu, tab, T, H, K, V, NVO,
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
         if SAVED:
-            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             bad += _outside(b_do, BIG)
         else:
-            b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            b_v = tl.load(tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+            b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             bad += _outside(b_v, BIG) + _outside(b_do, BIG)
         if DELTA and not SAVED:
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
-            tl.store(_tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
+            tl.store(tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)
     tl.store(flag + cid * H + ih, (bad > 0).to(tl.int32))
 
 
@@ -243,14 +243,14 @@ def _states_step(k, v, g, W, U, h, ok, t0, eos, rows, ih, H, K, V, ck, mk, cv, m
     r0 = _chunk_base(t0, ih, H)
     mqk = rv[:, None] & mk[None, :]
     mcv = rv[:, None] & mv[None, :]
-    b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
+    b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
     if DELTA:
-        b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
-        b_u = tl.load(_tile(U, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_w = tl.load(tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_u = tl.load(tile(U, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         b_u = b_u - _mm(b_w, h, F32, DT)
-        tl.store(_tile(U, r0, rows, cv, V, H), b_u.to(U.dtype.element_ty), mask=_and(mcv, ok))
+        tl.store(tile(U, r0, rows, cv, V, H), b_u.to(U.dtype.element_ty), mask=mask_and(mcv, ok))
     else:
-        b_u = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_u = tl.load(tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
     if GATE == 1:
         # the decay on U's tile [C, BV], not on the keys, so that K reaches the product as
         # loaded (faster on the H200)
@@ -269,16 +269,16 @@ def _enter_chunk(xs, flag, x, cid, ih, H, K, V, offkv, mkv, alive, SBIG: tl.cons
                  RESUME: tl.constexpr):
     """A chunk's entry bookkeeping in `_states` (x the state entering it, xs hs) and
     `_dstates` (x the state gradient at its end, xs dhs): stores x where alive (resume parts:
-    saturated, `_handoff`; the matrix parts stop before a state that needs it).  Returns (how
+    saturated, `handoff`; the matrix parts stop before a state that needs it).  Returns (how
     many of x's elements are outside SBIG, for the caller's hflag or dflag; whether the chunk
     takes the matrix path: alive, x within SBIG and _prep's flag clear)."""
     bad = _outside(x, SBIG)
     ok = alive & ((tl.load(flag + cid * H + ih) + bad) == 0)
     if RESUME:
-        tl.store(xs + (cid * H + ih).to(tl.int64) * K * V + offkv, _handoff(x, xs), mask=_and(mkv, alive))
+        tl.store(xs + (cid * H + ih).to(tl.int64) * K * V + offkv, handoff(x, xs), mask=mask_and(mkv, alive))
     else:
         tl.store(xs + (cid * H + ih).to(tl.int64) * K * V + offkv, x.to(xs.dtype.element_ty),
-                 mask=_and(mkv, alive))
+                 mask=mask_and(mkv, alive))
     return bad, ok
 
 
@@ -361,9 +361,9 @@ def _dstates_step(q, k, g, do, W, dU, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk
         # the products: K_end dS = diag(exp(G_C - G)) (K dS), Q_g^T dO = Q^T (diag(exp(G)
         # scale) dO), not as the [C, K] fp32 tiles Q_g, K_end (fewer instructions in the loop
         # and less spill, sm_90 offline)
-        b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
-        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
-        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_q = tl.load(tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         kdh = _mm(b_k, dh, F32, DT)
         incl = rows[:, None] >= rows[None, :]
         if GATE == 1:
@@ -377,19 +377,19 @@ def _dstates_step(q, k, g, do, W, dU, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk
             b_do = b_do * scale
             pdo = _mm(tl.trans(_causal_qk(b_q, b_k, 0., 0., incl, GATE, F32, DT)), b_do, F32, DT)
         du = pdo + kdh
-        tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
+        tl.store(tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=mask_and(mcv, ok))
         dh = dh + _mm(tl.trans(b_q), b_do, F32, DT)
     else:   # the vector gate's decays are per key: on the [C, K] tiles
         b_q, b_k = _chunk_qk(q, k, r0, rows, rv, H, K, ck, mk, scale)
-        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         p, qg, ke, dec = _chunk_terms(b_q, b_k, g, tok, r0, rows, rv, ih, H, K, ck, mk, C,
                                       GATE, F32, DT)
         du = _mm(tl.trans(p), b_do, F32, DT) + _mm(ke, dh, F32, DT)
         dh = dh * dec
-        tl.store(_tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=_and(mcv, ok))
+        tl.store(tile(dU, r0, rows, cv, V, H), du.to(dU.dtype.element_ty), mask=mask_and(mcv, ok))
         dh = dh + _mm(tl.trans(qg), b_do, F32, DT)
     if DELTA:
-        b_w = tl.load(_tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_w = tl.load(tile(W, r0, rows, ck, K, H), mask=mqk, other=0.)
         dh = dh - _mm(tl.trans(b_w), du, F32, DT)
     return dh
 
@@ -405,8 +405,8 @@ def _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok):
     `_dstates` time; storing dS_end's bf16 residual here for _grads_p instead costs more in
     _grads_p."""
     base = (cid * H + ih).to(tl.int64)
-    b_h = tl.load(hs + base * K * V + offkv, mask=_and(mkv, ok), other=0.).to(tl.float32)
-    tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h * dh, 1), mask=_and(mk, ok))
+    b_h = tl.load(hs + base * K * V + offkv, mask=mask_and(mkv, ok), other=0.).to(tl.float32)
+    tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h * dh, 1), mask=mask_and(mk, ok))
 
 
 @triton.jit
