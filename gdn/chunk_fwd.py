@@ -37,13 +37,13 @@ finite and at most BIG in magnitude, its gates are <= 0 (scalar: -inf allowed,
 clamped at -110 where exp is already 0 in fp32; vector: the chunk's total decay
 at most 60 per key), and the incoming state is finite and at most SBIG.
 Otherwise it runs token by token with the oracle's own formulas, each step in
-float64 (the exact path, `exact_chunk`).  Once a NaN enters S it never leaves (0 * NaN = NaN), so the rest
-of that sequence's V tile then runs exactly, which is slow: pathological inputs
-are slow, normal ones fast.
+float64 (the exact path, `gdn.common.exact_chunk`).  Once a NaN enters S it never
+leaves (0 * NaN = NaN), so the rest of that sequence's V tile then runs exactly,
+which is slow: pathological inputs are slow, normal ones fast.
 
 Precision: states and accumulation in fp32; the state and output kernels'
-products take bf16 operands for bf16 inputs on GPUs (only where every dimension
-is >= 32, `odot`), fp32 ones otherwise (tf32 on GPUs, "tf32x3" for fp32
+products take bf16 operands for bf16 inputs on GPUs (only where the output's N
+dimension is >= 32, `gdn.common.odot`), fp32 ones otherwise (tf32 on GPUs, "tf32x3" for fp32
 inputs, about fp32 accuracy); the tensors handed between launches are bf16 for
 bf16 inputs and fp32 otherwise.  Under the Triton
 interpreter (TRITON_INTERPRET=1) products are "ieee" (its bf16 tl.dot is wrong)
