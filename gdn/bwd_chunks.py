@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import kept_plan
+from gdn.common import kept_plan
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _seq(n, T, cu, coff, C: tl.constexpr, IS_VARLEN: tl.constexpr):
 def _chunk_rows(cid, ih, T, H, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """A chunk-parallel program's rows: (sequence, chunk within it, first token, end token,
     row index [C], token [C], row valid [C], and the chunk's 64-bit base row in a [.., H, ..]
-    tensor, as `gdn.chunk_fwd._tile` takes it with the row index)."""
+    tensor, as `gdn.common.tile` takes it with the row index)."""
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
     rows = tl.arange(0, C)
     tok = bos + ic * C + rows
@@ -61,7 +61,7 @@ def _chunk_rows(cid, ih, T, H, cu, tab, C: tl.constexpr, IS_VARLEN: tl.constexpr
 @triton.jit
 def _chunk_base(t0, ih, H):
     """The 64-bit base row of the chunk from token t0 at head ih in a [.., H, ..] tensor, as
-    `gdn.chunk_fwd._tile` takes it."""
+    `gdn.common.tile` takes it."""
     return t0.to(tl.int64) * H + ih
 
 
@@ -84,7 +84,7 @@ def _seq_tile(inh, iv, T, H, K, V, cu, coff, C: tl.constexpr, BK: tl.constexpr, 
 def chunk_plan(cu_seqlens, B: int, T: int, C: int):
     """(sequences, total chunks, chunk table [NC, 2] int32 or None, first chunk
     of each sequence [N] int32 or None) for fixed-length or varlen batches; a varlen
-    batch's tables kept per cu_seqlens tensor and version (`gdn.chunk_fwd.kept_plan`: their
+    batch's tables kept per cu_seqlens tensor and version (`gdn.common.kept_plan`: their
     count is read on the host, which waits for the GPU)."""
     if cu_seqlens is None:
         return B, B * triton.cdiv(T, C), None, None
@@ -108,8 +108,8 @@ def _varlen_tables(cu_seqlens, C: int):
 def generic_v(kernel):
     """`kernel` (a jitted backward kernel) compiled with V a plain integer, for launches at
     V == 1.  Triton makes an integer argument equal to 1 a constant, and on the H200 (Triton
-    3.6) that compile at K 32, bf16, gave NaN dk and dbeta 0.4 off where V 16 (same tiles) was
-    right; compiled generically, V 1 was right at every K and gate (session 7,
-    tools/sweep_gdn_gpu.py).  Only V == 1 takes it: compiling V generically everywhere drops
-    its divisibility-by-16 hint too, and the bench shape's backward went 4.15 -> 5.52 ms."""
+    3.6) that compile at K 32, bf16, gives NaN dk and dbeta off by 0.4 where V 16 (same tiles)
+    is right; compiled generically, V 1 is right at every K and gate (tools/sweep_gdn_gpu.py).
+    Only V == 1 takes it: compiling V generically everywhere also drops its divisibility-by-16
+    hint, which slows every other launch."""
     return triton.jit(kernel.fn, do_not_specialize=["V"])

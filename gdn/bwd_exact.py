@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from gdn.bwd_chunks import _chunk_base, _coords
-from gdn.chunk_fwd import _group_flag, _tile
+from gdn.common import group_flag, tile
 
 
 @triton.jit
@@ -160,12 +160,12 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, 
             acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)
             acc_dk += tl.where(rows[:, None] == r, dkt[None, :], 0.)
             tl.store(dv + tt * V + cv, _rounded(dvt, dv), mask=mv)
-    tl.store(_tile(dq, r0, rows, ck, K, H), _rounded(acc_dq * scale, dq), mask=mqk)
-    tl.store(_tile(dk, r0, rows, ck, K, H), _rounded(acc_dk, dk), mask=mqk)
+    tl.store(tile(dq, r0, rows, ck, K, H), _rounded(acc_dq * scale, dq), mask=mqk)
+    tl.store(tile(dk, r0, rows, ck, K, H), _rounded(acc_dk, dk), mask=mqk)
     if GATE == 1:
         tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg, dg), mask=rv)
     elif GATE == 2:
-        tl.store(_tile(dg, r0, rows, ck, K, H), _rounded(acc_dgv, dg), mask=mqk)
+        tl.store(tile(dg, r0, rows, ck, K, H), _rounded(acc_dgv, dg), mask=mqk)
     if DELTA:
         tl.store(dbeta + tok.to(tl.int64) * H + ih, _rounded(acc_db, dbeta), mask=rv)
 
@@ -176,9 +176,8 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
            G: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Step-by-step gradients of the flagged chunks (`_exact_chunk`), G chunks of a head a
     program: their flags read in one load, the flagged ones then taken in turn.  Nearly every
-    chunk is unflagged, so nearly every program ends after that load: a program a chunk (8192
-    programs at bf16 B8 T4096 H16, two an SM at 255 registers) took 0.017 ms on the H200 to
-    do nothing (session 20)."""
+    chunk is unflagged, so nearly every program ends after that load (a program a chunk would
+    launch thousands of programs, two an SM at 255 registers, to do nothing)."""
     ih = tl.program_id(1)
     c0 = tl.program_id(0) * G
     cs = c0 + tl.arange(0, G)
@@ -192,6 +191,6 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
                           mask=mc[:, None] & (cv0 < NVD)[None, :], other=0), 1)
     if tl.max(bad, 0) > 0:
         for j in range(0, G):
-            if _group_flag(bad, cs, c0 + j) > 0:
+            if group_flag(bad, cs, c0 + j) > 0:
                 _exact_chunk(c0 + j, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, cu,
                              tab, scale, T, H, K, V, C, BK, BV, GATE, DELTA, IS_VARLEN)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import GATE_FLOOR, _tile
+from gdn.common import GATE_FLOOR, tile
 
 _FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other module globals
 
@@ -20,14 +20,14 @@ _FLOOR = tl.constexpr(GATE_FLOOR)   # a constexpr: jit functions read no other m
 @triton.jit
 def _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE: tl.constexpr):
     """In-chunk cumulative gate G ([C] or [C, BK]) and its last row G_C (r0: the chunk's
-    base row, as `gdn.chunk_fwd._tile` takes it)."""
+    base row, as `gdn.common.tile` takes it)."""
     rows = tl.arange(0, tok.shape[0])
     if GATE == 1:
         b_g = tl.load(g + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
         G = tl.cumsum(b_g, 0)
         GC = tl.sum(tl.where(rows == tok.shape[0] - 1, G, 0.), 0)
     else:
-        b_g = tl.load(_tile(g, r0, rows, ck, K, H), mask=rv[:, None] & mk[None, :], other=0.).to(tl.float32)
+        b_g = tl.load(tile(g, r0, rows, ck, K, H), mask=rv[:, None] & mk[None, :], other=0.).to(tl.float32)
         G = tl.cumsum(b_g, 0)
         GC = tl.sum(tl.where(rows[:, None] == tok.shape[0] - 1, G, 0.), 0)
     return G, GC
@@ -78,11 +78,9 @@ def _gate_grad(first, pairs, last, through):
 
     The pair terms are summed along rows, then down the columns, then shifted by one:
     Z[u] = sum_{i > u} sum_{j <= u} pairs[i, j] + sum_{j <= u} last[j], and dg_t takes
-    Z[t - 1].  The reverse scan down the columns it replaced (session 16) crossed the four
-    warps of the layout the device's Triton 3.6 gives the [C, C] tile: sm_90 offline (bf16
-    GDN, K=V=128) `_grads_p` 435 -> 120 SHFL, `_grads_wy` 409 -> 89; on the H200 the two
-    kernels took 0.874 -> 0.832 and 0.768 -> 0.734 ms, the backward on the forward's T
-    3.313 -> 3.239.
+    Z[t - 1].  A reverse scan down the columns would cross the four warps of the layout
+    Triton 3.6 gives the [C, C] tile on sm_90, with a shuffle at every step; the row sums and
+    the cumsum here take a few.
     """
     return _gate_grad_of_spans(first, _pair_spans(pairs), last, through)
 

@@ -11,10 +11,8 @@ with the delta rule also T = (I + A)^-1 (``_prep``).  Two groups of terms:
 
 Two launches: ``_grads_wy`` (delta only) stores dv and dbeta and hands its share of dk and dg
 on as fp32 partials; ``_grads_p`` forms the P terms and adds the partials.  Both take K in
-slices (one or two [C, BKS] accumulators live).  Neither keeps T live beside the P terms.  (Session
-5 deleted the one-launch form, which held three [C, K] accumulators and T at once and spilled:
-on the H200 at bf16 B8 T4096 H16 K=V=128 it took 2.57 ms against these two's 1.26 + 1.00 ms,
-with the same dq, dk, dv, dbeta there and dg within 1.3e-7; gdn/NOTES_BWD.md.)
+slices (one or two [C, BKS] accumulators live).  Neither keeps T live beside the P terms: one
+launch for both would hold three [C, K] accumulators and T at once, and spills.
 
 Formulas (one chunk, see gdn.bwd_matrix's docstring for A, T, U, K_g, K_n):
     dT = dU (beta V - beta K_g h)^T,  dA = -strict_lower(T^T dT T^T),
@@ -31,7 +29,7 @@ from gdn.bwd_chunks import _chunk_rows
 from gdn.bwd_gate import (_end_decay, _gate_grad, _gate_grad_of_spans, _gate_sums, _load_gate,
                           _pair_decay, _pair_spans)
 from gdn.bwd_matrix import _mm
-from gdn.chunk_fwd import _tile
+from gdn.common import tile
 
 
 @triton.jit
@@ -47,18 +45,17 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     product, A's keys, dbeta's and the scalar gate's row sums), storing the slice's
     T^T (-dU h^T) share of dk in dkp; then, once dA is known, over the slices again, dA's
     share of dk added to it (and the vector gate's dg).  The second pass's stores are read
-    back by the same program after a barrier.  (Session 13 adopted this form over the one
-    that held [C, K] accumulators at 8 warps: H200, bf16 B8 T4096 H16 K=V=128, 0.953 ->
-    0.761 ms at 4 warps; sm_90 offline at fp32 K = V = 256 its shared memory 229376 -> 57344
-    B, within the A100's.)"""
+    back by the same program after a barrier.  Slices rather than [C, K] accumulators: this
+    form runs at 4 warps, and at fp32 K = V = 256 it needs 57344 B of shared memory (sm_90
+    offline), within an A100's."""
     cid = tl.program_id(0)
     ih = tl.program_id(1)
     n, ic, bos, eos, rows, tok, rv, r0 = _chunk_rows(cid, ih, T, H, cu, tab, C, IS_VARLEN)
     strict = rows[:, None] > rows[None, :]
     b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-    tm = tl.load(_tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.).to(tl.float32)
+    tm = tl.load(tile(Tm, r0, rows, rows, C, H), mask=rv[:, None], other=0.).to(tl.float32)
     if C >= 32 and BKS >= 32 and BV >= 32:
-        # every product then takes T as a DT operand (`_odot`: their N is C, BKS or BV), so
+        # every product then takes T as a DT operand (`odot`: their N is C, BKS or BV), so
         # round it once, here: half its registers (sm_90 offline, 4 warps, scalar gate: stack
         # 240 -> 104 B; no gate 56 -> 0)
         tm = tm.to(DT)
@@ -68,10 +65,10 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
-        b_du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=mcv, other=0.)
-        b_v = tl.load(_tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
+        b_du = tl.load(tile(dU, r0, rows, cv, V, H), mask=mcv, other=0.)
+        b_v = tl.load(tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         dvb = _mm(tl.trans(tm), b_du, F32, DT)
-        tl.store(_tile(dv, r0, rows, cv, V, H), (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
+        tl.store(tile(dv, r0, rows, cv, V, H), (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
         d_beta += tl.sum(dvb * b_v, 1)
         dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
     eG = b_beta
@@ -90,10 +87,10 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
             cv = iv * BV + tl.arange(0, BV)
             mv = cv < V
             b_h = tl.load(hs + hbase + ck[:, None] * V + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.)
-            b_du = tl.load(_tile(dU, r0, rows, cv, V, H), mask=rv[:, None] & mv[None, :], other=0.)
+            b_du = tl.load(tile(dU, r0, rows, cv, V, H), mask=rv[:, None] & mv[None, :], other=0.)
             acc_dw += _mm(b_du, tl.trans(b_h), F32, DT)
         acc_dw = -acc_dw                                  # -dU h^T
-        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+        b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
         if GATE == 2:
             Gs, _ = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
             kr = b_k * tl.exp(Gs)
@@ -114,7 +111,7 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
             part = dkb * (b_beta * eG)[:, None]
         else:
             part = dkb * b_beta[:, None]
-        tl.store(_tile(dkp, r0, rows, ck, K, H), part, mask=mqk)
+        tl.store(tile(dkp, r0, rows, ck, K, H), part, mask=mqk)
     E = dt
     if GATE == 1:
         # formed after the slices, not before: one [C, C] tile fewer live through them
@@ -137,8 +134,8 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
         ck = ik * BKS + tl.arange(0, BKS)
         mk = ck < K
         mqk = rv[:, None] & mk[None, :]
-        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
-        part = tl.load(_tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
+        part = tl.load(tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
         if GATE == 2:
             Gs, _ = _load_gate(g, tok, r0, rv, ih, H, K, ck, mk, GATE)
             eGs = tl.exp(Gs)
@@ -147,11 +144,11 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
             kn = b_k * eNs
             dk = _mm(dar, kn, F32, DT) + part
             dk2 = _mm(tl.trans(dar), kg, F32, DT)
-            tl.store(_tile(dkp, r0, rows, ck, K, H), dk * eGs + dk2 * eNs, mask=mqk)
-            tl.store(_tile(dgp, r0, rows, ck, K, H), dk * kg - dk2 * kn, mask=mqk)
+            tl.store(tile(dkp, r0, rows, ck, K, H), dk * eGs + dk2 * eNs, mask=mqk)
+            tl.store(tile(dgp, r0, rows, ck, K, H), dk * kg - dk2 * kn, mask=mqk)
         else:
             dk = _mm(dkk, b_k, F32, DT) + _mm(tl.trans(dkk), b_k, F32, DT) + part
-            tl.store(_tile(dkp, r0, rows, ck, K, H), dk, mask=mqk)
+            tl.store(tile(dkp, r0, rows, ck, K, H), dk, mask=mqk)
 
 
 @triton.jit
@@ -175,24 +172,22 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
-        b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.)
-        b_u = tl.load(_tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
+        b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.)
+        b_u = tl.load(tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
         acc_dp += _mm(b_do, tl.trans(b_u), F32, DT)
     dp = tl.where(incl, acc_dp, 0.)
     if GATE == 1:
         cf = tl.arange(0, BK)
         mqf = rv[:, None] & (cf < K)[None, :]
-        f_q = tl.load(_tile(q, r0, rows, cf, K, H), mask=mqf, other=0.)
-        f_k = tl.load(_tile(k, r0, rows, cf, K, H), mask=mqf, other=0.)
+        f_q = tl.load(tile(q, r0, rows, cf, K, H), mask=mqf, other=0.)
+        f_k = tl.load(tile(k, r0, rows, cf, K, H), mask=mqf, other=0.)
         G, Gl, GC, GCl = _gate_sums(g, tok, rv, ih, H)
         eG = tl.exp(G)
         eE = _end_decay(G, Gl, GC, GCl)
         E = _pair_decay(G, Gl, incl)
         p = _mm(f_q, tl.trans(f_k), F32, DT) * (E * scale)
         # dg_t sums the pair terms whose decay spans step t (see _gate_grad), reduced to [C]
-        # here, before the K slices (on the H200, session 17, bf16 B8 T4096 H16 K=V=128: 0.828
-        # -> 0.802 ms against the [C, C] terms held through them; sm_90 offline 200 -> 120 B
-        # of spill)
+        # here, before the K slices, so that no [C, C] tile is held through them (less spill)
         spans = _pair_spans(tl.where(strict, dp * p, 0.))
         dp = dp * E                                  # now d(Q K^T) under the decay
     qh = tl.zeros([C], dtype=tl.float32)            # rowsum(dO h^T * Q)
@@ -216,14 +211,14 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             offkv = ck[:, None] * V + cv[None, :]
             b_h = tl.load(hs + hbase + offkv, mask=mkv, other=0.)
             b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.)
-            b_do = tl.load(_tile(do, r0, rows, cv, V, H), mask=mcv, other=0.)
-            b_u = tl.load(_tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
+            b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.)
+            b_u = tl.load(tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
             acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)
             acc_dke += _mm(b_u, tl.trans(b_dsc), F32, DT)
         # q and k as stored (exact bf16 product operands; q's scale on the products), not as
         # [C, BKS] fp32 tiles beside the two accumulators
-        b_q = tl.load(_tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
-        b_k = tl.load(_tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_q = tl.load(tile(q, r0, rows, ck, K, H), mask=mqk, other=0.)
+        b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.)
         if GATE == 1:
             dqs = acc_dqh * eG[:, None] + _mm(dp, b_k, F32, DT)
             dkk = _mm(tl.trans(dp), b_q, F32, DT) * scale + acc_dke * eE[:, None]
@@ -248,16 +243,16 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             dGC = tl.sum(acc_dke * ke2, 0) + tl.exp(GC) * acc_dgc
             dGv += tl.where(rows[:, None] == C - 1, dGC[None, :], 0.)
             if DELTA:
-                dGv += tl.load(_tile(dgp, r0, rows, ck, K, H), mask=mqk, other=0.)
+                dGv += tl.load(tile(dgp, r0, rows, ck, K, H), mask=mqk, other=0.)
             dgo = tl.cumsum(dGv, 0, reverse=True)
-            tl.store(_tile(dg, r0, rows, ck, K, H), dgo.to(dg.dtype.element_ty), mask=mqk)
+            tl.store(tile(dg, r0, rows, ck, K, H), dgo.to(dg.dtype.element_ty), mask=mqk)
         else:
             dqs = acc_dqh + _mm(dp, b_k, F32, DT)
             dkk = _mm(tl.trans(dp), b_q, F32, DT) * scale + acc_dke
-        tl.store(_tile(dq, r0, rows, ck, K, H), (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
+        tl.store(tile(dq, r0, rows, ck, K, H), (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
         if DELTA:
-            dkk += tl.load(_tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
-        tl.store(_tile(dk, r0, rows, ck, K, H), dkk.to(dk.dtype.element_ty), mask=mqk)
+            dkk += tl.load(tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
+        tl.store(tile(dk, r0, rows, ck, K, H), dkk.to(dk.dtype.element_ty), mask=mqk)
     if GATE == 1:
         dgo = _gate_grad_of_spans(qh * eG, spans, ke * eE, tl.exp(GC) * tl.sum(hd, 0))
         if DELTA:

@@ -26,7 +26,7 @@ launches the kernels, which live in the modules named after their concept:
    gradients of a chunk from h_c, its end-state gradient, U and dU: the terms
    through T (dv, dbeta, partials of dk and dg; delta rule only), then the rest
    (dq, dk, dg).
-5. ``_exact``  (groups of EXACT_CHUNKS chunks in parallel)  rewrites the gradients of flagged chunks
+5. ``_exact``  (groups of ``bwd_exact_chunks`` chunks in parallel)  rewrites the gradients of flagged chunks
    with the step-by-step recurrence, the same operations as gdn.oracle in the
    same order and in float64, so the NaN/Inf pattern of a special value is the
    one float64 autograd through the oracle gives.  Kernels 2 and 3 take the same exact
@@ -45,9 +45,6 @@ Refuses: K or V over 256, cu_seqlens with B != 1; shapes follow gdn.oracle.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -56,130 +53,63 @@ from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
-from gdn.chunk_fwd import BIG, SBIG, VECTOR_DECAY_MAX, _pow2, handoff_dtype
+from gdn.common import BIG, INTERPRET, SBIG, VECTOR_DECAY_MAX, handoff_dtype, pow2
+from gdn.config import DEFAULT, GDNConfig
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
 _AT_V1 = {kern: generic_v(kern) for kern in _KERNELS}   # the launches at V == 1
-# launch configuration for the GPU (fixed, not autotuned: one compile per shape
-# class, and the interpreter runs the same code); benchmarks may override it
-LAUNCH = {"prep_warps": 4, "prep_stages": 2, "grads_bv": 64, "seq_warps": 4,
-          # _states (matrix part, pipelined) on the H200 (session 11): 2 stages 0.297 ms, 3 0.436
-          "seq_stages": 2,
-          # _prep on the forward's T (GIVEN_T): 8 warps measured 0.460 -> 0.429 ms in session
-          # 10, but 0.518 -> 0.907 in session 12 (with P^T dO in it since session 11)
-          "prep_given_warps": 4,
-          # on the forward's saved states (no W, U; session 18): 8 warps 0.374 ms against 0.330
-          # session 18 (H200, bwd on the forward's T): 8 warps capped at 128 registers (two
-          # programs an SM) 0.533 ms against 0.501
-          # _dstates (matrix part) on the H200 (session 11, P^T dO from _prep): 8 warps and 3
-          # stages 0.528 ms, 4 warps 0.851 (sm_90 offline, 4 warps: 880 stack bytes); session
-          # 16 (decays on the value tiles): 3 stages 0.737 ms, 2 stages 0.735, which need
-          # 229888 and 155904 B of shared memory at bf16 K=V=128 (sm_90 offline; an A100 holds
-          # about 164 KB a block, the H200 232448 B)
-          "dstates_warps": 8, "dstates_stages": 2,
-          # _dstates's V tile, 64 or 128; None: `dstates_tile`'s choice by waves
-          "dstates_bv": None,
-          # session 18: at two programs an SM (256 programs in one wave on the 132 SMs) slower:
-          # 4 warps 1 stage 0.805 ms, 8 warps 1 stage capped at 128 registers 1.097; 8 warps 1
-          # stage uncapped 0.927, against 0.731
-          # the gradients, measured on the H200 (session 10, bf16 B8 T4096 H16 K=V=128):
-          # _grads_p at 8 warps and 2 stages 1.232 ms, 4 warps 1.019, 4 warps and 3 stages
-          # 0.949, though sm_90 offline says 4 warps spill; _grads_p in 32-wide K slices
-          # 1.707; session 12: _grads_p with one program per K slice (dO U^T formed in each)
-          # 1.169 at 4 warps, 1.488 at 8, 1.624 in 32-wide slices, against 0.949 (deleted)
-          "grads_stages": 3, "grads_p_warps": 4, "grads_bk": 64,
-          # _grads_wy (K in slices) on the H200 (session 12): 4 warps 0.798 ms, 8 warps 1.191
-          # (the form with [C, K] accumulators it replaced: 0.949 at 8)
-          "grads_wy_warps": 4}
-LAUNCH.update(json.loads(os.environ.get("GDN_BWD_LAUNCH", "{}")))   # device bring-up overrides
-# The sequential kernels in two parts each, a matrix part with no branch in its loop (Triton
-# pipelines its loads: with Triton 3.6, sm_90 offline, 0 asynchronous copies in the branching
-# loop of _states and _dstates) and a resume part, as the forward's state pass
-# (session 11); GDN_BWD_SEQ=branch (bring-up, for timing) runs the resume part alone from the
-# first chunk, which is the branching loop of sessions 1-10
-SEQ_SPLIT = os.environ.get("GDN_BWD_SEQ", "split") != "branch"
-# _dstates at a 128-wide V tile against two 64-wide ones, per program, with P^T dO formed in
-# the step (its Q K^T once a head instead of once a tile): 0.837 ms for one wave of 128
-# programs against 0.921 for two waves of 256 (0.46 a wave) on the H200 (session 19, bf16
-# GDN B8 T4096 H16 K=V=128 on the forward's saved states).  Without P^T dO in the step the
-# wider tile lost (0.831 against 0.733); at 16 warps it took 2.47 ms (sm_90 offline: 936 B of
-# spill at 128 registers, against 408 at 8 warps)
-DSTATES_WIDE_COST = 1.82
-# The chunks of a head one `_exact` program looks at (their flags in one load): a program a
-# chunk took 0.017 ms on the H200 with nothing flagged (session 20, bf16 B8 T4096 H16)
-EXACT_CHUNKS = 16
-# A V that is not a multiple of 16 keeps 8 warps and 2 stages for the gradients: at 4 warps
-# the H200 gave dq 0.87 and dk 1.4 off at K 32, V 1, bf16 (gates none and scalar; session
-# 10's sweep, every V of 16, 32 and 64 right).  V 1 compiles V as a plain integer
-# (`gdn.bwd_chunks.generic_v`), as any V without Triton's divisibility-by-16 hint does, and
-# 8 warps was right at V 1 in every sweep (and at V 24 and 80 in session 7's); _grads_wy
-# too (session 13's sweep at V 2, 3, 8, 15 ran it at 8 there)
-LAUNCH_UNHINTED = {"grads_stages": 2, "grads_p_warps": 8, "grads_wy_warps": 8}
+# The sequential kernels run in two parts each, a matrix part with no branch in its loop
+# (Triton pipelines its loads; a loop with the branch gets no asynchronous copies with Triton
+# 3.6 on sm_90) and a resume part, as the forward's state pass.
 
 
-def launch_for(V: int) -> dict:
-    """The launch configuration at V (LAUNCH, with LAUNCH_UNHINTED where V % 16 != 0)."""
-    return dict(LAUNCH, **(LAUNCH_UNHINTED if V % 16 else {}))
-
-
-def stages(launch: dict, key: str, F32: bool, BK: int = 0) -> int:
+def stages(config: GDNConfig, key: str, F32: bool, BK: int = 0) -> int:
     """A kernel's pipeline stages: one where the dots take fp32 operands, and for the two
-    sequential kernels (``key`` "seq_stages", "dstates_stages") where BK is over 128; else
-    launch[key].  fp32 tiles are twice bf16's, and the stages' copies of them overran the
-    H200's shared memory: `_dstates` at 3 stages needed 295424 B of 232448 at fp32 K 100 (BK
-    128), V 64 (session 13's device verify, G03); at one stage 81920 B (sm_90 offline; K = V
-    = 256: 147456 B, and `_states` 229632 -> 81920 B, within an A100's 164 KB).  bf16 [C,
-    256] tiles did the same: at a K of 144 to 256 that Triton knows divisible by 16 (so its
-    copies are pipelined) `_dstates` at 3 stages needs 393728 B (303616 before session 16's
-    decays on the value tiles) and at 2 270592, `_states` at 2 stages 180480 B, over an
-    A100's (sm_90 offline, session 16); at one stage 98304 B."""
-    seq = key in ("seq_stages", "dstates_stages")
-    return 1 if F32 or (seq and BK > 128) else launch[key]
+    sequential kernels (``key`` "bwd_seq_stages", "bwd_dstates_stages") where BK is over 128;
+    else the config's field ``key``.  fp32 tiles are twice bf16's, and the stages' copies of
+    them overrun the H200's shared memory: `_dstates` at 3 stages needs 295424 B of 232448 at
+    fp32 K 100 (BK 128), V 64; at one stage 81920 B (sm_90 offline; K = V = 256: 147456 B, and
+    `_states` 229632 -> 81920 B, within an A100's 164 KB).  bf16 [C, 256] tiles do the same:
+    at a K of 144 to 256 that Triton knows divisible by 16 (so its copies are pipelined)
+    `_dstates` at 3 stages needs 393728 B and at 2 270592, `_states` at 2 stages 180480 B,
+    over an A100's (sm_90 offline); at one stage 98304 B."""
+    seq = key in ("bwd_seq_stages", "bwd_dstates_stages")
+    return 1 if F32 or (seq and BK > 128) else getattr(config, key)
 
 
-def prep_launch(launch: dict, given_t: bool, C: int) -> dict:
+def prep_launch(config: GDNConfig, given_t: bool, C: int) -> dict:
     """`_prep`'s launch keywords: its warps (on the forward's T or saved states, given_t:
-    "prep_given_warps") and the inverse's tile width IW."""
-    warps = launch["prep_given_warps" if given_t else "prep_warps"]
+    ``bwd_prep_given_warps``) and the inverse's tile width IW."""
+    warps = config.bwd_prep_given_warps if given_t else config.bwd_prep_warps
     return dict(num_warps=warps, IW=max(32 * warps, C))
 
 
-def tiles(K: int, V: int) -> dict:
+def tiles(K: int, V: int, config: GDNConfig = DEFAULT) -> dict:
     """The tile sizes the kernels launch with: BK; BV of _prep and _states (NV = ceil(V /
     BV) programs split V; _dstates's is `dstates_tile`'s); BV of _grads_wy, _grads_p and of _exact;
-    BKS, the K slice of _grads_wy and _grads_p."""
-    BK = _pow2(K)
-    # BK >= 128 takes 64-wide V tiles: on the H200 (Triton 3.6) with 16- or 32-wide ones the
-    # sequential kernels' products compiled to out-of-range shared-memory addresses
-    # (compute-sanitizer) or silently wrong gradients (K=184 V=1: error 0.91); found by kfuzz
-    # (gdn_bwd, bf16 B4 T4095 H7 K184 V1). At BK 128, BV 32 (session 5, bf16 B8 T4096
-    # H16 K=V=128 forced to BV 32) every chunk went to the exact path and dq, dk, dg, dbeta
-    # came out NaN. tests/test_gdn_backward.py holds the shapes.  Narrower keys too (session 7,
-    # tools/sweep_gdn_gpu.py over K 16-184, V 1-64, bf16): BK 32 with BV 16 gave NaN
-    # gradients (at V 1 and 16; right with _prep at 8 warps, which doubles its time at the
-    # bench shape), BK 64 with BV 32 dq/dk/dbeta 0.2-0.6 off; every K took 64-wide tiles right.
-    # So V tiles are 64 wide at any K (masked past V; narrow V is not where the time goes).
-    BV = 64
-    # _exact's float64 [BK, BV] tiles: ~2048 elements keep the stack small (sm_90 offline,
-    # BK 128: 1248 bytes at BV 16, 14192 at 64; fp32 at 64 was 6760)
-    return {"BK": BK, "BV": BV, "grads_BV": min(LAUNCH["grads_bv"], BV),
-            "exact_BV": min(BV, max(16, 2048 // BK)),
-            "grads_BKS": min(LAUNCH["grads_bk"], BK)}
+    BKS, the K slice of _grads_wy and _grads_p.  V tiles are ``config.bwd_bv`` (64) wide at any
+    K (see there); _exact's float64 [BK, BV] tiles hold about ``bwd_exact_elements``, which
+    keeps its stack small (sm_90 offline, BK 128: 1248 bytes at BV 16, 14192 at 64)."""
+    BK = pow2(K)
+    BV = config.bwd_bv
+    return {"BK": BK, "BV": BV, "grads_BV": min(config.bwd_grads_bv, BV),
+            "exact_BV": min(BV, max(16, config.bwd_exact_elements // BK)),
+            "grads_BKS": min(config.bwd_grads_bk, BK)}
 
 
-def dstates_tile(BK: int, V: int, heads: int, sms: int) -> int:
+def dstates_tile(BK: int, V: int, heads: int, sms: int, config: GDNConfig = DEFAULT) -> int:
     """`_dstates`'s V tile for `heads` (sequence, head) pairs on `sms` multiprocessors (one
     program an SM: 255 registers at 8 warps): 128 where V > 64, BK <= 128 and the waves it
-    saves outweigh its longer program (DSTATES_WIDE_COST), else 64.  At bf16 B8 H16 K=V=128
-    on the H200 (132 SMs): 128 programs, one wave, at 128 against two at 64; at B1 H16, 16
-    programs at 128 would each take 1.8x the 32 at 64.  LAUNCH["dstates_bv"] overrides."""
-    if LAUNCH["dstates_bv"]:
-        return LAUNCH["dstates_bv"]
+    saves outweigh its longer program (``config.bwd_dstates_wide_cost``), else 64.  At bf16 B8
+    H16 K=V=128 on the H200 (132 SMs): 128 programs, one wave, at 128 against two at 64; at B1
+    H16, 16 programs at 128 would each take 1.8x the 32 at 64.  ``config.bwd_dstates_bv``,
+    where set, decides instead."""
+    if config.bwd_dstates_bv:
+        return config.bwd_dstates_bv
     if V <= 64 or BK > 128:   # [256, 128] fp32 state-gradient tiles would spill
         return 64
     waves = {bv: triton.cdiv(heads * triton.cdiv(V, bv), sms) for bv in (64, 128)}
-    return 128 if waves[128] * DSTATES_WIDE_COST < waves[64] else 64
+    return 128 if waves[128] * config.bwd_dstates_wide_cost < waves[64] else 64
 
 
 def _sm_count(dev) -> int:
@@ -233,7 +163,8 @@ def _stepped_tiles(stepped, NV: int, BV: int):
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
-                  cu_seqlens=None, delta=True, chunk_size=None, inverse=None, saved=None):
+                  cu_seqlens=None, delta=True, chunk_size=None, inverse=None, saved=None,
+                  config: GDNConfig = DEFAULT):
     """Gradients of the GDN family recurrence (see gdn.oracle for the math).
 
     q, k [B,T,H,K]; v, do [B,T,H,V]; g None, [B,T,H] or [B,T,H,K] (log gate);
@@ -249,7 +180,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     given) and, where it holds them, the state entering every chunk and with the delta rule w
     and v_new, which spare the backward `_states` and _prep's W and U; with those, its
     output kernel's record of stepped chunks ("out_stepped", optional), which spares _prep
-    its q and k checks.
+    its q and k checks.  config: the launch choices (`gdn.config`).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -273,10 +204,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     cu = cu_seqlens.to(torch.int32).contiguous() if cu_seqlens is not None else None
     F32, DT = _dot_mode(q.dtype)
     inter = handoff_dtype(q.dtype)
-    tile = tiles(K, V)
+    config = config.at_v(V)   # the launch choices (gdn.config) at this V
+    tile = tiles(K, V, config)
     BK, BV = tile["BK"], tile["BV"]
     NV = triton.cdiv(V, BV)
-    BVD = dstates_tile(BK, V, N * H, _sm_count(dev))
+    BVD = dstates_tile(BK, V, N * H, _sm_count(dev), config)
     NVD = triton.cdiv(V, BVD)   # _dstates's V tiles: dflag and HD are per tile of these
     IS_VARLEN = cu_seqlens is not None
     if inverse is None and saved:
@@ -318,14 +250,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     else:
         Tm = W = U = dU = dummy
     # on the forward's saved states, its output kernel's record of the chunks it stepped
-    # stands for _prep's q and k checks (session 20): _prep 0.105 -> 0.043 ms on the H200
+    # stands for _prep's q and k checks, so that _prep loads neither
     ostep = fwd_states.get("out_stepped") if fwd_states is not None else None
     NVX = NV   # the hflag tiles `_exact` reads
     if fwd_states is not None:
         hs = fwd_states["states"]
         if ostep is not None:
             # every chunk the forward stepped is in the record, so _prep's flag sends it to
-            # _exact: no hflag (its torch reduction took 0.007 ms on the H200)
+            # _exact: no hflag (a torch reduction saved)
             hflag, NVX = torch.empty(1, device=dev, dtype=torch.int32), 0
         else:
             hflag = _stepped_tiles(fwd_states["stepped"], NV, BV)
@@ -339,8 +271,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     dg = torch.empty_like(g) if g is not None else None
     dbeta = torch.empty_like(beta) if delta else None
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    launch = launch_for(V)
-    seq_warps = launch["seq_warps"]
+    seq_warps = config.bwd_seq_warps
     _prep_, _states_, _dstates_, _grads_wy_, _grads_p_, _exact_ = (
         _AT_V1[kern] if V == 1 else kern for kern in _KERNELS)
     common = dict(C=C, BK=BK, BV=BV, GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN)
@@ -350,8 +281,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                     F32=F32, DT=DT, GLIM=VECTOR_DECAY_MAX, BIG=BIG,
                     PREC="ieee" if F32 else "tf32", GIVEN_T=inverse is not None,
                     SAVED=fwd_states is not None,
-                    num_stages=stages(launch, "prep_stages", F32),
-                    **prep_launch(launch, inverse is not None, C), **common)
+                    num_stages=stages(config, "bwd_prep_stages", F32),
+                    **prep_launch(config, inverse is not None, C), **common)
     # what _dstates hands _grads_p for the gate's h * dS_end term (`_hd_rows`): the rows
     # summed over each V tile, fp32
     HD = torch.empty(NC, H, NVD, K, device=dev, dtype=torch.float32) if g is not None else dummy
@@ -360,28 +291,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     # next, _states's first, then _dstates's
     stop = torch.empty(N * H, max(NV, NVD), device=dev, dtype=torch.int32)
     sstop = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
-    parts = (0, 1) if SEQ_SPLIT else (1,)
-    if not SEQ_SPLIT:   # bring-up: PART 1 alone, from the first chunk (the branching loop)
-        stop.zero_()
-        sstop.copy_(initial_state if initial_state is not None else torch.zeros_like(sstop))
     h0 = initial_state if initial_state is not None else dummy
-    for part in parts if fwd_states is None else ():
+    for part in (0, 1) if fwd_states is None else ():
         _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
                               T, H, K, V, HAS_H0=initial_state is not None, F32=F32, DT=DT,
                               SBIG=SBIG, PART=part, num_warps=seq_warps,
-                              num_stages=stages(launch, "seq_stages", F32, BK), **common)
-    if not SEQ_SPLIT:
-        sstop.copy_(dht if dht is not None else torch.zeros_like(sstop))
-        if dh0 is not None:   # a sequence with no chunk: PART 1 writes nothing
-            dh0.copy_(sstop)
-    for part in parts:
+                              num_stages=stages(config, "bwd_seq_stages", F32, BK), **common)
+    for part in (0, 1):
         _dstates_[(NVD, N * H)](q, k, gp, bp, do, dht if dht is not None else dummy,
                                 dh0 if dh0 is not None else dummy, flag, dflag, W,
                                 dU if delta else dv, dhs, hs, HD, stop, sstop, cu, coff, scale,
                                 T, H, K, V, HAS_DHT=dht is not None,
                                 HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
-                                num_warps=launch["dstates_warps"],
-                                num_stages=stages(launch, "dstates_stages", F32, BK),
+                                num_warps=config.bwd_dstates_warps,
+                                num_stages=stages(config, "bwd_dstates_stages", F32, BK),
                                 PART=part, **dict(common, BV=BVD))
     dgx = dg if dg is not None else dummy
     dkp = dgp = dummy
@@ -393,16 +316,16 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
             dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
         _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
                             C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"], GATE=GATE,
-                            IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, num_warps=launch["grads_wy_warps"],
-                            num_stages=stages(launch, "grads_stages", F32))
+                            IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, num_warps=config.bwd_grads_wy_warps,
+                            num_stages=stages(config, "bwd_grads_stages", F32))
     _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
                        T, H, K, V, NVD, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
-                       num_warps=launch["grads_p_warps"],
-                       num_stages=stages(launch, "grads_stages", F32))
-    _exact_[(triton.cdiv(NC, EXACT_CHUNKS), H)](
+                       num_warps=config.bwd_grads_p_warps,
+                       num_stages=stages(config, "bwd_grads_stages", F32))
+    _exact_[(triton.cdiv(NC, config.bwd_exact_chunks), H)](
         q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
         dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
-        cu, tab, scale, T, H, K, V, NVX, NVD, NC, G=EXACT_CHUNKS, num_warps=seq_warps,
+        cu, tab, scale, T, H, K, V, NVX, NVD, NC, G=config.bwd_exact_chunks, num_warps=seq_warps,
         **dict(common, BV=tile["exact_BV"]))
     return dq, dk, dv, dg, dbeta, dh0

@@ -1,34 +1,26 @@
-"""The GDN forward's WY prep (version 5.3 of it; adopted in session 5, gdn/NOTES.md).
+"""The GDN forward's WY prep.
 
-Two launches: `_prep_inv_kernel` (A, T = (I + A)^-1 stored fp32, or bf16 for the bf16
-products since session 23 (PREP_LAUNCH "t_bf16"), the per-(chunk, head) flag)
-and `_prep_wu_kernel` (w = T diag(beta Gamma) k, u = T diag(beta) v), which
-`gdn.chunk_fwd.chunk_gdn_fwd` runs before its state and output kernels.  Against v5.2's prep
-(measured on the H200, bf16 GDN B8 T4096 H16 K=V=128: 0.413 + 0.321 ms -> 0.257 + 0.305 ms):
+Two launches, which `gdn.chunk_fwd.chunk_gdn_fwd` runs before its state and output kernels:
+`_prep_inv_kernel` (A, T = (I + A)^-1 stored fp32, or bf16 for the bf16 products
+(`t_dtype`), and the per-(chunk, head) flag) and `_prep_wu_kernel` (w = T diag(beta Gamma) k,
+u = T diag(beta) v).
 
 - The 16x16 diagonal blocks of T by forward substitution on a [W, 16] tile that holds
   column c of block b in row 16 b + c (the BT rows repeated up to W = 32 x warps), so
   that every row of the tile lies in one thread: a step reads row i of each block's A
   (stored in T's place first, read back through the cache, 16 consecutive words) and sums
-  over j inside the thread, with no shuffle and no barrier (`_diag_inverse`, which lists
-  the layouts tried: 0.224 -> 0.206 -> 0.210 ms, the last with T in bf16).  The
-  v5.2 substitution on a [4, 16, 16] tensor spread the summed axis over the warps: 107
-  barriers and 437 shuffles in the sm_90 SASS.  The block merges are v5.2's (tf32
-  products; bf16 ones for bf16 inputs since session 24, PREP_LAUNCH "merge_bf16").  A
-  16-token chunk (vector gate) keeps v5.2's substitution, leaner for one block (offline).
+  over j inside the thread, with no shuffle and no barrier (`_diag_inverse`).  The block
+  merges are products (tf32; bf16 operands for bf16 inputs, `merge_mode`).  A 16-token
+  chunk (vector gate) takes a substitution on A in registers, leaner for one block.
 - w then u of a chunk in one program, each in a pipelined loop over BV-wide tiles with T
-  scaled and split once a side, T read once a chunk: 0.212 -> 0.196 ms on the H200 (session
-  16, capped at 128 registers: 124 at sm_90 offline, no spill) against a program for each
-  side (session 8: 0.305 -> 0.211, T read twice a chunk, not once a tile).  One tile a
-  program (sessions 5-7) stalled on its loads at 4 programs an SM (ncu: L1TEX scoreboard
-  53% of the stalls, 108 registers); a chunk a program, unpipelined: 0.761 ms.
+  scaled once a side and read once a chunk (a program a tile stalls on its loads; a chunk
+  a program without the pipelined loop is slower still).
 - For bf16 inputs and no gate or a scalar gate, products on bf16 operands: k k^T on the
   raw keys (each product exact in the fp32 sum; the decay and beta scale the [BT, BT]
   result); w, u as T' k, T' v with T' = T diag(beta Gamma) rounded to bf16 and T stored in
-  bf16 (PREP_LAUNCH "t_bf16", session 23; before it T' was split into two bf16 parts, hi +
-  lo, two products a tile); T's block merges on bf16 operands (PREP_LAUNCH "merge_bf16",
-  session 24).  fp16 and fp32 inputs and the vector gate keep v5.2's operands: an fp16 T
-  could overflow, and a per-key decay cannot be moved off the keys.
+  bf16 (`t_dtype`; as fla's A is); T's block merges on bf16 operands (`merge_mode`).  fp16
+  and fp32 inputs and the vector gate keep fp32 operands: an fp16 T could overflow, and a
+  per-key decay cannot be moved off the keys.
 
 Under the Triton interpreter the bf16 operands are rounded to bf16 and multiplied in fp32
 ("ieee"): the same products (exact) as a bf16 tensor-core product, since the
@@ -38,14 +30,12 @@ Refuses nothing of its own: `gdn.chunk_fwd.chunk_gdn_fwd` checks the inputs.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from gdn.chunk_fwd import _all_within, _chunk_span, _inv_unit_lower, _load_gates, _tile
+from gdn.common import all_within, chunk_span, inv_unit_lower, load_gates, tile
+from gdn.config import DEFAULT, GDNConfig
 
 
 @triton.jit
@@ -90,18 +80,16 @@ def _diag_inverse(tmc, RS, bos, eos, BT: tl.constexpr, W: tl.constexpr, FULL: tl
     repeated) lies one row a thread, so that step i, X_b[i, :] = e_i - sum_{j < i} D_b[i, j]
     X_b[j, :], sums over j inside the thread with no shuffle and no barrier; it is held as
     four [W, 4] quads, and D_b's row i (16 consecutive words, the same for a block's
-    threads) is loaded as four such quads.  History (sm_90 offline, Triton 3.6; H200, bf16
-    GDN B8 T4096 H16 K=V=128):
-    - a [16, W] tile: Triton spread each column over 4 threads and every step's sum shuffled
-      (127 SHFL against 67); [W, 16] took `_prep_inv` 0.224 -> 0.206 ms (session 15);
-    - A stored transposed (A^T, so that a step read D_b[i, j] as one scalar a (row, j)): its
-      stores, the inverses' stores and the Dinv load were one row a lane, 158 scalar LDG,
-      and ncu had the kernel L1/TEX-bound (81%, 89% with T in bf16);
-    - D_b's row loaded as one [W, 16] tile: Triton laid it out for the contiguous load (a
-      row over 4 threads): SHFL 3 -> 123 (session 23's `inv_rows`);
-    - A in its own orientation, rows as quads (session 24): instructions 2568 -> 2480,
-      scalar LDG 158 -> 42, barriers 27 -> 18, shuffles 3; `_prep_inv` 0.223 -> 0.210 ms,
-      the forward 0.903 -> 0.892 (two runs each)."""
+    threads) is loaded as four such quads.  Why this layout (sm_90, Triton 3.6):
+    - in a [16, W] tile Triton spreads each column over 4 threads and every step's sum
+      shuffles;
+    - with A stored transposed (a step reading D_b[i, j] as one scalar a (row, j)), its
+      stores, the inverses' stores and the Dinv load are one row a lane, and the kernel is
+      bound by L1/TEX;
+    - D_b's row loaded as one [W, 16] tile is laid out for the contiguous load (a row over 4
+      threads), and the sums shuffle again;
+    - A in its own orientation, rows as quads: 3 shuffles, the fewest scalar loads and
+      barriers."""
     n = eos - bos
     cc = tl.arange(0, W)[:, None] % BT
     b16 = (cc // 16) * 16
@@ -134,7 +122,7 @@ def _diag_inverse(tmc, RS, bos, eos, BT: tl.constexpr, W: tl.constexpr, FULL: tl
 
 
 @triton.jit
-def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: tl.constexpr,
+def unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: tl.constexpr,
                         PREC: tl.constexpr, MB: tl.constexpr = 0):
     """T = (I + A)^-1 for the chunk's strictly lower A [BT, BT] (rows r0 + rr H of the
     [.., H, BT] tensor tm, tokens bos to eos, serve as scratch: A and the diagonal blocks'
@@ -142,11 +130,12 @@ def _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT: tl.constexpr, W: 
     bytes: the diagonal blocks only), so the caller stores T there only after this
     returns).  The block merges' products by `_bdot`: fp32 operands at PREC (MB 0) or bf16 ones
     (MB 1; 2 under the interpreter), `merge_mode`.  BT 16
-    (one block, the vector gate): v5.2's substitution on A in registers, leaner there."""
+    (one block, the vector gate): the substitution on A in registers (`inv_unit_lower`),
+    leaner there."""
     if BT == 16:
-        return _inv_unit_lower(A, BT, PREC)
+        return inv_unit_lower(A, BT, PREC)
     if tm.dtype.element_ty == tl.bfloat16:
-        # T stored bf16 (PREP_LAUNCH "t_bf16"): the scratch is fp32 in the same bytes, half a
+        # T stored bf16 (`t_dtype`): the scratch is fp32 in the same bytes, half a
         # row of T each, so it holds A's diagonal blocks only (column c % 16, CM 0); A's
         # blocks below them stay in registers
         CM: tl.constexpr = 0
@@ -188,25 +177,25 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
              BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr,
              MB: tl.constexpr):
     """A chunk's T = (I + A)^-1 (fp32, its strictly lower A formed here and passed through tm,
-    `_unit_lower_inverse`) and whether its k and beta admit the matrix path."""
+    `unit_lower_inverse`) and whether its k and beta admit the matrix path."""
     nlast = eos - bos - 1   # the chunk's last token's row
     dk = tl.arange(0, BK)
     m2 = rmask[:, None] & (dk[None, :] < K)
-    kt = tl.load(_tile(k, r0, rr, dk, K, H), mask=m2, other=0.0)
+    kt = tl.load(tile(k, r0, rr, dk, K, H), mask=m2, other=0.0)
     bt = tl.load(beta + r0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
-    ok = _all_within(kt, BIG) & _all_within(bt, BIG)
+    ok = all_within(kt, BIG) & all_within(bt, BIG)
     lower = rr[:, None] > rr[None, :]
     if GATE == 2:
-        G, _, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
+        G, _, _, _ = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
         kf = kt.to(tl.float32)
         A = tl.dot(kf * tl.exp(G), tl.trans(kf * tl.exp(-G)), input_precision=PREC)
     else:
         A = _bdot(kt, tl.trans(kt), LOWP, INTERP, PREC)
         if GATE == 1:
-            G, Glo, _, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
+            G, Glo, _, _ = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
             A = A * tl.exp(tl.where(lower, (G[:, None] - G[None, :]) + (Glo[:, None] - Glo[None, :]), 0.0))
     A = tl.where(lower, A * bt[:, None], 0.0)
-    return _unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC, MB), ok
+    return unit_lower_inverse(A, tm, r0, rr, rmask, bos, eos, H, BT, W, PREC, MB), ok
 
 
 @triton.jit
@@ -218,13 +207,13 @@ def _prep_inv_kernel(k, gc, gcl, beta, tm, flag, cb_ptr, ce_ptr, T, NT,
     """The WY prep, part 1 (`_inverse`): T stored [BT rows, BT] (fp32, or bf16: `t_dtype`); the flag covers k and
     beta."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    bos, eos = chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     rr = tl.arange(0, BT)
     r0 = bos.to(tl.int64) * H + i_h
     rmask = bos + rr < eos
     Tm, ok = _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H, K, BK, BT, GATE, PREC, BIG,
                       LOWP, INTERP, W, MB)
-    tl.store(_tile(tm, r0, rr, rr, BT, H), Tm.to(tm.dtype.element_ty), mask=rmask[:, None])
+    tl.store(tile(tm, r0, rr, rr, BT, H), Tm.to(tm.dtype.element_ty), mask=rmask[:, None])
     tl.store(flag + i_c * H + i_h, ok.to(tl.int32))
 
 
@@ -288,7 +277,7 @@ def _wu_tile(j, x, gc, y, Ts, hi, lo, row0, rmask, H: tl.constexpr, W: tl.conste
         xs = xt.to(tl.float32) * tl.exp(tl.load(gc + row0 * W + ix, mask=m2, other=0.0))
     tl.store(y + row0 * W + ix, _t_dot(Ts, hi, lo, xs, LOWP, INTERP, PREC, TLO).to(y.dtype.element_ty),
              mask=m2)
-    return tl.where(_all_within(xt, BIG), 0, 1)
+    return tl.where(all_within(xt, BIG), 0, 1)
 
 
 @triton.jit
@@ -301,7 +290,7 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
     """The WY prep, part 2 (`_wu_side`): w then u of a chunk in one program (grid: chunks,
     heads), T read once."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, eos = _chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
+    bos, eos = chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT, IS_VARLEN)
     # 64-bit chunk bases, 32-bit offsets inside the chunk (BT H max(K, V) < 2^31): an
     # int64 offset per element costs two registers each
     row0 = bos.to(tl.int64) * H + i_h
@@ -314,76 +303,36 @@ def _prep_wu_kernel(k, v, gc, gcl, beta, tm, w, u, flag, cb_ptr, ce_ptr, T, NT,
                  GATE, PREC, BIG, LOWP, INTERP, TLO)
 
 
-# The two launches' warps and the w/u loop's pipeline stages (Triton's default);
-# "inv_maxnreg" and "wu_maxnreg" (None: uncapped) cap the registers a thread on GPUs for
-# bf16 inputs (`_cap`).  The inverse at 128 registers (sm_90 offline: 158 uncapped, no
-# spill either way; 4 programs an SM instead of 3) took 0.242 -> 0.224 ms on the H200
-# (session 15, bf16 GDN B8 T4096 H16 K=V=128; swept right); wu at 2 stages and 96
-# registers (5 programs an SM, 16 B of spill) was slower, 0.211 -> 0.231.  w and u in one
-# program (session 16) at 128 registers: 124 at sm_90 offline, no spill; 0.212 -> 0.196 ms
-# against a program a side uncapped (ncu, session 15: `_prep_wu` at 86% of L2 throughput,
-# and T was a third of what a chunk's two programs read and write).  GDN_FWD_PREP overrides
-# them for device bring-up (e.g.
-# '{"wu_warps": 8}'); the backward's launch variants found 0.3 ms in session 10
-# (gdn/NOTES_BWD.md).
-# "t_bf16" (1, adopted in session 23; 0 for bring-up): for the bf16 products (lowp, a chunk of
-# 32 or more) T is stored in bf16, not fp32 (the inverse's scratch then fp32 in the same
-# bytes: the diagonal blocks only, `_unit_lower_inverse`), and w and u take one bf16 product
-# a tile (T diag(beta Gamma) rounded to bf16, as fla's A is).  On the H200 (session 23, bf16
-# GDN B8 T4096 H16 K=V=128, GDN_FWD_STATE_CONFIGS [[64,4,2]]): `_prep_wu` 0.196 -> 0.171
-# ms, `_prep_inv` 0.206 -> 0.223, the forward 0.912 -> 0.906 (two runs each); o's error
-# against the float64 oracle 3.015e-3 -> 3.018e-3 and the final state's 2.250e-3 -> 2.253e-3
-# (B2 T300), so the lo part's precision was not reaching o.  Keeping the two products on a
-# bf16 T (hi and lo of its scaled form) took 0.919.  T's bytes written, read by `_prep_wu` and
-# kept for the backward halve (134 -> 67 MB).
-# "merge_bf16" (1, adopted in session 24; 0 for bring-up): for the bf16 products (lowp) the
-# four block merges of `_unit_lower_inverse` (F = Dinv A_below, the Neumann steps, P Dinv)
-# take bf16 operands (fp32 sums) instead of tf32 ones (`merge_mode`); the diagonal blocks' own
-# substitution stays fp32.  sm_90 offline: shared memory 49152 -> 16400 B, STS 132 -> 4 (ncu
-# had 33% of `_prep_inv`'s shared-memory wavefronts as bank conflicts of the fp32 operand
-# stores, L1/TEX 87% busy), HGMMA 40 -> 24.  On the H200 (session 24, bf16 GDN B8 T4096 H16
-# K=V=128, GDN_FWD_STATE_CONFIGS [[64,4,2]]): `_prep_inv` 0.211 -> 0.152 ms, the forward
-# 0.887 -> 0.828 / 0.826 (two runs each side); at 96 registers (5 programs an SM) the same,
-# 0.151.  Error against the float64 oracle (bf16 GDN H16 K=V=128, o / final state):
-# normalized keys unchanged, B2 T300 3.018e-3 / 2.253e-3 -> 3.018e-3 / 2.255e-3, B1 T4096
-# 3.074e-3 / 2.168e-3 -> 3.074e-3 / 2.170e-3; keys not normalized (N(0, 0.0625): steps that
-# expand) B2 T300 3.717e-3 / 2.892e-3 -> 3.777e-3 / 2.934e-3, B1 T4096 3.726e-3 / 2.719e-3
-# -> 3.783e-3 / 2.760e-3.  The backward's own inverse (`chunk_gdn_bwd` without the forward's
-# T) keeps tf32 merges.
-PREP_LAUNCH = {"inv_warps": 4, "wu_warps": 4, "wu_stages": 3, "inv_maxnreg": 128, "wu_maxnreg": 128,
-               "t_bf16": 1, "merge_bf16": 1}
-PREP_LAUNCH.update(json.loads(os.environ.get("GDN_FWD_PREP", "{}")))
+def _cap(maxnreg, interp: bool, lowp: bool) -> dict:
+    """The launch keyword that caps registers at ``maxnreg``, where set, on GPUs, for the bf16
+    products (``lowp``: the path timed; fp32 and fp16 inputs hold fp32 tiles, and the inverse
+    capped at 128 spills 592 bytes at fp32 K = V = 128, sm_90 offline, against none at 255
+    uncapped)."""
+    return {"maxnreg": maxnreg} if maxnreg and lowp and not interp else {}
 
 
-def _cap(key: str, interp: bool, lowp: bool) -> dict:
-    """The launch keyword that caps registers for PREP_LAUNCH[key], where set, on GPUs, for
-    the bf16 products (``lowp``: the path timed; fp32 and fp16 inputs hold fp32 tiles, and
-    the inverse capped at 128 spills 592 bytes at fp32 K = V = 128, sm_90 offline, against
-    none at 255 uncapped)."""
-    return {"maxnreg": PREP_LAUNCH[key]} if PREP_LAUNCH[key] and lowp and not interp else {}
-
-
-def merge_mode(lowp: bool, interp: bool) -> int:
-    """`_unit_lower_inverse`'s MB: its block merges on bf16 operands (1; 2 under the
-    interpreter, whose bf16 tl.dot is wrong) under PREP_LAUNCH "merge_bf16" for the bf16
+def merge_mode(lowp: bool, interp: bool, config: GDNConfig = DEFAULT) -> int:
+    """`unit_lower_inverse`'s MB: its block merges on bf16 operands (1; 2 under the
+    interpreter, whose bf16 tl.dot is wrong) under ``config.prep_merge_bf16`` for the bf16
     products, else on fp32 ones (0)."""
-    return (2 if interp else 1) if PREP_LAUNCH["merge_bf16"] and lowp else 0
+    return (2 if interp else 1) if config.prep_merge_bf16 and lowp else 0
 
 
-def t_dtype(lowp: bool, BT: int):
-    """The dtype T is stored in: fp32, or bf16 under PREP_LAUNCH "t_bf16" (see there)."""
-    return torch.bfloat16 if PREP_LAUNCH["t_bf16"] and lowp and BT >= 32 else torch.float32
+def t_dtype(lowp: bool, BT: int, config: GDNConfig = DEFAULT):
+    """The dtype T is stored in: fp32, or bf16 for the bf16 products at a chunk of 32 or more
+    under ``config.prep_t_bf16``."""
+    return torch.bfloat16 if config.prep_t_bf16 and lowp and BT >= 32 else torch.float32
 
 
-def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp, **prep):
+def launch_prep(k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, *, V, BV, lowp, interp,
+                config: GDNConfig = DEFAULT, **prep):
     """The two prep launches (grids: chunks x heads); ``tm`` in `t_dtype`'s dtype."""
     NC, H = flag.shape
-    W = max(32 * PREP_LAUNCH["inv_warps"], prep["BT"])
+    W = max(32 * config.prep_inv_warps, prep["BT"])
     _prep_inv_kernel[(NC, H)](k, gc, gcl, beta, tm, flag, cb, ce, T, NT, LOWP=lowp, INTERP=interp,
-                              W=W, MB=merge_mode(lowp, interp), num_warps=PREP_LAUNCH["inv_warps"],
-                              **_cap("inv_maxnreg", interp, lowp), **prep)
+                              W=W, MB=merge_mode(lowp, interp, config), num_warps=config.prep_inv_warps,
+                              **_cap(config.prep_inv_maxnreg, interp, lowp), **prep)
     _prep_wu_kernel[(NC, H)](k, v, gc, gcl, beta, tm, w, u, flag, cb, ce, T, NT, V=V, BV=BV, LOWP=lowp,
                              INTERP=interp, TLO=tm.dtype == torch.float32,
-                             num_warps=PREP_LAUNCH["wu_warps"],
-                             num_stages=PREP_LAUNCH["wu_stages"], **_cap("wu_maxnreg", interp, lowp),
-                             **prep)
+                             num_warps=config.prep_wu_warps, num_stages=config.prep_wu_stages,
+                             **_cap(config.prep_wu_maxnreg, interp, lowp), **prep)

@@ -4,26 +4,27 @@ Per (V tile, sequence-head) it walks the sequence chunk by chunk with the state 
 in registers, fp32: stores the state entering every chunk (hs), v_new = u - w S (delta; vn)
 and the final state, in two launches (`launch_state`): PART 0, the matrix part, autotuned,
 with no branch in its loop; PART 1, the resume part, from the first chunk that failed the
-matrix path's checks on (see `_state_kernel`).  `gdn.chunk_fwd` holds the shared helpers,
-the gate prefix and output kernels, and the module docstring with the NaN/Inf contract.
+matrix path's checks on (see `_state_kernel`).  PART 0's config is picked as
+``config.state_pick`` says (`gdn.config`).  `gdn.common` holds the shared helpers,
+`gdn.chunk_fwd` the gate prefix and output kernels and the module docstring with the NaN/Inf
+contract.
 """
 from __future__ import annotations
 
-import json
-import os
+import functools
 import zlib
 
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.chunk_fwd import (INTERPRET, _all_within, _all_within_max, _and, _exact_chunk, _forced,
-                           _handoff, _load_gates, _odot)
+from gdn.common import INTERPRET, all_within, all_within_max, exact_chunk, handoff, load_gates, mask_and, odot
+from gdn.config import DEFAULT, GDNConfig
 
 # the state check: one NaN-propagating max an element on a GPU; under the interpreter the same
 # test as a compare (that max's custom-combine reduce runs element by element in Python there:
 # about 1.5 s a [256, 64] tile against 5 ms), equal in value (NaN and inf fail both)
-_state_within = _all_within if INTERPRET else _all_within_max
+_state_within = all_within if INTERPRET else all_within_max
 
 
 @triton.jit
@@ -36,17 +37,17 @@ def _seq_span(i_n, T, NT, cu, choff, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _stile(ptr, r0, rr, cols, W: tl.constexpr, H: tl.constexpr):
-    """`gdn.chunk_fwd._tile`'s pointers from an int64 offset per element.  The state kernel's
-    tiles are addressed so: on the H200 (session 8, bench shape) its matrix part took 0.349 ms
-    against 0.379 with `_tile`'s 64-bit base and 32-bit offsets (255 registers either way
-    with Triton 3.6); the output kernel gained from `_tile` (gdn/NOTES.md, v5.6)."""
+    """`gdn.common.tile`'s pointers from an int64 offset per element.  The state kernel's
+    tiles are addressed so: its matrix part is faster on the H200 so than with `tile`'s 64-bit
+    base and 32-bit offsets (255 registers either way with Triton 3.6), where the output
+    kernel is faster with `tile`."""
     return ptr + ((r0 + rr * H)[:, None] * W + cols[None, :])
 
 
 @triton.jit
 def _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
-              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr, MODE: tl.constexpr):
+              DELTA: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr):
     """(ok, k tile as loaded, v tile fp32 or None): whether the chunk's inputs and the state
     entering it admit the matrix path, with the tiles the check loaded; ``fl`` and ``gfl``
     are the chunk's flags (`_chunk_scalars`)."""
@@ -59,10 +60,10 @@ def _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
     else:
         vt = tl.load(_stile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
                      other=0.0).to(tl.float32)
-        ok = ok & _all_within(kt, BIG) & _all_within(vt, BIG)
+        ok = ok & all_within(kt, BIG) & all_within(vt, BIG)
     if GATE != 0:
         ok = ok & (gfl != 0)
-    return _forced(ok, MODE), kt, vt
+    return ok, kt, vt
 
 
 @triton.jit
@@ -73,8 +74,7 @@ def _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H: tl.c
     loads them a chunk ahead of their use: loaded in the chunk's own step they were plain
     loads on the serial chain (sm_90 SASS: the last gate issued after the w S product's wait
     and consumed a barrier later); a chunk ahead they issue at the loop's top and are consumed
-    at its end.  On the H200 (session 22, bf16 GDN B8 T4096 H16 K=V=128) the state pass went
-    0.250 -> 0.243 ms.  The resume part loads them in the chunk's own step."""
+    at its end.  The resume part loads them in the chunk's own step."""
     live = c < nch
     cid = (c_first + c).to(tl.int64)
     fl = 0
@@ -100,26 +100,25 @@ def _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, 
     """One chunk by the matrix path: stores v_new = u - w S (delta; where `store`), returns the
     state leaving the chunk.  The scalar gate's in-chunk decay exp(G_C - G_t) goes on v_new's
     tile [BT, BV], not on the keys [BT, K] (as fla's h pass does), so the key tile reaches the
-    product as its asynchronous copy loaded it: on the H200 (session 11, bf16 GDN B8 T4096 H16
-    K=V=128) the matrix part took 0.354 -> 0.312 ms, the forward 1.149 -> 1.109."""
+    product as its asynchronous copy loaded it."""
     mk = rmask[:, None] & kmask[None, :]
     mv = rmask[:, None] & vmask[None, :]
     if DELTA:
         wt = tl.load(_stile(w, r0, rr, dk, K, H), mask=mk, other=0.0)
-        vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - _odot(wt, S, DT, PREC)
-        tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=_and(mv, store))
+        vt = tl.load(_stile(u, r0, rr, dv, V, H), mask=mv, other=0.0).to(tl.float32) - odot(wt, S, DT, PREC)
+        tl.store(_stile(vn, r0, rr, dv, V, H), vt.to(vn.dtype.element_ty), mask=mask_and(mv, store))
     if GATE == 1:
-        G, Glo, Gl, Gll = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
+        G, Glo, Gl, Gll = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt
         vt = vt * tl.exp((Gl - G) + (Gll - Glo))[:, None]
         S = S * tl.exp(gk + gkl)   # the last token's gate (`_chunk_scalars`)
     elif GATE == 2:
-        G, _, Gl, _ = _load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
+        G, _, Gl, _ = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, mk, H, K, GATE)
         kl = kt * tl.exp(Gl[None, :] - G)
         S = S * tl.exp(Gl)[:, None]
     else:
         kl = kt
-    return S + _odot(tl.trans(kl), vt, DT, PREC)
+    return S + odot(tl.trans(kl), vt, DT, PREC)
 
 
 @triton.jit
@@ -129,10 +128,9 @@ def _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H
     by ``alive`` (every chunk before it passed its checks), not by the chunk's own checks, so
     that they need not wait for its flag loads and the reduction over S.  A chunk that then
     fails has both stored again by the resume part, which runs from it (a failing chunk is
-    the stop).  On the H200 (session 15, bf16 GDN B8 T4096 H16 K=V=128) the state pass went
-    0.296 -> 0.258 ms against the stores masked by the chunk's own checks."""
-    tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=_and(smask, alive))
-    tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=_and(vmask, alive))
+    the stop)."""
+    tl.store(hs + (cid * H + i_h) * K * V + kv_off, S.to(hs.dtype.element_ty), mask=mask_and(smask, alive))
+    tl.store(xflag + (cid * H + i_h) * V + dv, zf, mask=mask_and(vmask, alive))
 
 
 @triton.jit
@@ -143,17 +141,17 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
                   STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
-                  MODE: tl.constexpr, PART: tl.constexpr, DT: tl.constexpr):
+                  PART: tl.constexpr, DT: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
     (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
-    PART 0, the matrix part (autotuned): walks the chunks while each admits the matrix path
+    PART 0, the matrix part (its config picked by `launch_state`): walks the chunks while each admits the matrix path
     (a loop with no branch, which Triton pipelines).  At the first chunk that does not it
     records that chunk (`stop`, per V column) and the state entering it (`sstop`, fp32), and
     leaves the rest of the sequence to PART 1 (it runs on over the rest without storing).
     PART 1, the resume part (16-column tiles, launched after PART 0; a program whose columns
     ran to the end returns at once): from the recorded chunk on, steps token by token the
-    chunks whose inputs or incoming state fail the checks (`_exact_chunk`) and the others by
+    chunks whose inputs or incoming state fail the checks (`exact_chunk`) and the others by
     the matrix path.  xflag marks, per V column, the chunks stepped token by token, so that
     _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -190,7 +188,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                                               i_h, H, BT, GATE, DELTA)
             _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H, K, V)
             ok, kt, vt = _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl_c, gfl_c,
-                                   H, K, V, GATE, DELTA, BIG, SBIG, MODE)
+                                   H, K, V, GATE, DELTA, BIG, SBIG)
             ok = ok & alive
             Sn = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask, dv,
                               vmask, ok, gk_c, gkl_c, H, K, V, GATE, DELTA, PREC, DT)
@@ -215,45 +213,30 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 fl, gfl, gk, gkl = _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h,
                                                   H, BT, GATE, DELTA)
                 ok, kt, vt = _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
-                                       H, K, V, GATE, DELTA, BIG, SBIG, MODE)
-                tl.store(hs + (cid * H + i_h) * K * V + kv_off, _handoff(S, hs), mask=smask)
+                                       H, K, V, GATE, DELTA, BIG, SBIG)
+                tl.store(hs + (cid * H + i_h) * K * V + kv_off, handoff(S, hs), mask=smask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
                                      dv, vmask, ok, gk, gkl, H, K, V, GATE, DELTA, PREC, DT)
                 else:   # float64 steps, the state kept fp32 between them
-                    S = _exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
+                    S = exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
                                      smask, H, K, V, BT, GATE, DELTA, False)
             if STORE_HT:
                 tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
 
 
-TUNE = True  # False: every new key takes the first config that fits (benchmarks' accuracy sweeps)
-# SPREAD True: every new key takes one config, picked from the key alone (kfuzz's GDN targets): a case
-# runs the same config in every process, so a failure replays and minimizes, the launch
-# compiles one config instead of all of them, and different shapes exercise different configs.
-# The pick is the first config, in an order that starts at the key's CRC, that fits the GPU
-# (`_first_that_fits`): the autotuner skips a config that needs more shared memory than the GPU
-# has, and so must a pick (session 8's device verify: G07 at fp32, K = V = 256, BV 64 at 2
-# stages, "out of resource: shared memory, Required: 312320, Hardware limit: 232448").
-SPREAD = False
+# The autotune key.  OCC (the number of sequence-heads, rounded up to a power of 2) is in it:
+# few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
 KEY = ["K", "V", "BT", "GATE", "DELTA", "PREC", "DT", "OCC"]
 
 
-# The matrix part's configs on GPUs: (BV, warps, stages).  GDN_FWD_STATE_CONFIGS (a JSON list
-# of such triples) replaces them for device bring-up: fla 0.6.0's h pass autotunes BV 32 and
-# 64 over 2 and 4 warps and 2 to 4 stages (session 16), of which ours lack 2 warps at BV 32
-# and 64 and 4 stages.
-STATE_CONFIGS = ((32, 4, 2), (16, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 8, 2), (16, 2, 2),
-                 (32, 4, 3))
-if os.environ.get("GDN_FWD_STATE_CONFIGS"):
-    STATE_CONFIGS = tuple(tuple(c) for c in json.loads(os.environ["GDN_FWD_STATE_CONFIGS"]))
-
-
-def _state_configs():
+def _state_configs(config: GDNConfig) -> list:
+    """The matrix part's configs: ``config.state_configs`` on GPUs; under the interpreter one,
+    BV 32 at 4 warps and 1 stage."""
     if INTERPRET:
         return [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in STATE_CONFIGS]
+    return [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in config.state_configs]
 
 
 def _sound_configs(configs, K: int) -> list:
@@ -262,13 +245,13 @@ def _sound_configs(configs, K: int) -> list:
     matrix part's SASS, a wgmma shared-memory descriptor of the k^T v_new product is built by
     adding to a uniform register that nothing wrote (`UIADD3 UR10, UP0, UR10, 0x40`, the PTX
     right), so the product reads shared memory at an address left from before: on the H200,
-    bf16 GDN B4 T16 H16 K33 V64 at BV 32, 4 warps, 3 stages faulted (an illegal address,
-    session 20) and compute-sanitizer named it, "Invalid __shared__ read of size 1024 bytes
-    ... Access to 0x3c400 is out of bounds" (session 22).  Offline (sm_90, Triton 3.6,
+    bf16 GDN B4 T16 H16 K33 V64 at BV 32, 4 warps, 3 stages faults (an illegal address) and
+    compute-sanitizer names it, "Invalid __shared__ read of size 1024 bytes ... Access to
+    0x3c400 is out of bounds".  Offline (sm_90, Triton 3.6,
     tools/kernel_resources.py's "unwritten uniform reads") the same read appears at K 33, 35,
     49, 65, 97 and 127 with BV 32 at 4 or 8 warps and 2 or 3 stages, and at K 64 and 128 with
-    BV 32 at one stage (not among the built-in configs; GDN_FWD_STATE_CONFIGS can name it);
-    never at BV 16 or 64 (gdn/NOTES.md, session 22).  Under the interpreter nothing is
+    BV 32 at one stage (not among the built-in configs; a config's state_configs can name
+    it); never at BV 16 or 64 (docs/findings.md).  Under the interpreter nothing is
     pruned."""
     if INTERPRET:
         return list(configs)
@@ -285,8 +268,8 @@ def _prune(configs, named_args, **kwargs):
 
 
 def _spread_order(configs, key: dict) -> list:
-    """``configs`` rotated to start at the one the key's CRC picks (SPREAD): the same order in
-    every process, different keys starting at different configs."""
+    """``configs`` rotated to start at the one the key's CRC picks ("spread"): the same order
+    in every process, different keys starting at different configs."""
     pick = zlib.crc32(repr([str(key.get(n)) for n in KEY]).encode()) % len(configs)
     return configs[pick:] + configs[:pick]
 
@@ -294,7 +277,9 @@ def _spread_order(configs, key: dict) -> list:
 def _first_that_fits(configs, launch):
     """Launch with the first of ``configs`` that compiles for this GPU (``launch(config)``);
     one that needs more shared memory than it has raises OutOfResources at compile time,
-    before anything runs, and the next is tried.  Returns the config launched."""
+    before anything runs, and the next is launched.  Returns the config launched.  (The
+    autotuner skips a config that needs more shared memory than the GPU has, and so must a
+    pick: at fp32 K = V = 256, BV 64 at 2 stages needs 312320 B, the H200 has 232448.)"""
     for i, config in enumerate(configs):
         try:
             launch(config)
@@ -304,30 +289,34 @@ def _first_that_fits(configs, launch):
                 raise
 
 
-# The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
-# inside one matrix tile and its columns share one stopping chunk.
-RESUME_BV = 16
-
-# OCC (the number of sequence-heads, rounded up to a power of 2) is in the key:
-# few sequence-heads (one long sequence) want narrow V tiles to fill the chip.
-_state = triton.autotune(configs=_state_configs(), key=KEY,
-                         prune_configs_by={"early_config_prune": _prune})(_state_kernel)
+def _tuner(config: GDNConfig = DEFAULT):
+    """The autotuned matrix part over ``config``'s configs: one autotuner, with its timings, per
+    distinct list of configs (and interpreter setting, which decides the list)."""
+    return _tuned(config.state_configs, INTERPRET)
 
 
-def launch_state(args, NH, **kw):
+@functools.lru_cache(maxsize=None)
+def _tuned(state_configs: tuple, interpret: bool):
+    return triton.autotune(configs=_state_configs(GDNConfig(state_configs=state_configs)), key=KEY,
+                           prune_configs_by={"early_config_prune": _prune})(_state_kernel)
+
+
+def launch_state(args, NH, config: GDNConfig = DEFAULT, **kw):
     """PART 0 over (V tiles of its config's width, NH sequence-heads), then PART 1 over
-    16-wide tiles; ``args`` and ``kw`` as `_state_kernel` takes them, less BV and PART.
-    PART 0's config: autotuned (TUNE, not SPREAD), else the first that fits of the configs in
-    SPREAD's order or in their own (TUNE False: at fp32 K = V = 256 the first, BV 32 at 2
-    stages, does not fit the H200's shared memory, sm_90 offline)."""
+    ``config.state_resume_bv``-wide tiles; ``args`` and ``kw`` as `_state_kernel` takes them,
+    less BV and PART.  PART 0's config, by ``config.state_pick``: "tune", autotuned; "spread",
+    the first that fits of the configs in the key's order (`_spread_order`); "first", the first
+    that fits in their own order (at fp32 K = V = 256 the first built-in one, BV 32 at 2
+    stages, does not fit the H200's shared memory)."""
     V = kw["V"]
-    if SPREAD or not TUNE:
+    if config.state_pick == "tune":
+        _tuner(config)[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)
+    else:
         def launch(c):
             _state_kernel[(triton.cdiv(V, c.kwargs["BV"]), NH)](
                 *args, PART=0, BV=c.kwargs["BV"], num_warps=c.num_warps, num_stages=c.num_stages, **kw)
-        configs = _sound_configs(_state_configs(), kw["K"])
-        _first_that_fits(_spread_order(configs, {**kw, "OCC": args[-1]}) if SPREAD else configs, launch)
-    else:
-        _state[lambda meta: (triton.cdiv(V, meta["BV"]), NH)](*args, PART=0, **kw)
-    _state_kernel[(triton.cdiv(V, RESUME_BV), NH)](*args, PART=1, BV=RESUME_BV, num_warps=4,
-                                                   **kw)
+        configs = _sound_configs(_state_configs(config), kw["K"])
+        spread = config.state_pick == "spread"
+        _first_that_fits(_spread_order(configs, {**kw, "OCC": args[-1]}) if spread else configs, launch)
+    RB = config.state_resume_bv
+    _state_kernel[(triton.cdiv(V, RB), NH)](*args, PART=1, BV=RB, num_warps=config.state_resume_warps, **kw)

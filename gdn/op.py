@@ -15,6 +15,7 @@ import torch
 
 from gdn.chunk_bwd import chunk_gdn_bwd
 from gdn.chunk_fwd import chunk_gdn_fwd
+from gdn.config import DEFAULT
 
 
 # what the op keeps of `gdn.chunk_fwd.saved_for_backward`: all of it with save_states, else T
@@ -23,18 +24,19 @@ SAVED = ("inverse", "states", "stepped", "w", "v_new", "out_stepped")
 
 class ChunkGDNFunction(torch.autograd.Function):
     """(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-    delta, save_states) -> (o, final_state or None)."""
+    delta, save_states, config) -> (o, final_state or None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-                delta, save_states):
+                delta, save_states, config):
         o, ht, saved = chunk_gdn_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                      output_final_state=output_final_state,
-                                     cu_seqlens=cu_seqlens, delta=delta, return_saved=True)
+                                     cu_seqlens=cu_seqlens, delta=delta, return_saved=True,
+                                     config=config)
         saved = saved or {}
         kept = [saved.get(n) if save_states or n == "inverse" else None for n in SAVED]
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *kept)
-        ctx.scale, ctx.delta = scale, delta
+        ctx.scale, ctx.delta, ctx.config = scale, delta, config
         ctx.set_materialize_grads(False)
         return o, ht
 
@@ -45,12 +47,13 @@ class ChunkGDNFunction(torch.autograd.Function):
             do = torch.zeros_like(v)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
             q, k, v, g, beta, do, dht, scale=ctx.scale, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, delta=ctx.delta, saved=dict(zip(SAVED, kept)))
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+            cu_seqlens=cu_seqlens, delta=ctx.delta, saved=dict(zip(SAVED, kept)), config=ctx.config)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 
 
 def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, delta=True, save_states=True):
+                  output_final_state=False, cu_seqlens=None, delta=True, save_states=True,
+                  config=DEFAULT):
     """Gated DeltaNet family attention (see gdn.oracle for the recurrence).
 
     q, k [B,T,H,K] and v [B,T,H,V], one dtype of bf16/fp16/fp32; g None (no
@@ -59,7 +62,8 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     [N,H,K,V]; cu_seqlens [N+1] int offsets with B == 1 for varlen batches.
     K, V in [16, 256].  Returns (o [B,T,H,V] in q's dtype, final_state
     [N,H,K,V] fp32 or None).  Differentiable in q, k, v, g, beta and
-    initial_state; non-contiguous inputs are copied.
+    initial_state; non-contiguous inputs are copied.  ``config``: the kernels' launch choices
+    (`gdn.config.GDNConfig`; ``DEFAULT`` autotunes the forward's state pass).
 
     Memory.  The forward keeps, beyond references to its inputs, the delta rule's
     WY inverse T, fp32 or bf16 [B,T,H,C] (C = 64, 16 for a vector gate; 67 MB in bf16 at the
@@ -69,11 +73,10 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     with the delta rule w [B,T,H,K] and v_new [B,T,H,V] in that dtype (134 MB each), which
     spare the backward its state pass and its W and U, and the forward's records of the
     chunks it stepped token by token (int8, per V column and per output V tile: 1 MB and
-    16 KB).  On the H200 (session 18) that took
-    the op's forward+backward from 4.008 to 3.522 ms at the shape below (3.341 since session
-    20, against fla's 3.324), and what a forward
-    keeps for its backward (o included) from 256 to 769 MB (fla 0.6.0, which recomputes
-    them: 194).  ``save_states=False`` keeps T alone.  The backward holds transiently,
+    16 KB).  That makes the op's forward+backward faster, for more memory: what a forward
+    keeps for its backward (o included) is 769 MB at the shape below (fla 0.6.0, which
+    recomputes the states: 194 MB).  ``save_states=False`` keeps T alone.  The backward
+    holds transiently,
     besides the gradients themselves, the state gradient at every chunk end (and without
     ``save_states`` the recomputed state at every chunk start), ceil(T/C) * B*H*K*V
     elements each in the hand-off dtype, one fp32 state per sequence-head (N*H*K*V, where
@@ -81,14 +84,14 @@ def gdn_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     rule dU [B,T,H,V] in the hand-off dtype (and without ``save_states`` W, U [B,T,H,K|V])
     and the WY share of dk [B,T,H,K] (and of a gate's dg) fp32; with a gate, the rows of
     h * dS_end, fp32 ceil(T/C) * B*H * ceil(V/BV) * K (BV 64 or 128,
-    `gdn.chunk_bwd.dstates_tile`).  Since session 19 no fp32 P^T dO [B,T,H,V] (268 MB at
-    the shape below): the state-gradient pass forms it.  The peak over a forward and
-    backward at B=8, T=4096, H=16, K=V=128 bf16 is in BENCHMARKS.md.
+    `gdn.chunk_bwd.dstates_tile`); P^T dO is formed by the state-gradient pass, not kept.
+    The peak over a forward and backward at B=8, T=4096, H=16, K=V=128 bf16 is in
+    docs/benchmarks.md.
     """
     if not delta:
         beta = None
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o, ht = ChunkGDNFunction.apply(q, k, v, g, beta, initial_state, float(scale),
-                                   output_final_state, cu_seqlens, delta, save_states)
+                                   output_final_state, cu_seqlens, delta, save_states, config)
     return o, ht

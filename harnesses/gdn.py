@@ -29,34 +29,36 @@ the gradients rounded the same way.
 The backward kernel is ``gdn.op.gdn_attention``'s Triton backward: cotangents
 ``do`` (of o) and ``dht`` (of the final state) are arguments of the case.
 
-The forward's state pass is autotuned for users; here it runs with
-``gdn.fwd_state.SPREAD``: each shape takes one of the tuner's configs, picked from the
-autotune key (the first, in an order the key's CRC starts, that fits the GPU), so that a case
-runs the same config in every process (a failure replays and minimizes; a timing-picked
-config need not come back), compiles one config instead of all of them, and a campaign's
-shapes exercise every config.
+The forward's state pass is autotuned for users; the kernels here run with ``CONFIG``, whose
+``state_pick`` is "spread" (`gdn.config`), passed on every call: each shape takes one of the
+tuner's configs, picked from the autotune key (the first, in an order the key's CRC starts,
+that fits the GPU), so that a case runs the same config in every process (a failure replays
+and minimizes; a timing-picked config need not come back), compiles one config instead of all
+of them, and a campaign's shapes exercise every config.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 
-import gdn.fwd_state
+from gdn.config import DEFAULT
 from gdn.oracle import recurrence
 from gdn.oracle_fast import fast_recurrence
 from gdn.reference import chunked
 from kfuzz.target import Arg, Dim, Output, add_target, Target
 
-gdn.fwd_state.SPREAD = True
+# the kernels' launch choices: deterministic per shape ("spread"), so a case replays
+CONFIG = dataclasses.replace(DEFAULT, state_pick="spread")
 CONTIGUOUS_ONLY = ("contiguous",)
 # G07 (accumulation) is n/a: the domain sends every case value through softplus, sigmoid or
 # the L2 normalization of the keys, so no output is exact by construction, and where the
 # float64 oracle's value happens to be representable and the trusted implementation happens
-# to round to it, a kernel with another (right) order of operations is one ulp off.  Found on
-# the H200 (session 11, gdn_bwd, fp32 B4 T4 H16 K=V=256, smallint inputs): 2 of 4391424
-# gradient entries qualified, dv 1.1567103862762451 against 1.1567105054855347
+# to round to it, a kernel with another (right) order of operations is one ulp off (e.g.
+# gdn_bwd, fp32 B4 T4 H16 K=V=256, smallint inputs: 2 of 4391424 gradient entries
+# qualified, dv 1.1567103862762451 against 1.1567105054855347)
 NO_EXACT_ANSWERS = ("the domain maps every case value through softplus, sigmoid or L2 "
                     "normalization, so no output is exact by construction (an output the oracle "
                     "gives exactly is exact by the luck of one order of operations)")
@@ -66,13 +68,12 @@ NO_EXACT_ANSWERS = ("the domain maps every case value through softplus, sigmoid 
 # of gdn_bwd on the CPU the largest error/bound ratio at C = 8 was 1.22 (fp32, K = 1, dg), and
 # a random campaign minimized a case to 2.25 (fp32, K = 1, T = 48, dk). C = 8 * 4 = 32 passes
 # both (0.31, 0.56); an fp16 running total or a dropped term is off by orders more.
-# Measured (CALIBRATION_GDN.md: `tools/calibrate.py --family gdn`, seeds 0-2, G01-G04 and G12 on
-# gdn_fwd, gdn_bwd, gdn_fwd_kda, ratios against C x 4 = 32): every cell at most 0.33 but gdn_bwd
-# G03 at 2.53 (seed 1: dg of a bf16 B=H=T=K=V=1 case, kernel 81x the trusted error; 2 of 13
-# random draws of that shape fail, fp32 none: open; 2.46 in session 12's re-run, after a
-# double rounding of dU had taken it to 6.71). The real bugs the bound caught
-# (crashes/gdn_*/bound-*, all found at 32) read 1.09 (dv), 2.02 (dg), 2.29 (ht), 27.5 (dq): a
-# scale of 10 to pass that dg case would have missed three of the four, so 4 stays.
+# `tools/calibrate.py --family gdn` (docs/calibration.md; seeds 0-2, G01-G04 and G12 on gdn_fwd,
+# gdn_bwd, gdn_fwd_kda, ratios against C x 4 = 32) puts every cell at most 0.33 but gdn_bwd G03
+# at about 2.5 (seed 1: dg of a bf16 B=H=T=K=V=1 case, kernel 81x the trusted error; 2 of 13
+# random draws of that shape fail, fp32 none: open). The real bugs the bound catches
+# (crashes/gdn_*/bound-*) read 1.09 (dv), 2.02 (dg), 2.29 (ht), 27.5 (dq): a scale of 10 to
+# pass that dg case would miss three of the four, so the scale is 4.
 BOUND_SCALE = 4.0
 
 MEMBERS = {  # suffix: (gate, delta)
@@ -169,12 +170,14 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
     dims = _dims(varlen)
     member = f"gate={gate or 'none'}, delta={'on' if delta else 'off'}" + (", varlen" if varlen else "")
 
+    kernel_op = functools.partial(gdn_attention, config=CONFIG)
+
     def fwd_kernel(**x):
-        o, ht = _call(gdn_attention, x, delta)
+        o, ht = _call(kernel_op, x, delta)
         return o, ht
 
     def bwd_kernel(**x):
-        return _grads(gdn_attention, x, delta)
+        return _grads(kernel_op, x, delta)
 
     for name, kernel, reference, trusted, outputs, backward in (
         (f"gdn_fwd{suffix}", fwd_kernel, lambda **x: _call(fast_recurrence, x, delta),

@@ -8,6 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gdn.bwd_matrix import _dstates, _states  # noqa: E402
 from gdn.chunk_bwd import chunk_gdn_bwd  # noqa: E402
 from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
 from gdn.op import gdn_attention  # noqa: E402
@@ -130,6 +131,43 @@ def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chu
     assert_close(kernel_grads(x, cu, delta, chunk), oracle_grads(x, cu, delta), TOL[dtype])
 
 
+class _FromTheFirstChunk:
+    """A sequential kernel (`_states` or `_dstates`) whose PART 0 launch runs nothing but hands
+    PART 1 the first chunk and the state (gradient) entering it: h0 for `_states`, dht for
+    `_dstates` (and dh0 = dht, which PART 1 leaves as it is for a sequence without chunks)."""
+
+    def __init__(self, kern, stop_at, first):
+        self.kern, self.stop_at, self.first = kern, stop_at, first
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if kw["PART"] == 1:
+                return self.kern[grid](*args, **kw)
+            stop, sstop = args[self.stop_at], args[self.stop_at + 1]
+            stop.zero_()
+            start = self.first(args, kw)
+            sstop.copy_(start if start is not None else torch.zeros_like(sstop))
+            if self.kern is _dstates and kw["HAS_H0"]:
+                args[6].copy_(sstop)
+        return launch
+
+
+def _h0(args, kw):
+    return args[4] if kw["HAS_H0"] else None
+
+
+def _dht(args, kw):
+    return args[5] if kw["HAS_DHT"] else None
+
+
+def branching_loop(monkeypatch):
+    """Makes `chunk_gdn_bwd` run `_states` and `_dstates` as one branching loop each: PART 1
+    alone, from the first chunk, as the oracle of the two-part launch."""
+    from gdn import chunk_bwd
+    kernels = {_states: _FromTheFirstChunk(_states, 10, _h0), _dstates: _FromTheFirstChunk(_dstates, 14, _dht)}
+    monkeypatch.setattr(chunk_bwd, "_KERNELS", tuple(kernels.get(k, k) for k in chunk_bwd._KERNELS))
+
+
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu,where", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 16, None, ("k", 41)),
     (1, 100, 2, 16, 80, 2, False, torch.float32, 16, [0, 20, 53, 100], ("do", 60)),
@@ -140,15 +178,14 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
                                                                       cu, where):
     """_states and _dstates in two parts (a matrix part with no branch in its loop, then a
     resume part from the first chunk that needs the step path) give bitwise the gradients of
-    the branching loop (GDN_BWD_SEQ=branch, PART 1 alone from the first chunk), with a NaN in
+    the branching loop (`branching_loop`: PART 1 alone from the first chunk), with a NaN in
     the middle of a sequence (in k, v or do: a flagged chunk there) or in h0 (a state outside
     SBIG from the first chunk), and the NaN set of float64 autograd through the oracle."""
-    import gdn.chunk_bwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
     x = with_nan(x, *where)
     split = kernel_grads(x, cu, delta, chunk)
-    monkeypatch.setattr(gdn.chunk_bwd, "SEQ_SPLIT", False)
+    branching_loop(monkeypatch)
     branch = kernel_grads(x, cu, delta, chunk)
     assert_bitwise(split, branch)
     assert_same_specials(split, oracle_grads(x, cu, delta))
@@ -173,9 +210,8 @@ def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta
     (1, 100, 2, 32, 80, 2, True, torch.float32, 16, [0, 20, 53, 100]),
     (2, 70, 2, 16, 32, 1, False, torch.bfloat16, 64, None)])
 def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype, chunk, cu):
-    """P^T dO, the state-gradient step's part without the state gradient (formed in `_prep`
-    from session 11, in `_dstates`'s step since session 19), plus K_end dS in dU (dv without
-    delta); gradients within the bound (two V tiles, varlen, every gate), and a NaN in do
+    """P^T dO, the state-gradient step's part without the state gradient (formed in
+    `_dstates`'s step), plus K_end dS in dU (dv without delta); gradients within the bound (two V tiles, varlen, every gate), and a NaN in do
     reaches exactly the oracle's."""
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(B, T, H, K, V, gate, delta, dtype, cu=cu)
@@ -198,9 +234,8 @@ def test_the_wy_gradients_over_k_slices_match_float64_autograd(B, T, H, K, V, ga
 
 def test_the_local_du_keeps_fp16_range():
     """fp16 inputs without the delta rule: P^T dO stays fp32 until dv's store (in `_dstates`'s
-    step since session 19; sessions 11-18 in fp32 scratch from `_prep`).  G06's case
-    (gdn_bwd_linear, k at fp16's maximum) made it -inf where the oracle's dv is -3.8e4 when it
-    went to dv (fp16) alone."""
+    step).  In G06's case (gdn_bwd_linear, k at fp16's maximum) P^T dO stored in dv (fp16)
+    alone is -inf where the oracle's dv is -3.8e4."""
     from kfuzz.case import Case
     from kfuzz.gates import GATES
     from kfuzz.target import get_target
@@ -213,11 +248,11 @@ def test_the_local_du_keeps_fp16_range():
     assert verdict.passed, verdict.detail
 
 
-# Shapes that faulted on the H200 (illegal address in _states, BK = 256 with a 16-wide V tile),
-# and BK = 128 with narrow values (a 32-wide V tile there gave NaN gradients, session 5); and
-# BK 32 / 64 with V 16, where the forward's output kernel on bf16 operands at 16-wide tiles
-# gave wrong o and illegal addresses (session 6); BK 32 with V 1 / 16 (NaN gradients) and BK 64
-# with V 32 (dq 0.56 off) when V tiles followed V (session 7, gdn.chunk_bwd.tiles)
+# Shapes where narrow tiles miscompile on the H200 (Triton 3.6): BK = 256 with a 16-wide V tile
+# (illegal address in _states), BK = 128 with a 32-wide V tile (NaN gradients); BK 32 / 64 with
+# V 16, where the forward's output kernel on bf16 operands at 16-wide tiles gives wrong o and
+# illegal addresses; BK 32 with V 1 / 16 (NaN gradients) and BK 64 with V 32 (dq 0.56 off) at V
+# tiles that follow V (so gdn.chunk_bwd.tiles takes 64-wide ones)
 GPU_CASES = [(1, 64, 1, 184, 1, 1, True), (1, 64, 1, 256, 16, 1, True), (1, 64, 1, 184, 1, 0, True),
              (2, 300, 3, 184, 1, 1, True), (1, 64, 1, 256, 8, 2, True), (1, 200, 2, 128, 32, 1, True),
              (1, 200, 2, 128, 16, 0, True), (1, 200, 2, 100, 24, 1, False),
@@ -371,8 +406,8 @@ def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K
 def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name, value, gate,
                                                                           delta):
     """On the forward's saved states `_prep`'s flag leaves out v and beta (the forward checked
-    them and stepped their chunks, whose stepped columns send them to `_exact`; on the H200,
-    session 18, `_prep` 0.330 -> 0.289 ms).  With a special value in either, or in do (still
+    them and stepped their chunks, whose stepped columns send them to `_exact`).  With a
+    special value in either, or in do (still
     checked), the gradients' NaN/Inf sets are the oracle's and the finite ones within its
     bound."""
     from gdn.chunk_fwd import chunk_gdn_fwd
@@ -399,16 +434,18 @@ def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name,
     (1, True, torch.bfloat16, None, None, True),
     (1, True, torch.float32, None, ("do", 41), True),
     (2, False, torch.float32, [0, 20, 53, 100], ("q", 30), False)])
-def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, gate, delta, dtype,
-                                                                   cu, special, saved):
+def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(gate, delta, dtype, cu, special,
+                                                                   saved):
     """`_dstates` at a 128-wide V tile (one program a head; `dstates_tile` picks it where it
     saves waves on the device) against two 64-wide ones, V 80 (the wide tile masked past V,
     the narrow ones 64 + 16), P^T dO formed in the step: gradients within the bound of float64
     autograd through the oracle and, at fp32, within 1e-5 of the 64-wide tiles', on the
     backward's own chunks and on the forward's saved states, every gate, varlen; with a NaN
     in do or q the NaN/Inf sets are the oracle's (dflag and HD per 128-wide tile)."""
-    import gdn.chunk_bwd
+    import dataclasses
+
     from gdn.chunk_fwd import chunk_gdn_fwd
+    from gdn.config import DEFAULT
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(1, 100, 2, 16, 80, gate, delta, dtype, cu=cu)
     if special is not None:
@@ -419,9 +456,9 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
                              cu_seqlens=cu, delta=delta, return_saved=True)[2]
 
     def grads(bv):
-        monkeypatch.setitem(gdn.chunk_bwd.LAUNCH, "dstates_bv", bv)
         return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept)
+                             initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept,
+                             config=dataclasses.replace(DEFAULT, bwd_dstates_bv=bv))
     narrow = grads(64)
     got = grads(128)
     want = oracle_grads(x, cu, delta)
@@ -487,21 +524,26 @@ def test_the_state_gradient_tile_is_chosen_by_waves():
     """`dstates_tile`: 128 where V > 64, BK <= 128 and one wave of 128-wide programs replaces
     two of 64-wide ones (B8 H16 on 132 SMs), 64 where both fit one wave (B1 H16), where V fits
     one narrow tile, where K is over 128 (a [256, 128] fp32 state gradient would spill), and
-    where 3 narrow waves against 2 wide do not pay for the wider program; the launch key
-    overrides."""
-    from gdn.chunk_bwd import LAUNCH, dstates_tile
-    assert LAUNCH["dstates_bv"] is None
+    where 3 narrow waves against 2 wide do not pay for the wider program; the config's
+    ``bwd_dstates_bv`` decides where set."""
+    import dataclasses
+
+    from gdn.chunk_bwd import dstates_tile
+    from gdn.config import DEFAULT
+    assert DEFAULT.bwd_dstates_bv is None
     assert dstates_tile(128, 128, 128, 132) == 128
     assert dstates_tile(128, 128, 16, 132) == 64
     assert dstates_tile(128, 64, 128, 132) == 64
     assert dstates_tile(256, 128, 128, 132) == 64
     assert dstates_tile(128, 128, 190, 132) == 64     # 3 waves at 64, 2 at 128
     assert dstates_tile(128, 256, 128, 132) == 128    # 4 waves at 64, 2 at 128
+    assert dstates_tile(128, 128, 128, 132, dataclasses.replace(DEFAULT, bwd_dstates_bv=64)) == 64
+    assert dstates_tile(128, 64, 128, 132, dataclasses.replace(DEFAULT, bwd_dstates_bv=128)) == 128
 
 
 def test_the_ops_backward_leaves_what_its_forward_saved_as_it_was():
     """The op's backward reads the forward's saved states, w and v_new and writes none of them
-    (before session 18, `_states` wrote U in place): a second backward through the same graph
+    (a backward that wrote U in place would change them): a second backward through the same graph
     (retain_graph) gives bitwise the first's gradients."""
     x = make_inputs(1, 70, 2, 16, 32, 1, True, torch.float32)
     leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")}
@@ -637,14 +679,14 @@ def test_exact_path_wide_keys_on_gpu(K, V):
 
 @pytest.mark.parametrize("saved", [False, True])
 def test_flagged_chunks_past_the_first_exact_program_reach_the_oracles_gradients(saved):
-    """`_exact` looks at EXACT_CHUNKS chunks of a head a program: flagged chunks in the first
+    """`_exact` looks at ``bwd_exact_chunks`` chunks of a head a program: flagged chunks in the first
     and a later program of the same head (20 chunks of 16: a 1e6 in v in chunk 0, a NaN in
     dO in chunk 18, the second program's third), on the backward's own states and on the
     forward's saved states, give the oracle's NaN/Inf sets and its finite values."""
-    from gdn.chunk_bwd import EXACT_CHUNKS
     from gdn.chunk_fwd import chunk_gdn_fwd
+    from gdn.config import DEFAULT
     x = make_inputs(2, 160, 1, 16, 16, 2, True, torch.float32)
-    assert 2 * 160 // 16 > EXACT_CHUNKS
+    assert 2 * 160 // 16 > DEFAULT.bwd_exact_chunks
     x = dict(x, v=x["v"].clone(), do=x["do"].clone())
     x["v"][0, 5, 0, 3] = 1e6
     x["do"][1, 125, 0, 2] = float("nan")   # chunk 10 + 7 of the batch: global chunk 17
@@ -719,10 +761,9 @@ def test_gradients_as_precise_as_the_trusted_reference(name, spec, chunk, checke
 @pytest.mark.parametrize("seed", [1009, 1014, 1032])
 def test_one_token_bf16_dg_within_the_gates_bound(seed):
     """bf16, B = T = H = K = V = 1: dg is a sum that cancels (-0.0044 at seed 1009), and its
-    entry-to-end term exp(G_C) sum(h * dS_end) formed from dS_end stored in bf16 put it 2.23x,
-    1.47x, 1.27x over G01's bound at these three seeds (37 ulps at seed 1009; session 12, the
-    open calibration case).  _dstates now forms that sum from dS_end in fp32 (HD).  The
-    gate's own check, on the gdn_bwd target."""
+    entry-to-end term exp(G_C) sum(h * dS_end) formed from dS_end stored in bf16 puts it 2.23x,
+    1.47x, 1.27x over G01's bound at these three seeds (37 ulps at seed 1009), so _dstates
+    forms that sum from dS_end in fp32 (HD).  The gate's own check, on the gdn_bwd target."""
     from kfuzz.gates import GATES
     from kfuzz.gates.base import make_case
     from kfuzz.target import get_target
@@ -733,12 +774,11 @@ def test_one_token_bf16_dg_within_the_gates_bound(seed):
 
 
 def test_du_is_rounded_once():
-    """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once (sessions
-    12-18: _prep handed P^T dO over in fp32 scratch).  Handed over in
-    dU's own bf16 place (session 11), dU was rounded twice, and the stored G03 case
+    """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once.  Handed over
+    in dU's own bf16 place, dU is rounded twice, and the stored G03 case
     crashes/gdn_bwd/bound-dg/81b43ef0 (bf16, one token, key and value; dg sums that cancel)
-    went from 2.46x to 6.64x the bound (session 5, before the move: 2.53x).  It still fails
-    (the other bf16 hand-offs; README, Known findings), so this holds the reading, not a pass."""
+    reads 6.64x the bound instead of about 2.5x.  It still fails (the other bf16 hand-offs;
+    docs/findings.md), so this holds the reading, not a pass."""
     from pathlib import Path
     from kfuzz.corpus import load
     from kfuzz.gates import GATES
@@ -793,9 +833,9 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("V,generic", [(1, True), (2, False), (16, False)])
 def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, generic):
     """gdn.chunk_bwd launches its V-generic compiles (gdn.bwd_chunks.generic_v) at V == 1 only:
-    the H200 miscompiled the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
-    cost the bench backward 4.15 -> 5.52 ms.  Where V is not a multiple of 16, _grads_p and
-    _grads_wy keep 8 warps and 2 stages (LAUNCH_UNHINTED: at 4 warps the H200 gave dq, dk ~1
+    the H200 miscompiles the V == 1 constant (NaN dk at K 32, bf16), and V generic everywhere
+    slows every other launch.  Where V is not a multiple of 16, _grads_p and
+    _grads_wy keep 8 warps and 2 stages (``bwd_unhinted_*``: at 4 warps the H200 gives dq, dk ~1
     off at K 32, V 1).  The interpreter runs them all alike, so this checks the choice, not the miscompile."""
     from gdn import chunk_bwd
     spies, launched = launches
@@ -810,13 +850,14 @@ def test_only_v1_launches_take_the_generic_v_kernels(monkeypatch, launches, V, g
         assert launched[spies[chunk_bwd._grads_p].kern] == (8, 2)
         assert launched[spies[chunk_bwd._grads_wy].kern] == (8, 2)
     want = (8, 2) if V % 16 else (4, 3)
-    assert (chunk_bwd.launch_for(V)["grads_p_warps"], chunk_bwd.launch_for(V)["grads_stages"]) == want
+    from gdn.config import DEFAULT
+    assert (DEFAULT.at_v(V).bwd_grads_p_warps, DEFAULT.at_v(V).bwd_grads_stages) == want
 
 
 def test_fp32_dots_launch_one_stage(launches):
     """Where the dots take fp32 operands, every pipelined kernel launches at one stage
-    (`gdn.chunk_bwd.stages`): at 3 stages `_dstates` needed 295424 B of shared memory on the
-    H200's 232448 (fp32, K 100, V 64: session 13's device verify, G03).  _exact sets none."""
+    (`gdn.chunk_bwd.stages`): at 3 stages `_dstates` needs 295424 B of shared memory on the
+    H200's 232448 (fp32, K 100, V 64).  _exact sets none."""
     from gdn import chunk_bwd
     spies, launched = launches
     x = make_inputs(1, 20, 1, 16, 1, 1, True, torch.float32)
@@ -829,21 +870,21 @@ def test_keys_over_128_launch_the_sequential_kernels_at_one_stage(monkeypatch):
     """bf16 keys over 128 (BK 256) take one stage in `_states` and `_dstates`
     (`gdn.chunk_bwd.stages`): pipelined at K 144 to 256, `_dstates` needs 393728 B of shared
     memory at 3 stages, more than the H200's 232448, and `_states` 180480 at 2, more than an
-    A100's (sm_90 offline, session 16).  BK 128 and the other kernels keep the launch's
+    A100's (sm_90 offline).  BK 128 and the other kernels keep the launch's
     stages, and the launcher hands each sequential kernel its BK."""
     from gdn import chunk_bwd
-    L = chunk_bwd.LAUNCH
-    for key in ("seq_stages", "dstates_stages"):
+    from gdn.config import DEFAULT as L
+    for key in ("bwd_seq_stages", "bwd_dstates_stages"):
         assert chunk_bwd.stages(L, key, False, 256) == 1
-        assert chunk_bwd.stages(L, key, False, 128) == L[key] > 1
-    assert chunk_bwd.stages(L, "grads_stages", False, 256) == L["grads_stages"] > 1
+        assert chunk_bwd.stages(L, key, False, 128) == getattr(L, key) > 1
+    assert chunk_bwd.stages(L, "bwd_grads_stages", False, 256) == L.bwd_grads_stages > 1
     asked = []
     right = chunk_bwd.stages
     monkeypatch.setattr(chunk_bwd, "stages", lambda *a: asked.append(a[1:]) or right(*a))
     x = make_inputs(1, 20, 1, 144, 16, 1, True, torch.bfloat16)
     kernel_grads(x, None, True, 16)
-    assert {a[0]: a[2:] for a in asked if a[0] in ("seq_stages", "dstates_stages")} == {
-        "seq_stages": (256,), "dstates_stages": (256,)}
+    assert {a[0]: a[2:] for a in asked if a[0] in ("bwd_seq_stages", "bwd_dstates_stages")} == {
+        "bwd_seq_stages": (256,), "bwd_dstates_stages": (256,)}
 
 
 @pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])
@@ -868,8 +909,6 @@ def test_the_gpu_tile_sweep_fails_a_planted_wrong_answer(monkeypatch, capsys, fo
         first, *rest = right(*a, **kw)
         return (first * 1.01, *rest)
     monkeypatch.setattr(module, name, planted)
-    import gdn.fwd_state
-    monkeypatch.setattr(gdn.fwd_state, "TUNE", gdn.fwd_state.TUNE)   # child() sets it
     bad = sweep.child(1, 16, "fp32", "cpu", [16], forward, False)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gate1")]
     assert bad == len(lines) == (2 if forward else 1) and all(ln.endswith(" FAIL") for ln in lines)
@@ -894,11 +933,9 @@ def test_the_gpu_tile_sweep_skips_a_state_config_no_launch_takes_at_that_k(monke
         sys.path.pop(0)
     configs = [triton.Config({"BV": bv}, num_warps=4, num_stages=2) for bv in (32, 64)]
     monkeypatch.setattr(gdn.fwd_state, "INTERPRET", False)
-    monkeypatch.setattr(gdn.fwd_state, "_state_configs", lambda: configs)   # child() replaces it
-    monkeypatch.setattr(gdn.fwd_state, "TUNE", gdn.fwd_state.TUNE)
+    monkeypatch.setattr(gdn.fwd_state, "_state_configs", lambda config: configs)
     assert sweep.child(1, 33, "fp32", "cpu", [16], True, False, state_config=0) == 0
     assert "gate1 K33 cfg0 BV32 w4 s2: skipped" in capsys.readouterr().out
-    monkeypatch.setattr(gdn.fwd_state, "_state_configs", lambda: configs)
     called = []
     monkeypatch.setattr(sweep, "_forward_errors", lambda *a: called.append(1) or {"o": 0.0})
     sweep.child(1, 33, "fp32", "cpu", [16], True, False, state_config=1)
@@ -922,19 +959,20 @@ def test_accumulation_is_not_applicable_to_the_gdn_targets():
 def test_varlen_tables_are_kept_per_tensor_and_version(monkeypatch, side):
     """The forward's (`gdn.chunk_fwd.varlen_plan`) and the backward's
     (`gdn.bwd_chunks.chunk_plan`) varlen chunk tables are built once per cu_seqlens tensor and
-    version (`gdn.chunk_fwd.kept_plan`): a second call on the same tensor reads nothing on the
+    version (`gdn.common.kept_plan`): a second call on the same tensor reads nothing on the
     host, an in-place write to it (a new version) builds them again, another tensor with equal
     values too, and every call matches the float64 oracle (forward) or autograd through it
     (backward) at the offsets it was given.  Planted, the key without the version counter:
-    the call after the in-place write runs on the old offsets and fails, forward (session 23)
-    and backward (dq 1e37 off; session 24), by hand."""
+    the call after the in-place write runs on the old offsets and fails, forward and backward
+    (dq 1e37 off)."""
     import gdn.bwd_chunks as bc
     import gdn.chunk_fwd as cf
+    import gdn.common
     mod, name = (cf, "_build_plan") if side == "forward" else (bc, "_varlen_tables")
     builds = []
     real = getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *a: builds.append(1) or real(*a))
-    monkeypatch.setattr(cf, "_plans", type(cf._plans)())
+    monkeypatch.setattr(gdn.common, "_plans", type(gdn.common._plans)())
     cu = torch.tensor([0, 20, 53, 100], device=DEV)
     x = make_inputs(1, 100, 2, 16, 16, 1, True, torch.float32, cu=[0, 20, 53, 100])
 

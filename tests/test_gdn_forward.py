@@ -2,6 +2,7 @@
 
 Without a GPU the Triton kernel runs under the interpreter (TRITON_INTERPRET=1,
 set before gdn.chunk_fwd is imported, since triton.jit reads it then)."""
+import dataclasses
 import json
 import os
 import zlib
@@ -15,7 +16,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from gdn.chunk_fwd import _saturated, chunk_gdn_fwd  # noqa: E402
+from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
+from gdn.common import saturated  # noqa: E402
+from gdn.config import DEFAULT  # noqa: E402
 from gdn.fwd_state import _chunk_scalars as _real_scalars  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
 from gdn.reference import chunked  # noqa: E402
@@ -25,6 +28,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MEMBERS = [(gate, delta) for gate in ("none", "scalar", "vector") for delta in (True, False)]
 MEMBER_IDS = [f"{gate}-{'delta' if delta else 'linear'}" for gate, delta in MEMBERS]
 BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# the output kernel's matrix part with K in 16-wide slices (bf16 inputs at K over 16)
+SLICED_16 = dataclasses.replace(DEFAULT, out_sliced=dataclasses.replace(DEFAULT.out_sliced, bk=16))
 if DEV == "cuda":
     BOUND[torch.float32] = 1e-4  # fp32 inputs use ieee products, not tf32
 
@@ -126,7 +131,7 @@ SHAPES = {
     # K, V not powers of two (masked columns), T not a multiple of either chunk size
     "T77-K24-V20": dict(B=1, T=77, H=1, K=24, V=20),
 }
-if DEV == "cuda":   # 32-wide output tiles at K 64 gave o 0.45 off or an illegal address (session 7)
+if DEV == "cuda":   # 32-wide output tiles at K 64 give o 0.45 off or an illegal address on the H200
     SHAPES["T100-K64-V32"] = dict(B=1, T=100, H=2, K=64, V=32)
 
 
@@ -218,8 +223,8 @@ def test_triton_nonfinite_sets_equal_oracle(gate, delta):
 @pytest.mark.parametrize("gate,delta", MEMBERS, ids=MEMBER_IDS)
 def test_nonfinite_v_at_bf16_wide_tiles_on_gpu(gate, delta):
     """A NaN or Inf in v sends a chunk to the state pass's 16-wide resume tiles.  With bf16
-    operands there, DeltaNet at B2 T300 H16 K=V=128 read shared memory out of bounds on the
-    H200 (Triton 3.6, session 7; compute-sanitizer placed it in the tiles' product)."""
+    operands there, DeltaNet at B2 T300 H16 K=V=128 reads shared memory out of bounds on the
+    H200 (Triton 3.6; compute-sanitizer places it in the tiles' product)."""
     for value in (float("nan"), float("inf")):
         x = make_inputs(gate, delta, B=2, T=300, H=16, K=128, V=128, seed=3, dtype=torch.bfloat16)
         x["v"][0, 150, 3, 9] = value
@@ -290,29 +295,84 @@ def test_state_scalars_loaded_a_chunk_ahead_follow_the_recurrence(monkeypatch, g
             check()
 
 
-def test_state_configs_from_the_environment():
-    """GDN_FWD_STATE_CONFIGS replaces the state pass's GPU configs (device bring-up): the
-    autotuner and the untuned launch see exactly the triples given; without it, the built-in
-    list."""
-    import subprocess
-    import sys
-    code = ("import gdn.fwd_state as f; "
-            "print([(c.kwargs['BV'], c.num_warps, c.num_stages) for c in f._state_configs()])")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "GDN_FWD_STATE_CONFIGS")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, cwd=root, capture_output=True,  # noqa: E731
-                                   text=True, timeout=120).stdout.strip()
-    assert run(dict(env, GDN_FWD_STATE_CONFIGS="[[32, 2, 3], [64, 4, 4]]")) == "[(32, 2, 3), (64, 4, 4)]"
-    assert run(env) == str([tuple(c) for c in __import__("gdn.fwd_state").fwd_state.STATE_CONFIGS])
+def test_state_configs_come_from_the_config(monkeypatch):
+    """A config's ``state_configs`` are the state pass's GPU configs: the autotuner and the
+    untuned launch see exactly the triples given, the default config the built-in list, and
+    one autotuner is kept per list."""
+    import dataclasses
+
+    import gdn.fwd_state as fs
+    from gdn.config import DEFAULT
+    monkeypatch.setattr(fs, "INTERPRET", False)
+    mine = dataclasses.replace(DEFAULT, state_configs=((32, 2, 3), (64, 4, 4)))
+    triples = lambda cs: [(c.kwargs["BV"], c.num_warps, c.num_stages) for c in cs]  # noqa: E731
+    assert triples(fs._state_configs(mine)) == [(32, 2, 3), (64, 4, 4)]
+    assert triples(fs._state_configs(DEFAULT)) == list(DEFAULT.state_configs)
+    assert triples(fs._tuner(mine).configs) == [(32, 2, 3), (64, 4, 4)]
+    assert fs._tuner(dataclasses.replace(mine, state_pick="first")) is fs._tuner(mine)
+    assert fs._tuner(DEFAULT) is not fs._tuner(mine)
+
+
+def test_a_config_refuses_what_no_launch_takes():
+    """`GDNConfig` names the field at fault: an unknown state pick, a config that is not a
+    (BV, warps, stages) triple, an unknown field from a tool's command line; known fields
+    from a dict replace the default's."""
+    import dataclasses
+
+    from gdn.config import DEFAULT, GDNConfig, OutLaunch
+    with pytest.raises(ValueError, match="state_pick"):
+        dataclasses.replace(DEFAULT, state_pick="fastest")
+    with pytest.raises(ValueError, match="state_configs"):
+        dataclasses.replace(DEFAULT, state_configs=((32, 4),))
+    with pytest.raises(ValueError, match="bwd_dstates_bv"):
+        dataclasses.replace(DEFAULT, bwd_dstates_bv=32)
+    with pytest.raises(ValueError, match="prep_warps_typo"):
+        GDNConfig.from_dict({"prep_warps_typo": 8})
+    got = GDNConfig.from_dict({"bwd_prep_warps": 8, "out_sliced": {"bv": 64, "warps": 4, "bk": 32},
+                               "state_configs": [[64, 4, 2]]})
+    assert got == dataclasses.replace(DEFAULT, bwd_prep_warps=8, out_sliced=OutLaunch(bv=64, warps=4, bk=32),
+                                      state_configs=((64, 4, 2),))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT.state_pick = "spread"
+
+
+def test_the_gdn_code_cites_no_development_log():
+    """The GDN kernels, their targets and their tests describe the code as it is: no comment,
+    docstring or test name cites a numbered session or log entry or the notes files."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = [*sorted((root / "gdn").glob("*.py")), *sorted((root / "harnesses").glob("gdn*.py")),
+             *sorted((root / "tests").glob("test_gdn_*.py"))]
+    log = re.compile(r"\b[Ss]essions? \d+|\b[Ee]ntry \d+|\bNOTE[S](?:_BWD)?\.md|\bBENCHMARK[S]\.md")
+    found = [f"{p.name}:{i}: {line.strip()}" for p in files
+             for i, line in enumerate(p.read_text().splitlines(), 1) if log.search(line)]
+    assert not found, found
+
+
+def test_the_gdn_package_reads_no_environment_switch():
+    """The launch choices are `gdn.config`'s fields, passed per call: no module under gdn/ reads
+    the environment except for Triton's own TRITON_INTERPRET (an ast walk over every call of
+    os.environ / os.getenv)."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "gdn"
+    reads = set()
+    for path in sorted(root.glob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                reads.add(f"{path.name}: {lines[node.lineno - 1].strip()}")
+    assert reads == {'common.py: INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"'}, reads
 
 
 def test_the_output_kernels_token_by_token_part_over_chunk_groups():
-    """The output kernel's PART 1 looks at OUT_CHUNKS chunks a program: a NaN in q in a chunk
+    """The output kernel's PART 1 looks at ``out_chunks`` chunks a program: a NaN in q in a chunk
     of the first program and one in a later program (20 chunks of 64) reach o as the
     oracle's do, and the rest of o matches it."""
-    from gdn.chunk_fwd import OUT_CHUNKS
+    from gdn.config import DEFAULT
     x = make_inputs("scalar", True, B=1, T=1280, H=1, K=16, V=16, seed=3)
-    assert 1280 // 64 > OUT_CHUNKS
+    assert 1280 // 64 > DEFAULT.out_chunks
     x["q"] = x["q"].clone()
     x["q"][0, 70, 0, 2] = float("nan")
     x["q"][0, 1250, 0, 5] = float("nan")
@@ -388,13 +448,11 @@ def test_large_states_match_the_oracle(gate, delta):
 
 
 def test_spread_takes_one_config_per_key_and_the_same_one_each_time():
-    """gdn.fwd_state.SPREAD (kfuzz's GDN targets): one config order per key, picked from the
-    key alone (the same in every process), and different keys start at different configs."""
+    """The "spread" pick (kfuzz's GDN targets): one config order per key, picked from the key
+    alone (the same in every process), and different keys start at different configs."""
     import triton
 
     import gdn.fwd_state as fs
-    import harnesses.gdn  # noqa: F401 - the targets turn it on
-    assert fs.SPREAD
     configs = [triton.Config({"BV": bv}, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)]
     key = dict(K=128, V=128, BT=64, GATE=1, DELTA=True, PREC="tf32", DT="bf16")
     picks = {}
@@ -406,23 +464,45 @@ def test_spread_takes_one_config_per_key_and_the_same_one_each_time():
     assert len(set(picks.values())) > 2, picks
 
 
+def test_the_gdn_targets_pass_the_spread_pick_on_every_call(monkeypatch):
+    """kfuzz's GDN targets run the forward's state pass with the "spread" pick, passed with each
+    call (harnesses.gdn.CONFIG), forward and backward; importing the harness changes nothing
+    for anyone else: a direct call still takes the default, autotuned pick."""
+    import gdn.fwd_state as fs
+    import harnesses.gdn as hg
+    from kfuzz.target import get_target
+    picks = []
+    real = fs.launch_state
+    monkeypatch.setattr(fs, "launch_state", lambda args, NH, config, **kw: picks.append(config.state_pick)
+                        or real(args, NH, config, **kw))
+    x = make_inputs("scalar", True, B=1, T=20, H=1, K=16, V=16, seed=2)
+    args = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], h0=x["initial_state"])
+    get_target("gdn_fwd").kernel(**args)
+    gen = torch.Generator().manual_seed(3)
+    get_target("gdn_bwd").kernel(**args, do=torch.randn(x["v"].shape, generator=gen).to(DEV),
+                                 dht=torch.randn(x["initial_state"].shape, generator=gen).to(DEV))
+    assert picks == ["spread", "spread"] and hg.CONFIG.state_pick == "spread"
+    call(chunk_gdn_fwd, x, delta=True)
+    assert picks[-1] == "tune"
+
+
 def test_a_spread_pick_that_does_not_fit_the_gpu_gives_way_to_the_next():
-    """SPREAD's launch skips a config the GPU cannot hold (Triton's OutOfResources, raised at
-    compile time: session 8's device verify, the state kernel at fp32 K = V = 256 needed 312320
-    bytes of shared memory), and raises when none fits."""
+    """The "spread" launch skips a config the GPU cannot hold (Triton's OutOfResources, raised at
+    compile time: the state kernel at fp32 K = V = 256 and BV 64 at 2 stages needs 312320
+    bytes of shared memory, the H200 has 232448), and raises when none fits."""
     import triton
     from triton.runtime.errors import OutOfResources
 
     import gdn.fwd_state as fs
     configs = [triton.Config({"BV": bv}, num_warps=4) for bv in (64, 32, 16)]
-    tried = []
+    attempts = []
 
     def launch(config):
-        tried.append(config.kwargs["BV"])
+        attempts.append(config.kwargs["BV"])
         if config.kwargs["BV"] > 32:
             raise OutOfResources(312320, 232448, "shared memory")
     assert fs._first_that_fits(configs, launch).kwargs["BV"] == 32
-    assert tried == [64, 32]
+    assert attempts == [64, 32]
 
     def never(config):
         raise OutOfResources(1, 0, "shared memory")
@@ -431,8 +511,11 @@ def test_a_spread_pick_that_does_not_fit_the_gpu_gives_way_to_the_next():
 
 
 def test_an_untuned_state_launch_takes_the_first_config_that_fits(monkeypatch):
-    """TUNE False (the benchmarks' accuracy sweeps) launches the configs in their own order,
-    skipping those the GPU cannot hold, as SPREAD does in its order; PART 1 follows at 16."""
+    """The "first" pick (the benchmarks' accuracy sweeps) launches the configs in their own
+    order, skipping those the GPU cannot hold, as "spread" does in its order; PART 1 follows
+    at 16."""
+    import dataclasses
+
     import triton
     from triton.runtime.errors import OutOfResources
 
@@ -448,27 +531,27 @@ def test_an_untuned_state_launch_takes_the_first_config_that_fits(monkeypatch):
             return run
     configs = [triton.Config({"BV": bv}, num_warps=4, num_stages=2) for bv in (64, 32, 16)]
     monkeypatch.setattr(fs, "_state_kernel", Kernel())
-    monkeypatch.setattr(fs, "_state_configs", lambda: configs)
-    monkeypatch.setattr(fs, "SPREAD", False)
-    monkeypatch.setattr(fs, "TUNE", False)
-    fs.launch_state((4,), 4, V=128, K=128)
+    monkeypatch.setattr(fs, "_state_configs", lambda config: configs)
+    fs.launch_state((4,), 4, dataclasses.replace(DEFAULT, state_pick="first"), V=128, K=128)
     assert launched == [(0, 32, (4, 4)), (1, 16, (8, 4))]
 
 
 def test_the_state_pass_never_launches_bv_32_at_an_odd_k_or_one_stage(monkeypatch):
     """ptxas 12.8 miscompiles the matrix part's BV 32 tiles at an odd K and at one stage (a
     wgmma descriptor from a register nothing wrote: the G03 fault, gdn.fwd_state._sound_configs):
-    the autotuner's prune, SPREAD's pick and the untuned launch all drop them there, keep
-    every config at an even K and 2 or more stages, and say so when nothing is left."""
+    the autotuner's prune, the "spread" and "first" picks all drop them there, keep every
+    config at an even K and 2 or more stages, and say so when nothing is left."""
+    import dataclasses
+
     import triton
 
     import gdn.fwd_state as fs
     monkeypatch.setattr(fs, "INTERPRET", False)
     configs = [triton.Config({"BV": bv}, num_warps=w, num_stages=2) for bv in (32, 16, 64) for w in (4, 8)]
     for K in (33, 49, 65, 127):
-        assert [c.kwargs["BV"] for c in fs._state.early_config_prune(configs, {}, K=K)] == [16, 16, 64, 64]
+        assert [c.kwargs["BV"] for c in fs._tuner().early_config_prune(configs, {}, K=K)] == [16, 16, 64, 64]
     for K in (16, 34, 128):
-        assert fs._state.early_config_prune(configs, {}, K=K) == configs
+        assert fs._tuner().early_config_prune(configs, {}, K=K) == configs
     with pytest.raises(ValueError, match="K=33"):
         fs._sound_configs(configs[:2], 33)
     one_stage = [triton.Config({"BV": bv}, num_warps=4, num_stages=st) for bv in (32, 64) for st in (1, 2)]
@@ -483,13 +566,12 @@ def test_the_state_pass_never_launches_bv_32_at_an_odd_k_or_one_stage(monkeypatc
                 launched.append((PART, BV))
             return run
     monkeypatch.setattr(fs, "_state_kernel", Kernel())
-    monkeypatch.setattr(fs, "_state_configs", lambda: configs[::2])   # BV 32, 16, 64 at 4 warps
-    for spread, tune in ((False, False), (True, True)):
-        monkeypatch.setattr(fs, "SPREAD", spread)
-        monkeypatch.setattr(fs, "TUNE", tune)
+    monkeypatch.setattr(fs, "_state_configs", lambda config: configs[::2])   # BV 32, 16, 64 at 4 warps
+    for pick in ("first", "spread"):
         for occ in range(1, 9):
             launched.clear()
-            fs.launch_state((occ,), 4, V=128, K=33, BT=64, GATE=1, DELTA=True, PREC="tf32", DT="bf16")
+            fs.launch_state((occ,), 4, dataclasses.replace(DEFAULT, state_pick=pick), V=128, K=33, BT=64,
+                            GATE=1, DELTA=True, PREC="tf32", DT="bf16")
             assert launched[0][1] != 32 and launched[1] == (1, 16)
 
 
@@ -528,61 +610,61 @@ def test_kernel_resources_finds_descriptors_built_from_unwritten_uniform_registe
 
 
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)], ids=["scalar-delta", "none-linear"])
-def test_output_kernel_at_128_wide_tiles_matches_oracle(monkeypatch, gate, delta):
-    """The output kernel's launch knob (gdn.chunk_fwd.OUT_LAUNCH_WHOLE, as OUT_LAUNCH for K slices):
+def test_output_kernel_at_128_wide_tiles_matches_oracle(gate, delta):
+    """The output kernel's V tile (``out_whole``, as ``out_sliced`` for K slices, `gdn.config`):
     one 128-wide V tile at V 80 (48 columns masked), with a NaN sending one tile to the exact
     part, gives what the default two 64-wide tiles give."""
+    import dataclasses
+
     import gdn.chunk_fwd as cf
-    monkeypatch.setitem(cf.OUT_LAUNCH_WHOLE, "bv", 128)   # K 16: one piece
+    from gdn.config import DEFAULT, OutLaunch
+    wide = dataclasses.replace(DEFAULT, out_whole=OutLaunch(bv=128, warps=4))   # K 16: one piece
+    assert cf.out_launch(16, 80, 1, torch.float32, wide)["BV"] == 128
     x = make_inputs(gate, delta, B=1, T=70, H=2, K=16, V=80, seed=5)
     o, s = call(recurrence, x, delta=delta)
-    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta, config=wide)
     assert rel(o2, o) < BOUND[torch.float32] and rel(s2, s) < BOUND[torch.float32]
     inject(x, "q", float("nan"))
     o, s = call(recurrence, x, delta=delta)
-    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta, config=wide)
     assert_same_nonfinite(o2, o)
     assert_same_nonfinite(s2, s)
 
 
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)], ids=["scalar-delta", "none-linear"])
-def test_output_kernel_in_k_slices_matches_oracle(monkeypatch, gate, delta):
-    """The output kernel's matrix part in K slices (OUT_LAUNCH "bk", GDN_FWD_OUT on the device):
-    K 48 in 16-wide slices (the last 16 of BK 64 masked) gives the oracle's answer, and with a
-    NaN in v (a chunk the state pass steps token by token, which the slices' part must leave
-    to the exact part) and one in q, the oracle's NaN/Inf sets."""
+def test_output_kernel_in_k_slices_matches_oracle(gate, delta):
+    """The output kernel's matrix part in K slices (``out_sliced.bk``, `gdn.config`): K 48 in
+    16-wide slices (the last 16 of BK 64 masked) gives the oracle's answer, and with a NaN in
+    v (a chunk the state pass steps token by token, which the slices' part must leave to the
+    exact part) and one in q, the oracle's NaN/Inf sets."""
     import gdn.chunk_fwd as cf
-    monkeypatch.setitem(cf.OUT_LAUNCH, "bk", 16)
     x = make_inputs(gate, delta, B=1, T=70, H=2, K=48, V=24, seed=6, dtype=torch.bfloat16)
-    assert cf.out_launch(64, 24, 1, torch.bfloat16)["BKS"] == 16   # bf16 only: the swept dtype
-    assert cf.out_launch(64, 24, 1, torch.float32)["BKS"] == 64
+    assert cf.out_launch(64, 24, 1, torch.bfloat16, SLICED_16)["BKS"] == 16   # bf16 only: the swept dtype
+    assert cf.out_launch(64, 24, 1, torch.float32, SLICED_16)["BKS"] == 64
     o, s = call(recurrence, x, delta=delta)
-    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta, config=SLICED_16)
     assert rel(o2, o) < BOUND[torch.bfloat16] and rel(s2, s) < BOUND[torch.bfloat16]
     inject(x, "v", float("nan"))
     inject(x, "q", float("nan"))
     o, s = call(recurrence, x, delta=delta)
-    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta, config=SLICED_16)
     assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
     assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
 @pytest.mark.parametrize("gate,delta,nan_in", [("scalar", True, "v"), ("none", False, "k"),
                                                ("scalar", True, None)])
-def test_xflag_reduced_after_the_k_slices_leaves_stepped_chunks_to_the_exact_part(monkeypatch, gate,
-                                                                                 delta, nan_in):
+def test_xflag_reduced_after_the_k_slices_leaves_stepped_chunks_to_the_exact_part(gate, delta, nan_in):
     """The sliced matrix part of the output kernel reduces the state pass's xflag after its K
     loop: o and the final state follow the recurrence, NaNs where it has them, with K 48 in
     16-wide slices at bf16 and a NaN in v or k making the state pass step a chunk (its xflag
     set, so the slices' part must leave the chunk to the exact part).  Planted, the xflag never
-    added after the loop, the NaN-in-v case fails (session 22, by hand)."""
-    import gdn.chunk_fwd as cf
-    monkeypatch.setitem(cf.OUT_LAUNCH, "bk", 16)
+    added after the loop, the NaN-in-v case fails."""
     x = make_inputs(gate, delta, B=1, T=140, H=2, K=48, V=24, seed=8, dtype=torch.bfloat16)
     if nan_in is not None:
         inject(x, nan_in, float("nan"))
     o, s = call(recurrence, x, delta=delta)
-    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta, config=SLICED_16)
     assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
     assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
@@ -631,15 +713,15 @@ def test_fp32_keys_over_128_take_the_sliced_output_launch():
 def _saturate_both(x, y, z):
     r = tl.arange(0, 8)
     a = tl.load(x + r)
-    tl.store(y + r, _saturated(a, tl.bfloat16))
-    tl.store(z + r, _saturated(a, tl.float32))
+    tl.store(y + r, saturated(a, tl.bfloat16))
+    tl.store(z + r, saturated(a, tl.float32))
 
 
 def test_handoff_saturates_finite_states_beyond_bf16():
-    """`gdn.chunk_fwd._saturated`, the step before a state is stored in a bf16 hand-off: finite
+    """`gdn.common.saturated`, the step before a state is stored in a bf16 hand-off: finite
     fp32 values beyond bf16's largest become it (signed), so the GPU's round-to-nearest cannot
-    make them inf (session 13's device verify, G06: an initial state at fp32's maximum gave NaN
-    dq on the H200; the interpreter truncates to bf16, so only this shows it on the CPU);
+    make them inf (G06: an initial state at fp32's maximum gives NaN dq on the H200 without
+    it; the interpreter truncates to bf16, so only this shows it on the CPU);
     inf, NaN and values in range pass as they are, and an fp32 hand-off keeps everything."""
     fmax, bmax = torch.finfo(torch.float32).max, torch.finfo(torch.bfloat16).max
     x = torch.tensor([fmax, -fmax, 3.39e38, bmax, 1.5, float("inf"), -float("inf"), float("nan")],
@@ -654,19 +736,18 @@ def test_handoff_saturates_finite_states_beyond_bf16():
 
 @pytest.mark.parametrize("gate,nan_in", [("scalar", None), ("none", None), ("scalar", "k")],
                          ids=["scalar", "none", "scalar-nan-k"])
-def test_t_stored_in_bf16_is_the_fp32_t_rounded(monkeypatch, gate, nan_in):
-    """PREP_LAUNCH "t_bf16" (the default since session 23): for bf16 inputs T is stored in bf16,
+def test_t_stored_in_bf16_is_the_fp32_t_rounded(gate, nan_in):
+    """``prep_t_bf16`` (the default, `gdn.config`): for bf16 inputs T is stored in bf16,
     the inverse's scratch fp32 in the same bytes (the diagonal blocks only, A's blocks below
     them kept in registers), and w, u take one bf16 product a tile.  bf16 GDN inputs (T 150:
     a short last chunk; K 48: masked key columns): T within a bf16 unit of the fp32 T of
-    t_bf16 0 (the interpreter rounds by truncation), o and the final state within bf16's bound
+    ``prep_t_bf16`` off (the interpreter rounds by truncation), o and the final state within bf16's bound
     of the oracle, and with a NaN in k the oracle's NaN/Inf sets; the backward on the
     forward's saved bf16 T gives the fp32 T's gradients to 2e-2.  Planted, the diagonal
     blocks' inverses stored one scratch column off, all 6 cases (then also two products a
-    tile) fail (session 23, by hand)."""
-    import gdn.fwd_prep as fp
+    tile) fail."""
     from gdn.chunk_bwd import chunk_gdn_bwd
-    assert fp.PREP_LAUNCH["t_bf16"] == 1
+    assert DEFAULT.prep_t_bf16
     x = make_inputs(gate, True, B=1, T=150, H=2, K=48, V=24, seed=11, dtype=torch.bfloat16)
     if nan_in is not None:
         inject(x, nan_in, float("nan"))
@@ -674,8 +755,8 @@ def test_t_stored_in_bf16_is_the_fp32_t_rounded(monkeypatch, gate, nan_in):
     do = torch.randn(x["v"].shape, generator=gen).to(DEV, torch.bfloat16)
     runs = {}
     for m in (0, 1):
-        monkeypatch.setitem(fp.PREP_LAUNCH, "t_bf16", m)
-        o, s, saved = call(chunk_gdn_fwd, x, output_final_state=True, return_saved=True)
+        config = dataclasses.replace(DEFAULT, prep_t_bf16=bool(m))
+        o, s, saved = call(chunk_gdn_fwd, x, output_final_state=True, return_saved=True, config=config)
         grads = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], do,
                               initial_state=x["initial_state"], saved=saved)
         runs[m] = (o, s, saved["inverse"], grads)
@@ -699,12 +780,12 @@ def test_the_stored_inverse_is_the_float64_inverse(dtype):
     """T, as the forward stores it (`return_inverse`), against (I + A)^-1 in float64 chunk by
     chunk, A = tril(beta k k^T Gamma_i / Gamma_j, -1) from the inputs as the kernel reads them.
     The keys share a direction (cosine about 0.9), so that A's entries are near beta and the
-    block merges' far terms (F^2, F^3 of `gdn.fwd_prep._unit_lower_inverse`) are large: with
+    block merges' far terms (F^2, F^3 of `gdn.fwd_prep.unit_lower_inverse`) are large: with
     random normalized keys those terms are below every output's tolerance.  bf16 (T stored in
-    bf16, the merges on bf16 operands, PREP_LAUNCH "merge_bf16"): within 1e-2 normwise a
+    bf16, the merges on bf16 operands, ``prep_merge_bf16``): within 1e-2 normwise a
     chunk (3.1e-3 under the interpreter); fp32 (tf32x3 merges; "ieee" under the interpreter,
     1.4e-7): within 1e-4.  T 150: a short last chunk.  Planted, the merges' last Neumann step
-    dropped for the bf16 operands: the bf16 case at 3.3e-2, failing (session 24, by hand)."""
+    dropped for the bf16 operands: the bf16 case at 3.3e-2, failing."""
     B, T, H, K, V, BT = 1, 150, 2, 32, 16, 64
     gen = torch.Generator().manual_seed(21)
     base = torch.nn.functional.normalize(torch.randn(K, generator=gen), dim=0)

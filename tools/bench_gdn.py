@@ -21,7 +21,9 @@ time it, so fla's db/dg errors below are what that guard warns of.
 The ``bwdprof`` and ``fwdprof`` stages (not in the default) time our backward and
 forward per kernel (torch profiler); ``flaprof`` does the same for fla.  ``fwdprof`` takes
 ``--members`` (e.g. GDN) and ``--out-launches``, a JSON list of output-kernel launches
-(gdn.chunk_fwd.OUT_LAUNCH overrides) timed one after another in the same process.
+(overrides of `gdn.config.GDNConfig.out_sliced`'s fields) timed one after another in the same
+process.  The accuracy and NaN stages run the state pass at its first config that fits
+(``state_pick`` "first"), not the tuner's timed pick.
 
 Writes a Markdown section (docs/benchmarks.md, "GDN on the H200", shows it) after
 every stage, so a run cut short still leaves what it measured.
@@ -33,6 +35,7 @@ import json
 import os
 import platform
 import sys
+import dataclasses
 import time
 import traceback
 from pathlib import Path
@@ -45,7 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")   # fla's pure Triton path
 import gdn.chunk_fwd as fwd  # noqa: E402
 import gdn.fwd_state as fwd_state  # noqa: E402
+from gdn.config import DEFAULT  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
+
+FIRST = dataclasses.replace(DEFAULT, state_pick="first")   # accuracy runs: no tuner's timing
 
 COPY_BW = 4.3e12      # bytes/s, device-to-device copy measured on this H200 (KINDS.md)
 BF16_RATE = 790e12    # FLOP/s, dense bf16 matrix product measured there
@@ -290,29 +296,25 @@ def _cuda_alive():
 def forward_profile_stage(rep, members=("KDA", "GDN"), out_launches=({},)):
     """Our forward per kernel (torch profiler), bf16 KDA then GDN (or the named ``members``) at
     B8 T4096 H16 K=V=128, with the state kernel's autotune pick, once for each of
-    ``out_launches`` (overrides of gdn.chunk_fwd.OUT_LAUNCH, the output kernel's launch; {}:
-    the default).  A row that fails is written with its traceback; a failure that loses the
+    ``out_launches`` (overrides of the fields of `gdn.config.GDNConfig.out_sliced`, the output
+    kernel's sliced launch; {}: the default).  A row that fails is written with its traceback; a failure that loses the
     CUDA context ends the stage with a row that says so."""
     rep.add("### Forward per kernel (bf16, B8 T4096 H16 K=V=128; do_bench median; torch "
             "profiler, mean of 5)\n\n| member | fwd ms | per kernel ms |\n| --- | --- | --- |")
-    default = dict(fwd.OUT_LAUNCH)
     for gate, delta in (("vector", True), ("scalar", True)):
         if NAMES[gate, delta] not in members:
             continue
         q, k, v, g, beta = inputs(8, 4096, 16, 128, 128, torch.bfloat16, gate, delta)
         for launch in out_launches:
-            fwd.OUT_LAUNCH.clear()
-            fwd.OUT_LAUNCH.update(default, **launch)
+            config = dataclasses.replace(DEFAULT, out_sliced=dataclasses.replace(DEFAULT.out_sliced, **launch))
             label = NAMES[gate, delta] + (f", out {launch}" if launch else "")
             print(f"(fwdprof: {label} running)", flush=True)
-            row, ran = profile_row(label, lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta),
-                                   note=lambda: f"; state config {getattr(fwd_state._state, 'best_config', None)}")
+            row, ran = profile_row(label, lambda: fwd.chunk_gdn_fwd(q, k, v, g, beta, delta=delta, config=config),
+                                   note=lambda: f"; state config {getattr(fwd_state._tuner(config), 'best_config', None)}")
             rep.add(row)
             if not ran and not _cuda_alive():
                 rep.add("\nThe CUDA context is lost after this failure: the rows after it were not run.")
                 return
-    fwd.OUT_LAUNCH.clear()
-    fwd.OUT_LAUNCH.update(default)
 
 
 def nan_stage(rep, B, T, H, K, V, out_of_time):
@@ -335,7 +337,7 @@ def nan_stage(rep, B, T, H, K, V, out_of_time):
                 run = f"{NAMES[gate, delta]} {name}={val}"
                 o, s = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
                 try:   # synchronized here, so that a fault is charged to the run that made it
-                    o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
+                    o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta, config=FIRST)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001
                     bad.append(f"{run}: {type(e).__name__} {str(e).splitlines()[0][:80]}")
@@ -434,7 +436,6 @@ def main():
         rep.add("")
 
     # -- accuracy -------------------------------------------------------------------
-    fwd_state.TUNE = False
     B, T, H, K, V = 2, 300, 16, 128, 128
     def accuracy(dtype):
         for gate, delta in (m for m in MEMBERS if NAMES[m] in args.acc_members.split(",")):
@@ -446,7 +447,7 @@ def main():
                 torch.manual_seed(2)
                 h0 = torch.randn(B, H, K, V, device="cuda")
                 o, s = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
-                o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
+                o1, s1 = fwd.chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta, config=FIRST)
                 fo = fs = "-"
                 ref = fla_member(gate, delta) if fla is not None else None
                 if ref is not None:

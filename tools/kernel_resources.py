@@ -40,6 +40,8 @@ import gdn.chunk_bwd as cb  # noqa: E402
 import gdn.chunk_fwd as cf  # noqa: E402
 import gdn.fwd_prep as fp  # noqa: E402
 import gdn.fwd_state as fs  # noqa: E402
+from gdn import common  # noqa: E402
+from gdn.config import DEFAULT  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -149,38 +151,38 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
                  **_ptrs(["gflag", "flag", "stop", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], X), **_ptrs(["g", "gc", "gcl"], "*fp32"),
                **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal, "NC": "i32"}
-    dt = dict(DELTA=delta, MODE=0)
+    dt = dict(DELTA=delta)
     lowp = gate != 2 and not fp32   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
-    t32 = fp.t_dtype(lowp, BT) == torch.float32   # T's dtype (PREP_LAUNCH "t_bf16")
+    t32 = fp.t_dtype(lowp, BT) == torch.float32   # T's dtype (prep_t_bf16)
     inv_sig = {**_ptrs(["k", "beta"], X), **_ptrs(["gc", "gcl"], "*fp32"), "tm": "*fp32" if t32 else "*bf16",
                **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     wu_sig = {**_ptrs(["k", "v", "beta", "w", "u"], X), **_ptrs(["gc", "gcl"], "*fp32"),
               "tm": "*fp32" if t32 else "*bf16", **_ptrs(["flag", "cb_ptr", "ce_ptr"], "*i32"), **scal}
     split = {n: common[n] for n in ("H", "K", "BK", "BT", "GATE", "IS_VARLEN", "PREC", "BIG")}
     out = cf.out_launch(common["BK"], V, gate, torch.float32 if fp32 else torch.bfloat16)
-    caps = {"fwd _prep_inv_kernel": fp._cap("inv_maxnreg", False, lowp).get("maxnreg"),
-            "fwd _prep_wu_kernel": fp._cap("wu_maxnreg", False, lowp).get("maxnreg"),
+    caps = {"fwd _prep_inv_kernel": fp._cap(DEFAULT.prep_inv_maxnreg, False, lowp).get("maxnreg"),
+            "fwd _prep_wu_kernel": fp._cap(DEFAULT.prep_wu_maxnreg, False, lowp).get("maxnreg"),
             "fwd _out_kernel (matrix part)": out.get("maxnreg"), "fwd _out_kernel (exact part)": out.get("maxnreg")}
     for label, fn, sig, const, warps, stages in (
             ("fwd _prep_inv_kernel", fp._prep_inv_kernel, inv_sig,
-             dict(split, LOWP=lowp, INTERP=False, W=32 * fp.PREP_LAUNCH["inv_warps"],
+             dict(split, LOWP=lowp, INTERP=False, W=32 * DEFAULT.prep_inv_warps,
                   MB=fp.merge_mode(lowp, False)),
-             fp.PREP_LAUNCH["inv_warps"], 1),
+             DEFAULT.prep_inv_warps, 1),
             ("fwd _prep_wu_kernel", fp._prep_wu_kernel, wu_sig,
              dict(split, V=V, BV=64, LOWP=lowp, INTERP=False, TLO=t32),
-             fp.PREP_LAUNCH["wu_warps"],
-             fp.PREP_LAUNCH["wu_stages"]),
+             DEFAULT.prep_wu_warps,
+             DEFAULT.prep_wu_stages),
             ("fwd _state_kernel (matrix part)", fs._state_kernel, state_sig,
              dict(common, BV=state_bv, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=0, DT=DT, **dt),
              4, 2),
             ("fwd _state_kernel (resume part)", fs._state_kernel, state_sig,
-             dict(common, BV=fs.RESUME_BV, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt),
+             dict(common, BV=DEFAULT.state_resume_bv, HAS_H0=False, STORE_HT=True, SBIG=1e30, PART=1, DT=DT, **dt),
              4, 3),
             ("fwd _out_kernel (matrix part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], G=cf.OUT_CHUNKS, **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=0, BKS=out["BKS"], G=DEFAULT.out_chunks, **dt),
              out["num_warps"], out.get("num_stages", 3)),
             ("fwd _out_kernel (exact part)", cf._out_kernel, out_sig,
-             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], G=cf.OUT_CHUNKS, **dt),
+             dict(common, BV=out["BV"], DT=DT, PART=1, BKS=out["BKS"], G=DEFAULT.out_chunks, **dt),
              out["num_warps"], out.get("num_stages", 3))):
         # as a launch at B8 T4096 (NT 64, NC 512, OCC 128) specializes: pointers, T, NT, NC, OCC
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or a in ("T", "NT", "OCC", "NC"))
@@ -188,14 +190,14 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
 
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
-# inputs, gradients or bf16 hand-off tensors: gdn.chunk_fwd.handoff_dtype)
+# inputs, gradients or bf16 hand-off tensors: gdn.common.handoff_dtype)
 _BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD"}
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop"}
 
 
 def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False, saved=False):
     """(label, fn, signature, constexprs, warps, stages, aligned, maxnreg) of the GDN backward kernels
-    as gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and LAUNCH), with an
+    as gdn.chunk_bwd.chunk_gdn_bwd launches them at bf16 (its tiles and gdn.config.DEFAULT at V), with an
     initial state and a final-state gradient (given_t: `_prep` on the forward's T, as the op
     launches it, at its "prep_given_warps"; saved: W and U taken from the forward, as the op
     does with save_states); `aligned` as a launch at T=4096 H=16 (B8 T4096,
@@ -203,26 +205,27 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
     C = 16 if gate == 2 else 64
     F32, DT = cb._dot_mode(torch.float32 if fp32 else torch.bfloat16)
     tile = cb.tiles(K, V)
-    seq, launch = cb.LAUNCH["seq_warps"], cb.LAUNCH
+    launch = DEFAULT.at_v(V)
+    seq = launch.bwd_seq_warps
     prep = cb.prep_launch(launch, given_t, C)
     consts = dict(C=C, BK=tile["BK"], GATE=gate, DELTA=delta, IS_VARLEN=False, F32=F32, DT=DT,
-                  GLIM=cf.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=cf.BIG, SBIG=cf.SBIG,
+                  GLIM=common.VECTOR_DECAY_MAX, PREC="ieee" if F32 else "tf32", BIG=common.BIG, SBIG=common.SBIG,
                   HAS_H0=True, HAS_DHT=True, GIVEN_T=given_t, PART=0, IW=prep["IW"],
                   SAVED=saved, FWD_FLAGS=saved)
     bvd = cb.dstates_tile(tile["BK"], V, 8 * 16, 132)   # B8 H16 on the H200's 132 SMs
     fp32_args = _BWD_FP32 | {"Tm"}   # T is fp32 (_prep's inverse's scratch)
     # stages 3 is Triton's default: the launcher sets none for _exact
-    grads_stages = cb.stages(launch, "grads_stages", F32)
+    grads_stages = cb.stages(launch, "bwd_grads_stages", F32)
     for fn, bv, warps, stages, extra in (
-            (cb._prep, tile["BV"], prep["num_warps"], cb.stages(launch, "prep_stages", F32), {}),
-            (cb._states, tile["BV"], seq, cb.stages(launch, "seq_stages", F32, tile["BK"]), {}),
-            (cb._dstates, bvd, launch["dstates_warps"], cb.stages(launch, "dstates_stages", F32, tile["BK"]),
+            (cb._prep, tile["BV"], prep["num_warps"], cb.stages(launch, "bwd_prep_stages", F32), {}),
+            (cb._states, tile["BV"], seq, cb.stages(launch, "bwd_seq_stages", F32, tile["BK"]), {}),
+            (cb._dstates, bvd, launch.bwd_dstates_warps, cb.stages(launch, "bwd_dstates_stages", F32, tile["BK"]),
              {}),
             # the gradients: _grads_p (and _grads_wy with delta)
-            (cb._grads_p, tile["grads_BV"], launch["grads_p_warps"], grads_stages,
+            (cb._grads_p, tile["grads_BV"], launch.bwd_grads_p_warps, grads_stages,
              {"BKS": tile["grads_BKS"]}),
-            (cb._exact, tile["exact_BV"], seq, 3, {"G": cb.EXACT_CHUNKS}),
-            *(((cb._grads_wy, tile["grads_BV"], launch["grads_wy_warps"], grads_stages,
+            (cb._exact, tile["exact_BV"], seq, 3, {"G": launch.bwd_exact_chunks}),
+            *(((cb._grads_wy, tile["grads_BV"], launch.bwd_grads_wy_warps, grads_stages,
                 {"BKS": tile["grads_BKS"]}),) if delta else ())):
         const = {a: v for a, v in dict(consts, BV=bv, **extra).items()
                  if a in fn.arg_names}

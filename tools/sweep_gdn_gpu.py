@@ -2,18 +2,18 @@
 
 Run on a CUDA machine from the repository root:
 
-    python tools/sweep_gdn_gpu.py [--launch '{"prep_warps": 8}'] [--jobs 15] [--dtype bf16]
+    python tools/sweep_gdn_gpu.py [--launch '{"bwd_prep_warps": 8}'] [--jobs 15] [--dtype bf16]
     python tools/sweep_gdn_gpu.py --forward [--tune] [--jobs 15]
     python tools/sweep_gdn_gpu.py --saved   # the backward on what the forward saved (gdn.op)
     python tools/sweep_gdn_gpu.py --saved-inverse   # on the forward's T only (save_states=False)
 
-Why: on the H200 with Triton 3.6 some narrow tile shapes compiled to wrong code with no
+Why: on the H200 with Triton 3.6 some narrow tile shapes compile to wrong code with no
 memory error, and the interpreter on CPU runs none of that code, so only a sweep on the GPU
-finds such shapes.  With V tiles that followed V it found: backward BK 32 with BV 16
-(bf16) NaN dq (right with `_prep` at 8 warps; compute-sanitizer's memcheck, initcheck and
-racecheck found nothing), BK 64 with BV 32 dq 0.56 off, V == 1 at K 32 NaN dk; forward V 32 at
-K >= 64 o 0.36-0.7 off or an illegal address.  Both now take 64-wide V tiles at every K
-(gdn.chunk_bwd.tiles, gdn.chunk_fwd), and the backward compiles V generically at V == 1.
+finds such shapes.  With V tiles that follow V: backward BK 32 with BV 16 (bf16) NaN dq
+(right with `_prep` at 8 warps; compute-sanitizer's memcheck, initcheck and racecheck find
+nothing), BK 64 with BV 32 dq 0.56 off, V == 1 at K 32 NaN dk; forward V 32 at K >= 64 o
+0.36-0.7 off or an illegal address.  So both take 64-wide V tiles at every K (`gdn.config`),
+and the backward compiles V generically at V == 1.
 
 Every (gate, K) pair runs in its own subprocess (a fault loses only its CUDA context), --jobs
 at once; each runs B1 T100 H2 at every V of the grid, delta rule on, with h0 and a final-state
@@ -28,8 +28,8 @@ autotuner's pick after it tried them all, against the oracle's o and final state
 `--forward --state-configs all` (or indices) runs every case at each of the state pass's
 configs in turn (its matrix part at that one config), `--shape B,T,H` the cases' shape (the
 state pass's fault in docs/findings.md was at B4 T16 H16).
-`--launch` sets GDN_BWD_LAUNCH (the launch overrides of gdn.chunk_bwd) in the children.  The
-last line is ALLOK or NOTOK.
+`--launch` is a JSON object of `gdn.config.GDNConfig` fields that every child's calls take
+(e.g. '{"bwd_prep_warps": 8}').  The last line is ALLOK or NOTOK.
 """
 from __future__ import annotations
 
@@ -51,20 +51,24 @@ GATES = {0: "none", 1: "scalar", 2: "vector"}
 
 
 def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: bool,
-          saved: str = "", shape=SHAPE, state_config: int | None = None) -> int:
+          saved: str = "", shape=SHAPE, state_config: int | None = None, launch: str = "") -> int:
     """Every V at one (gate, K): one line per case; returns the number of cases off bound.
-    A case that raises ends the child (a GPU fault loses its CUDA context)."""
+    A case that raises ends the child (a GPU fault loses its CUDA context).  ``launch``: JSON
+    config fields (`gdn.config.GDNConfig.from_dict`)."""
+    import dataclasses
+
     import torch
     sys.path.insert(0, str(ROOT / "tools"))
     import gdn.fwd_state
     from bench_gdn import inputs   # (it puts the repository root on sys.path)
-    gdn.fwd_state.TUNE = tune
+    from gdn.config import GDNConfig
+    config = GDNConfig.from_dict(dict(json.loads(launch or "{}"), state_pick="tune" if tune else "first"))
     cfg = ""
     if state_config is not None:
-        # the state pass's PART 0 at that one config: the untuned launch takes the first that
-        # fits of `_state_configs()`, here a list of one
-        one = gdn.fwd_state._state_configs()[state_config]
-        gdn.fwd_state._state_configs = lambda: [one]
+        # the state pass's PART 0 at that one config: the "first" pick takes the first that
+        # fits of the config's list, here a list of one
+        one = gdn.fwd_state._state_configs(config)[state_config]
+        config = dataclasses.replace(config, state_configs=((one.kwargs["BV"], one.num_warps, one.num_stages),))
         cfg = f" cfg{state_config} BV{one.kwargs['BV']} w{one.num_warps} s{one.num_stages}"
         try:
             gdn.fwd_state._sound_configs([one], K)
@@ -83,9 +87,9 @@ def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: b
         tag = f"gate{gate} K{K} V{V}{'' if delta else ' linear'} {dname}{cfg}"
         try:
             if forward:
-                errs = _forward_errors(*x, h0, do.to(dtype), dht, delta)
+                errs = _forward_errors(*x, h0, do.to(dtype), dht, delta, config)
             else:
-                errs = _backward_errors(*x, h0, do.to(dtype), dht, delta, saved)
+                errs = _backward_errors(*x, h0, do.to(dtype), dht, delta, saved, config)
         except Exception as e:  # noqa: BLE001 - a fault is this case's result
             print(f"{tag}: CRASH {type(e).__name__}: {str(e).splitlines()[0][:100]} FAIL", flush=True)
             return bad + 1
@@ -102,18 +106,18 @@ def _sync(t):
         torch.cuda.synchronize()
 
 
-def _forward_errors(q, k, v, g, beta, h0, do, dht, delta):
+def _forward_errors(q, k, v, g, beta, h0, do, dht, delta, config):
     """{output: normwise relative error}: o and the final state against the oracle's."""
     from bench_gdn import rel
     from gdn.chunk_fwd import chunk_gdn_fwd
     from gdn.oracle import recurrence
-    o, s = chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta)
+    o, s = chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta, config=config)
     _sync(o)
     ro, rs = recurrence(q, k, v, g, beta, initial_state=h0, delta=delta)
     return {"o": rel(o, ro), "state": rel(s, rs)}
 
 
-def _backward_errors(q, k, v, g, beta, h0, do, dht, delta, saved=""):
+def _backward_errors(q, k, v, g, beta, h0, do, dht, delta, saved, config):
     """{gradient: normwise relative error} against float64 autograd through the oracle, with
     an initial state and a final-state gradient; ``saved`` "inverse": on the forward's T,
     "all": on everything the forward saves."""
@@ -123,9 +127,9 @@ def _backward_errors(q, k, v, g, beta, h0, do, dht, delta, saved=""):
     from gdn.chunk_fwd import chunk_gdn_fwd
     from gdn.oracle import recurrence
     kept = chunk_gdn_fwd(q, k, v, g, beta, initial_state=h0, delta=delta,
-                         return_saved=True)[2] if saved else {}
+                         return_saved=True, config=config)[2] if saved else {}
     got = chunk_gdn_bwd(q, k, v, g, beta, do, dht, initial_state=h0, inverse=kept.get("inverse"),
-                        saved=kept if saved == "all" else None)
+                        saved=kept if saved == "all" else None, config=config)
     _sync(got[0])
     names = [n for n, x in zip(("q", "k", "v", "g", "beta", "h0"), (q, k, v, g, beta, h0)) if x is not None]
     ref = [x.detach().double().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
@@ -136,7 +140,7 @@ def _backward_errors(q, k, v, g, beta, h0, do, dht, delta, saved=""):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--launch", default="", help="JSON launch overrides (GDN_BWD_LAUNCH)")
+    ap.add_argument("--launch", default="", help="JSON object of gdn.config.GDNConfig fields")
     ap.add_argument("--jobs", type=int, default=15)
     ap.add_argument("--dtype", default="bf16", choices=sorted(BOUND))
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (interpreter) for a smoke test")
@@ -164,7 +168,7 @@ def main():
         gate, K, cfg = (int(x) for x in a.child.split(","))
         bad = child(gate, K, a.dtype, a.device, vs, a.forward, a.tune,
                     "all" if a.saved else "inverse" if a.saved_inverse else "", shape,
-                    None if cfg < 0 else cfg)
+                    None if cfg < 0 else cfg, a.launch)
         sys.stdout.flush()
         # every case is judged and printed (each synchronized): leave without the interpreter's
         # teardown, which once aborted a child on the H200 ("terminate called without an
@@ -172,8 +176,12 @@ def main():
         os._exit(1 if bad else 0)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if a.launch:
-        json.loads(a.launch)   # a typo fails here, not in every child
-        env["GDN_BWD_LAUNCH"] = a.launch
+        sys.path.insert(0, str(ROOT))
+        from gdn.config import GDNConfig
+        try:   # a typo fails here, not in every child
+            GDNConfig.from_dict(json.loads(a.launch))
+        except (ValueError, TypeError) as e:
+            ap.error(f"--launch: {e}")
     if a.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     configs = [-1]
@@ -181,8 +189,9 @@ def main():
         if a.device == "cpu":
             os.environ["TRITON_INTERPRET"] = "1"    # the interpreter's list, before triton loads
         sys.path.insert(0, str(ROOT))
+        from gdn.config import DEFAULT
         from gdn.fwd_state import _state_configs
-        n = len(_state_configs())
+        n = len(_state_configs(DEFAULT))
         configs = list(range(n)) if a.state_configs == "all" else \
             [int(x) for x in a.state_configs.split(",")]
         if any(not 0 <= c < n for c in configs):
@@ -202,7 +211,8 @@ def main():
             ok &= reap(*running.pop(0))
         cmd = [sys.executable, __file__, "--child", f"{gate},{K},{c}", "--dtype", a.dtype,
                "--device", a.device, "--vs", a.vs, "--shape", a.shape] + ["--forward"] * a.forward \
-            + ["--tune"] * a.tune + ["--saved-inverse"] * a.saved_inverse + ["--saved"] * a.saved
+            + ["--tune"] * a.tune + ["--saved-inverse"] * a.saved_inverse + ["--saved"] * a.saved \
+            + (["--launch", a.launch] if a.launch else [])
         running.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True), (gate, K)))
     for p, label in running:

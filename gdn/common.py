@@ -1,0 +1,291 @@
+"""What the GDN kernels share: the matrix path's bounds, the hand-off dtype, and the Triton
+helpers of the forward and backward kernels (pointers into [.., H, W] tensors, the gate
+prefix loads, the path checks, the token-by-token chunk, the products), and the varlen
+chunk tables' cache.
+
+Products take bf16 operands for bf16 inputs on GPUs in the state and output kernels (as the
+trusted reference rounds them; only where the output's N dimension is >= 32, see `odot`),
+bf16 operands in the WY prep too (`gdn.fwd_prep`), and fp32 operands otherwise (tf32 on GPUs;
+fp32 inputs tf32x3; "ieee" under the interpreter).  The tensors one launch hands to the next
+(w, u, the chunk states, v_new) are stored in bf16 for bf16 inputs (as fla does; the outputs
+are bf16 anyway) and in fp32 otherwise (an fp16 state could overflow): `handoff_dtype`.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+GATE_FLOOR = -110.0     # exp(-110) == 0 in fp32: a clamped gate forgets exactly as -inf does
+VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gate factoring
+BIG = 65536.0            # input magnitude above which a chunk runs the exact path
+SBIG = 1e30              # state magnitude above which a chunk runs the exact path
+
+
+def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the tensors one launch hands to the next (forward and backward)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+BF16_MAX = tl.constexpr(3.3895313892515355e38)   # tl.constexpr: read inside kernels
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def saturated(x, dtype: tl.constexpr):
+    """x (fp32) with the finite values beyond ``dtype``'s range (bf16: |x| in (3.3895e38,
+    3.4028e38]) set to its largest, keeping the sign; inf and NaN as they are."""
+    if dtype == tl.bfloat16:
+        x = tl.where((tl.abs(x) > BF16_MAX) & (tl.abs(x) <= FP32_MAX), tl.where(x > 0, BF16_MAX, -BF16_MAX), x)
+    return x
+
+
+@triton.jit
+def handoff(x, ptr):
+    """A state (or state gradient) in the dtype of the hand-off tensor ``ptr`` points into,
+    saturated (`saturated`): stored as it is, an fp32 state near fp32's maximum (an initial
+    state or final-state gradient drawn there) rounds to inf in bf16 on the GPU, and the
+    exact path that reads it back gives NaN where the oracle is finite (G06 on gdn_bwd: dq and
+    dk of every token of the head).  Triton's interpreter truncates fp32 -> bf16 where the
+    GPU rounds to nearest, so the CPU does not show it.  Only
+    the resume parts store such states: the matrix parts stop before them."""
+    return saturated(x, ptr.dtype.element_ty).to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def all_within(x, bound):
+    """True when every element is finite and |x| <= bound (NaN fails).  In fp32:
+    bound = 65536 rounds to inf in fp16, and |inf| <= inf would pass."""
+    return tl.max(tl.where(tl.abs(x.to(tl.float32)) <= bound, 0, 1)) == 0
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max(a, b), NaN where either is NaN (max.NaN.f32)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def all_within_max(x, bound):
+    """`all_within` as one NaN-propagating max over |x| (a NaN wins it, and |inf| > bound),
+    one instruction an element where `all_within` takes a compare and a select.  The state
+    pass's check of the state entering a chunk (a [K, BV] tile a chunk, on its serial chain).
+    The other checks keep `all_within`: with this form in it, `_out`'s K-sliced loop gives o
+    5e-2 off at gate 0, K 184, V >= 16 on the H200 (tools/sweep_gdn_gpu.py --forward; the
+    states right), and off the serial chain the form saves nothing measurable."""
+    return tl.where(tl.reduce(tl.abs(x.to(tl.float32)), None, _max_nan) <= bound, 0, 1) == 0
+
+
+@triton.jit
+def tile(ptr, r0, rr, cols, W, H):
+    """Pointers to rows r0 + rr H (rr [BT]) and columns `cols` of a [.., H, W] tensor seen as
+    rows of W: the 64-bit chunk base r0 (token bos at head i_h: bos H + i_h) added once, the
+    offsets inside the chunk 32-bit (BT H W < 2^31).  An int64 offset per element costs two
+    registers and two integer operations each.  (Forward and backward; W and H constexprs in
+    the forward, runtime integers in the backward.)"""
+    return (ptr + r0 * W) + (rr[:, None] * (H * W) + cols[None, :])
+
+
+@triton.jit
+def _gate_last(gc, gcl, r0, nlast, idx, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
+    """The cumulative gate of a chunk's last token (row r0 + nlast H, see `tile`): scalar gate,
+    (hi, lo) broadcast along ``idx`` (loads of one address, so that Triton pipelines them as
+    it does the chunk's gates); vector gate, its [BK] row (``idx`` the key columns) twice.
+    Loaded, not summed out of the chunk's gates: each such sum is a reduction across the
+    warps, with its barriers (the state pass's serial chain had four a chunk, 24 barriers a
+    chunk at sm_90 offline; 14 loaded)."""
+    if GATE == 1:
+        return tl.load(gc + r0 + nlast * H + idx * 0), tl.load(gcl + r0 + nlast * H + idx * 0)
+    GL = tl.load((gc + r0 * K) + nlast * (H * K) + idx, mask=idx < K, other=0.0)
+    return GL, GL
+
+
+@triton.jit
+def load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H: tl.constexpr, K: tl.constexpr,
+                GATE: tl.constexpr):
+    """A chunk's cumulative gates (rows r0 + rr H, see `tile`), the padding rows set to the
+    last token's (so no decay exponent within the chunk is positive: exp(0 - (-120)) is inf
+    in fp32, and inf * 0 = NaN would spread through the products), and the last token's
+    (``nlast`` its row, `_gate_last`): a scalar gate as (hi, lo, last hi, last lo), the last
+    [BT] vectors of one value; a vector gate as (G, G, last row, last row)."""
+    if GATE == 1:
+        G = tl.load(gc + r0 + rr * H, mask=rmask, other=0.0)
+        Gl = tl.load(gcl + r0 + rr * H, mask=rmask, other=0.0)
+        GL, GLl = _gate_last(gc, gcl, r0, nlast, rr, H, K, GATE)
+        return tl.where(rmask, G, GL), tl.where(rmask, Gl, GLl), GL, GLl
+    else:
+        G = tl.load(tile(gc, r0, rr, dk, K, H), mask=m2, other=0.0)
+        GL, _ = _gate_last(gc, gcl, r0, nlast, dk, H, K, GATE)
+        G = tl.where(rmask[:, None], G, GL[None, :])
+        return G, G, GL, GL
+
+
+@triton.jit
+def inv_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for A strictly lower [BT, BT], BT in {16, 32, 64}: forward
+    substitution inside the 16x16 diagonal blocks (all blocks at once), then the
+    block Neumann product (I + F)^-1 = I - F + F^2 - F^3, F = Dinv E, which is
+    block forward substitution term by term."""
+    NB: tl.constexpr = BT // 16
+    r = tl.arange(0, BT)
+    same = (r[:, None] // 16) == (r[None, :] // 16)
+    D3 = tl.sum(tl.reshape(tl.where(same, A, 0.0), (NB, 16, NB, 16)), axis=2)
+    a = tl.arange(0, 16)
+    ia = a[None, :, None]
+    ib = a[None, None, :]
+    X = tl.where(ia == ib, 1.0, 0.0) + tl.zeros((NB, 16, 16), dtype=tl.float32)
+    for i in tl.static_range(1, 16):
+        row = tl.sum(tl.where(ia == i, D3, 0.0), axis=1)            # [NB, 16]: D[i, :]
+        new = tl.sum(row[:, :, None] * X, axis=1)                   # [NB, 16]: D[i, :] X
+        X = tl.where(ia == i, tl.where(ib == i, 1.0, 0.0) - new[:, None, :], X)
+    X4 = tl.broadcast_to(tl.reshape(X, (NB, 16, 1, 16)), (NB, 16, NB, 16))
+    Dinv = tl.where(same, tl.reshape(X4, (BT, BT)), 0.0)
+    if NB > 1:
+        eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+        F = tl.dot(Dinv, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0),
+                   input_precision=PREC)
+        P = eye - F
+        P = eye - tl.dot(F, P, input_precision=PREC)
+        P = eye - tl.dot(F, P, input_precision=PREC)
+        Dinv = tl.dot(P, Dinv, input_precision=PREC)
+    return Dinv
+
+
+@triton.jit
+def chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    if IS_VARLEN:
+        bos = tl.load(cb_ptr + i_c)
+        eos = tl.load(ce_ptr + i_c)
+    else:
+        i_b = i_c // NT
+        bos = i_b * T + (i_c % NT) * BT
+        eos = tl.minimum(bos + BT, i_b * T + T)
+    return bos, eos
+
+
+@triton.jit
+def exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask, smask,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 GATE: tl.constexpr, DELTA: tl.constexpr, STORE_O: tl.constexpr):
+    """One chunk token by token with the oracle's formulas, each step in float64 as the oracle
+    computes (so that a value the oracle keeps inside fp32's range is not an fp32 overflow of
+    an intermediate: G06, beta at bf16's maximum); stores its outputs when STORE_O (rounded
+    through fp32: Triton 3.9's interpreter rounds float64 to bf16 wrongly), returns the new
+    state.  Between steps the state is kept in S's dtype (float64 in the output kernel); an
+    fp32 one (the state kernel's, whose [BK, BV] tile in float64 spilled at sm_90) as
+    S_true / 2^e, e > 0 only while the state's largest finite element is past 2^100, so a
+    state that leaves fp32's range inside the chunk and comes back, as the oracle's may, is
+    carried across (G06: final state 1.6e32 after a step past 3.4e38)."""
+    RESCALE: tl.constexpr = S.dtype == tl.float32
+    e = tl.full([], 0.0, tl.float64)
+    for t in range(0, tl.minimum(BT, eos - t0)):
+        tok = (t0 + t).to(tl.int64)
+        Sd = S.to(tl.float64)
+        if RESCALE:
+            Sd = Sd * tl.exp2(e)
+        kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
+        vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float64)
+        if GATE == 1:
+            Sd = tl.exp(tl.load(g + tok * H + i_h).to(tl.float64)) * Sd
+        elif GATE == 2:
+            av = tl.exp(tl.load(g + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64))
+            Sd = av[:, None] * Sd
+        if DELTA:
+            bk = tl.load(beta + tok * H + i_h).to(tl.float64) * kv
+            kS = tl.sum(kv[:, None] * Sd, axis=0)
+            Sd = Sd - bk[:, None] * kS[None, :] + bk[:, None] * vv[None, :]
+        else:
+            Sd = Sd + kv[:, None] * vv[None, :]
+        Sd = tl.where(smask, Sd, 0.0)   # padding stays 0 (no 0 * inf in it)
+        if STORE_O:
+            qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
+            ov = tl.sum(qv[:, None] * Sd, axis=0)
+            tl.store(o + (tok * H + i_h) * V + dv, ov.to(tl.float32).to(o.dtype.element_ty), mask=vmask)
+        if RESCALE:
+            a = tl.where(tl.abs(Sd) < float("inf"), tl.abs(Sd), 0.0)   # NaN and Inf keep no scale
+            big = tl.max(tl.max(a, axis=1), axis=0)
+            e = tl.where(big > 1.2676506002282294e30, tl.ceil(tl.log2(big)) - 100.0, 0.0)   # 2^100
+            S = (Sd * tl.exp2(-e)).to(S.dtype)
+        else:
+            S = Sd.to(S.dtype)
+    if RESCALE:
+        S = (S.to(tl.float64) * tl.exp2(e)).to(S.dtype)
+    return S
+
+
+@triton.jit
+def odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+    """A matrix product of the forward and backward kernels: bf16 operands for bf16 inputs on
+    GPUs (DT), fp32 ones at PREC otherwise and wherever the output's N dimension is under 32.
+    bf16 products with N = 16 miscompile on the H200 with Triton 3.6: the output kernel at
+    V <= 16 gives o 100% wrong, and the state kernel's 16-wide resume tiles read shared
+    memory out of bounds (compute-sanitizer: DeltaNet with a NaN in v, "Invalid __shared__
+    read of size 512 bytes" here).  M or K under 32 is fine (swept on the H200: forward and
+    backward, every gate, K 16-184, V 1-80, bf16), so KDA's 16-token chunks keep bf16
+    products."""
+    narrow = b.shape[1] < 32
+    if DT == tl.float32 or narrow:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def mask_and(mask, ok):
+    """mask & ok for a scalar ok, as a store mask.  (`mask & ok` alone is int32 under Triton
+    3.9's interpreter, which refuses it as a mask; tl.where(ok, mask, False) is the suspect of
+    stores past the tensors' ends on the H200 with Triton 3.6: V=16 with 64-wide state
+    tiles fault, and o comes out wrong at T=100.)"""
+    return (mask & ok) != 0
+
+
+@triton.jit
+def group_flag(flags, cs, c):
+    """The flag of chunk ``c`` from a group's flags ``flags`` over its chunks ``cs`` (one load
+    a group: the token-by-token launches, `_out_kernel`'s PART 1 and the backward's `_exact`)."""
+    return tl.sum(tl.where(cs == c, flags, 0), 0)
+
+
+
+def pow2(n):
+    return max(16, triton.next_power_of_2(n))
+
+
+# The varlen chunk tables of the last few cu_seqlens (`kept_plan`), newest last.
+PLAN_CACHE_SIZE = 16   # a forward's and a backward's table for each of 8 cu_seqlens tensors
+_plans: OrderedDict = OrderedDict()
+
+
+def kept_plan(cu_seqlens, key: tuple, build):
+    """``build()`` (a chunk table made from cu_seqlens), kept for the last PLAN_CACHE_SIZE
+    (cu_seqlens tensor, ``key``) pairs: the forward's (`varlen_plan`) and the backward's
+    (`gdn.bwd_chunks.chunk_plan`).  Reading cu_seqlens on the host waits for the GPU, so a
+    launch that builds its tables on every call runs its host work with the GPU idle: on the
+    H200 (bf16 GDN, 64 varlen sequences, T 32768 H16 K=V=128) that nearly doubles the
+    forward's time.  An entry is the same tensor object (held by
+    the cache, so its id is not reused) at the same version counter, which every in-place
+    write through torch (views included) advances; a tensor without a version counter (made
+    in inference mode) is read every time.  A write that bypasses torch (a raw kernel on its
+    memory) is not seen: call `clear_plans()` after one."""
+    try:
+        full = (id(cu_seqlens), cu_seqlens._version, cu_seqlens.data_ptr()) + tuple(key)
+    except RuntimeError:   # an inference tensor: no version counter
+        return build()
+    hit = _plans.get(full)
+    if hit is not None and hit[0] is cu_seqlens:
+        _plans.move_to_end(full)
+        return hit[1]
+    plan = build()
+    _plans[full] = (cu_seqlens, plan)
+    while len(_plans) > PLAN_CACHE_SIZE:
+        _plans.popitem(last=False)
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every kept varlen chunk table (`kept_plan`): needed after a write to a
+    cu_seqlens tensor that bypasses torch (a raw kernel on its memory)."""
+    _plans.clear()
