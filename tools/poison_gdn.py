@@ -148,7 +148,7 @@ def differences(a: list, b: list) -> list[str]:
             idx = (bits(x) != bits(y)).reshape(-1).nonzero()[:, 0]
             i = int(idx[0])
             out.append(f"{name}: {len(idx)} element(s) differ, first at flat index {i}: "
-                       f"{float(x.reshape(-1)[i])} against {float(y.reshape(-1)[i])}")
+                       f"{float(x.detach().reshape(-1)[i])} against {float(y.detach().reshape(-1)[i])}")
     return out
 
 
