@@ -157,8 +157,10 @@ def _case_inputs(case_json: str, device: str):
     from kfuzz.case import SCHEMA, Case
     from kfuzz.tensors import materialize
     case = Case.from_json({"args": {}, "payload": None, "kfuzz": SCHEMA, **json.loads(case_json)})
-    target = targets.get_target(case.target)
     targets.prepare_triton()
+    if case.target not in targets.load_targets():
+        import harnesses.gdn  # noqa: F401  (registers the GDN targets where kfuzz is not installed)
+    target = targets.get_target(case.target)
     return case, target, materialize(case, target, device)
 
 
