@@ -17,7 +17,7 @@ campaign's process sees after a case with NaN inputs.
 
 `fills` is the context manager that tests use (tests/test_gdn_poison.py).  The command line
 replays a case (as JSON: `kfuzz show` prints it) ``--runs`` times under each fill on
-``--device`` and prints, per fill, the runs whose outputs hold a NaN or Inf where the float64
+``--device`` (after ``--before``'s case each time, where given) and prints, per fill, the runs whose outputs hold a NaN or Inf where the float64
 oracle's are finite, and the outputs' bits that differ from the ``zero`` fill's; with
 ``--sites`` it then poisons one allocation site (file:line) at a time, to name the buffer
 whose unwritten part is read.  Exit 1 when any fill changed a result, else 0.
@@ -171,14 +171,20 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--fills", default="asis,nanpool,zero,nan,huge")
     ap.add_argument("--sites", action="store_true", help="then poison (nan) one allocation site at a time")
+    ap.add_argument("--before", default=None,
+                    help="a case (JSON) whose kernel runs before every run: what a campaign's process ran "
+                         "earlier (its NaN left in freed memory, in shared memory, in caches)")
     a = ap.parse_args(argv)
     from kfuzz.execute import oracle_outputs
     case, target, inputs = _case_inputs(a.case, a.device)
     if not case.target.startswith("gdn_bwd"):
         ap.error(f"--case: a gdn_bwd* case is needed; got target {case.target!r}")
     oracle = {k: v.cpu() for k, v in oracle_outputs(target, inputs, "cpu").items()}
+    before = _case_inputs(a.before, a.device) if a.before else None
 
     def once(fill, site=None):
+        if before is not None:
+            before[1].kernel(**before[2])
         if fill == "nanpool":
             nan_pool(a.device)
         with fills("asis" if fill == "nanpool" else fill, site) as seen:
