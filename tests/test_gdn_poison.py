@@ -3,7 +3,9 @@
 instead of zeros, and with the inputs inside NaN-filled storage, the op's forward and backward
 give the same bits.  A GPU's caching allocator hands back memory holding earlier values;
 the interpreter's fresh memory is mostly zeros, so these fills are what make an unwritten read
-show on the CPU (tools/poison_gdn.py does the same on a GPU)."""
+show on the CPU (tools/poison_gdn.py does the same on a GPU).  Programs of one launch run in no
+order on a GPU and in a fixed one in the interpreter: run in reverse, they give the same bits
+too (a program reading another's output would not)."""
 import os
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from poison_gdn import differences, fills, op_outputs  # noqa: E402
+from poison_gdn import differences, fills, op_outputs, reversed_programs  # noqa: E402
 
 import gdn.fwd_state  # noqa: E402
 
@@ -105,3 +107,39 @@ def test_the_check_catches_a_launch_that_reads_scratch_nobody_wrote(monkeypatch)
     with fills("nan"):
         got = op_outputs(x)
     assert differences(want, got)
+
+
+needs_interpreter = pytest.mark.skipif(DEV == "cuda", reason="reorders the Triton interpreter's programs")
+
+
+@needs_interpreter
+def test_the_ops_outputs_do_not_depend_on_the_order_of_programs():
+    """Programs of one launch run in no order on a GPU: the interpreter's programs in reverse
+    grid order give the same bits."""
+    x = inputs(1, 3, 17, 17, 1, True, torch.bfloat16)
+    want = op_outputs(x)
+    with reversed_programs():
+        got = op_outputs(x)
+    assert not differences(want, got)
+
+
+@needs_interpreter
+def test_the_order_check_catches_a_program_that_reads_another_programs_output():
+    """A planted launch whose program i reads what program i - 1 wrote."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chained(out):
+        i = tl.program_id(0)
+        prev = tl.load(out + i - 1, mask=i > 0, other=0.)
+        tl.store(out + i, prev + 1.)
+
+    def run():
+        out = torch.zeros(4)
+        chained[(4,)](out)
+        return out
+    want = run()
+    with reversed_programs():
+        got = run()
+    assert not torch.equal(want, got)

@@ -15,7 +15,8 @@ zeros and the same read stays harmless, so the fills make it show everywhere.
 large NaN tensor allocated and freed, so the caching allocator's next blocks hold NaN): what a
 campaign's process sees after a case with NaN inputs.
 
-`fills` is the context manager that tests use (tests/test_gdn_poison.py).  The command line
+`fills` and `reversed_programs` (the interpreter's programs in reverse grid order) are the
+context managers that tests use (tests/test_gdn_poison.py).  The command line
 replays a case (as JSON: `kfuzz show` prints it) ``--runs`` times under each fill on
 ``--device`` (after ``--before``'s case each time, where given) and prints, per fill, the runs whose outputs hold a NaN or Inf where the float64
 oracle's are finite, and the outputs' bits that differ from the ``zero`` fill's; with
@@ -96,6 +97,24 @@ def fills(fill: str, site: str | None = None):
     finally:
         for m in mods:
             m.torch = torch
+
+
+@contextlib.contextmanager
+def reversed_programs():
+    """Within the block, the Triton interpreter runs every launch's programs in reverse grid
+    order.  Programs of one launch run concurrently on a GPU, in no order: a program that
+    reads what another program of the same launch writes gives a result that depends on the
+    order, and the interpreter's fixed order hides it."""
+    import triton.runtime.interpreter as interp
+    orig = interp.InterpreterBuilder.set_grid_idx
+
+    def set_grid_idx(self, x, y, z):
+        return orig(self, self.grid_dim[0] - 1 - x, self.grid_dim[1] - 1 - y, self.grid_dim[2] - 1 - z)
+    interp.InterpreterBuilder.set_grid_idx = set_grid_idx
+    try:
+        yield
+    finally:
+        interp.InterpreterBuilder.set_grid_idx = orig
 
 
 def nan_pool(device) -> None:
