@@ -1,0 +1,54 @@
+"""The bound where an answer cancels: the trusted error is raised to the oracle's own change
+under a one-roundoff perturbation of the inputs (kfuzz.execute.perturbed_trusted).
+
+The case: GDN varlen, one token, K = 1, beta = 1 exactly (sigmoid saturated): the state is
+replaced at every step, so dg = a <dS, S0> (1 - beta k^2) = 0, a difference of two terms of
+about 1.5.  The float64 oracle and the trusted fp32 reference cancel them exactly; the kernel's
+other order of operations leaves 1.2e-7 (one fp32 rounding of the terms), which a bound scaled
+by the trusted error alone (0) calls 2.5e30 times too large."""
+import pytest
+import torch
+
+import kfuzz.execute as ex
+from kfuzz.case import SCHEMA, Case
+from kfuzz.target import get_target
+
+CASE = {"target": "gdn_bwd_varlen", "dtype": "float32", "seed": 0,
+        "dims": {"B": 1, "T": 1, "H": 1, "K": 1, "V": 2, "N": 2},
+        "args": {"beta": {"dist": {"kind": "shifted", "shift": 30}}}}
+
+
+@pytest.fixture(scope="module")
+def ran():
+    case = Case.from_json({"payload": None, "kfuzz": SCHEMA, **CASE})
+    target = get_target(case.target)
+    inputs, outputs, verdict = ex.kernel_stage(case, target)
+    assert verdict is None
+    return case, target, inputs, outputs
+
+
+def test_an_answer_that_cancels_is_judged_against_its_sensitivity(ran, monkeypatch):
+    case, target, inputs, outputs = ran
+    assert float(inputs["beta"].min()) == 1.0 and float(outputs["dg"].abs().max()) > 0
+    assert ex.judge(case, target, inputs, outputs).passed
+    # without the raised trusted error the bound collapses to the floor at an oracle of 0
+    monkeypatch.setattr(ex, "perturbed_trusted", lambda target, case, inputs, oracle, trusted, device="cpu": trusted)
+    v = ex.judge(case, target, inputs, outputs)
+    assert v.kind == "bound" and v.output == "dg"
+
+
+def test_an_error_beyond_the_sensitivity_still_fails(ran):
+    case, target, inputs, outputs = ran
+    wrong = dict(outputs, dg=outputs["dg"] + 1e-4)
+    v = ex.judge(case, target, inputs, wrong)
+    assert v.kind == "bound" and v.output == "dg"
+
+
+def test_the_perturbation_is_one_roundoff_and_keeps_zeros_and_specials():
+    x = torch.tensor([0.0, -0.0, 1.5, -3.0, float("nan"), float("inf")], dtype=torch.bfloat16)
+    u = 2.0 ** -24
+    p = ex.perturbed_inputs({"x": x, "n": torch.arange(3)}, u, seed=1)["x"]
+    assert p.dtype == torch.float64
+    assert torch.equal(p[:2], x[:2].double()) and torch.isnan(p[4]) and p[5] == float("inf")
+    rel = (p[2:4] / x[2:4].double() - 1).abs()
+    assert torch.all((rel - u).abs() < 1e-20)
