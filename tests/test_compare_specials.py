@@ -87,3 +87,11 @@ def test_a_campaign_excuses_the_overflow_and_not_the_spread_nan_beside_it(kernel
     x = {"x": t32(3e38, 1.0, 2.0, NAN)}
     v = judge(case, target, x, {"out": kernel(x["x"])})
     assert (None if v.passed else v.kind) == kind, v.detail
+
+
+def test_a_bound_failure_names_the_positions_where_the_trusted_implementation_has_no_value():
+    o = torch.tensor([1.0, 2.0, NAN], dtype=torch.float64)
+    f = compare(t32(1.5, 2.0, NAN), o, t32(NAN, 2.0, NAN), "float32", trusted_clean=t32(1.0, 2.0, 0.0))
+    assert f.kind == "bound" and "non-finite at 1 of the 2 positions judged" in f.detail
+    f = compare(t32(1.5, 2.0, NAN), o, t32(1.0, 2.0, NAN), "float32")
+    assert f.kind == "bound" and "trusted implementation is non-finite" not in f.detail
