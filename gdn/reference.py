@@ -37,8 +37,9 @@ targets, carries a NaN or Inf to the tokens the recurrence carries it to, and
 no others: every in-chunk mask selects before a product (a lower-triangular
 product sums row i over rows j <= i alone, `_CausalProduct`, and so do the
 products of its gradient), the inverse T is formed row by row where A is not
-finite, and a non-finite gate reaches only the decays that span it
-(`_gate_sums`).  On finite inputs every one of these is the plain product.  So
+finite, a non-finite gate reaches only the decays that span it, and a
+non-finite gradient of a decay only the gates it spans (`_PairSums`: the
+gradient of G_i - G_j is not NaN - NaN at the gates before token j).  On finite inputs every one of these is the plain product.  So
 its outputs have the oracle's NaN/Inf sets (where no intermediate overflows
 fp32), and a kernel that spreads a NaN to earlier tokens of its chunk finds no
 excuse in it.
@@ -159,21 +160,41 @@ def _masked_decayed_gram(A, B, dec, mask):
             * torch.where(m, dec, 0.)).sum(-1)
 
 
+class _PairSums(torch.autograd.Function):
+    """D[i, j] = sum_{j < m <= i} g_m for i > j, 0 elsewhere ([B,H,n,n(,K)] from gc [B,H,n(,K)]),
+    the decay from token j's update to token i.  Forward: G_i - G_j where every gate is finite,
+    else each D[i, j] from its own gates, so a NaN or Inf gate at token m reaches the pairs that
+    span it alone (G_i - G_j is NaN - NaN there).  Backward: the gradient of g_m sums the pairs
+    (i, j) with j < m <= i alone, by an exclusive running sum over j (no NaN of a pair that does
+    not span m meets the zero of G_i - G_j's cancellation: NaN - NaN is NaN, not 0)."""
+
+    @staticmethod
+    def forward(ctx, gc):
+        n = gc.shape[2]
+        idx = torch.arange(n, device=gc.device)
+        lower = (idx[:, None] > idx[None, :]).reshape(n, n, *([1] * (gc.dim() - 3)))
+        ctx.save_for_backward(lower)
+        if bool(torch.isfinite(gc).all()):
+            G = torch.cumsum(gc, dim=2)
+            return torch.where(lower, G[:, :, :, None] - G[:, :, None, :], 0.)
+        D = torch.zeros(*gc.shape[:2], n, n, *gc.shape[3:], dtype=gc.dtype, device=gc.device)
+        for i in range(n):   # D[i, j] for j < i: the sums of g_{j+1..i}, in reverse
+            D[:, :, i, :i] = torch.flip(torch.cumsum(torch.flip(gc[:, :, 1:i + 1], [2]), dim=2), [2])
+        return D
+
+    @staticmethod
+    def backward(ctx, dD):
+        (lower,) = ctx.saved_tensors
+        run = torch.cumsum(torch.where(lower, dD, 0.), dim=3)                  # sum_{j <= m}
+        before = torch.cat([torch.zeros_like(run[:, :, :, :1]), run[:, :, :, :-1]], dim=3)  # j < m
+        return torch.where(~lower.transpose(0, 1), before, 0.).sum(2)                 # i >= m
+
+
 def _gate_sums(gc):
     """A chunk's gate sums (clamped, float64; gc [B,H,n] or [B,H,n,K]): G_i = sum_{m <= i} g_m
     and D[i, j] = sum_{j < m <= i} g_m for i >= j ([B,H,n,n(,K)]; the decay from token j's
-    update to token i).  Where every gate is finite, D = G_i - G_j; else each D[i, j] sums its
-    own gates, so a NaN or Inf gate at token m reaches the pairs that span it alone, not every
-    pair after it (G_i - G_j is NaN - NaN there)."""
-    G = torch.cumsum(gc, dim=2)
-    if bool(torch.isfinite(gc).all()):
-        return G, G[:, :, :, None] - G[:, :, None, :]
-    n = gc.shape[2]
-    D = torch.zeros(*gc.shape[:2], n, n, *gc.shape[3:], dtype=gc.dtype, device=gc.device)
-    for i in range(n):   # D[i, j] for j <= i: the sums of g_{j+1..i}, in reverse
-        tail = torch.flip(torch.cumsum(torch.flip(gc[:, :, 1:i + 1], [2]), dim=2), [2])
-        D[:, :, i, :i] = tail
-    return G, D
+    update to token i; `_PairSums`)."""
+    return torch.cumsum(gc, dim=2), _PairSums.apply(gc)
 
 
 def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None):

@@ -2,20 +2,27 @@
 
 Nonfinite (tolerance-free): the kernel's NaN set and its +Inf and -Inf sets must
 equal those of the oracle's output rounded to the output dtype. The latitude is
-where an honest kernel could land either way, and there a finite or a
-non-finite value are both accepted and the position leaves the bound: where the
-oracle's value lies within a few roundoffs of the dtype's largest finite value
-(rounding may land on either side), and where the trusted implementation at the
-kernel's precision overflowed while the oracle did not (an fp32 running total
-of values near fp32's maximum overflows in any honest kernel), or overflowed
-into a non-finite value of another kind than the oracle's (an intermediate
-overflow turned the oracle's Inf into NaN). An overflow gives Inf, and NaN only
-from Infs (inf - inf, 0 * inf): so the trusted implementation's Inf counts, and
-its NaN only in an output where the oracle has no NaN. A NaN in an output where
-the oracle has NaNs too is a NaN the inputs carry, and where the trusted
-implementation has it and the oracle does not, the trusted one spread it where
-the math does not: that excuses no kernel. Gate G06 (range) is the strict check
-of that second latitude.
+where an honest kernel could land either way:
+
+- where the oracle's value lies within a few roundoffs of the dtype's largest
+  finite value (rounding may land on either side): finite or Inf;
+- where the trusted implementation at the kernel's precision is non-finite while
+  the oracle is finite, or non-finite of another kind, and it stays non-finite on
+  the inputs with their NaN and Inf replaced by 0: any value, and the position
+  leaves the bound. No special value of the inputs made it so, only an overflow
+  (an fp32 running total of values near fp32's maximum overflows in any honest
+  kernel, and where a sum holds Infs of both signs it is NaN, where the true sum
+  is beyond the range, of either sign). So a NaN the inputs carry, which the
+  trusted implementation spread where the math does not, excuses no kernel;
+- where the trusted implementation and the oracle are both non-finite, of other
+  kinds, and not by an overflow: any non-finite value. The kind that arithmetic
+  on an Inf gives depends on the algorithm (a chunked WY form and the step-by-step
+  recurrence turn an Inf outside an argument's domain into NaN or into an Inf at
+  different positions), while the set of non-finite positions does not: a finite
+  value there, or a NaN or Inf where the oracle is finite, still fails.
+
+Without a trusted implementation (gate G05) every kind must match; gate G06
+(range) is the strict check of the overflow latitude.
 
 The bound (on the positions where both are finite), normwise and elementwise,
 so that a single wrong element in a large tensor fails:
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -69,15 +77,17 @@ def _class(x: torch.Tensor) -> torch.Tensor:
 
 
 def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, ambiguous: torch.Tensor,
-                       free: torch.Tensor | None = None) -> str | None:
+                       free: torch.Tensor | None = None, any_class: torch.Tensor | None = None) -> str | None:
     """Where NaN/+Inf/-Inf sets differ; ``ambiguous`` positions may be finite or Inf (not NaN),
-    ``free`` positions anything."""
+    ``free`` positions anything, ``any_class`` positions any non-finite value."""
     for name, fn in (("NaN", torch.isnan), ("+Inf", lambda x: torch.isposinf(x)),
                      ("-Inf", lambda x: torch.isneginf(x))):
         km, om = fn(k), fn(o_rounded)
         diff = (km != om) & ~(ambiguous & ~torch.isnan(k))
         if free is not None:
             diff &= ~free
+        if any_class is not None:
+            diff &= ~(any_class & ~torch.isfinite(k))
         if diff.any():
             idx = diff.reshape(-1).nonzero()[0].item()
             n = int(diff.sum())
@@ -87,8 +97,11 @@ def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, ambiguous: torc
 
 
 def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: torch.Tensor | None,
-            dtype: str, c: float = BOUND_C) -> Finding:
-    """Judge one output; ``dtype`` is the output's dtype name."""
+            dtype: str, c: float = BOUND_C,
+            trusted_clean: torch.Tensor | Callable[[], torch.Tensor] | None = None) -> Finding:
+    """Judge one output; ``dtype`` is the output's dtype name. ``trusted_clean``: the trusted
+    implementation's output on the inputs with every NaN and Inf replaced by 0 (or a function
+    that computes it, called only when needed); None where the inputs hold no NaN or Inf."""
     k, o = _f64(kernel_out), _f64(oracle_out)
     dt = torch_dtype(dtype)
     if not dt.is_floating_point:
@@ -100,16 +113,22 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     o_rounded = o.to(dt).to(torch.float64)
     edge = o.abs() / float(fi.max)
     ambiguous = (edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps))
+    any_class = None
     if trusted_out is not None:
-        # where the honest same-precision implementation overflows too (finite, or Inf, in the
-        # oracle, NaN or another Inf in it: inf - inf after an intermediate overflow), so may
-        # the kernel; not where its NaN is one the inputs carry (the oracle has NaNs here too)
+        # where the honest same-precision implementation is non-finite and the oracle is finite
+        # (or non-finite of another kind), so may the kernel be, where that is an overflow: where
+        # it stays non-finite on the inputs without their NaN and Inf.  Where both are
+        # non-finite but of other kinds, the kernel must be non-finite, of any kind
         t = _f64(trusted_out)
-        overflowed = torch.isinf(t) | (torch.isnan(t) & (not bool(torch.isnan(o_rounded).any())))
-        free = overflowed & (torch.isfinite(o_rounded) | (_class(t) != _class(o_rounded)))
+        free = ~torch.isfinite(t) & (torch.isfinite(o_rounded) | (_class(t) != _class(o_rounded)))
+        if trusted_clean is not None and bool(free.any()):
+            clean = trusted_clean() if callable(trusted_clean) else trusted_clean
+            overflow = ~torch.isfinite(_f64(clean))
+            any_class = free & ~overflow & ~torch.isfinite(o_rounded)
+            free &= overflow
     else:
         free = torch.zeros_like(ambiguous)
-    bad = nonfinite_mismatch(k, o_rounded, ambiguous, free)
+    bad = nonfinite_mismatch(k, o_rounded, ambiguous, free, any_class)
     if bad:
         return Finding("nonfinite", bad, math.inf)
 
@@ -120,9 +139,10 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     if trusted_out is not None:
         t = _f64(trusted_out)[finite]
         terr = (t - of).abs()
+        unknown = int((~torch.isfinite(terr)).sum())   # the trusted one spread a NaN or Inf here
         terr = terr[torch.isfinite(terr)]
     else:
-        terr = torch.zeros(0, dtype=torch.float64)
+        terr, unknown = torch.zeros(0, dtype=torch.float64), 0
     n = max(1, int(finite.sum()))
     t_norm = float(terr.norm()) if terr.numel() else 0.0
     t_max = float(terr.max()) if terr.numel() else 0.0
@@ -148,4 +168,7 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     else:
         detail = (f"normwise error {e_norm:.3g} > bound {norm_bound:.3g} ({norm_ratio:.3g}x; "
                   f"relative {rel:.3g}, trusted {t_norm / o_norm if o_norm else t_norm:.3g})")
+    if unknown:
+        detail += (f"; the trusted implementation is non-finite at {unknown} of the {int(finite.sum())} "
+                   f"positions judged (where the oracle is finite), so its error there is not in the bound")
     return Finding("bound", detail, ratio, metrics)

@@ -41,7 +41,7 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -173,6 +173,33 @@ def perturbed_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Ten
     return out
 
 
+def without_specials(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The inputs with every NaN and Inf replaced by 0, or None if they hold none: where the
+    trusted implementation is non-finite on these too, no special value of the inputs made it
+    so, only an overflow (``kfuzz.compare``)."""
+    out, any_special = {}, False
+    for k, v in inputs.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            any_special = True
+            v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+        out[k] = v
+    return out if any_special else None
+
+
+def lazy_outputs(compute: Callable[[], Mapping[str, torch.Tensor]]) -> Callable[[str], Callable[[], torch.Tensor]]:
+    """For each output name, a function returning that output of ``compute()``, which runs
+    once, at the first call."""
+    done: list[Mapping[str, torch.Tensor]] = []
+
+    def output(name: str) -> Callable[[], torch.Tensor]:
+        def get() -> torch.Tensor:
+            if not done:
+                done.append(compute())
+            return done[0][name]
+        return get
+    return output
+
+
 def oracle_outputs(target: Target, inputs: Mapping[str, torch.Tensor], device="cpu") -> dict[str, torch.Tensor]:
     """The reference math on float64-upcast copies of ``inputs``, computed on ``device``."""
     return as_outputs(target.reference(**_upcast(inputs, device)), target)
@@ -300,6 +327,16 @@ def execute(case: Case, target: Target | None = None, device: str = "cpu",
     return judge(case, target, inputs, outputs, oracle_device or device, c)
 
 
+def _clean_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor], device
+                   ) -> Callable[[str], Callable[[], torch.Tensor]] | None:
+    """Per output, the trusted implementation's output on ``inputs`` without their NaN and Inf
+    (computed once, when first asked for); None where the inputs hold none."""
+    clean = without_specials(inputs)
+    if clean is None:
+        return None
+    return lazy_outputs(lambda: _here(trusted_outputs(target, case, clean, device)))
+
+
 def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
           outputs: Mapping[str, torch.Tensor], oracle_device: str = "cpu", c: float = BOUND_C) -> Verdict:
     """The oracle's half: compare the kernel's ``outputs`` on ``inputs`` with the float64
@@ -310,23 +347,27 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     trusted = _here(trusted_outputs(target, case, inputs, oracle_device))
     outputs = _here(outputs)
     flushed = flush_subnormals(inputs)
+    clean = _clean_trusted(target, case, inputs, oracle_device)
     raised = None
     worst = 0.0
     metrics: dict[str, float] = {}
     for name, out in outputs.items():
         dtype = target.output_dtype(name, case.dtype)
-        finding = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale)
+        finding = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
+                          clean and clean(name))
         if finding.kind is not None and flushed is not None:
             # flush-to-zero is a legitimate IEEE mode on GPUs: judge against it too
             oracle_ftz = _here(oracle_outputs(target, flushed, oracle_device))
             trusted_ftz = _here(trusted_outputs(target, case, flushed, oracle_device))
-            alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale)
+            clean_ftz = _clean_trusted(target, case, flushed, oracle_device)
+            alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale,
+                          clean_ftz and clean_ftz(name))
             finding = alt if alt.kind is None else finding
         if finding.kind == "bound":
             # an answer that cancels: the trusted error raised to the oracle's own sensitivity
             if raised is None:
                 raised = perturbed_trusted(target, case, inputs, oracle, trusted, oracle_device)
-            alt = compare(out, oracle[name], raised[name], dtype, c * target.bound_scale)
+            alt = compare(out, oracle[name], raised[name], dtype, c * target.bound_scale, clean and clean(name))
             finding = alt if alt.kind is None else finding
         metrics.update({f"{name}.{k}": v for k, v in finding.metrics})
         if finding.kind is not None:

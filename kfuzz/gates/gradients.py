@@ -17,7 +17,7 @@ import torch
 
 from kfuzz.case import ArgCase
 from kfuzz.compare import BOUND_C, compare
-from kfuzz.execute import as_outputs
+from kfuzz.execute import as_outputs, lazy_outputs, without_specials
 from kfuzz.executor import executor_for
 from kfuzz.gates.base import Gate, float_args, gate_seed, make_case, nominal_dims
 from kfuzz.programs import Program, changed_input, grads, leaves, malformed, replicate
@@ -91,6 +91,14 @@ class Gradients(Gate):
             oracle = grads(as_outputs(target.reference(**wide), target), wide, names, cots)
             low = leaves(here, names)
             trusted = grads(as_outputs(target.call_trusted(low), target), low, names, cots)
+        clean = without_specials(here)
+
+        def clean_grads():   # the trusted gradients on the inputs without their NaN and Inf
+            with torch.enable_grad():
+                low = leaves(clean, names)
+                got = grads(as_outputs(target.call_trusted(low), target), low, names, cots)
+            return {n: torch.zeros_like(low[n]) if g is None else g for n, g in got.items()}
+        clean_of = lazy_outputs(clean_grads) if clean is not None else None
         worst, metrics = 0.0, {}
         for name in names:
             want = oracle[name] if oracle[name] is not None else torch.zeros_like(wide[name])
@@ -102,7 +110,8 @@ class Gradients(Gate):
                 continue
             tr = trusted[name]
             f = compare(got, want, tr if tr is not None else None,
-                        target.arg_dtype(name, case.dtype), c * target.bound_scale)
+                        target.arg_dtype(name, case.dtype), c * target.bound_scale,
+                        clean_of and clean_of(name))
             metrics.update({f"grad.{name}.{k}": v for k, v in f.metrics})
             if f.kind is not None:
                 return Verdict(target.name, f.kind, output=f"grad.{name}", detail=f.detail,

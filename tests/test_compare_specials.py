@@ -1,0 +1,97 @@
+"""The nonfinite rule's latitude where the trusted implementation is non-finite: an overflow
+(non-finite on the inputs without their NaN and Inf too) excuses any value; a NaN the inputs
+carry, spread by the trusted implementation, excuses none; two honest algorithms' other kinds of
+non-finite value admit any non-finite value, never a finite one."""
+import math
+
+import pytest
+import torch
+
+from kfuzz.case import ArgCase, Case
+from kfuzz.compare import compare
+from kfuzz.execute import judge, without_specials
+from kfuzz.target import Arg, Dim, Output, Target
+
+NAN, INF = math.nan, math.inf
+
+
+def t32(*xs):
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+def never():
+    raise AssertionError("the clean run was not needed here")
+
+
+def test_an_overflow_nan_is_excused_in_an_output_where_the_oracle_has_nans_too():
+    o = torch.tensor([1e39, 2.0, NAN], dtype=torch.float64)   # 1e39: past fp32, finite in float64
+    trusted, clean = t32(NAN, 2.0, NAN), t32(NAN, 2.0, 0.0)     # inf - inf at 0, with or without the NaN
+    for kernel in (t32(NAN, 2.0, NAN), t32(-INF, 2.0, NAN), t32(3e38, 2.0, NAN)):
+        assert compare(kernel, o, trusted, "float32", trusted_clean=clean).kind is None
+    # a wrong value where the trusted implementation is finite still fails
+    assert compare(t32(NAN, 2.5, NAN), o, trusted, "float32", trusted_clean=clean).kind == "bound"
+
+
+def test_a_nan_the_trusted_implementation_spread_from_an_input_excuses_no_kernel():
+    o = torch.tensor([1.0, 2.0, NAN], dtype=torch.float64)
+    spread, clean = t32(NAN, 2.0, NAN), t32(1.0, 2.0, 0.0)     # finite at 0 without the input's NaN
+    f = compare(t32(NAN, 2.0, NAN), o, spread, "float32", trusted_clean=clean)
+    assert f.kind == "nonfinite" and "NaN set differs" in f.detail
+    assert compare(t32(1.0, 2.0, NAN), o, spread, "float32", trusted_clean=lambda: clean).kind is None
+
+
+def test_the_kind_of_a_non_finite_value_is_free_only_where_two_honest_algorithms_differ():
+    o = torch.tensor([NAN, INF, -INF], dtype=torch.float64)
+    trusted, clean = t32(INF, NAN, -INF), t32(1.0, 1.0, 1.0)   # inf arithmetic, no overflow
+    assert compare(t32(-INF, NAN, -INF), o, trusted, "float32", trusted_clean=clean).kind is None
+    for kernel in (t32(1.0, NAN, -INF),      # finite where the oracle is NaN
+                   t32(NAN, 5.0, -INF),      # finite where it is +Inf
+                   t32(NAN, NAN, NAN)):      # NaN where both are -Inf: a padding zero times an Inf
+        assert compare(kernel, o, trusted, "float32", trusted_clean=clean).kind == "nonfinite"
+
+
+def test_the_clean_run_is_computed_only_where_the_trusted_implementation_differs_in_kind():
+    o = torch.tensor([1.0, NAN, -INF], dtype=torch.float64)
+    assert compare(t32(1.0, NAN, -INF), o, t32(1.0, NAN, -INF), "float32", trusted_clean=never).kind is None
+
+
+def test_without_specials_zeroes_nan_and_inf_only():
+    x = {"a": t32(NAN, 3e38, -INF, 1.0), "n": torch.tensor([1, 2])}
+    clean = without_specials(x)
+    assert torch.equal(clean["a"], t32(0.0, 3e38, 0.0, 1.0))
+    assert torch.equal(clean["n"], x["n"])
+    assert without_specials({"a": t32(1.0, 3e38)}) is None
+
+
+def _overflowing_target(kernel):
+    """out = (2x - 2x) + x: x in float64; NaN in fp32 where 2x overflows (inf - inf)."""
+    def math_(x):
+        return (x * 2 - x * 2) + x
+    return Target(name="test_compare_specials", kernel=kernel, reference=math_,
+                  args={"x": Arg(("N",))}, outputs={"out": Output(("N",))},
+                  dims={"N": Dim(1, 8)}, dtypes=("float32",))
+
+
+def _leaky(x):
+    """The honest fp32 math, but the NaN at a position reaches the one before it as well."""
+    out = (x * 2 - x * 2) + x
+    bad = torch.isnan(x).roll(-1)
+    return torch.where(bad, torch.nan, out)
+
+
+@pytest.mark.parametrize("kernel, kind", [(lambda x: (x * 2 - x * 2) + x, None), (_leaky, "nonfinite")],
+                         ids=["honest", "leaky"])
+def test_a_campaign_excuses_the_overflow_and_not_the_spread_nan_beside_it(kernel, kind):
+    target = _overflowing_target(kernel)
+    case = Case.make(target.name, "float32", 0, {"N": 4}, {"x": ArgCase(inject=((0, "max"), (3, "nan")))})
+    x = {"x": t32(3e38, 1.0, 2.0, NAN)}
+    v = judge(case, target, x, {"out": kernel(x["x"])})
+    assert (None if v.passed else v.kind) == kind, v.detail
+
+
+def test_a_bound_failure_names_the_positions_where_the_trusted_implementation_has_no_value():
+    o = torch.tensor([1.0, 2.0, NAN], dtype=torch.float64)
+    f = compare(t32(1.5, 2.0, NAN), o, t32(NAN, 2.0, NAN), "float32", trusted_clean=t32(1.0, 2.0, 0.0))
+    assert f.kind == "bound" and "non-finite at 1 of the 2 positions judged" in f.detail
+    f = compare(t32(1.5, 2.0, NAN), o, t32(1.0, 2.0, NAN), "float32")
+    assert f.kind == "bound" and "trusted implementation is non-finite" not in f.detail

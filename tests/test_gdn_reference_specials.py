@@ -1,0 +1,44 @@
+"""The trusted chunked GDN reference's gradients carry a NaN to the gates the recurrence
+carries it to, and no others (the bound's scale is its error where the oracle is finite)."""
+import pytest
+import torch
+
+import harnesses.gdn as gdn_targets
+from gdn.oracle import recurrence
+from gdn.reference import _PairSums, chunked
+
+
+def _inputs(gate: str, T=6, K=3, V=2, nan_at=("v", 3)):
+    g = torch.Generator().manual_seed(0)
+    x = {"q": torch.randn(1, T, 1, K, generator=g), "k": torch.randn(1, T, 1, K, generator=g),
+         "v": torch.randn(1, T, 1, V, generator=g),
+         "g": -torch.rand(*((1, T, 1) if gate == "scalar" else (1, T, 1, K)), generator=g),
+         "beta": torch.rand(1, T, 1, generator=g), "h0": torch.randn(1, 1, K, V, generator=g),
+         "do": torch.randn(1, T, 1, V, generator=g), "dht": torch.randn(1, 1, K, V, generator=g)}
+    x["k"] = x["k"] / x["k"].norm(dim=-1, keepdim=True)
+    name, t = nan_at
+    x[name][0, t] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+@pytest.mark.parametrize("nan_at", [("v", 3), ("do", 4), ("q", 4)])
+def test_a_nan_reaches_the_gate_gradients_the_recurrence_takes_it_to(gate, nan_at):
+    x = _inputs(gate, nan_at=nan_at)
+    wide = {k: v.double() for k, v in x.items()}
+    oracle = gdn_targets._grads(recurrence, wide, True)[3]
+    trusted = gdn_targets._grads(chunked, x, True)[3]
+    assert bool(torch.isfinite(oracle).any()), "the case must leave some gate gradient finite"
+    assert torch.equal(torch.isnan(trusted), torch.isnan(oracle))
+    fin = torch.isfinite(oracle)
+    assert torch.allclose(trusted[fin].double(), oracle[fin], rtol=1e-4, atol=1e-5)
+
+
+def test_pair_sums_gradient_is_the_sum_over_the_pairs_that_span_each_gate():
+    gc = (-torch.rand(2, 1, 7, dtype=torch.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(_PairSums.apply, (gc,))
+    D = _PairSums.apply(gc)
+    w = torch.zeros_like(D)
+    w[0, 0, 5, 2] = float("nan")                    # the pair (5, 2) spans gates 3, 4, 5
+    (grad,) = torch.autograd.grad(D, gc, w)
+    assert torch.isnan(grad[0, 0]).tolist() == [False, False, False, True, True, True, False]
