@@ -107,13 +107,11 @@ def assert_matches_oracle(x, cu, delta, chunk, tol, nan_in, t):
 
 # (B, T, H, K, V, gate, delta, dtype, chunk, varlen offsets)
 CASES = [
-    (2, 37, 2, 16, 32, 0, True, torch.float32, 16, None),
-    (2, 37, 2, 16, 32, 1, True, torch.float32, 16, None),
-    (2, 37, 2, 32, 16, 2, True, torch.float32, 16, None),
-    (2, 37, 2, 16, 32, 0, False, torch.float32, 16, None),
-    (2, 37, 2, 16, 32, 1, False, torch.float32, 16, None),
-    (2, 37, 2, 32, 16, 2, False, torch.float32, 16, None),
-    (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
+    (2, 37, 1, 16, 32, 0, True, torch.float32, 16, None),
+    (2, 37, 1, 16, 32, 1, True, torch.float32, 16, None),
+    (2, 37, 1, 32, 16, 2, True, torch.float32, 16, None),
+    (2, 37, 1, 16, 32, 1, False, torch.float32, 16, None),
+    (2, 37, 1, 32, 16, 2, False, torch.float32, 16, None),
     (1, 100, 2, 16, 32, 1, True, torch.float32, 16, [0, 20, 53, 100]),
     (1, 100, 2, 32, 16, 2, False, torch.float32, 32, [0, 20, 53, 100]),
     (2, 37, 2, 16, 32, 1, True, torch.bfloat16, 16, None),
@@ -133,8 +131,8 @@ def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chu
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu,where", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 16, None, ("k", 41)),
     (1, 100, 2, 16, 80, 2, False, torch.float32, 16, [0, 20, 53, 100], ("do", 60)),
-    (2, 70, 2, 16, 32, 0, True, torch.bfloat16, 32, None, ("v", 5)),
-    (2, 70, 2, 16, 32, 1, True, torch.float32, 16, None, ("h0", 0))])
+    (2, 70, 1, 16, 32, 0, True, torch.bfloat16, 32, None, ("v", 5)),
+    (2, 70, 1, 16, 32, 1, True, torch.float32, 16, None, ("h0", 0))])
 def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatch, B, T, H, K, V,
                                                                       gate, delta, dtype, chunk,
                                                                       cu, where):
@@ -157,7 +155,7 @@ def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatc
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu", [
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (1, 100, 2, 16, 32, 0, True, torch.float32, 32, [0, 20, 53, 100]),
-    (2, 70, 2, 16, 32, 1, True, torch.bfloat16, 64, None)])
+    (2, 70, 1, 16, 32, 1, True, torch.bfloat16, 64, None)])
 def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype, chunk, cu):
     """_prep inverts I + A as the forward's prep does (T's place as fp32 scratch, the
     diagonal blocks by substitution, then the merges) at 32- and 64-token chunks; gradients
@@ -171,7 +169,7 @@ def test_the_blocked_inverse_matches_float64_autograd(B, T, H, K, V, gate, delta
     (1, 100, 1, 32, 32, 1, True, torch.float32, 64, None),
     (2, 37, 2, 16, 32, 0, False, torch.float32, 16, None),
     (1, 100, 2, 32, 80, 2, True, torch.float32, 16, [0, 20, 53, 100]),
-    (2, 70, 2, 16, 32, 1, False, torch.bfloat16, 64, None)])
+    (2, 70, 1, 16, 32, 1, False, torch.bfloat16, 64, None)])
 def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype, chunk, cu):
     """P^T dO, the state-gradient step's part without the state gradient (formed in `_prep`
     from session 11, in `_dstates`'s step since session 19), plus K_end dS in dU (dv without
@@ -186,7 +184,7 @@ def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype
     (1, 40, 1, 80, 24, 1, torch.float32, 16, None),
     (1, 40, 2, 80, 24, 2, torch.float32, 16, [0, 13, 40]),
     (2, 37, 1, 96, 16, 0, torch.float32, 32, None),
-    (1, 70, 2, 96, 32, 1, torch.bfloat16, 64, None)])
+    (1, 70, 1, 96, 32, 1, torch.bfloat16, 64, None)])
 def test_the_wy_gradients_over_k_slices_match_float64_autograd(B, T, H, K, V, gate, dtype, chunk,
                                                              cu):
     """_grads_wy with K in two 64-wide slices (K 80 and 96), every gate, varlen, bf16:
@@ -279,10 +277,10 @@ def test_op_autograd_matches_oracle():
 
 
 @pytest.mark.parametrize("B,T,H,K,V,gate,dtype,cu,special", [
-    (1, 100, 2, 32, 32, 1, torch.float32, None, False),
-    (2, 70, 2, 16, 32, 0, torch.bfloat16, None, False),
+    (1, 100, 1, 32, 32, 1, torch.float32, None, False),
+    (2, 70, 1, 16, 32, 0, torch.bfloat16, None, False),
     (1, 100, 2, 32, 16, 2, torch.float32, [0, 20, 53, 100], False),
-    (1, 100, 2, 16, 32, 1, torch.float32, [0, 20, 53, 100], True)])
+    (1, 100, 1, 16, 32, 1, torch.float32, [0, 20, 53, 100], True)])
 def test_op_backward_on_the_forwards_inverse_matches_oracle(B, T, H, K, V, gate, dtype, cu, special):
     """The op saves the forward prep's T = (I + A)^-1 and the backward's _prep reads it
     (INV 2) instead of inverting again: gradients within the bound at 64- and 16-token
@@ -322,13 +320,13 @@ def test_op_backward_on_the_forwards_inverse_matches_oracle(B, T, H, K, V, gate,
 
 
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,cu,where", [
-    (1, 100, 2, 32, 32, 1, True, torch.float32, None, None),
+    (1, 100, 1, 32, 32, 1, True, torch.float32, None, None),
     (2, 70, 2, 16, 80, 0, False, torch.float32, None, None),
     (1, 100, 2, 16, 32, 2, True, torch.float32, [0, 0, 20, 53, 100], None),
-    (2, 70, 2, 16, 32, 1, True, torch.bfloat16, None, None),
+    (2, 70, 1, 16, 32, 1, True, torch.bfloat16, None, None),
     (1, 100, 1, 32, 32, 1, True, torch.float32, None, ("nan", "k", 41)),
-    (2, 70, 2, 16, 32, 1, True, torch.float32, None, ("nan", "h0", 0)),
-    (1, 100, 2, 16, 32, 0, True, torch.float32, [0, 20, 53, 100], ("big h0", 1e31)),
+    (2, 70, 1, 16, 32, 1, True, torch.float32, None, ("nan", "h0", 0)),
+    (1, 100, 1, 16, 32, 0, True, torch.float32, [0, 20, 53, 100], ("big h0", 1e31)),
     (1, 70, 1, 16, 16, 2, False, torch.float32, None, ("big h0", 1e31))])
 def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K, V, gate, delta,
                                                                       dtype, cu, where):
