@@ -363,18 +363,18 @@ def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K
                  1e-5 if dtype == torch.float32 else TOL[dtype])
 
 
-@pytest.mark.parametrize("name,value,gate,delta", [
-    ("v", "nan", 1, True), ("v", "1e6", 0, False), ("v", "-inf", 2, True), ("beta", "nan", 1, True),
-    ("beta", "inf", 0, True), ("do", "nan", 1, True)])
+@pytest.mark.parametrize("name,value,gate,delta,H", [
+    ("v", "nan", 1, True, 2), ("v", "1e6", 0, False, 1), ("v", "-inf", 2, True, 1), ("beta", "nan", 1, True, 1),
+    ("beta", "inf", 0, True, 2), ("do", "nan", 1, True, 1)])
 def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name, value, gate,
-                                                                          delta):
+                                                                          delta, H):
     """On the forward's saved states `_prep`'s flag leaves out v and beta (the forward checked
     them and stepped their chunks, whose stepped columns send them to `_exact`; on the H200,
     session 18, `_prep` 0.330 -> 0.289 ms).  With a special value in either, or in do (still
     checked), the gradients' NaN/Inf sets are the oracle's and the finite ones within its
     bound."""
     from gdn.chunk_fwd import chunk_gdn_fwd
-    x = make_inputs(1, 70, 2, 16, 32, gate, delta, torch.float32)
+    x = make_inputs(1, 70, H, 16, 32, gate, delta, torch.float32)
     t = x[name].clone()
     t[0, 21].view(-1)[3 if t.dim() == 4 else 0] = float(value)
     x[name] = t
@@ -389,16 +389,16 @@ def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name,
                  1e-4)
 
 
-@pytest.mark.parametrize("gate,delta,dtype,cu,special,saved", [
-    (1, True, torch.float32, None, None, True),
-    (0, True, torch.float32, [0, 20, 53, 100], None, False),
-    (2, True, torch.float32, None, None, True),
-    (1, False, torch.float32, None, None, False),
-    (1, True, torch.bfloat16, None, None, True),
-    (1, True, torch.float32, None, ("do", 41), True),
-    (2, False, torch.float32, [0, 20, 53, 100], ("q", 30), False)])
+@pytest.mark.parametrize("gate,delta,dtype,cu,special,saved,H", [
+    (1, True, torch.float32, None, None, True, 2),
+    (0, True, torch.float32, [0, 20, 53, 100], None, False, 2),
+    (2, True, torch.float32, None, None, True, 1),
+    (1, False, torch.float32, None, None, False, 1),
+    (1, True, torch.bfloat16, None, None, True, 1),
+    (1, True, torch.float32, None, ("do", 41), True, 1),
+    (2, False, torch.float32, [0, 20, 53, 100], ("q", 30), False, 2)])
 def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, gate, delta, dtype,
-                                                                   cu, special, saved):
+                                                                   cu, special, saved, H):
     """`_dstates` at a 128-wide V tile (one program a head; `dstates_tile` picks it where it
     saves waves on the device) against two 64-wide ones, V 80 (the wide tile masked past V,
     the narrow ones 64 + 16), P^T dO formed in the step: gradients within the bound of float64
@@ -408,7 +408,7 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
     import gdn.chunk_bwd
     from gdn.chunk_fwd import chunk_gdn_fwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(1, 100, 2, 16, 80, gate, delta, dtype, cu=cu)
+    x = make_inputs(1, 100, H, 16, 80, gate, delta, dtype, cu=cu)
     if special is not None:
         x = with_nan(x, *special)
     kept = None
@@ -431,16 +431,16 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(monkeypatch, 
         assert_close(got, [None if b is None else b.double() for b in narrow], 1e-5)
 
 
-@pytest.mark.parametrize("gate,delta,cu,special", [
-    (1, True, None, ("q", 70)),
-    (1, True, None, ("do", 41)),
-    (2, True, [0, 20, 53, 100], ("k", 30)),
-    (1, True, None, ("g", -float("inf"))),
-    (1, False, None, ("g", float("nan"))),
-    (0, False, [0, 20, 53, 100], ("q", 30)),
-    (1, True, None, ("v", 41)),
-    (2, True, None, None)])
-def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, special):
+@pytest.mark.parametrize("gate,delta,cu,special,H", [
+    (1, True, None, ("q", 70), 1),
+    (1, True, None, ("do", 41), 1),
+    (2, True, [0, 20, 53, 100], ("k", 30), 2),
+    (1, True, None, ("g", -float("inf")), 2),
+    (1, False, None, ("g", float("nan")), 2),
+    (0, False, [0, 20, 53, 100], ("q", 30), 2),
+    (1, True, None, ("v", 41), 1),
+    (2, True, None, None, 1)])
+def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, special, H):
     """On the forward's saved states `_prep` reads neither q nor k and takes the forward's
     output kernel's record of chunks it took token by token ("out_stepped") for them, checking
     the gate and dO itself.  fp32 gradients within 1e-5 of `_prep`'s own checks (the saved
@@ -449,7 +449,7 @@ def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, 
     sets of float64 autograd through the oracle; every gate, delta on and off, varlen."""
     from gdn.chunk_fwd import chunk_gdn_fwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(1, 100, 2, 16, 32, gate, delta, torch.float32, cu=cu)
+    x = make_inputs(1, 100, H, 16, 32, gate, delta, torch.float32, cu=cu)
     if special is not None and special[0] == "g" and gate == 1:   # the scalar gate [B, T, H]
         x = dict(x, g=x["g"].clone())
         x["g"][0, 41, 1] = special[1]
