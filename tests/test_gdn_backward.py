@@ -131,8 +131,8 @@ def test_gradients_match_float64_autograd(B, T, H, K, V, gate, delta, dtype, chu
 @pytest.mark.parametrize("B,T,H,K,V,gate,delta,dtype,chunk,cu,where", [
     (1, 60, 1, 32, 32, 1, True, torch.float32, 16, None, ("k", 41)),
     (1, 100, 2, 16, 80, 2, False, torch.float32, 16, [0, 20, 53, 100], ("do", 60)),
-    (2, 70, 1, 16, 32, 0, True, torch.bfloat16, 32, None, ("v", 5)),
-    (2, 70, 1, 16, 32, 1, True, torch.float32, 16, None, ("h0", 0))])
+    (2, 40, 1, 16, 32, 0, True, torch.bfloat16, 32, None, ("v", 5)),
+    (2, 40, 1, 16, 32, 1, True, torch.float32, 16, None, ("h0", 0))])
 def test_the_sequential_kernels_resume_where_the_branching_loop_steps(monkeypatch, B, T, H, K, V,
                                                                       gate, delta, dtype, chunk,
                                                                       cu, where):
