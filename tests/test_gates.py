@@ -239,7 +239,7 @@ def test_a_gates_program_does_not_count_a_jit_compile_as_run_time():
 
 def test_verify_jobs_runs_gates_at_once_with_the_same_results(tmp_path):
     """--jobs 2: each gate in its own process; the same verdicts, cases and order as one by one."""
-    args = ["verify", "--target", "rowsum.shuffled", "--gates", "G05,G08,G01", "--format", "json"]
+    args = ["verify", "--target", "rowsum.shuffled", "--gates", "G05,G08,G01", "--format", "json", "--in-process"]
     one = CliRunner().invoke(cli, args + ["--out", str(tmp_path / "one")])
     two = CliRunner().invoke(cli, args + ["--out", str(tmp_path / "two"), "--jobs", "2"])
     assert one.exit_code == two.exit_code == 1, two.output
@@ -277,7 +277,7 @@ def test_verify_jobs_gives_each_gate_process_its_share_of_the_cpus(tmp_path, mon
         return real(*a, **kw)
     monkeypatch.setattr(v, "ProcessPoolExecutor", spy)
     r = CliRunner().invoke(cli, ["verify", "--target", "cumsum", "--gates", "G05,G08", "--jobs", "2",
-                                 "--out", str(tmp_path)])
+                                 "--in-process", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert made[0]["initializer"] is v._share_cpus
     assert made[0]["initargs"] == (max(1, (os.cpu_count() or 1) // 2),)
