@@ -359,8 +359,12 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
 
 
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
-           threads: int, max_jobs: int, timeout: float, policy: dict | None, build_only: bool = False) -> None:
+           threads: int, max_jobs: int, timeout: float, policy: dict | None, pch: str | None = None,
+           build_only: bool = False) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
+    if pch:
+        from kfuzz.kernelbench.build import PCH_ENV
+        os.environ[PCH_ENV] = pch
     if cache and entry.pair is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
         # made now: a worker may write only beneath directories that exist when it is confined
@@ -407,7 +411,8 @@ class _Running:
         self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers"}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
-        self.proc = ctx.Process(target=_child, args=(child, entry, *args, build_only), daemon=False,
+        self.proc = ctx.Process(target=_child, args=(child, entry, *args), kwargs={"build_only": build_only},
+                                daemon=False,
                                 name=f"kfuzz-{'build' if build_only else 'audit'}-{entry.key}")
         self.proc.start()
         child.close()
@@ -625,6 +630,30 @@ def default_cache() -> Path:
     return Path(base) / "kfuzz" / "extensions"
 
 
+PCH_FOLDER = "pch"      # beneath the extension cache: torch's extension header, precompiled
+
+
+def default_max_jobs(jobs: int) -> int:
+    """Ninja's jobs in each build: ``$MAX_JOBS``, else this machine's cores shared among the
+    ``jobs`` kernels at once, and at least 2 (a ``load_inline`` build has a host file and a CUDA
+    file, which then compile side by side; the judging of the kernels already built leaves cores
+    idle)."""
+    return int(os.environ.get("MAX_JOBS") or 0) or max(2, (os.cpu_count() or 1) // max(1, jobs))
+
+
+def precompile_headers(entries: Iterable[CorpusEntry], root: str | Path) -> dict[tuple[str, ...], str | None]:
+    """torch's extension header precompiled beneath ``root`` for each distinct set of host-file
+    flags among ``entries``' ``load_inline`` calls (read statically; none given: the default
+    flags), most used first (``kfuzz.kernelbench.build.ensure_pch``). Runs in kfuzz's process:
+    the compiler sees torch's header and the flags, never a solution's code. Returns each flag
+    set's folder (None: could not be made)."""
+    from collections import Counter
+    from kfuzz.kernelbench.build import cflag_sets, ensure_pch
+    counts = Counter(f for e in entries if e.pair is not None and e.compiles
+                     for f in (cflag_sets(e.pair.custom_code) or [()]))
+    return {f: ensure_pch(root, f) for f, _ in counts.most_common()}
+
+
 def _beneath(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
@@ -633,7 +662,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
-              build_jobs: int = 0) -> Iterator[dict]:
+              build_jobs: int = 0, pch: bool = True) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish); yields each record once appended, signed with the key at ``key`` (by default
     ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
@@ -642,7 +671,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     the kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
     ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once).
     ``build_jobs``: builds of solutions further down the queue that run ahead of their judging (a
-    compile phase beside the judging; the kernel's own build step then finds its extension built)."""
+    compile phase beside the judging; the kernel's own build step then finds its extension built).
+    ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
+    first kernels; a build that starts before its header is ready compiles the header itself)."""
     entries = list(entries)
     out_dir = Path(out).resolve()
     key_file = Path(key).resolve() if key is not None else key_path().resolve()
@@ -664,8 +695,14 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 "under an OS layer (pass allow_unconfined, --allow-unconfined in the CLI, to run it with what is here)")
     ctx = _context()
     if max_jobs is None:
-        max_jobs = int(os.environ.get("MAX_JOBS") or 0) or max(1, (os.cpu_count() or 1) // jobs)
-    args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}))
+        max_jobs = default_max_jobs(jobs)
+    compiling = [e for e in todo if e.compiles]
+    pch_root = str(cache_dir / PCH_FOLDER) if pch and compiling else None
+    if pch_root:
+        import threading
+        threading.Thread(target=precompile_headers, args=(compiling, pch_root), daemon=True,
+                         name="kfuzz-audit-pch").start()
+    args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}), pch_root)
     running: list[_Running] = []
     builders: list[_Running] = []     # builds ahead of judging: no record of their own
     queue = list(todo)
@@ -728,6 +765,54 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 yield record
     finally:   # a caller that stops early (an interrupt): no kernel outlives the audit
         for r in running + builders:
+            r.kill()
+            r.proc.join(10)
+
+
+def build_kernels(entries: Iterable[CorpusEntry], cache: str | Path, device: str = "cpu", jobs: int = 1,
+                  max_jobs: int | None = None, timeout: float = 600.0, pch_root: str | Path | None = None,
+                  policy: dict | None = None) -> Iterator[dict]:
+    """Only the build step of each compiling entry (the audit's own, confined), ``jobs`` at once,
+    extensions into ``cache``; yields per kernel its key, ``build`` (the build step's facts, or
+    its finding) and ``seconds`` (wall time of its process). ``pch_root``: a folder of
+    precompiled headers the builds may use (``precompile_headers``). Nothing is recorded."""
+    ctx = _context()
+    args = ("cpu" if device is None else device, [], 0, str(Path(cache).resolve()), 1,
+            max_jobs or default_max_jobs(jobs), timeout, dict(policy or {}), str(pch_root) if pch_root else None)
+    queue = [e for e in entries if e.pair is not None and e.compiles]
+    running: list[_Running] = []
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                running.append(_Running(ctx, queue.pop(0), args, timeout, build_only=True))
+            wait([r.conn for r in running] + [r.proc.sentinel for r in running],
+                 timeout=max(0.0, min(r.deadline for r in running) - time.monotonic()))
+            for r in list(running):
+                how = None
+                try:
+                    while r.conn.poll():
+                        kind, d = r.conn.recv()
+                        if kind == "done":
+                            how = "done"
+                            break
+                        r.take(kind, d)
+                except (EOFError, OSError):
+                    how = "crash"
+                if how is None and not r.proc.is_alive():
+                    how = "crash"
+                if how is None and time.monotonic() >= r.deadline:
+                    how = "timeout"
+                if how is None:
+                    continue
+                r.kill()
+                r.proc.join(10)
+                r.conn.close()
+                running.remove(r)
+                rec = r.end(None if how == "done" else how)
+                yield {"key": rec["key"], "build": rec.get("build"), "seconds": rec["seconds"],
+                       "ended": rec.get("ended")}
+    finally:
+        for r in running:
             r.kill()
             r.proc.join(10)
 
