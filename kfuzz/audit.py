@@ -51,6 +51,7 @@ JSON objects. Kernels that misbehave are never errors: they are records.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -259,7 +260,7 @@ def finding(verdict) -> dict:
 
 def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
-                 policy: dict | None = None, build_only: bool = False) -> None:
+                 policy: dict | None = None, build_only: bool = False, cases: str | None = None) -> None:
     """The build (a solution that compiles), the standard test, the weights contract and each gate
     on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
@@ -267,7 +268,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     process, as the original harness ran them); the weights contract and the gates' kernel
     programs in a third (``kfuzz.programs.Sandboxed``) that resolves the same ``kb:`` name, while
     the oracle, the trusted implementation and every comparison run here. ``policy``: overrides
-    of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging)."""
+    of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging);
+    ``cases``: the folder for each failing gate's case (``save_gate_case``)."""
     from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
@@ -338,29 +340,141 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                 raise RuntimeError(w.verdict.detail if w.verdict is not None else "no weights status came back")
             # the kernel process's word (it ran ModelNew to load the weights)
             flags = w.facts.get("flags")
-            emit("weights", {"status": "fail" if status.startswith("seed only") else status, "detail": status,
-                             "flags": [str(f)[:100] for f in flags[:10]] if isinstance(flags, list) else [],
-                             "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
-                             "params": params, "seconds": round(time.monotonic() - start, 3)})
+            record_weights = {"status": "fail" if status.startswith("seed only") else status, "detail": status,
+                              "flags": [str(f)[:100] for f in flags[:10]] if isinstance(flags, list) else [],
+                              "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
+                              "params": params, "seconds": round(time.monotonic() - start, 3)}
+            emit("weights", record_weights)
         except Exception as e:
             emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000], "params": params})
-        for gid in gates:
-            try:
-                r = run_gate(GATES[gid], target, seed=seed, out=None, device=device, executor=ex)
-                d = r.to_json()
-                d.pop("saved", None)
-                d["kind"] = r.first_failure[1].kind if r.first_failure else None
-                d["exc_type"] = r.first_failure[1].exc_type if r.first_failure else None
-                d["reason"] = d["reason"][:600]
-            except Exception as e:    # the gate itself could not run (the reference failed, say)
-                d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
-                     "where": traceback.format_exc(limit=-3)[-800:]}
-            emit("gate", d)
+            status = None
+        stack = contextlib.ExitStack()
+        gate_ex = ex
+        if status in ("exact", "by position") and "G01" in gates:
+            # which weights the gates judge with, and whether the solution keeps up with a checkpoint
+            def executor(weights: str, on=target):
+                return stack.enter_context(Sandboxed(on, device, timeout, confined, preload=KERNEL_PRELOAD,
+                                                     resolve={"weights": weights, "device": device, "prebuilt": True}))
+            checks, gate_ex = weights_checks(pair, target, device, seed, ex, executor)
+            emit("weights", {**record_weights, "checks": checks})
+        with stack:
+            for gid in gates:
+                run_one_gate(gid, target, seed, device, gate_ex, emit, cases)
+
+
+def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases: str | None = None) -> None:
+    """One gate on the audited kernel, its result emitted as a ``gate`` record (``error`` when
+    the gate itself could not run); a failure's first case saved beneath ``cases``
+    (``save_gate_case``), named in the record's ``case_file``."""
+    from kfuzz.gates import GATES, run_gate
+    try:
+        r = run_gate(GATES[gid], target, seed=seed, out=None, device=device, executor=executor)
+        d = r.to_json()
+        d.pop("saved", None)
+        d["kind"] = r.first_failure[1].kind if r.first_failure else None
+        d["exc_type"] = r.first_failure[1].exc_type if r.first_failure else None
+        d["reason"] = d["reason"][:600]
+    except Exception as e:    # the gate itself could not run (the reference failed, say)
+        d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
+             "where": traceback.format_exc(limit=-3)[-800:]}
+        r = None
+    if r is not None and r.first_failure is not None and cases:
+        try:
+            d.update(save_gate_case(cases, target, gid, *r.first_failure, device, seed, executor))
+        except Exception as e:     # the verdict stands; only its replayable copy is missing
+            d["case_error"] = f"{type(e).__name__}: {e}"[:300]
+    emit("gate", d)
+
+
+CASES = "cases"               # beneath the results folder: each failing gate's case, one file a kernel and gate
+MINIMIZE_SECONDS = 20.0       # what minimizing one failing case may take
+MINIMIZE_EXECUTIONS = 60
+
+
+def case_path(cases: str | Path, target_name: str, gid: str) -> Path:
+    """Where the audit keeps a kernel's failing case of gate ``gid``: ``<cases>/<target folder>/<gid>.case.zst``."""
+    from kfuzz.corpus import target_folder
+    return Path(cases) / target_folder(target_name) / f"{gid}.case.zst"
+
+
+def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: str, seed: int, executor) -> dict:
+    """Save a gate's failing ``case`` so that ``kfuzz verify --replay`` runs it alone through the
+    gate again. A failure of a bound gate (G01-G04: one call judged against the bound, the
+    minimizer's own predicate) is minimized first (``kfuzz.minimize.minimize_failure``, at most
+    ``MINIMIZE_SECONDS``, the kernel in ``executor``); others are kept as found. Returns the
+    record's ``case_file`` and ``minimized``."""
+    from kfuzz.case import encode
+    from kfuzz.corpus import make_record, write_atomic
+    from kfuzz.gates import GATES
+    note: dict = {"minimize": {"skipped": "the gate judges more than one call; kept as found"}}
+    if not GATES[gid].tolerance_free and verdict.kind not in ("crash", "timeout"):
+        from kfuzz.minimize import minimize_failure
+        case, verdict, note = minimize_failure(case, target, verdict, device, max_executions=MINIMIZE_EXECUTIONS,
+                                               max_seconds=MINIMIZE_SECONDS, executor=executor)
+    path = case_path(cases, target.name, gid)
+    write_atomic(path, encode(case, make_record(verdict, "fail", device, gate=gid, gate_seed=seed, **note)))
+    return {"case_file": str(path), "minimized": "error" not in note.get("minimize", {}) and "skipped" not in
+            note.get("minimize", {})}
+
+
+def _first_reference_case(target, seed: int, device: str, executor):
+    """G01's first case (a fresh seed at the nominal shape) on ``executor``: (case, verdict)."""
+    from kfuzz.gates import GATES
+    gate = type(GATES["G01"])()
+    case = next(iter(gate.cases(target, seed)))
+    v = gate.check(target, case, device, executor=executor)
+    return v if isinstance(v, tuple) else (case, v)
+
+
+def weights_checks(pair, target, device: str, seed: int, loaded, executor: Callable) -> tuple[dict, object]:
+    """Two checks of a solution whose ``Model`` weights loaded (``exact`` or ``by position``),
+    each on G01's first case; returns them (``status`` pass/fail, ``detail``) and the executor the
+    gates then judge with. ``loaded``: the executor whose solution has ``Model``'s weights;
+    ``executor(weights, target)``: a new one whose solution's weights are ``weights``
+    (``kfuzz.kernelbench.as_target``).
+
+    - ``derived``: the case fails with the loaded weights and passes with the solution's own
+      same-seed weights (``weights="none"``): a parameter the solution derives in ``__init__`` (a
+      bias minus a constant, a pre-transposed weight) does not follow a loaded checkpoint. The
+      finding is the weights contract's (``W``), and the gates judge the same-seed solution, so
+      the one cause does not fail G01-G04 together.
+    - ``reload``: where the case passes with the loaded weights: one forward, then ``Model``'s
+      checkpoint of another seed (``RELOAD_SEED``) loaded into the solution and the reference
+      alike, and the case again (``weights="reload"``). A solution that copied its weights in
+      ``__init__`` or on its first forward answers with the old ones: stale."""
+    from kfuzz.kernelbench import as_target
+    checks: dict = {}
+    case, first = _first_reference_case(target, seed, device, loaded)
+    gate_ex = loaded
+    if not first.passed:
+        own = executor("none")
+        _, same = _first_reference_case(target, seed, device, own)
+        if same.passed:
+            gate_ex = own
+            checks["derived"] = {"status": "fail", "detail": (
+                f"G01 case {case.seed}: fails with Model's weights loaded ({first.kind}: {first.detail[:200]}) and "
+                f"passes with the solution's own same-seed weights: a parameter derived from the weights in "
+                f"__init__ does not follow a loaded checkpoint (the gates judge the same-seed solution)")[:800]}
+        else:
+            checks["derived"] = {"status": "pass", "detail": "G01's first case fails with the same-seed weights too: "
+                                                             "the kernel's own failure, judged by the gates"}
+        checks["reload"] = {"status": "n/a", "detail": "G01's first case fails with the loaded weights"}
+        return checks, gate_ex
+    checks["derived"] = {"status": "pass", "detail": "G01's first case passes with Model's weights loaded"}
+    other = as_target(pair, device, weights="reload", solution=False)
+    case, again = _first_reference_case(other, seed, device, executor("reload", other))
+    checks["reload"] = ({"status": "pass", "detail": "after a first forward, Model's checkpoint of another seed "
+                                                     "loaded: G01's first case passes"} if again.passed else
+                        {"status": "fail", "detail": (
+                            f"after a first forward, Model's checkpoint of another seed loaded into the solution "
+                            f"and the reference: G01 case {case.seed} fails ({again.kind}: {again.detail[:200]}); "
+                            f"the solution answers with weights copied before the load (stale)")[:800]})
+    return checks, gate_ex
 
 
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
            threads: int, max_jobs: int, timeout: float, policy: dict | None, pch: str | None = None,
-           build_only: bool = False) -> None:
+           cases: str | None = None, build_only: bool = False) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
     if pch:
         from kfuzz.kernelbench.build import PCH_ENV
@@ -383,7 +497,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     fork_server_here(close=(conn.fileno(),))
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
-                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only)
+                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases)
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
         conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000]}))
     conn.send(("done", {}))
@@ -702,7 +816,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
         import threading
         threading.Thread(target=precompile_headers, args=(compiling, pch_root), daemon=True,
                          name="kfuzz-audit-pch").start()
-    args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}), pch_root)
+    args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}), pch_root,
+            str(out_dir / CASES))
     running: list[_Running] = []
     builders: list[_Running] = []     # builds ahead of judging: no record of their own
     queue = list(todo)
@@ -778,7 +893,7 @@ def build_kernels(entries: Iterable[CorpusEntry], cache: str | Path, device: str
     precompiled headers the builds may use (``precompile_headers``). Nothing is recorded."""
     ctx = _context()
     args = ("cpu" if device is None else device, [], 0, str(Path(cache).resolve()), 1,
-            max_jobs or default_max_jobs(jobs), timeout, dict(policy or {}), str(pch_root) if pch_root else None)
+            max_jobs or default_max_jobs(jobs), timeout, dict(policy or {}), str(pch_root) if pch_root else None, None)
     queue = [e for e in entries if e.pair is not None and e.compiles]
     running: list[_Running] = []
     try:
@@ -826,6 +941,19 @@ def _old_standard_end(record: dict) -> str | None:
     return ended.split()[0] if "standard" not in record and ended.endswith("in the standard test") else None
 
 
+WEIGHTS_CHECKS = ("contract", "derived", "reload")
+
+
+def weights_failures(record: dict) -> list[str]:
+    """What of the weights contract (``W``) the record fails: ``contract`` (``Model``'s
+    state_dict does not load, or the check could not run), ``derived`` (a parameter derived in
+    ``__init__`` does not follow a loaded checkpoint), ``reload`` (weights copied before a
+    checkpoint was loaded: stale); see ``weights_checks``."""
+    w = record.get("weights") or {}
+    out = ["contract"] if w.get("status") in ("fail", "error") else []
+    return out + [k for k in WEIGHTS_CHECKS[1:] if ((w.get("checks") or {}).get(k) or {}).get("status") == "fail"]
+
+
 def judge_record(record: dict) -> dict:
     """A record's verdicts: ``violations`` (gate ids failed, ``W`` for the weights contract, a
     finding's kind where the build or the standard test ended in a sandbox violation, a limit, a
@@ -852,7 +980,7 @@ def judge_record(record: dict) -> dict:
         ratio = float("inf") if ratio == "inf" else float(ratio)
         if GATES[gid].tolerance_free or g.get("kind") in TOLERANCE_FREE_KINDS or ratio >= BROKEN_RATIO:
             broken = True
-    if record.get("weights", {}).get("status") in ("fail", "error"):
+    if weights_failures(record):
         violations.append("W")
     ended = record.get("ended") or ""
     old = _old_standard_end(record)
