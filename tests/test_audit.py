@@ -950,3 +950,27 @@ def test_a_weight_copied_before_a_checkpoint_is_loaded_is_stale():
     checks, _ = _weights_checks(STALE, "stale")
     assert checks["derived"]["status"] == "pass", checks
     assert checks["reload"]["status"] == "fail" and "stale" in checks["reload"]["detail"], checks
+
+
+def test_every_failing_gate_leaves_a_case_that_replays_alone(tmp_path):
+    """The audit keeps each failing gate's case beneath OUT/cases, one file a kernel and gate
+    (a bound gate's minimized), and ``kfuzz verify --replay`` runs it alone to the same failure."""
+    import kfuzz.cli.verify  # noqa: F401  (registers the verb)
+    from kfuzz.audit import case_path
+    from kfuzz.corpus import load
+    entries = [control("zeros_under_tolerance"), control("drops_nan")]
+    records = {r["key"]: r for r in run_audit(entries, tmp_path / "out", ["G01", "G05"], timeout=180)}
+    files = []
+    for e in entries:
+        for gid, g in records[e.key]["gates"].items():
+            if g["status"] != "fail":
+                continue
+            path = case_path(tmp_path / "out" / "cases", e.pair.target_name, gid)
+            assert g["case_file"] == str(path) and path.is_file(), g
+            files.append(path)
+    g01 = records[entries[0].key]["gates"]["G01"]
+    assert g01["status"] == "fail" and g01["minimized"] is True, g01
+    assert load(case_path(tmp_path / "out" / "cases", entries[0].pair.target_name, "G01"))[1]["gate"] == "G01"
+    assert len(files) >= 2
+    r = CliRunner().invoke(cli, ["verify", *[a for f in files for a in ("--replay", str(f))], "--in-process"])
+    assert r.exit_code == 0 and r.output.count("ok ") == len(files), r.output

@@ -17,8 +17,9 @@ constants (read with ``ast``: no solution code runs). Each is built here by torc
 ``load_inline`` without its CUDA file; the link leaves the CUDA functions undefined, so the
 import that follows fails, after the compile that is timed.
 """
-import ast
 from __future__ import annotations
+
+import ast
 
 import argparse
 import json
