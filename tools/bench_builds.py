@@ -19,9 +19,8 @@ import that follows fails, after the compile that is timed.
 """
 from __future__ import annotations
 
-import ast
-
 import argparse
+import ast
 import json
 import shutil
 import sys
@@ -78,34 +77,39 @@ def host_sources(code: str) -> dict | None:
         kw = {k.arg: k.value for k in node.keywords}
         cpp, cuda, fns = value(kw.get("cpp_sources")), value(kw.get("cuda_sources")), value(kw.get("functions"))
         flags = value(kw.get("extra_cflags")) if "extra_cflags" in kw else []
-        if isinstance(cpp, (str, list)) and cuda is not None and "__global__" not in str(cpp) and flags is not None:
+        names = [fns] if isinstance(fns, str) else list(fns or [])
+        if isinstance(cpp, (str, list)) and cuda is not None and "__global__" not in str(cpp) and flags is not None \
+                and all(isinstance(n, str) and n in str(cpp) for n in names):
             return {"cpp_sources": cpp, "functions": fns, "extra_cflags": list(flags)}
         return None
     return None
 
 
-def run_host(entries, modes) -> list[dict]:
-    """Each entry's host file compiled by torch's ``load_inline`` here, cold, per mode."""
+def run_host(entries, modes, pch_root: Path | None = None) -> list[dict]:
+    """Each entry's host file compiled by torch's ``load_inline`` here, cold, per mode; the
+    precompiled headers beneath ``pch_root`` where given (kept, and reused by a later run)."""
     import torch.utils.cpp_extension as ext
     from kfuzz.kernelbench.build import cflag_sets, ensure_pch, use_pch
     rows = []
     for mode in modes:
         root = Path(tempfile.mkdtemp(prefix=f"kfuzz-bench-host-{mode}-"))
         try:
+            pch = pch_root or root / "pch"
             if mode == "pch":
                 t = time.monotonic()
                 flags = list(dict.fromkeys(f for e in entries for f in cflag_sets(e.pair.custom_code) or [()]))
-                made = [ensure_pch(root / "pch", f) for f in flags]
+                made = [ensure_pch(pch, f) for f in flags]
                 ready = sum(m is not None for m in made)
                 rows.append({"mode": mode, "key": "(precompiled headers, once)", "status": f"{ready} of {len(made)} made",
                              "build_s": None,
                     "wall_s": round(time.monotonic() - t, 1), "pch": f"{len(made)} flag set(s)"})
-                use_pch(root / "pch")
+                use_pch(pch)
             total = 0.0
             for i, e in enumerate(entries):
                 src = host_sources(e.pair.custom_code)
                 t = time.monotonic()
                 status = "built"
+                (root / str(i)).mkdir(parents=True)
                 try:
                     ext.load_inline(f"kfuzz_bench_host_{i}", src["cpp_sources"], functions=src["functions"],
                                     extra_cflags=src["extra_cflags"], build_directory=str(root / str(i)))
@@ -115,8 +119,8 @@ def run_host(entries, modes) -> list[dict]:
                     status = f"failed: {type(err).__name__}: {str(err)[-200:]}"
                 took = time.monotonic() - t
                 total += took
-                used = (root / "pch").is_dir() and any(
-                    f"-I{root / 'pch'}" in line for line in (root / str(i) / "build.ninja").read_text().splitlines())
+                ninja = root / str(i) / "build.ninja"
+                used = ninja.is_file() and f"-I{pch}" in ninja.read_text()
                 rows.append({"mode": mode, "key": e.key, "status": status, "build_s": round(took, 1),
                              "wall_s": round(took, 1), "pch": "yes" if used else "no"})
             rows.append({"mode": mode, "key": "(all kernels)", "status": "", "build_s": round(total, 1),
@@ -174,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--pch-root", type=Path, help="--host-only: keep the precompiled headers here (reused if there)")
     ap.add_argument("--host-only", action=argparse.BooleanOptionalAction, default=not torch.cuda.is_available(),
                     help="the host file alone, built here (default where torch has no CUDA)")
     a = ap.parse_args(argv)
@@ -183,7 +188,7 @@ def main(argv=None) -> int:
     entries = pick(a.corpora, a.limit, a.host_only)
     if not entries:
         ap.error("no compiling solution to build here")
-    rows = run_host(entries, modes) if a.host_only else run(entries, modes, a.jobs, a.max_jobs, a.device, a.timeout)
+    rows = run_host(entries, modes, a.pch_root) if a.host_only else run(entries, modes, a.jobs, a.max_jobs, a.device, a.timeout)
     print(table(rows))
     for r in rows:
         if r.get("error"):

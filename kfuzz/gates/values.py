@@ -281,7 +281,7 @@ class Nonfinite(Gate):
         if excused:
             return Verdict(target.name, "pass", detail=(
                 f"{excused} position(s) where the oracle is NaN and the kernel finite do not depend on the "
-                f"injected value (the reference spreads it through exact zeros): judged without it"))
+                f"injected value (the reference spreads it through exact zeros or an op whose finite result ignores it): judged without it"))
         return Verdict(target.name, "pass")
 
 
