@@ -44,22 +44,30 @@ def sample(corpora: list[str], limit: int) -> list:
     return out
 
 
-def measure(entries, out: Path, budget: float, **audit) -> dict:
+def measure(entries, out: Path, budget: float, write=None, **audit) -> dict:
+    """Audit ``entries`` into ``out`` until done or ``budget`` seconds; the summary (``summary``),
+    also handed to ``write`` after each record (so that a run stopped from outside leaves one)."""
     key = out.parent / f"{out.name}.key"
     results_key(key)
     start = time.monotonic()
     done: list[tuple[float, dict]] = []
     for rec in run_audit(entries, out, list(GATES), key=key, allow_unconfined=True, **audit):
         done.append((time.monotonic() - start, rec))
+        if write is not None:
+            write(summary(entries, done, time.monotonic() - start, audit))
         if time.monotonic() - start >= budget:
             break
-    wall = time.monotonic() - start
+    return summary(entries, done, time.monotonic() - start, audit)
+
+
+def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -> dict:
     recs = [r for _, r in done]
     built = [r for r in recs if isinstance(r.get("build"), dict) and r["build"].get("seconds") is not None]
     build_s = sum(float(r["build"]["seconds"]) for r in built)
     kernel_s = sum(float(r.get("seconds") or 0) for r in built)
     compiled = [r for r in built if float(r["build"]["seconds"]) > 5.0]
     half = [t for t, _ in done if t >= wall / 2]
+    first = done[0][0] if done else None
     ends = {"complete": sum(not judge_record(r)["incomplete"] and judge_record(r)["audited"] for r in recs),
             "killed for time": sum(judge_record(r)["incomplete"] for r in recs),
             "not judged (unbuilt, adapter, skipped)": sum(not judge_record(r)["audited"] for r in recs)}
@@ -67,6 +75,7 @@ def measure(entries, out: Path, budget: float, **audit) -> dict:
         "sample": len(entries), "recorded": len(recs), "wall_s": round(wall, 1),
         "kernels_per_hour": round(3600 * len(recs) / wall, 1) if wall else None,
         "kernels_per_hour_second_half": round(3600 * len(half) / (wall / 2), 1) if wall else None,
+        "first_record_s": None if first is None else round(first, 1),
         "build_share": round(build_s / kernel_s, 3) if kernel_s else None,
         "build_share_where_compiled_here": round(sum(float(r["build"]["seconds"]) for r in compiled) / max(
             1e-9, sum(float(r.get("seconds") or 0) for r in compiled)), 3) if compiled else None,
@@ -95,10 +104,13 @@ def main(argv=None) -> int:
         ap.error("no compiling solution in these corpora")
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="kfuzz-throughput-"))
     cache = Path(tempfile.mkdtemp(prefix="kfuzz-throughput-cache-"))      # cold
-    result = measure(entries, out / "audit", a.budget, jobs=a.jobs, device=a.device, timeout=a.timeout,
-                     cache=cache, max_jobs=a.max_jobs, build_jobs=a.build_jobs, pch=a.pch)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps(result, indent=1))
+
+    def write(result: dict) -> None:
+        (out / "throughput.json").write_text(json.dumps(result, indent=1))
+    result = measure(entries, out / "audit", a.budget, write, jobs=a.jobs, device=a.device, timeout=a.timeout,
+                     cache=cache, max_jobs=a.max_jobs, build_jobs=a.build_jobs, pch=a.pch)
+    write(result)
     print(json.dumps(result, indent=1))
     return 0
 
