@@ -974,3 +974,40 @@ def test_every_failing_gate_leaves_a_case_that_replays_alone(tmp_path):
     assert len(files) >= 2
     r = CliRunner().invoke(cli, ["verify", *[a for f in files for a in ("--replay", str(f))], "--in-process"])
     assert r.exit_code == 0 and r.output.count("ok ") == len(files), r.output
+
+
+FLAT = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return {body}
+
+
+batch_size = 16
+dim = 64
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_layout_the_reference_itself_refuses_is_outside_the_contract_not_a_gate_error():
+    """A reference that calls .view() on its input raises on a permuted layout: G04 passes that
+    case saying so (instead of the gate erroring), and a kernel wrong on another layout still fails."""
+    from kfuzz.gates import GATES, run_gate
+    ref = FLAT.format(body="x.view(-1).sum().reshape(1)")
+    ok = load_pair(ref, FLAT.format(body="x.reshape(-1).sum().reshape(1)").replace("class Model(", "class ModelNew("),
+                   "view_ok")
+    r = run_gate(GATES["G04"], as_target(ok), seed=0)
+    assert r.status == "pass", r.reason
+    wrong = load_pair(ref, FLAT.format(body="(x.reshape(-1).sum() if x.is_contiguous() else x[0].sum()).reshape(1)")
+                      .replace("class Model(", "class ModelNew("), "view_wrong")
+    r = run_gate(GATES["G04"], as_target(wrong), seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason
