@@ -357,15 +357,18 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                                                      resolve={"weights": weights, "device": device, "prebuilt": True}))
             checks, gate_ex = weights_checks(pair, target, device, seed, ex, executor)
             emit("weights", {**record_weights, "checks": checks})
+        budget = {"minimize": MINIMIZE_SECONDS}     # shared by the kernel's failing gates
         with stack:
             for gid in gates:
-                run_one_gate(gid, target, seed, device, gate_ex, emit, cases)
+                run_one_gate(gid, target, seed, device, gate_ex, emit, cases, budget)
 
 
-def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases: str | None = None) -> None:
+def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases: str | None = None,
+                 budget: dict | None = None) -> None:
     """One gate on the audited kernel, its result emitted as a ``gate`` record (``error`` when
     the gate itself could not run); a failure's first case saved beneath ``cases``
-    (``save_gate_case``), named in the record's ``case_file``."""
+    (``save_gate_case``), named in the record's ``case_file``. ``budget["minimize"]``: the
+    seconds left for minimizing (spent here)."""
     from kfuzz.gates import GATES, run_gate
     excused: dict[str, int] = {}
 
@@ -388,7 +391,11 @@ def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases
         r = None
     if r is not None and r.first_failure is not None and cases:
         try:
-            d.update(save_gate_case(cases, target, gid, *r.first_failure, device, seed, executor))
+            start = time.monotonic()
+            left = (budget or {}).get("minimize", MINIMIZE_SECONDS)
+            d.update(save_gate_case(cases, target, gid, *r.first_failure, device, seed, executor, left))
+            if budget is not None:
+                budget["minimize"] = left - (time.monotonic() - start)
         except Exception as e:     # the verdict stands; only its replayable copy is missing
             d["case_error"] = f"{type(e).__name__}: {e}"[:300]
     emit("gate", d)
@@ -411,7 +418,7 @@ def excused_class(verdict) -> str | None:
 
 
 CASES = "cases"               # beneath the results folder: each failing gate's case, one file a kernel and gate
-MINIMIZE_SECONDS = 20.0       # what minimizing one failing case may take
+MINIMIZE_SECONDS = 20.0       # what minimizing a kernel's failing cases may take, all its gates together
 MINIMIZE_EXECUTIONS = 60
 
 
@@ -421,20 +428,23 @@ def case_path(cases: str | Path, target_name: str, gid: str) -> Path:
     return Path(cases) / target_folder(target_name) / f"{gid}.case.zst"
 
 
-def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: str, seed: int, executor) -> dict:
+def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: str, seed: int, executor,
+                   max_seconds: float = MINIMIZE_SECONDS) -> dict:
     """Save a gate's failing ``case`` so that ``kfuzz verify --replay`` runs it alone through the
     gate again. A failure of a bound gate (G01-G04: one call judged against the bound, the
     minimizer's own predicate) is minimized first (``kfuzz.minimize.minimize_failure``, at most
-    ``MINIMIZE_SECONDS``, the kernel in ``executor``); others are kept as found. Returns the
-    record's ``case_file`` and ``minimized``."""
+    ``max_seconds``, the kernel in ``executor``; kept as found with under 2 s); others are kept as
+    found. Returns the record's ``case_file`` and ``minimized``."""
     from kfuzz.case import encode
     from kfuzz.corpus import make_record, write_atomic
     from kfuzz.gates import GATES
     note: dict = {"minimize": {"skipped": "the gate judges more than one call; kept as found"}}
-    if not GATES[gid].tolerance_free and verdict.kind not in ("crash", "timeout"):
+    if max_seconds < 2:
+        note = {"minimize": {"skipped": "the kernel's minimizing time is spent; kept as found"}}
+    elif not GATES[gid].tolerance_free and verdict.kind not in ("crash", "timeout"):
         from kfuzz.minimize import minimize_failure
         case, verdict, note = minimize_failure(case, target, verdict, device, max_executions=MINIMIZE_EXECUTIONS,
-                                               max_seconds=MINIMIZE_SECONDS, executor=executor)
+                                               max_seconds=max_seconds, executor=executor)
     path = case_path(cases, target.name, gid)
     write_atomic(path, encode(case, make_record(verdict, "fail", device, gate=gid, gate_seed=seed, **note)))
     return {"case_file": str(path), "minimized": "error" not in note.get("minimize", {}) and "skipped" not in
