@@ -1011,3 +1011,29 @@ def test_a_layout_the_reference_itself_refuses_is_outside_the_contract_not_a_gat
                       .replace("class Model(", "class ModelNew("), "view_wrong")
     r = run_gate(GATES["G04"], as_target(wrong), seed=0)
     assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason
+
+
+def test_builds_find_the_precompiled_header_of_their_flags_first_on_the_include_path(tmp_path, monkeypatch):
+    """The build step's host file gets the folder of the precompiled torch header made for its
+    extra_cflags first on its include path, and nothing where none was made for those flags;
+    the flags are read from the solution statically."""
+    import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench import build
+    code = ("from torch.utils.cpp_extension import load_inline\n"
+            "a = load_inline(name='a', cpp_sources='', extra_cflags=['-O3', ''])\n"
+            "b = load_inline(name='b', cpp_sources='')\nc = load_inline(name='c', cpp_sources='', extra_cflags=F)\n")
+    assert build.cflag_sets(code) == [("-O3",), ()]
+    seen = []
+    monkeypatch.setattr(ext, "_write_ninja_file_and_build_library",
+                        lambda name, sources, extra_cflags, **kw: seen.append((name, kw["extra_include_paths"])))
+    monkeypatch.setattr(build, "_PCH_USED", [])
+    folder = tmp_path / build.pch_key(["-O3"]) / "torch"
+    folder.mkdir(parents=True)
+    (folder / "extension.h.gch").write_bytes(b"")
+    build.use_pch(tmp_path)
+    for name, flags in (("fast", ["-O3", " "]), ("plain", [])):
+        ext._write_ninja_file_and_build_library(name=name, sources=[], extra_cflags=flags, extra_cuda_cflags=[],
+                                                extra_ldflags=[], extra_include_paths=["inc"], build_directory="d",
+                                                verbose=False, with_cuda=False)
+    assert seen == [("fast", [str(folder.parent), "inc"]), ("plain", ["inc"])]
+    assert build._PCH_USED == ["fast"]

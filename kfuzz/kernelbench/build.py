@@ -36,6 +36,7 @@ from __future__ import annotations
 import ast
 import fcntl
 import hashlib
+import inspect
 import os
 import shlex
 import subprocess
@@ -185,10 +186,11 @@ def host_flags(extra_cflags=()) -> tuple[str, list[str]]:
     import torch.utils.cpp_extension as ext
     with tempfile.TemporaryDirectory(prefix="kfuzz-pch-") as d:
         path = os.path.join(d, "build.ninja")
-        ext._write_ninja_file_to_build_library(
-            path=path, name="kfuzz_pch", sources=[os.path.join(d, "main.cpp")], extra_cflags=_normal(extra_cflags),
-            extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=[], extra_include_paths=[], with_cuda=False,
-            with_sycl=False, is_standalone=False)
+        args = dict(path=path, name="kfuzz_pch", sources=[os.path.join(d, "main.cpp")],
+                    extra_cflags=_normal(extra_cflags), extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=[],
+                    extra_include_paths=[], with_cuda=False, with_sycl=False, is_standalone=False)
+        takes = inspect.signature(ext._write_ninja_file_to_build_library).parameters   # torch versions differ
+        ext._write_ninja_file_to_build_library(**{k: v for k, v in args.items() if k in takes})
         with open(path) as f:
             line = next(x for x in f if x.startswith("cflags = "))
     flags = [a for a in shlex.split(line[len("cflags = "):]) if not a.startswith("-DTORCH_EXTENSION_NAME=")]
