@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -78,8 +79,11 @@ def host_sources(code: str) -> dict | None:
         cpp, cuda, fns = value(kw.get("cpp_sources")), value(kw.get("cuda_sources")), value(kw.get("functions"))
         flags = value(kw.get("extra_cflags")) if "extra_cflags" in kw else []
         names = [fns] if isinstance(fns, str) else list(fns or [])
-        if isinstance(cpp, (str, list)) and cuda is not None and "__global__" not in str(cpp) and flags is not None \
-                and all(isinstance(n, str) and n in str(cpp) for n in names):
+        text = cpp if isinstance(cpp, str) else "\n".join(map(str, cpp)) if isinstance(cpp, list) else ""
+        host = (text and cuda is not None and flags is not None and "__global__" not in text and names
+                and "PYBIND11_MODULE" not in text and not re.search(r"#include\s*[<\"](c10/cuda|ATen/cuda|cuda)", text)
+                and all(isinstance(n, str) and re.search(rf"\b{re.escape(n)}\s*\(", text) for n in names))
+        if host:
             return {"cpp_sources": cpp, "functions": fns, "extra_cflags": list(flags)}
         return None
     return None

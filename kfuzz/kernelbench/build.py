@@ -25,8 +25,10 @@ Compile time. Every ``load_inline`` host file starts with ``#include <torch/exte
 most of its compile time. ``ensure_pch`` (kfuzz's own process, never a kernel's) precompiles
 that header once per distinct host-compile flags into ``<root>/<key>/torch/extension.h.gch``
 (``pch_key``: the compiler, torch's version and install, and the solution's ``extra_cflags``;
-the header is compiled with the flags ninja gives the host file, less the extension's name); ``use_pch`` (in the build step) puts that folder first on the host
-file's include path, where GCC takes the ``.gch`` in place of the header. A header whose flags
+the header is compiled with the flags ninja gives the host file, less the extension's name),
+with a copy of the header beside it; ``use_pch`` (in the build step) puts that folder first on
+the host file's include path, where GCC takes the ``.gch`` in place of the header (and the copy
+where a source includes the header again). A header whose flags
 differ (``-O3`` against none) is ignored by GCC and the header compiled as usual: the
 precompiled header changes the build's time, never its result. Torch's own ``use_pch=True``
 is the solution's argument, and writes beside torch's headers: not used.
@@ -39,6 +41,7 @@ import hashlib
 import inspect
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 import time
@@ -223,6 +226,13 @@ def ensure_pch(root: str | os.PathLike, extra_cflags=(), timeout: float = 600.0)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with open(os.path.join(folder, "lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        beside = os.path.join(folder, "torch", "extension.h")
+        if not os.path.isfile(beside):
+            # the header itself beside its .gch: a source that includes it a second time (its own
+            # ``#include <torch/extension.h>`` after load_inline's) finds it in the folder where GCC
+            # found the .gch, as GCC looks there and nowhere else once it has used one
+            shutil.copyfile(_header(), beside + ".part")
+            os.replace(beside + ".part", beside)
         if not os.path.isfile(target):
             if os.path.isfile(target + ".failed"):
                 return None
