@@ -39,6 +39,7 @@ Kernels that misbehave are never errors: they are records.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -105,7 +106,7 @@ def finding(verdict) -> dict:
 
 def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
-                 policy: dict | None = None, build_only: bool = False) -> None:
+                 policy: dict | None = None, build_only: bool = False, cases: str | None = None) -> None:
     """The build (a solution that compiles), the standard test, the weights contract and each gate
     on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
@@ -113,7 +114,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     process, as the original harness ran them); the weights contract and the gates' kernel
     programs in a third (``kfuzz.executor.Sandboxed``) that resolves the same ``kb:`` name, while
     the oracle, the trusted implementation and every comparison run here. ``policy``: overrides
-    of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging)."""
+    of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging);
+    ``cases``: the folder for each failing gate's case (``save_gate_case``)."""
     from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
@@ -185,29 +187,179 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                 raise RuntimeError(w.verdict.detail if w.verdict is not None else "no weights status came back")
             # the kernel process's word (it ran ModelNew to load the weights)
             flags = w.facts.get("flags")
-            emit("weights", {"status": "fail" if status.startswith("seed only") else status, "detail": status,
-                             "flags": [str(f)[:100] for f in flags[:10]] if isinstance(flags, list) else [],
-                             "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
-                             "params": params, "seconds": round(time.monotonic() - start, 3)})
+            record_weights = {"status": "fail" if status.startswith("seed only") else status, "detail": status,
+                              "flags": [str(f)[:100] for f in flags[:10]] if isinstance(flags, list) else [],
+                              "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
+                              "params": params, "seconds": round(time.monotonic() - start, 3)}
+            emit("weights", record_weights)
         except Exception as e:
             emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000], "params": params})
-        for gid in gates:
-            try:
-                r = run_gate(GATES[gid], target, seed=seed, out=None, device=device, executor=ex)
-                d = r.to_json()
-                d.pop("saved", None)
-                d["kind"] = r.first_failure[1].kind if r.first_failure else None
-                d["exc_type"] = r.first_failure[1].exc_type if r.first_failure else None
-                d["reason"] = d["reason"][:600]
-            except Exception as e:    # the gate itself could not run (the reference failed, say)
-                d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
-                     "where": traceback.format_exc(limit=-3)[-800:]}
-            emit("gate", d)
+            status = None
+        stack = contextlib.ExitStack()
+        gate_ex = ex
+        if status in ("exact", "by position") and "G01" in gates:
+            # which weights the gates judge with, and whether the solution keeps up with a checkpoint
+            def executor(weights: str, on=target):
+                return stack.enter_context(Sandboxed(on, device, timeout, confined, preload=KERNEL_PRELOAD,
+                                                     resolve={"weights": weights, "device": device, "prebuilt": True}))
+            checks, gate_ex = weights_checks(pair, target, device, seed, ex, executor)
+            emit("weights", {**record_weights, "checks": checks})
+        budget = {"minimize": MINIMIZE_SECONDS}     # shared by the kernel's failing gates
+        with stack:
+            for gid in gates:
+                run_one_gate(gid, target, seed, device, gate_ex, emit, cases, budget)
+
+
+def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases: str | None = None,
+                 budget: dict | None = None) -> None:
+    """One gate on the audited kernel, its result emitted as a ``gate`` record (``error`` when
+    the gate itself could not run); a failure's first case saved beneath ``cases``
+    (``save_gate_case``), named in the record's ``case_file``. ``budget["minimize"]``: the
+    seconds left for minimizing (spent here)."""
+    from kfuzz.gates import GATES, run_gate
+    excused: dict[str, int] = {}
+
+    def tally(_gid, _index, _seconds, verdict) -> None:
+        cls = excused_class(verdict)
+        if cls is not None:
+            excused[cls] = excused.get(cls, 0) + 1
+    try:
+        r = run_gate(GATES[gid], target, seed=seed, out=None, device=device, executor=executor, on_case=tally)
+        d = r.to_json()
+        if excused:
+            d["excused"] = excused
+        d.pop("saved", None)
+        d["kind"] = r.first_failure[1].kind if r.first_failure else None
+        d["exc_type"] = r.first_failure[1].exc_type if r.first_failure else None
+        d["reason"] = d["reason"][:600]
+    except Exception as e:    # the gate itself could not run (the reference failed, say)
+        d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
+             "where": traceback.format_exc(limit=-3)[-800:]}
+        r = None
+    if r is not None and r.first_failure is not None and cases:
+        try:
+            start = time.monotonic()
+            left = (budget or {}).get("minimize", MINIMIZE_SECONDS)
+            d.update(save_gate_case(cases, target, gid, *r.first_failure, device, seed, executor, left))
+            if budget is not None:
+                budget["minimize"] = left - (time.monotonic() - start)
+        except Exception as e:     # the verdict stands; only its replayable copy is missing
+            d["case_error"] = f"{type(e).__name__}: {e}"[:300]
+    emit("gate", d)
+
+
+# cases a gate passes though the kernel differs from the oracle, because the reference itself
+# cannot do better or the inputs leave its domain (the detail's start -> the class): arguable
+EXCUSED = (("outside the contract", "shared-exception"), ("outside the reference's domain", "outside-domain"),
+           ("reference-limited", "reference-limited"))
+
+
+def excused_class(verdict) -> str | None:
+    """The class of a passing verdict that excuses a difference (``EXCUSED``; a NaN the reference
+    spreads through exact zeros is ``zero-spread``), else None."""
+    if not verdict.passed or not verdict.detail:
+        return None
+    if "do not depend on the injected value" in verdict.detail:
+        return "zero-spread"
+    return next((cls for start, cls in EXCUSED if verdict.detail.startswith(start)), None)
+
+
+CASES = "cases"               # beneath the results folder: each failing gate's case, one file a kernel and gate
+MINIMIZE_SECONDS = 20.0       # what minimizing a kernel's failing cases may take, all its gates together
+MINIMIZE_EXECUTIONS = 60
+
+
+def case_path(cases: str | Path, target_name: str, gid: str) -> Path:
+    """Where the audit keeps a kernel's failing case of gate ``gid``: ``<cases>/<target folder>/<gid>.case.zst``."""
+    from kfuzz.corpus import target_folder
+    return Path(cases) / target_folder(target_name) / f"{gid}.case.zst"
+
+
+def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: str, seed: int, executor,
+                   max_seconds: float = MINIMIZE_SECONDS) -> dict:
+    """Save a gate's failing ``case`` so that ``kfuzz verify --replay`` runs it alone through the
+    gate again. A failure of a bound gate (G01-G04: one call judged against the bound, the
+    minimizer's own predicate) is minimized first (``kfuzz.minimize.minimize_failure``, at most
+    ``max_seconds``, the kernel in ``executor``; kept as found with under 2 s); others are kept as
+    found. Returns the record's ``case_file`` and ``minimized``."""
+    from kfuzz.case import encode
+    from kfuzz.corpus import make_record, write_atomic
+    from kfuzz.gates import GATES
+    note: dict = {"minimize": {"skipped": "the gate judges more than one call; kept as found"}}
+    if max_seconds < 2:
+        note = {"minimize": {"skipped": "the kernel's minimizing time is spent; kept as found"}}
+    elif not GATES[gid].tolerance_free and verdict.kind not in ("crash", "timeout"):
+        from kfuzz.minimize import minimize_failure
+        case, verdict, note = minimize_failure(case, target, verdict, device, max_executions=MINIMIZE_EXECUTIONS,
+                                               max_seconds=max_seconds, executor=executor)
+    path = case_path(cases, target.name, gid)
+    write_atomic(path, encode(case, make_record(verdict, "fail", device, gate=gid, gate_seed=seed, **note)))
+    return {"case_file": str(path), "minimized": "error" not in note.get("minimize", {}) and "skipped" not in
+            note.get("minimize", {})}
+
+
+def _first_reference_case(target, seed: int, device: str, executor):
+    """G01's first case (a fresh seed at the nominal shape) on ``executor``: (case, verdict)."""
+    from kfuzz.gates import GATES
+    gate = type(GATES["G01"])()
+    case = next(iter(gate.cases(target, seed)))
+    v = gate.check(target, case, device, executor=executor)
+    return v if isinstance(v, tuple) else (case, v)
+
+
+def weights_checks(pair, target, device: str, seed: int, loaded, executor: Callable) -> tuple[dict, object]:
+    """Two checks of a solution whose ``Model`` weights loaded (``exact`` or ``by position``),
+    each on G01's first case; returns them (``status`` pass/fail, ``detail``) and the executor the
+    gates then judge with. ``loaded``: the executor whose solution has ``Model``'s weights;
+    ``executor(weights, target)``: a new one whose solution's weights are ``weights``
+    (``kfuzz.kernelbench.as_target``).
+
+    - ``derived``: the case fails with the loaded weights and passes with the solution's own
+      same-seed weights (``weights="none"``): a parameter the solution derives in ``__init__`` (a
+      bias minus a constant, a pre-transposed weight) does not follow a loaded checkpoint. The
+      finding is the weights contract's (``W``), and the gates judge the same-seed solution, so
+      the one cause does not fail G01-G04 together.
+    - ``reload``: where the case passes with the loaded weights: one forward, then ``Model``'s
+      checkpoint of another seed (``RELOAD_SEED``) loaded into the solution and the reference
+      alike, and the case again (``weights="reload"``). A solution that copied its weights in
+      ``__init__`` or on its first forward answers with the old ones: stale."""
+    from kfuzz.kernelbench import as_target
+    checks: dict = {}
+    case, first = _first_reference_case(target, seed, device, loaded)
+    gate_ex = loaded
+    if not first.passed:
+        own = executor("none")
+        _, same = _first_reference_case(target, seed, device, own)
+        if same.passed:
+            gate_ex = own
+            checks["derived"] = {"status": "fail", "detail": (
+                f"G01 case {case.seed}: fails with Model's weights loaded ({first.kind}: {first.detail[:200]}) and "
+                f"passes with the solution's own same-seed weights: a parameter derived from the weights in "
+                f"__init__ does not follow a loaded checkpoint (the gates judge the same-seed solution)")[:800]}
+        else:
+            checks["derived"] = {"status": "pass", "detail": "G01's first case fails with the same-seed weights too: "
+                                                             "the kernel's own failure, judged by the gates"}
+        checks["reload"] = {"status": "n/a", "detail": "G01's first case fails with the loaded weights"}
+        return checks, gate_ex
+    checks["derived"] = {"status": "pass", "detail": "G01's first case passes with Model's weights loaded"}
+    other = as_target(pair, device, weights="reload", solution=False)
+    case, again = _first_reference_case(other, seed, device, executor("reload", other))
+    checks["reload"] = ({"status": "pass", "detail": "after a first forward, Model's checkpoint of another seed "
+                                                     "loaded: G01's first case passes"} if again.passed else
+                        {"status": "fail", "detail": (
+                            f"after a first forward, Model's checkpoint of another seed loaded into the solution "
+                            f"and the reference: G01 case {case.seed} fails ({again.kind}: {again.detail[:200]}); "
+                            f"the solution answers with weights copied before the load (stale)")[:800]})
+    return checks, gate_ex
 
 
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
-           threads: int, max_jobs: int, timeout: float, policy: dict | None, build_only: bool = False) -> None:
+           threads: int, max_jobs: int, timeout: float, policy: dict | None, pch: str | None = None,
+           cases: str | None = None, build_only: bool = False) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
+    if pch:
+        from kfuzz.kernelbench.build import PCH_ENV
+        os.environ[PCH_ENV] = pch
     if cache and entry.pair is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
         # made now: a worker may write only beneath directories that exist when it is confined
@@ -226,7 +378,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     fork_server_here(close=(conn.fileno(),))
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
-                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only)
+                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases)
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
         conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000]}))
     conn.send(("done", {}))
@@ -254,7 +406,8 @@ class _Running:
         self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers"}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
-        self.proc = ctx.Process(target=_child, args=(child, entry, *args, build_only), daemon=False,
+        self.proc = ctx.Process(target=_child, args=(child, entry, *args), kwargs={"build_only": build_only},
+                                daemon=False,
                                 name=f"kfuzz-{'build' if build_only else 'audit'}-{entry.key}")
         self.proc.start()
         child.close()
@@ -472,6 +625,30 @@ def default_cache() -> Path:
     return Path(base) / "kfuzz" / "extensions"
 
 
+PCH_FOLDER = "pch"      # beneath the extension cache: torch's extension header, precompiled
+
+
+def default_max_jobs(jobs: int) -> int:
+    """Ninja's jobs in each build: ``$MAX_JOBS``, else this machine's cores shared among the
+    ``jobs`` kernels at once, and at least 2 (a ``load_inline`` build has a host file and a CUDA
+    file, which then compile side by side; the judging of the kernels already built leaves cores
+    idle)."""
+    return int(os.environ.get("MAX_JOBS") or 0) or max(2, (os.cpu_count() or 1) // max(1, jobs))
+
+
+def precompile_headers(entries: Iterable[CorpusEntry], root: str | Path) -> dict[tuple[str, ...], str | None]:
+    """torch's extension header precompiled beneath ``root`` for each distinct set of host-file
+    flags among ``entries``' ``load_inline`` calls (read statically; none given: the default
+    flags), most used first (``kfuzz.kernelbench.build.ensure_pch``). Runs in kfuzz's process:
+    the compiler sees torch's header and the flags, never a solution's code. Returns each flag
+    set's folder (None: could not be made)."""
+    from collections import Counter
+    from kfuzz.kernelbench.build import cflag_sets, ensure_pch
+    counts = Counter(f for e in entries if e.pair is not None and e.compiles
+                     for f in (cflag_sets(e.pair.custom_code) or [()]))
+    return {f: ensure_pch(root, f) for f, _ in counts.most_common()}
+
+
 def _beneath(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
@@ -480,7 +657,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
-              build_jobs: int = 0) -> Iterator[dict]:
+              build_jobs: int = 0, pch: bool = True) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish); yields each record once appended, signed with the key at ``key`` (by default
     ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
@@ -489,7 +666,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     the kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
     ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once).
     ``build_jobs``: builds of solutions further down the queue that run ahead of their judging (a
-    compile phase beside the judging; the kernel's own build step then finds its extension built)."""
+    compile phase beside the judging; the kernel's own build step then finds its extension built).
+    ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
+    first kernels; a build that starts before its header is ready compiles the header itself)."""
     entries = list(entries)
     out_dir = Path(out).resolve()
     key_file = Path(key).resolve() if key is not None else key_path().resolve()
@@ -511,8 +690,15 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 "under an OS layer (pass allow_unconfined, --allow-unconfined in the CLI, to run it with what is here)")
     ctx = _context()
     if max_jobs is None:
-        max_jobs = int(os.environ.get("MAX_JOBS") or 0) or max(1, (os.cpu_count() or 1) // jobs)
-    args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}))
+        max_jobs = default_max_jobs(jobs)
+    compiling = [e for e in todo if e.compiles]
+    pch_root = str(cache_dir / PCH_FOLDER) if pch and compiling else None
+    if pch_root:
+        import threading
+        threading.Thread(target=precompile_headers, args=(compiling, pch_root), daemon=True,
+                         name="kfuzz-audit-pch").start()
+    args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}), pch_root,
+            str(out_dir / CASES))
     running: list[_Running] = []
     builders: list[_Running] = []     # builds ahead of judging: no record of their own
     queue = list(todo)
@@ -579,6 +765,54 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
             r.proc.join(10)
 
 
+def build_kernels(entries: Iterable[CorpusEntry], cache: str | Path, device: str = "cpu", jobs: int = 1,
+                  max_jobs: int | None = None, timeout: float = 600.0, pch_root: str | Path | None = None,
+                  policy: dict | None = None) -> Iterator[dict]:
+    """Only the build step of each compiling entry (the audit's own, confined), ``jobs`` at once,
+    extensions into ``cache``; yields per kernel its key, ``build`` (the build step's facts, or
+    its finding) and ``seconds`` (wall time of its process). ``pch_root``: a folder of
+    precompiled headers the builds may use (``precompile_headers``). Nothing is recorded."""
+    ctx = _context()
+    args = ("cpu" if device is None else device, [], 0, str(Path(cache).resolve()), 1,
+            max_jobs or default_max_jobs(jobs), timeout, dict(policy or {}), str(pch_root) if pch_root else None, None)
+    queue = [e for e in entries if e.pair is not None and e.compiles]
+    running: list[_Running] = []
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                running.append(_Running(ctx, queue.pop(0), args, timeout, build_only=True))
+            wait([r.conn for r in running] + [r.proc.sentinel for r in running],
+                 timeout=max(0.0, min(r.deadline for r in running) - time.monotonic()))
+            for r in list(running):
+                how = None
+                try:
+                    while r.conn.poll():
+                        kind, d = r.conn.recv()
+                        if kind == "done":
+                            how = "done"
+                            break
+                        r.take(kind, d)
+                except (EOFError, OSError):
+                    how = "crash"
+                if how is None and not r.proc.is_alive():
+                    how = "crash"
+                if how is None and time.monotonic() >= r.deadline:
+                    how = "timeout"
+                if how is None:
+                    continue
+                r.kill()
+                r.proc.join(10)
+                r.conn.close()
+                running.remove(r)
+                rec = r.end(None if how == "done" else how)
+                yield {"key": rec["key"], "build": rec.get("build"), "seconds": rec["seconds"],
+                       "ended": rec.get("ended")}
+    finally:
+        for r in running:
+            r.kill()
+            r.proc.join(10)
+
+
 # judging a record -------------------------------------------------------------------------------
 
 def _old_standard_end(record: dict) -> str | None:
@@ -586,6 +820,19 @@ def _old_standard_end(record: dict) -> str | None:
     standard test"."""
     ended = record.get("ended") or ""
     return ended.split()[0] if "standard" not in record and ended.endswith("in the standard test") else None
+
+
+WEIGHTS_CHECKS = ("contract", "derived", "reload")
+
+
+def weights_failures(record: dict) -> list[str]:
+    """What of the weights contract (``W``) the record fails: ``contract`` (``Model``'s
+    state_dict does not load, or the check could not run), ``derived`` (a parameter derived in
+    ``__init__`` does not follow a loaded checkpoint), ``reload`` (weights copied before a
+    checkpoint was loaded: stale); see ``weights_checks``."""
+    w = record.get("weights") or {}
+    out = ["contract"] if w.get("status") in ("fail", "error") else []
+    return out + [k for k in WEIGHTS_CHECKS[1:] if ((w.get("checks") or {}).get(k) or {}).get("status") == "fail"]
 
 
 def judge_record(record: dict) -> dict:
@@ -614,7 +861,7 @@ def judge_record(record: dict) -> dict:
         ratio = float("inf") if ratio == "inf" else float(ratio)
         if GATES[gid].tolerance_free or g.get("kind") in TOLERANCE_FREE_KINDS or ratio >= BROKEN_RATIO:
             broken = True
-    if record.get("weights", {}).get("status") in ("fail", "error"):
+    if weights_failures(record):
         violations.append("W")
     ended = record.get("ended") or ""
     old = _old_standard_end(record)

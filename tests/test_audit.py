@@ -755,3 +755,285 @@ def test_an_exception_the_reference_raises_too_is_outside_the_contract():
     wrong = as_target(load_pair(ref, other.replace("class Model(", "class ModelNew("), "cholesky_other"))
     r = run_gate(GATES["G02"], wrong, seed=0)
     assert r.status == "fail" and r.first_failure[1].kind == "exception", r.reason
+
+
+DIAG = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, A, B):
+        return {body}
+
+
+N = 16
+M = 16
+
+
+def get_inputs():
+    return [torch.randn(N), torch.randn(N, M)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_nan_the_reference_spreads_through_exact_zeros_is_not_the_kernels_to_match():
+    """diag(A) @ B spreads a NaN of B down its whole column through 0 x NaN; B * A[:, None] keeps
+    it at its own position. The oracle's NaNs there do not depend on the injected value: G05
+    passes the elementwise kernel. A kernel that drops a NaN the oracle's value does depend on
+    still fails."""
+    from kfuzz.gates import GATES, run_gate
+    ref = DIAG.format(body="torch.diag(A) @ B")
+    honest = load_pair(ref, DIAG.format(body="B * A[:, None]").replace("class Model(", "class ModelNew("), "diag")
+    r = run_gate(GATES["G05"], as_target(honest), seed=0)
+    assert r.status == "pass", r.reason
+    dropped = load_pair(ref, DIAG.format(body="torch.nan_to_num(B * A[:, None], nan=0.0)").replace(
+        "class Model(", "class ModelNew("), "diag_drops_nan")
+    r = run_gate(GATES["G05"], as_target(dropped), seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "nonfinite", r.reason
+
+
+TRIANGULAR = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, A, B):
+        return torch.triu(A) @ B
+
+
+N = 16
+
+
+def get_inputs():
+    return [torch.triu(torch.randn(N, N)), torch.randn(N, N)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_layouts_that_break_a_triangular_input_are_outside_the_domain():
+    """A kernel that relies on its input being upper triangular (as the reference's inputs
+    always are) passes G04 and G05: an expanded layout repeating row 0, or a NaN where the matrix
+    is always zero, is outside the domain and says so (without the rule, both fail it). A kernel
+    wrong on honest layouts fails."""
+    from kfuzz.gates import GATES, run_gate
+    trusting = load_pair(TRIANGULAR, TRIANGULAR.replace("class Model(", "class ModelNew(").replace(
+        "torch.triu(A) @ B", "A @ B"), "triu_trusting")
+    target = as_target(trusting)
+    r = run_gate(GATES["G04"], target, seed=0)
+    assert r.status == "pass", r.reason
+    assert run_gate(GATES["G05"], target, seed=0).status == "pass"
+    target.options["outside_domain"] = None         # without the rule
+    assert run_gate(GATES["G04"], target, seed=0).status == "fail"
+    assert run_gate(GATES["G05"], target, seed=0).status == "fail"
+    contiguous_only = load_pair(TRIANGULAR, TRIANGULAR.replace("class Model(", "class ModelNew(").replace(
+        "torch.triu(A) @ B", "torch.triu(A) @ (B if B.is_contiguous() else B.flip(0))"), "triu_layouts")
+    r = run_gate(GATES["G04"], as_target(contiguous_only), seed=0)
+    assert r.status == "fail", r.reason
+
+
+CACHED = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+batch_size = 128
+dim = 8
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize("gate", ["G09", "G11"])
+def test_g09_and_g11_also_run_at_the_references_own_sizes(gate):
+    """A kernel that keeps one output buffer for the batch size the reference's own test uses
+    (128) and is right elsewhere fails G09 (the output of the call before is overwritten) and
+    G11 (with a result cached by shape); a correct kernel passes."""
+    from kfuzz.gates import GATES, run_gate
+    body = {"G09": "self.buf = getattr(self, 'buf', None)\n        if x.shape[0] == 128:\n"
+                   "            self.buf = torch.empty_like(x) if self.buf is None else self.buf\n"
+                   "            return torch.mul(x, 2, out=self.buf)\n        return x * 2",
+            "G11": "if x.shape[0] == 128:\n            if not hasattr(self, 'kept'):\n"
+                   "                self.kept = x * 2\n            return self.kept.clone()\n        return x * 2"}[gate]
+    cached = CACHED.replace("class Model(", "class ModelNew(").replace("return x * 2", body)
+    target = as_target(load_pair(CACHED, cached, f"cached_{gate}"))
+    r = run_gate(GATES[gate], target, seed=0)
+    assert r.status == "fail", r.reason
+    target.options["own_dims"] = None               # kfuzz's own sizes only: not caught
+    assert run_gate(GATES[gate], target, seed=0).status == "pass"
+    correct = CACHED.replace("class Model(", "class ModelNew(")
+    assert run_gate(GATES[gate], as_target(load_pair(CACHED, correct, "not_cached")), seed=0).status == "pass"
+
+
+LINEAR = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x) - 0.5)
+
+
+batch = 4
+
+
+def get_inputs():
+    return [torch.randn(batch, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+# a bias minus the constant, folded in __init__ and registered in the bias's place (loaded by position)
+DERIVED = LINEAR.replace("class Model(", "class ModelNew(").replace(
+    "        self.lin = nn.Linear(8, 8)\n",
+    "        lin = nn.Linear(8, 8)\n        self.w = nn.Parameter(lin.weight.detach().clone())\n"
+    "        self.b = nn.Parameter(lin.bias.detach() - 0.5)\n").replace(
+    "torch.relu(self.lin(x) - 0.5)", "torch.relu(x @ self.w.t() + self.b)")
+# the weight copied, transposed, into a plain attribute in __init__: a checkpoint loaded later never reaches it
+STALE = LINEAR.replace("class Model(", "class ModelNew(").replace(
+    "        self.lin = nn.Linear(8, 8)\n",
+    "        self.lin = nn.Linear(8, 8)\n        self.wt = None\n").replace(
+    "        return torch.relu(self.lin(x) - 0.5)",
+    "        if self.wt is None:\n            self.wt = self.lin.weight.detach().t().contiguous()\n"
+    "        return torch.relu(x @ self.wt + self.lin.bias - 0.5)")
+
+
+def _weights_checks(solution: str, name: str):
+    from kfuzz.audit import weights_checks
+    from kfuzz.executor import InProcess
+    pair = load_pair(LINEAR, solution, name)
+    target = as_target(pair, weights="seed", solution=False)
+
+    def executor(weights, on=target):
+        return InProcess(as_target(pair, weights=weights))
+    return weights_checks(pair, target, "cpu", 0, executor("seed"), executor)
+
+
+def test_a_derived_parameter_lands_on_the_weights_contract_not_on_the_gates():
+    """A bias minus a constant folded in __init__ is wrong once Model's bias is loaded by position
+    and right with its own same-seed weights: the finding is W's (``derived``) and the gates then
+    judge the same-seed solution. A verbatim copy passes both checks."""
+    from kfuzz.gates import GATES, run_gate
+    checks, gate_ex = _weights_checks(DERIVED, "derived")
+    assert checks["derived"]["status"] == "fail", checks
+    assert gate_ex.target.options["bench"].weights == "none"
+    assert run_gate(GATES["G01"], as_target(load_pair(LINEAR, DERIVED, "derived")), seed=0,
+                    executor=gate_ex).status == "pass"
+    checks, _ = _weights_checks(LINEAR.replace("class Model(", "class ModelNew("), "verbatim")
+    assert checks["derived"]["status"] == "pass" and checks["reload"]["status"] == "pass", checks
+
+
+def test_a_weight_copied_before_a_checkpoint_is_loaded_is_stale():
+    """A transposed copy of the weight made on the first forward passes every gate on the
+    same-seed weights, and answers with the old weights after Model's checkpoint of another seed
+    is loaded: ``reload`` fails (W)."""
+    checks, _ = _weights_checks(STALE, "stale")
+    assert checks["derived"]["status"] == "pass", checks
+    assert checks["reload"]["status"] == "fail" and "stale" in checks["reload"]["detail"], checks
+
+
+def test_every_failing_gate_leaves_a_case_that_replays_alone(tmp_path):
+    """The audit keeps each failing gate's case beneath OUT/cases, one file a kernel and gate
+    (a bound gate's minimized), and ``kfuzz verify --replay`` runs it alone to the same failure."""
+    import kfuzz.cli.verify  # noqa: F401  (registers the verb)
+    from kfuzz.audit import case_path
+    from kfuzz.corpus import load
+    entries = [control("zeros_under_tolerance"), control("drops_nan")]
+    records = {r["key"]: r for r in run_audit(entries, tmp_path / "out", ["G01", "G05"], timeout=180)}
+    files = []
+    for e in entries:
+        for gid, g in records[e.key]["gates"].items():
+            if g["status"] != "fail":
+                continue
+            path = case_path(tmp_path / "out" / "cases", e.pair.target_name, gid)
+            assert g["case_file"] == str(path) and path.is_file(), g
+            files.append(path)
+    g01 = records[entries[0].key]["gates"]["G01"]
+    assert g01["status"] == "fail" and g01["minimized"] is True, g01
+    assert load(case_path(tmp_path / "out" / "cases", entries[0].pair.target_name, "G01"))[1]["gate"] == "G01"
+    assert len(files) >= 2
+    r = CliRunner().invoke(cli, ["verify", *[a for f in files for a in ("--replay", str(f))], "--in-process"])
+    assert r.exit_code == 0 and r.output.count("ok ") == len(files), r.output
+
+
+FLAT = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return {body}
+
+
+batch_size = 16
+dim = 64
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_layout_the_reference_itself_refuses_is_outside_the_contract_not_a_gate_error():
+    """A reference that calls .view() on its input raises on a permuted layout: G04 passes that
+    case saying so (instead of the gate erroring), and a kernel wrong on another layout still fails."""
+    from kfuzz.gates import GATES, run_gate
+    ref = FLAT.format(body="x.view(-1).sum().reshape(1)")
+    ok = load_pair(ref, FLAT.format(body="x.reshape(-1).sum().reshape(1)").replace("class Model(", "class ModelNew("),
+                   "view_ok")
+    r = run_gate(GATES["G04"], as_target(ok), seed=0)
+    assert r.status == "pass", r.reason
+    wrong = load_pair(ref, FLAT.format(body="(x.reshape(-1).sum() if x.is_contiguous() else x[0].sum()).reshape(1)")
+                      .replace("class Model(", "class ModelNew("), "view_wrong")
+    r = run_gate(GATES["G04"], as_target(wrong), seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason
+
+
+def test_builds_find_the_precompiled_header_of_their_flags_first_on_the_include_path(tmp_path, monkeypatch):
+    """The build step's host file gets the folder of the precompiled torch header made for its
+    extra_cflags first on its include path, and nothing where none was made for those flags;
+    the flags are read from the solution statically."""
+    import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench import build
+    code = ("from torch.utils.cpp_extension import load_inline\n"
+            "a = load_inline(name='a', cpp_sources='', extra_cflags=['-O3', ''])\n"
+            "b = load_inline(name='b', cpp_sources='')\nc = load_inline(name='c', cpp_sources='', extra_cflags=F)\n")
+    assert build.cflag_sets(code) == [("-O3",), ()]
+    seen = []
+    monkeypatch.setattr(ext, "_write_ninja_file_and_build_library",
+                        lambda name, sources, extra_cflags, **kw: seen.append((name, kw["extra_include_paths"])))
+    monkeypatch.setattr(build, "_PCH_USED", [])
+    folder = tmp_path / build.pch_key(["-O3"]) / "torch"
+    folder.mkdir(parents=True)
+    (folder / "extension.h.gch").write_bytes(b"")
+    build.use_pch(tmp_path)
+    for name, flags in (("fast", ["-O3", " "]), ("plain", [])):
+        ext._write_ninja_file_and_build_library(name=name, sources=[], extra_cflags=flags, extra_cuda_cflags=[],
+                                                extra_ldflags=[], extra_include_paths=["inc"], build_directory="d",
+                                                verbose=False, with_cuda=False)
+    assert seen == [("fast", [str(folder.parent), "inc"]), ("plain", ["inc"])]
+    assert build._PCH_USED == ["fast"]

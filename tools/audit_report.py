@@ -27,10 +27,10 @@ import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from kfuzz.audit import BROKEN_RATIO, judge_record, read_results, results_key
+from kfuzz.audit import BROKEN_RATIO, judge_record, read_results, results_key, weights_failures
+from kfuzz.kernelbench import read_corpus
 from kfuzz.compare import BOUND_C
 from kfuzz.gates import GATES
-from kfuzz.kernelbench import read_corpus
 
 SWEEP = (0.5, 1, 2, 4, 8, 16, 64, 256, 1e3, 1e4, 1e6)
 BOUND_GATES = [g for g, gate in GATES.items() if not gate.tolerance_free]
@@ -102,6 +102,23 @@ def fill_params(records: list[dict], weights: CorpusWeights) -> dict:
     return {"filled_from_corpus": filled, "unknown": unknown}
 
 
+# bands of a bound failure's relative error (its first failing case), in units of a format's
+# unit roundoff: TF32 and fp16 keep 10 mantissa bits (u = 2^-11), bf16 7 (u = 2^-8)
+PRECISION_BANDS = (("tf32/fp16-level", 4 * 2.0 ** -11), ("bf16-level", 4 * 2.0 ** -8))
+
+
+def precision_class(rec: dict, violations: list[str]) -> str | None:
+    """For a kernel whose every violation is a bound failure of G01-G04, the band of its worst
+    relative error (``PRECISION_BANDS``, else ``beyond half precision``); None otherwise."""
+    if not violations or any(v not in BOUND_GATES or rec["gates"][v].get("kind") != "bound" for v in violations):
+        return None
+    rel = 0.0
+    for v in violations:
+        m = (rec["gates"][v].get("verdict") or {}).get("metrics") or {}
+        rel = max([rel] + [float(x) for k, x in m.items() if k.endswith("rel_err") and not k.endswith("trusted_rel_err")])
+    return next((name for name, top in PRECISION_BANDS if rel <= top), "beyond half precision")
+
+
 def summarize(records: list[dict], params: dict | None = None) -> dict:
     corpus = [r for r in records if r.get("expect") is None]
     controls = [r for r in records if r.get("expect") is not None]
@@ -127,6 +144,34 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         control_rows.append({"key": r["key"], "planted": r["expect"], "standard_pass": j[r["key"]]["standard"],
                              "violations": j[r["key"]]["violations"], "as_planted": caught == planted})
     agree = sum(bool(j[r["key"]]["standard"]) for r in audited)
+    without_w = {r["key"]: [v for v in j[r["key"]]["violations"] if v != "W"] for r in audited}
+    by_level: dict[str, Counter] = defaultdict(Counter)
+    by_gate_level: dict[str, Counter] = defaultdict(Counter)
+    for r in audited:
+        lv = str(r.get("level", "?"))
+        c = by_level[lv]
+        c["kernels"] += 1
+        c["violation"] += j[r["key"]]["violation"]
+        c["violation_without_W"] += bool(without_w[r["key"]])
+        c["broken"] += j[r["key"]]["broken"]
+        c["standard_pass"] += bool(j[r["key"]]["standard"])
+        c["incomplete"] += j[r["key"]]["incomplete"]
+        for v in j[r["key"]]["violations"]:
+            by_gate_level[v][lv] += 1
+    weights_kinds = Counter(k for r in audited for k in weights_failures(r))
+    gate_errors_by_gate = Counter(g for r in audited for g, d in r.get("gates", {}).items() if d.get("status") == "error")
+    precision = Counter(precision_class(r, j[r["key"]]["violations"]) for r in audited)
+    precision.pop(None, None)
+    excused = Counter()
+    for r in audited:
+        for d in r.get("gates", {}).values():
+            excused.update(d.get("excused") or {})
+    arguable = {
+        **{f"only bound failures, {k}": n for k, n in sorted(precision.items())},
+        "only the weights contract (W)": sum(j[r["key"]]["violations"] == ["W"] for r in audited),
+        "W only through derived parameters": sum(weights_failures(r) == ["derived"] and not without_w[r["key"]]
+                                                 for r in audited),
+    }
     return {
         "records": len(records), "corpus_records": len(corpus),
         "skipped": sum("skip" in r for r in corpus),
@@ -154,6 +199,18 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "g07_params_unknown": sum(r.get("gates", {}).get("G07", {}).get("status") == "fail"
                                   and "params" not in r.get("weights", {}) for r in audited),
         "params": params or {},
+        "violation_without_W": sum(bool(v) for v in without_w.values()),
+        "share_violation_without_W": sum(bool(v) for v in without_w.values()) / n,
+        "W": sum("W" in j[r["key"]]["violations"] for r in audited), "W_by_check": dict(weights_kinds),
+        "by_level": {lv: dict(c) for lv, c in sorted(by_level.items())},
+        "by_gate_level": {g: dict(sorted(c.items())) for g, c in sorted(by_gate_level.items())},
+        "kfuzz_errors": {"records_with_gate_error": sum(any(g.get("status") == "error" for g in r.get(
+                             "gates", {}).values()) for r in audited),
+                         "gate_errors_by_gate": dict(sorted(gate_errors_by_gate.items())),
+                         "weights_check_errors": sum(r.get("weights", {}).get("status") == "error" for r in audited),
+                         "killed_for_time": sum(j[r["key"]]["incomplete"] for r in audited),
+                         "adapter_refused": sum("adapter" in r for r in corpus)},
+        "arguable": arguable, "excused_cases": dict(sorted(excused.items())),
         "sweep": sweep, "broken_ratio": BROKEN_RATIO, "controls": control_rows,
         "controls_as_planted": all(c["as_planted"] for c in control_rows) if control_rows else None,
     }
@@ -175,6 +232,8 @@ def kernel_rows(records: list[dict]) -> list[dict]:
 def markdown(s: dict) -> str:
     pct = lambda x: f"{100 * x:.1f}%"
     out = ["# Audit report", "",
+           *([f"The corpora hold {s['corpus_accepted']} accepted kernels; {s['audited']} of them are audited here "
+              f"({pct(s['audited'] / max(1, s['corpus_accepted']))}).", ""] if s.get("corpus_accepted") else []),
            f"{s['audited']} kernels audited ({s['incomplete']} incomplete: killed for time, judged on the gates "
            f"that finished; {s['gate_errors']} with a gate that could not run, judged on the others), "
            f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
@@ -215,6 +274,38 @@ def markdown(s: dict) -> str:
             "W": "weights contract", "crash": "kernel process died",
             "timeout": "standard test did not end in time"}.get(g, "build or standard test ended in" if "-" in g else g)
         out.append(f"| {g} {name} | {k} | {pct(k / max(1, s['audited']))} |")
+    out += ["", "## By level", "", "| level | kernels | standard pass | violation | violation without W | broken | "
+            "incomplete |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for lv, c in s["by_level"].items():
+        k = max(1, c["kernels"])
+        out.append(f"| {lv} | {c['kernels']} | {c.get('standard_pass', 0)} | {c.get('violation', 0)} "
+                   f"({pct(c.get('violation', 0) / k)}) | {c.get('violation_without_W', 0)} "
+                   f"({pct(c.get('violation_without_W', 0) / k)}) | {c.get('broken', 0)} ({pct(c.get('broken', 0) / k)}) | "
+                   f"{c.get('incomplete', 0)} |")
+    levels = list(s["by_level"])
+    out += ["", "## Violations by gate and level", "", "| gate | " + " | ".join(f"level {lv}" for lv in levels) + " |",
+            "| --- |" + " --- |" * len(levels)]
+    for g, c in s["by_gate_level"].items():
+        out.append(f"| {g} | " + " | ".join(str(c.get(lv, 0)) for lv in levels) + " |")
+    out += ["", "## The weights contract (W), separately", "",
+            f"{s['W']} kernels fail W (by check: {', '.join(f'{k} {n}' for k, n in sorted(s['W_by_check'].items())) or 'none'}; "
+            f"contract: Model's state_dict does not load; derived: a parameter derived in __init__ does not follow a "
+            f"loaded checkpoint; reload: weights copied before a checkpoint was loaded). Without W, "
+            f"{s['violation_without_W']} kernels ({pct(s['share_violation_without_W'])}) have at least one violation "
+            f"(with it, {s['violation']}, {pct(s['share_violation'])}).", "",
+            "## kfuzz's own errors and timeouts", "", "| what | count |", "| --- | --- |",
+            f"| kernels with a gate that could not run (kfuzz error) | {s['kfuzz_errors']['records_with_gate_error']} |",
+            *[f"| ... of them in {g} | {n} |" for g, n in s["kfuzz_errors"]["gate_errors_by_gate"].items()],
+            f"| weights check that could not run | {s['kfuzz_errors']['weights_check_errors']} |",
+            f"| kernels killed for time in the gates or the build (incomplete) | {s['kfuzz_errors']['killed_for_time']} |",
+            f"| references the adapter refused | {s['kfuzz_errors']['adapter_refused']} |",
+            "", "## Arguable classes", "",
+            "Kernels whose violations are arguable, each class on its own (the precision bands: the worst relative "
+            "error of the first failing case, at most 4 x 2^-11 for TF32/fp16, 4 x 2^-8 for bf16; TF32 and fp16 "
+            "keep the same mantissa and are not told apart by error size), and the cases the gates excused (passed, "
+            "saying why) as their own classes:", "", "| class | kernels or cases |", "| --- | --- |",
+            *[f"| {k} | {n} kernels |" for k, n in s["arguable"].items()],
+            *[f"| excused: {k} | {n} cases |" for k, n in s["excused_cases"].items()]]
     out += ["", "## By generating model", "", "| model | kernels | standard pass | violation | broken |",
             "| --- | --- | --- | --- | --- |"]
     for m, c in s["by_model"].items():
@@ -256,6 +347,21 @@ def plot(s: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+NOT_ACCEPTED = ("custom_code is null (not accepted)", "code is null")
+
+
+def accepted_in_corpora(dirs) -> int | None:
+    """How many accepted kernels (rows with a solution, paired or not) the first corpora folder
+    found holds: the audit's denominator; None where none is found."""
+    for d in dirs:
+        files = sorted(Path(d).glob("cuda-l1-*.jsonl")) + sorted(Path(d).glob("*leaderboard*.json"))
+        if files:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return sum(e.pair is not None or e.skip not in NOT_ACCEPTED for f in files for e in read_corpus(f))
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="results.jsonl file(s) from kfuzz audit")
@@ -286,7 +392,8 @@ def main(argv=None) -> int:
     recs = list(records.values())
     params = fill_params(recs, CorpusWeights([a.corpora] if a.corpora else DEFAULT_CORPORA))
     s = summarize(recs, params)
-    s.update(lines_refused=refused, lines_unsigned=unsigned)
+    s.update(lines_refused=refused, lines_unsigned=unsigned, corpus_accepted=accepted_in_corpora(
+        [Path(a.corpora)] if a.corpora else DEFAULT_CORPORA))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(markdown(s))

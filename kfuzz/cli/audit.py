@@ -56,9 +56,13 @@ def _line(rec: dict) -> str:
               help="Compiled extensions, one folder per solution hash, outside OUT "
                    "(default ~/.cache/kfuzz/extensions).")
 @click.option("--max-jobs", type=int, default=None,
-              help="MAX_JOBS (ninja's jobs) for each extension build (default: the cores divided by --jobs).")
+              help="MAX_JOBS (ninja's jobs) for each extension build (default: $MAX_JOBS, else the cores divided "
+                   "by --jobs, at least 2).")
 @click.option("--build-jobs", type=int, default=0, show_default=True,
               help="Builds of load_inline solutions further down the queue run ahead of their judging, N at once.")
+@click.option("--pch/--no-pch", default=True, show_default=True,
+              help="Precompile torch's extension header once per set of host-file flags, beneath --cache, "
+                   "for the load_inline builds.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
 @click.option("--key", type=click.Path(dir_okay=False), default=None,
@@ -70,7 +74,7 @@ def _line(rec: dict) -> str:
               help="Run the kernels even where no OS layer blocks their network, writes or processes.")
 @handles_bad_input
 def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, build_jobs,
-              threads, retry, key, trust_unsigned, allow_unconfined):
+              pch, threads, retry, key, trust_unsigned, allow_unconfined):
     """Audit the kernels of CORPORA (CUDA-L1 .jsonl, leaderboard .json, controls folder).
 
     Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
@@ -96,7 +100,7 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     now = {}
     for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
                          threads=threads, max_jobs=max_jobs, retry=retry, key=key, trust_unsigned=trust_unsigned,
-                         allow_unconfined=allow_unconfined, build_jobs=build_jobs):
+                         allow_unconfined=allow_unconfined, build_jobs=build_jobs, pch=pch):
         now[rec["key"]] = rec
         click.echo(_line(rec))
     # the whole results file for the selected kernels, this run's records first

@@ -21,6 +21,10 @@
   the last of every float argument), which catches a result cached by the
   shape and that one element.
 
+G09 and G11 also run at the sizes a target is used at outside kfuzz where it names
+them (``options["own_dims"]``: a KernelBench reference's size constants), where a
+kernel may keep one buffer for the size its own test runs.
+
 Guard regions surround kernel inputs only: outputs are the kernel's own
 allocations, so nothing can be placed around them.
 """
@@ -115,7 +119,9 @@ class Containment(Gate):
                 "output or the previous call's output")
 
     def cases(self, target, seed):
-        shapes = [nominal_dims(target), fit_dims(target, {n: d.lo for n, d in target.dims.items()})]
+        shapes = [nominal_dims(target), fit_dims(target, {n: d.lo for n, d in target.dims.items()}),
+                  own_dims(target)]
+        shapes = [d for k, d in enumerate(shapes) if d is not None and d not in shapes[:k]]
         i = 0
         for dims in [s for s in shapes if s is not None]:
             for dtype in target.dtypes:
@@ -157,6 +163,14 @@ class Containment(Gate):
                                    detail=f"output {name!r} shares storage with {other} (undeclared aliasing)")
             spans[f"output {name!r}"] = (lo, hi)
         return Verdict(target.name, "pass")
+
+
+def own_dims(target) -> dict[str, int] | None:
+    """The sizes the target is used at outside kfuzz (``options["own_dims"]``: a KernelBench
+    reference's own size constants), where the contract admits them; None if it names none. A
+    kernel that returns one cached buffer only at the size its own test runs is caught there."""
+    own = target.options.get("own_dims")
+    return fit_dims(target, dict(own)) if own else None
 
 
 def _pair(span) -> tuple[int, int]:
@@ -246,6 +260,10 @@ class InputDependence(Gate):
                     args[n] = ArgCase(inject=((pos, float(values[n].reshape(-1)[pos])),))
                 yield make_case(target, dtype, base.seed, dims, args)
                 i += 1
+        own = own_dims(target)
+        if own is not None and own != dims:
+            for j, dtype in enumerate(target.dtypes):
+                yield make_case(target, dtype, gate_seed(seed, self.id + "-own", j), own)
 
     def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
         partner = case.with_(seed=case.seed + 1)

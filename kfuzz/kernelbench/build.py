@@ -20,11 +20,30 @@ so the audit splits the two:
 
 A build that fails is the solution's ``compile`` failure; what it tried against the
 sandbox is a finding like any other (the audit records the build step's verdict).
+
+Compile time. Every ``load_inline`` host file starts with ``#include <torch/extension.h>``,
+most of its compile time. ``ensure_pch`` (kfuzz's own process, never a kernel's) precompiles
+that header once per distinct host-compile flags into ``<root>/<key>/torch/extension.h.gch``
+(``pch_key``: the compiler, torch's version and install, and the solution's ``extra_cflags``;
+the header is compiled with the flags ninja gives the host file, less the extension's name),
+with a copy of the header beside it; ``use_pch`` (in the build step) puts that folder first on
+the host file's include path, where GCC takes the ``.gch`` in place of the header (and the copy
+where a source includes the header again). A header whose flags
+differ (``-O3`` against none) is ignored by GCC and the header compiled as usual: the
+precompiled header changes the build's time, never its result. Torch's own ``use_pch=True``
+is the solution's argument, and writes beside torch's headers: not used.
 """
 from __future__ import annotations
 
 import ast
+import fcntl
+import hashlib
+import inspect
 import os
+import shlex
+import shutil
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -55,13 +74,17 @@ def builds_lazily(code: str) -> bool:
 def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     """Build the solution's extensions here (untrusted code: call it in a confined worker).
     Facts: ``status`` (``built`` or ``failed``), ``error`` for a failure, ``seconds``,
-    ``extensions`` (the folders beneath ``TORCH_EXTENSIONS_DIR``)."""
+    ``extensions`` (the folders beneath ``TORCH_EXTENSIONS_DIR``), ``pch`` (the extensions
+    built with a precompiled header: ``$KFUZZ_PCH``, ``use_pch``)."""
     start = time.monotonic()
+    if os.environ.get(PCH_ENV):
+        use_pch(os.environ[PCH_ENV])
 
     def facts(status: str, error: str | None = None) -> dict:
         root = os.environ.get("TORCH_EXTENSIONS_DIR")
         built = sorted(os.listdir(root)) if root and os.path.isdir(root) else []
-        out = {"status": status, "seconds": round(time.monotonic() - start, 3), "extensions": built[:20]}
+        out = {"status": status, "seconds": round(time.monotonic() - start, 3), "extensions": built[:20],
+               "pch": _PCH_USED[:]}
         if error is not None:
             out["error"] = error[:1000]
         return out
@@ -121,3 +144,131 @@ def prebuilt_only() -> None:
 def compiles(code: str) -> bool:
     """A cheap static check: the solution builds an extension (``load_inline``, ``cpp_extension``)."""
     return "load_inline" in code or "cpp_extension" in code
+
+
+# a precompiled torch/extension.h shared by the builds --------------------------------------------
+
+PCH_ENV = "KFUZZ_PCH"     # the folder of precompiled headers the build step may use (set by the audit)
+_PCH_USED: list[str] = []  # the extensions this process built with a precompiled header
+
+
+def cflag_sets(code: str) -> list[tuple[str, ...]]:
+    """The ``extra_cflags`` of the solution's ``load_inline`` calls, read statically (a literal
+    list, empty flags dropped; none given is ``()``); a call whose flags are not a literal is left out."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    out = []
+    for node in ast.walk(tree):
+        f = node.func if isinstance(node, ast.Call) else None
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name != "load_inline":
+            continue
+        flags: tuple[str, ...] | None = ()
+        for kw in node.keywords:
+            if kw.arg == "extra_cflags":
+                try:
+                    value = ast.literal_eval(kw.value)
+                except ValueError:
+                    flags = None
+                    break
+                flags = tuple(str(v) for v in value) if isinstance(value, (list, tuple)) else None
+        if flags is not None:
+            out.append(tuple(_normal(flags)))
+    return list(dict.fromkeys(out))
+
+
+def _normal(extra_cflags) -> list[str]:
+    return [f.strip() for f in (extra_cflags or []) if f.strip()]
+
+
+def host_flags(extra_cflags=()) -> tuple[str, list[str]]:
+    """The compiler and the flags ninja gives a ``load_inline`` host file (``main.cpp``) with
+    ``extra_cflags``, less the extension's name: read from the ninja file torch writes."""
+    import torch.utils.cpp_extension as ext
+    with tempfile.TemporaryDirectory(prefix="kfuzz-pch-") as d:
+        path = os.path.join(d, "build.ninja")
+        args = dict(path=path, name="kfuzz_pch", sources=[os.path.join(d, "main.cpp")],
+                    extra_cflags=_normal(extra_cflags), extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=[],
+                    extra_include_paths=[], with_cuda=False, with_sycl=False, is_standalone=False)
+        takes = inspect.signature(ext._write_ninja_file_to_build_library).parameters   # torch versions differ
+        ext._write_ninja_file_to_build_library(**{k: v for k, v in args.items() if k in takes})
+        with open(path) as f:
+            line = next(x for x in f if x.startswith("cflags = "))
+    flags = [a for a in shlex.split(line[len("cflags = "):]) if not a.startswith("-DTORCH_EXTENSION_NAME=")]
+    return ext.get_cxx_compiler(), flags
+
+
+def pch_key(extra_cflags=()) -> str:
+    """The precompiled header's folder name for ``extra_cflags``: a hash of the compiler, torch's
+    version and install, and the flags (empty ones dropped, as ninja's file shows them)."""
+    import torch.utils.cpp_extension as ext
+    text = "\0".join([ext.get_cxx_compiler(), torch.__version__, ext._TORCH_PATH, *_normal(extra_cflags)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _header() -> str:
+    import torch.utils.cpp_extension as ext
+    return os.path.join(ext._TORCH_PATH, "include", "torch", "extension.h")
+
+
+def ensure_pch(root: str | os.PathLike, extra_cflags=(), timeout: float = 600.0) -> str | None:
+    """``torch/extension.h`` precompiled for host files built with ``extra_cflags``, beneath
+    ``root`` (once: concurrent callers wait for the first); the folder to put first on the
+    include path, or None where it cannot be made (not GCC, the compiler failed). Trusted:
+    kfuzz's process runs the compiler on torch's own header, never a solution's code."""
+    import torch.utils.cpp_extension as ext
+    if not ext.check_compiler_is_gcc(ext.get_cxx_compiler()):
+        return None
+    folder = os.path.join(os.fspath(root), pch_key(extra_cflags))
+    target = os.path.join(folder, "torch", "extension.h.gch")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(os.path.join(folder, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        beside = os.path.join(folder, "torch", "extension.h")
+        if not os.path.isfile(beside):
+            # the header itself beside its .gch: a source that includes it a second time (its own
+            # ``#include <torch/extension.h>`` after load_inline's) finds it in the folder where GCC
+            # found the .gch, as GCC looks there and nowhere else once it has used one
+            shutil.copyfile(_header(), beside + ".part")
+            os.replace(beside + ".part", beside)
+        if not os.path.isfile(target):
+            if os.path.isfile(target + ".failed"):
+                return None
+            cxx, flags = host_flags(extra_cflags)
+            part = target + f".{os.getpid()}.part"
+            try:
+                subprocess.run([cxx, "-x", "c++-header", *flags, _header(), "-o", part], check=True,
+                               capture_output=True, timeout=timeout)
+                os.replace(part, target)
+            except (subprocess.SubprocessError, OSError) as e:
+                with open(target + ".failed", "w") as f:
+                    f.write(f"{type(e).__name__}: {getattr(e, 'stderr', b'') or e}"[:2000])
+                return None
+            finally:
+                if os.path.exists(part):
+                    os.remove(part)
+    return folder
+
+
+def use_pch(root: str | os.PathLike) -> None:
+    """From now on in this process, a host file built with flags that have a precompiled header
+    beneath ``root`` (``ensure_pch``) finds it first on its include path."""
+    import torch.utils.cpp_extension as ext
+    build = ext._write_ninja_file_and_build_library
+    if getattr(build, "kfuzz_pch", None) is not None:
+        return
+
+    def with_pch(name, sources, extra_cflags, *args, **kwargs):
+        args = list(args)
+        folder = os.path.join(os.fspath(root), pch_key(extra_cflags))
+        if os.path.isfile(os.path.join(folder, "torch", "extension.h.gch")):
+            _PCH_USED.append(name)
+            if "extra_include_paths" in kwargs:
+                kwargs["extra_include_paths"] = [folder, *(kwargs["extra_include_paths"] or [])]
+            elif len(args) >= 4:     # (extra_cuda_cflags, extra_sycl_cflags, extra_ldflags, extra_include_paths)
+                args[3] = [folder, *(args[3] or [])]
+        return build(name, sources, extra_cflags, *args, **kwargs)
+    with_pch.kfuzz_pch = root
+    ext._write_ninja_file_and_build_library = with_pch

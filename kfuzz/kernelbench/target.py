@@ -56,6 +56,7 @@ from kfuzz.kernelbench.source import (PRECISION, PREFIX, SEED, KernelBenchError,
 from kfuzz.target import Arg, Dim, Output, Target
 
 MODEL_SETS = 2            # sets of models (distinct init inputs) kept per pair
+RELOAD_SEED = SEED + 1    # weights="reload": the seed of the checkpoint loaded after a first forward
 # why G07 does not apply to a model with float weights (``float_weights``)
 FLOAT_WEIGHTS = "outputs depend on float weights the case does not set; no exact answer by construction"
 
@@ -192,14 +193,17 @@ class Bench:
                 torch.cuda.empty_cache()
         return key, init
 
-    def _ref_cpu(self, dims: dict) -> torch.nn.Module:
+    def _ref_cpu(self, dims: dict, seed: int | None = None) -> torch.nn.Module:
+        """The reference ``Model`` at ``dims`` on the CPU, its weights from ``seed`` (by default
+        the checkpoint the target judges with: ``SEED``, ``RELOAD_SEED`` for ``weights="reload"``)."""
+        seed = (RELOAD_SEED if self.weights == "reload" else SEED) if seed is None else seed
         key, init = self._init(dims)
-        if (key, "ref") not in self.models:
+        if (key, "ref", seed) not in self.models:
             ref = pair_module(self.pair, "ref")
             with sized(ref, dims):
-                set_seed(SEED)
-                self.models[(key, "ref")] = ref.Model(*init).train(not self.pair.eval_mode)
-        return self.models[(key, "ref")]
+                set_seed(seed)
+                self.models[(key, "ref", seed)] = ref.Model(*init).train(not self.pair.eval_mode)
+        return self.models[(key, "ref", seed)]
 
     def reference_model(self, dims: dict, dtype: torch.dtype, device) -> torch.nn.Module:
         key = (self._init(dims)[0], "ref", dtype, str(device))
@@ -222,9 +226,31 @@ class Bench:
                     precision(PRECISION, self.flags_changed):
                 set_seed(SEED)
                 model = new.ModelNew(*init)
-            self.weights_status = load_weights(model, ref_model, strict=self.weights == "strict")
-            self.models[key] = model.to(device).train(not self.pair.eval_mode)
+            if self.weights == "none":
+                self.weights_status = "same seed"
+                model = model.to(device).train(not self.pair.eval_mode)
+            elif self.weights == "reload":
+                model = self._reloaded(model, dims, device, ref_model)
+            else:
+                self.weights_status = load_weights(model, ref_model, strict=self.weights == "strict")
+                model = model.to(device).train(not self.pair.eval_mode)
+            self.models[key] = model
         return self.models[key]
+
+    def _reloaded(self, model: torch.nn.Module, dims: dict, device, checkpoint: torch.nn.Module) -> torch.nn.Module:
+        """``weights="reload"``: the solution as the gates see it (``Model``'s weights of ``SEED``
+        loaded), one forward at ``dims``, then ``checkpoint`` (``Model`` of ``RELOAD_SEED``) loaded
+        into it, as a user loads a trained model into a module already in use."""
+        load_weights(model, self._ref_cpu(dims, SEED), strict=False)
+        model = model.to(device).train(not self.pair.eval_mode)
+        ref = pair_module(self.pair, "ref")
+        with sized(ref, dims):
+            set_seed(SEED)
+            xs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in ref.get_inputs()]
+        with torch.no_grad(), precision(PRECISION, self.flags_changed):
+            model(*xs)
+        self.weights_status = load_weights(model, checkpoint, strict=False)
+        return model
 
     def structure(self, dims: dict) -> dict[str, tuple]:
         """What the reference's float inputs promise at ``dims`` beyond their values, seen in
@@ -250,6 +276,18 @@ class Bench:
                     out[n] = (zero if zero.any() else None, sym)
             self.cache[key] = out
         return self.cache[key]
+
+    def outside(self, inputs: dict, dims: dict) -> str | None:
+        """Why ``inputs`` (as a case lays them out) break the structure the reference's inputs
+        promise (``structure``): a position always zero that is not, a symmetric input that is
+        not; None where they keep it."""
+        for n, (zero, sym) in self.structure(dims).items():
+            x = inputs[n].detach().cpu().double()
+            if zero is not None and bool((x[zero] != 0).any()):
+                return f"{n!r} is nonzero where the reference's inputs are always zero (triangular)"
+            if sym and not torch.equal(x, x.transpose(-1, -2)):
+                return f"{n!r} is not symmetric, as the reference's inputs always are"
+        return None
 
     def domain(self, drawn: dict, dims: dict, int_args: list[str]) -> dict:
         """kfuzz's draws kept in the reference's domain: its structure (``structure``), and
@@ -432,9 +470,13 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         domain=domain, constraint=constraint,
         description=f"KernelBench level {pair.level} problem {pair.problem} ({pair.model})",
         options={"bench": bench, "device": device, "fixed": contract.fixed,
+                 # G09 and G11 also at the reference's own sizes (where its test ran the kernel)
+                 "own_dims": dict(contract.dims),
                  # G06: where the reference in float32 (the trusted run) is non-finite too, a
                  # kernel's non-finite output is the reference's limit, not a violation
                  "reference_limited": True,
+                 # a layout or an injection that breaks the inputs' structure leaves the domain
+                 "outside_domain": bench.outside,
                  # G07 applies where exactness is by construction: not through float weights
                  "no_exact_answers": FLOAT_WEIGHTS if float_weights(pair) else None})
     target.options["nominal"] = nominal(target)

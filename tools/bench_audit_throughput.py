@@ -1,0 +1,119 @@
+"""The audit's throughput on compiled kernels: kernels an hour, compiles included, from a cold cache.
+
+    python tools/bench_audit_throughput.py CORPUS... --limit 160 --budget 400 [--jobs 16]
+        [--build-jobs 8] [--max-jobs N] [--timeout 150] [--device cuda] [--no-pch] [--out DIR]
+
+Takes ``--limit`` solutions that call ``load_inline`` (distinct sources, taken in turn from each
+corpus file, so that every file and level is in the sample) and audits them with ``kfuzz.audit.
+run_audit`` (every gate) into a fresh results folder and a fresh, empty extension cache, until
+all are recorded or ``--budget`` seconds have passed (the kernels still running then are stopped
+and not counted). Prints, and writes to ``<out>/throughput.json``: kernels recorded, wall seconds,
+kernels an hour (recorded / wall), the rate over the second half of the run, the build's share
+of the kernels' time (each record's build step seconds over its process's seconds: builds run
+ahead of their kernel by ``--build-jobs`` are not in it, and the share is then given for the
+kernels whose build step compiled), how many found a precompiled header, and the records' ends
+(complete, killed for time, skipped). Needs a machine where ``kfuzz audit`` runs (``--allow-
+unconfined`` is passed: use it where the workers have no OS sandbox layer, as the audit's docs say).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from kfuzz.audit import judge_record, read_corpus, results_key, run_audit
+from kfuzz.gates import GATES
+
+
+def sample(corpora: list[str], limit: int) -> list:
+    """Compiling solutions with distinct sources, one from each corpus file in turn."""
+    per_file = [[e for e in read_corpus(p) if e.pair is not None and e.compiles] for p in corpora]
+    out, seen = [], set()
+    while len(out) < limit and any(per_file):
+        for rows in per_file:
+            while rows:
+                e = rows.pop(0)
+                if e.pair.custom_sha not in seen:
+                    seen.add(e.pair.custom_sha)
+                    out.append(e)
+                    break
+            if len(out) >= limit:
+                break
+    return out
+
+
+def measure(entries, out: Path, budget: float, write=None, **audit) -> dict:
+    """Audit ``entries`` into ``out`` until done or ``budget`` seconds; the summary (``summary``),
+    also handed to ``write`` after each record (so that a run stopped from outside leaves one)."""
+    key = out.parent / f"{out.name}.key"
+    results_key(key)
+    start = time.monotonic()
+    done: list[tuple[float, dict]] = []
+    for rec in run_audit(entries, out, list(GATES), key=key, allow_unconfined=True, **audit):
+        done.append((time.monotonic() - start, rec))
+        if write is not None:
+            write(summary(entries, done, time.monotonic() - start, audit))
+        if time.monotonic() - start >= budget:
+            break
+    return summary(entries, done, time.monotonic() - start, audit)
+
+
+def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -> dict:
+    recs = [r for _, r in done]
+    built = [r for r in recs if isinstance(r.get("build"), dict) and r["build"].get("seconds") is not None]
+    build_s = sum(float(r["build"]["seconds"]) for r in built)
+    kernel_s = sum(float(r.get("seconds") or 0) for r in built)
+    compiled = [r for r in built if float(r["build"]["seconds"]) > 5.0]
+    half = [t for t, _ in done if t >= wall / 2]
+    first = done[0][0] if done else None
+    ends = {"complete": sum(not judge_record(r)["incomplete"] and judge_record(r)["audited"] for r in recs),
+            "killed for time": sum(judge_record(r)["incomplete"] for r in recs),
+            "not judged (unbuilt, adapter, skipped)": sum(not judge_record(r)["audited"] for r in recs)}
+    return {
+        "sample": len(entries), "recorded": len(recs), "wall_s": round(wall, 1),
+        "kernels_per_hour": round(3600 * len(recs) / wall, 1) if wall else None,
+        "kernels_per_hour_second_half": round(3600 * len(half) / (wall / 2), 1) if wall else None,
+        "first_record_s": None if first is None else round(first, 1),
+        "build_share": round(build_s / kernel_s, 3) if kernel_s else None,
+        "build_share_where_compiled_here": round(sum(float(r["build"]["seconds"]) for r in compiled) / max(
+            1e-9, sum(float(r.get("seconds") or 0) for r in compiled)), 3) if compiled else None,
+        "build_seconds_mean": round(build_s / len(built), 1) if built else None,
+        "compiled_in_own_step": len(compiled), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
+        "kernel_seconds_mean": round(sum(float(r.get("seconds") or 0) for r in recs) / max(1, len(recs)), 1),
+        "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("corpora", nargs="+")
+    ap.add_argument("--limit", type=int, default=160)
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds of auditing before stopping")
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--build-jobs", type=int, default=8)
+    ap.add_argument("--max-jobs", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=150.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--pch", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", default=None, help="folder for results.jsonl and throughput.json (default: a new temp one)")
+    a = ap.parse_args(argv)
+    entries = sample(a.corpora, a.limit)
+    if not entries:
+        ap.error("no compiling solution in these corpora")
+    out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="kfuzz-throughput-"))
+    cache = Path(tempfile.mkdtemp(prefix="kfuzz-throughput-cache-"))      # cold
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(result: dict) -> None:
+        (out / "throughput.json").write_text(json.dumps(result, indent=1))
+    result = measure(entries, out / "audit", a.budget, write, jobs=a.jobs, device=a.device, timeout=a.timeout,
+                     cache=cache, max_jobs=a.max_jobs, build_jobs=a.build_jobs, pch=a.pch)
+    write(result)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
