@@ -500,9 +500,11 @@ def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(
     assert not build_policy("cuda", "/x").network and build_policy("cuda", "/x").confine_writes
     entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1].startswith("compiled")]
     assert all(e.compiles for e in entries) and len(entries) == 2
-    # one kernel judged at a time; the other's build runs ahead of its judging
+    # one kernel judged at a time; the other's build runs ahead of its judging (no precompiled
+    # header: making one takes minutes; its use is test_builds_find_the_precompiled_header_...)
     records = {r["key"].rsplit(":", 1)[1]: r for r in run_audit(
-        entries, tmp_path / "out", ["G01"], jobs=1, build_jobs=1, timeout=300, cache=tmp_path / "ext")}
+        entries, tmp_path / "out", ["G01"], jobs=1, build_jobs=1, timeout=300, cache=tmp_path / "ext",
+        pch=False)}
     for rec in records.values():
         assert rec["build"]["status"] == "built" and rec["build"]["extensions"] == ["kfuzz_escapes_relu"], rec
     # compiled_fork (first) built its own; compiled_relu's build step found its extension built
