@@ -99,13 +99,16 @@ def test_the_check_catches_a_launch_that_reads_scratch_nobody_wrote(monkeypatch)
     """A planted bug: the forward's state pass without its matrix part (its config launch
     skipped), so the resume part reads the stop chunk and state that the matrix part should
     have stored.  The fills then change the outputs."""
-    monkeypatch.setattr(gdn.fwd_state, "SPREAD", True)
+    import dataclasses
+
+    from gdn.config import DEFAULT
+    spread = dataclasses.replace(DEFAULT, state_pick="spread")
     monkeypatch.setattr(gdn.fwd_state, "_first_that_fits", lambda configs, launch: configs[0])
     x = inputs(1, 1, 17, 17, 1, True, torch.float32)
     with fills("zero"):
-        want = op_outputs(x)
+        want = op_outputs(x, config=spread)
     with fills("nan"):
-        got = op_outputs(x)
+        got = op_outputs(x, config=spread)
     assert differences(want, got)
 
 

@@ -133,16 +133,18 @@ def nan_pool(device) -> None:
     del blocks
 
 
-def op_outputs(x: dict, cu=None, delta: bool = True, save_states: bool = True) -> list:
+def op_outputs(x: dict, cu=None, delta: bool = True, save_states: bool = True, config=None) -> list:
     """(o, final state, dq, dk, dv, dg, dbeta, dh0) of `gdn.op.gdn_attention` on inputs x
-    (q, k, v, g, beta, h0, do, dht; g, beta, h0 may be None)."""
+    (q, k, v, g, beta, h0, do, dht; g, beta, h0 may be None); ``config``: a `gdn.config.GDNConfig`
+    (default: the shipped one)."""
+    from gdn.config import DEFAULT
     from gdn.op import gdn_attention
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x.get(n) is not None]
     leaves = {n: x[n].detach().clone().requires_grad_(True) for n in names}
     with torch.enable_grad():
         o, ht = gdn_attention(leaves["q"], leaves["k"], leaves["v"], leaves.get("g"), leaves.get("beta"),
                               initial_state=leaves.get("h0"), output_final_state=True,
-                              cu_seqlens=cu, delta=delta, save_states=save_states)
+                              cu_seqlens=cu, delta=delta, save_states=save_states, config=config or DEFAULT)
         grads = torch.autograd.grad((o, ht), [leaves[n] for n in names], (x["do"], x["dht"]),
                                     allow_unused=True)
     got = dict(zip(names, grads))
