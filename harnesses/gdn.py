@@ -102,7 +102,8 @@ def _args(gate, delta, varlen, backward) -> dict[str, Arg]:
         args["beta"] = Arg(("B", "T", "H"))
     args["h0"] = Arg((nstate, "H", "K", "V"), dtype="float32")
     if varlen:
-        args["cu_seqlens"] = Arg(("N+1",), dtype="int64", layouts=CONTIGUOUS_ONLY, differentiable=False)
+        args["cu_seqlens"] = Arg(("N+1",), dtype="int64", layouts=CONTIGUOUS_ONLY, differentiable=False,
+                                 specials=False)
     if backward:
         args["do"] = Arg(("B", "T", "H", "V"), differentiable=False)
         args["dht"] = Arg((nstate, "H", "K", "V"), dtype="float32", differentiable=False)

@@ -80,7 +80,8 @@ def cases(draw, target: Target) -> Case:
     args = {}
     for name, arg in target.args.items():
         args[name] = ArgCase(layout=draw(layouts(len(arg.shape), arg.layouts)), dist=draw(dists()),
-                             inject=draw(injections(target.numel(name, dims), target.arg_dtype(name, dtype))))
+                             inject=draw(injections(target.numel(name, dims), target.arg_dtype(name, dtype)))
+                             if arg.specials else ())
     case = Case.make(target.name, dtype, draw(st.integers(0, 2**32 - 1)), dims, args)
     target.validate(case)
     return case

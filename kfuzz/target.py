@@ -76,12 +76,17 @@ def dim_names(shape: Sequence[str | int]) -> list[str]:
 
 @dataclass(frozen=True)
 class Arg:
-    """A tensor argument: symbolic shape, and its dtype ('case' = the case's dtype)."""
+    """A tensor argument: symbolic shape, and its dtype ('case' = the case's dtype).
+
+    ``specials=False``: the argument's values are structural (offsets, indices, lengths) and
+    come only through the target's domain; no special value is injected into it, and a case
+    that injects one is refused (the kernel may rightly refuse such values itself)."""
 
     shape: tuple[str | int, ...]
     dtype: str = "case"
     layouts: tuple[str, ...] = ALL_LAYOUTS
     differentiable: bool = True
+    specials: bool = True
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,9 @@ class Target:
                 raise CaseError(f"{where}: argument {name!r} does not admit layout {argcase.layout.kind!r}")
             numel = self.numel(name, dims)
             table = special_value_table(self.arg_dtype(name, case.dtype))
+            if argcase.inject and not arg.specials:
+                raise CaseError(f"{where}: argument {name!r} takes no injected values (its values come "
+                                f"only through the target's domain)")
             for pos, value in argcase.inject:
                 if pos >= numel:
                     raise CaseError(f"{where}: injection at {pos} outside argument {name!r} of {numel} elements")

@@ -228,6 +228,8 @@ def _position(rng: random.Random, shape: tuple[int, ...]) -> int:
 
 
 def _mutate_injections(rng, inject, case, target, name) -> tuple:
+    if not target.args[name].specials:
+        return ()
     shape = target.shape_of(target.args[name].shape, case.dim)
     n = math.prod(shape)
     names = [k for k, v in special_value_table(target.arg_dtype(name, case.dtype)).items() if v is not None]

@@ -89,7 +89,8 @@ def sample_case(target: Target, rng: random.Random, like: Case | None = None) ->
     args = {}
     for name, arg in target.args.items():
         args[name] = ArgCase(layout=sample_layout(rng, len(arg.shape), arg.layouts), dist=sample_dist(rng),
-                             inject=sample_injections(rng, target.numel(name, dims), target.arg_dtype(name, dtype)))
+                             inject=sample_injections(rng, target.numel(name, dims), target.arg_dtype(name, dtype))
+                             if arg.specials else ())
     case = Case.make(target.name, dtype, rng.getrandbits(32), dims, args)
     target.validate(case)
     return case

@@ -81,8 +81,8 @@ def nominal_dims(target: Target) -> dict[str, int]:
 
 
 def float_args(target: Target, dtype: str) -> list[str]:
-    """Arguments whose values are floating point in a case of ``dtype``."""
-    return [n for n in target.args if is_float(target.arg_dtype(n, dtype))]
+    """Arguments whose values are floating point in a case of ``dtype`` and take special values."""
+    return [n for n, a in target.args.items() if a.specials and is_float(target.arg_dtype(n, dtype))]
 
 
 def make_case(target: Target, dtype: str, seed: int, dims: dict[str, int],
