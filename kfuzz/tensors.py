@@ -74,10 +74,13 @@ def draw(dist: Dist, shape: tuple[int, ...], dtype: str, rng: np.random.Generato
     if kind == "nearmax":
         return sign * table["max"] * rng.uniform(0.5, 1.0, shape)
     if kind == "subnormal":
-        # integer multiples of the smallest subnormal, below the smallest normal
-        steps = max(1.0, table["tiny"] / table["subnormal"]) if table["subnormal"] else 1.0
-        sub = table["subnormal"] or 0.0
-        return sign * sub * rng.integers(1, int(steps), shape, endpoint=False).astype(np.float64)
+        # integer multiples of the smallest subnormal, below the smallest normal; a dtype
+        # without subnormals (an integer dtype) has only 0 below its smallest nonzero value
+        sub = table["subnormal"]
+        steps = int(table["tiny"] / sub) if sub else 1
+        if steps <= 1:
+            return np.zeros(shape)
+        return sign * sub * rng.integers(1, steps, shape, endpoint=False).astype(np.float64)
     raise CaseError(f"unknown distribution {kind!r}")
 
 

@@ -1,6 +1,7 @@
 """An argument whose values are structural (``Arg(specials=False)``: offsets, indices) takes no
 injected special value: the engines never inject one, the gates' special-value cases skip it,
-and a case that injects one is refused before anything runs."""
+and a case that injects one is refused before anything runs. Every distribution draws for
+integer arguments too."""
 import random
 
 import pytest
@@ -68,3 +69,26 @@ def test_a_case_injecting_into_a_structural_argument_is_refused():
 def test_varlen_gdn_offsets_take_no_special_values():
     for name in ("gdn_fwd_varlen", "gdn_bwd_varlen"):
         assert get_target(name).args["cu_seqlens"].specials is False
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "float32", "float16", "bfloat16"])
+def test_every_distribution_draws_for_every_argument_dtype(dtype):
+    from kfuzz.case import DISTRIBUTIONS, Dist
+    from kfuzz.tensors import draw, rng_for
+    params = {"scaled": (("factor", 100.0),), "shifted": (("shift", 5.0),)}
+    for kind in DISTRIBUTIONS:
+        values = draw(Dist(kind, params.get(kind, ())), (3, 5), dtype, rng_for(1, "x"))
+        assert values.shape == (3, 5), kind
+    sub = draw(Dist("subnormal"), (64,), dtype, rng_for(1, "x"))
+    assert (sub == 0).all() if dtype.startswith("int") else (sub != 0).all()
+
+
+def test_a_varlen_case_with_subnormal_offsets_materializes():
+    from kfuzz.case import Dist
+    from kfuzz.tensors import materialize
+    target = get_target("gdn_fwd_varlen")
+    case = Case.make("gdn_fwd_varlen", "float32", 3, {"B": 1, "T": 20, "H": 1, "K": 4, "V": 4, "N": 3},
+                     {"cu_seqlens": ArgCase(dist=Dist("subnormal"))})
+    target.validate(case)
+    offsets = materialize(case, target)["cu_seqlens"]
+    assert offsets[0] == 0 and offsets[-1] == 20 and bool((offsets[1:] >= offsets[:-1]).all())
