@@ -386,13 +386,14 @@ def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K
     assert ("w" in saved) == ("v_new" in saved) == delta and saved["states"] is not None
     got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
                         initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=saved)
-    again = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                          initial_state=x["h0"], cu_seqlens=cu, delta=delta,
-                          inverse=saved["inverse"])
     want = oracle_grads(x, cu, delta)
     if where is not None and where[0] == "nan":
         assert_same_specials(got, want)
         return
+    # the recomputing backward only where its values are compared
+    again = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                          initial_state=x["h0"], cu_seqlens=cu, delta=delta,
+                          inverse=saved["inverse"])
     assert_close(got, want, TOL[dtype])
     assert_close(got, [None if b is None else b.double() for b in again],
                  1e-5 if dtype == torch.float32 else TOL[dtype])
@@ -457,15 +458,14 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(gate, delta, 
         return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
                              initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept,
                              config=dataclasses.replace(DEFAULT, bwd_dstates_bv=bv))
-    narrow = grads(64)
     got = grads(128)
     want = oracle_grads(x, cu, delta)
     if special is not None:
         assert_same_specials(got, want)
         return
     assert_close(got, want, TOL[dtype])
-    if dtype == torch.float32:
-        assert_close(got, [None if b is None else b.double() for b in narrow], 1e-5)
+    if dtype == torch.float32:   # the 64-wide tiles only where their values are compared
+        assert_close(got, [None if b is None else b.double() for b in grads(64)], 1e-5)
 
 
 @pytest.mark.parametrize("gate,delta,cu,special,H", [
