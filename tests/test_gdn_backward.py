@@ -399,11 +399,14 @@ def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K
                  1e-5 if dtype == torch.float32 else TOL[dtype])
 
 
-@pytest.mark.parametrize("name,value,gate,delta,H", [
-    ("v", "nan", 1, True, 2), ("v", "1e6", 0, False, 1), ("v", "-inf", 2, True, 1), ("beta", "nan", 1, True, 1),
-    ("beta", "inf", 0, True, 2), ("do", "nan", 1, True, 1)])
+# (input, value, gate, delta, H, token); T 70: a 64-token chunk (16 with the vector gate),
+# then a short one.  The state gradient never meets v, so a special v in the short chunk
+# sends that chunk alone to `_exact`; beta and do (which it meets) mid-chunk.
+@pytest.mark.parametrize("name,value,gate,delta,H,at", [
+    ("v", "nan", 1, True, 2, 66), ("v", "1e6", 0, False, 1, 66), ("v", "-inf", 2, True, 1, 21),
+    ("beta", "nan", 1, True, 1, 21), ("beta", "inf", 0, True, 2, 21), ("do", "nan", 1, True, 1, 21)])
 def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name, value, gate,
-                                                                          delta, H):
+                                                                          delta, H, at):
     """On the forward's saved states `_prep`'s flag leaves out v and beta (the forward checked
     them and stepped their chunks, whose stepped columns send them to `_exact`).  With a
     special value in either, or in do (still
@@ -412,7 +415,7 @@ def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name,
     from gdn.chunk_fwd import chunk_gdn_fwd
     x = make_inputs(1, 70, H, 16, 32, gate, delta, torch.float32)
     t = x[name].clone()
-    t[0, 21].view(-1)[3 if t.dim() == 4 else 0] = float(value)
+    t[0, at].view(-1)[3 if t.dim() == 4 else 0] = float(value)
     x[name] = t
     _, _, saved = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                 delta=delta, return_saved=True)
@@ -472,10 +475,10 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(gate, delta, 
     (1, True, None, ("q", 70), 1),
     (1, True, None, ("do", 41), 1),
     (2, True, [0, 20, 53, 100], ("k", 30), 2),
-    (1, True, None, ("g", -float("inf")), 2),
-    (1, False, None, ("g", float("nan")), 2),
+    (1, True, None, ("g", -float("inf"), 80), 2),
+    (1, False, None, ("g", float("nan"), 41), 2),
     (0, False, [0, 20, 53, 100], ("q", 30), 2),
-    (1, True, None, ("v", 41), 1),
+    (1, True, None, ("v", 80), 1),
     (2, True, None, None, 1)])
 def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, special, H):
     """On the forward's saved states `_prep` reads neither q nor k and takes the forward's
@@ -483,13 +486,16 @@ def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, 
     the gate and dO itself.  fp32 gradients within 1e-5 of `_prep`'s own checks (the saved
     states without the record) where finite, and with a NaN in q, do, k, v, the gate, or a
     -inf scalar gate (which the forward's checks admit and the backward's do not), the NaN/Inf
-    sets of float64 autograd through the oracle; every gate, delta on and off, varlen."""
+    sets of float64 autograd through the oracle; every gate, delta on and off, varlen.  The
+    NaN in v and the -inf gate leave the state gradient finite (v does not enter it, exp(-inf)
+    zeroes it), so at token 80 they send the second chunk alone to `_exact`: the full first
+    chunk stays on the matrix path."""
     from gdn.chunk_fwd import chunk_gdn_fwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(1, 100, H, 16, 32, gate, delta, torch.float32, cu=cu)
     if special is not None and special[0] == "g" and gate == 1:   # the scalar gate [B, T, H]
         x = dict(x, g=x["g"].clone())
-        x["g"][0, 41, 1] = special[1]
+        x["g"][0, special[2], 1] = special[1]
     elif special is not None:
         x = with_nan(x, *special)
     kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
