@@ -684,22 +684,26 @@ def test_exact_path_wide_keys_on_gpu(K, V):
 @pytest.mark.parametrize("saved", [False, True])
 def test_flagged_chunks_past_the_first_exact_program_reach_the_oracles_gradients(saved):
     """`_exact` looks at ``bwd_exact_chunks`` chunks of a head a program: flagged chunks in the first
-    and a later program of the same head (20 chunks of 16: a 1e6 in v in chunk 0, a NaN in
-    dO in chunk 18, the second program's third), on the backward's own states and on the
-    forward's saved states, give the oracle's NaN/Inf sets and its finite values."""
+    and a later program of the same head (4 chunks a program, 8 chunks of 16: a 1e6 in v in
+    chunk 0, a NaN in dO in chunk 6, the second program's third, whose state gradient sends
+    chunks 4 and 5 there too), on the backward's own states and on the forward's saved
+    states, give the oracle's NaN/Inf sets and its finite values."""
+    import dataclasses
+
     from gdn.chunk_fwd import chunk_gdn_fwd
     from gdn.config import DEFAULT
-    x = make_inputs(2, 160, 1, 16, 16, 2, True, torch.float32)
-    assert 2 * 160 // 16 > DEFAULT.bwd_exact_chunks
+    config = dataclasses.replace(DEFAULT, bwd_exact_chunks=4)
+    x = make_inputs(2, 64, 1, 16, 16, 2, True, torch.float32)
+    assert 2 * 64 // 16 > config.bwd_exact_chunks
     x = dict(x, v=x["v"].clone(), do=x["do"].clone())
     x["v"][0, 5, 0, 3] = 1e6
-    x["do"][1, 125, 0, 2] = float("nan")   # chunk 10 + 7 of the batch: global chunk 17
+    x["do"][1, 45, 0, 2] = float("nan")   # chunk 2 of the batch's 4: global chunk 6
     kept = None
     if saved:
         kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                              return_saved=True)[2]
     got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                        initial_state=x["h0"], saved=kept)
+                        initial_state=x["h0"], saved=kept, config=config)
     want = oracle_grads(x, None, True)
     assert_same_specials(got, want)
     assert_close([None if w is None else torch.where(torch.isfinite(w.cpu()), a.cpu(), 0)
