@@ -982,7 +982,7 @@ def test_varlen_tables_are_kept_per_tensor_and_version(monkeypatch, side):
     monkeypatch.setattr(mod, name, lambda *a: builds.append(1) or real(*a))
     monkeypatch.setattr(gdn.common, "_plans", type(gdn.common._plans)())
     cu = torch.tensor([0, 20, 53, 100], device=DEV)
-    x = make_inputs(1, 100, 2, 16, 16, 1, True, torch.float32, cu=[0, 20, 53, 100])
+    x = make_inputs(1, 100, 1, 16, 16, 1, True, torch.float32, cu=[0, 20, 53, 100])
 
     def check():
         if side == "backward":
