@@ -220,7 +220,7 @@ def test_the_local_du_matches_float64_autograd(B, T, H, K, V, gate, delta, dtype
     (1, 40, 1, 80, 24, 1, torch.float32, 16, None),
     (1, 40, 2, 80, 24, 2, torch.float32, 16, [0, 13, 40]),
     (2, 37, 1, 96, 16, 0, torch.float32, 32, None),
-    (1, 70, 1, 96, 32, 1, torch.bfloat16, 64, None)])
+    (1, 70, 1, 96, 16, 1, torch.bfloat16, 64, None)])
 def test_the_wy_gradients_over_k_slices_match_float64_autograd(B, T, H, K, V, gate, dtype, chunk,
                                                              cu):
     """_grads_wy with K in two 64-wide slices (K 80 and 96), every gate, varlen, bf16:
@@ -386,23 +386,27 @@ def test_the_backward_on_the_forwards_states_matches_recomputing_them(B, T, H, K
     assert ("w" in saved) == ("v_new" in saved) == delta and saved["states"] is not None
     got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
                         initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=saved)
-    again = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                          initial_state=x["h0"], cu_seqlens=cu, delta=delta,
-                          inverse=saved["inverse"])
     want = oracle_grads(x, cu, delta)
     if where is not None and where[0] == "nan":
         assert_same_specials(got, want)
         return
+    # the recomputing backward only where its values are compared
+    again = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                          initial_state=x["h0"], cu_seqlens=cu, delta=delta,
+                          inverse=saved["inverse"])
     assert_close(got, want, TOL[dtype])
     assert_close(got, [None if b is None else b.double() for b in again],
                  1e-5 if dtype == torch.float32 else TOL[dtype])
 
 
-@pytest.mark.parametrize("name,value,gate,delta,H", [
-    ("v", "nan", 1, True, 2), ("v", "1e6", 0, False, 1), ("v", "-inf", 2, True, 1), ("beta", "nan", 1, True, 1),
-    ("beta", "inf", 0, True, 2), ("do", "nan", 1, True, 1)])
+# (input, value, gate, delta, H, token); T 70: a 64-token chunk (16 with the vector gate),
+# then a short one.  The state gradient never meets v, so a special v in the short chunk
+# sends that chunk alone to `_exact`; beta and do (which it meets) mid-chunk.
+@pytest.mark.parametrize("name,value,gate,delta,H,at", [
+    ("v", "nan", 1, True, 2, 66), ("v", "1e6", 0, False, 1, 66), ("v", "-inf", 2, True, 1, 21),
+    ("beta", "nan", 1, True, 1, 21), ("beta", "inf", 0, True, 2, 21), ("do", "nan", 1, True, 1, 21)])
 def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name, value, gate,
-                                                                          delta, H):
+                                                                          delta, H, at):
     """On the forward's saved states `_prep`'s flag leaves out v and beta (the forward checked
     them and stepped their chunks, whose stepped columns send them to `_exact`).  With a
     special value in either, or in do (still
@@ -411,7 +415,7 @@ def test_special_values_on_the_forwards_states_reach_the_oracles_gradients(name,
     from gdn.chunk_fwd import chunk_gdn_fwd
     x = make_inputs(1, 70, H, 16, 32, gate, delta, torch.float32)
     t = x[name].clone()
-    t[0, 21].view(-1)[3 if t.dim() == 4 else 0] = float(value)
+    t[0, at].view(-1)[3 if t.dim() == 4 else 0] = float(value)
     x[name] = t
     _, _, saved = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                 delta=delta, return_saved=True)
@@ -457,25 +461,24 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(gate, delta, 
         return chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
                              initial_state=x["h0"], cu_seqlens=cu, delta=delta, saved=kept,
                              config=dataclasses.replace(DEFAULT, bwd_dstates_bv=bv))
-    narrow = grads(64)
     got = grads(128)
     want = oracle_grads(x, cu, delta)
     if special is not None:
         assert_same_specials(got, want)
         return
     assert_close(got, want, TOL[dtype])
-    if dtype == torch.float32:
-        assert_close(got, [None if b is None else b.double() for b in narrow], 1e-5)
+    if dtype == torch.float32:   # the 64-wide tiles only where their values are compared
+        assert_close(got, [None if b is None else b.double() for b in grads(64)], 1e-5)
 
 
 @pytest.mark.parametrize("gate,delta,cu,special,H", [
     (1, True, None, ("q", 70), 1),
     (1, True, None, ("do", 41), 1),
     (2, True, [0, 20, 53, 100], ("k", 30), 2),
-    (1, True, None, ("g", -float("inf")), 2),
-    (1, False, None, ("g", float("nan")), 2),
+    (1, True, None, ("g", -float("inf"), 80), 2),
+    (1, False, None, ("g", float("nan"), 41), 2),
     (0, False, [0, 20, 53, 100], ("q", 30), 2),
-    (1, True, None, ("v", 41), 1),
+    (1, True, None, ("v", 80), 1),
     (2, True, None, None, 1)])
 def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, special, H):
     """On the forward's saved states `_prep` reads neither q nor k and takes the forward's
@@ -483,13 +486,16 @@ def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, 
     the gate and dO itself.  fp32 gradients within 1e-5 of `_prep`'s own checks (the saved
     states without the record) where finite, and with a NaN in q, do, k, v, the gate, or a
     -inf scalar gate (which the forward's checks admit and the backward's do not), the NaN/Inf
-    sets of float64 autograd through the oracle; every gate, delta on and off, varlen."""
+    sets of float64 autograd through the oracle; every gate, delta on and off, varlen.  The
+    NaN in v and the -inf gate leave the state gradient finite (v does not enter it, exp(-inf)
+    zeroes it), so at token 80 they send the second chunk alone to `_exact`: the full first
+    chunk stays on the matrix path."""
     from gdn.chunk_fwd import chunk_gdn_fwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
     x = make_inputs(1, 100, H, 16, 32, gate, delta, torch.float32, cu=cu)
     if special is not None and special[0] == "g" and gate == 1:   # the scalar gate [B, T, H]
         x = dict(x, g=x["g"].clone())
-        x["g"][0, 41, 1] = special[1]
+        x["g"][0, special[2], 1] = special[1]
     elif special is not None:
         x = with_nan(x, *special)
     kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
@@ -678,22 +684,26 @@ def test_exact_path_wide_keys_on_gpu(K, V):
 @pytest.mark.parametrize("saved", [False, True])
 def test_flagged_chunks_past_the_first_exact_program_reach_the_oracles_gradients(saved):
     """`_exact` looks at ``bwd_exact_chunks`` chunks of a head a program: flagged chunks in the first
-    and a later program of the same head (20 chunks of 16: a 1e6 in v in chunk 0, a NaN in
-    dO in chunk 18, the second program's third), on the backward's own states and on the
-    forward's saved states, give the oracle's NaN/Inf sets and its finite values."""
+    and a later program of the same head (4 chunks a program, 8 chunks of 16: a 1e6 in v in
+    chunk 0, a NaN in dO in chunk 6, the second program's third, whose state gradient sends
+    chunks 4 and 5 there too), on the backward's own states and on the forward's saved
+    states, give the oracle's NaN/Inf sets and its finite values."""
+    import dataclasses
+
     from gdn.chunk_fwd import chunk_gdn_fwd
     from gdn.config import DEFAULT
-    x = make_inputs(2, 160, 1, 16, 16, 2, True, torch.float32)
-    assert 2 * 160 // 16 > DEFAULT.bwd_exact_chunks
+    config = dataclasses.replace(DEFAULT, bwd_exact_chunks=4)
+    x = make_inputs(2, 64, 1, 16, 16, 2, True, torch.float32)
+    assert 2 * 64 // 16 > config.bwd_exact_chunks
     x = dict(x, v=x["v"].clone(), do=x["do"].clone())
     x["v"][0, 5, 0, 3] = 1e6
-    x["do"][1, 125, 0, 2] = float("nan")   # chunk 10 + 7 of the batch: global chunk 17
+    x["do"][1, 45, 0, 2] = float("nan")   # chunk 2 of the batch's 4: global chunk 6
     kept = None
     if saved:
         kept = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                              return_saved=True)[2]
     got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
-                        initial_state=x["h0"], saved=kept)
+                        initial_state=x["h0"], saved=kept, config=config)
     want = oracle_grads(x, None, True)
     assert_same_specials(got, want)
     assert_close([None if w is None else torch.where(torch.isfinite(w.cpu()), a.cpu(), 0)
@@ -972,7 +982,7 @@ def test_varlen_tables_are_kept_per_tensor_and_version(monkeypatch, side):
     monkeypatch.setattr(mod, name, lambda *a: builds.append(1) or real(*a))
     monkeypatch.setattr(gdn.common, "_plans", type(gdn.common._plans)())
     cu = torch.tensor([0, 20, 53, 100], device=DEV)
-    x = make_inputs(1, 100, 2, 16, 16, 1, True, torch.float32, cu=[0, 20, 53, 100])
+    x = make_inputs(1, 100, 1, 16, 16, 1, True, torch.float32, cu=[0, 20, 53, 100])
 
     def check():
         if side == "backward":
