@@ -756,7 +756,7 @@ def test_t_stored_in_bf16_is_the_fp32_t_rounded(gate, nan_in, T):
     ``prep_t_bf16`` off (the interpreter rounds by truncation), o and the final state within bf16's bound
     of the oracle, and with a NaN in k the oracle's NaN/Inf sets; the backward on the
     forward's saved bf16 T gives the fp32 T's gradients to 2e-2.  Planted, the diagonal
-    blocks' inverses stored one scratch column off, all 6 cases (then also two products a
+    blocks' inverses stored one scratch column off, every case (then also two products a
     tile) fail."""
     from gdn.chunk_bwd import chunk_gdn_bwd
     assert DEFAULT.prep_t_bf16
