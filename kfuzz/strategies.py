@@ -22,7 +22,6 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
-from kfuzz.dtypes import special_value_table
 from kfuzz.engines.random import EDGE_SIZES
 from kfuzz.target import Dim, Target
 
@@ -59,8 +58,7 @@ def dists() -> st.SearchStrategy[Dist]:
     return st.one_of(st.just(Dist()), plain, scaled, shifted)
 
 
-def injections(numel: int, dtype: str) -> st.SearchStrategy[tuple]:
-    names = [n for n, v in special_value_table(dtype).items() if v is not None]
+def injections(numel: int, names: list[str]) -> st.SearchStrategy[tuple]:
     if numel == 0 or not names:
         return st.just(())
     item = st.tuples(st.integers(0, numel - 1), st.sampled_from(names))
@@ -80,8 +78,7 @@ def cases(draw, target: Target) -> Case:
     args = {}
     for name, arg in target.args.items():
         args[name] = ArgCase(layout=draw(layouts(len(arg.shape), arg.layouts)), dist=draw(dists()),
-                             inject=draw(injections(target.numel(name, dims), target.arg_dtype(name, dtype)))
-                             if arg.specials else ())
+                             inject=draw(injections(target.numel(name, dims), target.special_names(name, dtype))))
     case = Case.make(target.name, dtype, draw(st.integers(0, 2**32 - 1)), dims, args)
     target.validate(case)
     return case

@@ -116,6 +116,13 @@ class Target:
     def shape_of(self, symbolic: Sequence[str | int], dims: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(size_of(d, dims) for d in symbolic)
 
+    def special_names(self, name: str, dtype: str) -> list[str]:
+        """The special values an injection may put into argument ``name`` in a case of ``dtype``:
+        those its dtype has; none for a structural argument (``Arg.specials``)."""
+        if not self.args[name].specials:
+            return []
+        return [n for n, v in special_value_table(self.arg_dtype(name, dtype)).items() if v is not None]
+
     def numel(self, name: str, dims: Mapping[str, int]) -> int:
         """How many elements argument ``name`` has at ``dims``."""
         size = 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kfuzz.case import ArgCase, Case
-from kfuzz.engines.atheris import _mutate_injections
+from kfuzz.engines.atheris import _mutate_injections, decode_fdp
 from kfuzz.engines.random import sample_case
 from kfuzz.errors import CaseError
 from kfuzz.gates.base import float_args
@@ -44,6 +44,16 @@ def test_the_engines_never_inject_into_a_structural_argument():
     assert any(sample_case(free, rng).arg("offsets").inject for _ in range(300))
     for _ in range(50):
         assert _mutate_injections(rng, (), drawn[0], target, "offsets") == ()
+
+
+def test_the_atheris_decoder_never_injects_into_a_structural_argument():
+    pytest.importorskip("atheris")
+    target, free = _target(False), _target(True)
+    rng = random.Random(1)
+    inputs = [bytes(rng.getrandbits(8) for _ in range(256)) for _ in range(300)]
+    assert all(not decode_fdp(data, target).arg("offsets").inject for data in inputs)
+    # the same inputs do inject where the argument takes specials (the test can fail)
+    assert any(decode_fdp(data, free).arg("offsets").inject for data in inputs)
 
 
 def test_the_hypothesis_strategy_and_the_gates_skip_a_structural_argument():

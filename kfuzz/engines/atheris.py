@@ -52,7 +52,6 @@ from pathlib import Path
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout, decode, encode
 from kfuzz.corpus import target_folder
-from kfuzz.dtypes import special_value_table
 from kfuzz.engines.random import EDGE_SIZES, sample_case, sample_layout, sample_size
 from kfuzz.errors import KfuzzError
 from kfuzz.target import Target, get_target, prepare_triton
@@ -113,7 +112,7 @@ def decode_fdp(data: bytes, target: Target) -> Case:
         dist_kind = fdp.PickValueInList(["normal"] * 3 + list(DISTRIBUTIONS))
         dist = _dist_of(dist_kind, fdp.ConsumeIntInRange(0, 2))
         numel = target.numel(name, dims)
-        names = [n for n, v in special_value_table(target.arg_dtype(name, dtype)).items() if v is not None]
+        names = target.special_names(name, dtype)
         inject = {}
         for _ in range(fdp.ConsumeIntInRange(0, 3) if numel and names else 0):
             inject[fdp.ConsumeIntInRange(0, numel - 1)] = fdp.PickValueInList(names)
@@ -228,11 +227,9 @@ def _position(rng: random.Random, shape: tuple[int, ...]) -> int:
 
 
 def _mutate_injections(rng, inject, case, target, name) -> tuple:
-    if not target.args[name].specials:
-        return ()
     shape = target.shape_of(target.args[name].shape, case.dim)
     n = math.prod(shape)
-    names = [k for k, v in special_value_table(target.arg_dtype(name, case.dtype)).items() if v is not None]
+    names = target.special_names(name, case.dtype)
     items = dict(inject)
     op = rng.choice(("add", "add", "drop", "value", "move")) if items else "add"
     if op == "add" and n and names:

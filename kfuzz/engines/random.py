@@ -13,7 +13,6 @@ import math
 import random
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
-from kfuzz.dtypes import special_value_table
 from kfuzz.target import Target
 
 EDGE_SIZES = (1, 2, 3, 5, 7, 8, 13, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 127, 128, 129,
@@ -67,10 +66,9 @@ def sample_dist(rng: random.Random) -> Dist:
     return Dist(kind)
 
 
-def sample_injections(rng: random.Random, numel: int, dtype: str) -> tuple:
+def sample_injections(rng: random.Random, numel: int, names: list[str]) -> tuple:
     if numel == 0 or rng.random() >= P_INJECT:
         return ()
-    names = [n for n, v in special_value_table(dtype).items() if v is not None]
     if not names:
         return ()
     picks = {rng.randrange(numel): rng.choice(names) for _ in range(rng.randint(1, 3))}
@@ -89,8 +87,7 @@ def sample_case(target: Target, rng: random.Random, like: Case | None = None) ->
     args = {}
     for name, arg in target.args.items():
         args[name] = ArgCase(layout=sample_layout(rng, len(arg.shape), arg.layouts), dist=sample_dist(rng),
-                             inject=sample_injections(rng, target.numel(name, dims), target.arg_dtype(name, dtype))
-                             if arg.specials else ())
+                             inject=sample_injections(rng, target.numel(name, dims), target.special_names(name, dtype)))
     case = Case.make(target.name, dtype, rng.getrandbits(32), dims, args)
     target.validate(case)
     return case
