@@ -4,8 +4,14 @@ Nonfinite (tolerance-free): the kernel's NaN set and its +Inf and -Inf sets must
 equal those of the oracle's output rounded to the output dtype. The latitude is
 where an honest kernel could land either way:
 
-- where the oracle's value lies within a few roundoffs of the dtype's largest
-  finite value (rounding may land on either side): finite or Inf;
+- where the oracle's value lies within the bound's floor (C * F units of
+  roundoff, below) of the dtype's largest finite value, on either side (an honest
+  kernel's error may land it on either side): a finite value, judged by the bound
+  against the oracle's float64 value, or an Inf of the oracle's sign;
+- where the oracle is finite in float64 but past the dtype's range, and the
+  trusted implementation overflows there too (it stays non-finite on the inputs
+  with their NaN and Inf replaced by 0): any non-finite value (a sum of Infs of
+  both signs is NaN in an honest kernel); a finite value still fails;
 - where the trusted implementation at the kernel's precision is non-finite while
   the oracle is finite, or non-finite of another kind, and it stays non-finite on
   the inputs with their NaN and Inf replaced by 0: any value, and the position
@@ -76,14 +82,24 @@ def _class(x: torch.Tensor) -> torch.Tensor:
     return (torch.isnan(x) * 1 + torch.isposinf(x) * 2 + torch.isneginf(x) * 3).to(torch.int8)
 
 
-def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, ambiguous: torch.Tensor,
+def near_overflow(o: torch.Tensor, dtype: str, c: float) -> torch.Tensor:
+    """Where the float64 oracle lies within the bound's floor (``c`` * FLOOR_ULPS units of the
+    dtype's roundoff) of the dtype's largest finite value: an honest kernel may land finite or
+    on the Inf of the oracle's sign."""
+    big, w = float(torch.finfo(torch_dtype(dtype)).max), c * FLOOR_ULPS * unit_roundoff(dtype)
+    mag = o.abs()
+    return torch.isfinite(o) & (mag * (1 - w) <= big) & (mag * (1 + w) >= big)
+
+
+def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, near: torch.Tensor,
                        free: torch.Tensor | None = None, any_class: torch.Tensor | None = None) -> str | None:
-    """Where NaN/+Inf/-Inf sets differ; ``ambiguous`` positions may be finite or Inf (not NaN),
-    ``free`` positions anything, ``any_class`` positions any non-finite value."""
+    """Where NaN/+Inf/-Inf sets differ; ``near`` positions may be finite or an Inf of the oracle's
+    sign, ``free`` positions anything, ``any_class`` positions any non-finite value."""
+    latitude = near & (torch.isfinite(k) | (torch.isinf(k) & (torch.sign(k) == torch.sign(o_rounded))))
     for name, fn in (("NaN", torch.isnan), ("+Inf", lambda x: torch.isposinf(x)),
                      ("-Inf", lambda x: torch.isneginf(x))):
         km, om = fn(k), fn(o_rounded)
-        diff = (km != om) & ~(ambiguous & ~torch.isnan(k))
+        diff = (km != om) & ~latitude
         if free is not None:
             diff &= ~free
         if any_class is not None:
@@ -111,8 +127,7 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
     fi = torch.finfo(dt)
     o_rounded = o.to(dt).to(torch.float64)
-    edge = o.abs() / float(fi.max)
-    ambiguous = (edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps))
+    near = near_overflow(o, dtype, c)
     any_class = None
     if trusted_out is not None:
         # where the honest same-precision implementation is non-finite and the oracle is finite
@@ -121,18 +136,25 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         # non-finite but of other kinds, the kernel must be non-finite, of any kind
         t = _f64(trusted_out)
         free = ~torch.isfinite(t) & (torch.isfinite(o_rounded) | (_class(t) != _class(o_rounded)))
-        if trusted_clean is not None and bool(free.any()):
+        # the oracle past the range in float64 where the trusted one overflows: the kernel must
+        # overflow too, to any kind
+        past = ~torch.isfinite(t) & torch.isfinite(o) & ~torch.isfinite(o_rounded)
+        overflow = None
+        if trusted_clean is not None and bool((free | past).any()):
             clean = trusted_clean() if callable(trusted_clean) else trusted_clean
             overflow = ~torch.isfinite(_f64(clean))
-            any_class = free & ~overflow & ~torch.isfinite(o_rounded)
+            any_class = free & ~overflow & ~torch.isfinite(o)
             free &= overflow
+        past = past if overflow is None else past & overflow
+        any_class = past if any_class is None else any_class | past
     else:
-        free = torch.zeros_like(ambiguous)
-    bad = nonfinite_mismatch(k, o_rounded, ambiguous, free, any_class)
+        free = torch.zeros_like(near)
+    bad = nonfinite_mismatch(k, o_rounded, near, free, any_class)
     if bad:
         return Finding("nonfinite", bad, math.inf)
 
-    finite = torch.isfinite(k) & torch.isfinite(o) & ~ambiguous & ~free
+    # positions near the dtype's max where the kernel is finite are judged by the bound
+    finite = torch.isfinite(k) & torch.isfinite(o) & ~free
     u, tiny = unit_roundoff(dtype), float(fi.tiny)
     kf, of = k[finite], o[finite]
     err = (kf - of).abs()

@@ -89,3 +89,38 @@ def test_a_nan_the_inputs_carry_excuses_no_kernel_where_the_trusted_one_spread_i
     o = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     overflow = torch.tensor([math.nan, 2.0, 3.0])         # inf - inf, the inputs hold no NaN or Inf
     assert compare(torch.tensor([math.nan, 2.0, 3.0]), o, overflow, "float32").kind is None
+
+
+def test_near_the_dtypes_max_a_finite_value_is_judged_by_the_bound():
+    """Within the bound's floor of fp16's max (6.25% at C 32) an honest kernel's error may leave
+    it finite where the oracle rounds to Inf: the bound judges it; an Inf must have the oracle's sign."""
+    o = torch.tensor([67556.8, 1.0], dtype=torch.float64)        # rounds to inf in fp16
+
+    def kind(v, c=32.0):
+        return compare(torch.tensor([v, 1.0], dtype=torch.float16), o, None, "float16", c).kind
+    assert kind(63424.0) is None
+    assert kind(math.inf) is None
+    assert kind(-math.inf) == "nonfinite"
+    assert kind(math.nan) == "nonfinite"
+    assert kind(30000.0) == "bound"
+    assert kind(63424.0, c=8.0) == "nonfinite"        # 3.1% past the max is outside C 8's floor
+    near = torch.tensor([65000.0], dtype=torch.float64)
+    assert compare(torch.tensor([-math.inf], dtype=torch.float16), near, None, "float16").kind == "nonfinite"
+
+
+def test_past_the_range_where_the_trusted_one_overflows_any_nonfinite_value_passes():
+    """The oracle finite in float64 past fp32's max, the trusted implementation overflowing there
+    on clean inputs: an honest chunked kernel may make NaN of the Infs; a finite value fails."""
+    o = torch.tensor([1e39, 1.0], dtype=torch.float64)
+    trusted = torch.tensor([math.inf, 1.0])
+    for v in (math.nan, math.inf, -math.inf):
+        assert compare(torch.tensor([v, 1.0]), o, trusted, "float32").kind is None
+    assert compare(torch.tensor([3e38, 1.0]), o, trusted, "float32").kind == "nonfinite"
+    # without the trusted one overflowing, the oracle's Inf is the answer
+    assert compare(torch.tensor([math.nan, 1.0]), o, torch.tensor([3e38, 1.0]), "float32").kind == "nonfinite"
+    # a NaN the trusted one spread from an input's NaN (finite without it) excuses nothing
+    spread = torch.tensor([math.nan, 1.0])
+    assert compare(torch.tensor([math.nan, 1.0]), o, spread, "float32",
+                   trusted_clean=torch.tensor([3e38, 1.0])).kind == "nonfinite"
+    assert compare(torch.tensor([math.nan, 1.0]), o, spread, "float32",
+                   trusted_clean=torch.tensor([math.inf, 1.0])).kind is None
