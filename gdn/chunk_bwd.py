@@ -53,7 +53,7 @@ from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
-from gdn.common import BIG, INTERPRET, SBIG, VECTOR_DECAY_MAX, handoff_dtype, pow2
+from gdn.common import BIG, INTERPRET, SBIG, VECTOR_DECAY_MAX, chunk_tokens, handoff_dtype, pow2
 from gdn.config import DEFAULT, GDNConfig
 
 _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
@@ -189,8 +189,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     if cu_seqlens is not None and B != 1:
         raise ValueError("cu_seqlens needs B == 1")
     scale = K ** -0.5 if scale is None else float(scale)
-    # the vector gate's factored form needs short chunks (in-chunk decay bound)
-    C = chunk_size or (16 if g is not None and g.dim() == 4 else 64)
+    C = chunk_size or chunk_tokens(g is not None and g.dim() == 4)
     GATE = 0 if g is None else (1 if g.dim() == 3 else 2)
     dev = q.device
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))

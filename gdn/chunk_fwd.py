@@ -63,8 +63,8 @@ import triton.language as tl
 
 from gdn import fwd_prep, fwd_state
 from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, all_within, chunk_span,
-                        exact_chunk, group_flag, handoff_dtype, kept_plan, load_gates, mask_and, odot,
-                        pow2, tile)
+                        chunk_tokens, exact_chunk, group_flag, handoff_dtype, kept_plan, load_gates,
+                        mask_and, odot, pow2, tile)
 from gdn.config import DEFAULT, GDNConfig
 
 
@@ -323,7 +323,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         raise ValueError(f"g must be [B,T,H] or [B,T,H,K]; got {tuple(g.shape)}")
     scale = K ** -0.5 if scale is None else float(scale)
     dev = q.device
-    BT = 16 if gate == 2 else 64
+    BT = chunk_tokens(gate == 2)
     BK = pow2(K)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = q.new_zeros(1) if g is None else g.contiguous()

@@ -26,6 +26,14 @@ BIG = 65536.0            # input magnitude above which a chunk runs the exact pa
 SBIG = 1e30              # state magnitude above which a chunk runs the exact path
 
 
+def chunk_tokens(vector_gate: bool) -> int:
+    """Tokens a chunk of the forward and backward kernels: 16 with a vector (per-key) gate,
+    whose factored in-chunk decay needs short chunks, else 64.  The state is handed from chunk
+    to chunk in fp32 at these boundaries, so the trusted reference runs at the same length: a
+    state past fp32's range at a boundary is an honest overflow of both."""
+    return 16 if vector_gate else 64
+
+
 def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the tensors one launch hands to the next (forward and backward)."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32

@@ -22,9 +22,10 @@ backward targets float64 autograd through it; it is evaluated by
 ``gdn.oracle_fast.fast_recurrence``, the same values to float64 rounding by a chunked
 closed form where the inputs are finite and in the domain, step by step elsewhere (and
 wherever a gradient comes out non-finite). The trusted implementation is
-``gdn.reference.chunked`` at the kernel's own precision: float32 arithmetic with
-every matrix product's operands rounded to the input dtype (bf16/fp16), as a
-GPU's matrix units see them, and for gradients torch autograd through it with
+``gdn.reference.chunked`` at the kernel's own precision and chunk length
+(`gdn.common.chunk_tokens`: the state crosses each chunk boundary in float32 in
+both): float32 arithmetic with every matrix product's operands rounded to the
+input dtype (bf16/fp16), as a GPU's matrix units see them, and for gradients torch autograd through it with
 the gradients rounded the same way.
 The backward kernel is ``gdn.op.gdn_attention``'s Triton backward: cotangents
 ``do`` (of o) and ``dht`` (of the final state) are arguments of the case.
@@ -156,8 +157,11 @@ def _oracle_grads(x, delta):
 
 
 def _same_precision(x):
-    """The chunked reference with matrix operands rounded to the kernel's dtype."""
-    return functools.partial(chunked, operand_dtype=x["q"].dtype)
+    """The chunked reference with matrix operands rounded to the kernel's dtype, at the
+    kernels' chunk length (where the state is handed over in fp32)."""
+    from gdn.common import chunk_tokens
+    vector = x.get("g") is not None and x["g"].dim() == 4
+    return functools.partial(chunked, operand_dtype=x["q"].dtype, chunk_size=chunk_tokens(vector))
 
 
 def _register(suffix: str, gate, delta, varlen: bool) -> None:
