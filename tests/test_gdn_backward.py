@@ -471,16 +471,16 @@ def test_dstates_at_a_128_wide_value_tile_gives_the_same_gradients(gate, delta, 
         assert_close(got, [None if b is None else b.double() for b in grads(64)], 1e-5)
 
 
-@pytest.mark.parametrize("gate,delta,cu,special,H", [
-    (1, True, None, ("q", 70), 1),
-    (1, True, None, ("do", 41), 1),
-    (2, True, [0, 20, 53, 100], ("k", 30), 2),
-    (1, True, None, ("g", -float("inf"), 80), 2),
-    (1, False, None, ("g", float("nan"), 41), 2),
-    (0, False, [0, 20, 53, 100], ("q", 30), 2),
-    (1, True, None, ("v", 80), 1),
-    (2, True, None, None, 1)])
-def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, special, H):
+@pytest.mark.parametrize("T,gate,delta,cu,special,H", [
+    (40, 1, True, None, ("q", 20), 1),
+    (40, 1, True, None, ("do", 20), 1),
+    (70, 2, True, [0, 20, 53, 70], ("k", 30), 2),
+    (70, 1, True, None, ("g", -float("inf"), 66), 2),
+    (40, 1, False, None, ("g", float("nan"), 20), 2),
+    (70, 0, False, [0, 20, 53, 70], ("q", 30), 2),
+    (70, 1, True, None, ("v", 66), 1),
+    (70, 2, True, None, None, 1)])
+def test_the_forwards_output_record_flags_the_backwards_chunks(T, gate, delta, cu, special, H):
     """On the forward's saved states `_prep` reads neither q nor k and takes the forward's
     output kernel's record of chunks it took token by token ("out_stepped") for them, checking
     the gate and dO itself.  fp32 gradients within 1e-5 of `_prep`'s own checks (the saved
@@ -488,11 +488,13 @@ def test_the_forwards_output_record_flags_the_backwards_chunks(gate, delta, cu, 
     -inf scalar gate (which the forward's checks admit and the backward's do not), the NaN/Inf
     sets of float64 autograd through the oracle; every gate, delta on and off, varlen.  The
     NaN in v and the -inf gate leave the state gradient finite (v does not enter it, exp(-inf)
-    zeroes it), so at token 80 they send the second chunk alone to `_exact`: the full first
-    chunk stays on the matrix path."""
+    zeroes it), so at token 66 of 70 they send the short second chunk alone to `_exact`: the
+    full first chunk stays on the matrix path.  A NaN in q, do or the gate floods every
+    chunk up to or from its own, so those sequences are one short chunk (T 40) where they
+    need not be varlen."""
     from gdn.chunk_fwd import chunk_gdn_fwd
     cu = None if cu is None else torch.tensor(cu, device=DEV)
-    x = make_inputs(1, 100, H, 16, 32, gate, delta, torch.float32, cu=cu)
+    x = make_inputs(1, T, H, 16, 32, gate, delta, torch.float32, cu=cu)
     if special is not None and special[0] == "g" and gate == 1:   # the scalar gate [B, T, H]
         x = dict(x, g=x["g"].clone())
         x["g"][0, special[2], 1] = special[1]
