@@ -688,10 +688,10 @@ def test_entry_stores_before_the_checks_are_redone_where_a_chunk_fails(gate, del
     has both stored again by the resume part.  A NaN in v mid-sequence (the resume part from
     that chunk on) and one head's initial state past SBIG (the first chunk fails at its
     entry) give the oracle's NaN/Inf sets and values; the clean case the oracle's values."""
-    x = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
-    big = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
+    x = make_inputs(gate, delta, B=1, T=70, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
+    big = make_inputs(gate, delta, B=1, T=70, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
     big["initial_state"][0, 1] *= 1e31
-    nan = make_inputs(gate, delta, B=1, T=150, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
+    nan = make_inputs(gate, delta, B=1, T=70, H=2, K=32, V=48, seed=9, dtype=torch.bfloat16)
     inject(nan, "v", float("nan"))
     for case in (x, nan, big):
         o2, s2 = call(chunk_gdn_fwd, case, delta=delta)
@@ -745,22 +745,22 @@ def test_handoff_saturates_finite_states_beyond_bf16():
     assert torch.equal(z[:7], x[:7]) and z[7].isnan()
 
 
-@pytest.mark.parametrize("gate,nan_in,T", [("scalar", None, 150), ("none", None, 150), ("scalar", "k", 86)],
+@pytest.mark.parametrize("gate,nan_in", [("scalar", None), ("none", None), ("scalar", "k")],
                          ids=["scalar", "none", "scalar-nan-k"])
-def test_t_stored_in_bf16_is_the_fp32_t_rounded(gate, nan_in, T):
+def test_t_stored_in_bf16_is_the_fp32_t_rounded(gate, nan_in):
     """``prep_t_bf16`` (the default, `gdn.config`): for bf16 inputs T is stored in bf16,
     the inverse's scratch fp32 in the same bytes (the diagonal blocks only, A's blocks below
-    them kept in registers), and w, u take one bf16 product a tile.  bf16 GDN inputs (T 150,
-    or 86 with the NaN, whose backward steps every chunk token by token: full chunks, then
-    a short last one; K 48: masked key columns): T within a bf16 unit of the fp32 T of
-    ``prep_t_bf16`` off (the interpreter rounds by truncation), o and the final state within bf16's bound
-    of the oracle, and with a NaN in k the oracle's NaN/Inf sets; the backward on the
-    forward's saved bf16 T gives the fp32 T's gradients to 2e-2.  Planted, the diagonal
-    blocks' inverses stored one scratch column off, every case (then also two products a
-    tile) fail."""
+    them kept in registers), and w, u take one bf16 product a tile.  bf16 GDN inputs (T 70:
+    a full chunk, then a short last one; K 48: masked key columns): T within a bf16 unit of
+    the fp32 T of ``prep_t_bf16`` off (the interpreter rounds by truncation), o and the final
+    state within bf16's bound of the oracle, and with a NaN in k the oracle's NaN/Inf sets;
+    without a NaN, the backward on the forward's saved bf16 T gives the fp32 T's gradients to
+    2e-2 (with the NaN in k every chunk of the backward steps token by token, reading no T,
+    so the NaN case runs none).  Planted, the diagonal blocks' inverses stored one scratch
+    column off, every case (then also two products a tile) fail."""
     from gdn.chunk_bwd import chunk_gdn_bwd
     assert DEFAULT.prep_t_bf16
-    x = make_inputs(gate, True, B=1, T=T, H=2, K=48, V=24, seed=11, dtype=torch.bfloat16)
+    x = make_inputs(gate, True, B=1, T=70, H=2, K=48, V=24, seed=11, dtype=torch.bfloat16)
     if nan_in is not None:
         inject(x, nan_in, float("nan"))
     gen = torch.Generator().manual_seed(12)
@@ -769,8 +769,9 @@ def test_t_stored_in_bf16_is_the_fp32_t_rounded(gate, nan_in, T):
     for m in (0, 1):
         config = dataclasses.replace(DEFAULT, prep_t_bf16=bool(m))
         o, s, saved = call(chunk_gdn_fwd, x, output_final_state=True, return_saved=True, config=config)
-        grads = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], do,
-                              initial_state=x["initial_state"], saved=saved)
+        grads = None if nan_in is not None else chunk_gdn_bwd(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], do, initial_state=x["initial_state"],
+            saved=saved)
         runs[m] = (o, s, saved["inverse"], grads)
     t32, t16 = runs[0][2], runs[1][2]
     assert t32.dtype == torch.float32 and t16.dtype == torch.bfloat16
@@ -780,11 +781,10 @@ def test_t_stored_in_bf16_is_the_fp32_t_rounded(gate, nan_in, T):
     o, s = call(recurrence, x, delta=True)
     assert_same_nonfinite(runs[1][0], o, BOUND[torch.bfloat16])
     assert_same_nonfinite(runs[1][1], s, BOUND[torch.bfloat16])
-    for a, b in zip(runs[1][3], runs[0][3]):
-        if a is not None and nan_in is None:
-            assert rel(a, b) < 2e-2
-        elif a is not None:
-            assert torch.equal(a.isfinite(), b.isfinite())
+    if nan_in is None:
+        for a, b in zip(runs[1][3], runs[0][3]):
+            if a is not None:
+                assert rel(a, b) < 2e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
