@@ -133,6 +133,30 @@ def load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H: tl.constexpr, K: tl.con
 
 
 @triton.jit
+def tf32_nearest(x):
+    """fp32 x rounded to the nearest tf32 value (10 fraction bits; halves away from zero;
+    NaN kept).  A tensor core's tf32 product reads only an fp32 operand's top 19 bits, so
+    an unrounded operand is truncated toward zero: a bias of up to 2^-10 relative (e.g. a
+    decayed key 0.49999997 read as 0.49951172), four times the error of rounding it to the
+    fp16 operand that the trusted reference models."""
+    b = x.to(tl.uint32, bitcast=True)
+    r = ((b + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, r, x)
+
+
+@triton.jit
+def fdot(a, b, PREC: tl.constexpr):
+    """a b on fp32 operands at PREC ("ieee", "tf32x3" or "tf32"; tf32 operands rounded to
+    nearest, `tf32_nearest`)."""
+    a = a.to(tl.float32)
+    b = b.to(tl.float32)
+    if PREC == "tf32":
+        a = tf32_nearest(a)
+        b = tf32_nearest(b)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def inv_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 for A strictly lower [BT, BT], BT in {16, 32, 64}: forward
     substitution inside the 16x16 diagonal blocks (all blocks at once), then the
@@ -154,12 +178,11 @@ def inv_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
     Dinv = tl.where(same, tl.reshape(X4, (BT, BT)), 0.0)
     if NB > 1:
         eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-        F = tl.dot(Dinv, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0),
-                   input_precision=PREC)
+        F = fdot(Dinv, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0), PREC)
         P = eye - F
-        P = eye - tl.dot(F, P, input_precision=PREC)
-        P = eye - tl.dot(F, P, input_precision=PREC)
-        Dinv = tl.dot(P, Dinv, input_precision=PREC)
+        P = eye - fdot(F, P, PREC)
+        P = eye - fdot(F, P, PREC)
+        Dinv = fdot(P, Dinv, PREC)
     return Dinv
 
 
@@ -237,7 +260,7 @@ def odot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     products."""
     narrow = b.shape[1] < 32
     if DT == tl.float32 or narrow:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+        return fdot(a, b, PREC)
     return tl.dot(a.to(DT), b.to(DT))
 
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn.common import all_within, chunk_span, inv_unit_lower, load_gates, tile
+from gdn.common import all_within, chunk_span, fdot, inv_unit_lower, load_gates, tile
 from gdn.config import DEFAULT, GDNConfig
 
 
@@ -47,7 +47,7 @@ def _bdot(a, b, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
         if INTERP:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return tl.dot(a, b)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return fdot(a, b, PREC)
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
     if GATE == 2:
         G, _, _, _ = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
         kf = kt.to(tl.float32)
-        A = tl.dot(kf * tl.exp(G), tl.trans(kf * tl.exp(-G)), input_precision=PREC)
+        A = fdot(kf * tl.exp(G), tl.trans(kf * tl.exp(-G)), PREC)
     else:
         A = _bdot(kt, tl.trans(kt), LOWP, INTERP, PREC)
         if GATE == 1:
@@ -226,7 +226,7 @@ def _t_dot(Ts, hi, lo, x, LOWP: tl.constexpr, INTERP: tl.constexpr, PREC: tl.con
         if not TLO:
             return _bdot(hi, x, True, INTERP, PREC)
         return _bdot(hi, x, True, INTERP, PREC) + _bdot(lo, x, True, INTERP, PREC)
-    return tl.dot(Ts, x.to(tl.float32), input_precision=PREC)
+    return fdot(Ts, x, PREC)
 
 
 @triton.jit

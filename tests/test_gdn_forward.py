@@ -17,7 +17,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
-from gdn.common import saturated  # noqa: E402
+from gdn.common import fdot, saturated  # noqa: E402
 from gdn.config import DEFAULT  # noqa: E402
 from gdn.fwd_state import _chunk_scalars as _real_scalars  # noqa: E402
 from gdn.oracle import recurrence  # noqa: E402
@@ -743,6 +743,31 @@ def test_handoff_saturates_finite_states_beyond_bf16():
                         device=DEV)
     assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y[:7], want[:7])
     assert torch.equal(z[:7], x[:7]) and z[7].isnan()
+
+
+@triton.jit
+def _tf32_product(a, b, c):
+    r = tl.arange(0, 16)
+    ix = r[:, None] * 16 + r[None, :]
+    tl.store(c + ix, fdot(tl.load(a + ix), tl.load(b + ix), "tf32"))
+
+
+def test_tf32_products_round_their_operands_to_nearest():
+    """`gdn.common.fdot` at "tf32" (the forward's products for fp16 inputs, and bf16 ones
+    narrower than 32): each operand is rounded to the nearest tf32 value, not truncated as a
+    tensor core reads it (gdn_fwd_gla, fp16, T 13, K = V = 1: keys decayed by exp(-ln 2 j)
+    came out just under 2^-j and the final state 40x over its bound on the H200).  A @ I:
+    0.49999997 must read 0.5 (truncated: 0.49951172), -1.0009766 (a tf32 value) itself,
+    -1.0004883 (half an ulp above 1) -1.0009766, NaN and inf themselves."""
+    vals = torch.tensor([0.49999997, -1.0009766, -1.0004883, 3.0])
+    a = torch.zeros(16, 16)
+    a[0, :4] = vals
+    a[1, 1], a[2, 2] = float("nan"), float("inf")    # alone in their rows: A @ I keeps them
+    c = torch.empty(16, 16, device=DEV)
+    _tf32_product[(1,)](a.to(DEV), torch.eye(16, device=DEV), c)
+    got = c.cpu()
+    assert torch.equal(got[0, :4], torch.tensor([0.5, -1.0009766, -1.0009766, 3.0])), got[0, :4]
+    assert got[1, 1].isnan() and got[2, 2] == float("inf")
 
 
 @pytest.mark.parametrize("gate,nan_in", [("scalar", None), ("none", None), ("scalar", "k")],
