@@ -44,7 +44,8 @@ def _corpus_files() -> dict:
 def test_each_escape_is_a_crash_verdict_and_the_campaign_goes_on(tmp_path, name, exc_type):
     before = _corpus_files()
     stats = run_campaign(get_target(name), RandomEngine(get_target(name), seed=0), Corpus(tmp_path), runs=2,
-                         jobs=1, timeout=30.0, policy=HOG_POLICY if name == "escapes.memory" else POLICY)
+                         jobs=1, timeout=30.0, policy=HOG_POLICY if name == "escapes.memory" else POLICY,
+                         minimize_seconds=5.0)
     assert stats.executions == 2
     assert {f"{s.kind}/{s.exc_type}": n for s, n in stats.failures.items()} == {f"crash/{exc_type}": 2}
     assert stats.worker_restarts >= 1
