@@ -34,6 +34,7 @@ from typing import Callable, Mapping, Sequence
 from kfuzz.case import Case, payload_chars
 from kfuzz.dtypes import DTYPES, special_value_table, torch_dtype
 from kfuzz.errors import CaseError, TargetError
+from kfuzz.interpreter import share_language_patch
 from kfuzz.limits import CASE_BYTES_ENV, describe
 
 ALL_LAYOUTS = ("contiguous", "permuted", "strided", "offset", "expanded")
@@ -276,13 +277,17 @@ def variant(base: str, name: str, kernel: Callable, planted_bug: str | None = No
 
 def prepare_triton() -> None:
     """Without a GPU, Triton kernels run under the interpreter; it must be chosen before
-    ``triton.jit`` decorates them, so before target modules are imported."""
+    ``triton.jit`` decorates them, so before target modules are imported.  Under the
+    interpreter, nested jit calls share their launch's language patch
+    (`kfuzz.interpreter`)."""
     try:
         import torch
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
     except ImportError:
         pass
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        share_language_patch()
 
 
 GROUP = "kfuzz.targets"

@@ -7,54 +7,9 @@ import torch
 # any harness module is imported (triton.jit reads it when it decorates).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-
-def _share_the_launchs_language_patch():
-    """Under the interpreter, a call of one @triton.jit function from another re-patches
-    triton.language (an inspect.getmembers walk of the module, a third of the GDN kernels'
-    interpreted time) although the launch around it already did and restores it at its end.
-    Nested calls skip it where the launch patched every language module the callee sees;
-    what runs is unchanged."""
-    import inspect
-
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch, launch = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
-    if patch is None or launch is None or not hasattr(interpreter, "_LangPatchScope"):
-        return
-    patched: list = []   # per launch in progress: the language modules patched in it (None: not yet)
-    seen: dict = {}      # function -> ids of the language modules it sees
-
-    def langs(fn):
-        if fn not in seen:
-            seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
-                                 if inspect.ismodule(v) and v in (tl, tl.core))
-        return seen[fn]
-
-    def patch_once(fn):
-        if patched and patched[-1] is not None and langs(fn) <= patched[-1]:
-            return interpreter._LangPatchScope()
-        if patched:
-            patched[-1] = langs(fn) | (patched[-1] or frozenset())
-        return patch(fn)
-
-    run = launch.__call__
-
-    def run_patched_once(self, *args, **kwargs):
-        patched.append(None)
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            patched.pop()
-
-    interpreter._patch_lang = patch_once
-    launch.__call__ = run_patched_once
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _share_the_launchs_language_patch()
+if os.environ.get("TRITON_INTERPRET") == "1":   # nested jit calls share their launch's patch
+    from kfuzz.interpreter import share_language_patch
+    share_language_patch()
 
 # the test suite's own targets (escapes, hacks, positive controls: the kfuzz.fixtures
 # entry points) register only when asked; sandboxed workers inherit the setting

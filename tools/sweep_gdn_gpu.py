@@ -59,6 +59,9 @@ def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: b
 
     import torch
     sys.path.insert(0, str(ROOT / "tools"))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from kfuzz.interpreter import share_language_patch
+        share_language_patch()
     import gdn.fwd_state
     from bench_gdn import inputs   # (it puts the repository root on sys.path)
     from gdn.config import GDNConfig
