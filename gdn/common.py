@@ -137,8 +137,8 @@ def tf32_nearest(x):
     """fp32 x rounded to the nearest tf32 value (10 fraction bits; halves away from zero;
     NaN kept).  A tensor core's tf32 product reads only an fp32 operand's top 19 bits, so
     an unrounded operand is truncated toward zero: a bias of up to 2^-10 relative (e.g. a
-    decayed key 0.49999997 read as 0.49951172), four times the error of rounding it to the
-    fp16 operand that the trusted reference models."""
+    decayed key 0.49999997 read as 0.49951172), twice the error of rounding it to the fp16
+    operand that the trusted reference models."""
     b = x.to(tl.uint32, bitcast=True)
     r = ((b + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
     return tl.where(x == x, r, x)

@@ -1,15 +1,12 @@
 import os
 
 import pytest
-import torch
+
+from kfuzz.target import prepare_triton
 
 # Triton kernels run under the interpreter when there is no GPU; it must be chosen before
 # any harness module is imported (triton.jit reads it when it decorates).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":   # nested jit calls share their launch's patch
-    from kfuzz.interpreter import share_language_patch
-    share_language_patch()
+prepare_triton()
 
 # the test suite's own targets (escapes, hacks, positive controls: the kfuzz.fixtures
 # entry points) register only when asked; sandboxed workers inherit the setting

@@ -43,16 +43,3 @@ def test_nested_calls_walk_the_language_once_a_launch_and_compute_the_same(monke
     # triton.language.core once: 10 nested calls and 10 tl.sum calls walk nothing more
     assert 0 < len(walks) <= 10, len(walks)
 
-
-def test_the_numpy_dtypes_are_the_interpreters():
-    """The remembered numpy dtype of every element type, scalar, block and pointer, is the one
-    the interpreter's own table gives."""
-    from triton.runtime import interpreter
-    assert share_language_patch()
-    table = interpreter._get_np_dtype.__closure__   # the remembered version wraps the original
-    original = next(c.cell_contents for c in table if getattr(c.cell_contents, "__name__", "") == "_get_np_dtype")
-    types = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.int32, tl.uint32, tl.int64, tl.float16,
-             tl.bfloat16, tl.float32, tl.float64, tl.pointer_type(tl.float32)]
-    for t in types + [tl.block_type(t, [4, 8]) for t in types]:
-        assert interpreter._get_np_dtype(t) == original(t), t
-        assert interpreter._get_np_dtype(t) == original(t), t    # remembered

@@ -59,9 +59,8 @@ def child(gate: int, K: int, dname: str, device: str, vs, forward: bool, tune: b
 
     import torch
     sys.path.insert(0, str(ROOT / "tools"))
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from kfuzz.interpreter import share_language_patch
-        share_language_patch()
+    from kfuzz.target import prepare_triton
+    prepare_triton()   # under the interpreter (--device cpu), before gdn's kernels are decorated
     import gdn.fwd_state
     from bench_gdn import inputs   # (it puts the repository root on sys.path)
     from gdn.config import GDNConfig
