@@ -5,8 +5,8 @@ back, by one token: the sequential kernels (gdn.bwd_matrix ``_states``, ``_dstat
 take them inside flagged chunks and wherever the incoming state or its gradient is
 outside +-SBIG.  ``_exact`` then rewrites every gradient of a flagged chunk by autograd
 of the oracle's step, op for op, in float64, so the NaN/Inf pattern of a special value
-is the one float64 autograd through the oracle gives.  It is quadratic in the chunk
-length and meant only for the few chunks the flags name, never for the bulk.
+is the one float64 autograd through the oracle gives.  It steps each token about three
+times, in float64, and is meant only for the few chunks the flags name, never for the bulk.
 """
 from __future__ import annotations
 
@@ -78,6 +78,79 @@ def _rounded(x, out):
     return x.to(tl.float32).to(out.dtype.element_ty)
 
 
+SEG = tl.constexpr(8)   # tokens a segment of `_exact_chunk`'s two-level recompute
+
+
+@triton.jit
+def _bits(S):
+    return S.to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _keep(kept, at, S, when):
+    """``kept`` ([N, BK, BV] state bits) with S's bits at the rows ``at`` names, if ``when``."""
+    return tl.where(at[:, None, None] & when, _bits(S)[None, :, :], kept)
+
+
+@triton.jit
+def _kept(kept, at):
+    """The state kept at the one row ``at`` names, bit for bit."""
+    return tl.sum(tl.where(at[:, None, None], kept, 0), 0).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _exact_token(S, dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db, t, r, rows, ih, q, k, v, g, beta,
+                 do, dv, scale, H, K, V, ck, mk, cv, mv, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """Autograd of token t's step (the r-th of its chunk) on a [BK, BV] block, in float64: S is
+    the state before the step, dS the state gradient after it; returns the gradient before it
+    and the accumulators with the token's row added (its dv is stored here)."""
+    tt = (t * H + ih).to(tl.int64)
+    b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float64)
+    b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(tl.float64)
+    b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float64) * scale
+    b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float64)
+    if GATE == 1:
+        a = tl.exp(tl.load(g + tt).to(tl.float64))
+        S1 = _in_tile(a * S, mk, mv)
+    elif GATE == 2:
+        av = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float64))
+        S1 = _in_tile(av[:, None] * S, mk, mv)
+    else:
+        S1 = S
+    if DELTA:
+        bt = tl.load(beta + tt).to(tl.float64)
+        bk = tl.where(mk, bt * b_k, 0.)
+        x = tl.sum(b_k[:, None] * S1, 0)
+        S2 = _in_tile(S1 - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :], mk, mv)
+    else:
+        S2 = _in_tile(S1 + b_k[:, None] * b_v[None, :], mk, mv)
+    dS2 = _in_tile(dS + b_q[:, None] * b_do[None, :], mk, mv)
+    dqt = tl.sum(S2 * b_do[None, :], 1)
+    if DELTA:
+        dbk = tl.where(mk, tl.sum(dS2 * b_v[None, :], 1) + tl.sum(-dS2 * x[None, :], 1), 0.)
+        dvt = tl.sum(dS2 * bk[:, None], 0)
+        dx = tl.sum(-dS2 * bk[:, None], 0)
+        dkt = tl.sum(S1 * dx[None, :], 1) + bt * dbk
+        acc_db += tl.where(rows == r, tl.sum(dbk * b_k, 0), 0.)
+        dS1 = _in_tile(dS2 + b_k[:, None] * dx[None, :], mk, mv)
+    else:
+        dkt = tl.sum(dS2 * b_v[None, :], 1)
+        dvt = tl.sum(dS2 * b_k[:, None], 0)
+        dS1 = dS2
+    if GATE == 1:
+        acc_dg += tl.where(rows == r, tl.sum(tl.sum(dS1 * S, 1), 0) * a, 0.)
+        dS = _in_tile(a * dS1, mk, mv)
+    elif GATE == 2:
+        acc_dgv += tl.where(rows[:, None] == r, (tl.sum(dS1 * S, 1) * av)[None, :], 0.)
+        dS = _in_tile(av[:, None] * dS1, mk, mv)
+    else:
+        dS = dS1
+    acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)
+    acc_dk += tl.where(rows[:, None] == r, dkt[None, :], 0.)
+    tl.store(dv + tt * V + cv, _rounded(dvt, dv), mask=mv)
+    return dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db
+
+
 @triton.jit
 def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab, scale, T,
                  H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -85,10 +158,17 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, 
     """Step-by-step gradients of a flagged chunk: autograd of gdn.oracle's step,
     op for op, in float64 as the oracle computes, each gradient rounded once when stored.
     (In fp32, dbeta k = dS v - dS x overflowed at near-max q where the oracle's dk, 1e38,
-    is finite: crashes/gdn_bwd/nonfinite-dk.)  The state before each step is recomputed
-    from the chunk's entry state (quadratic in C, but only special-value chunks come here)."""
+    is finite: crashes/gdn_bwd/nonfinite-dk.)  The states before the tokens are recomputed
+    from the chunk's entry state in two levels: one pass keeps the state at the start of every
+    SEG-token segment, then each segment, last first, is stepped again to keep its SEG states,
+    which the token's autograd (`_exact_token`) reads in reverse.  A state is kept as its bits,
+    so the one read back is the one stepped (signed zeros and NaN included).  About 2C steps a
+    V tile, against C^2/2 recomputing each state from the entry state."""
+    NSEG: tl.constexpr = C // SEG
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
     rows = tl.arange(0, C)
+    segs = tl.arange(0, NSEG)
+    offs = tl.arange(0, SEG)
     t0 = bos + ic * C
     te = tl.minimum(t0 + C, eos)
     tok = t0 + rows
@@ -108,58 +188,26 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, 
         mv = cv < V
         mkv = mk[:, None] & mv[None, :]
         offkv = ck[:, None] * V + cv[None, :]
-        h = tl.load(hs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
+        S = tl.load(hs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
         dS = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
-        for s in range(0, te - t0):
-            t = te - 1 - s
-            r = t - t0
-            S = h
-            for u in range(t0, t):
+        starts = tl.zeros([NSEG, BK, BV], dtype=tl.int64)
+        for u in range(t0, te):
+            starts = _keep(starts, segs == (u - t0) // SEG, S, (u - t0) % SEG == 0)
+            S = _exact_step(S, k, v, g, beta, u, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
+        for sg in range(0, NSEG):
+            s0 = t0 + (NSEG - 1 - sg) * SEG
+            se = tl.minimum(s0 + SEG, te)
+            S = _kept(starts, segs == NSEG - 1 - sg)
+            states = tl.zeros([SEG, BK, BV], dtype=tl.int64)
+            for u in range(s0, se):
+                states = _keep(states, offs == u - s0, S, True)
                 S = _exact_step(S, k, v, g, beta, u, ih, H, K, V, ck, mk, cv, mv, GATE, DELTA)
-            tt = (t * H + ih).to(tl.int64)
-            b_k = tl.load(k + tt * K + ck, mask=mk, other=0.).to(tl.float64)
-            b_v = tl.load(v + tt * V + cv, mask=mv, other=0.).to(tl.float64)
-            b_q = tl.load(q + tt * K + ck, mask=mk, other=0.).to(tl.float64) * scale
-            b_do = tl.load(do + tt * V + cv, mask=mv, other=0.).to(tl.float64)
-            if GATE == 1:
-                a = tl.exp(tl.load(g + tt).to(tl.float64))
-                S1 = _in_tile(a * S, mk, mv)
-            elif GATE == 2:
-                av = tl.exp(tl.load(g + tt * K + ck, mask=mk, other=0.).to(tl.float64))
-                S1 = _in_tile(av[:, None] * S, mk, mv)
-            else:
-                S1 = S
-            if DELTA:
-                bt = tl.load(beta + tt).to(tl.float64)
-                bk = tl.where(mk, bt * b_k, 0.)
-                x = tl.sum(b_k[:, None] * S1, 0)
-                S2 = _in_tile(S1 - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :], mk, mv)
-            else:
-                S2 = _in_tile(S1 + b_k[:, None] * b_v[None, :], mk, mv)
-            dS2 = _in_tile(dS + b_q[:, None] * b_do[None, :], mk, mv)
-            dqt = tl.sum(S2 * b_do[None, :], 1)
-            if DELTA:
-                dbk = tl.where(mk, tl.sum(dS2 * b_v[None, :], 1) + tl.sum(-dS2 * x[None, :], 1), 0.)
-                dvt = tl.sum(dS2 * bk[:, None], 0)
-                dx = tl.sum(-dS2 * bk[:, None], 0)
-                dkt = tl.sum(S1 * dx[None, :], 1) + bt * dbk
-                acc_db += tl.where(rows == r, tl.sum(dbk * b_k, 0), 0.)
-                dS1 = _in_tile(dS2 + b_k[:, None] * dx[None, :], mk, mv)
-            else:
-                dkt = tl.sum(dS2 * b_v[None, :], 1)
-                dvt = tl.sum(dS2 * b_k[:, None], 0)
-                dS1 = dS2
-            if GATE == 1:
-                acc_dg += tl.where(rows == r, tl.sum(tl.sum(dS1 * S, 1), 0) * a, 0.)
-                dS = _in_tile(a * dS1, mk, mv)
-            elif GATE == 2:
-                acc_dgv += tl.where(rows[:, None] == r, (tl.sum(dS1 * S, 1) * av)[None, :], 0.)
-                dS = _in_tile(av[:, None] * dS1, mk, mv)
-            else:
-                dS = dS1
-            acc_dq += tl.where(rows[:, None] == r, dqt[None, :], 0.)
-            acc_dk += tl.where(rows[:, None] == r, dkt[None, :], 0.)
-            tl.store(dv + tt * V + cv, _rounded(dvt, dv), mask=mv)
+            for s in range(0, se - s0):
+                t = se - 1 - s
+                dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db = _exact_token(
+                    _kept(states, offs == t - s0), dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db, t,
+                    t - t0, rows, ih, q, k, v, g, beta, do, dv, scale, H, K, V, ck, mk, cv, mv,
+                    GATE, DELTA)
     tl.store(tile(dq, r0, rows, ck, K, H), _rounded(acc_dq * scale, dq), mask=mqk)
     tl.store(tile(dk, r0, rows, ck, K, H), _rounded(acc_dk, dk), mask=mqk)
     if GATE == 1:
