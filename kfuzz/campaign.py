@@ -24,7 +24,9 @@ failure whose signature already had an open case saved before the campaign is co
 Compile-aware scheduling (``kfuzz.schedule``): a case whose specialization is not compiled
 yet costs a JIT compile; the scheduler opens new ones one (or ``compile_share`` of the
 workers) at a time, and only while compiling has taken at most ``compile_share`` of the
-workers' time; the other cases reuse specializations already opened.
+workers' time; the other cases reuse specializations already opened. A GPU campaign's first
+case is the target's smallest (the cheapest compile), and until it has come back no other is
+sent (the others then find its kernels in the JIT cache).
 
 Cases that an engine keeps in its corpus (new coverage or, for the atheris engine, a new
 divergence feature) are saved under ``seeds/<target>/``.
@@ -167,7 +169,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     found: list[tuple[Case, Verdict, Path, str]] = []   # new failures, saved as found
     seen_edges: set[int] = set()
     runner = judging = None
-    schedule = Scheduler(target, engine, compile_share, workers=max(1, jobs))
+    schedule = Scheduler(target, engine, compile_share, workers=max(1, jobs),
+                         cold=jobs > 0 and device.startswith("cuda"))
     submitted = 0
 
     def finish(case: Case, verdict: Verdict, ran: Executed, where: str) -> None:

@@ -17,6 +17,11 @@ opened (one at random), from an engine that can redraw (``redraw(like)``, the ra
 engine); other engines' cases pass unchanged. So a campaign that compiles settles at a
 steady rate, most of its workers running cases of specializations already compiled. Until
 a compile is seen (the CPU, the Triton interpreter: never) every draw passes.
+
+A cold start (``cold=True``: a GPU campaign, whose first case compiles every kernel it
+calls) opens with the target's smallest case: the first draw, redrawn at each dim's lower
+bound (``smallest``), so the first verdict waits on the cheapest compile (the smallest
+tiles) and small sizes, where bugs live, are run first.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import random
 from typing import Hashable
 
 from kfuzz.case import Case
+from kfuzz.errors import CaseError
 from kfuzz.target import Target
 
 
@@ -35,11 +41,25 @@ def specialization(target: Target, case: Case) -> Hashable:
     return (case.dtype, case.dims)
 
 
+def smallest(target: Target, case: Case) -> Case:
+    """``case`` with every dim at its lower bound (rounded up to the dim's multiple), or
+    ``case`` itself where the target refuses those dims."""
+    low = Case.make(case.target, case.dtype, case.seed,
+                    {n: d.lo + (-d.lo) % d.multiple_of for n, d in target.dims.items()})
+    try:
+        target.validate(low)
+    except CaseError:
+        return case
+    return low
+
+
 class Scheduler:
     """Draws cases from ``engine`` for ``target`` (see the module docstring)."""
 
-    def __init__(self, target: Target, engine, share: float = 0.25, workers: int = 1, seed: int = 0):
+    def __init__(self, target: Target, engine, share: float = 0.25, workers: int = 1, seed: int = 0,
+                 cold: bool = False):
         self.target, self.engine, self.share, self.workers = target, engine, share, max(1, workers)
+        self.cold = cold
         self.ran: dict[Hashable, float] = {}   # key -> the longest compile seen for it (0: none)
         self.like: dict[Hashable, Case] = {}   # key -> a case of it (opened: in flight or ran)
         self.opening: set[Hashable] = set()    # keys opened whose first case has not come back
@@ -54,10 +74,12 @@ class Scheduler:
         """The next case, ``elapsed`` seconds into the campaign, its workers having compiled
         for ``compile_seconds`` in all."""
         case = self.engine.next_case()
+        redraw = getattr(self.engine, "redraw", None)
+        if self.cold and not self.like and redraw is not None:
+            case = redraw(smallest(self.target, case))
         key = specialization(self.target, case)
         if key in self.like:
             return case
-        redraw = getattr(self.engine, "redraw", None)
         # bounded once compiles were seen (a cold campaign's first round is the campaign's)
         may_open = compile_seconds <= 0 or (len(self.opening) < max(1, int(self.share * self.workers))
                                             and compile_seconds <= self.share * elapsed * self.workers)

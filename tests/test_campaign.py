@@ -1,6 +1,7 @@
 """Campaigns on any machine: devices checked before anything runs, workers spread over GPUs,
 the oracle judged in parallel processes, the minimizer's own budget, progress without a
 terminal, an interrupt during worker startup, compile-aware scheduling."""
+import dataclasses
 import json
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from kfuzz.devices import DeviceError, resolve_device, spread
 from kfuzz.engines.random import RandomEngine
 from kfuzz.execute import execute, judge, kernel_stage
 from kfuzz.judges import Judges
-from kfuzz.schedule import Scheduler, specialization
+from kfuzz.schedule import Scheduler, smallest, specialization
 from kfuzz.target import Arg, Dim, Output, Target, add_target, get_target
 from test_workers import ListEngine
 
@@ -234,6 +235,28 @@ def test_the_scheduler_opens_one_specialization_at_a_time_and_keeps_to_its_compi
     later = [schedule.next_case(elapsed=20.0, compile_seconds=30.0) for _ in range(20)]
     assert {specialization(target, c) for c in later} <= {specialization(target, c) for c in [first] + more}
     assert len({c.hash for c in later}) == 20 and schedule.held >= 20
+
+
+def test_a_cold_start_opens_with_the_targets_smallest_case_then_draws_as_the_engine_does():
+    target = get_target("softmax")
+    lows = {n: d.lo for n, d in target.dims.items()}
+    cold = Scheduler(target, RandomEngine(target, seed=1), workers=4, cold=True)
+    first = cold.next_case(0.0, 0.0)
+    assert first.dim == lows and first.dtype in target.dtypes
+    target.validate(first)
+    cold.observe(first, compile_seconds=5.0)
+    assert any(cold.next_case(1.0, 0.0).dim != lows for _ in range(10))
+    # a warm (CPU) campaign takes the engine's first draw as it comes
+    warm = Scheduler(target, RandomEngine(target, seed=1), workers=4)
+    assert warm.next_case(0.0, 0.0) == RandomEngine(target, seed=1).next_case()
+
+
+def test_smallest_keeps_a_case_whose_lowest_dims_the_target_refuses():
+    target = get_target("softmax")
+    case = RandomEngine(target, seed=3).next_case()
+    refusing = dataclasses.replace(target, constraint=lambda dims: "too small" if dims["D"] < 2 else None)
+    assert smallest(refusing, case) is case
+    assert smallest(target, case).dim == {n: d.lo for n, d in target.dims.items()}
 
 
 def test_without_compiles_the_scheduler_passes_the_engines_draws():
