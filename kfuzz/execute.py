@@ -50,12 +50,9 @@ from kfuzz.compare import BOUND_C, compare
 from kfuzz.contract import NamespaceSnapshot, current_hooks, overlapping, restore_hooks, threads_left
 from kfuzz.dtypes import torch_dtype, unit_roundoff
 from kfuzz.target import Target, get_target
-from kfuzz.tensors import materialize
+from kfuzz.tensors import materialize, raw_bytes
 from kfuzz.verdict import Verdict
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's values as raw bytes in logical order (NaN payloads and -0 included)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _tensors_of(result: Any) -> list[torch.Tensor]:
@@ -278,7 +275,7 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                              detail=(f"pending work: the call left {len(left)} thread(s) running "
                                      f"({', '.join(left[:4])}); all work must be finished at return"))
     for t, copy in early if device.type == "cuda" else ():
-        if not torch.equal(bits(t), bits(copy)):
+        if not torch.equal(raw_bytes(t), raw_bytes(copy)):
             return None, Verdict(target.name, "contract",
                                  detail=("pending work: an output changed after return (work left on another "
                                          "stream); all work must be finished at return"))

@@ -48,8 +48,9 @@ import torch
 
 from kfuzz import sandbox
 from kfuzz.case import Case
-from kfuzz.execute import bits, call_kernel, contract_violation, kernel_stage, raising_frame, storage_bytes
+from kfuzz.execute import call_kernel, contract_violation, kernel_stage, raising_frame, storage_bytes
 from kfuzz.target import Target
+from kfuzz.tensors import raw_bytes
 from kfuzz.verdict import Verdict
 from kfuzz.wire import dense_outputs, geometry, pack, rebuild
 
@@ -303,7 +304,7 @@ def changed_input(target_name: str, sent: Tensors, after: Tensors) -> Verdict | 
         if geometry(a) == geometry(t) and a.untyped_storage().nbytes() == t.untyped_storage().nbytes():
             same = torch.equal(storage_bytes(a).cpu(), storage_bytes(t).cpu())
         else:    # a copy of another layout (a grad-enabled leaf): its values bit for bit
-            same = a.shape == t.shape and torch.equal(bits(a.cpu()), bits(t.to(a.dtype).cpu()))
+            same = a.shape == t.shape and torch.equal(raw_bytes(a.cpu()), raw_bytes(t.to(a.dtype).cpu()))
         if not same:
             return Verdict(target_name, "mutation", output=name,
                            detail=f"input {name!r} (or the storage around it) changed during the call")

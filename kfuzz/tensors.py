@@ -97,10 +97,21 @@ def decode_payload(entry: Mapping, name: str) -> torch.Tensor:
         raise CaseError(f"payload for argument {name!r} is malformed ({e})") from None
 
 
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s values with row-major strides.  (``contiguous()`` keeps the stride of
+    a size-1 dim, and ``view`` to another element size refuses a last stride other than 1.)"""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t.detach())
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as uint8, in logical order (NaN payloads and -0 included)."""
+    return row_major(t).reshape(-1).view(torch.uint8)
+
+
 def encode_payload(t: torch.Tensor) -> dict:
     """The payload entry for one tensor: dtype, logical shape and its row-major bytes."""
-    t = t.detach().contiguous().cpu()
-    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    t = t.detach().cpu()
+    raw = raw_bytes(t).numpy().tobytes() if t.numel() else b""
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
             "data": base64.b64encode(raw).decode()}
 

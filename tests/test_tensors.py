@@ -9,7 +9,7 @@ from kfuzz.corpus import load_checked
 from kfuzz.dtypes import special_value_table
 from kfuzz.errors import CaseError, KfuzzError
 from kfuzz.target import check_storage, get_target
-from kfuzz.tensors import encode_payload, lay_out, materialize
+from kfuzz.tensors import decode_payload, encode_payload, lay_out, materialize, raw_bytes
 
 SOFTMAX = get_target("softmax")
 
@@ -185,3 +185,17 @@ def test_span_is_what_lay_out_allocates():
         held = lay_out(values, layout).untyped_storage().nbytes() // 4
         assert held <= layout.span((5, 9)), layout
         assert held == layout.span((5, 9)) or layout.kind == "expanded", layout
+
+
+def test_raw_bytes_and_payloads_take_any_strides_a_layout_gives():
+    # a size-1 dim keeps its stride through contiguous(): a case's strided layout at size 1
+    # (gdn_bwd, beta step [1, 1, 3] at B=T=H=1) ended every GPU call's output check in a RuntimeError
+    one = torch.tensor([1.5, 2.0, 3.0])[::3]
+    assert one.stride() == (3,) and one.is_contiguous()
+    assert torch.equal(raw_bytes(one), torch.tensor([1.5]).view(torch.uint8))
+    nan = torch.tensor([float("nan"), -0.0, 7.0]).view(torch.int32)
+    nan[0] |= 0x1234                                    # a NaN payload
+    grid = torch.stack([nan.view(torch.float32)] * 2)[:, ::2]
+    assert torch.equal(raw_bytes(grid), grid.clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8))
+    back = decode_payload(encode_payload(one), "x")
+    assert back.shape == one.shape and torch.equal(raw_bytes(back), raw_bytes(one))

@@ -35,12 +35,12 @@ import torch
 from kfuzz.case import ArgCase
 from kfuzz.compare import BOUND_C
 from kfuzz.dtypes import torch_dtype
-from kfuzz.execute import bits, oracle_outputs, storage_bytes
+from kfuzz.execute import oracle_outputs, storage_bytes
 from kfuzz.executor import executor_for
 from kfuzz.gates.base import Gate, fit_dims, float_args, gate_seed, inner_dims, make_case, nominal_dims
 from kfuzz.programs import (Program, changed_input, malformed, outputs_of,
                             poisoned_allocations)  # noqa: F401  (poisoned_allocations: the gate's tool)
-from kfuzz.tensors import logical_values, materialize
+from kfuzz.tensors import logical_values, materialize, raw_bytes
 from kfuzz.verdict import Verdict
 
 REPEATS = 4           # G08: calls on the same inputs
@@ -51,7 +51,7 @@ KEPT = ("first", "middle", "last")  # G11: the one element new inputs share with
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return bits(t.cpu())
+    return raw_bytes(t.cpu())
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
