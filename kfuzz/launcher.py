@@ -151,6 +151,17 @@ def _state(pid: int) -> str:
     return stat[stat.rfind(b")") + 2:].split()[0].decode()
 
 
+def started_at(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot; with the pid, it names one
+    process, not a later one given the same pid), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2:].split()[19])
+
+
 def descendants(pid: int, scan: bool = False) -> list[int]:
     """The live (not zombie) processes below ``pid`` in the process tree: from the processes'
     ``children`` files (a few reads), or with ``scan`` (or without those files) from a scan of

@@ -233,6 +233,7 @@ class Worker:
         self.queue: list[tuple[Case, dict, int]] = []   # case, kfuzz's inputs, message size
         self.started = 0.0            # when the head case began to run
         self.credit = Credit()        # the head case's compile time (kfuzz.jit)
+        self.suspects: dict[int, int | None] = {}   # pid -> start: running at the last answer, a case queued
         self.outbox: Queue | None = None                 # the sender thread's, once needed
 
     def _await_ready(self) -> None:
@@ -260,15 +261,24 @@ class Worker:
         """The first attempt to leave the sandbox that the worker's channel reported, or None.
         ``answered``: the worker answered and goes on, so it must still hold its end; a closed
         or torn channel is then a violation too, and so is a process the kernel started that
-        is still running."""
+        is still running (with a case already queued behind this one, which may have begun:
+        one still running, the same process, at the next answer)."""
         found = self.channel.verdict(answered)
         if found is None and answered and self.watch_tree:
             self.answers += 1
             left = self.started_processes(scan=self.answers % FULL_SCAN_EVERY == 0)
-            deadline = time.monotonic() + EXIT_GRACE     # one exiting as the answer was sent
-            while left and time.monotonic() < deadline:
-                time.sleep(0.005)
-                left = self.started_processes()
+            if left and self.queue:
+                # the worker may have begun its next case, whose processes (a JIT compiler) are
+                # that call's: one seen now outlived this call if it still runs at the next answer
+                born = {pid: launcher.started_at(pid) for pid in left}
+                left = [pid for pid in left if born[pid] is not None and self.suspects.get(pid) == born[pid]]
+                self.suspects = born
+            else:
+                deadline = time.monotonic() + EXIT_GRACE     # one exiting as the answer was sent
+                while left and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                    left = self.started_processes()
+                self.suspects = {}
             if left:
                 names = "; ".join(f"{pid}: {launcher.command(pid)}" for pid in left[:4])
                 found = sandbox.FORK, f"{len(left)} process(es) the kernel started outlived its call ({names})"

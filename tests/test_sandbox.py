@@ -370,3 +370,38 @@ def test_a_kernel_that_closes_its_violation_channel_is_caught(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
     assert verdict is not None and verdict.exc_type == sandbox.CHANNEL, verdict
+
+
+def test_a_process_seen_while_the_next_case_runs_is_judged_at_the_next_answer(monkeypatch):
+    """With a case queued behind the one that answered, the worker may already run it, and a
+    process seen then may be that call's (a JIT compiler): a verdict only if the same process
+    still runs at the next answer; with nothing queued, at once."""
+    from types import SimpleNamespace
+
+    from kfuzz import launcher
+    from kfuzz.workers import Worker
+    w = object.__new__(Worker)
+    w.channel = SimpleNamespace(verdict=lambda answered: None)
+    w.watch_tree, w.answers, w.suspects, w.own_tree = True, 0, {}, 0
+    running: dict[int, int] = {}
+    monkeypatch.setattr(w, "started_processes", lambda scan=False: list(running))
+    monkeypatch.setattr(launcher, "started_at", lambda pid: running.get(pid))
+    monkeypatch.setattr(launcher, "command", lambda pid: f"ptxas-{pid}")
+    w.queue = ["next"]
+    running.update({101: 7})                     # the next case's compiler, as case 1 answers
+    assert w.escape() is None
+    running.clear()
+    running.update({102: 9})                     # case 2's compiler has ended; case 3's runs
+    assert w.escape() is None
+    running.update({103: 11})                    # case 3 answers: 102 still runs, the same process
+    kind, detail = w.escape()
+    assert kind == sandbox.FORK and "102" in detail and "103" not in detail
+    w.suspects, w.queue = {}, []
+    running.clear()
+    running.update({104: 12})                    # nothing queued: only the answered call can own it
+    assert w.escape()[0] == sandbox.FORK
+    running.clear()
+    running.update({105: 13})                    # a pid reused by a later process is not the same one
+    w.queue = ["next"]
+    w.suspects = {105: 3}
+    assert w.escape() is None
