@@ -225,6 +225,8 @@ def exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmas
         elif GATE == 2:
             av = tl.exp(tl.load(g + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64))
             Sd = av[:, None] * Sd
+        if GATE != 0:   # a decay of inf times the padding's 0 is NaN, which k S would sum in
+            Sd = tl.where(smask, Sd, 0.0)
         if DELTA:
             bk = tl.load(beta + tok * H + i_h).to(tl.float64) * kv
             kS = tl.sum(kv[:, None] * Sd, axis=0)

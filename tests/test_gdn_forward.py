@@ -406,6 +406,23 @@ def test_triton_minus_inf_gate_is_a_complete_forget(gate, delta):
     assert rel(o2, o) < 1e-4 and rel(s2, s) < 1e-4
 
 
+def test_a_gate_past_exp_range_leaves_the_tiles_padding_out_of_the_state():
+    """A scalar gate whose exp overflows (out of the domain, as an injection may put it)
+    multiplies the whole state tile; its padding (K and V under the tile) must not turn
+    0 * inf into a NaN that k S then sums into the real columns (gdn_fwd on the H200, kept
+    in crashes/gdn_fwd/nonfinite-o/61a742f421880fcd: o NaN where the oracle's is +inf)."""
+    x = make_inputs("scalar", True, B=1, T=1, H=1, K=1, V=1, seed=5)
+    x["k"] = -x["k"].abs()
+    x["g"][0, 0, 0] = 1000.0
+    x["beta"][0, 0, 0] = -1.0
+    x["initial_state"] = x["initial_state"].abs()
+    o, s = call(recurrence, x)
+    o2, s2 = call(chunk_gdn_fwd, x)
+    assert not o.isnan().any() and not o.isfinite().all()
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)
+
+
 def test_triton_nonfinite_in_one_sequence_stays_there():
     cu = torch.tensor([0, 30, 31, 90])
     x = make_inputs("scalar", True, B=1, T=90, H=2, K=16, V=16, cu_seqlens=cu)
