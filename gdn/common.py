@@ -208,12 +208,17 @@ def exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmas
     through fp32: Triton 3.9's interpreter rounds float64 to bf16 wrongly), returns the new
     state.  Between steps the state is kept in S's dtype (float64 in the output kernel); an
     fp32 one (the state kernel's, whose [BK, BV] tile in float64 spilled at sm_90) as
-    S_true / 2^e, e > 0 only while the state's largest finite element is past 2^100, so a
-    state that leaves fp32's range inside the chunk and comes back, as the oracle's may, is
-    carried across (G06: final state 1.6e32 after a step past 3.4e38)."""
+    S_true / 2^e, e > 0 only while the state's largest finite element is past 2^127, which
+    S then holds at 2^127 (its elements down to 2^-253 of that one stay normal), so a state
+    that leaves fp32's range inside the chunk and comes back, as the oracle's may, is carried
+    across (G06: final state 1.6e32 after a step past 3.4e38).  The chunk's last step rounds
+    the state to fp32 as it is (e = 0), as the hand-off to the next chunk does: scaled by the
+    tile's largest element, an element inside fp32's range beside one past it would come back
+    from a subnormal (gdn_fwd: ht 3.4e-3 off, 1e36 beside 1e109)."""
     RESCALE: tl.constexpr = S.dtype == tl.float32
     e = tl.full([], 0.0, tl.float64)
-    for t in range(0, tl.minimum(BT, eos - t0)):
+    n = tl.minimum(BT, eos - t0)
+    for t in range(0, n):
         tok = (t0 + t).to(tl.int64)
         Sd = S.to(tl.float64)
         if RESCALE:
@@ -241,7 +246,7 @@ def exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmas
         if RESCALE:
             a = tl.where(tl.abs(Sd) < float("inf"), tl.abs(Sd), 0.0)   # NaN and Inf keep no scale
             big = tl.max(tl.max(a, axis=1), axis=0)
-            e = tl.where(big > 1.2676506002282294e30, tl.ceil(tl.log2(big)) - 100.0, 0.0)   # 2^100
+            e = tl.where((big > 1.7014118346046923e38) & (t < n - 1), tl.ceil(tl.log2(big)) - 127.0, 0.0)
             S = (Sd * tl.exp2(-e)).to(S.dtype)
         else:
             S = Sd.to(S.dtype)

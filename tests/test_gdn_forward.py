@@ -423,6 +423,23 @@ def test_a_gate_past_exp_range_leaves_the_tiles_padding_out_of_the_state():
     assert_same_nonfinite(s2, s)
 
 
+def test_a_final_state_inside_fp32_keeps_its_digits_beside_one_past_it():
+    """A key at fp32's maximum on a chunk's last token, after an initial state holding one:
+    the state tile's largest element ends near 1e109 while others lie inside fp32's range.
+    Those must come back to fp32 as the oracle's round, not from a subnormal of a state
+    scaled by the tile's largest element (gdn_fwd on the H200: ht 3.4e-3 off at 3e36,
+    114x the bound; crashes/gdn_fwd/bound-ht/98f562303f1d53fb)."""
+    x = make_inputs("scalar", True, B=1, T=16, H=1, K=13, V=40, seed=7)
+    x["initial_state"][0, 0, 5, 38] = torch.finfo(torch.float32).max
+    x["k"][0, 15, 0, 7] = torch.finfo(torch.float32).max
+    _, s = call(recurrence, x)
+    _, s2 = call(chunk_gdn_fwd, x)
+    inside = s.abs() < torch.finfo(torch.float32).max
+    assert (~inside).any() and (s.abs() > 1e30).logical_and(inside).any()
+    err = (s2.double() - s).abs()[inside] / s.abs()[inside].clamp_min(1e-30)
+    assert err.max() < 1e-5, float(err.max())
+
+
 def test_triton_nonfinite_in_one_sequence_stays_there():
     cu = torch.tensor([0, 30, 31, 90])
     x = make_inputs("scalar", True, B=1, T=90, H=2, K=16, V=16, cu_seqlens=cu)
