@@ -27,6 +27,13 @@ where an honest kernel could land either way:
   different positions), while the set of non-finite positions does not: a finite
   value there, or a NaN or Inf where the oracle is finite, still fails.
 
+- where the oracle's answer swings across classes under the rounding of its inputs
+  (``envelope``: the oracle's value minus and plus the farthest it goes on copies of the
+  inputs moved by one unit of the compute precision's roundoff, ``kfuzz.execute.oracle_envelope``),
+  such as an output that cancels terms far past the dtype's range (float64 itself then keeps
+  only their rounding noise): any value inside the envelope, rounded to the dtype; a NaN
+  still fails.
+
 Without a trusted implementation (gate G05) every kind must match; gate G06
 (range) is the strict check of the overflow latitude.
 
@@ -91,11 +98,26 @@ def near_overflow(o: torch.Tensor, dtype: str, c: float) -> torch.Tensor:
     return torch.isfinite(o) & (mag * (1 - w) <= big) & (mag * (1 + w) >= big)
 
 
+def swinging(o_rounded: torch.Tensor, envelope: tuple[torch.Tensor, torch.Tensor] | None,
+             dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(where the envelope, rounded to ``dt``, reaches another class than the oracle's, its
+    low end, its high end) or None without an envelope."""
+    if envelope is None:
+        return None
+    lo, hi = (_f64(x).to(dt).to(torch.float64) for x in envelope)
+    return (_class(lo) != _class(o_rounded)) | (_class(hi) != _class(o_rounded)), lo, hi
+
+
 def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, near: torch.Tensor,
-                       free: torch.Tensor | None = None, any_class: torch.Tensor | None = None) -> str | None:
+                       free: torch.Tensor | None = None, any_class: torch.Tensor | None = None,
+                       swing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> str | None:
     """Where NaN/+Inf/-Inf sets differ; ``near`` positions may be finite or an Inf of the oracle's
-    sign, ``free`` positions anything, ``any_class`` positions any non-finite value."""
+    sign, ``free`` positions anything, ``any_class`` positions any non-finite value, ``swing``
+    positions (``swinging``) any value between its two ends."""
     latitude = near & (torch.isfinite(k) | (torch.isinf(k) & (torch.sign(k) == torch.sign(o_rounded))))
+    if swing is not None:
+        where, lo, hi = swing
+        latitude = latitude | (where & (k >= lo) & (k <= hi))
     for name, fn in (("NaN", torch.isnan), ("+Inf", lambda x: torch.isposinf(x)),
                      ("-Inf", lambda x: torch.isneginf(x))):
         km, om = fn(k), fn(o_rounded)
@@ -114,10 +136,13 @@ def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, near: torch.Ten
 
 def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: torch.Tensor | None,
             dtype: str, c: float = BOUND_C,
-            trusted_clean: torch.Tensor | Callable[[], torch.Tensor] | None = None) -> Finding:
+            trusted_clean: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+            envelope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Finding:
     """Judge one output; ``dtype`` is the output's dtype name. ``trusted_clean``: the trusted
     implementation's output on the inputs with every NaN and Inf replaced by 0 (or a function
-    that computes it, called only when needed); None where the inputs hold no NaN or Inf."""
+    that computes it, called only when needed); None where the inputs hold no NaN or Inf.
+    ``envelope``: the oracle's (low, high) ends under the rounding of its inputs (see the
+    module docstring), or None."""
     k, o = _f64(kernel_out), _f64(oracle_out)
     dt = torch_dtype(dtype)
     if not dt.is_floating_point:
@@ -149,7 +174,7 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         any_class = past if any_class is None else any_class | past
     else:
         free = torch.zeros_like(near)
-    bad = nonfinite_mismatch(k, o_rounded, near, free, any_class)
+    bad = nonfinite_mismatch(k, o_rounded, near, free, any_class, swinging(o_rounded, envelope, dt))
     if bad:
         return Finding("nonfinite", bad, math.inf)
 

@@ -149,22 +149,49 @@ def perturbed_inputs(inputs: Mapping[str, torch.Tensor], u: float, seed: int) ->
     return out
 
 
+def moved_oracles(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
+                  device="cpu") -> list[dict[str, torch.Tensor]]:
+    """The oracle's outputs on PERTURB_DRAWS copies of ``inputs``, each moved by one unit of
+    the compute precision's roundoff (fp32's; float64's for float64 cases)."""
+    u = unit_roundoff("float64" if case.dtype == "float64" else "float32")
+    return [_here(oracle_outputs(target, perturbed_inputs(inputs, u, case.seed + draw), device))
+            for draw in range(PERTURB_DRAWS)]
+
+
+def oracle_envelope(oracle: Mapping[str, torch.Tensor], moved: list[Mapping[str, torch.Tensor]]
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per output, the oracle's value minus and plus the farthest the ``moved`` copies went
+    from it (float64; an Inf where a copy left the oracle's class, NaN where any is NaN): how
+    far the rounding of the inputs alone can take the answer, either way (``kfuzz.compare``)."""
+    out = {}
+    for k, o in oracle.items():
+        o = o.cpu().to(torch.float64)
+        r = torch.zeros_like(o)
+        for m in moved:
+            m = m[k].to(torch.float64)
+            d = (m - o).abs()
+            r = torch.maximum(r, torch.where(torch.isnan(d) & (m == o), 0.0, d))   # the same Inf: 0
+        wide = torch.isinf(r)
+        out[k] = (torch.where(wide, -torch.inf, o - r), torch.where(wide, torch.inf, o + r))
+    return out
+
+
 def perturbed_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                       oracle: Mapping[str, torch.Tensor], trusted: Mapping[str, torch.Tensor],
-                      device="cpu") -> dict[str, torch.Tensor]:
+                      device="cpu", moved: list[Mapping[str, torch.Tensor]] | None = None
+                      ) -> dict[str, torch.Tensor]:
     """The trusted outputs with each finite value moved, where the oracle itself moves farther,
     to the oracle's value on inputs perturbed by one unit of the compute precision's roundoff
     (fp32's; float64's for float64 cases), the farthest of PERTURB_DRAWS draws.  The trusted
     error then covers the answer's own sensitivity to rounding: an output that cancels to
     (nearly) zero, whose terms are far larger than it, may be one rounding of those terms away
     from the oracle in any honest kernel, while an implementation that cancels them exactly in
-    its order of operations has no error to scale the bound by."""
-    u = unit_roundoff("float64" if case.dtype == "float64" else "float32")
+    its order of operations has no error to scale the bound by.  ``moved``: the oracle's
+    outputs on those inputs (``moved_oracles``), when already computed."""
     out = {k: v.cpu().to(torch.float64) for k, v in trusted.items()}
-    for draw in range(PERTURB_DRAWS):
-        moved = _here(oracle_outputs(target, perturbed_inputs(inputs, u, case.seed + draw), device))
+    for draw in moved if moved is not None else moved_oracles(target, case, inputs, device):
         for k, t in out.items():
-            o, m = oracle[k].cpu().to(torch.float64), moved[k].to(torch.float64)
+            o, m = oracle[k].cpu().to(torch.float64), draw[k].to(torch.float64)
             farther = torch.isfinite(t) & torch.isfinite(o) & torch.isfinite(m) & ((m - o).abs() > (t - o).abs())
             out[k] = torch.where(farther, m, t)
     return out
@@ -345,7 +372,7 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     outputs = _here(outputs)
     flushed = flush_subnormals(inputs)
     clean = _clean_trusted(target, case, inputs, oracle_device)
-    raised = None
+    raised = moved = envelope = None
     worst = 0.0
     metrics: dict[str, float] = {}
     for name, out in outputs.items():
@@ -360,11 +387,20 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
             alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale,
                           clean_ftz and clean_ftz(name))
             finding = alt if alt.kind is None else finding
+        if finding.kind is not None and moved is None:
+            moved = moved_oracles(target, case, inputs, oracle_device)
+        if finding.kind == "nonfinite":
+            # an answer whose class the rounding of the inputs decides: any value in its envelope
+            envelope = envelope or oracle_envelope(oracle, moved)
+            alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
+                          clean and clean(name), envelope[name])
+            finding = alt if alt.kind != "nonfinite" else finding
         if finding.kind == "bound":
             # an answer that cancels: the trusted error raised to the oracle's own sensitivity
             if raised is None:
-                raised = perturbed_trusted(target, case, inputs, oracle, trusted, oracle_device)
-            alt = compare(out, oracle[name], raised[name], dtype, c * target.bound_scale, clean and clean(name))
+                raised = perturbed_trusted(target, case, inputs, oracle, trusted, oracle_device, moved)
+            alt = compare(out, oracle[name], raised[name], dtype, c * target.bound_scale, clean and clean(name),
+                          envelope and envelope[name])
             finding = alt if alt.kind is None else finding
         metrics.update({f"{name}.{k}": v for k, v in finding.metrics})
         if finding.kind is not None:

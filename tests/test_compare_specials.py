@@ -95,3 +95,35 @@ def test_a_bound_failure_names_the_positions_where_the_trusted_implementation_ha
     assert f.kind == "bound" and "non-finite at 1 of the 2 positions judged" in f.detail
     f = compare(t32(1.5, 2.0, NAN), o, t32(1.0, 2.0, NAN), "float32")
     assert f.kind == "bound" and "trusted implementation is non-finite" not in f.detail
+
+
+def _cancelling_target(kernel):
+    """out = x y - w v: its terms pass fp32's range where its answer need not; the trusted
+    implementation, (x - w) y + w (y - v), stays finite where x = w."""
+    def stable(x, y, w, v):
+        return (x - w) * y + w * (y - v)
+    return Target(name="test_compare_envelope", kernel=kernel, reference=lambda x, y, w, v: x * y - w * v,
+                  trusted=stable, args={n: Arg(("N",)) for n in "xywv"}, outputs={"out": Output(("N",))},
+                  dims={"N": Dim(1, 8)}, dtypes=("float32",))
+
+
+@pytest.mark.parametrize("at0, at1, passes", [
+    (math.inf, 0.0, True),     # the answer's class is the inputs' rounding's: x y, w v near 1e76
+    (NAN, 0.0, False),         # a NaN is in no envelope
+    (0.0, math.inf, False),    # x y, w v near 1: no rounding of the inputs reaches an Inf
+], ids=["inf-where-rounding-decides", "nan-there", "inf-where-it-does-not"])
+def test_a_value_the_rounding_of_the_inputs_may_give_passes_and_no_other(at0, at1, passes):
+    """The oracle's exact 0 at position 0 cancels terms near 1e76: inputs one fp32 rounding
+    away give +-1e69 there, past fp32's range either way, so an fp32 kernel may give an Inf
+    of either sign; at position 1 (terms near 1) only 0 passes."""
+    def kernel(x, y, w, v):
+        return torch.tensor([at0, at1], dtype=torch.float32)
+    target = _cancelling_target(kernel)
+    case = Case.make(target.name, "float32", 3, {"N": 2})
+    x = {n: t32(1e38, 1.0) for n in "xywv"}
+    v = judge(case, target, x, {"out": kernel(**x)})
+    assert v.passed == passes, v.detail
+    assert passes or v.kind == "nonfinite"
+    if passes:   # without the envelope it fails: the oracle's rounded value is 0, the kernel's Inf
+        assert compare(kernel(**x), x["x"].double() * x["y"].double() - x["w"].double() * x["v"].double(),
+                       target.trusted(**x), "float32").kind == "nonfinite"
