@@ -48,13 +48,15 @@ def test_the_closed_form_is_the_recurrence_to_float64_rounding(gate, delta, varl
         assert float((a - b).abs().max()) <= 1e-12 * max(1.0, float(a.abs().max()))
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 3e38])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 3e38, -3e38])
 @pytest.mark.parametrize("arg", ["q", "k", "v", "g", "beta", "initial_state"])
 def test_special_and_out_of_domain_values_go_step_by_step(arg, value):
+    """A gate of -3e38 is in the domain (a complete forget) but its chunk's gate sums lose
+    every later gate in float64: it goes step by step too."""
     x = _inputs(1, 9, 2, 5, 3, "scalar", True)
     x[arg] = x[arg].clone()
     x[arg].view(-1)[4] = value
-    if value == 3e38 and arg in ("q", "v", "initial_state"):
+    if abs(value) == 3e38 and arg in ("q", "v", "initial_state"):
         return     # finite and in the domain: the closed form applies (tested above)
     assert not fast_path(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"])
     for s, t in zip(recurrence(**x), fast_recurrence(**x)):   # the definition's own result, bit for bit
