@@ -176,6 +176,12 @@ def oracle_envelope(oracle: Mapping[str, torch.Tensor], moved: list[Mapping[str,
     return out
 
 
+def _widest(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The envelope that holds every non-NaN value (-Inf to +Inf everywhere)."""
+    far = torch.full(o.shape, torch.inf, dtype=torch.float64)
+    return -far, far
+
+
 def perturbed_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                       oracle: Mapping[str, torch.Tensor], trusted: Mapping[str, torch.Tensor],
                       device="cpu", moved: list[Mapping[str, torch.Tensor]] | None = None
@@ -387,16 +393,18 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
             alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale,
                           clean_ftz and clean_ftz(name))
             finding = alt if alt.kind is None else finding
-        if finding.kind is not None and moved is None:
-            moved = moved_oracles(target, case, inputs, oracle_device)
-        if finding.kind == "nonfinite":
+        if finding.kind == "nonfinite" and compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
+                                                   clean and clean(name), _widest(oracle[name])).kind != "nonfinite":
             # an answer whose class the rounding of the inputs decides: any value in its envelope
+            # (computed only where some envelope could pass the kernel: never for a NaN)
+            moved = moved or moved_oracles(target, case, inputs, oracle_device)
             envelope = envelope or oracle_envelope(oracle, moved)
             alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
                           clean and clean(name), envelope[name])
             finding = alt if alt.kind != "nonfinite" else finding
         if finding.kind == "bound":
             # an answer that cancels: the trusted error raised to the oracle's own sensitivity
+            moved = moved or moved_oracles(target, case, inputs, oracle_device)
             if raised is None:
                 raised = perturbed_trusted(target, case, inputs, oracle, trusted, oracle_device, moved)
             alt = compare(out, oracle[name], raised[name], dtype, c * target.bound_scale, clean and clean(name),

@@ -127,3 +127,16 @@ def test_a_value_the_rounding_of_the_inputs_may_give_passes_and_no_other(at0, at
     if passes:   # without the envelope it fails: the oracle's rounded value is 0, the kernel's Inf
         assert compare(kernel(**x), x["x"].double() * x["y"].double() - x["w"].double() * x["v"].double(),
                        target.trusted(**x), "float32").kind == "nonfinite"
+
+
+def test_a_nan_where_the_oracle_is_finite_fails_without_moving_the_inputs(monkeypatch):
+    """No envelope holds a NaN, so the oracle is not run again on moved inputs for one."""
+    import kfuzz.execute as ex
+
+    def kernel(x, y, w, v):
+        return torch.tensor([NAN, 0.0], dtype=torch.float32)
+    target = _cancelling_target(kernel)
+    case = Case.make(target.name, "float32", 3, {"N": 2})
+    x = {n: t32(1e38, 1.0) for n in "xywv"}
+    monkeypatch.setattr(ex, "moved_oracles", lambda *a, **k: pytest.fail("moved the inputs for a NaN"))
+    assert judge(case, target, x, {"out": kernel(**x)}).kind == "nonfinite"
