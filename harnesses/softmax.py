@@ -52,7 +52,7 @@ def _launch(x, shift: bool):
 @target("softmax", reference=softmax_math, trusted=lambda x: torch.softmax(x, dim=-1),
         args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N", "D"))},
         dims={"N": Dim(1, 64), "D": Dim(1, 512)},
-        description="softmax over the last dim of [N, D], Triton")
+        description="softmax over the last dim of [N, D], Triton", options={"triton": True})
 def softmax(x):
     return _launch(x, shift=True)
 
