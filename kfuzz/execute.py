@@ -54,7 +54,6 @@ from kfuzz.tensors import materialize, raw_bytes
 from kfuzz.verdict import Verdict
 
 
-
 def _tensors_of(result: Any) -> list[torch.Tensor]:
     values = result.values() if isinstance(result, Mapping) else (
         result if isinstance(result, (tuple, list)) else (result,))
