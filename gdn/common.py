@@ -246,7 +246,8 @@ def exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmas
         if RESCALE:
             a = tl.where(tl.abs(Sd) < float("inf"), tl.abs(Sd), 0.0)   # NaN and Inf keep no scale
             big = tl.max(tl.max(a, axis=1), axis=0)
-            e = tl.where((big > 1.7014118346046923e38) & (t < n - 1), tl.ceil(tl.log2(big)) - 127.0, 0.0)
+            e = tl.where((big > 1.7014118346046923e38) & (t < n - 1),   # 2^127; not the last step
+                         tl.ceil(tl.log2(big)) - 127.0, 0.0)
             S = (Sd * tl.exp2(-e)).to(S.dtype)
         else:
             S = Sd.to(S.dtype)

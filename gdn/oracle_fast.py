@@ -16,13 +16,14 @@ Gamma_t = exp(G_t) (a vector over keys for a vector gate), the recurrence of
 (without the delta rule, delta_t = v_t), the deltas from one unit lower-triangular solve.
 Everything is float64, with no clamp, no operand rounding and no fast paths.
 
-Where it is used (``fast_path``): every input finite, gates GATE_MIN <= g <= 0, beta in [0, 1], every
-key's L2 norm at most 1 (the targets' domain; then each step's transition has norm at most
-1, the triangular systems are well conditioned, and every exponent is <= 0; a chunk's gate
-sums then stay within CHUNK * 64 = 1024, whose float64 rounding, about 1e-13, leaves each
-decay exp(G_i - G_j) as exact as the step's exp(g): a gate of -3.4e38 rounds every later sum
-of its chunk to the same float64 value, up to 4e22 off), and the result finite. Anything else, injected special values and domain-breaking injections above all,
-goes to the step-by-step definition, whose NaN/Inf pattern is the one kernels are held to.
+Where it is used (``fast_path``): every input finite, gates GATE_MIN <= g <= 0, beta in
+[0, 1], every key's L2 norm at most 1 (the targets' domain; then each step's transition has
+norm at most 1, the triangular systems are well conditioned, and every exponent is <= 0; a
+chunk's gate sums stay within CHUNK * -GATE_MIN = 1024, whose float64 rounding, about 1e-13,
+leaves each decay exp(G_i - G_j) as exact as the step's exp(g), while a gate of -3.4e38 rounds
+every later sum of its chunk to one float64 value, up to 4e22 off), and the result finite.
+Anything else, injected special values and domain-breaking injections above all, goes to
+the step-by-step definition, whose NaN/Inf pattern is the one kernels are held to.
 Both agree to float64 rounding where both apply; ``tests/test_gdn_oracle_fast.py`` shows they
 give the same verdicts on the kept GDN failures and on gate cases.
 """

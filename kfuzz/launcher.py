@@ -101,18 +101,24 @@ def _threads() -> int:
 
 # the zygote's side ---------------------------------------------------------------------------------
 
+def _stat(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first: field 3), or
+    None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split()
+
+
 def _parents() -> dict[int, tuple[int, str]]:
     """Every live process's parent and state (a scan of /proc)."""
     found = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(b")") + 2:].split()
-            if len(fields) > 1:
+            fields = _stat(name)
+            if fields is not None and len(fields) > 1:
                 found[int(name)] = (int(fields[1]), fields[0].decode())
     return found
 
@@ -143,23 +149,15 @@ def _kids(pid: int) -> list[int] | None:
 
 
 def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return "X"
-    return stat[stat.rfind(b")") + 2:].split()[0].decode()
+    fields = _stat(pid)
+    return "X" if fields is None else fields[0].decode()
 
 
 def started_at(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot; with the pid, it names one
-    process, not a later one given the same pid), or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rfind(b")") + 2:].split()[19])
+    """When process ``pid`` started (clock ticks after boot, field 22; with the pid, it names
+    one process, not a later one given the same pid), or None when it is gone."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def descendants(pid: int, scan: bool = False) -> list[int]:
