@@ -92,6 +92,23 @@ def _dims(varlen: bool) -> dict[str, Dim]:
     return dims
 
 
+def _flags(n: int) -> tuple[bool, bool]:
+    return n == 1, n % 16 == 0
+
+
+def specialization(dims: dict[str, int], dtype: str) -> tuple:
+    """The kernels' JIT specialization at ``dims`` (``kfuzz.schedule``): the dtype; K and V
+    (tile widths, and the state pass's config, picked from its autotune key); the
+    sequence-heads rounded up to a power of 2 (in that key); and for each integer the
+    kernels take (T, B*T, H, the sequences, the 16- and 64-token chunk counts) whether it is
+    1 or a multiple of 16, as Triton specializes it. Other T, B and H run kernels already
+    compiled."""
+    T, H = dims["T"], dims["H"]
+    n = dims.get("N", dims["B"])
+    counts = (T, dims["B"] * T, H, n, -(-T // 16), -(-T // 64))
+    return (dtype, dims["K"], dims["V"], 1 << max(0, n * H - 1).bit_length(), tuple(map(_flags, counts)))
+
+
 def _args(gate, delta, varlen, backward) -> dict[str, Arg]:
     nstate = "N" if varlen else "B"
     args = {"q": Arg(("B", "T", "H", "K")), "k": Arg(("B", "T", "H", "K")), "v": Arg(("B", "T", "H", "V"))}
@@ -195,7 +212,8 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
         t = Target(name=name, kernel=kernel, reference=reference, trusted=trusted, args=args,
                    outputs=outputs, dims=dict(dims), domain=domain, bound_scale=BOUND_SCALE,
                    description=f"GDN family {'backward' if backward else 'forward'} ({member}), Triton",
-                   options={"no_exact_answers": NO_EXACT_ANSWERS, "triton": True})
+                   options={"no_exact_answers": NO_EXACT_ANSWERS, "triton": True,
+                            "specialization": specialization})
         add_target(t)
 
 

@@ -8,15 +8,22 @@ compiled kernel's call costs milliseconds, so a campaign that draws every case a
 spends its time compiling.
 
 ``specialization(target, case)`` is the key of the kernel a case runs: what the target
-declares (``options["specialization"]``: ``(dims, dtype) -> hashable``), else the case's
-dtype and dims. A ``Scheduler`` opens a new key only while (a) fewer than
+declares (``options["specialization"]``: ``(dims, dtype) -> hashable``; a Triton kernel's
+declaration names its constexprs and the integers Triton specializes on, equal to 1 or a
+multiple of 16), else the case's dtype, dims and layout kinds; and, either way, the
+arguments whose layout starts off a 16-byte boundary (Triton specializes a pointer on its
+alignment). A ``Scheduler`` opens a new key only while (a) fewer than
 ``max(1, share * workers)`` new keys are in flight and (b) compiling has taken at most
 ``share`` of the workers' time (``kfuzz.jit`` notes, summed over the workers); otherwise a
-draw of a new key is replaced by a fresh case of the dims and dtype of a key already
-opened (one at random), from an engine that can redraw (``redraw(like)``, the random
-engine); other engines' cases pass unchanged. So a campaign that compiles settles at a
-steady rate, most of its workers running cases of specializations already compiled. Until
-a compile is seen (the CPU, the Triton interpreter: never) every draw passes.
+draw of a new key is replaced by a fresh case of a key already compiled (one at random:
+its dims and dtype, the rest redrawn until the key matches, at most ``REDRAWS`` tries,
+else its values redrawn), from an engine that can redraw (``redraw(like)``, the random
+engine); other engines' cases pass unchanged. A key in flight (opened, its first case not
+back) is not handed to a second worker either: that worker would compile the same kernels
+at the same time, each compile slowing the others, where once the first is back it loads
+them from the disk cache. So a campaign that compiles settles at a steady rate, most of its
+workers running cases of specializations already compiled. Until a compile is seen (the
+CPU, the Triton interpreter: never) every draw passes.
 
 A cold start (``cold=True``: a GPU campaign, whose first case compiles every kernel it
 calls) opens with the target's smallest case: the first draw, redrawn at each dim's lower
@@ -25,10 +32,14 @@ tiles) and small sizes, where bugs live, are run first.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Hashable
 
+import torch
+
 from kfuzz.case import Case
+from kfuzz.dtypes import torch_dtype
 from kfuzz.errors import CaseError
 from kfuzz.target import Target
 
@@ -37,8 +48,16 @@ def specialization(target: Target, case: Case) -> Hashable:
     """The JIT specialization ``case`` runs (see the module docstring)."""
     declared = target.options.get("specialization") if target.options else None
     if declared is not None:
-        return declared(case.dim, case.dtype)
-    return (case.dtype, case.dims)
+        key = declared(case.dim, case.dtype)
+    else:
+        key = (case.dtype, case.dims,
+               tuple((name, a.layout.kind) for name, a in case.args if a.layout.kind != "contiguous"))
+    return key, tuple(name for name, a in case.args if a.layout.kind == "offset"
+                      and a.layout.offset * _itemsize(target.arg_dtype(name, case.dtype)) % 16)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
 def smallest(target: Target, case: Case) -> Case:
@@ -51,6 +70,9 @@ def smallest(target: Target, case: Case) -> Case:
     except CaseError:
         return case
     return low
+
+
+REDRAWS = 32
 
 
 class Scheduler:
@@ -78,17 +100,31 @@ class Scheduler:
         if self.cold and not self.like and redraw is not None:
             case = redraw(smallest(self.target, case))
         key = specialization(self.target, case)
-        if key in self.like:
+        if key in self.ran or (key in self.like and compile_seconds <= 0):
             return case
-        # bounded once compiles were seen (a cold campaign's first round is the campaign's)
-        may_open = compile_seconds <= 0 or (len(self.opening) < max(1, int(self.share * self.workers))
-                                            and compile_seconds <= self.share * elapsed * self.workers)
-        if may_open or redraw is None or not self.like:
-            self.like[key] = case
-            self.opening.add(key)
+        if key not in self.like:
+            # bounded once compiles were seen (a cold campaign's first round is the campaign's)
+            may_open = compile_seconds <= 0 or (len(self.opening) < max(1, int(self.share * self.workers))
+                                                and compile_seconds <= self.share * elapsed * self.workers)
+            if may_open or redraw is None or not self.like:
+                self.like[key] = case
+                self.opening.add(key)
+                return case
+        elif redraw is None or not self.ran:    # in flight, and nothing compiled to run instead
             return case
         self.held += 1
-        return redraw(self.like[self.rng.choice(list(self.like))])
+        return self._redraw(redraw, list(self.ran or self.like))
+
+    def _redraw(self, redraw, keys: list) -> Case:
+        """A fresh case of one of ``keys``: a redraw keeps dims and dtype and draws the rest, so
+        a few tries find one whose layouts keep it in the key; else the case of the key with
+        a fresh seed (new values)."""
+        like = self.like[self.rng.choice(keys)]
+        for _ in range(REDRAWS):
+            case = redraw(like)
+            if specialization(self.target, case) in keys:
+                return case
+        return dataclasses.replace(like, seed=self.rng.getrandbits(32))
 
     def observe(self, case: Case, compile_seconds: float) -> None:
         """``case`` came back, its kernel call having compiled for ``compile_seconds``."""

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from kfuzz.campaign import run_campaign, worker_devices
-from kfuzz.case import ArgCase, Case, Dist
+from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.cli import cli
 from kfuzz.corpus import Corpus, load
 from kfuzz.devices import DeviceError, resolve_device, spread
@@ -23,7 +23,7 @@ from kfuzz.schedule import Scheduler, smallest, specialization
 from kfuzz.target import Arg, Dim, Output, Target, add_target, get_target
 from test_workers import ListEngine
 
-import kfuzz.cli.minimize, kfuzz.cli.run, kfuzz.cli.verify  # noqa: F401,E401  (register the verbs)
+import kfuzz.cli.audit, kfuzz.cli.minimize, kfuzz.cli.replay, kfuzz.cli.run, kfuzz.cli.verify  # noqa: F401,E401  (register the verbs)
 
 OVERFLOW = Case.make("softmax.nomax", "float32", 3, {"N": 4, "D": 33},
                      {"x": ArgCase(dist=Dist("scaled", (("factor", 100.0),)))})
@@ -48,16 +48,17 @@ def test_auto_is_cuda_only_where_a_gpu_is_visible():
 
 
 @pytest.mark.parametrize("verb", [
-    ("run", "--target", "softmax.nomax", "--runs", "3"),
-    ("verify", "--target", "softmax.nomax", "--gates", "G01"),
+    ("run", "--target", "softmax.nomax", "--runs", "3", "--root", "{tmp}"),
+    ("verify", "--target", "softmax.nomax", "--gates", "G01", "--out", "{tmp}/out"),
+    ("replay", "crashes/softmax.nomax"),
+    ("audit", "{tmp}/corpus.jsonl", "--out", "{tmp}/out"),
 ])
 @pytest.mark.parametrize("device", ["cuda", "tpu", "cuda:7"])
 def test_a_device_this_machine_lacks_exits_2_and_saves_nothing(tmp_path, verb, device):
     import torch
     if torch.cuda.is_available() and device != "tpu":
         pytest.skip("this machine has CUDA")
-    where = ("--root", str(tmp_path)) if verb[0] == "run" else ("--out", str(tmp_path / "out"))
-    r = invoke(*verb, "--device", device, *where)
+    r = invoke(*(a.format(tmp=tmp_path) for a in verb), "--device", device)
     assert r.exit_code == 2 and "--device" in r.output
     assert not any(tmp_path.iterdir())
 
@@ -235,6 +236,43 @@ def test_the_scheduler_opens_one_specialization_at_a_time_and_keeps_to_its_compi
     later = [schedule.next_case(elapsed=20.0, compile_seconds=30.0) for _ in range(20)]
     assert {specialization(target, c) for c in later} <= {specialization(target, c) for c in [first] + more}
     assert len({c.hash for c in later}) == 20 and schedule.held >= 20
+
+
+def test_a_specialization_in_flight_goes_to_no_second_worker_once_compiles_are_seen():
+    target = get_target("softmax")
+
+    class Repeating(RandomEngine):       # draws one case of a new specialization, again and again
+        def next_case(self):
+            return Case.make("softmax", "float32", 7, {"N": 3, "D": 77})
+
+    schedule = Scheduler(target, Repeating(target, seed=1), share=1.0, workers=4)
+    compiled = Case.make("softmax", "float32", 1, {"N": 2, "D": 5})
+    schedule.observe(compiled, compile_seconds=4.0)
+    opened = schedule.next_case(elapsed=10.0, compile_seconds=4.0)
+    assert opened.dim == {"N": 3, "D": 77}
+    # while its first case is out, its draws become cases of the compiled specialization
+    again = [schedule.next_case(elapsed=10.0, compile_seconds=4.0) for _ in range(5)]
+    assert {specialization(target, c) for c in again} == {specialization(target, compiled)}
+    schedule.observe(opened, compile_seconds=6.0)
+    assert schedule.next_case(elapsed=11.0, compile_seconds=10.0).dim == {"N": 3, "D": 77}
+
+
+def test_the_specialization_key_names_a_pointer_off_a_16_byte_boundary():
+    target = get_target("softmax")
+    case = Case.make("softmax", "float32", 1, {"N": 2, "D": 5})
+
+    def at(offset):
+        return dataclasses.replace(case, args=(("x", ArgCase(layout=Layout("offset", offset=offset))),))
+    assert specialization(target, at(4)) == specialization(target, at(8)) != specialization(target, at(1))
+
+
+def test_the_gdn_targets_declare_a_specialization_that_spans_many_sequence_lengths():
+    target = get_target("gdn_bwd")
+    key = {specialization(target, Case.make("gdn_bwd", "bfloat16", 0, dict(B=2, T=t, H=3, K=20, V=30)))
+           for t in (70, 100, 333, 900)}
+    assert len(key) == 1
+    assert specialization(target, Case.make("gdn_bwd", "bfloat16", 0, dict(B=2, T=70, H=3, K=21, V=30))) not in key
+    assert specialization(target, Case.make("gdn_bwd", "bfloat16", 0, dict(B=2, T=64, H=3, K=20, V=30))) not in key
 
 
 def test_a_cold_start_opens_with_the_targets_smallest_case_then_draws_as_the_engine_does():

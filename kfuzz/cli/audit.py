@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from kfuzz.cli.base import cli, handles_bad_input
+from kfuzz.cli.base import cli, device_option, handles_bad_input
 from kfuzz.errors import KfuzzError
 
 SELECT = ("all", "cpu", "no-compile", "compile")
@@ -45,7 +45,7 @@ def _line(rec: dict) -> str:
 @click.option("--out", type=click.Path(file_okay=False), default="out/audit", show_default=True,
               help="OUT/results.jsonl gets one signed line a kernel; a rerun skips what is there.")
 @click.option("--gates", default=None, help="Comma-separated gate ids (default: all twelve).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@device_option
 @click.option("--seed", type=int, default=0, show_default=True, help="The gates' seed.")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="Seconds a kernel may take (its standard test and gates); a build gets as long again.")

@@ -1,5 +1,6 @@
-"""The command group every verb registers on (``cli``), and how a verb turns bad input into
-exit code 2 (``handles_bad_input``)."""
+"""The command group every verb registers on (``cli``), how a verb turns bad input into
+exit code 2 (``handles_bad_input``), and the ``--device`` option every verb that runs a kernel
+shares (``device_option``)."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,7 @@ import sys
 
 import click
 
+from kfuzz.devices import DeviceError, resolve_device
 from kfuzz.errors import KfuzzError
 
 
@@ -26,3 +28,18 @@ def handles_bad_input(fn):
 @click.version_option(package_name="kfuzz")
 def cli():
     """kfuzz: find the inputs on which a kernel disagrees with its float64 oracle."""
+
+
+def _device(ctx, param, value: str) -> str:
+    try:
+        return resolve_device(value)
+    except DeviceError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
+
+
+def device_option(fn):
+    """``--device``, resolved on this machine before the verb runs (``kfuzz.devices``): auto
+    (the default) is cuda where torch sees a GPU, else cpu; a device the machine lacks, or
+    text that names no device, is bad usage (exit 2) before anything is read or saved."""
+    return click.option("--device", default="auto", show_default=True, callback=_device,
+                        help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N.")(fn)

@@ -1,7 +1,7 @@
 """kfuzz import --target NAME FILE: a reported failing input (.pt / .npz) becomes a minimized case."""
 import click
 
-from kfuzz.cli.base import cli, handles_bad_input
+from kfuzz.cli.base import cli, device_option, handles_bad_input
 from kfuzz.cli.minimize import render
 from kfuzz.corpus import Corpus
 from kfuzz.importer import import_failure
@@ -17,7 +17,7 @@ from kfuzz.target import get_target
 @click.option("--budget", type=int, default=DEFAULT_BUDGET, show_default=True,
               help="Most executions the minimizer spends.")
 @click.option("--no-minimize", is_flag=True, help="Save the case as reported.")
-@click.option("--device", default="cpu", show_default=True)
+@device_option
 @handles_bad_input
 def import_cmd(target_name, path, root, budget, no_minimize, device):
     """Import a failing input, verify that it fails, minimize it and save it under crashes/.

@@ -4,9 +4,8 @@ from pathlib import Path
 import click
 
 from kfuzz.case import encode
-from kfuzz.cli.base import cli, handles_bad_input
+from kfuzz.cli.base import cli, device_option, handles_bad_input
 from kfuzz.corpus import SUFFIX, load_checked, make_record, write_atomic
-from kfuzz.devices import resolve_device
 from kfuzz.executor import InProcess, Pool
 from kfuzz.minimize import DEFAULT_BUDGET, Minimized, minimize, passes_for
 from kfuzz.verdict import Signature
@@ -37,8 +36,7 @@ def render(m: Minimized) -> None:
               help="Most executions to spend, re-runs included.")
 @click.option("--time", "seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Most seconds to spend (default: no limit but --budget).")
-@click.option("--device", default="auto", show_default=True,
-              help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N.")
+@device_option
 @click.option("--in-process", "in_process", is_flag=True,
               help="Run the kernel in this process, not in a sandboxed worker: for trusted kernels "
                    "(a crash or a hang then ends kfuzz).")
@@ -48,7 +46,6 @@ def render(m: Minimized) -> None:
 def minimize_cmd(path, out, replace, budget, seconds, device, in_process, timeout):
     """Shrink a failing case; the result fails with the same signature. Exit 2 if it does not fail.
     The kernel runs in a sandboxed worker on DEVICE (a crash or a hang is minimized too)."""
-    device = resolve_device(device)
     case, record, target = load_checked(path)
     want = Signature.from_json(record["signature"]) if record and "signature" in record else None
     with (InProcess(target, device) if in_process else Pool(target, 1, device, timeout)) as executor:

@@ -3,13 +3,13 @@ import sys
 
 import click
 
-from kfuzz.cli.base import cli, handles_bad_input
+from kfuzz.cli.base import cli, device_option, handles_bad_input
 from kfuzz.replay import mark_fixed, replay
 
 
 @cli.command("replay")
 @click.argument("paths", nargs=-1, type=click.Path())
-@click.option("--device", default="cpu", show_default=True)
+@device_option
 @click.option("--mark-fixed", "mark", is_flag=True, help="Record expected failures that now pass as pass cases.")
 @handles_bad_input
 def replay_cmd(paths, device, mark):

@@ -17,9 +17,8 @@ from rich.live import Live
 from rich.table import Table
 
 from kfuzz.campaign import MINIMIZE_SECONDS, CampaignStats, run_campaign
-from kfuzz.cli.base import cli, handles_bad_input
+from kfuzz.cli.base import cli, device_option, handles_bad_input
 from kfuzz.corpus import Corpus
-from kfuzz.devices import resolve_device
 from kfuzz.engines import ENGINES
 from kfuzz.sandbox import Policy, parse_size
 from kfuzz.target import get_target
@@ -87,8 +86,7 @@ def _stop_signals_interrupt():
 @click.option("--target", "target_name", required=True, help="Target name (see `kfuzz targets`).")
 @click.option("--time", "seconds", type=float, default=None, help="Stop after this many seconds.")
 @click.option("--runs", type=int, default=None, help="Stop after this many executions.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N.")
+@device_option
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="random", show_default=True)
 @click.option("--jobs", type=click.IntRange(min=0), default=1, show_default=True,
               help=("Sandboxed worker processes (0: run the kernel in kfuzz's own process, unprotected); "
@@ -115,7 +113,6 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, judges, minimize_t
             cpu_limit, seed, root, stats_json, status_interval):
     """Fuzz a target. Exit 1 if a failure was found, else 130 if interrupted (SIGINT, SIGTERM,
     SIGHUP: the summary and --stats-json are still written), else 0."""
-    device = resolve_device(device)
     if seconds is None and runs is None:
         seconds = 30.0
     limits = {} if cpu_limit is None else {"cpu_seconds": cpu_limit}

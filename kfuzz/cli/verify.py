@@ -17,9 +17,8 @@ from xml.sax.saxutils import escape, quoteattr
 
 import click
 
-from kfuzz.cli.base import cli, handles_bad_input
+from kfuzz.cli.base import cli, device_option, handles_bad_input
 from kfuzz.corpus import iter_case_files
-from kfuzz.devices import resolve_device
 from kfuzz.errors import KfuzzError
 from kfuzz.executor import InProcess, Sandboxed
 from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gate, run_gates
@@ -59,8 +58,7 @@ def _junit(target, results, seconds) -> str:
 @click.option("--gates", default=None, help="Comma-separated gate ids, e.g. G05,G08 (default: all twelve).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "junit"]), default="text", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="The gates' seed: same seed, same cases.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N.")
+@device_option
 @click.option("--out", type=click.Path(file_okay=False), default="out", show_default=True,
               help="Failing cases go to OUT/gates/<gate>/crashes/<target>/<signature>/.")
 @click.option("--replay", "replay_paths", multiple=True, type=click.Path(),
@@ -80,7 +78,6 @@ def _junit(target, results, seconds) -> str:
 def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout, jobs,
                verbose):
     """Judge a target against the twelve gates. Exit 1 if any gate fails, 2 on bad input."""
-    device = resolve_device(device)
     if timeout <= 0:
         raise KfuzzError(f"--timeout must be > 0 seconds, not {timeout:g}")
     executors: dict = {}
