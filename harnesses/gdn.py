@@ -96,13 +96,13 @@ def _flags(n: int) -> tuple[bool, bool]:
     return n == 1, n % 16 == 0
 
 
-def specialization(dims: dict[str, int], dtype: str) -> tuple:
+def specialization(dims: dict[str, int], dtype: str, layouts: dict[str, str]) -> tuple:
     """The kernels' JIT specialization at ``dims`` (``kfuzz.schedule``): the dtype; K and V
     (tile widths, and the state pass's config, picked from its autotune key); the
     sequence-heads rounded up to a power of 2 (in that key); and for each integer the
     kernels take (T, B*T, H, the sequences, the 16- and 64-token chunk counts) whether it is
     1 or a multiple of 16, as Triton specializes it. Other T, B and H run kernels already
-    compiled."""
+    compiled; so do other ``layouts`` (the op copies an input that is not contiguous)."""
     T, H = dims["T"], dims["H"]
     n = dims.get("N", dims["B"])
     counts = (T, dims["B"] * T, H, n, -(-T // 16), -(-T // 64))

@@ -49,10 +49,22 @@ def _launch(x, shift: bool):
     return out
 
 
+def _flags(n: int) -> tuple[bool, bool]:
+    return n == 1, n % 16 == 0
+
+
+def specialization(dims: dict[str, int], dtype: str, layouts: dict[str, str]) -> tuple:
+    """The kernel's JIT specialization (``kfuzz.schedule``): the dtype, BLOCK (D's next power
+    of 2), whether D is 1 or a multiple of 16 (as Triton specializes an integer), and x's
+    layout (its strides are integer arguments too). Other N run the same compiled kernel."""
+    return dtype, triton.next_power_of_2(dims["D"]), _flags(dims["D"]), layouts.get("x")
+
+
 @target("softmax", reference=softmax_math, trusted=lambda x: torch.softmax(x, dim=-1),
         args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N", "D"))},
         dims={"N": Dim(1, 64), "D": Dim(1, 512)},
-        description="softmax over the last dim of [N, D], Triton", options={"triton": True})
+        description="softmax over the last dim of [N, D], Triton",
+        options={"triton": True, "specialization": specialization})
 def softmax(x):
     return _launch(x, shift=True)
 

@@ -60,9 +60,14 @@ def _tensors_of(result: Any) -> list[torch.Tensor]:
     return [v for v in values if type(v) is torch.Tensor]
 
 
+def storage_view(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` (the view's bytes and those around it), as a uint8 view."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A copy of the whole storage under ``t`` (the view's bytes and those around it), as uint8."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).clone()
+    """A copy of the whole storage under ``t`` (``storage_view``)."""
+    return storage_view(t).clone()
 
 
 def raising_frame(exc: BaseException) -> str:
@@ -339,7 +344,7 @@ def kernel_stage(case: Case, target: Target, device: str = "cpu",
     if verdict is not None:
         return inputs, None, verdict
     for name, t in inputs.items():
-        if not torch.equal(storage_bytes(t), snapshot[name]):
+        if not torch.equal(storage_view(t), snapshot[name]):
             return inputs, None, Verdict(target.name, "mutation", output=name,
                                          detail=f"input {name!r} (or the storage around it) changed during the call")
     return inputs, outputs, None

@@ -48,7 +48,8 @@ import torch
 
 from kfuzz import sandbox
 from kfuzz.case import Case
-from kfuzz.execute import call_kernel, contract_violation, kernel_stage, raising_frame, storage_bytes
+from kfuzz.execute import (call_kernel, contract_violation, kernel_stage, raising_frame, storage_bytes,
+                           storage_view)
 from kfuzz.target import Target
 from kfuzz.tensors import raw_bytes
 from kfuzz.verdict import Verdict
@@ -233,7 +234,7 @@ def _backward(target, program, inputs, device):
             return Verdict(target.name, "exception", detail=f"backward: {type(e).__name__}: {e}"[:2000],
                            exc_type=type(e).__name__, frame="backward"), {}, {"graph": True}
     for name, t in mine.items():
-        if not torch.equal(storage_bytes(t), snapshot[name]):
+        if not torch.equal(storage_view(t), snapshot[name]):
             return Verdict(target.name, "mutation", output=name,
                            detail=f"input {name!r} changed during the forward or backward call"), {}, {"graph": True}
     return None, {"grads": {k: g.detach() for k, g in got.items() if g is not None}}, {"graph": True}
@@ -302,7 +303,7 @@ def changed_input(target_name: str, sent: Tensors, after: Tensors) -> Verdict | 
         if a is None:
             return malformed(target_name, f"input {name!r} did not come back from the kernel side")
         if geometry(a) == geometry(t) and a.untyped_storage().nbytes() == t.untyped_storage().nbytes():
-            same = torch.equal(storage_bytes(a).cpu(), storage_bytes(t).cpu())
+            same = torch.equal(storage_view(a).cpu(), storage_view(t).cpu())
         else:    # a copy of another layout (a grad-enabled leaf): its values bit for bit
             same = a.shape == t.shape and torch.equal(raw_bytes(a.cpu()), raw_bytes(t.to(a.dtype).cpu()))
         if not same:

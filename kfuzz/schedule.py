@@ -8,9 +8,10 @@ compiled kernel's call costs milliseconds, so a campaign that draws every case a
 spends its time compiling.
 
 ``specialization(target, case)`` is the key of the kernel a case runs: what the target
-declares (``options["specialization"]``: ``(dims, dtype) -> hashable``; a Triton kernel's
-declaration names its constexprs and the integers Triton specializes on, equal to 1 or a
-multiple of 16), else the case's dtype, dims and layout kinds; and, either way, the
+declares (``options["specialization"]``: ``(dims, dtype, layouts) -> hashable``, layouts
+the kinds of the arguments not contiguous; a Triton kernel's declaration names its
+constexprs and the integers Triton specializes on, equal to 1 or a multiple of 16), else
+the case's dtype, dims and layout kinds; and, either way, the
 arguments whose layout starts off a 16-byte boundary (Triton specializes a pointer on its
 alignment). A ``Scheduler`` opens a new key only while (a) fewer than
 ``max(1, share * workers)`` new keys are in flight and (b) compiling has taken at most
@@ -46,12 +47,12 @@ from kfuzz.target import Target
 
 def specialization(target: Target, case: Case) -> Hashable:
     """The JIT specialization ``case`` runs (see the module docstring)."""
+    layouts = {name: a.layout.kind for name, a in case.args if a.layout.kind != "contiguous"}
     declared = target.options.get("specialization") if target.options else None
     if declared is not None:
-        key = declared(case.dim, case.dtype)
+        key = declared(case.dim, case.dtype, layouts)
     else:
-        key = (case.dtype, case.dims,
-               tuple((name, a.layout.kind) for name, a in case.args if a.layout.kind != "contiguous"))
+        key = (case.dtype, case.dims, tuple(sorted(layouts.items())))
     return key, tuple(name for name, a in case.args if a.layout.kind == "offset"
                       and a.layout.offset * _itemsize(target.arg_dtype(name, case.dtype)) % 16)
 

@@ -11,10 +11,10 @@ cold run filled. From its ``--stats-json``:
   trusted implementation, each summed over kfuzz's processes and given as a share of the
   campaign's wall time (with several workers and judges a share can pass 100%).
 
-The bare loop is the same cases (the random engine, same seed) in one process: the kernel
-called directly, then the oracle and the trusted implementation (``execute.judge``), no
-sandbox, no contract checks, no pipes; on warm caches. The ratio is kfuzz's warm rate over
-it. The table is printed in Markdown. A benchmark, not a test:
+The bare loop is the same cases (the random engine, same seed, drawn through the same
+compile-aware scheduler, ``kfuzz.schedule``) in one process: the kernel called directly,
+then the oracle and the trusted implementation (``execute.judge``), no sandbox, no contract
+checks, no pipes; on warm caches. The ratio is kfuzz's warm rate over it. The table is printed in Markdown. A benchmark, not a test:
 
     python tools/bench_campaign.py --targets softmax,gdn_fwd,gdn_bwd --jobs 1,4,8 --seconds 300
     python tools/bench_campaign.py --targets softmax --jobs 1 --seconds 20     # a CPU smoke run
@@ -61,18 +61,24 @@ def bare_loop(target_name: str, seconds: float, device: str, seed: int) -> dict:
     """The same cases, the kernel then the judge, in this process (run via --bare)."""
     import torch
 
+    from kfuzz import jit
     from kfuzz.engines.random import RandomEngine
     from kfuzz.execute import as_outputs, judge
+    from kfuzz.schedule import Scheduler
     from kfuzz.target import get_target
     from kfuzz.tensors import materialize
     target = get_target(target_name)
-    engine = RandomEngine(target, seed=seed)
+    credit = jit.Credit()
+    jit.report_compiles(lambda note: credit.take(note, time.monotonic()))
+    schedule = Scheduler(target, RandomEngine(target, seed=seed), seed=seed, cold=device.startswith("cuda"))
     start = time.monotonic()
     n = errors = 0
+    compiled = 0.0
     first = None
     while time.monotonic() - start < seconds:
-        case = engine.next_case()
+        case = schedule.next_case(time.monotonic() - start, compiled)
         inputs = materialize(case, target, device)
+        credit.reset()
         try:
             outputs = as_outputs(target.kernel(**inputs), target)
             if device.startswith("cuda"):
@@ -81,6 +87,9 @@ def bare_loop(target_name: str, seconds: float, device: str, seed: int) -> dict:
             errors += 1
         else:
             judge(case, target, inputs, outputs, device)
+        took = credit.extension(time.monotonic())
+        compiled += took
+        schedule.observe(case, took)
         n += 1
         first = first if first is not None else time.monotonic() - start
     took = time.monotonic() - start
