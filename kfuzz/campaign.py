@@ -293,7 +293,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
 def minimize_found(target: Target, corpus: Corpus, found: list, stats: CampaignStats, budget: float,
                    jobs: int, timeout: float, policy: Policy | None) -> None:
     """Minimize each new failure on the device where it was found, within ``budget`` seconds
-    in all (a share each), and keep the minimized case in place of the one saved as found.
+    in all (a share each), the campaign's ``jobs`` workers asking candidates at once, and keep
+    the minimized case in place of the one saved as found.
     A KeyboardInterrupt stops it; the cases not minimized stay as found."""
     began = time.monotonic()
     try:
@@ -302,7 +303,7 @@ def minimize_found(target: Target, corpus: Corpus, found: list, stats: CampaignS
             if left <= 0:
                 break
             share = left / (len(found) - i)
-            executor = InProcess(target, where) if jobs == 0 else Pool(target, 1, where, timeout, policy=policy)
+            executor = InProcess(target, where) if jobs == 0 else Pool(target, jobs, where, timeout, policy=policy)
             try:
                 kept, kept_verdict, note = minimize_failure(case, target, verdict, where,
                                                             max_executions=20 * DEFAULT_BUDGET,

@@ -33,7 +33,11 @@ cases read from the corpus and imported payloads, which have no choice sequence.
 The kernel's calls go to an ``executor`` (``kfuzz.executor``): by default this process,
 and for an untrusted kernel a sandboxed worker, as in a campaign (the shrunk cases run
 that kernel too); a crash or a hang is then a verdict like any other, and is minimized
-too. The oracle always runs here, on the kernel's device.
+too. The oracle always runs here, on the kernel's device. With several workers (a pool's
+``jobs``), a pass's next ``jobs`` candidates run at once and the first of them (in the
+pass's order) that keeps the failure is taken: the case reached is the one asking them
+one at a time reaches, for the executions spent on candidates past it (on a GPU, where a
+candidate of a new shape compiles for seconds, those compiles run side by side).
 
 This module refuses (``NotReproducible``): a case that passes, or does not fail
 with the signature asked for on every run.
@@ -86,8 +90,39 @@ def run_once(case: Case, target: Target, device: str = "cpu", executor=None) -> 
     return verdict if verdict is not None else judge(case, target, inputs, outputs, device)
 
 
+def run_many(cases: list[Case], target: Target, device: str = "cpu", executor=None) -> list[Verdict | KfuzzError]:
+    """One execution of each of ``cases``, at once where ``executor`` has several workers
+    (``jobs``): every kernel call is queued, then each case is judged here as its call comes
+    back. A case kfuzz cannot run gives its KfuzzError in its place."""
+    if executor is None or getattr(executor, "jobs", 1) <= 1 or len(cases) <= 1:
+        out: list[Verdict | KfuzzError] = []
+        for c in cases:
+            try:
+                out.append(run_once(c, target, device, executor))
+            except KfuzzError as e:
+                out.append(e)
+        return out
+    programs = [Program("call", c, {"case": materialize(c, target, "cpu")}) for c in cases]
+    for program in programs:
+        executor.submit(program)
+    back: dict[int, object] = {}
+    while len(back) < len(programs):
+        for r in executor.results(None):
+            back[id(r.program)] = r
+    verdicts: list[Verdict | KfuzzError] = []
+    for program in programs:
+        inputs = program.inputs["case"]
+        try:
+            outputs, verdict = settled(back[id(program)], target, program.case, inputs)
+            verdicts.append(verdict if verdict is not None else judge(program.case, target, inputs, outputs, device))
+        except KfuzzError as e:
+            verdicts.append(e)
+    return verdicts
+
+
 class SameFailure:
-    """Does a candidate fail with ``signature`` on each of ``1 + reruns`` executions?"""
+    """Does a candidate fail with ``signature`` on each of ``1 + reruns`` executions?
+    ``first`` asks it of several candidates at once (``run_many``)."""
 
     def __init__(self, target: Target, signature: Signature, device: str = "cpu", reruns: int = 1,
                  max_executions: int = DEFAULT_BUDGET, deadline: float | None = None, executor=None):
@@ -102,6 +137,44 @@ class SameFailure:
         if key not in self.answers:
             self.answers[key] = self._judge(case, key)
         return self.answers[key]
+
+    def first(self, cases: list[Case]) -> int | None:
+        """The index of the first of ``cases`` that fails with the signature on every run, or
+        None: the candidates not answered yet run together, each run round at once (a
+        candidate that stops matching runs no more). The answer is the one asking them one
+        by one in order would give; the executions spent past it are the price of asking at
+        once."""
+        alive: list[Case] = []
+        for case in cases:
+            if case.hash in self.answers or any(case.hash == c.hash for c in alive):
+                continue
+            try:
+                self.target.validate(case)
+            except KfuzzError:
+                self.answers[case.hash] = False
+                continue
+            alive.append(case)
+        for _ in range(1 + self.reruns):
+            if not alive:
+                break
+            room = self.max_executions - self.executions
+            if room <= 0 or (self.deadline is not None and time.monotonic() > self.deadline):
+                raise BudgetSpent
+            batch = alive[:room]
+            self.executions += len(batch)
+            matched = []
+            for case, verdict in zip(batch, run_many(batch, self.target, self.device, self.executor)):
+                if isinstance(verdict, Verdict) and verdict.signature == self.signature:
+                    self.verdicts[case.hash] = verdict
+                    matched.append(case)
+                else:
+                    self.answers[case.hash] = False
+            if len(batch) < len(alive):
+                raise BudgetSpent
+            alive = matched
+        for case in alive:
+            self.answers[case.hash] = True
+        return next((i for i, case in enumerate(cases) if self.answers.get(case.hash)), None)
 
     def _judge(self, case: Case, key: str) -> bool:
         try:
@@ -381,6 +454,26 @@ class Minimized:
                 "executions": self.executions, "sweeps": self.sweeps, "fixed_point": not self.exhausted}
 
 
+def _first_kept(candidates: Candidates, current: Case, same: SameFailure, width: int) -> Iterator[tuple[str, Case]]:
+    """The first candidate (in the pass's order) that keeps the failure, if any: asked
+    ``width`` at a time (one a worker of the executor)."""
+    batch: list[tuple[str, Case]] = []
+    for change, candidate in candidates:
+        if candidate == current:
+            continue
+        batch.append((change, candidate))
+        if len(batch) == width:
+            i = same.first([c for _, c in batch])
+            if i is not None:
+                yield batch[i]
+                return
+            batch = []
+    if batch:
+        i = same.first([c for _, c in batch])
+        if i is not None:
+            yield batch[i]
+
+
 def minimize(case: Case, target: Target | None = None, *, signature: Signature | None = None,
              device: str = "cpu", max_executions: int = DEFAULT_BUDGET, reruns: int = 1,
              max_seconds: float | None = None, passes: tuple[ShrinkPass, ...] = PASSES,
@@ -410,6 +503,7 @@ def minimize(case: Case, target: Target | None = None, *, signature: Signature |
         raise NotReproducible(f"case {case.hash} does not fail as {signature} on each of "
                               f"{1 + reruns} runs; not minimized")
     current, steps, sweeps, exhausted = case, [], 0, False
+    width = max(1, getattr(executor, "jobs", 1)) if executor is not None else 1
     try:
         changed = True
         while changed:
@@ -418,13 +512,11 @@ def minimize(case: Case, target: Target | None = None, *, signature: Signature |
                 accepted = True
                 while accepted:
                     accepted = False
-                    for change, candidate in p.candidates(current, target):
-                        if candidate != current and same(candidate):
-                            current, accepted, changed = candidate, True, True
-                            steps.append(Step(p.name, change))
-                            if on_step is not None:
-                                on_step(steps[-1], current)
-                            break
+                    for change, candidate in _first_kept(p.candidates(current, target), current, same, width):
+                        current, accepted, changed = candidate, True, True
+                        steps.append(Step(p.name, change))
+                        if on_step is not None:
+                            on_step(steps[-1], current)
     except BudgetSpent:
         exhausted = True
     return Minimized(case, current, same.verdicts[current.hash], tuple(steps), same.executions,

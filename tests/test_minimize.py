@@ -93,6 +93,17 @@ def test_planted_bug_shrinks_keeping_its_signature(case, dims, max_injections):
     assert m.executions <= 300
 
 
+def test_several_workers_ask_candidates_at_once_and_reach_the_same_case():
+    from kfuzz.executor import Pool
+    case = PLANTED[0][0]
+    target = get_target(case.target)
+    alone = minimize(case, target, max_executions=300)
+    with Pool(target, 3, timeout=60.0) as pool:
+        at_once = minimize(case, target, max_executions=600, executor=pool)
+    assert at_once.case == alone.case and at_once.steps == alone.steps and not at_once.exhausted
+    assert at_once.executions > alone.executions     # candidates asked past the first kept one, at once
+
+
 def test_injections_keep_their_place_when_a_dim_is_cut():
     case = junk(ROWMAX.name, "float32", 0, {"N": 4, "D": 10}, x=ArgCase(inject=((2 * 10 + 7, "nan"), (35, 1.0))))
     cut = window(case, ROWMAX, "N", 2, 1)              # keep row 2 only
@@ -182,10 +193,11 @@ def test_cli_import_saves_a_minimized_case_and_refuses_bad_files(tmp_path):
     assert load(saved[0])[0].dim == {"N": 1, "D": 1}      # nothing saved was lost
 
 
-def test_cli_minimize_prints_what_it_removed_and_keeps_the_original(tmp_path):
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_cli_minimize_prints_what_it_removed_and_keeps_the_original(tmp_path, jobs):
     case, _, _ = PLANTED[1]
     path = Corpus(tmp_path).save_failure(case, execute(case))
-    r = invoke("minimize", str(path))
+    r = invoke("minimize", str(path), "--jobs", jobs)
     assert r.exit_code == 0, r.output
     assert "dropped 1 of 1 injections" in r.output and "layout" in r.output
     assert "found      dims {'D': 257, 'N': 33}" in r.output and "minimized  dims {'D': 2, 'N': 1}" in r.output

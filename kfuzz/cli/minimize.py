@@ -42,13 +42,16 @@ def render(m: Minimized) -> None:
                    "(a crash or a hang then ends kfuzz).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Seconds one kernel call may take in the worker before it is a timeout (compiles not counted).")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sandboxed workers: a shrink pass's next candidates run that many at once "
+                   "(the same result as one at a time, for some executions more).")
 @handles_bad_input
-def minimize_cmd(path, out, replace, budget, seconds, device, in_process, timeout):
+def minimize_cmd(path, out, replace, budget, seconds, device, in_process, timeout, jobs):
     """Shrink a failing case; the result fails with the same signature. Exit 2 if it does not fail.
     The kernel runs in a sandboxed worker on DEVICE (a crash or a hang is minimized too)."""
     case, record, target = load_checked(path)
     want = Signature.from_json(record["signature"]) if record and "signature" in record else None
-    with (InProcess(target, device) if in_process else Pool(target, 1, device, timeout)) as executor:
+    with (InProcess(target, device) if in_process else Pool(target, jobs, device, timeout)) as executor:
         m = minimize(case, target, signature=want, device=device, max_executions=budget, max_seconds=seconds,
                      executor=executor, passes=passes_for(device))
     click.echo(f"signature {m.verdict.signature}")
