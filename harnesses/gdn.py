@@ -49,6 +49,7 @@ from gdn.config import DEFAULT
 from gdn.oracle import recurrence
 from gdn.oracle_fast import fast_recurrence
 from gdn.reference import chunked
+from kfuzz.schedule import integer_key
 from kfuzz.target import Arg, Dim, Output, add_target, Target
 
 # the kernels' launch choices: deterministic per shape ("spread"), so a case replays
@@ -92,10 +93,6 @@ def _dims(varlen: bool) -> dict[str, Dim]:
     return dims
 
 
-def _flags(n: int) -> tuple[bool, bool]:
-    return n == 1, n % 16 == 0
-
-
 def specialization(dims: dict[str, int], dtype: str, layouts: dict[str, str]) -> tuple:
     """The kernels' JIT specialization at ``dims`` (``kfuzz.schedule``): the dtype; K and V
     (tile widths, and the state pass's config, picked from its autotune key); the
@@ -106,7 +103,7 @@ def specialization(dims: dict[str, int], dtype: str, layouts: dict[str, str]) ->
     T, H = dims["T"], dims["H"]
     n = dims.get("N", dims["B"])
     counts = (T, dims["B"] * T, H, n, -(-T // 16), -(-T // 64))
-    return (dtype, dims["K"], dims["V"], 1 << max(0, n * H - 1).bit_length(), tuple(map(_flags, counts)))
+    return (dtype, dims["K"], dims["V"], 1 << max(0, n * H - 1).bit_length(), tuple(map(integer_key, counts)))
 
 
 def _args(gate, delta, varlen, backward) -> dict[str, Arg]:

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kfuzz.schedule import integer_key
 from kfuzz.target import Arg, Dim, Output, target, variant
 
 
@@ -49,15 +50,11 @@ def _launch(x, shift: bool):
     return out
 
 
-def _flags(n: int) -> tuple[bool, bool]:
-    return n == 1, n % 16 == 0
-
-
 def specialization(dims: dict[str, int], dtype: str, layouts: dict[str, str]) -> tuple:
     """The kernel's JIT specialization (``kfuzz.schedule``): the dtype, BLOCK (D's next power
     of 2), whether D is 1 or a multiple of 16 (as Triton specializes an integer), and x's
     layout (its strides are integer arguments too). Other N run the same compiled kernel."""
-    return dtype, triton.next_power_of_2(dims["D"]), _flags(dims["D"]), layouts.get("x")
+    return dtype, triton.next_power_of_2(dims["D"]), integer_key(dims["D"]), layouts.get("x")
 
 
 @target("softmax", reference=softmax_math, trusted=lambda x: torch.softmax(x, dim=-1),

@@ -57,6 +57,12 @@ def specialization(target: Target, case: Case) -> Hashable:
                       and a.layout.offset * _itemsize(target.arg_dtype(name, case.dtype)) % 16)
 
 
+def integer_key(n: int) -> tuple[bool, bool]:
+    """How Triton specializes an integer argument of a kernel: whether it is 1, and whether it
+    is a multiple of 16 (for a target's declared specialization)."""
+    return n == 1, n % 16 == 0
+
+
 def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
