@@ -16,10 +16,10 @@ arguments whose layout starts off a 16-byte boundary (Triton specializes a point
 alignment). A ``Scheduler`` opens a new key only while (a) fewer than
 ``max(1, share * workers)`` new keys are in flight and (b) compiling has taken at most
 ``share`` of the workers' time (``kfuzz.jit`` notes, summed over the workers); otherwise a
-draw of a new key is replaced by a fresh case of a key already compiled (one at random:
-its dims and dtype, the rest redrawn until the key matches, at most ``REDRAWS`` tries,
-else its values redrawn), from an engine that can redraw (``redraw(like)``, the random
-engine); other engines' cases pass unchanged. A key in flight (opened, its first case not
+draw of a new key is replaced by a fresh case of a key already compiled (one at random: its
+dtype, its dims or those with one dim from a fresh draw, the rest redrawn until the key
+matches, at most ``REDRAWS`` tries, else its values redrawn), from an engine that can redraw
+(``redraw(like)``, the random engine); other engines' cases pass unchanged. A key in flight (opened, its first case not
 back) is not handed to a second worker either: that worker would compile the same kernels
 at the same time, each compile slowing the others, where once the first is back it loads
 them from the disk cache. So a campaign that compiles settles at a steady rate, most of its
@@ -80,6 +80,7 @@ def smallest(target: Target, case: Case) -> Case:
 
 
 REDRAWS = 32
+MIX_PROBE = 64
 
 
 class Scheduler:
@@ -93,6 +94,7 @@ class Scheduler:
         self.like: dict[Hashable, Case] = {}   # key -> a case of it (opened: in flight or ran)
         self.opening: set[Hashable] = set()    # keys opened whose first case has not come back
         self.held = 0                          # draws replaced by a case of an opened key
+        self.mixes = (0, 0)                    # redraws on mixed dims: tried, in a key
         self.rng = random.Random(seed)
 
     @property
@@ -123,15 +125,36 @@ class Scheduler:
         return self._redraw(redraw, list(self.ran or self.like))
 
     def _redraw(self, redraw, keys: list) -> Case:
-        """A fresh case of one of ``keys``: a redraw keeps dims and dtype and draws the rest, so
-        a few tries find one whose layouts keep it in the key; else the case of the key with
-        a fresh seed (new values)."""
-        like = self.like[self.rng.choice(keys)]
-        for _ in range(REDRAWS):
-            case = redraw(like)
-            if specialization(self.target, case) in keys:
+        """A fresh case of one of ``keys`` (one at random). A redraw keeps the dims and dtype
+        it is given and draws the rest; it is first given the dims of the key's case with one
+        dim taken from a fresh draw, so that dims a key does not name (the GDN kernels' T, B
+        and H) vary too, and for the last four tries the case's own dims. The first try of the
+        key is taken, and one on new dims becomes the key's case (the dims walk); after
+        ``REDRAWS`` tries, the key's case with a fresh seed (new values). Mixing stops for
+        good when its first ``MIX_PROBE`` tries all missed (a key that names every dim)."""
+        key = self.rng.choice(keys)
+        like = self.like[key]
+        mixing = self.mixes[1] > 0 or self.mixes[0] < MIX_PROBE
+        for i in range(REDRAWS):
+            mixed = mixing and i < REDRAWS - 4
+            try:
+                case = redraw(self._mixed(like) if mixed else like)
+            except CaseError:
+                continue
+            hit = specialization(self.target, case) == key
+            if mixed:
+                self.mixes = (self.mixes[0] + 1, self.mixes[1] + hit)
+                if hit:
+                    self.like[key] = case      # the next mix starts here: a walk over the key's dims
+            if hit:
                 return case
         return dataclasses.replace(like, seed=self.rng.getrandbits(32))
+
+    def _mixed(self, like: Case) -> Case:
+        """``like``'s dims, one of them (at random) taken from a fresh draw."""
+        name = self.rng.choice(sorted(like.dim))
+        dims = {**like.dim, name: self.engine.next_case().dim[name]}
+        return Case.make(like.target, like.dtype, like.seed, dims)
 
     def observe(self, case: Case, compile_seconds: float) -> None:
         """``case`` came back, its kernel call having compiled for ``compile_seconds``."""

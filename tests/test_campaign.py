@@ -275,6 +275,17 @@ def test_the_gdn_targets_declare_a_specialization_that_spans_many_sequence_lengt
     assert specialization(target, Case.make("gdn_bwd", "bfloat16", 0, dict(B=2, T=64, H=3, K=20, V=30))) not in key
 
 
+def test_redrawn_cases_vary_the_dims_a_declared_key_leaves_free():
+    target = get_target("gdn_bwd")
+    schedule = Scheduler(target, RandomEngine(target, seed=2), share=0.25, workers=4)
+    first = Case.make("gdn_bwd", "float32", 1, dict(B=1, T=40, H=3, K=20, V=30))
+    schedule.observe(first, compile_seconds=30.0)       # past the share: every new key is held
+    held = [schedule.next_case(elapsed=10.0, compile_seconds=30.0) for _ in range(40)]
+    assert schedule.held >= 30
+    assert {specialization(target, c) for c in held} == {specialization(target, first)}
+    assert len({(c.dim["B"], c.dim["T"], c.dim["H"]) for c in held}) >= 10
+
+
 def test_a_cold_start_opens_with_the_targets_smallest_case_then_draws_as_the_engine_does():
     target = get_target("softmax")
     lows = {n: d.lo for n, d in target.dims.items()}
