@@ -209,8 +209,7 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
         t = Target(name=name, kernel=kernel, reference=reference, trusted=trusted, args=args,
                    outputs=outputs, dims=dict(dims), domain=domain, bound_scale=BOUND_SCALE,
                    description=f"GDN family {'backward' if backward else 'forward'} ({member}), Triton",
-                   options={"no_exact_answers": NO_EXACT_ANSWERS, "triton": True,
-                            "specialization": specialization})
+                   options={"no_exact_answers": NO_EXACT_ANSWERS, "specialization": specialization})
         add_target(t)
 
 

@@ -61,7 +61,7 @@ def specialization(dims: dict[str, int], dtype: str, layouts: dict[str, str]) ->
         args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N", "D"))},
         dims={"N": Dim(1, 64), "D": Dim(1, 512)},
         description="softmax over the last dim of [N, D], Triton",
-        options={"triton": True, "specialization": specialization})
+        options={"specialization": specialization})
 def softmax(x):
     return _launch(x, shift=True)
 

@@ -9,12 +9,23 @@ language module (``triton.language``, ``triton.language.core``) that the callee 
 runs is unchanged (`tools/bench_interpreter.py` measures the difference).  It needs the
 interpreter's private ``_patch_lang``, ``GridExecutor`` and ``_LangPatchScope``; with a
 Triton without them it does nothing.
+
+``exact_bf16`` makes the interpreter's bf16 arithmetic the GPU's. Triton 3.9's interpreter
+holds bf16 as its 16 bits and converts them by hand: fp32 to bf16 by truncation (a GPU's
+``.to(tl.bfloat16)`` rounds to nearest even: ``1e30`` came out ``9.953e29``), bf16
+subnormals to fp32 wrongly (``2**-133 -> 0``), float64 to bf16 as an integer cast of the
+value, and ``tl.dot`` on bf16 operands multiplies their bit patterns as integers. The patch
+converts bf16 to fp32 by its bits (exact: bf16 is fp32's upper half), fp32 to bf16 rounding
+to nearest even (NaN stays NaN, a value past bf16's largest rounds to inf, as on a GPU),
+another type to bf16 through fp32, and a bf16 ``tl.dot`` on its fp32 values. It needs the
+interpreter's ``InterpreterBuilder`` and ``TensorHandle``; without them it does nothing.
 """
 from __future__ import annotations
 
 import inspect
 
 _INSTALLED = False
+_BF16 = False
 
 
 def share_language_patch() -> bool:
@@ -60,4 +71,69 @@ def share_language_patch() -> bool:
     interpreter._patch_lang = patch_once
     launch.__call__ = run_patched_once
     _INSTALLED = True
+    return True
+
+
+def bf16_to_f32(bits):
+    """bf16 values held as their 16 bits (uint16) as float32: exact."""
+    import numpy as np
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x):
+    """float32 values rounded to nearest even as bf16, held as their 16 bits (uint16)."""
+    import numpy as np
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    quiet = ((u >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return np.where(np.isnan(x), quiet, rounded)
+
+
+def exact_bf16() -> bool:
+    """Install the bf16 patch once per process (see the module docstring); whether it is."""
+    global _BF16
+    if _BF16:
+        return True
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if builder is None or handle is None or np_dtype is None or not hasattr(builder, "cast_impl"):
+        return False
+    cast, to_fp, dot = builder.cast_impl, builder.create_fp_to_fp, builder.create_dot
+    bf16 = tl.bfloat16
+
+    def cast_impl(self, src, dst_type):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if s == bf16 and d != bf16:
+            value = bf16_to_f32(src.data)
+            return handle(value if d == tl.float32 else value.astype(np_dtype(d)), d)
+        if d == bf16 and s != bf16:
+            return handle(f32_to_bf16(np.asarray(src.data).astype(np.float32)), d)
+        return cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if s == bf16 and d == tl.float32:
+            return handle(bf16_to_f32(src.data), d)
+        if s == tl.float32 and d == bf16 and rounding_mode == interpreter._ir.ROUNDING_MODE.RTNE:
+            return handle(f32_to_bf16(src.data), d)
+        return to_fp(self, src, dst_type, rounding_mode)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == bf16:
+            a = handle(bf16_to_f32(a.data), tl.float32)
+        if b.dtype.scalar == bf16:
+            b = handle(bf16_to_f32(b.data), tl.float32)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.cast_impl, builder.create_fp_to_fp, builder.create_dot = cast_impl, create_fp_to_fp, create_dot
+    # the cast lambdas (create_fp_trunc, create_fp_ext, ...) look cast_impl up on the instance
+    _BF16 = True
     return True

@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Sequence
 from kfuzz.case import Case, payload_chars
 from kfuzz.dtypes import DTYPES, special_value_table, torch_dtype
 from kfuzz.errors import CaseError, TargetError
-from kfuzz.interpreter import share_language_patch
+from kfuzz.interpreter import exact_bf16, share_language_patch
 from kfuzz.limits import CASE_BYTES_ENV, describe
 
 ALL_LAYOUTS = ("contiguous", "permuted", "strided", "offset", "expanded")
@@ -278,8 +278,8 @@ def variant(base: str, name: str, kernel: Callable, planted_bug: str | None = No
 def prepare_triton() -> None:
     """Without a GPU, Triton kernels run under the interpreter; it must be chosen before
     ``triton.jit`` decorates them, so before target modules are imported.  Under the
-    interpreter, nested jit calls share their launch's language patch
-    (`kfuzz.interpreter`)."""
+    interpreter, nested jit calls share their launch's language patch, and bf16 converts and
+    multiplies as on a GPU (`kfuzz.interpreter`)."""
     try:
         import torch
         if not torch.cuda.is_available():
@@ -288,6 +288,7 @@ def prepare_triton() -> None:
         pass
     if os.environ.get("TRITON_INTERPRET") == "1":
         share_language_patch()
+        exact_bf16()
 
 
 GROUP = "kfuzz.targets"

@@ -125,22 +125,3 @@ def test_atheris_through_sandboxed_workers(tmp_path):
     stats = run_campaign(target, engine, Corpus(tmp_path), runs=40, jobs=1, timeout=30.0)
     assert stats.executions == 40 and stats.coverage > 0 and stats.corpus_size > 0
     assert engine.workdir is None and not engine.fuzzers   # libFuzzer's processes and folder are gone
-
-
-def _subnormals(cases):
-    return sum(a.dist.kind == "subnormal" or any(v == "subnormal" for _, v in a.inject)
-               for c in cases for _, a in c.args)
-
-
-@pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "gpu"])
-def test_an_interpreted_triton_target_draws_no_bf16_subnormal(monkeypatch, interpreted):
-    """Triton's interpreter converts bf16 subnormals wrongly: under it, a target declaring
-    options["triton"] gets none in bf16 (other dtypes, and other targets, still do)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
-    rng = random.Random(5)
-    triton_bf16 = [c for c in (sample_case(get_target("rowsum"), rng) for _ in range(600)) if c.dtype == "bfloat16"]
-    others = [c for c in (sample_case(get_target("rowsum"), rng) for _ in range(600)) if c.dtype != "bfloat16"]
-    torch_bf16 = [c for c in (sample_case(get_target("layernorm"), rng) for _ in range(600)) if c.dtype == "bfloat16"]
-    assert get_target("rowsum").options["triton"] and not get_target("layernorm").options.get("triton")
-    assert (_subnormals(triton_bf16) == 0) == interpreted
-    assert _subnormals(others) > 0 and _subnormals(torch_bf16) > 0

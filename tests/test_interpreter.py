@@ -1,5 +1,6 @@
 """`kfuzz.interpreter`: under Triton's interpreter, nested jit calls share their launch's
-language patch; kernels compute what they computed before."""
+language patch, and kernels compute what they computed before; bf16 converts and multiplies
+as on a GPU (torch's conversions, bit for bit)."""
 import os
 
 import pytest
@@ -11,7 +12,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kfuzz.interpreter import share_language_patch  # noqa: E402
+from kfuzz.case import ArgCase, Case, Dist  # noqa: E402
+from kfuzz.execute import execute  # noqa: E402
+from kfuzz.interpreter import exact_bf16, share_language_patch  # noqa: E402
+from kfuzz.target import get_target  # noqa: E402
 
 
 @triton.jit
@@ -43,3 +47,55 @@ def test_nested_calls_walk_the_language_once_a_launch_and_compute_the_same(monke
     # triton.language.core once: 10 nested calls and 10 tl.sum calls walk nothing more
     assert 0 < len(walks) <= 10, len(walks)
 
+
+
+# bf16 as on a GPU --------------------------------------------------------------------------------
+
+@triton.jit
+def _convert(x_ptr, y_ptr, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(y_ptr + i, x.to(y_ptr.dtype.element_ty), mask=i < n)
+
+
+@triton.jit
+def _dot(a_ptr, b_ptr, c_ptr, M: tl.constexpr):
+    i = tl.arange(0, M)
+    tile = i[:, None] * M + i[None, :]
+    tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
+
+
+def _same_bits(a, b):
+    return bool(((a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())).all())
+
+
+def test_bf16_converts_and_multiplies_as_torch_does():
+    assert exact_bf16()
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(2000, generator=g) * 10.0 ** torch.randint(-45, 39, (2000,), generator=g).float(),
+                   torch.tensor([1e30, 3.4e38, -3.39e38, 2.0 ** -133, 1e-39, float("nan"), float("inf"), 0.0, -0.0])])
+    down = torch.empty(x.shape, dtype=torch.bfloat16)
+    _convert[(1,)](x, down, x.numel(), B=4096)        # fp32 -> bf16: to nearest even, inf past the largest
+    assert _same_bits(down, x.to(torch.bfloat16))
+    up = torch.empty(x.shape)
+    _convert[(1,)](down, up, x.numel(), B=4096)       # bf16 -> fp32: exact, subnormals included
+    assert bool(((up == down.float()) | up.isnan()).all()) and up[x.numel() - 6] == 2.0 ** -133
+    wide = torch.randn(100, dtype=torch.float64, generator=g) * 1e20
+    narrow = torch.empty(100, dtype=torch.bfloat16)
+    _convert[(1,)](wide, narrow, 100, B=128)           # float64 -> bf16: through fp32
+    assert _same_bits(narrow, wide.float().to(torch.bfloat16))
+    a, b = (torch.randn(16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    c = torch.empty(16, 16)
+    _dot[(1,)](a, b, c, M=16)
+    assert torch.allclose(c, a.float() @ b.float(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rowsum", "softmax"])
+def test_correct_triton_kernels_pass_bf16_subnormal_inputs(name):
+    target = get_target(name)
+    (arg,) = target.args
+    for seed in range(12):
+        dims = {d: 3 + 5 * seed % 29 for d in target.dims}
+        case = Case.make(name, "bfloat16", seed, dims, {arg: ArgCase(dist=Dist("subnormal"))})
+        v = execute(case, target)
+        assert v.passed, f"{case.to_json()} -> {v.kind}: {v.detail}"

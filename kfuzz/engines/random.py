@@ -5,15 +5,11 @@ their neighbours, the contract's bounds) and toward small sizes, where bugs live
 cases are cheap to judge: the largest admitted size is drawn rarely, and sizes over the
 whole range log-uniformly (a size in [8, 16) as often as one in [4096, 8192)). Layouts,
 distributions and special values are drawn with fixed probabilities. Every proposed case
-passes ``Target.validate``. Under Triton's interpreter (``TRITON_INTERPRET=1``), a target
-whose kernel runs Triton (``options["triton"]``) gets no bf16 subnormal, as a distribution or
-an injection: the interpreter converts them to fp32 wrongly, so a correct kernel would fail
-on them on the CPU (docs/findings.md); on a GPU they are drawn as for any target.
+passes ``Target.validate``.
 """
 from __future__ import annotations
 
 import math
-import os
 import random
 
 from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout
@@ -79,12 +75,6 @@ def sample_injections(rng: random.Random, numel: int, names: list[str]) -> tuple
     return tuple(sorted(picks.items()))
 
 
-def avoids_subnormals(target: Target, arg_dtype: str) -> bool:
-    """Whether an argument of ``arg_dtype`` gets no subnormal value for ``target`` (see the
-    module docstring)."""
-    return (arg_dtype == "bfloat16" and bool(target.options.get("triton"))
-            and os.environ.get("TRITON_INTERPRET") == "1")
-
 
 def sample_case(target: Target, rng: random.Random, like: Case | None = None) -> Case:
     """A case for ``target``; with ``like``, one of its dims and dtype (everything else drawn)."""
@@ -99,9 +89,6 @@ def sample_case(target: Target, rng: random.Random, like: Case | None = None) ->
     for name, arg in target.args.items():
         layout, dist = sample_layout(rng, len(arg.shape), arg.layouts), sample_dist(rng)
         inject = sample_injections(rng, target.numel(name, dims), target.special_names(name, dtype))
-        if avoids_subnormals(target, target.arg_dtype(name, dtype)):
-            dist = Dist() if dist.kind == "subnormal" else dist
-            inject = tuple((pos, value) for pos, value in inject if value != "subnormal")
         args[name] = ArgCase(layout=layout, dist=dist, inject=inject)
     case = Case.make(target.name, dtype, rng.getrandbits(32), dims, args)
     target.validate(case)
