@@ -8,18 +8,20 @@ compiled kernel's call costs milliseconds, so a campaign that draws every case a
 spends its time compiling.
 
 ``specialization(target, case)`` is the key of the kernel a case runs: what the target
-declares (``options["specialization"]``: ``(dims, dtype, layouts) -> hashable``, layouts
-the kinds of the arguments not contiguous; a Triton kernel's declaration names its
-constexprs and the integers Triton specializes on, equal to 1 or a multiple of 16), else
-the case's dtype, dims and layout kinds; and, either way, the
-arguments whose layout starts off a 16-byte boundary (Triton specializes a pointer on its
-alignment). A ``Scheduler`` opens a new key only while (a) fewer than
-``max(1, share * workers)`` new keys are in flight and (b) compiling has taken at most
-``share`` of the workers' time (``kfuzz.jit`` notes, summed over the workers); otherwise a
-draw of a new key is replaced by a fresh case of a key already compiled (one at random: its
-dtype, its dims or those with one dim from a fresh draw, the rest redrawn until the key
-matches, at most ``REDRAWS`` tries, else its values redrawn), from an engine that can redraw
-(``redraw(like)``, the random engine); other engines' cases pass unchanged. A key in flight (opened, its first case not
+declares (``options["specialization"]``: ``(dims, dtype, layouts) -> hashable``, layouts the
+kinds of the arguments not contiguous; a Triton kernel's declaration names its constexprs
+and, for each integer argument, ``integer_key``: whether it is 1 or a multiple of 16, as
+Triton specializes it), else the case's dtype, dims and layout kinds; and, either way, the
+arguments whose data starts off a 16-byte boundary (Triton specializes a pointer on its
+alignment).
+
+A ``Scheduler`` opens a new key only while (a) fewer than ``max(1, share * workers)`` new
+keys are in flight and (b) compiling has taken at most ``share`` of the workers' time
+(``kfuzz.jit`` notes, summed over the workers); otherwise a draw of a new key is replaced by
+a fresh case of a key already compiled (one at random: its dtype, its dims or those with one
+dim from a fresh draw, the rest redrawn until the key matches, at most ``REDRAWS`` tries,
+else its values redrawn), from an engine that can redraw (``redraw(like)``, the random
+engine); other engines' cases pass unchanged. A key in flight (opened, its first case not
 back) is not handed to a second worker either: that worker would compile the same kernels
 at the same time, each compile slowing the others, where once the first is back it loads
 them from the disk cache. So a campaign that compiles settles at a steady rate, most of its
@@ -36,8 +38,6 @@ from __future__ import annotations
 import dataclasses
 import random
 from typing import Hashable
-
-import torch
 
 from kfuzz.case import Case
 from kfuzz.dtypes import torch_dtype
@@ -64,7 +64,7 @@ def integer_key(n: int) -> tuple[bool, bool]:
 
 
 def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
+    return torch_dtype(dtype).itemsize
 
 
 def smallest(target: Target, case: Case) -> Case:
