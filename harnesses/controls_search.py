@@ -21,7 +21,10 @@ dtype-specific fast path, a layout-specific load):
 - ``searchsum.slowjit``: a JIT's first call, without a GPU to compile for: its first
   call in a process announces a compile (``kfuzz.jit.compiling``) and takes
   ``SLOW_JIT`` seconds, then it is correct; a float16 input wider than 100 columns
-  announces a compile that never ends. The control of the compile allowance.
+  announces a compile that never ends. The control of the compile allowance;
+- ``searchsum.keyjit``: a JIT that compiles (``KEY_JIT`` seconds, announced) at the first call
+  of each specialization it declares (dtype and D's next power of 2) in a process, then is
+  correct: the control of compile-aware scheduling on the CPU.
 """
 import ctypes
 import time
@@ -115,6 +118,24 @@ def slowjit(x):
     return _total(x)
 
 
+KEY_JIT = 0.3
+_keys = set()
+
+
+def keyjit_specialization(dims, dtype, layouts):
+    return dtype, 1 << max(0, dims["D"] - 1).bit_length()
+
+
+def keyjit(x):
+    key = keyjit_specialization({"D": x.shape[-1]}, str(x.dtype).removeprefix("torch."), {})
+    if key not in _keys:
+        jit.compiling(True)
+        time.sleep(KEY_JIT)
+        _keys.add(key)
+        jit.compiling(False)
+    return _total(x)
+
+
 variant("searchsum", "searchsum.tailinf", tailinf,
         planted_bug="last dim > 16, not a multiple of 16, and an Inf in the tail: the Inf is dropped")
 variant("searchsum", "searchsum.transbf16", transbf16,
@@ -127,3 +148,4 @@ variant("searchsum", "searchsum.crashhang", crashhang,
         planted_bug="segfaults on a NaN input; hangs on float16 inputs wider than 100 columns")
 variant("searchsum", "searchsum.slowjit", slowjit,
         planted_bug="a compile that never ends on float16 inputs wider than 100 columns")
+variant("searchsum", "searchsum.keyjit", keyjit, options={"specialization": keyjit_specialization})

@@ -286,6 +286,26 @@ def test_redrawn_cases_vary_the_dims_a_declared_key_leaves_free():
     assert len({(c.dim["B"], c.dim["T"], c.dim["H"]) for c in held}) >= 10
 
 
+def test_a_campaign_that_compiles_keeps_to_its_share_and_runs_many_shapes_a_specialization(tmp_path, monkeypatch):
+    """searchsum.keyjit compiles for 0.3 s at each (dtype, D's power of 2) in each worker: two
+    workers spend about a quarter of their time compiling, the rest on cases of compiled keys,
+    whose N (a dim no key names) varies. (Opening every new key, they judge a few hundred
+    cases and compile fifty times.)"""
+    target = get_target("searchsum.keyjit")
+    drawn = []
+    next_case = Scheduler.next_case
+    monkeypatch.setattr(Scheduler, "next_case", lambda self, *a: drawn.append(next_case(self, *a)) or drawn[-1])
+    stats = run_campaign(target, RandomEngine(target, seed=4), Corpus(tmp_path), seconds=10.0, jobs=2,
+                         timeout=30.0, minimize_seconds=0)
+    assert stats.compiles >= 2 and not stats.failures and stats.executions > 10 * stats.compiles
+    assert stats.compile_seconds <= 0.25 * 2 * stats.seconds + 2 * 0.3 * 2     # the share, and what was in flight
+    by_key: dict = {}
+    for case in drawn:
+        by_key.setdefault(specialization(target, case), set()).add(case.dim["N"])
+    assert len(by_key) <= stats.specializations + 1          # compiled, or the one in flight at the end
+    assert max(len(ns) for ns in by_key.values()) >= 4
+
+
 def test_a_cold_start_opens_with_the_targets_smallest_case_then_draws_as_the_engine_does():
     target = get_target("softmax")
     lows = {n: d.lo for n, d in target.dims.items()}
