@@ -293,23 +293,23 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
 def minimize_found(target: Target, corpus: Corpus, found: list, stats: CampaignStats, budget: float,
                    jobs: int, timeout: float, policy: Policy | None) -> None:
     """Minimize each new failure on the device where it was found, within ``budget`` seconds
-    in all (a share each), the campaign's ``jobs`` workers asking candidates at once, and keep
-    the minimized case in place of the one saved as found.
+    in all (a share each), the campaign's ``jobs`` workers (started once a device) asking
+    candidates at once, and keep the minimized case in place of the one saved as found.
     A KeyboardInterrupt stops it; the cases not minimized stay as found."""
     began = time.monotonic()
+    executors: dict[str, object] = {}     # one a device, its workers kept from one failure to the next
     try:
         for i, (case, verdict, path, where) in enumerate(found):
             left = budget - (time.monotonic() - began)
             if left <= 0:
                 break
             share = left / (len(found) - i)
-            executor = InProcess(target, where) if jobs == 0 else Pool(target, jobs, where, timeout, policy=policy)
-            try:
-                kept, kept_verdict, note = minimize_failure(case, target, verdict, where,
-                                                            max_executions=20 * DEFAULT_BUDGET,
-                                                            max_seconds=share, executor=executor)
-            finally:
-                executor.close()
+            if where not in executors:
+                executors[where] = (InProcess(target, where) if jobs == 0
+                                    else Pool(target, jobs, where, timeout, policy=policy))
+            kept, kept_verdict, note = minimize_failure(case, target, verdict, where,
+                                                        max_executions=20 * DEFAULT_BUDGET,
+                                                        max_seconds=share, executor=executors[where])
             dest = corpus.failure_path(kept, kept_verdict.signature)
             write_atomic(dest, encode(kept, make_record(kept_verdict, "fail", where, **note)))
             if dest != path:
@@ -319,4 +319,6 @@ def minimize_found(target: Target, corpus: Corpus, found: list, stats: CampaignS
     except KeyboardInterrupt:
         stats.interrupted = True
     finally:
+        for executor in executors.values():
+            executor.close()
         stats.minimize_seconds = time.monotonic() - began
