@@ -73,7 +73,8 @@ NO_EXACT_ANSWERS = ("the domain maps every case value through softplus, sigmoid 
 # `tools/calibrate.py --family gdn` (docs/calibration.md; seeds 0-2, G01-G04 and G12 on gdn_fwd,
 # gdn_bwd, gdn_fwd_kda, ratios against C x 4 = 32) puts every cell at most 0.524 (G03). The
 # real bugs the bound catches (crashes/gdn_*/bound-*) read 1.09 (dv), 2.02 (dg), 2.29 (ht),
-# 27.5 (dq) and more: a scale of 8 would miss three of them, so the scale is 4.
+# 27.5 (dq) and more: a scale of 8 would miss the first, 10 three of them. 4 keeps a margin of
+# about 2x on either side.
 BOUND_SCALE = 4.0
 
 MEMBERS = {  # suffix: (gate, delta)
