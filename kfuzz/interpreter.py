@@ -14,11 +14,14 @@ Triton without them it does nothing.
 holds bf16 as its 16 bits and converts them by hand: fp32 to bf16 by truncation (a GPU's
 ``.to(tl.bfloat16)`` rounds to nearest even: ``1e30`` came out ``9.953e29``), bf16
 subnormals to fp32 wrongly (``2**-133 -> 0``), float64 to bf16 as an integer cast of the
-value, and ``tl.dot`` on bf16 operands multiplies their bit patterns as integers. The patch
-converts bf16 to fp32 by its bits (exact: bf16 is fp32's upper half), fp32 to bf16 rounding
-to nearest even (NaN stays NaN, a value past bf16's largest rounds to inf, as on a GPU),
-another type to bf16 through fp32, and a bf16 ``tl.dot`` on its fp32 values. It needs the
-interpreter's ``InterpreterBuilder`` and ``TensorHandle``; without them it does nothing.
+value; and it computes on the bits: ``tl.dot``, ``+``, ``*``, ``<``, ``-x``, ``tl.exp`` and
+the rest on bf16 operands treat their bit patterns as integers (``-1.125 + -0.5703`` came out
+``1.08e38``). The patch converts bf16 to fp32 by its bits (exact: bf16 is fp32's upper half),
+fp32 to bf16 rounding to nearest even (NaN stays NaN, a value past bf16's largest rounds to
+inf, as on a GPU), another type to bf16 through fp32, and computes every arithmetic,
+comparison, unary, clamp and fma operation with a bf16 operand on the fp32 values, rounding
+an fp32 result to bf16 (a select moves bits and stays as it is). It needs the interpreter's
+``InterpreterBuilder`` and ``TensorHandle``; without them it does nothing.
 """
 from __future__ import annotations
 
@@ -133,7 +136,40 @@ def exact_bf16() -> bool:
             b = handle(bf16_to_f32(b.data), tl.float32)
         return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
+    def widened(h):
+        return handle(bf16_to_f32(h.data), tl.float32) if h.dtype.scalar == bf16 else h
+
+    def narrowed(h, was_bf16: bool):
+        """An fp32 result of bf16 operands as bf16, rounded to nearest even (a comparison's
+        booleans as they are)."""
+        if was_bf16 and np.asarray(h.data).dtype == np.float32:
+            return handle(f32_to_bf16(h.data), bf16)
+        return h
+
+    def binary_op(self, lhs, rhs, op):
+        if op in BITWISE or bf16 not in (lhs.dtype.scalar, rhs.dtype.scalar):
+            return binary(self, lhs, rhs, op)
+        return narrowed(binary(self, widened(lhs), widened(rhs), op), True)
+
+    def unary_op(self, arg, op):
+        if arg.dtype.scalar != bf16:
+            return unary(self, arg, op)
+        return narrowed(unary(self, widened(arg), op), True)
+
+    def ternary_op(self, lhs, rhs, other, op):
+        if op is np.where or bf16 not in (lhs.dtype.scalar, rhs.dtype.scalar, other.dtype.scalar):
+            return ternary(self, lhs, rhs, other, op)    # a select moves bits: bf16's are right
+        return narrowed(ternary(self, widened(lhs), widened(rhs), widened(other), op), True)
+
+    def create_fma(self, x, y, z):
+        if bf16 not in (x.dtype.scalar, y.dtype.scalar, z.dtype.scalar):
+            return fma(self, x, y, z)
+        return narrowed(fma(self, widened(x), widened(y), widened(z)), True)
+
+    BITWISE = (np.bitwise_and, np.bitwise_or, np.bitwise_xor, np.left_shift, np.right_shift)
+    binary, unary, ternary, fma = builder.binary_op, builder.unary_op, builder.ternary_op, builder.create_fma
     builder.cast_impl, builder.create_fp_to_fp, builder.create_dot = cast_impl, create_fp_to_fp, create_dot
+    builder.binary_op, builder.unary_op, builder.ternary_op, builder.create_fma = binary_op, unary_op, ternary_op, create_fma
     # the cast lambdas (create_fp_trunc, create_fp_ext, ...) look cast_impl up on the instance
     _BF16 = True
     return True

@@ -65,6 +65,17 @@ def _dot(a_ptr, b_ptr, c_ptr, M: tl.constexpr):
     tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
 
 
+@triton.jit
+def _arith(x_ptr, y_ptr, s_ptr, p_ptr, n_ptr, lt_ptr, m_ptr, B: tl.constexpr):
+    i = tl.arange(0, B)
+    x, y = tl.load(x_ptr + i), tl.load(y_ptr + i)
+    tl.store(s_ptr + i, x + y)
+    tl.store(p_ptr + i, x * y)
+    tl.store(n_ptr + i, -x)
+    tl.store(lt_ptr + i, (x < y).to(tl.int32))
+    tl.store(m_ptr, tl.max(-tl.abs(x), axis=0))
+
+
 def _same_bits(a, b):
     return bool(((a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())).all())
 
@@ -88,6 +99,12 @@ def test_bf16_converts_and_multiplies_as_torch_does():
     c = torch.empty(16, 16)
     _dot[(1,)](a, b, c, M=16)
     assert torch.allclose(c, a.float() @ b.float(), rtol=1e-6, atol=1e-5)
+    x, y = (torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(2))
+    s, p, n, m = (torch.empty(k, dtype=torch.bfloat16) for k in (64, 64, 64, 1))
+    lt = torch.empty(64, dtype=torch.int32)
+    _arith[(1,)](x, y, s, p, n, lt, m, B=64)      # arithmetic on the values, rounded to bf16
+    assert _same_bits(s, x + y) and _same_bits(p, x * y) and _same_bits(n, -x)
+    assert torch.equal(lt.bool(), x < y) and m.item() == (-x.abs()).max().item()
 
 
 @pytest.mark.parametrize("name", ["rowsum", "softmax"])
