@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.common import handoff, mask_and, odot, tile
+from gdn.common import WY_MAX, handoff, mask_and, odot, tile
 from gdn.fwd_prep import unit_lower_inverse
 
 
@@ -87,7 +87,7 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
     b_beta = tl.zeros([C], dtype=tl.float32)
     if DELTA:
         b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-        bad += _outside(b_beta[:, None], BIG)
+        bad += _outside(b_beta[:, None], BIG) + _outside((b_beta * tl.sum(b_k * b_k, 1))[:, None], WY_MAX)
     strict = rows[:, None] > rows[None, :]
     araw = tl.zeros([C, C], dtype=tl.float32)
     if GATE == 1:

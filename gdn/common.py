@@ -41,6 +41,12 @@ def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)   # tl.constexpr: read inside kernels
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+# |beta_t| * ||k_t||^2 above which a delta-rule step's transition I - beta_t k_t k_t^T expands
+# (an eigenvalue 1 - beta |k|^2 below -1): the WY inverse (I + A)^-1 of a chunk grows as the
+# product of those factors over its tokens and overflows fp32 within a chunk (fp16 beta at
+# -65504 with unit keys: NaN in every output of the chunk, the first token's too), so such a
+# chunk takes the exact path.  The domain (beta in (0, 1), unit keys) stays below 1.
+WY_MAX = tl.constexpr(2.0)
 
 
 @triton.jit

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn.common import all_within, chunk_span, fdot, inv_unit_lower, load_gates, tile
+from gdn.common import WY_MAX, all_within, chunk_span, fdot, inv_unit_lower, load_gates, tile
 from gdn.config import DEFAULT, GDNConfig
 
 
@@ -177,13 +177,15 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
              BIG: tl.constexpr, LOWP: tl.constexpr, INTERP: tl.constexpr, W: tl.constexpr,
              MB: tl.constexpr):
     """A chunk's T = (I + A)^-1 (fp32, its strictly lower A formed here and passed through tm,
-    `unit_lower_inverse`) and whether its k and beta admit the matrix path."""
+    `unit_lower_inverse`) and whether its k and beta admit the matrix path (within BIG, and
+    every step's |beta| |k|^2 within `gdn.common.WY_MAX`)."""
     nlast = eos - bos - 1   # the chunk's last token's row
     dk = tl.arange(0, BK)
     m2 = rmask[:, None] & (dk[None, :] < K)
     kt = tl.load(tile(k, r0, rr, dk, K, H), mask=m2, other=0.0)
     bt = tl.load(beta + r0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
-    ok = all_within(kt, BIG) & all_within(bt, BIG)
+    kf = kt.to(tl.float32)
+    ok = all_within(kt, BIG) & all_within(bt, BIG) & all_within(bt * tl.sum(kf * kf, 1), WY_MAX)
     lower = rr[:, None] > rr[None, :]
     if GATE == 2:
         G, _, _, _ = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)

@@ -940,3 +940,21 @@ def test_reference_spreads_a_nan_exactly_as_the_recurrence_does(name):
         assert torch.equal(torch.isnan(a), torch.isnan(b)), f"output {i}: NaN sets differ"
         assert torch.equal(torch.isinf(a), torch.isinf(b)), f"output {i}: Inf sets differ"
     assert torch.isnan(outs["reference"][0][0, :70]).sum() == 0
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+def test_a_beta_that_expands_each_step_sends_its_chunk_to_the_exact_path(gate):
+    """beta at -65504 (fp16's largest, out of the domain, as an injection may put it) with unit
+    keys: each step's transition I - beta k k^T expands by 6.5e4, so the chunk's WY inverse
+    overflows fp32 and the matrix path mixes its NaN into every output of the chunk, the
+    first token's too, where the oracle's o is finite (gdn_fwd_kda on the CPU: o NaN at t 0,
+    oracle -542.5). Such a chunk steps token by token: o finite as long as the oracle's is."""
+    x = make_inputs(gate, True, B=1, T=16, H=1, K=4, V=2, seed=11)      # one chunk of either member
+    x["beta"] = torch.full_like(x["beta"], -65504.0)
+    o, _ = call(recurrence, x)
+    o2, _ = call(chunk_gdn_fwd, x)
+    inside = o.abs() < torch.finfo(torch.float32).max
+    assert inside[:, :3].all() and not inside.all()
+    assert o2[inside].isfinite().all()
+    assert torch.allclose(o2.double()[inside], o[inside], rtol=1e-4, atol=0)
+    assert_same_nonfinite(o2, o)
