@@ -189,7 +189,6 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
     lower = rr[:, None] > rr[None, :]
     if GATE == 2:
         G, _, _, _ = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
-        kf = kt.to(tl.float32)
         A = fdot(kf * tl.exp(G), tl.trans(kf * tl.exp(-G)), PREC)
     else:
         A = _bdot(kt, tl.trans(kt), LOWP, INTERP, PREC)

@@ -129,42 +129,38 @@ def exact_bf16() -> bool:
             return handle(f32_to_bf16(src.data), d)
         return to_fp(self, src, dst_type, rounding_mode)
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == bf16:
-            a = handle(bf16_to_f32(a.data), tl.float32)
-        if b.dtype.scalar == bf16:
-            b = handle(bf16_to_f32(b.data), tl.float32)
-        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
     def widened(h):
         return handle(bf16_to_f32(h.data), tl.float32) if h.dtype.scalar == bf16 else h
 
-    def narrowed(h, was_bf16: bool):
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    def narrowed(h):
         """An fp32 result of bf16 operands as bf16, rounded to nearest even (a comparison's
         booleans as they are)."""
-        if was_bf16 and np.asarray(h.data).dtype == np.float32:
+        if np.asarray(h.data).dtype == np.float32:
             return handle(f32_to_bf16(h.data), bf16)
         return h
 
     def binary_op(self, lhs, rhs, op):
         if op in BITWISE or bf16 not in (lhs.dtype.scalar, rhs.dtype.scalar):
             return binary(self, lhs, rhs, op)
-        return narrowed(binary(self, widened(lhs), widened(rhs), op), True)
+        return narrowed(binary(self, widened(lhs), widened(rhs), op))
 
     def unary_op(self, arg, op):
         if arg.dtype.scalar != bf16:
             return unary(self, arg, op)
-        return narrowed(unary(self, widened(arg), op), True)
+        return narrowed(unary(self, widened(arg), op))
 
     def ternary_op(self, lhs, rhs, other, op):
         if op is np.where or bf16 not in (lhs.dtype.scalar, rhs.dtype.scalar, other.dtype.scalar):
             return ternary(self, lhs, rhs, other, op)    # a select moves bits: bf16's are right
-        return narrowed(ternary(self, widened(lhs), widened(rhs), widened(other), op), True)
+        return narrowed(ternary(self, widened(lhs), widened(rhs), widened(other), op))
 
     def create_fma(self, x, y, z):
         if bf16 not in (x.dtype.scalar, y.dtype.scalar, z.dtype.scalar):
             return fma(self, x, y, z)
-        return narrowed(fma(self, widened(x), widened(y), widened(z)), True)
+        return narrowed(fma(self, widened(x), widened(y), widened(z)))
 
     BITWISE = (np.bitwise_and, np.bitwise_or, np.bitwise_xor, np.left_shift, np.right_shift)
     binary, unary, ternary, fma = builder.binary_op, builder.unary_op, builder.ternary_op, builder.create_fma

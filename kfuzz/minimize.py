@@ -85,8 +85,17 @@ def run_once(case: Case, target: Target, device: str = "cpu", executor=None) -> 
     and the oracle here."""
     if executor is None:
         return execute(case, target, device=device)
-    inputs = materialize(case, target, "cpu")
-    outputs, verdict = settled(executor.run(Program("call", case, {"case": inputs})), target, case, inputs)
+    return _judged(executor.run(_call(case, target)), target, device)
+
+
+def _call(case: Case, target: Target) -> Program:
+    return Program("call", case, {"case": materialize(case, target, "cpu")})
+
+
+def _judged(result, target: Target, device: str) -> Verdict:
+    """The verdict on a ``call`` program's result: the call's own, or the oracle's here."""
+    case, inputs = result.program.case, result.program.inputs["case"]
+    outputs, verdict = settled(result, target, case, inputs)
     return verdict if verdict is not None else judge(case, target, inputs, outputs, device)
 
 
@@ -102,7 +111,7 @@ def run_many(cases: list[Case], target: Target, device: str = "cpu", executor=No
             except KfuzzError as e:
                 out.append(e)
         return out
-    programs = [Program("call", c, {"case": materialize(c, target, "cpu")}) for c in cases]
+    programs = [_call(c, target) for c in cases]
     for program in programs:
         executor.submit(program)
     back: dict[int, object] = {}
@@ -111,10 +120,8 @@ def run_many(cases: list[Case], target: Target, device: str = "cpu", executor=No
             back[id(r.program)] = r
     verdicts: list[Verdict | KfuzzError] = []
     for program in programs:
-        inputs = program.inputs["case"]
         try:
-            outputs, verdict = settled(back[id(program)], target, program.case, inputs)
-            verdicts.append(verdict if verdict is not None else judge(program.case, target, inputs, outputs, device))
+            verdicts.append(_judged(back[id(program)], target, device))
         except KfuzzError as e:
             verdicts.append(e)
     return verdicts
@@ -133,10 +140,7 @@ class SameFailure:
         self.verdicts: dict[str, Verdict] = {}
 
     def __call__(self, case: Case) -> bool:
-        key = case.hash
-        if key not in self.answers:
-            self.answers[key] = self._judge(case, key)
-        return self.answers[key]
+        return self.first([case]) == 0
 
     def first(self, cases: list[Case]) -> int | None:
         """The index of the first of ``cases`` that fails with the signature on every run, or
@@ -175,25 +179,6 @@ class SameFailure:
         for case in alive:
             self.answers[case.hash] = True
         return next((i for i, case in enumerate(cases) if self.answers.get(case.hash)), None)
-
-    def _judge(self, case: Case, key: str) -> bool:
-        try:
-            self.target.validate(case)
-        except KfuzzError:
-            return False
-        for _ in range(1 + self.reruns):
-            if self.executions >= self.max_executions or (
-                    self.deadline is not None and time.monotonic() > self.deadline):
-                raise BudgetSpent
-            self.executions += 1
-            try:
-                verdict = run_once(case, self.target, self.device, self.executor)
-            except KfuzzError:
-                return False
-            if verdict.signature != self.signature:
-                return False
-            self.verdicts[key] = verdict
-        return True
 
 
 # case surgery shared by the passes -------------------------------------------------------------

@@ -144,9 +144,9 @@ class Scheduler:
             hit = specialization(self.target, case) == key
             if mixed:
                 self.mixes = (self.mixes[0] + 1, self.mixes[1] + hit)
-                if hit:
-                    self.like[key] = case      # the next mix starts here: a walk over the key's dims
             if hit:
+                if mixed:
+                    self.like[key] = case      # the next mix starts here: a walk over the key's dims
                 return case
         return dataclasses.replace(like, seed=self.rng.getrandbits(32))
 

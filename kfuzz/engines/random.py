@@ -75,7 +75,6 @@ def sample_injections(rng: random.Random, numel: int, names: list[str]) -> tuple
     return tuple(sorted(picks.items()))
 
 
-
 def sample_case(target: Target, rng: random.Random, like: Case | None = None) -> Case:
     """A case for ``target``; with ``like``, one of its dims and dtype (everything else drawn)."""
     for _ in range(100 if like is None else 0):
@@ -87,9 +86,8 @@ def sample_case(target: Target, rng: random.Random, like: Case | None = None) ->
     dtype = rng.choice(target.dtypes) if like is None else like.dtype
     args = {}
     for name, arg in target.args.items():
-        layout, dist = sample_layout(rng, len(arg.shape), arg.layouts), sample_dist(rng)
-        inject = sample_injections(rng, target.numel(name, dims), target.special_names(name, dtype))
-        args[name] = ArgCase(layout=layout, dist=dist, inject=inject)
+        args[name] = ArgCase(layout=sample_layout(rng, len(arg.shape), arg.layouts), dist=sample_dist(rng),
+                             inject=sample_injections(rng, target.numel(name, dims), target.special_names(name, dtype)))
     case = Case.make(target.name, dtype, rng.getrandbits(32), dims, args)
     target.validate(case)
     return case
