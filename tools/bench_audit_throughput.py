@@ -1,7 +1,7 @@
 """The audit's throughput on compiled kernels: kernels an hour, compiles included, from a cold cache.
 
     python tools/bench_audit_throughput.py CORPUS... --limit 160 --budget 400 [--jobs 16]
-        [--build-jobs 8] [--max-jobs N] [--timeout 150] [--device cuda] [--no-pch] [--out DIR]
+        [--build-jobs 8] [--max-jobs N] [--timeout 150] [--device cuda] [--no-pch] [--out DIR] [--key FILE]
 
 Takes ``--limit`` solutions that call ``load_inline`` (distinct sources, taken in turn from each
 corpus file, so that every file and level is in the sample) and audits them with ``kfuzz.audit.
@@ -44,10 +44,11 @@ def sample(corpora: list[str], limit: int) -> list:
     return out
 
 
-def measure(entries, out: Path, budget: float, write=None, **audit) -> dict:
+def measure(entries, out: Path, budget: float, write=None, key: Path | None = None, **audit) -> dict:
     """Audit ``entries`` into ``out`` until done or ``budget`` seconds; the summary (``summary``),
-    also handed to ``write`` after each record (so that a run stopped from outside leaves one)."""
-    key = out.parent / f"{out.name}.key"
+    also handed to ``write`` after each record (so that a run stopped from outside leaves one).
+    Records are signed with ``key`` (made if missing; default: ``<out>.key`` beside ``out``)."""
+    key = key or out.parent / f"{out.name}.key"
     results_key(key)
     start = time.monotonic()
     done: list[tuple[float, dict]] = []
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--pch", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default=None, help="folder for results.jsonl and throughput.json (default: a new temp one)")
+    ap.add_argument("--key", default=None, help="the results key (made if missing; default: OUT/audit.key)")
     a = ap.parse_args(argv)
     entries = sample(a.corpora, a.limit)
     if not entries:
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
 
     def write(result: dict) -> None:
         (out / "throughput.json").write_text(json.dumps(result, indent=1))
-    result = measure(entries, out / "audit", a.budget, write, jobs=a.jobs, device=a.device, timeout=a.timeout,
+    result = measure(entries, out / "audit", a.budget, write, key=Path(a.key) if a.key else None,
+                     jobs=a.jobs, device=a.device, timeout=a.timeout,
                      cache=cache, max_jobs=a.max_jobs, build_jobs=a.build_jobs, pch=a.pch)
     write(result)
     print(json.dumps(result, indent=1))
