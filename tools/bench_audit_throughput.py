@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kfuzz.audit import judge_record, read_corpus, results_key, run_audit
+from kfuzz.audit import judge_record, results_key, run_audit
+from kfuzz.kernelbench.corpus import read_corpus
 from kfuzz.gates import GATES
 
 
