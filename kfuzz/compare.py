@@ -32,7 +32,10 @@ where an honest kernel could land either way:
   inputs moved by one unit of the compute precision's roundoff, ``kfuzz.execute.oracle_envelope``),
   such as an output that cancels terms far past the dtype's range (float64 itself then keeps
   only their rounding noise): any value inside the envelope, rounded to the dtype; a NaN
-  still fails.
+  fails there. Where the oracle is non-finite, the envelope also holds the non-finite kinds
+  it takes on those copies, and any of them passes: an Inf times a sum that cancels to its
+  rounding noise is an Inf whose sign that noise picks, and added to another Inf it is NaN or
+  an Inf by that sign (a NaN passes only where a copy is NaN).
 
 Without a trusted implementation (gate G05) every kind must match; gate G06
 (range) is the strict check of the overflow latitude.
@@ -98,26 +101,40 @@ def near_overflow(o: torch.Tensor, dtype: str, c: float) -> torch.Tensor:
     return torch.isfinite(o) & (mag * (1 - w) <= big) & (mag * (1 + w) >= big)
 
 
-def swinging(o_rounded: torch.Tensor, envelope: tuple[torch.Tensor, torch.Tensor] | None,
-             dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+NONFINITE_KINDS = 2 | 4 | 8   # NaN, +Inf and -Inf as ``kinds`` writes them
+
+
+def kinds(x: torch.Tensor) -> torch.Tensor:
+    """Each element's non-finite class as a bit set (``1 << _class``: 2 NaN, 4 +Inf, 8 -Inf;
+    0 where finite), so that the kinds of several tensors combine by bitwise or."""
+    c = _class(x).to(torch.int32)
+    return torch.where(c > 0, torch.bitwise_left_shift(torch.ones_like(c), c), 0)
+
+
+def swinging(o_rounded: torch.Tensor,
+             envelope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+             dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(where the envelope, rounded to ``dt``, reaches another class than the oracle's, its
-    low end, its high end) or None without an envelope."""
+    low end, its high end, the non-finite kinds it holds (``kinds``)) or None without an
+    envelope."""
     if envelope is None:
         return None
-    lo, hi = (_f64(x).to(dt).to(torch.float64) for x in envelope)
-    return (_class(lo) != _class(o_rounded)) | (_class(hi) != _class(o_rounded)), lo, hi
+    lo, hi = (_f64(x).to(dt).to(torch.float64) for x in envelope[:2])
+    return (_class(lo) != _class(o_rounded)) | (_class(hi) != _class(o_rounded)), lo, hi, envelope[2]
 
 
 def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, near: torch.Tensor,
                        free: torch.Tensor | None = None, any_class: torch.Tensor | None = None,
-                       swing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> str | None:
+                       swing: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                       ) -> str | None:
     """Where NaN/+Inf/-Inf sets differ; ``near`` positions may be finite or an Inf of the oracle's
     sign, ``free`` positions anything, ``any_class`` positions any non-finite value, ``swing``
-    positions (``swinging``) any value between its two ends."""
+    positions (``swinging``) any value between its two ends, or a non-finite value of a kind
+    its envelope holds."""
     latitude = near & (torch.isfinite(k) | (torch.isinf(k) & (torch.sign(k) == torch.sign(o_rounded))))
     if swing is not None:
-        where, lo, hi = swing
-        latitude = latitude | (where & (k >= lo) & (k <= hi))
+        where, lo, hi, held = swing
+        latitude = latitude | (where & (k >= lo) & (k <= hi)) | ((held & kinds(k)) != 0)
     for name, fn in (("NaN", torch.isnan), ("+Inf", lambda x: torch.isposinf(x)),
                      ("-Inf", lambda x: torch.isneginf(x))):
         km, om = fn(k), fn(o_rounded)
@@ -137,12 +154,12 @@ def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, near: torch.Ten
 def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: torch.Tensor | None,
             dtype: str, c: float = BOUND_C,
             trusted_clean: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-            envelope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Finding:
+            envelope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Finding:
     """Judge one output; ``dtype`` is the output's dtype name. ``trusted_clean``: the trusted
     implementation's output on the inputs with every NaN and Inf replaced by 0 (or a function
     that computes it, called only when needed); None where the inputs hold no NaN or Inf.
-    ``envelope``: the oracle's (low, high) ends under the rounding of its inputs (see the
-    module docstring), or None."""
+    ``envelope``: the oracle's (low, high) ends under the rounding of its inputs and the
+    non-finite kinds it takes there (``kinds``; see the module docstring), or None."""
     k, o = _f64(kernel_out), _f64(oracle_out)
     dt = torch_dtype(dtype)
     if not dt.is_floating_point:

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from kfuzz.case import Case
-from kfuzz.compare import BOUND_C, compare
+from kfuzz.compare import BOUND_C, NONFINITE_KINDS, compare, kinds
 from kfuzz.contract import NamespaceSnapshot, current_hooks, overlapping, restore_hooks, threads_left
 from kfuzz.dtypes import torch_dtype, unit_roundoff
 from kfuzz.target import Target, get_target
@@ -163,27 +163,33 @@ def moved_oracles(target: Target, case: Case, inputs: Mapping[str, torch.Tensor]
 
 
 def oracle_envelope(oracle: Mapping[str, torch.Tensor], moved: list[Mapping[str, torch.Tensor]]
-                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per output, the oracle's value minus and plus the farthest the ``moved`` copies went
-    from it (float64; an Inf where a copy left the oracle's class, NaN where any is NaN): how
-    far the rounding of the inputs alone can take the answer, either way (``kfuzz.compare``)."""
+    from it (float64; an Inf where a copy left the oracle's class, NaN where any is NaN), and
+    where the oracle is non-finite, the non-finite kinds (``kfuzz.compare.kinds``) it and the
+    copies take there: how far the rounding of the inputs alone can take the answer, either
+    way (``kfuzz.compare``)."""
     out = {}
     for k, o in oracle.items():
         o = o.cpu().to(torch.float64)
         r = torch.zeros_like(o)
+        held = kinds(o)
         for m in moved:
             m = m[k].to(torch.float64)
             d = (m - o).abs()
             r = torch.maximum(r, torch.where(torch.isnan(d) & (m == o), 0.0, d))   # the same Inf: 0
+            held = held | kinds(m)
         wide = torch.isinf(r)
-        out[k] = (torch.where(wide, -torch.inf, o - r), torch.where(wide, torch.inf, o + r))
+        out[k] = (torch.where(wide, -torch.inf, o - r), torch.where(wide, torch.inf, o + r),
+                  torch.where(torch.isfinite(o), 0, held))
     return out
 
 
-def _widest(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The envelope that holds every non-NaN value (-Inf to +Inf everywhere)."""
+def _widest(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The envelope that holds every non-NaN value (-Inf to +Inf everywhere) and, where the
+    oracle is non-finite, every non-finite kind."""
     far = torch.full(o.shape, torch.inf, dtype=torch.float64)
-    return -far, far
+    return -far, far, torch.where(torch.isfinite(o.cpu()), 0, NONFINITE_KINDS)
 
 
 def perturbed_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
@@ -400,7 +406,8 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
         if finding.kind == "nonfinite" and compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
                                                    clean and clean(name), _widest(oracle[name])).kind != "nonfinite":
             # an answer whose class the rounding of the inputs decides: any value in its envelope
-            # (computed only where some envelope could pass the kernel: never for a NaN)
+            # (computed only where some envelope could pass the kernel: never for a NaN where
+            # the oracle is finite)
             moved = moved or moved_oracles(target, case, inputs, oracle_device)
             envelope = envelope or oracle_envelope(oracle, moved)
             alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,

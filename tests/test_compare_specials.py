@@ -140,3 +140,44 @@ def test_a_nan_where_the_oracle_is_finite_fails_without_moving_the_inputs(monkey
     x = {n: t32(1e38, 1.0) for n in "xywv"}
     monkeypatch.setattr(ex, "moved_oracles", lambda *a, **k: pytest.fail("moved the inputs for a NaN"))
     assert judge(case, target, x, {"out": kernel(**x)}).kind == "nonfinite"
+
+
+def _inf_times_residue(a, x, y, w, v):
+    """out = a (x y - w v) - a: with a = +Inf, NaN where x y - w v >= 0 and -Inf where it is
+    below 0, so the kind follows the sign of x y - w v."""
+    return a * (x * y - w * v) - a
+
+
+def _residue_target(kernel):
+    def wide(**x):   # the oracle's own kinds: no latitude of the trusted implementation's
+        return _inf_times_residue(**{n: t.double() for n, t in x.items()}).float()
+    return Target(name="test_compare_kinds", kernel=kernel, reference=_inf_times_residue, trusted=wide,
+                  args={n: Arg(("N",)) for n in "axywv"}, outputs={"out": Output(("N",))},
+                  dims={"N": Dim(1, 8)}, dtypes=("float32",))
+
+
+@pytest.mark.parametrize("kernel_out, passes", [
+    ((-INF, NAN, NAN), True),     # the kinds the oracle takes on inputs one fp32 rounding away
+    ((INF, -INF, NAN), False),    # +Inf at 0: no rounding of the inputs gives it
+    ((NAN, -INF, -INF), False),   # -Inf at 2, where x y - w v = 1 is no rounding residue
+], ids=["kinds-the-rounding-gives", "an-inf-it-does-not", "where-nothing-cancels"])
+def test_a_non_finite_kind_the_rounding_of_the_inputs_picks_passes_and_no_other(kernel_out, passes):
+    """An Inf times a difference that cancels to its rounding noise, plus another Inf: the
+    oracle's kind (NaN at 0 where x y - w v is 0, -Inf at 1 where it is -2^-46) is the sign of
+    that noise, and inputs one fp32 rounding away give the other kind (case seed 1: NaN at 1 in
+    its first draw, -Inf at 0 in its second). So did gdn_bwd_kda's dk at token 1 with beta
+    +Inf at token 0: the state -Inf there times a sum over keys of the state gradient, 0.011 in
+    exact arithmetic from terms near 3e21 (crashes/gdn_bwd_kda/nonfinite-dk)."""
+    def kernel(**x):
+        return t32(*kernel_out)
+    target = _residue_target(kernel)
+    case = Case.make(target.name, "float32", 1, {"N": 3})
+    x = {"a": t32(INF, INF, INF), "x": t32(1.0, 1 + 2**-23, 2.0), "y": t32(1.0, 1 - 2**-23, 1.0),
+         "w": t32(1.0, 1.0, 1.0), "v": t32(1.0, 1.0, 1.0)}
+    oracle = _inf_times_residue(**{n: t.double() for n, t in x.items()})
+    assert oracle.tolist()[1] == -INF and all(map(math.isnan, oracle.tolist()[::2]))
+    v = judge(case, target, x, {"out": kernel(**x)})
+    assert v.passed == passes, v.detail
+    assert passes or v.kind == "nonfinite"
+    if passes:   # the oracle's kinds alone (and the trusted implementation's, the same) fail it
+        assert compare(kernel(**x), oracle, target.trusted(**x), "float32").kind == "nonfinite"

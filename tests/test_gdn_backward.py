@@ -785,6 +785,32 @@ def test_one_token_bf16_dg_within_the_gates_bound(seed):
     assert verdict.passed, verdict.detail
 
 
+def test_a_dk_kind_that_the_rounding_of_the_inputs_picks_passes():
+    """crashes/gdn_bwd_kda/nonfinite-dk (fp32, T 58, K 6, V 1; every key of a token equal):
+    beta +Inf at token 0 leaves the state -Inf at every key, and dk at token 1 is that state
+    times dx, the sum over keys of -beta k times the state gradient, plus beta dbk, Infs of
+    both signs. dx is 0.011 in exact arithmetic, from terms near 3e21 (do at fp32's maximum at
+    token 57): 38912 by the float64 oracle, -1.1e6 with the state gradient rounded to fp32 at
+    the chunk boundary (token 16), as the kernel hands it over. Its sign picks NaN or -Inf at
+    each key, and the oracle on inputs one fp32 rounding away takes either pattern."""
+    from pathlib import Path
+
+    from kfuzz.corpus import load
+    from kfuzz.execute import execute, moved_oracles, oracle_outputs
+    from kfuzz.target import get_target
+    from kfuzz.tensors import materialize
+    case, record = load(Path(__file__).resolve().parents[1] / "crashes" / "gdn_bwd_kda" / "nonfinite-dk" /
+                        "46656ad1b01ff210.case.zst")
+    target = get_target(case.target)
+    x = materialize(case, target, "cpu")
+    kinds = [o["dk"][0, 1, 0].tolist() for o in [oracle_outputs(target, x), *moved_oracles(target, case, x)]]
+    inf, nan = float("inf"), float("nan")
+    assert str(kinds[0]) == str([-inf, -inf, nan, nan, nan, -inf])
+    assert str([nan, nan, inf, inf, inf, nan]) in map(str, kinds[1:])
+    verdict = execute(case, target, DEV)
+    assert verdict.passed, verdict.detail
+
+
 def test_du_is_rounded_once():
     """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once.  Handed over
     in dU's own bf16 place, dU is rounded twice, and the stored G03 case
