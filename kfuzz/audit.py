@@ -88,11 +88,14 @@ def kernel_policy(device: str, **overrides) -> "sandbox.Policy":
 
 def build_policy(device: str, folder: str | None, **overrides) -> "sandbox.Policy":
     """The confinement of a solution's build step: new processes (ninja, the compiler), no
-    network, writes only beneath its extension ``folder`` (and its private directory), memory
-    as a compiler needs, on every device (the build touches no driver)."""
+    network, writes only beneath its extension ``folder`` (and its private directory), reads of
+    the toolchain (``sandbox.cuda_executables``: a compiler under a prefix of its own, such as
+    the H200 machine's ``/opt/gcc/bin/g++`` script, is read by its shell), memory as a compiler
+    needs, on every device (the build touches no driver)."""
     from kfuzz import sandbox
     return sandbox.Policy(**{"memory": None, "processes": True, "network": False, "confine_writes": True,
-                             "writable": (folder,) if folder else (), **overrides})
+                             "writable": (folder,) if folder else (), "readable": sandbox.cuda_executables(),
+                             **overrides})
 
 
 def finding(verdict) -> dict:
@@ -125,8 +128,10 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     from kfuzz.programs import Program, malformed
     pair = entry.pair
     overrides = dict(policy or {})
-    # the workers that run the kernel load its built extensions: they read the cache, never write it
-    confined = kernel_policy(device, **{"readable": (str(cache),) if cache else (), **overrides})
+    # the workers that run the kernel load its built extensions: they read the cache, never write
+    # it; and the toolchain, as any worker may compile (Triton)
+    confined = kernel_policy(device, **{"readable": sandbox.cuda_executables() + ((str(cache),) if cache else ()),
+                                        **overrides})
     bare = StandardOnly(pair.target_name, {"pair": pair})
     nothing = Case(pair.target_name, "float32", 0, ())
     if entry.compiles:
@@ -701,6 +706,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
             str(out_dir / CASES))
     running: list[_Running] = []
     builders: list[_Running] = []     # builds ahead of judging: no record of their own
+    ahead_builds: dict[str, dict] = {}  # their build facts, joined to their kernel's record
     queue = list(todo)
     ahead = [e for e in queue if e.compiles]
     try:
@@ -725,8 +731,10 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
             for b in list(builders):
                 try:
                     while b.conn.poll():
-                        b.conn.recv()
-                except (EOFError, OSError):
+                        kind, d = b.conn.recv()
+                        if kind == "build" and isinstance(d, dict):
+                            ahead_builds[b.entry.key] = d
+                except (EOFError, OSError, ValueError, TypeError):
                     pass
                 if not b.proc.is_alive() or time.monotonic() >= b.deadline:
                     b.kill()
@@ -755,6 +763,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 if how == "crash":
                     how = f"crash (exit {r.proc.exitcode})"
                 record = r.end(None if how == "done" else how)
+                if r.entry.key in ahead_builds:     # what its build step found was built ahead
+                    record["build_ahead"] = ahead_builds.pop(r.entry.key)
                 running.remove(r)
                 r.conn.close()
                 append_record(out, record, secret)

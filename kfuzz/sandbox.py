@@ -87,14 +87,17 @@ class Policy:
 
 
 def cuda_executables() -> tuple[str, ...]:
-    """What a CUDA worker runs: Triton's bundled tools (ptxas) and the system's C compiler
-    (Triton builds its launcher stubs with it): no shell, no other program."""
+    """The toolchain: what a CUDA worker runs (Triton's bundled tools, ptxas, and the system's C
+    compiler, with which Triton builds its launcher stubs) and what an extension's build step
+    runs (the C++ compiler torch's ``cpp_extension`` picks, ``$CXX`` else ``c++``, and nvcc): no
+    shell, no other program."""
     found = glob.glob("/usr/lib/gcc") + glob.glob("/usr/libexec/gcc") + glob.glob("/usr/local/cuda/bin/ptxas")
     for pattern in ("gcc*", "cc", "c++", "g++*", "x86_64-linux-gnu-*", "as", "ld", "ld.*", "clang*"):
         found += glob.glob(os.path.join("/usr/bin", pattern))
-    # the compiler Triton would pick (``CC``, else the first ``cc``/``gcc``/``clang`` on PATH), and,
-    # when it is installed under a prefix of its own (/opt/gcc), that prefix: its cc1, as and ld
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang", "as", "ld"):
+    # the compilers Triton and cpp_extension would pick (``CC``/``CXX``, else the first ``cc``/``c++``/
+    # ``gcc``/``g++``/``clang`` on PATH), and, when one is installed under a prefix of its own
+    # (/opt/gcc, where ``g++`` is a script its shell must read), that prefix: its cc1, as and ld
+    for name in (os.environ.get("CC"), os.environ.get("CXX"), "cc", "c++", "gcc", "g++", "clang", "as", "ld", "nvcc"):
         where = shutil.which(name) if name else None
         if where:
             real = os.path.realpath(where)

@@ -1,4 +1,5 @@
 """The KernelBench adapter and the audit: controls caught, corpus rows as recorded, resumable."""
+import dataclasses
 import hashlib
 import json
 import time
@@ -509,6 +510,8 @@ def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(
         assert rec["build"]["status"] == "built" and rec["build"]["extensions"] == ["kfuzz_escapes_relu"], rec
     # compiled_fork (first) built its own; compiled_relu's build step found its extension built
     assert records["compiled_relu"]["build"]["seconds"] < records["compiled_fork"]["build"]["seconds"], records
+    # and its record keeps what the build ahead did
+    assert records["compiled_relu"]["build_ahead"]["extensions"] == ["kfuzz_escapes_relu"], records
     clean = records["compiled_relu"]
     assert clean["standard"]["passed"] and clean["gates"]["G01"]["status"] == "pass", clean
     assert judge_record(clean)["violations"] == []
@@ -1039,3 +1042,61 @@ def test_builds_find_the_precompiled_header_of_their_flags_first_on_the_include_
                                                 verbose=False, with_cuda=False)
     assert seen == [("fast", [str(folder.parent), "inc"]), ("plain", ["inc"])]
     assert build._PCH_USED == ["fast"]
+
+
+def test_a_build_step_runs_a_compiler_installed_as_a_script_under_a_prefix_of_its_own(tmp_path, monkeypatch):
+    """torch's cpp_extension runs ``$CXX``; where that is a script under a prefix of its own (the
+    H200 machine's /opt/gcc/bin/g++), its shell reads it: the build step's confinement lets it
+    (reads of the toolchain), else every build there ends in 'Permission denied' (exit 126)."""
+    import shutil
+    import subprocess
+    from kfuzz import sandbox
+    from kfuzz.audit import build_policy
+    from test_sandbox import _in_confined_child
+    if not sandbox.landlock_abi():
+        pytest.skip("no Landlock here: reads are not confined")
+    real = shutil.which("c++") or shutil.which("g++")
+    if real is None:
+        pytest.skip("no C++ compiler here")
+    wrapper = tmp_path / "gcc" / "bin" / "g++"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f'#!/bin/sh\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    (tmp_path / "ext").mkdir()
+    (tmp_path / "work").mkdir()
+    policy = build_policy("cpu", str(tmp_path / "ext"))
+    assert str(tmp_path / "gcc") in policy.readable
+    got = _in_confined_child(lambda _: subprocess.run([str(wrapper), "--version"], capture_output=True).returncode,
+                             tmp_path / "work", policy)
+    assert got == "0", got
+    # the same without the toolchain's reads: the shell cannot read the script
+    bare = dataclasses.replace(policy, readable=())
+    refused = _in_confined_child(lambda _: subprocess.run([str(wrapper), "--version"], capture_output=True).returncode,
+                                 tmp_path / "work", bare)
+    assert refused == "126" or refused.startswith("PermissionError"), refused
+
+
+def test_a_build_error_the_solution_catches_is_named_in_the_build_step_facts(tmp_path, monkeypatch):
+    """A solution that falls back to PyTorch when its extension does not build imports fine: the
+    build step still says which load_inline call failed (``caught``), so that a record shows
+    the gates judged its fallback, not its extension."""
+    import shutil
+    import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench.build import build_solution
+    from kfuzz.kernelbench.source import KernelBenchPair
+    if not (shutil.which("ninja") and shutil.which("c++")):
+        pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
+    for name in ("load_inline", "load"):
+        monkeypatch.setattr(ext, name, getattr(ext, name))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ref = ("import torch\nimport torch.nn as nn\nclass Model(nn.Module):\n    def forward(self, x):\n"
+           "        return torch.relu(x)\ndef get_inputs():\n    return [torch.rand(4)]\n"
+           "def get_init_inputs():\n    return []\n")
+    new = ("import torch\nimport torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n"
+           "try:\n    ext = load_inline('kfuzz_never_builds', cpp_sources='int f( { return 1; }',\n"
+           "                      functions=['f'], no_implicit_headers=True)\nexcept Exception:\n    ext = None\n"
+           "class ModelNew(nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n")
+    facts = build_solution(KernelBenchPair(name="fallback", ref_code=ref, custom_code=new))
+    assert facts["status"] == "built" and facts["caught"], facts
+    assert "kfuzz_never_builds" in facts["caught"][0], facts

@@ -9,9 +9,10 @@ run_audit`` (every gate) into a fresh results folder and a fresh, empty extensio
 all are recorded or ``--budget`` seconds have passed (the kernels still running then are stopped
 and not counted). Prints, and writes to ``<out>/throughput.json``: kernels recorded, wall seconds,
 kernels an hour (recorded / wall), the rate over the second half of the run, the build's share
-of the kernels' time (each record's build step seconds over its process's seconds: builds run
-ahead of their kernel by ``--build-jobs`` are not in it, and the share is then given for the
-kernels whose build step compiled), how many found a precompiled header, and the records' ends
+of the kernels' time (build seconds, a kernel's own build step's and its build run ahead by
+``--build-jobs`` (``build_ahead`` in its record), over those and its process's seconds; also
+for the kernels whose own build step compiled), how many found a precompiled header, how many builds failed
+and how many solutions caught their build's error and ran a fallback, and the records' ends
 (complete, killed for time, skipped). Needs a machine where ``kfuzz audit`` runs (``--allow-
 unconfined`` is passed: use it where the workers have no OS sandbox layer, as the audit's docs say).
 """
@@ -65,8 +66,9 @@ def measure(entries, out: Path, budget: float, write=None, key: Path | None = No
 def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -> dict:
     recs = [r for _, r in done]
     built = [r for r in recs if isinstance(r.get("build"), dict) and r["build"].get("seconds") is not None]
-    build_s = sum(float(r["build"]["seconds"]) for r in built)
-    kernel_s = sum(float(r.get("seconds") or 0) for r in built)
+    ahead_s = sum(float((r.get("build_ahead") or {}).get("seconds") or 0) for r in built)
+    build_s = sum(float(r["build"]["seconds"]) for r in built) + ahead_s
+    kernel_s = sum(float(r.get("seconds") or 0) for r in built) + ahead_s
     compiled = [r for r in built if float(r["build"]["seconds"]) > 5.0]
     half = [t for t, _ in done if t >= wall / 2]
     first = done[0][0] if done else None
@@ -82,7 +84,10 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
         "build_share_where_compiled_here": round(sum(float(r["build"]["seconds"]) for r in compiled) / max(
             1e-9, sum(float(r.get("seconds") or 0) for r in compiled)), 3) if compiled else None,
         "build_seconds_mean": round(build_s / len(built), 1) if built else None,
-        "compiled_in_own_step": len(compiled), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
+        "compiled_in_own_step": len(compiled),
+        "built_ahead": sum(bool(r.get("build_ahead")) for r in recs),
+        "build_failed": sum((r.get("build") or {}).get("status") == "failed" for r in recs),
+        "fell_back": sum(bool((r.get("build") or {}).get("caught")) for r in recs), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
         "kernel_seconds_mean": round(sum(float(r.get("seconds") or 0) for r in recs) / max(1, len(recs)), 1),
         "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
     }

@@ -75,10 +75,14 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     """Build the solution's extensions here (untrusted code: call it in a confined worker).
     Facts: ``status`` (``built`` or ``failed``), ``error`` for a failure, ``seconds``,
     ``extensions`` (the folders beneath ``TORCH_EXTENSIONS_DIR``), ``pch`` (the extensions
-    built with a precompiled header: ``$KFUZZ_PCH``, ``use_pch``)."""
+    built with a precompiled header: ``$KFUZZ_PCH``, ``use_pch``), and ``caught``: the errors of
+    ``load_inline``/``load`` calls that the solution's own code caught (a solution that falls
+    back to PyTorch when its extension does not build is ``built`` and runs its fallback: what
+    the gates then judge is not its extension)."""
     start = time.monotonic()
     if os.environ.get(PCH_ENV):
         use_pch(os.environ[PCH_ENV])
+    raised = _record_build_errors()
 
     def facts(status: str, error: str | None = None) -> dict:
         root = os.environ.get("TORCH_EXTENSIONS_DIR")
@@ -87,6 +91,8 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
                "pch": _PCH_USED[:]}
         if error is not None:
             out["error"] = error[:1000]
+        elif raised:
+            out["caught"] = [e[:500] for e in raised[:5]]
         return out
     try:
         new = pair_module(pair, "new")
@@ -105,6 +111,26 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     except Exception:
         pass      # not a build failure: the standard test reports what fails here
     return facts("built")
+
+
+def _record_build_errors() -> list[str]:
+    """From now on in this process, the errors that ``load_inline`` and ``load`` raise are also
+    kept in the list returned (installed before the solution's module runs, so that its
+    ``from torch.utils.cpp_extension import load_inline`` binds the recording one)."""
+    import torch.utils.cpp_extension as ext
+    raised: list[str] = []
+
+    def recording(real):
+        def call(*args, **kwargs):
+            try:
+                return real(*args, **kwargs)
+            except Exception as e:
+                raised.append(f"{type(e).__name__}: {e}")
+                raise
+        return call
+    for name in _BUILDERS:
+        setattr(ext, name, recording(getattr(ext, name)))
+    return raised
 
 
 class _NoLock:
