@@ -152,8 +152,8 @@ def _exact_token(S, dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db, t, r, rows, ih,
 
 
 @triton.jit
-def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab, scale, T,
-                 H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, hexp, dhs, dexp, dq, dk, dv, dg, dbeta, cu, tab,
+                 scale, T, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Step-by-step gradients of a flagged chunk: autograd of gdn.oracle's step,
     op for op, in float64 as the oracle computes, each gradient rounded once when stored.
@@ -162,7 +162,9 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, 
     from the chunk's entry state in two levels: one pass keeps the state at the start of every
     SEG-token segment, then each segment, last first, is stepped again to keep its SEG states,
     which the token's autograd (`_exact_token`) reads in reverse.  A state is kept as its bits,
-    so the one read back is the one stepped (signed zeros and NaN included).  About 2C steps a
+    so the one read back is the one stepped (signed zeros and NaN included).  The chunk's entry
+    state is hs 2^hexp and its end's state gradient dhs 2^dexp, exact in float64 where the
+    sequential kernels handed on a value past fp32's range.  About 2C steps a
     V tile, against C^2/2 recomputing each state from the entry state."""
     NSEG: tl.constexpr = C // SEG
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
@@ -188,8 +190,11 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, 
         mv = cv < V
         mkv = mk[:, None] & mv[None, :]
         offkv = ck[:, None] * V + cv[None, :]
-        S = tl.load(hs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
-        dS = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(tl.float64)
+        ebase = (cid * H + ih).to(tl.int64) * V + cv   # the exponents: hs 2^hexp, dhs 2^dexp
+        S = tl.load(hs + hbase + offkv, mask=mkv, other=0.).to(tl.float64) \
+            * tl.exp2(tl.load(hexp + ebase, mask=mv, other=0).to(tl.float64))[None, :]
+        dS = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(tl.float64) \
+            * tl.exp2(tl.load(dexp + ebase, mask=mv, other=0).to(tl.float64))[None, :]
         starts = tl.zeros([NSEG, BK, BV], dtype=tl.int64)
         for u in range(t0, te):
             starts = _keep(starts, segs == (u - t0) // SEG, S, (u - t0) % SEG == 0)
@@ -219,7 +224,7 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, 
 
 
 @triton.jit
-def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, dbeta, cu, tab,
+def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, hexp, dhs, dexp, dq, dk, dv, dg, dbeta, cu, tab,
            scale, T, H, K, V, NV, NVD, NC, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            G: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Step-by-step gradients of the flagged chunks (`_exact_chunk`), G chunks of a head a
@@ -240,5 +245,5 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, dhs, dq, dk, dv, dg, db
     if tl.max(bad, 0) > 0:
         for j in range(0, G):
             if group_flag(bad, cs, c0 + j) > 0:
-                _exact_chunk(c0 + j, ih, q, k, v, g, beta, do, hs, dhs, dq, dk, dv, dg, dbeta, cu,
-                             tab, scale, T, H, K, V, C, BK, BV, GATE, DELTA, IS_VARLEN)
+                _exact_chunk(c0 + j, ih, q, k, v, g, beta, do, hs, hexp, dhs, dexp, dq, dk, dv, dg,
+                             dbeta, cu, tab, scale, T, H, K, V, C, BK, BV, GATE, DELTA, IS_VARLEN)

@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.common import WY_MAX, handoff, mask_and, odot, tile
+from gdn.common import WY_MAX, handoff, mask_and, odot, scaled_columns, tile
 from gdn.fwd_prep import unit_lower_inverse
 
 
@@ -269,7 +269,9 @@ def _enter_chunk(xs, flag, x, cid, ih, H, K, V, offkv, mkv, alive, SBIG: tl.cons
                  RESUME: tl.constexpr):
     """A chunk's entry bookkeeping in `_states` (x the state entering it, xs hs) and
     `_dstates` (x the state gradient at its end, xs dhs): stores x where alive (resume parts:
-    saturated, `handoff`; the matrix parts stop before a state that needs it).  Returns (how
+    saturated, `handoff`; the matrix parts stop before a state that needs it).  A resume part
+    stores x's power-of-two exponents itself (`_store_exp`); a scaled x holds a column's
+    largest element at 2^127, outside SBIG, so its chunk takes the step path.  Returns (how
     many of x's elements are outside SBIG, for the caller's hflag or dflag; whether the chunk
     takes the matrix path: alive, x within SBIG and _prep's flag clear)."""
     bad = _outside(x, SBIG)
@@ -283,7 +285,16 @@ def _enter_chunk(xs, flag, x, cid, ih, H, K, V, offkv, mkv, alive, SBIG: tl.cons
 
 
 @triton.jit
-def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, H, K, V,
+def _store_exp(xexp, E, cid, ih, H, V, cv, mv):
+    """Stores a resume part's column exponents E ([BV] float64) of the state (gradient) it
+    stores at chunk ``cid``: the value is hs 2^hexp (dhs 2^dexp), E > 0 only in a column past
+    fp32's range at a boundary that hands it on (`gdn.common.scaled_columns`), where a later
+    decay may bring it back inside the range as the oracle's does."""
+    tl.store(xexp + (cid * H + ih).to(tl.int64) * V + cv, E.to(tl.int32), mask=mv)
+
+
+@triton.jit
+def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, hexp, stop, sstop, cu, coff, T, H, K, V,
             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
             DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
             F32: tl.constexpr, DT: tl.constexpr, SBIG: tl.constexpr, PART: tl.constexpr):
@@ -294,7 +305,8 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
     chunk (`stop`) and the state entering it (`sstop`, fp32) and stores nothing after.
     PART 1, the resume part (launched after it), goes on from there, the step path
     (`_exact_step`) for flagged chunks and the matrix path for the rest.  hflag marks, per
-    chunk and V tile, an entering state outside SBIG (for _exact)."""
+    chunk and V tile, an entering state outside SBIG (for _exact).  The state entering a chunk
+    is hs 2^hexp (`_store_exp`; the matrix part leaves hexp as allocated, 0)."""
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     NV = tl.num_programs(0)
@@ -324,17 +336,19 @@ def _states(k, v, g, beta, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff, T, 
         c0 = tl.load(stop + inh * NV + iv)
         if c0 < nc:
             h = tl.load(sstop + soff, mask=mkv, other=0.)
+            E = tl.zeros([BV], dtype=tl.float64)   # the state is h 2^E (`_store_exp`)
             for ic in range(c0, nc):
                 cid = cbase + ic
                 hbad, ok = _enter_chunk(hs, flag, h, cid, ih, H, K, V, offkv, mkv, True, SBIG, True)
+                _store_exp(hexp, E, cid, ih, H, V, cv, mv)
                 tl.store(hflag + (cid * H + ih) * NV + iv, (hbad > 0).to(tl.int32))
                 t0 = bos + ic * C
                 if not ok:
-                    hx = h.to(tl.float64)   # float64 steps (`_exact_step`), rounded once
+                    hx = h.to(tl.float64) * tl.exp2(E)[None, :]   # float64 steps (`_exact_step`)
                     for t in range(t0, tl.minimum(t0 + C, eos)):
                         hx = _exact_step(hx, k, v, g, beta, t, ih, H, K, V, ck, mk, cv, mv, GATE,
                                          DELTA)
-                    h = hx.to(tl.float32)
+                    h, E = scaled_columns(hx, False, ic < nc - 1, tl.float32)
                 else:
                     h = _states_step(k, v, g, W, U, h, True, t0, eos, rows, ih, H, K, V, ck, mk,
                                      cv, mv, GATE, DELTA, F32, DT)
@@ -410,7 +424,7 @@ def _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok):
 
 
 @triton.jit
-def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, hs, HD, stop, sstop, cu,
+def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, dexp, hs, HD, stop, sstop, cu,
              coff, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
@@ -420,8 +434,10 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, hs, HD, stop,
     tile, sequence-head), in reverse time and in two parts as `_states` (PART 0 the matrix
     part, no branch in its loop; PART 1 from the first chunk, in reverse, that needs the step
     path: flagged by _prep, or a state gradient outside SBIG).  dflag marks, per chunk and V
-    tile, a state gradient outside SBIG at the chunk's end (for _exact).  With a gate, HD
-    gets the rows of h * dS_end, dS_end in fp32 (`_hd_rows`)."""
+    tile, a state gradient outside SBIG at the chunk's end (for _exact).  The state gradient at
+    a chunk's end is dhs 2^dexp (`_store_exp`; the matrix part leaves dexp as allocated, 0).
+    With a gate, HD gets the rows of h * dS_end, dS_end in fp32 (`_hd_rows`; a chunk whose h or
+    dS_end is scaled is flagged, and `_exact` rewrites its gradients)."""
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     NV = tl.num_programs(0)
@@ -456,21 +472,23 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, hs, HD, stop,
         j0 = tl.load(stop + inh * NV + iv)
         if j0 < nc:
             dh = tl.load(sstop + soff, mask=mkv, other=0.)
+            D = tl.zeros([BV], dtype=tl.float64)   # the state gradient is dh 2^D (`_store_exp`)
             for j in range(j0, nc):
                 ic = nc - 1 - j
                 cid = cbase + ic
                 dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, True, SBIG, True)
+                _store_exp(dexp, D, cid, ih, H, V, cv, mv)
                 if GATE != 0:
                     _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True)
                 tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
                 t0 = bos + ic * C
                 if not ok:
-                    dx = dh.to(tl.float64)   # float64 steps (`_exact_dstep`), rounded once
+                    dx = dh.to(tl.float64) * tl.exp2(D)[None, :]   # float64 steps (`_exact_dstep`)
                     for s in range(0, tl.minimum(C, eos - t0)):
                         t = tl.minimum(t0 + C, eos) - 1 - s
                         dx = _exact_dstep(dx, q, k, g, beta, do, t, ih, H, K, V, scale, ck, mk, cv,
                                           mv, GATE, DELTA)
-                    dh = dx.to(tl.float32)
+                    dh, D = scaled_columns(dx, False, j < nc - 1, tl.float32)
                 else:
                     dh = _dstates_step(q, k, g, do, W, dU, dh, True, t0, eos, rows, ih, H, K, V,
                                        ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)

@@ -135,7 +135,8 @@ def _forward_states(saved, NC, H, K, V, B, T, inter, dev, delta):
     ``saved`` holds no states (the backward then recomputes them)."""
     if not saved or saved.get("states") is None:
         return None
-    want = {"states": ((NC, H, K, V), inter), "stepped": ((NC, H, V), torch.int8)}
+    want = {"states": ((NC, H, K, V), inter), "state_exp": ((NC, H, V), torch.int32),
+            "stepped": ((NC, H, V), torch.int8)}
     if delta:
         want.update(w=((B, T, H, K), inter), v_new=((B, T, H, V), inter))
     for name, (shape, dtype) in want.items():
@@ -253,7 +254,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     ostep = fwd_states.get("out_stepped") if fwd_states is not None else None
     NVX = NV   # the hflag tiles `_exact` reads
     if fwd_states is not None:
-        hs = fwd_states["states"]
+        hs, hexp = fwd_states["states"], fwd_states["state_exp"]
         if ostep is not None:
             # every chunk the forward stepped is in the record, so _prep's flag sends it to
             # _exact: no hflag (a torch reduction saved)
@@ -262,8 +263,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
             hflag = _stepped_tiles(fwd_states["stepped"], NV, BV)
     else:
         hs = torch.empty(NC, H, K, V, device=dev, dtype=inter)
+        hexp = torch.zeros(NC, H, V, device=dev, dtype=torch.int32)
         hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
     dhs = torch.empty(NC, H, K, V, device=dev, dtype=inter)
+    # a state (hs) or state gradient (dhs) past fp32's range where a chunk hands it on is
+    # kept as hs 2^hexp (dhs 2^dexp), a power of two per column; 0 elsewhere
+    dexp = torch.zeros(NC, H, V, device=dev, dtype=torch.int32)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -292,14 +297,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     sstop = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     h0 = initial_state if initial_state is not None else dummy
     for part in (0, 1) if fwd_states is None else ():
-        _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, stop, sstop, cu, coff,
+        _states_[(NV, N * H)](k, v, gp, bp, h0, flag, hflag, W, U, hs, hexp, stop, sstop, cu, coff,
                               T, H, K, V, HAS_H0=initial_state is not None, F32=F32, DT=DT,
                               SBIG=SBIG, PART=part, num_warps=seq_warps,
                               num_stages=stages(config, "bwd_seq_stages", F32, BK), **common)
     for part in (0, 1):
         _dstates_[(NVD, N * H)](q, k, gp, bp, do, dht if dht is not None else dummy,
                                 dh0 if dh0 is not None else dummy, flag, dflag, W,
-                                dU if delta else dv, dhs, hs, HD, stop, sstop, cu, coff, scale,
+                                dU if delta else dv, dhs, dexp, hs, HD, stop, sstop, cu, coff, scale,
                                 T, H, K, V, HAS_DHT=dht is not None,
                                 HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                 num_warps=config.bwd_dstates_warps,
@@ -323,7 +328,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                        num_warps=config.bwd_grads_p_warps,
                        num_stages=stages(config, "bwd_grads_stages", F32))
     _exact_[(triton.cdiv(NC, config.bwd_exact_chunks), H)](
-        q, k, v, gp, bp, do, flag, hflag, dflag, hs, dhs, dq, dk, dv,
+        q, k, v, gp, bp, do, flag, hflag, dflag, hs, hexp, dhs, dexp, dq, dk, dv,
         dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
         cu, tab, scale, T, H, K, V, NVX, NVD, NC, G=config.bwd_exact_chunks, num_warps=seq_warps,
         **dict(common, BV=tile["exact_BV"]))

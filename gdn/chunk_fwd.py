@@ -114,7 +114,7 @@ def _gate_prefix_kernel(g, gc, gcl, gflag, cb_ptr, ce_ptr, T, NT,
 
 
 @triton.jit
-def _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT, NC,
+def _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT, NC,
               i_v, i_c, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
               GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -212,12 +212,14 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr
                 vmj = dvj < V
                 smj = kmask[:, None] & vmj[None, :]
                 Sj = tl.load(hs + hbase + (dk[:, None] * V + dvj[None, :]), mask=smj, other=0.0)
-                exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64), scale, bos, eos, i_h, dk, kmask,
-                             dvj, vmj, smj, H, K, V, BT, GATE, DELTA, True)
+                Ej = tl.load(hexp + (cid * H + i_h) * V + dvj, mask=vmj, other=0).to(tl.float64)
+                exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64) * tl.exp2(Ej)[None, :], Ej, scale,
+                            bos, eos, i_h, dk, kmask, dvj, vmj, smj, False, H, K, V, BT, GATE, DELTA,
+                            True)
 
 
 @triton.jit
-def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT, NC,
+def _out_kernel(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT, NC,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -232,7 +234,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
     matrix part holds no float64 tiles."""
     i_v, i_h = tl.program_id(0), tl.program_id(2)
     if PART == 0:
-        _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT,
+        _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, ce_ptr, scale, T, NT,
                   NC, i_v, tl.program_id(1), i_h, H, K, V, BK, BV, BT, GATE, DELTA, IS_VARLEN,
                   PREC, BIG, DT, PART, BKS)
     else:
@@ -243,7 +245,7 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_p
         if tl.max(marks, 0) > 0:
             for j in range(0, G):
                 if group_flag(marks, cs, c0 + j) > 0:
-                    _out_tile(q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb_ptr, ce_ptr,
+                    _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, ce_ptr,
                               scale, T, NT, NC, i_v, c0 + j, i_h, H, K, V, BK, BV, BT, GATE, DELTA,
                               IS_VARLEN, PREC, BIG, DT, PART, BKS)
 
@@ -377,6 +379,9 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
         tm = None
         w = u = vn = flag = q.new_zeros(1)
     hs = torch.empty(NC, H, K, V, dtype=inter, device=dev)
+    # the state entering a chunk is hs 2^hexp: hexp is 0 but where the resume part of the
+    # state pass hands on a state past fp32's range (`gdn.common.exact_chunk`)
+    hexp = torch.zeros(NC, H, V, dtype=i32, device=dev)
     xflag = torch.empty(NC, H, V, dtype=torch.int8, device=dev)
     stop = torch.empty(N * H, V, dtype=i32, device=dev)
     sstop = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
@@ -385,8 +390,8 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     dt = tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET else tl.float32
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, DT=dt)
-    state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop, cu, choff,
-                  T, max(NT, 1), triton.next_power_of_2(N * H))
+    state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, xflag, hT, stop, sstop,
+                  cu, choff, T, max(NT, 1), triton.next_power_of_2(N * H))
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
                     **common)
     fwd_state.launch_state(state_args, N * H, config, **state_kw)
@@ -394,24 +399,27 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     oflag = torch.empty(triton.cdiv(V, launch["BV"]), NC, H, dtype=torch.int8, device=dev)
     for part in (0, 1):
         _out_kernel[(triton.cdiv(V, launch["BV"]), triton.cdiv(NC, config.out_chunks if part else 1), H)](
-            q, k, v, g, gc, gcl, beta, hs, vn, xflag, oflag, o, cb, ce, scale, T, max(NT, 1), NC,
+            q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb, ce, scale, T, max(NT, 1), NC,
             PART=part, G=config.out_chunks, **launch, **common)
     if return_saved:
-        return o, hT if output_final_state else None, saved_for_backward(tm, hs, xflag, w, vn, delta, oflag)
+        return (o, hT if output_final_state else None,
+                saved_for_backward(tm, hs, hexp, xflag, w, vn, delta, oflag))
     return (o, hT if output_final_state else None) + ((tm,) if return_inverse else ())
 
 
-def saved_for_backward(tm, hs, xflag, w, vn, delta: bool, oflag=None) -> dict:
+def saved_for_backward(tm, hs, hexp, xflag, w, vn, delta: bool, oflag=None) -> dict:
     """What the forward hands the backward (`gdn.chunk_bwd.chunk_gdn_bwd(..., saved=)`), so
     that it need not recompute it: "inverse", the WY prep's T (None where the prep did not
-    run); "states", the state entering every chunk [NC,H,K,V] in the hand-off dtype;
+    run); "states", the state entering every chunk [NC,H,K,V] in the hand-off dtype, times
+    2^"state_exp" (int32 [NC,H,V], a power of two per column: 0 but where the state is past
+    fp32's range);
     "stepped", per chunk, head and V column, whether the state pass stepped the chunk token by
     token (int8 [NC,H,V]); with the delta rule where the prep ran, "w" = T diag(beta) K_g
     [B,T,H,K] and "v_new" = u - w S [B,T,H,V] (the backward's W and U; v_new is not
     written in stepped columns); "out_stepped", per output V tile, chunk and head, whether
     `_out_kernel` took the chunk token by token (q outside BIG, or a stepped column; int8
     [NVo,NC,H])."""
-    out = {"inverse": tm, "states": hs, "stepped": xflag, "out_stepped": oflag}
+    out = {"inverse": tm, "states": hs, "state_exp": hexp, "stepped": xflag, "out_stepped": oflag}
     if delta:
         out.update(w=w, v_new=vn)
     return out

@@ -205,30 +205,32 @@ def chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.const
 
 
 @triton.jit
-def exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask, smask,
+def exact_chunk(q, k, v, g, beta, o, S, E, scale, t0, eos, i_h, dk, kmask, dv, vmask, smask, keep,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  GATE: tl.constexpr, DELTA: tl.constexpr, STORE_O: tl.constexpr):
     """One chunk token by token with the oracle's formulas, each step in float64 as the oracle
     computes (so that a value the oracle keeps inside fp32's range is not an fp32 overflow of
     an intermediate: G06, beta at bf16's maximum); stores its outputs when STORE_O (rounded
     through fp32: Triton 3.9's interpreter rounds float64 to bf16 wrongly), returns the new
-    state.  Between steps the state is kept in S's dtype (float64 in the output kernel); an
-    fp32 one (the state kernel's, whose [BK, BV] tile in float64 spilled at sm_90) as
-    S_true / 2^e, e > 0 only while the state's largest finite element is past 2^127, which
+    state as (S, E), the state S 2^E with E ([BV] float64) a power of two per column.  Between
+    steps the state is kept in S's dtype (float64 in the output kernel, whose E stays as given);
+    an fp32 one (the state kernel's, whose [BK, BV] tile in float64 spilled at sm_90) as
+    S_true / 2^E, E > 0 in a column only while its largest finite element is past 2^127, which
     S then holds at 2^127 (its elements down to 2^-253 of that one stay normal), so a state
-    that leaves fp32's range inside the chunk and comes back, as the oracle's may, is carried
-    across (G06: final state 1.6e32 after a step past 3.4e38).  The chunk's last step rounds
-    the state to fp32 as it is (e = 0), as the hand-off to the next chunk does: scaled by the
-    tile's largest element, an element inside fp32's range beside one past it would come back
-    from a subnormal (gdn_fwd: ht 3.4e-3 off, 1e36 beside 1e109)."""
+    that leaves fp32's range and comes back, as the oracle's may, is carried across (G06: final
+    state 1.6e32 after a step past 3.4e38).  The chunk's last step keeps a column scaled only
+    where ``keep`` (a next chunk takes the state: the state pass stores S and E for it) and
+    the column's largest element is past fp32's range, so that a later decay brings it back as
+    the oracle's (`scaled_columns`); else it rounds the column to fp32 as it is, so that in the
+    final state an element inside fp32's range beside one past it keeps its digits rather than
+    coming back from a subnormal (gdn_fwd: ht 3.4e-3 off, 1e36 beside 1e109)."""
     RESCALE: tl.constexpr = S.dtype == tl.float32
-    e = tl.full([], 0.0, tl.float64)
     n = tl.minimum(BT, eos - t0)
     for t in range(0, n):
         tok = (t0 + t).to(tl.int64)
         Sd = S.to(tl.float64)
         if RESCALE:
-            Sd = Sd * tl.exp2(e)
+            Sd = Sd * tl.exp2(E)[None, :]
         kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
         vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float64)
         if GATE == 1:
@@ -250,16 +252,24 @@ def exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmas
             ov = tl.sum(qv[:, None] * Sd, axis=0)
             tl.store(o + (tok * H + i_h) * V + dv, ov.to(tl.float32).to(o.dtype.element_ty), mask=vmask)
         if RESCALE:
-            a = tl.where(tl.abs(Sd) < float("inf"), tl.abs(Sd), 0.0)   # NaN and Inf keep no scale
-            big = tl.max(tl.max(a, axis=1), axis=0)
-            e = tl.where((big > 1.7014118346046923e38) & (t < n - 1),   # 2^127; not the last step
-                         tl.ceil(tl.log2(big)) - 127.0, 0.0)
-            S = (Sd * tl.exp2(-e)).to(S.dtype)
+            S, E = scaled_columns(Sd, t < n - 1, keep, S.dtype)
         else:
             S = Sd.to(S.dtype)
-    if RESCALE:
-        S = (S.to(tl.float64) * tl.exp2(e)).to(S.dtype)
-    return S
+    return S, E
+
+
+@triton.jit
+def scaled_columns(Sd, inner, keep, dtype: tl.constexpr):
+    """(S, E): the float64 tile Sd as S 2^E in ``dtype``, E ([BV] float64) per column the
+    power of two that brings the column's largest finite element to 2^127 where that element
+    is past 2^127 and ``inner`` (a step inside a chunk), or past fp32's range and ``keep`` (a
+    chunk's boundary that hands the state on); 0 elsewhere (NaN and Inf keep no scale).  So a
+    state inside fp32's range at a boundary is handed on unscaled, as rounded."""
+    a = tl.where(tl.abs(Sd) < float("inf"), tl.abs(Sd), 0.0)
+    big = tl.max(a, axis=0)
+    E = tl.where(((big > 1.7014118346046923e38) & inner) | ((big > FP32_MAX) & keep),
+                 tl.ceil(tl.log2(big)) - 127.0, 0.0)
+    return (Sd * tl.exp2(-E)[None, :]).to(dtype), E
 
 
 @triton.jit

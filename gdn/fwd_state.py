@@ -134,7 +134,7 @@ def _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H
 
 
 @triton.jit
-def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, hT, stop, sstop,
+def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, xflag, hT, stop, sstop,
                   cu, choff, T, NT, OCC,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -143,7 +143,8 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                   PREC: tl.constexpr, BIG: tl.constexpr, SBIG: tl.constexpr,
                   PART: tl.constexpr, DT: tl.constexpr):
     """The sequential part, per (V tile, sequence-head): the state entering every chunk
-    (stored in hs), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
+    (stored in hs, as hs 2^hexp with hexp a power of two per column, 0 but where the state
+    there is past fp32's range), v_new = u - w S (delta; stored in vn), and the next state, in two parts.
 
     PART 0, the matrix part (its config picked by `launch_state`): walks the chunks while each admits the matrix path
     (a loop with no branch, which Triton pipelines).  At the first chunk that does not it
@@ -204,6 +205,7 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
         c0 = tl.min(tl.load(stop + i_nh * V + dv, mask=vmask, other=nch))   # one value a tile
         if c0 < nch:
             S = tl.load(sstop + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0)
+            E = tl.zeros([BV], dtype=tl.float64)   # the state is S 2^E (`exact_chunk`)
             for c in range(c0, nch):
                 cid = (c_first + c).to(tl.int64)
                 t0 = bos + c * BT
@@ -212,17 +214,19 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, vn, xflag, 
                 nlast = tl.minimum(BT, eos - t0) - 1
                 fl, gfl, gk, gkl = _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h,
                                                   H, BT, GATE, DELTA)
+                # a scaled state (E > 0) holds a column's largest element at 2^127, past SBIG
                 ok, kt, vt = _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
                                        H, K, V, GATE, DELTA, BIG, SBIG)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, handoff(S, hs), mask=smask)
+                tl.store(hexp + (cid * H + i_h) * V + dv, E.to(tl.int32), mask=vmask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
                                      dv, vmask, ok, gk, gkl, H, K, V, GATE, DELTA, PREC, DT)
-                else:   # float64 steps, the state kept fp32 between them
-                    S = exact_chunk(k, k, v, g, beta, k, S, 1.0, t0, eos, i_h, dk, kmask, dv, vmask,
-                                     smask, H, K, V, BT, GATE, DELTA, False)
-            if STORE_HT:
+                else:   # float64 steps, the state kept fp32 between them (scaled: `exact_chunk`)
+                    S, E = exact_chunk(k, k, v, g, beta, k, S, E, 1.0, t0, eos, i_h, dk, kmask, dv,
+                                       vmask, smask, c < nch - 1, H, K, V, BT, GATE, DELTA, False)
+            if STORE_HT:   # the last chunk leaves its state unscaled (E = 0)
                 tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
 
 

@@ -19,7 +19,7 @@ from gdn.config import DEFAULT
 
 
 # what the op keeps of `gdn.chunk_fwd.saved_for_backward`: all of it with save_states, else T
-SAVED = ("inverse", "states", "stepped", "w", "v_new", "out_stepped")
+SAVED = ("inverse", "states", "state_exp", "stepped", "w", "v_new", "out_stepped")
 
 
 class ChunkGDNFunction(torch.autograd.Function):

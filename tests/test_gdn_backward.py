@@ -162,7 +162,8 @@ def branching_loop(monkeypatch):
     """Makes `chunk_gdn_bwd` run `_states` and `_dstates` as one branching loop each: PART 1
     alone, from the first chunk, as the oracle of the two-part launch."""
     from gdn import chunk_bwd
-    kernels = {_states: _FromTheFirstChunk(_states, 10, _h0), _dstates: _FromTheFirstChunk(_dstates, 14, _dht)}
+    kernels = {kern: _FromTheFirstChunk(kern, kern.arg_names.index("stop"), first)
+               for kern, first in ((_states, _h0), (_dstates, _dht))}
     monkeypatch.setattr(chunk_bwd, "_KERNELS", tuple(kernels.get(k, k) for k in chunk_bwd._KERNELS))
 
 
@@ -1033,3 +1034,58 @@ def test_varlen_tables_are_kept_per_tensor_and_version(monkeypatch, side):
     cu = cu.clone()   # equal values, another tensor
     check()
     assert len(builds) == 3
+
+
+def boundary_overflow(gate, delta, what):
+    """Inputs (B1 H1 K4 V8, fp32) with a value past fp32's range at the boundary of the first
+    and second chunks that a gate of -100 brings back: ``what`` "state", the state entering the
+    second chunk (v at 3e38 on keys e_0 for the first chunk's last three tokens; with the delta
+    rule keys 2 e_0, beta 1 and v at 1e36 for eight, each step multiplying row 0 of the state by
+    1 - beta |k|^2 = -3), the gates -100 two tokens into the second chunk; "grad", the state
+    gradient at the first chunk's end (q at 3e38 on e_0 and do at 10 for the second chunk's
+    first three tokens), the gates -100 three tokens before that end."""
+    C = 16 if gate == 2 else 64
+    x = make_inputs(1, C + 8, 1, 4, 8, gate, delta, torch.float32, seed=3)
+    x = {n: (t.clone() if t is not None else None) for n, t in x.items()}
+    e0 = torch.tensor([1.0, 0.0, 0.0, 0.0], device=DEV)
+    if what == "state":
+        for t in range(C - (8 if delta else 3), C):
+            x["k"][0, t, 0] = 2 * e0 if delta else e0
+            x["v"][0, t, 0] = 1e36 if delta else 3e38
+            if delta:
+                x["beta"][0, t, 0] = 1.0
+        x["g"][0, C + 2] = -100.0
+    else:
+        for t in range(C, C + 3):
+            x["q"][0, t, 0] = 3e38 * e0
+            x["do"][0, t, 0] = 10.0
+        x["g"][0, C - 3] = -100.0
+    return x
+
+
+@pytest.mark.parametrize("what", ["state", "grad"])
+@pytest.mark.parametrize("gate,delta", [(1, True), (1, False), (2, True), (2, False)])
+def test_a_value_past_fp32_range_at_a_chunk_boundary_comes_back_as_the_oracles_does(gate, delta, what):
+    """A state (forward) or state gradient (backward) past fp32's range where one chunk hands
+    it to the next, which a later decay brings back (`boundary_overflow`): the sequential
+    kernels hand it on as hs 2^hexp (dhs 2^dexp), and `_exact` reads it so, so every gradient
+    has the oracle's NaN and Inf sets and its finite values, on the backward's own states and
+    on the op's saved ones (crashes/gdn_bwd_kda/nonfinite-dg: dg NaN at a gate of -3.4e38
+    where the oracle's is 0, dS past fp32's range at the boundary)."""
+    x = boundary_overflow(gate, delta, what)
+    # the oracle's gradients rounded to fp32: one past its range is inf
+    want = [w.float() if w is not None else None for w in oracle_grads(x, None, delta)]
+    names = ("q", "k", "v", "g", "beta", "h0")
+    leaves = {n: x[n].clone().requires_grad_() for n in names if x[n] is not None}
+    o, ht = gdn_attention(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves.get("beta"),
+                          initial_state=leaves["h0"], output_final_state=True, delta=delta)
+    grads = torch.autograd.grad((o, ht), list(leaves.values()), (x["do"], x["dht"]))
+    op = [dict(zip(leaves, grads)).get(n) for n in names]
+    for got in (kernel_grads(x, None, delta), op):
+        assert_same_specials(got, want)
+        for name, a, b in zip(NAMES, got, want):
+            if b is None:
+                continue
+            fin = b.isfinite().cpu()
+            a, b = a.double().cpu()[fin], b.double().cpu()[fin]
+            assert (a - b).norm() <= 1e-4 * b.norm(), name

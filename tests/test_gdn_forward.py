@@ -471,6 +471,47 @@ def test_a_state_past_fp32_range_inside_a_chunk_comes_back_as_the_oracles_does()
     assert verdict.passed, verdict.detail
 
 
+def boundary_overflow(gate, delta, dtype=torch.float32, seed=3):
+    """Inputs (make_inputs', B1 H1 K4 V8) whose state leaves fp32's range on the last tokens of
+    the first chunk and comes back inside it two tokens into the second, where every gate is
+    -100: no delta rule, v at 3e38 on keys e_0 for three tokens; with it, keys 2 e_0, beta 1
+    and v at 1e36 for eight tokens, each step multiplying row 0 of the state by
+    1 - beta |k|^2 = -3 (and its gate)."""
+    C = 16 if gate == "vector" else 64
+    x = make_inputs(gate, delta, B=1, T=C + 8, H=1, K=4, V=8, dtype=dtype, seed=seed)
+    for n in ("q", "k", "v") + (("beta",) if delta else ()):
+        x[n] = x[n].clone()
+    e0 = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=dtype, device=DEV)
+    for t in range(C - (8 if delta else 3), C):
+        x["k"][0, t, 0] = 2 * e0 if delta else e0
+        if delta:
+            x["beta"][0, t, 0] = 1.0
+            x["v"][0, t, 0] = 1e36
+        else:
+            x["v"][0, t, 0] = 3e38
+    x["g"] = x["g"].clone()
+    x["g"][0, C + 2] = -100.0
+    return x
+
+
+@pytest.mark.parametrize("gate,delta", [("scalar", False), ("vector", False), ("scalar", True),
+                                        ("vector", True)])
+def test_a_state_past_fp32_range_at_a_chunk_boundary_comes_back_as_the_oracles_does(gate, delta):
+    """The state entering the second chunk is past fp32's range (the oracle's 1e39 and more,
+    `boundary_overflow`), and the gates of -100 two tokens in bring it back: the state pass
+    hands it on as hs 2^hexp, so the output from there on and the final state are the
+    oracle's, not inf or NaN (crashes/gdn_fwd_gla/nonfinite-ht: ht +inf where the oracle's is
+    2.17e38)."""
+    x = boundary_overflow(gate, delta)
+    C = 16 if gate == "vector" else 64
+    o, s = call(recurrence, x, delta=delta)
+    o2, s2, saved = call(chunk_gdn_fwd, x, delta=delta, return_saved=True)
+    assert s.isfinite().all() and o[0, C + 2:].isfinite().all()
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)
+    assert saved["state_exp"][1].max() > 0
+
+
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("none", False)])
 def test_large_states_match_the_oracle(gate, delta):
     """A large state makes k S pass BIG in the first chunk, or the initial state pass SBIG

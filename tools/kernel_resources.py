@@ -148,9 +148,11 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
     scal = {"T": "i32", "NT": "i32"}
     state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], X),
                  **_ptrs(["g", "gc", "gcl", "h0", "hT", "sstop"], "*fp32"),
-                 **_ptrs(["gflag", "flag", "stop", "cu", "choff"], "*i32"), "xflag": "*i8", **scal, "OCC": "i32"}
+                 **_ptrs(["gflag", "flag", "stop", "cu", "choff", "hexp"], "*i32"), "xflag": "*i8", **scal,
+                 "OCC": "i32"}
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], X), **_ptrs(["g", "gc", "gcl"], "*fp32"),
-               **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr"], "*i32"), "scale": "fp32", **scal, "NC": "i32"}
+               **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr", "hexp"], "*i32"),
+               "scale": "fp32", **scal, "NC": "i32"}
     dt = dict(DELTA=delta)
     lowp = gate != 2 and not fp32   # bf16 inputs: the prep's exact bf16 splits (gdn.fwd_prep)
     t32 = fp.t_dtype(lowp, BT) == torch.float32   # T's dtype (prep_t_bf16)
@@ -192,7 +194,7 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
 # inputs, gradients or bf16 hand-off tensors: gdn.common.handoff_dtype)
 _BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD"}
-_BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop"}
+_BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop", "hexp", "dexp"}
 
 
 def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False, saved=False):
