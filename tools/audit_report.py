@@ -209,7 +209,9 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
                          "gate_errors_by_gate": dict(sorted(gate_errors_by_gate.items())),
                          "weights_check_errors": sum(r.get("weights", {}).get("status") == "error" for r in audited),
                          "killed_for_time": sum(j[r["key"]]["incomplete"] for r in audited),
-                         "adapter_refused": sum("adapter" in r for r in corpus)},
+                         "adapter_refused": sum("adapter" in r for r in corpus),
+                         "unbuilt": sum("unbuilt" in r for r in corpus),
+                         "fell_back": sum(bool((r.get("build") or {}).get("caught")) for r in audited)},
         "arguable": arguable, "excused_cases": dict(sorted(excused.items())),
         "sweep": sweep, "broken_ratio": BROKEN_RATIO, "controls": control_rows,
         "controls_as_planted": all(c["as_planted"] for c in control_rows) if control_rows else None,
@@ -299,6 +301,9 @@ def markdown(s: dict) -> str:
             f"| weights check that could not run | {s['kfuzz_errors']['weights_check_errors']} |",
             f"| kernels killed for time in the gates or the build (incomplete) | {s['kfuzz_errors']['killed_for_time']} |",
             f"| references the adapter refused | {s['kfuzz_errors']['adapter_refused']} |",
+            f"| solutions that did not build here (not judged) | {s['kfuzz_errors']['unbuilt']} |",
+            f"| solutions whose extension did not build here and that ran their own fallback (judged as they ran) "
+            f"| {s['kfuzz_errors']['fell_back']} |",
             "", "## Arguable classes", "",
             "Kernels whose violations are arguable, each class on its own (the precision bands: the worst relative "
             "error of the first failing case, at most 4 x 2^-11 for TF32/fp16, 4 x 2^-8 for bf16; TF32 and fp16 "
