@@ -409,32 +409,22 @@ def _dstates_step(q, k, g, do, W, dU, dh, ok, t0, eos, rows, ih, H, K, V, ck, mk
 
 
 @triton.jit
-def _hd_rows(hs, h0, HD, dh, cid, ic, ih, iv, NV, H, K, V, ck, mk, soff, offkv, mkv, ok,
-             HAS_H0: tl.constexpr):
+def _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, ok):
     """Stores (where ok) the row sums over the V tile of h * dS_end for one chunk (h its entry
-    state, dS_end in fp32), in HD [chunk, H, V tile, K]: the gate's entry-to-end term
-    exp(G_C) sum(h * dS_end) (`gdn.bwd_gate._gate_grad`'s ``through``) is a sum of products
-    that cancels against the others; formed in _grads_p from dhs, dS_end rounded to bf16, it
-    puts dg of bf16 cases with one token, key and value over G01's bound (37 ulps off at a dg
-    of -0.0044).  h is the state as `_states` (or the forward) stored it, but at a sequence's
-    first chunk (ic 0) the fp32 initial state itself: its bf16 copy in hs is one rounding the
-    trusted reference does not make (gdn_bwd, bf16 B1 H2 K=T=V=1, h0 -1.15487 stored as
-    -1.15625: dg 34.0078 against the oracle's 33.9673, 2.39x the bound), and reading h0 costs
-    no hand-off tensor.  The load of h waits in the serial chain, which costs `_dstates` time;
-    storing dS_end's bf16 residual here for _grads_p instead costs more in _grads_p."""
+    state as `_states` stored it, dS_end in fp32), in HD [chunk, H, V tile, K]: the gate's
+    entry-to-end term exp(G_C) sum(h * dS_end) (`gdn.bwd_gate._gate_grad`'s ``through``) is a
+    sum of products that cancels against the others; formed in _grads_p from dhs, dS_end
+    rounded to bf16, it puts dg of bf16 cases with one token, key and value over G01's bound
+    (37 ulps off at a dg of -0.0044).  The load of h waits in the serial chain, which costs
+    `_dstates` time; storing dS_end's bf16 residual here for _grads_p instead costs more in
+    _grads_p."""
     base = (cid * H + ih).to(tl.int64)
-    if HAS_H0:
-        b_h = tl.load(hs + base * K * V + offkv, mask=mask_and(mask_and(mkv, ok), ic > 0),
-                      other=0.).to(tl.float32)
-        b_h = tl.where(ic == 0, tl.load(h0 + soff, mask=mask_and(mask_and(mkv, ok), ic == 0),
-                                        other=0.), b_h)
-    else:
-        b_h = tl.load(hs + base * K * V + offkv, mask=mask_and(mkv, ok), other=0.).to(tl.float32)
+    b_h = tl.load(hs + base * K * V + offkv, mask=mask_and(mkv, ok), other=0.).to(tl.float32)
     tl.store(HD + (base * NV + iv) * K + ck, tl.sum(b_h * dh, 1), mask=mask_and(mk, ok))
 
 
 @triton.jit
-def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, dexp, hs, h0, HD, stop, sstop, cu,
+def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, dexp, hs, HD, stop, sstop, cu,
              coff, scale, T, H, K, V,
              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
              DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
@@ -466,8 +456,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, dexp, hs, h0,
             cid = cbase + ic
             dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, alive, SBIG, False)
             if GATE != 0:
-                _hd_rows(hs, h0, HD, dh, cid, ic, ih, iv, NV, H, K, V, ck, mk, soff, offkv, mkv, alive,
-                         HAS_H0)
+                _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, alive)
             tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32), mask=alive)
             dhn = _dstates_step(q, k, g, do, W, dU, dh, ok, bos + ic * C, eos, rows, ih, H, K, V,
                                 ck, mk, cv, mv, scale, C, GATE, DELTA, F32, DT)
@@ -490,8 +479,7 @@ def _dstates(q, k, g, beta, do, dht, dh0, flag, dflag, W, dU, dhs, dexp, hs, h0,
                 dbad, ok = _enter_chunk(dhs, flag, dh, cid, ih, H, K, V, offkv, mkv, True, SBIG, True)
                 _store_exp(dexp, D, cid, ih, H, V, cv, mv)
                 if GATE != 0:
-                    _hd_rows(hs, h0, HD, dh, cid, ic, ih, iv, NV, H, K, V, ck, mk, soff, offkv, mkv,
-                             True, HAS_H0)
+                    _hd_rows(hs, HD, dh, cid, ih, iv, NV, H, K, V, ck, mk, offkv, mkv, True)
                 tl.store(dflag + (cid * H + ih) * NV + iv, (dbad > 0).to(tl.int32))
                 t0 = bos + ic * C
                 if not ok:

@@ -304,7 +304,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
     for part in (0, 1):
         _dstates_[(NVD, N * H)](q, k, gp, bp, do, dht if dht is not None else dummy,
                                 dh0 if dh0 is not None else dummy, flag, dflag, W,
-                                dU if delta else dv, dhs, dexp, hs, h0, HD, stop, sstop, cu, coff, scale,
+                                dU if delta else dv, dhs, dexp, hs, HD, stop, sstop, cu, coff, scale,
                                 T, H, K, V, HAS_DHT=dht is not None,
                                 HAS_H0=initial_state is not None, F32=F32, DT=DT, SBIG=SBIG,
                                 num_warps=config.bwd_dstates_warps,
