@@ -65,6 +65,36 @@ class _RoundOperand(torch.autograd.Function):
         return grad.to(ctx.dtype).to(grad.dtype), None
 
 
+class _DecayStored(torch.autograd.Function):
+    """gl * S, a chunk's decay of the state entering it (gl [B,H,1,1], or [B,H,K,1] for a vector
+    gate), in float32; the gate's gradient through it, sum(dS_end * S) (its "through" term), is
+    formed from S rounded to ``dtype``, the state as it is stored between launches (bf16 for
+    bf16 inputs: `gdn.common.handoff_dtype`, as fla's chunk states) and read back by the
+    backward for that term, while the product keeps the float32 S that the recurrence carries.
+    Where the rounding would overflow (|S| above bf16's largest finite value) S stays as it is.
+    The state's own gradient is dS_end * gl, as for the plain product."""
+
+    @staticmethod
+    def forward(ctx, gl, S, dtype):
+        Sr = S.to(dtype).to(S.dtype)
+        ctx.save_for_backward(gl, torch.where(torch.isinf(Sr) & ~torch.isinf(S), S, Sr))
+        return gl * S
+
+    @staticmethod
+    def backward(ctx, grad):
+        gl, Sr = ctx.saved_tensors
+        return (grad * Sr).sum_to_size(gl.shape), grad * gl, None
+
+
+def _state_decay(dtype):
+    """The decay gl * S of a chunk's entering state, with the gate's gradient of a state stored
+    in ``dtype`` (`_DecayStored`) for bf16, a plain product otherwise (fp16 and fp32 states are
+    handed on in float32)."""
+    if dtype != torch.bfloat16:
+        return lambda gl, S: gl * S
+    return lambda gl, S: _DecayStored.apply(gl, S, dtype)
+
+
 def _operand_rounding(dtype):
     if dtype is None or dtype == torch.float32:
         return lambda x: x
@@ -201,8 +231,10 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None):
     """One batch of equal-length sequences, [B, H, L, *] float32 each (g [B,H,L]
     or [B,H,L,K], beta [B,H,L]); S [B,H,K,V] float32.  Returns (o, S).
     With ``operand_dtype`` (bf16/fp16), every matrix product's operands are
-    rounded to it and accumulate in float32, as on a GPU's matrix units."""
-    r = _operand_rounding(operand_dtype)
+    rounded to it and accumulate in float32, as on a GPU's matrix units, and for
+    bf16 the gate's gradient through a chunk's decay of its entering state sees that
+    state as stored in bf16 (`_DecayStored`)."""
+    r, decay = _operand_rounding(operand_dtype), _state_decay(operand_dtype)
     B, H, L, K = q.shape
     o = q.new_empty(B, H, L, v.shape[-1])
     vector_gate = g is not None and g.dim() == 4
@@ -242,7 +274,7 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None):
             vnew = vc
         vnew = r(vnew)
         o[:, :, c0:c1] = scale * (r(gq) @ r(S) + _causal_mm(r(qk), vnew, causal))
-        S = gl * S + r(gk).transpose(-1, -2) @ vnew
+        S = (S if g is None else decay(gl, S)) + r(gk).transpose(-1, -2) @ vnew
     return o, S
 
 

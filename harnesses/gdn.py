@@ -26,7 +26,9 @@ wherever a gradient comes out non-finite). The trusted implementation is
 (`gdn.common.chunk_tokens`: the state crosses each chunk boundary in float32 in
 both): float32 arithmetic with every matrix product's operands rounded to the
 input dtype (bf16/fp16), as a GPU's matrix units see them, and for gradients torch autograd through it with
-the gradients rounded the same way.
+the gradients rounded the same way; for bf16 the gate's gradient through a chunk's decay of its
+entering state sees that state as the kernels store it between launches, in bf16
+(`gdn.reference._DecayStored`).
 The backward kernel is ``gdn.op.gdn_attention``'s Triton backward: cotangents
 ``do`` (of o) and ``dht`` (of the final state) are arguments of the case.
 

@@ -786,6 +786,63 @@ def test_one_token_bf16_dg_within_the_gates_bound(seed):
     assert verdict.passed, verdict.detail
 
 
+def _stored_h_through_term(x):
+    """exp(g) sum(h0 dS_end) with h0 rounded to bf16 less the same with h0 as it is, at a one-token
+    case (dS_end is dht): what the gate's through term gains when formed from the state as a
+    bf16 chunk-state tensor holds it; [B,T=1,H] (a scalar gate) or [B,1,H,K] (a vector gate)."""
+    g, h0, dht = (x[n].float() for n in ("g", "h0", "dht"))
+    d = (h0.bfloat16().float() - h0) * dht
+    return torch.exp(g) * (d.sum((-1, -2)) if g.dim() == 3 else d.sum(-1))[:, None]
+
+
+@pytest.mark.parametrize("path", ["gdn_bwd/bound-dg/ce947f63521eb8af", "gdn_bwd_kda/bound-dg/be37e7ee416bc34e"])
+def test_the_gates_through_term_sees_the_state_as_stored(path):
+    """bf16, one token: the kernel forms the gate's through term exp(G_C) sum(h * dS_end) from h
+    as the chunk states hold it, in bf16, and its dg is the float64 oracle's with h0 rounded
+    once to bf16 (gdn_bwd: 34.00783, against 33.9673 from the fp32 h0; 2.39x the bound while the
+    trusted reference formed that term from its fp32 state; gdn_bwd_kda: 1.2x).  The trusted
+    reference forms it from the state rounded to bf16 too (`gdn.reference._DecayStored`): its
+    dg error covers the kernel's, and the cases pass."""
+    from pathlib import Path
+
+    from kfuzz.corpus import load
+    from kfuzz.execute import judge
+    from kfuzz.target import get_target
+    from kfuzz.tensors import materialize
+    case, _ = load(Path(__file__).resolve().parents[1] / "crashes" / f"{path}.case.zst")
+    target = get_target(case.target)
+    x = materialize(case, target)
+    out = dict(zip(target.outputs, target.kernel(**x)))
+    i = list(target.outputs).index("dg")
+    o, t = target.reference(**x)[i], target.trusted(**x)[i]
+    kerr, terr = ((a.double().cpu() - o.cpu()).abs().max().item() for a in (out["dg"], t))
+    shift = _stored_h_through_term(x).abs().max().item()
+    assert kerr <= 2 * terr and terr >= shift / 2, (kerr, terr, shift)
+    verdict = judge(case, target, x, out)
+    assert verdict.passed, verdict.detail
+
+
+@pytest.mark.parametrize("name", ["gdn_bwd", "gdn_bwd_kda"])
+def test_a_through_term_from_a_bf16_state_still_fails_at_fp32(name):
+    """The stored-state rounding the trusted reference models is bf16's alone (fp16 and fp32
+    states are handed on in fp32, `gdn.common.handoff_dtype`): a planted fp32 kernel whose dg
+    forms the gate's through term from h rounded to bf16 fails the bound, while the kernel
+    itself passes, at every seed (370x-1200x the bound for gdn_bwd, seeds 0-4)."""
+    from kfuzz.execute import judge
+    from kfuzz.gates.base import make_case
+    from kfuzz.target import get_target
+    from kfuzz.tensors import materialize
+    target = get_target(name)
+    for seed in range(3):
+        case = make_case(target, "float32", seed, {"B": 1, "T": 1, "H": 1, "K": 1, "V": 1})
+        x = materialize(case, target)
+        out = dict(zip(target.outputs, target.kernel(**x)))
+        assert judge(case, target, x, out).passed
+        planted = dict(out, dg=out["dg"] + _stored_h_through_term(x).to(out["dg"].dtype))
+        verdict = judge(case, target, x, planted)
+        assert not verdict.passed and verdict.ratio > 10, (seed, verdict.detail)
+
+
 def test_a_dk_kind_that_the_rounding_of_the_inputs_picks_passes():
     """crashes/gdn_bwd_kda/nonfinite-dk (fp32, T 58, K 6, V 1; every key of a token equal):
     beta +Inf at token 0 leaves the state -Inf at every key, and dk at token 1 is that state
