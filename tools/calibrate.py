@@ -56,6 +56,8 @@ NOT_THE_KERNEL = {
     "72a5ce842e0465fd": "the trusted reference's gate gradient turned NaN before the NaN's tokens",
     "7313fe281a49ee36": "the trusted reference's overflow NaN beside a NaN the inputs carry",
     "81b43ef0502e9468": "Triton's interpreter rounded fp32 to bf16 by truncation",
+    "ce947f63521eb8af": "the trusted reference's gate gradient saw the chunk-entry state in fp32, not as stored (bf16)",
+    "be37e7ee416bc34e": "the trusted reference's gate gradient saw the chunk-entry state in fp32, not as stored (bf16)",
 }
 
 
