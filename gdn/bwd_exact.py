@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from gdn.bwd_chunks import _chunk_base, _coords
-from gdn.common import group_flag, tile
+from gdn.common import group_flag, mask_and, tile
 
 
 @triton.jit
@@ -152,9 +152,10 @@ def _exact_token(S, dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db, t, r, rows, ih,
 
 
 @triton.jit
-def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, hexp, dhs, dexp, dq, dk, dv, dg, dbeta, cu, tab,
-                 scale, T, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _exact_chunk(cid, ih, q, k, v, g, beta, do, h0, dht, hs, hexp, dhs, dexp, dq, dk, dv, dg, dbeta,
+                 cu, tab, scale, T, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr):
     """Step-by-step gradients of a flagged chunk: autograd of gdn.oracle's step,
     op for op, in float64 as the oracle computes, each gradient rounded once when stored.
     (In fp32, dbeta k = dS v - dS x overflowed at near-max q where the oracle's dk, 1e38,
@@ -164,8 +165,13 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, hexp, dhs, dexp, dq, dk, dv,
     which the token's autograd (`_exact_token`) reads in reverse.  A state is kept as its bits,
     so the one read back is the one stepped (signed zeros and NaN included).  The chunk's entry
     state is hs 2^hexp and its end's state gradient dhs 2^dexp, exact in float64 where the
-    sequential kernels handed on a value past fp32's range.  About 2C steps a
-    V tile, against C^2/2 recomputing each state from the entry state."""
+    sequential kernels handed on a value past fp32's range; a sequence's first chunk enters from
+    h0 and its last ends at dht, read as given (fp32) as the oracle's recurrence starts from them,
+    not as hs and dhs hold them in the hand-off dtype: a bf16 rounding of dht can flip the sign of
+    a state gradient that cancels, which decides between NaN (inf - inf) and an Inf in dk beside
+    an infinite state (crashes/gdn_bwd/nonfinite-dk/626b0430c43cde9a: dht about 100, the state
+    gradient -0.0104 at token 0 from the fp32 dht, +0.0285 from its bf16 rounding).  About 2C
+    steps a V tile, against C^2/2 recomputing each state from the entry state."""
     NSEG: tl.constexpr = C // SEG
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
     rows = tl.arange(0, C)
@@ -185,6 +191,9 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, hexp, dhs, dexp, dq, dk, dv,
     acc_dg = tl.zeros([C], dtype=tl.float64)
     acc_db = tl.zeros([C], dtype=tl.float64)
     hbase = (cid * H + ih).to(tl.int64) * K * V
+    sbase = (n * H + ih).to(tl.int64) * K * V   # the sequence's h0 and dht
+    first = ic == 0
+    last = te == eos
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mv = cv < V
@@ -195,6 +204,12 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, hexp, dhs, dexp, dq, dk, dv,
             * tl.exp2(tl.load(hexp + ebase, mask=mv, other=0).to(tl.float64))[None, :]
         dS = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(tl.float64) \
             * tl.exp2(tl.load(dexp + ebase, mask=mv, other=0).to(tl.float64))[None, :]
+        if HAS_H0:   # a sequence's first chunk: h0 as given
+            S0 = tl.load(h0 + sbase + offkv, mask=mask_and(mkv, first), other=0.)
+            S = tl.where(first, S0.to(tl.float64), S)
+        if HAS_DHT:   # a sequence's last chunk: dht as given
+            dS0 = tl.load(dht + sbase + offkv, mask=mask_and(mkv, last), other=0.)
+            dS = tl.where(last, dS0.to(tl.float64), dS)
         starts = tl.zeros([NSEG, BK, BV], dtype=tl.int64)
         for u in range(t0, te):
             starts = _keep(starts, segs == (u - t0) // SEG, S, (u - t0) % SEG == 0)
@@ -224,9 +239,10 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, hs, hexp, dhs, dexp, dq, dk, dv,
 
 
 @triton.jit
-def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, hexp, dhs, dexp, dq, dk, dv, dg, dbeta, cu, tab,
-           scale, T, H, K, V, NV, NVD, NC, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-           G: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _exact(q, k, v, g, beta, do, h0, dht, flag, hflag, dflag, hs, hexp, dhs, dexp, dq, dk, dv, dg, dbeta,
+           cu, tab, scale, T, H, K, V, NV, NVD, NC, C: tl.constexpr, BK: tl.constexpr,
+           BV: tl.constexpr, G: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+           IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr):
     """Step-by-step gradients of the flagged chunks (`_exact_chunk`), G chunks of a head a
     program: their flags read in one load, the flagged ones then taken in turn.  Nearly every
     chunk is unflagged, so nearly every program ends after that load (a program a chunk would
@@ -245,5 +261,6 @@ def _exact(q, k, v, g, beta, do, flag, hflag, dflag, hs, hexp, dhs, dexp, dq, dk
     if tl.max(bad, 0) > 0:
         for j in range(0, G):
             if group_flag(bad, cs, c0 + j) > 0:
-                _exact_chunk(c0 + j, ih, q, k, v, g, beta, do, hs, hexp, dhs, dexp, dq, dk, dv, dg,
-                             dbeta, cu, tab, scale, T, H, K, V, C, BK, BV, GATE, DELTA, IS_VARLEN)
+                _exact_chunk(c0 + j, ih, q, k, v, g, beta, do, h0, dht, hs, hexp, dhs, dexp, dq, dk,
+                             dv, dg, dbeta, cu, tab, scale, T, H, K, V, C, BK, BV, GATE, DELTA,
+                             IS_VARLEN, HAS_H0, HAS_DHT)

@@ -328,8 +328,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
                        num_warps=config.bwd_grads_p_warps,
                        num_stages=stages(config, "bwd_grads_stages", F32))
     _exact_[(triton.cdiv(NC, config.bwd_exact_chunks), H)](
-        q, k, v, gp, bp, do, flag, hflag, dflag, hs, hexp, dhs, dexp, dq, dk, dv,
-        dg if dg is not None else dummy, dbeta if dbeta is not None else dummy,
-        cu, tab, scale, T, H, K, V, NVX, NVD, NC, G=config.bwd_exact_chunks, num_warps=seq_warps,
-        **dict(common, BV=tile["exact_BV"]))
+        q, k, v, gp, bp, do, h0, dht if dht is not None else dummy, flag, hflag, dflag, hs, hexp,
+        dhs, dexp, dq, dk, dv, dg if dg is not None else dummy,
+        dbeta if dbeta is not None else dummy, cu, tab, scale, T, H, K, V, NVX, NVD, NC,
+        G=config.bwd_exact_chunks, HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
+        num_warps=seq_warps, **dict(common, BV=tile["exact_BV"]))
     return dq, dk, dv, dg, dbeta, dh0
