@@ -1146,3 +1146,47 @@ def test_a_value_past_fp32_range_at_a_chunk_boundary_comes_back_as_the_oracles_d
             fin = b.isfinite().cpu()
             a, b = a.double().cpu()[fin], b.double().cpu()[fin]
             assert (a - b).norm() <= 1e-4 * b.norm(), name
+
+
+def test_the_step_path_ends_a_sequence_at_dht_as_given():
+    """bf16, one chunk a sequence, h0 +inf in the second batch row's second head, dht about 100:
+    token 0's dk is inf - inf (NaN) at a key whose state gradient after the step is negative
+    and -inf at one whose is positive (dk_i = sum S1 dx + beta (dS_i v - dS_i k.S1), S1 = +inf),
+    and some of those gradients cancel to within dht's bf16 rounding (the oracle's NaN set
+    from dht rounded to bf16 differs).  The step path reads dht as given, not as the bf16
+    chunk-end tensor dhs holds it, and its NaN/Inf sets are the oracle's."""
+    x = make_inputs(2, 5, 2, 24, 2, 1, True, torch.bfloat16, seed=0)
+    x["k"] = torch.nn.functional.normalize(x["k"].float() + 4.0, dim=-1).bfloat16()   # one sign
+    x["h0"] = x["h0"].clone()
+    x["h0"][1, 1] = float("inf")
+    x["dht"] = x["dht"] * 4 + 100
+    want = oracle_grads(x, None, True)
+    rounded = oracle_grads(dict(x, dht=x["dht"].bfloat16().float()), None, True)
+    assert not torch.equal(torch.isnan(rounded[1]), torch.isnan(want[1]))
+    assert_same_specials(kernel_grads(x, None, True), want)
+
+
+def test_the_step_path_from_an_infinite_h0_has_the_oracles_dk():
+    """crashes/gdn_bwd/nonfinite-dk/626b0430c43cde9a: bf16, T=5, h0 +inf at every key, dht
+    about 100.  Token 0's state gradient at key 18 is -0.0104 from the fp32 dht and +0.0285 from
+    its bf16 rounding, so the oracle's dk[0, 18] is NaN (S1 dx = -inf plus beta dbk = +inf) and
+    -inf from the rounded dht; the kernel's is the oracle's."""
+    from pathlib import Path
+
+    from kfuzz.corpus import load
+    from kfuzz.execute import judge
+    from kfuzz.target import get_target
+    from kfuzz.tensors import materialize
+    path = Path(__file__).resolve().parents[1] / "crashes/gdn_bwd/nonfinite-dk/626b0430c43cde9a.case.zst"
+    case, _ = load(path)
+    target = get_target(case.target)
+    x = materialize(case, target)
+    out = dict(zip(target.outputs, target.kernel(**x)))
+    i = list(target.outputs).index("dk")
+    want = target.reference(**x)[i]
+    rounded = target.reference(**dict(x, dht=x["dht"].bfloat16().float()))[i]
+    assert torch.isnan(want[0, 0, 0, 18]) and rounded[0, 0, 0, 18] == float("-inf")
+    assert torch.equal(torch.isnan(out["dk"].cpu()), torch.isnan(want.cpu()))
+    assert torch.equal(torch.isinf(out["dk"].cpu()), torch.isinf(want.cpu()))
+    verdict = judge(case, target, x, out)
+    assert verdict.passed, verdict.detail
