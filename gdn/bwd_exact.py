@@ -120,7 +120,10 @@ def _exact_token(S, dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db, t, r, rows, ih,
     if DELTA:
         bt = tl.load(beta + tt).to(tl.float64)
         bk = tl.where(mk, bt * b_k, 0.)
-        x = tl.sum(b_k[:, None] * S1, 0)
+        # x and dx 0 in the padding columns: there S1 and dS2 are 0, so an infinite key makes
+        # their sums over keys 0 * Inf = NaN, which dbk's and dk's sums over values would carry
+        # to every key (the recurrence has no such term)
+        x = tl.where(mv, tl.sum(b_k[:, None] * S1, 0), 0.)
         S2 = _in_tile(S1 - bk[:, None] * x[None, :] + bk[:, None] * b_v[None, :], mk, mv)
     else:
         S2 = _in_tile(S1 + b_k[:, None] * b_v[None, :], mk, mv)
@@ -129,7 +132,7 @@ def _exact_token(S, dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db, t, r, rows, ih,
     if DELTA:
         dbk = tl.where(mk, tl.sum(dS2 * b_v[None, :], 1) + tl.sum(-dS2 * x[None, :], 1), 0.)
         dvt = tl.sum(dS2 * bk[:, None], 0)
-        dx = tl.sum(-dS2 * bk[:, None], 0)
+        dx = tl.where(mv, tl.sum(-dS2 * bk[:, None], 0), 0.)
         dkt = tl.sum(S1 * dx[None, :], 1) + bt * dbk
         acc_db += tl.where(rows == r, tl.sum(dbk * b_k, 0), 0.)
         dS1 = _in_tile(dS2 + b_k[:, None] * dx[None, :], mk, mv)

@@ -1190,3 +1190,22 @@ def test_the_step_path_from_an_infinite_h0_has_the_oracles_dk():
     assert torch.equal(torch.isinf(out["dk"].cpu()), torch.isinf(want.cpu()))
     verdict = judge(case, target, x, out)
     assert verdict.passed, verdict.detail
+
+
+@pytest.mark.parametrize("gate", [0, 1, 2])
+@pytest.mark.parametrize("delta", [True, False])
+def test_the_step_path_masks_the_value_padding_of_its_key_contractions(gate, delta):
+    """fp32, T=1, V=2 (a 16-wide V tile of the step path), k +inf at one key: x = k.S1 and
+    dx = -dS2.bk are sums over keys with an infinite term, so in the tile's padding columns
+    (S1 and dS2 0 there) they are 0 * inf = NaN; dk = sum S1 dx + beta dbk and dbk's
+    sum dS2 x run over values and take that NaN at every key unless the padding is masked.
+    The oracle's dk is +-inf at the keys whose terms agree in sign
+    (crashes/gdn_bwd/nonfinite-dk/9622b5300c5e96ea).  Without the delta rule dk = dS2 v
+    has no such sum and is finite."""
+    x = make_inputs(1, 1, 2, 4, 2, gate, delta, torch.float32, seed=3)
+    x["k"] = x["k"].clone()
+    x["k"][0, 0, 1, 2] = float("inf")
+    x["dht"] = torch.ones_like(x["dht"])
+    want = oracle_grads(x, None, delta)
+    assert bool(torch.isinf(want[1]).any()) == delta
+    assert_same_specials(kernel_grads(x, None, delta), want)
