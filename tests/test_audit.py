@@ -1100,3 +1100,23 @@ def test_a_build_error_the_solution_catches_is_named_in_the_build_step_facts(tmp
     facts = build_solution(KernelBenchPair(name="fallback", ref_code=ref, custom_code=new))
     assert facts["status"] == "built" and facts["caught"], facts
     assert "kfuzz_never_builds" in facts["caught"][0], facts
+
+
+def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_path):
+    """tools/bench_audit_throughput.py on the compiled escape kernels (one, on the CPU): its
+    summary counts the record and its build, with no failed build or fallback."""
+    import shutil
+    import subprocess
+    import sys
+    if not (shutil.which("ninja") and shutil.which("c++")):
+        pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
+    tool = ROOT / "tools" / "bench_audit_throughput.py"
+    r = subprocess.run([sys.executable, str(tool), str(ESCAPES), "--limit", "1", "--budget", "1", "--jobs", "1",
+                        "--build-jobs", "0", "--device", "cpu", "--no-pch", "--out", str(tmp_path / "out"),
+                        "--key", str(tmp_path / "key")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads((tmp_path / "out" / "throughput.json").read_text())
+    assert got["recorded"] == 1 and got["build_failed"] == 0 and got["fell_back"] == 0, got
+    (rec,) = [json.loads(line) for line in (tmp_path / "out" / "audit" / "results.jsonl").read_text().splitlines()]
+    assert rec["build"]["status"] == "built" and rec["build"]["extensions"] and "caught" not in rec["build"], rec
+    assert got["build_seconds_mean"] == round(rec["build"]["seconds"], 1), (got, rec["build"])
