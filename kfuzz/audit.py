@@ -40,6 +40,7 @@ Kernels that misbehave are never errors: they are records.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -80,21 +81,25 @@ def kernel_policy(device: str, **overrides) -> "sandbox.Policy":
     """The confinement of the workers that run an audited kernel (its standard test, weights
     contract and gates): ``Policy.for_device``, with memory as a network's models need on the CPU
     (``KERNEL_MEMORY``; none on CUDA, whose driver reserves more). No new processes: an extension
-    was built beforehand (``build_policy``). ``overrides``: Policy fields to change."""
+    was built beforehand (``build_policy``). ``overrides``: Policy fields to change; ``readable``
+    adds to the device's readable paths."""
     from kfuzz import sandbox
     memory = None if str(device).startswith("cuda") else KERNEL_MEMORY
-    return sandbox.Policy.for_device(device, **{"memory": memory, **overrides})
+    base = sandbox.Policy.for_device(device, memory=memory)
+    if "readable" in overrides:     # more paths beside the device's (CUDA: the toolchain)
+        overrides["readable"] = base.readable + tuple(overrides["readable"])
+    return dataclasses.replace(base, **overrides)
 
 
 def build_policy(device: str, folder: str | None, **overrides) -> "sandbox.Policy":
     """The confinement of a solution's build step: new processes (ninja, the compiler), no
     network, writes only beneath its extension ``folder`` (and its private directory), reads of
-    the toolchain (``sandbox.cuda_executables``: a compiler under a prefix of its own, such as
+    the toolchain (``sandbox.toolchain``: a compiler under a prefix of its own, such as
     the H200 machine's ``/opt/gcc/bin/g++`` script, is read by its shell), memory as a compiler
     needs, on every device (the build touches no driver)."""
     from kfuzz import sandbox
     return sandbox.Policy(**{"memory": None, "processes": True, "network": False, "confine_writes": True,
-                             "writable": (folder,) if folder else (), "readable": sandbox.cuda_executables(),
+                             "writable": (folder,) if folder else (), "readable": sandbox.toolchain(),
                              **overrides})
 
 
@@ -128,10 +133,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     from kfuzz.programs import Program, malformed
     pair = entry.pair
     overrides = dict(policy or {})
-    # the workers that run the kernel load its built extensions: they read the cache, never write
-    # it; and the toolchain, as any worker may compile (Triton)
-    confined = kernel_policy(device, **{"readable": sandbox.cuda_executables() + ((str(cache),) if cache else ()),
-                                        **overrides})
+    # the workers that run the kernel load its built extensions: they read the cache, never write it
+    confined = kernel_policy(device, **{"readable": (str(cache),) if cache else (), **overrides})
     bare = StandardOnly(pair.target_name, {"pair": pair})
     nothing = Case(pair.target_name, "float32", 0, ())
     if entry.compiles:

@@ -78,16 +78,16 @@ class Policy:
         runs ptxas and the C compiler), bounded in number a call and none outliving it; the
         toolchain's folders are readable. Exec is not narrowed to the toolchain by default: a
         compiler installed as a wrapper under its own prefix (the H200 machine's /opt/gcc) was
-        refused by Landlock's execute rule there; ``executable=cuda_executables()`` narrows it
+        refused by Landlock's execute rule there; ``executable=toolchain()`` narrows it
         where the toolchain is known to be plain binaries."""
         base = {}
         if str(device).startswith("cuda"):
-            base = dict(memory=None, processes=True, readable=cuda_executables())
+            base = dict(memory=None, processes=True, readable=toolchain())
         return cls(**{**base, **overrides})
 
 
-def cuda_executables() -> tuple[str, ...]:
-    """The toolchain: what a CUDA worker runs (Triton's bundled tools, ptxas, and the system's C
+def toolchain() -> tuple[str, ...]:
+    """What a CUDA worker runs (Triton's bundled tools, ptxas, and the system's C
     compiler, with which Triton builds its launcher stubs) and what an extension's build step
     runs (the C++ compiler torch's ``cpp_extension`` picks, ``$CXX`` else ``c++``, and nvcc): no
     shell, no other program."""

@@ -1067,6 +1067,9 @@ def test_a_build_step_runs_a_compiler_installed_as_a_script_under_a_prefix_of_it
     (tmp_path / "work").mkdir()
     policy = build_policy("cpu", str(tmp_path / "ext"))
     assert str(tmp_path / "gcc") in policy.readable
+    # a CUDA kernel worker given the extension cache to read keeps the toolchain's reads too
+    from kfuzz.audit import kernel_policy
+    assert {str(tmp_path / "gcc"), "/cache"} <= set(kernel_policy("cuda", readable=("/cache",)).readable)
     got = _in_confined_child(lambda _: subprocess.run([str(wrapper), "--version"], capture_output=True).returncode,
                              tmp_path / "work", policy)
     assert got == "0", got
