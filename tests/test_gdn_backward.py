@@ -873,8 +873,7 @@ def test_du_is_rounded_once():
     """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once.  Handed over
     in dU's own bf16 place, dU is rounded twice, and the stored G03 case
     crashes/gdn_bwd/bound-dg/81b43ef0 (bf16, one token, key and value; dg sums that cancel)
-    read 6.64x the bound (under the trusted reference that kept the chunk-entry state in fp32
-    in the gate's gradient); rounded once it passes, far below the 3x held here."""
+    fails by several times its bound; rounded once it passes, far below the 3x held here."""
     from pathlib import Path
     from kfuzz.corpus import load
     from kfuzz.gates import GATES
