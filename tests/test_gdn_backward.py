@@ -870,10 +870,10 @@ def test_a_dk_kind_that_the_rounding_of_the_inputs_picks_passes():
 
 
 def test_du_is_rounded_once():
-    """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once.  Handed over
-    in dU's own bf16 place, dU is rounded twice, and the stored G03 case
+    """_dstates forms P^T dO in fp32 and adds K_end dS, so dU is rounded once (handed over in
+    dU's own bf16 place, it would be rounded twice).  This holds the stored G03 case
     crashes/gdn_bwd/bound-dg/81b43ef0 (bf16, one token, key and value; dg sums that cancel)
-    fails by several times its bound; rounded once it passes, far below the 3x held here."""
+    under 3x its bound."""
     from pathlib import Path
     from kfuzz.corpus import load
     from kfuzz.gates import GATES
