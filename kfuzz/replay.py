@@ -70,7 +70,10 @@ def replay(paths: Iterable[str | Path], device: str = "cpu") -> Iterator[ReplayR
 
 
 def mark_fixed(result: ReplayResult, device: str = "cpu") -> None:
-    """Rewrite a recorded failure that now passes as a ``pass`` case (the bug is fixed)."""
+    """Rewrite a recorded failure that now passes as a ``pass`` case (the bug is fixed); the
+    record's other facts (how it was minimized, its gate) stay."""
     case, record = load(result.path)
     old = Verdict.from_json(case.target, record.get("verdict") or record["signature"])
-    write_atomic(result.path, encode(case, make_record(old, "pass", device, fixed_from=record["signature"])))
+    kept = {k: v for k, v in record.items() if k not in make_record(old) and k != "fixed_from"}
+    write_atomic(result.path, encode(case, make_record(old, "pass", device, **kept,
+                                                       fixed_from=record["signature"])))

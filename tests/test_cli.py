@@ -85,10 +85,14 @@ def test_a_fixed_bug_changes_the_replay_and_mark_fixed_records_it(root):
     good = next((root / "crashes").rglob("*.case.zst"))
     case, record = __import__("kfuzz.corpus", fromlist=["load"]).load(good)
     from kfuzz.case import encode
+    record = {**record, "minimize": {"executions": 7, "fixed_point": True}}
     good.write_bytes(encode(case.with_(target="softmax"), record))   # the "fixed" kernel
     r = invoke("replay", str(root / "crashes"))
     assert r.exit_code == 1 and "CHANGED" in r.output
     r = invoke("replay", "--mark-fixed", str(root / "crashes"))
     assert r.exit_code == 0 and "now passes" in r.output
+    _, marked = __import__("kfuzz.corpus", fromlist=["load"]).load(good)
+    assert marked["expect"] == "pass" and marked["minimize"] == record["minimize"]
+    assert marked["fixed_from"] == record["signature"]
     r = invoke("replay", str(root / "crashes"))
     assert r.exit_code == 0 and "passes" in r.output
