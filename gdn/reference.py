@@ -51,18 +51,42 @@ import torch
 GATE_FLOOR = -110.0
 
 
+# (significand bits, smallest normal exponent) of the operand dtypes stochastic rounding takes
+_FORMATS = {torch.bfloat16: (8, -126), torch.float16: (11, -14)}
+
+
+def round_to(x, dtype, gen=None):
+    """x rounded to ``dtype`` (bf16/fp16), kept in x's dtype: to nearest even, or with ``gen``
+    (a CPU ``torch.Generator``) stochastically, to one of the two neighbours that bracket x with
+    a chance proportional to its nearness (unbiased: E[round(x)] = x).  Zeros, NaN, Inf and a
+    rounding past the dtype's largest value round to nearest."""
+    nearest = x.to(dtype).to(x.dtype)
+    if gen is None or dtype not in _FORMATS:
+        return nearest
+    bits, emin = _FORMATS[dtype]
+    xd = x.double()
+    _, e = torch.frexp(xd)
+    ulp = torch.ldexp(torch.ones_like(xd), (e - 1).clamp(min=emin) - bits + 1)
+    lo = torch.floor(xd / ulp) * ulp
+    draw = torch.rand(x.shape, generator=gen, dtype=torch.float64).to(x.device)
+    up = torch.where(draw < (xd - lo) / ulp, lo + ulp, lo)
+    keep = torch.isfinite(xd) & (xd != 0) & (up.abs() <= torch.finfo(dtype).max)
+    return torch.where(keep, up, nearest.double()).to(x.dtype)
+
+
 class _RoundOperand(torch.autograd.Function):
     """x rounded to a matrix unit's operand dtype (bf16/fp16), kept in float32; the
-    gradient is rounded the same way, as the backward's matrix products see it."""
+    gradient is rounded the same way, as the backward's matrix products see it (``gen``:
+    stochastic rounding, `round_to`)."""
 
     @staticmethod
-    def forward(ctx, x, dtype):
-        ctx.dtype = dtype
-        return x.to(dtype).to(x.dtype)
+    def forward(ctx, x, dtype, gen):
+        ctx.dtype, ctx.gen = dtype, gen
+        return round_to(x, dtype, gen)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.dtype).to(grad.dtype), None
+        return round_to(grad, ctx.dtype, ctx.gen), None, None
 
 
 class _DecayStored(torch.autograd.Function):
@@ -75,30 +99,30 @@ class _DecayStored(torch.autograd.Function):
     The state's own gradient is dS_end * gl, as for the plain product."""
 
     @staticmethod
-    def forward(ctx, gl, S, dtype):
-        Sr = S.to(dtype).to(S.dtype)
+    def forward(ctx, gl, S, dtype, gen):
+        Sr = round_to(S, dtype, gen)
         ctx.save_for_backward(gl, torch.where(torch.isinf(Sr) & ~torch.isinf(S), S, Sr))
         return gl * S
 
     @staticmethod
     def backward(ctx, grad):
         gl, Sr = ctx.saved_tensors
-        return (grad * Sr).sum_to_size(gl.shape), grad * gl, None
+        return (grad * Sr).sum_to_size(gl.shape), grad * gl, None, None
 
 
-def _state_decay(dtype):
+def _state_decay(dtype, gen):
     """The decay gl * S of a chunk's entering state, with the gate's gradient of a state stored
     in ``dtype`` (`_DecayStored`) for bf16, a plain product otherwise (fp16 and fp32 states are
     handed on in float32)."""
     if dtype != torch.bfloat16:
         return lambda gl, S: gl * S
-    return lambda gl, S: _DecayStored.apply(gl, S, dtype)
+    return lambda gl, S: _DecayStored.apply(gl, S, dtype, gen)
 
 
-def _operand_rounding(dtype):
+def _operand_rounding(dtype, gen):
     if dtype is None or dtype == torch.float32:
         return lambda x: x
-    return lambda x: _RoundOperand.apply(x, dtype)
+    return lambda x: _RoundOperand.apply(x, dtype, gen)
 
 
 def _masked_mm(L, X, mask):
@@ -227,14 +251,14 @@ def _gate_sums(gc):
     return torch.cumsum(gc, dim=2), _PairSums.apply(gc)
 
 
-def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None):
+def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None, gen=None):
     """One batch of equal-length sequences, [B, H, L, *] float32 each (g [B,H,L]
     or [B,H,L,K], beta [B,H,L]); S [B,H,K,V] float32.  Returns (o, S).
     With ``operand_dtype`` (bf16/fp16), every matrix product's operands are
     rounded to it and accumulate in float32, as on a GPU's matrix units, and for
     bf16 the gate's gradient through a chunk's decay of its entering state sees that
-    state as stored in bf16 (`_DecayStored`)."""
-    r, decay = _operand_rounding(operand_dtype), _state_decay(operand_dtype)
+    state as stored in bf16 (`_DecayStored`); ``gen``: those roundings stochastic (`round_to`)."""
+    r, decay = _operand_rounding(operand_dtype, gen), _state_decay(operand_dtype, gen)
     B, H, L, K = q.shape
     o = q.new_empty(B, H, L, v.shape[-1])
     vector_gate = g is not None and g.dim() == 4
@@ -280,18 +304,20 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None):
 
 def chunked(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
             output_final_state=True, cu_seqlens=None, delta=True, chunk_size=64,
-            operand_dtype=None):
+            operand_dtype=None, rounding_seed=None):
     """The chunked forward in float32.  Takes bf16/fp16/fp32 inputs with the
     shapes of `gdn.oracle.recurrence`; returns (o in q's dtype, final_state
     float32 [N,H,K,V] or None).  ``operand_dtype`` rounds every matrix product's
     operands (see `_chunk_scan`): kfuzz's trusted implementation at a bf16 or
-    fp16 kernel's own precision."""
+    fp16 kernel's own precision; ``rounding_seed`` makes those roundings stochastic
+    (`round_to`), another honest realization of the same precision."""
     from gdn.oracle import _check, _sequences
     N = _check(q, k, v, g, beta, initial_state, cu_seqlens, delta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     f32 = torch.float32
+    gen = None if rounding_seed is None else torch.Generator().manual_seed(rounding_seed)
 
     def heads_first(x, b0, b1, t0, t1):
         return None if x is None else x[b0:b1, t0:t1].transpose(1, 2).to(f32)
@@ -310,7 +336,7 @@ def chunked(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
             S = initial_state[n0:n0 + nb].to(f32) if cu_seqlens is not None else \
                 initial_state.to(f32)
         oc, S = _chunk_scan(*(heads_first(x, b0, b1, t0, t1) for x in (q, k, v, g, beta)),
-                            S, scale, chunk_size, delta, operand_dtype)
+                            S, scale, chunk_size, delta, operand_dtype, gen)
         o[b0:b1, t0:t1] = oc.transpose(1, 2).to(q.dtype)
         finals.append(S)
     final = torch.cat(finals) if output_final_state else None

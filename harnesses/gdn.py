@@ -79,6 +79,13 @@ NO_EXACT_ANSWERS = ("the domain maps every case value through softplus, sigmoid 
 # about 2x on either side.
 BOUND_SCALE = 4.0
 
+# Where an output fails the bound, the trusted reference runs again with its bf16/fp16 operand
+# roundings stochastic, from these many seeds (kfuzz's trusted variants): on an output of one or
+# two elements its roundings to nearest can cancel (gdn_bwd_kda dg, bf16 one token, V 16: 2.2e-5
+# from the oracle, where the kernel's two roundings, h0 and v_new, leave 7.2e-4 and four
+# stochastic realizations 1.1e-4 to 1.2e-2).  A kernel as close as the farthest of them passes.
+TRUSTED_VARIANTS = 4
+
 MEMBERS = {  # suffix: (gate, delta)
     "": ("scalar", True), "_delta": (None, True), "_kda": ("vector", True),
     "_mamba2": ("scalar", False), "_gla": ("vector", False), "_linear": (None, False),
@@ -171,12 +178,14 @@ def _oracle_grads(x, delta):
     return _grads(recurrence, x, delta)
 
 
-def _same_precision(x):
+def _same_precision(x, variant=None):
     """The chunked reference with matrix operands rounded to the kernel's dtype, at the
-    kernels' chunk length (where the state is handed over in fp32)."""
+    kernels' chunk length (where the state is handed over in fp32); ``variant`` i: those
+    roundings stochastic, from seed i (kfuzz's trusted variants)."""
     from gdn.common import chunk_tokens
     vector = x.get("g") is not None and x["g"].dim() == 4
-    return functools.partial(chunked, operand_dtype=x["q"].dtype, chunk_size=chunk_tokens(vector))
+    return functools.partial(chunked, operand_dtype=x["q"].dtype, chunk_size=chunk_tokens(vector),
+                             rounding_seed=variant)
 
 
 def _register(suffix: str, gate, delta, varlen: bool) -> None:
@@ -201,14 +210,15 @@ def _register(suffix: str, gate, delta, varlen: bool) -> None:
 
     for name, kernel, reference, trusted, outputs, backward in (
         (f"gdn_fwd{suffix}", fwd_kernel, lambda **x: _call(fast_recurrence, x, delta),
-         lambda **x: _call(_same_precision(x), x, delta), fwd_outputs, False),
+         lambda variant=None, **x: _call(_same_precision(x, variant), x, delta), fwd_outputs, False),
         (f"gdn_bwd{suffix}", bwd_kernel, lambda **x: _oracle_grads(x, delta),
-         lambda **x: _grads(_same_precision(x), x, delta, wide=torch.float32),
+         lambda variant=None, **x: _grads(_same_precision(x, variant), x, delta, wide=torch.float32),
          bwd_outputs, True),
     ):
         args = _args(gate, delta, varlen, backward)
         t = Target(name=name, kernel=kernel, reference=reference, trusted=trusted, args=args,
                    outputs=outputs, dims=dict(dims), domain=domain, bound_scale=BOUND_SCALE,
+                   trusted_variants=TRUSTED_VARIANTS,
                    description=f"GDN family {'backward' if backward else 'forward'} ({member}), Triton",
                    options={"no_exact_answers": NO_EXACT_ANSWERS, "specialization": specialization})
         add_target(t)

@@ -110,6 +110,11 @@ class Target:
     constraint: Callable | None = None  # dims -> error message or None (cross-dim rules)
     planted_bug: str | None = None      # a positive control: the bug this kernel carries
     bound_scale: float = 1.0            # calibrated multiplier on compare.BOUND_C for this target
+    # other honest realizations of the trusted implementation's roundings it gives, as
+    # trusted(**inputs, variant=i) for i < trusted_variants (e.g. stochastic rounding of its
+    # low-precision operands): where the bound fails, a kernel no farther from the oracle than
+    # the farthest of them passes (kfuzz.execute.varied_trusted)
+    trusted_variants: int = 0
     description: str = ""
     options: Mapping = field(default_factory=dict)   # free-form, for engines and gates
 
@@ -139,9 +144,14 @@ class Target:
         d = self.outputs[name].dtype
         return case_dtype if d == "case" else d
 
-    def call_trusted(self, inputs: Mapping):
+    def call_trusted(self, inputs: Mapping, variant: int | None = None):
         """The trusted implementation; by default the reference math with fp32 totals
-        (low-precision inputs upcast to float32), as PyTorch's eager ops compute."""
+        (low-precision inputs upcast to float32), as PyTorch's eager ops compute.  ``variant``:
+        its variant i (``trusted_variants``)."""
+        if variant is not None:
+            if not 0 <= variant < self.trusted_variants:
+                raise TargetError(f"target {self.name!r} has {self.trusted_variants} trusted variants, not {variant + 1}")
+            return self.trusted(**inputs, variant=variant)
         if self.trusted is not None:
             return self.trusted(**inputs)
         wide = {k: v.float() if v.is_floating_point() and v.element_size() < 4 else v for k, v in inputs.items()}
@@ -256,6 +266,8 @@ def target(name: str, *, reference: Callable, args: Mapping[str, Arg], outputs: 
 def add_target(t: Target) -> Target:
     if t.name in _REGISTRY and _REGISTRY[t.name].kernel is not t.kernel:
         raise TargetError(f"target {t.name!r} registered twice")
+    if t.trusted_variants and t.trusted is None:
+        raise TargetError(f"target {t.name!r}: trusted_variants without a trusted implementation")
     for name, arg in t.args.items():
         missing = [d for d in dim_names(arg.shape) if d not in t.dims]
         if missing:

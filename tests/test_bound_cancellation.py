@@ -52,3 +52,45 @@ def test_the_perturbation_is_one_roundoff_and_keeps_zeros_and_specials():
     assert torch.equal(p[:2], x[:2].double()) and torch.isnan(p[4]) and p[5] == float("inf")
     rel = (p[2:4] / x[2:4].double() - 1).abs()
     assert torch.all((rel - u).abs() < 1e-20)
+
+
+# gdn_bwd_kda, bf16, one token, K 1, V 16: the trusted reference's roundings to nearest cancel
+# to 2.2e-5 in dg, where the kernel's two (h0 and v_new, as stored in bf16) leave 7.2e-4
+KDA_CASE = "crashes/gdn_bwd_kda/bound-dg/f8979a50785b0285.case.zst"
+
+
+@pytest.fixture(scope="module")
+def kda():
+    from pathlib import Path
+
+    from kfuzz.corpus import load
+    case, _ = load(Path(__file__).resolve().parents[1] / KDA_CASE)
+    target = get_target(case.target)
+    inputs, outputs, verdict = ex.kernel_stage(case, target)
+    assert verdict is None
+    return case, target, inputs, outputs
+
+
+def test_an_output_no_farther_than_an_honest_rounding_realization_passes(kda, monkeypatch):
+    case, target, inputs, outputs = kda
+    assert target.trusted_variants > 0
+    assert ex.judge(case, target, inputs, outputs).passed
+    monkeypatch.setattr(target, "trusted_variants", 0)
+    v = ex.judge(case, target, inputs, outputs)
+    assert v.kind == "bound" and v.output == "dg"
+
+
+def test_an_error_beyond_every_rounding_realization_still_fails(kda):
+    case, target, inputs, outputs = kda
+    o = ex.oracle_outputs(target, inputs)["dg"]
+    far = max(float((ex.trusted_outputs(target, case, inputs, variant=i)["dg"].double() - o).abs().max())
+              for i in range(target.trusted_variants))
+    wrong = dict(outputs, dg=(o + 1.5 * far).to(outputs["dg"].dtype))
+    v = ex.judge(case, target, inputs, wrong)
+    assert v.kind == "bound" and v.output == "dg"
+
+
+def test_a_target_without_variants_refuses_a_variant():
+    from kfuzz.errors import TargetError
+    with pytest.raises(TargetError, match="trusted variants"):
+        get_target("softmax").call_trusted({}, variant=0)

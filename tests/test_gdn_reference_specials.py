@@ -42,3 +42,24 @@ def test_pair_sums_gradient_is_the_sum_over_the_pairs_that_span_each_gate():
     w[0, 0, 5, 2] = float("nan")                    # the pair (5, 2) spans gates 3, 4, 5
     (grad,) = torch.autograd.grad(D, gc, w)
     assert torch.isnan(grad[0, 0]).tolist() == [False, False, False, True, True, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_lands_on_a_bracketing_neighbour_without_bias(dtype):
+    from gdn.reference import round_to
+    x = torch.tensor([1.0 + 3 * 2.0 ** -13, -3.3e-3, 0.1, 1e-6, 0.0, float("inf"), float("nan")],
+                     dtype=torch.float32)
+    draws = torch.stack([round_to(x, dtype, torch.Generator().manual_seed(s)) for s in range(400)])
+    near = x.to(dtype).to(torch.float32)
+    fin = torch.isfinite(x) & (x != 0)
+    for j in torch.nonzero(fin).flatten().tolist():
+        vals = set(draws[:, j].tolist())
+        assert all(float(torch.tensor(v).to(dtype).float()) == v for v in vals)   # representable
+        lo, hi = min(vals), max(vals)
+        assert len(vals) == 2 and lo < float(x[j]) < hi and float(near[j]) in vals   # x is not representable
+        assert abs(float(draws[:, j].double().mean()) - float(x[j])) < 0.1 * (hi - lo)   # unbiased
+    assert torch.equal(draws[:, ~fin][:, :2], near[~fin][:2].expand(400, 2))    # 0 and inf: nearest
+    assert torch.isnan(draws[:, -1]).all()
+    assert torch.allclose(round_to(x, dtype, torch.Generator().manual_seed(7)),
+                          round_to(x, dtype, torch.Generator().manual_seed(7)), rtol=0, atol=0, equal_nan=True)
+    assert torch.allclose(round_to(x, dtype), near, rtol=0, atol=0, equal_nan=True)   # no generator: nearest
