@@ -181,3 +181,27 @@ def test_a_non_finite_kind_the_rounding_of_the_inputs_picks_passes_and_no_other(
     assert passes or v.kind == "nonfinite"
     if passes:   # the oracle's kinds alone (and the trusted implementation's, the same) fail it
         assert compare(kernel(**x), oracle, target.trusted(**x), "float32").kind == "nonfinite"
+
+
+def test_the_envelope_of_a_kind_takes_more_draws_than_the_bound(monkeypatch):
+    """gdn_bwd_kda's dk at a key where an Inf times a sum that cancels to its rounding noise
+    gives NaN or -Inf by that noise's sign (crashes/gdn_bwd_kda/nonfinite-dk/46656ad1b01ff210):
+    the oracle's copies moved from seeds case.seed - 10 and - 9 keep the oracle's kinds, the
+    one from case.seed - 3 takes the kernel's.  Judged with those seeds, the kernel passes on
+    ENVELOPE_DRAWS draws and would fail on the bound's two."""
+    from pathlib import Path
+
+    import kfuzz.execute as ex
+    from kfuzz.corpus import load
+    from kfuzz.target import get_target
+    case, _ = load(Path(__file__).resolve().parents[1] / "crashes" / "gdn_bwd_kda" / "nonfinite-dk" /
+                   "46656ad1b01ff210.case.zst")
+    target = get_target(case.target)
+    inputs, outputs, verdict = ex.kernel_stage(case, target)
+    assert verdict is None
+    shifted = case.with_(seed=case.seed - 10)
+    assert ex.ENVELOPE_DRAWS >= 8 > ex.PERTURB_DRAWS
+    assert ex.judge(shifted, target, inputs, outputs).passed
+    monkeypatch.setattr(ex, "ENVELOPE_DRAWS", ex.PERTURB_DRAWS)
+    v = ex.judge(shifted, target, inputs, outputs)
+    assert v.kind == "nonfinite" and v.output == "dk"
