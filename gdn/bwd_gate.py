@@ -3,8 +3,8 @@
 The cumulative gate G of a chunk and its last row G_C (``_load_gate``); for the scalar
 gate the float64 prefix sums kept as hi + lo fp32 (``_gate_sums``) and the decay
 factors built from them (``_pair_decay``, ``_end_decay``); and dg as the sum of the
-decay terms spanning each step (``_gate_grad``).  The vector gate's dg is a plain
-reverse cumsum in ``gdn.bwd_matrix._grads``.  Refuses nothing: the flags of
+decay terms spanning each step (``_gate_grad``; per key for the vector gate,
+``_pair_spans_k`` and ``_gate_grad_of_spans_k``).  Refuses nothing: the flags of
 ``gdn.bwd_matrix._prep`` send non-finite or too steep gates to the exact path.
 """
 from __future__ import annotations
@@ -91,6 +91,25 @@ def _pair_spans(pairs):
     [C, C] pair terms, so that a kernel can reduce them to [C] before its other terms exist."""
     r = tl.arange(0, pairs.shape[0])
     return tl.sum(tl.where(r[:, None] > r[None, :], tl.cumsum(pairs, 1), 0.), 0)
+
+
+@triton.jit
+def _pair_spans_k(pairs):
+    """`_pair_spans` per key, for the vector gate: pairs [C, C, BK] (token i, token j, key) ->
+    sum_{i > u} sum_{j <= u} pairs[i, j, :], [C, BK]."""
+    r = tl.arange(0, pairs.shape[0])
+    return tl.sum(tl.where((r[:, None] > r[None, :])[:, :, None], tl.cumsum(pairs, 1), 0.), 0)
+
+
+@triton.jit
+def _gate_grad_of_spans_k(first, spans, last, through):
+    """`_gate_grad_of_spans` per key, for the vector gate: first, spans and last [C, BK],
+    through [BK] -> dg [C, BK]."""
+    r = tl.arange(0, first.shape[0])
+    Z = spans + tl.cumsum(last, 0)
+    before = tl.broadcast_to(tl.maximum(r - 1, 0)[:, None], Z.shape)
+    spanned = tl.where(r[:, None] > 0, tl.gather(Z, before, 0), 0.)
+    return tl.cumsum(first, 0, reverse=True) + spanned + through[None, :]
 
 
 @triton.jit
