@@ -18,13 +18,17 @@ CASE = {"target": "gdn_bwd_varlen", "dtype": "float32", "seed": 0,
         "args": {"beta": {"dist": {"kind": "shifted", "shift": 30}}}}
 
 
-@pytest.fixture(scope="module")
-def ran():
-    case = Case.from_json({"payload": None, "kfuzz": SCHEMA, **CASE})
+def run(case):
+    """(case, target, inputs, the kernel's outputs)."""
     target = get_target(case.target)
     inputs, outputs, verdict = ex.kernel_stage(case, target)
     assert verdict is None
     return case, target, inputs, outputs
+
+
+@pytest.fixture(scope="module")
+def ran():
+    return run(Case.from_json({"payload": None, "kfuzz": SCHEMA, **CASE}))
 
 
 def test_an_answer_that_cancels_is_judged_against_its_sensitivity(ran, monkeypatch):
@@ -64,11 +68,7 @@ def kda():
     from pathlib import Path
 
     from kfuzz.corpus import load
-    case, _ = load(Path(__file__).resolve().parents[1] / KDA_CASE)
-    target = get_target(case.target)
-    inputs, outputs, verdict = ex.kernel_stage(case, target)
-    assert verdict is None
-    return case, target, inputs, outputs
+    return run(load(Path(__file__).resolve().parents[1] / KDA_CASE)[0])
 
 
 def test_an_output_no_farther_than_an_honest_rounding_realization_passes(kda, monkeypatch):
