@@ -215,7 +215,9 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
             mcv = rv[:, None] & mv[None, :]
             offkv = ck[:, None] * V + cv[None, :]
             b_h = tl.load(hs + hbase + offkv, mask=mkv, other=0.)
-            b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.)
+            # dS_end (fp32) in the hand-off dtype of hs, as a product operand; a chunk whose
+            # dS_end is outside SBIG is flagged, and `_exact` rewrites its gradients
+            b_dsc = tl.load(dhs + hbase + offkv, mask=mkv, other=0.).to(hs.dtype.element_ty)
             b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.)
             b_u = tl.load(tile((U if DELTA else v), r0, rows, cv, V, H), mask=mcv, other=0.)
             acc_dqh += _mm(b_do, tl.trans(b_h), F32, DT)

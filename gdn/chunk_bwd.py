@@ -265,7 +265,13 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         hs = torch.empty(NC, H, K, V, device=dev, dtype=inter)
         hexp = torch.zeros(NC, H, V, device=dev, dtype=torch.int32)
         hflag = torch.empty(NC, H, NV, device=dev, dtype=torch.int32)
-    dhs = torch.empty(NC, H, K, V, device=dev, dtype=inter)
+    # the state gradient at every chunk end, fp32 for every input dtype, not in the hand-off
+    # dtype: a flagged chunk's step path (`_exact`) ends at it, and where the gradient after
+    # an infinite state nearly cancels, a bf16 rounding decides between NaN (inf - inf) and an
+    # Inf; `_grads_p` rounds it to the hand-off dtype as its product operand.  For bf16 inputs
+    # that is 2 bytes an element over a bf16 dhs: +256 MiB at B8 T4096 H16 K=V=128 with
+    # 64-token chunks (NC H K V = 2^27), +1 GiB with 16-token ones (a vector gate)
+    dhs = torch.empty(NC, H, K, V, device=dev, dtype=torch.float32)
     # a state (hs) or state gradient (dhs) past fp32's range where a chunk hands it on is
     # kept as hs 2^hexp (dhs 2^dexp), a power of two per column; 0 elsewhere
     dexp = torch.zeros(NC, H, V, device=dev, dtype=torch.int32)

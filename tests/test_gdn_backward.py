@@ -1214,3 +1214,49 @@ def test_the_step_path_masks_the_value_padding_of_its_key_contractions(gate, del
     want = oracle_grads(x, None, delta)
     assert bool(torch.isinf(want[1]).any()) == delta
     assert_same_specials(kernel_grads(x, None, delta), want)
+
+
+def special_kinds(grads):
+    """The kind of every element of the gradients, flattened one after another: NaN 2,
+    +-Inf +-1, finite 0."""
+    return torch.cat([torch.where(g.isnan(), 2., torch.where(g.isinf(), g.sign(), 0.)).float().cpu().flatten()
+                      for g in grads if g is not None])
+
+
+def first_chunk_at(x, C, rounding):
+    """The oracle's gradients of the first C tokens of x (B1) when they end at the state
+    gradient from the tokens after them (the oracle's dh0 of those tokens from a zero state:
+    the state gradient does not depend on the state) as ``rounding`` leaves it (fp32)."""
+    names = ("q", "k", "v", "g", "beta", "do")
+    after = {n: (t[:, C:] if n in names and t is not None else t) for n, t in x.items()}
+    dS = oracle_grads(dict(after, h0=torch.zeros_like(x["h0"])), None, True)[5]
+    before = {n: (t[:, :C] if n in names and t is not None else t) for n, t in x.items()}
+    return oracle_grads(dict(before, dht=rounding(dS.float()).double()), None, True)
+
+
+@pytest.mark.parametrize("gate,seed,t", [(1, 9, 12), (2, 26, 13)])
+def test_the_step_path_ends_a_chunk_inside_a_sequence_at_the_fp32_state_gradient(gate, seed, t):
+    """bf16, T 17 in 16-token chunks, v +inf at token t of the first chunk, keys of one sign
+    (normalized k + 100), dht about 100, do ones: after token t the state is infinite, and
+    dk, dg and dbeta there are sums of Infs whose signs follow a state gradient that nearly
+    cancels.  The first chunk's step path ends at the state gradient the second chunk hands
+    it in fp32 (`dhs`), and every gradient has the oracle's NaN and +-Inf sets; from that
+    gradient rounded to bf16 (to nearest, as a GPU converts, or truncated, as the
+    interpreter does) the oracle's own sets differ (gate 1: dk at token 12, key 4, is -inf,
+    and +inf from the rounded gradient).  v at 1e5 (past BIG) at token 16 sends the second
+    chunk to the step path too, so that its state gradient is float64 rounded once to fp32
+    (its matrix path takes W in bf16, an error of the order of the rounding in question)."""
+    x = make_inputs(1, 17, 1, 8, 1, gate, True, torch.bfloat16, seed=seed)
+    x["k"] = torch.nn.functional.normalize(x["k"].float() + 100, dim=-1).bfloat16()
+    x["dht"] = x["dht"] + 100
+    x["do"] = torch.ones_like(x["do"])
+    x["v"] = x["v"].clone()
+    x["v"][0, t] = float("inf")
+    x["v"][0, 16] = 1e5
+    want = oracle_grads(x, None, True)
+    first = special_kinds([w if i == 5 else w[:, :16] for i, w in enumerate(want) if w is not None])
+    truncated = lambda d: (d.view(torch.int32) & -65536).view(torch.float32)  # noqa: E731
+    assert torch.equal(special_kinds(first_chunk_at(x, 16, lambda d: d)), first)
+    for rounded in (lambda d: d.bfloat16().float(), truncated):
+        assert not torch.equal(special_kinds(first_chunk_at(x, 16, rounded)), first)
+    assert torch.equal(special_kinds(kernel_grads(x, None, True, 16)), special_kinds(want))

@@ -192,8 +192,9 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
 
 
 # pointer arguments of the backward kernels that are not bf16 in a bf16 run (the rest are
-# inputs, gradients or bf16 hand-off tensors: gdn.common.handoff_dtype)
-_BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD"}
+# inputs, gradients or bf16 hand-off tensors: gdn.common.handoff_dtype; the chunk-end state
+# gradients dhs are fp32)
+_BWD_FP32 = {"g", "dg", "h0", "dht", "dh0", "dkp", "dgp", "sstop", "HD", "dhs"}
 _BWD_I32 = {"flag", "hflag", "dflag", "cu", "tab", "coff", "stop", "hexp", "dexp"}
 
 
