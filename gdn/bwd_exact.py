@@ -167,14 +167,16 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, h0, dht, hs, hexp, dhs, dexp, dq
     SEG-token segment, then each segment, last first, is stepped again to keep its SEG states,
     which the token's autograd (`_exact_token`) reads in reverse.  A state is kept as its bits,
     so the one read back is the one stepped (signed zeros and NaN included).  The chunk's entry
-    state is hs 2^hexp and its end's state gradient dhs 2^dexp, exact in float64 where the
-    sequential kernels handed on a value past fp32's range; a sequence's first chunk enters from
-    h0 and its last ends at dht, read as given (fp32) as the oracle's recurrence starts from them,
-    not as hs and dhs hold them in the hand-off dtype: a bf16 rounding of dht can flip the sign of
-    a state gradient that cancels, which decides between NaN (inf - inf) and an Inf in dk beside
-    an infinite state (crashes/gdn_bwd/nonfinite-dk/626b0430c43cde9a: dht about 100, the state
-    gradient -0.0104 at token 0 from the fp32 dht, +0.0285 from its bf16 rounding).  About 2C
-    steps a V tile, against C^2/2 recomputing each state from the entry state."""
+    state is hs 2^hexp and its end's state gradient dhs 2^dexp (dhs fp32), exact in float64
+    where the sequential kernels handed on a value past fp32's range; a sequence's first chunk
+    enters from h0 and its last ends at dht, read as given as the oracle's recurrence starts
+    from them (hs holds h0 in the hand-off dtype).  Neither dht nor dhs is the bf16 hand-off
+    copy: a bf16 rounding of the state gradient the step path ends at can flip the sign of one
+    that cancels, which decides between NaN (inf - inf) and an Inf in dk beside an infinite state
+    (crashes/gdn_bwd/nonfinite-dk/626b0430c43cde9a: dht about 100, the state gradient -0.0104
+    at token 0 from the fp32 dht, +0.0285 from its bf16 rounding; at a chunk boundary inside a
+    sequence, crashes/gdn_bwd_kda/nonfinite-dk/deecb84d4e4daab8).  About 2C steps a V tile,
+    against C^2/2 recomputing each state from the entry state."""
     NSEG: tl.constexpr = C // SEG
     n, ic, bos, eos = _coords(cid, T, cu, tab, C, IS_VARLEN)
     rows = tl.arange(0, C)

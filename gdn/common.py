@@ -8,7 +8,8 @@ trusted reference rounds them; only where the output's N dimension is >= 32, see
 bf16 operands in the WY prep too (`gdn.fwd_prep`), and fp32 operands otherwise (tf32 on GPUs;
 fp32 inputs tf32x3; "ieee" under the interpreter).  The tensors one launch hands to the next
 (w, u, the chunk states, v_new) are stored in bf16 for bf16 inputs (as fla does; the outputs
-are bf16 anyway) and in fp32 otherwise (an fp16 state could overflow): `handoff_dtype`.
+are bf16 anyway) and in fp32 otherwise (an fp16 state could overflow): `handoff_dtype`.  The
+backward's chunk-end state gradients (dhs) are fp32 for every dtype (`gdn.chunk_bwd`).
 """
 from __future__ import annotations
 

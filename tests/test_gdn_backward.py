@@ -1158,8 +1158,8 @@ def test_the_step_path_ends_a_sequence_at_dht_as_given():
     token 0's dk is inf - inf (NaN) at a key whose state gradient after the step is negative
     and -inf at one whose is positive (dk_i = sum S1 dx + beta (dS_i v - dS_i k.S1), S1 = +inf),
     and some of those gradients cancel to within dht's bf16 rounding (the oracle's NaN set
-    from dht rounded to bf16 differs).  The step path reads dht as given, not as the bf16
-    chunk-end tensor dhs holds it, and its NaN/Inf sets are the oracle's."""
+    from dht rounded to bf16 differs).  The step path ends the sequence at dht as given
+    (fp32), and its NaN/Inf sets are the oracle's."""
     x = make_inputs(2, 5, 2, 24, 2, 1, True, torch.bfloat16, seed=0)
     x["k"] = torch.nn.functional.normalize(x["k"].float() + 4.0, dim=-1).bfloat16()   # one sign
     x["h0"] = x["h0"].clone()
