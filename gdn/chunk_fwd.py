@@ -18,13 +18,16 @@ the statement this file follows).  Up to seven launches:
   2. `gdn.fwd_state._state_kernel`, one program per (sequence, head, V tile), walks its
      sequence chunk by chunk with the state S [K, BV] in registers, fp32: stores
      the state entering each chunk and v_new = u - w S (delta), and marks the
-     chunks it had to step token by token (xflag, per V column).  Two launches:
-     the matrix part (PART 0) stops at the first chunk that fails the checks,
-     the resume part (PART 1) goes on from there, token by token where needed.
+     chunks it had to step token by token (xflag, per V column), whose o it
+     stores from each step's float64 state.  Two launches: the matrix part
+     (PART 0) stops at the first chunk that fails the checks, the resume part
+     (PART 1) goes on from there, token by token where needed.
   3. `_out_kernel`, one program per (chunk, head, V tile), all parallel:
      o = scale ((Gamma q) S + (q k^T decay) v_new) from the stored state (PART 0),
-     or token by token from it where xflag is set or q fails the checks (PART 1, one
-     program per `out_chunks` chunks (`gdn.config`), head and V tile).
+     or token by token from it in the tiles PART 0 leaves, where q fails the
+     checks or the state pass stepped a column, less the 16-column slices it
+     stepped, whose o it wrote (PART 1, one program per `out_chunks` chunks
+     (`gdn.config`), head and V tile).
      Kept apart, the matrix parts hold no float64 tiles: the state kernel's matrix
      part runs without spills, and its loop, without a branch, is pipelined.
 
@@ -205,17 +208,24 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, 
                 tl.store(tile(o, r0, rr, dv, V, H), ot.to(o.dtype.element_ty), mask=mv)
         else:
             # float64 on 16-column slices of the entering state (the recurrence is separable
-            # in V): a [BK, 16] float64 tile live, not [BK, BV] (sm_90, K=V=256: no more stack)
+            # in V): a [BK, 16] float64 tile live, not [BK, BV] (sm_90, K=V=256: no more stack).
+            # A slice the state pass stepped (xflag; its resume tiles, multiples of 16 wide,
+            # hold whole slices) has its o from there, from the state the pass holds, not from
+            # hs in the hand-off dtype; the others are taken here (q fails its checks, or a
+            # stepped slice shares the tile).  One flag a slice, not a column mask: with the
+            # mask this part spills (sm_90 offline: 16-24 bytes of stack at 80 registers)
             XV: tl.constexpr = 16 if BV > 16 else BV
             for j in range(0, BV // XV):
                 dvj = i_v * BV + j * XV + tl.arange(0, XV)
                 vmj = dvj < V
-                smj = kmask[:, None] & vmj[None, :]
-                Sj = tl.load(hs + hbase + (dk[:, None] * V + dvj[None, :]), mask=smj, other=0.0)
-                Ej = tl.load(hexp + (cid * H + i_h) * V + dvj, mask=vmj, other=0).to(tl.float64)
-                exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64) * tl.exp2(Ej)[None, :], Ej, scale,
-                            bos, eos, i_h, dk, kmask, dvj, vmj, smj, False, H, K, V, BT, GATE, DELTA,
-                            True)
+                xj = tl.load(xflag + (cid * H + i_h) * V + dvj, mask=vmj, other=1)
+                if tl.min(xj) == 0:
+                    smj = kmask[:, None] & vmj[None, :]
+                    Sj = tl.load(hs + hbase + (dk[:, None] * V + dvj[None, :]), mask=smj, other=0.0)
+                    Ej = tl.load(hexp + (cid * H + i_h) * V + dvj, mask=vmj, other=0).to(tl.float64)
+                    exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64) * tl.exp2(Ej)[None, :], Ej,
+                                scale, bos, eos, i_h, dk, kmask, dvj, vmj, smj, False, H, K, V, BT,
+                                GATE, DELTA, True)
 
 
 @triton.jit
@@ -227,8 +237,9 @@ def _out_kernel(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr
                 PART: tl.constexpr, BKS: tl.constexpr, G: tl.constexpr):
     """The parallel part: o = scale (Gamma q) S + (q k^T decay) v_new with S the stored state
     entering the chunk (PART 0, a program per (V tile, chunk, head), which marks in oflag the
-    tiles it left); token by token from that state where the state pass stepped the chunk
-    (xflag) or q fails the matrix path's checks (PART 1, launched after PART 0: a program per
+    tiles it left: q fails the matrix path's checks, or the state pass stepped a column
+    (xflag)); token by token from that state in the marked tiles' columns that the state pass
+    did not step, whose o it stored itself (PART 1, launched after PART 0: a program per
     (V tile, G chunks, head) reads their marks in one load and takes the marked ones in turn,
     rather than a program a tile with nearly all of them having nothing to do).  Apart, the
     matrix part holds no float64 tiles."""
@@ -390,8 +401,8 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     dt = tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET else tl.float32
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, DT=dt)
-    state_args = (k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, xflag, hT, stop, sstop,
-                  cu, choff, T, max(NT, 1), triton.next_power_of_2(N * H))
+    state_args = (q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, xflag, o, hT, stop,
+                  sstop, cu, choff, scale, T, max(NT, 1), triton.next_power_of_2(N * H))
     state_kw = dict(HAS_H0=initial_state is not None, STORE_HT=output_final_state, SBIG=SBIG,
                     **common)
     fwd_state.launch_state(state_args, N * H, config, **state_kw)

@@ -50,7 +50,8 @@ class GDNConfig:
         (32, 4, 2), (16, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 2), (32, 8, 2), (16, 2, 2), (32, 4, 3))
     state_pick: str = "tune"     # one of STATE_PICKS
     # The resume part's tile: the narrowest of the matrix part's, so that each resume tile lies
-    # inside one matrix tile and its columns share one stopping chunk.
+    # inside one matrix tile and its columns share one stopping chunk.  A power of two of at
+    # least 16: the output kernel's token-by-token part leaves to it whole 16-column slices.
     state_resume_bv: int = 16
     state_resume_warps: int = 4
 
@@ -143,6 +144,9 @@ class GDNConfig:
             raise ValueError(f"state_pick must be one of {STATE_PICKS}; got {self.state_pick!r}")
         if not self.state_configs or any(len(c) != 3 for c in self.state_configs):
             raise ValueError(f"state_configs must be (BV, warps, stages) triples; got {self.state_configs!r}")
+        if self.state_resume_bv < 16 or self.state_resume_bv & (self.state_resume_bv - 1):
+            raise ValueError(f"state_resume_bv must be a power of two of at least 16 (the output "
+                             f"kernel's 16-column slices); got {self.state_resume_bv!r}")
         if self.bwd_dstates_bv not in (None, 64, 128):
             raise ValueError(f"bwd_dstates_bv must be None, 64 or 128; got {self.bwd_dstates_bv!r}")
 

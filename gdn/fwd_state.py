@@ -1,10 +1,11 @@
 """The GDN forward's sequential pass: `_state_kernel` (launch 2 of `gdn.chunk_fwd`).
 
 Per (V tile, sequence-head) it walks the sequence chunk by chunk with the state S [K, BV]
-in registers, fp32: stores the state entering every chunk (hs), v_new = u - w S (delta; vn)
-and the final state, in two launches (`launch_state`): PART 0, the matrix part, autotuned,
-with no branch in its loop; PART 1, the resume part, from the first chunk that failed the
-matrix path's checks on (see `_state_kernel`).  PART 0's config is picked as
+in registers, fp32: stores the state entering every chunk (hs), v_new = u - w S (delta; vn),
+o of the chunks it steps token by token, and the final state, in two launches
+(`launch_state`): PART 0, the matrix part, autotuned, with no branch in its loop; PART 1, the
+resume part, from the first chunk that failed the matrix path's checks on (see
+`_state_kernel`).  PART 0's config is picked as
 ``config.state_pick`` says (`gdn.config`).  `gdn.common` holds the shared helpers,
 `gdn.chunk_fwd` the gate prefix and output kernels and the module docstring with the NaN/Inf
 contract.
@@ -134,8 +135,8 @@ def _enter_stores(hs, xflag, S, zf, cid, i_h, dv, kv_off, smask, vmask, alive, H
 
 
 @triton.jit
-def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, xflag, hT, stop, sstop,
-                  cu, choff, T, NT, OCC,
+def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, xflag, o, hT, stop,
+                  sstop, cu, choff, scale, T, NT, OCC,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                   GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr,
@@ -152,9 +153,12 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, x
     leaves the rest of the sequence to PART 1 (it runs on over the rest without storing).
     PART 1, the resume part (16-column tiles, launched after PART 0; a program whose columns
     ran to the end returns at once): from the recorded chunk on, steps token by token the
-    chunks whose inputs or incoming state fail the checks (`exact_chunk`) and the others by
-    the matrix path.  xflag marks, per V column, the chunks stepped token by token, so that
-    _out_kernel takes them exactly.  Kept apart, the matrix part holds no float64 tiles."""
+    chunks whose inputs or incoming state fail the checks (`exact_chunk`), storing their o
+    from each step's float64 state, and the others by the matrix path.  xflag marks, per V
+    column, the chunks stepped token by token, whose o _out_kernel leaves as stored (stepped
+    again from hs, rounded to the hand-off dtype, a state that nearly cancels where beta or a
+    key is infinite could give NaN where the oracle's o is an Inf).  Kept apart, the matrix
+    part holds no float64 tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -223,9 +227,10 @@ def _state_kernel(k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, x
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
                                      dv, vmask, ok, gk, gkl, H, K, V, GATE, DELTA, PREC, DT)
-                else:   # float64 steps, the state kept fp32 between them (scaled: `exact_chunk`)
-                    S, E = exact_chunk(k, k, v, g, beta, k, S, E, 1.0, t0, eos, i_h, dk, kmask, dv,
-                                       vmask, smask, c < nch - 1, H, K, V, BT, GATE, DELTA, False)
+                else:   # float64 steps, the state kept fp32 between them (scaled: `exact_chunk`),
+                    # and o from each step's float64 state
+                    S, E = exact_chunk(q, k, v, g, beta, o, S, E, scale, t0, eos, i_h, dk, kmask, dv,
+                                       vmask, smask, c < nch - 1, H, K, V, BT, GATE, DELTA, True)
             if STORE_HT:   # the last chunk leaves its state unscaled (E = 0)
                 tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
 

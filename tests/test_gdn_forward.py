@@ -325,8 +325,9 @@ def test_state_configs_come_from_the_config(monkeypatch):
 
 def test_a_config_refuses_what_no_launch_takes():
     """`GDNConfig` names the field at fault: an unknown state pick, a config that is not a
-    (BV, warps, stages) triple, an unknown field from a tool's command line; known fields
-    from a dict replace the default's."""
+    (BV, warps, stages) triple, a resume tile that is not a power of two of at least 16, an
+    unknown field from a tool's command line; known fields from a dict replace the
+    default's."""
     import dataclasses
 
     from gdn.config import DEFAULT, GDNConfig, OutLaunch
@@ -336,6 +337,9 @@ def test_a_config_refuses_what_no_launch_takes():
         dataclasses.replace(DEFAULT, state_configs=((32, 4),))
     with pytest.raises(ValueError, match="bwd_dstates_bv"):
         dataclasses.replace(DEFAULT, bwd_dstates_bv=32)
+    for bv in (8, 24):
+        with pytest.raises(ValueError, match="state_resume_bv"):
+            dataclasses.replace(DEFAULT, state_resume_bv=bv)
     with pytest.raises(ValueError, match="prep_warps_typo"):
         GDNConfig.from_dict({"prep_warps_typo": 8})
     got = GDNConfig.from_dict({"bwd_prep_warps": 8, "out_sliced": {"bv": 64, "warps": 4, "bk": 32},
@@ -999,3 +1003,57 @@ def test_a_beta_that_expands_each_step_sends_its_chunk_to_the_exact_path(gate):
     assert o2[inside].isfinite().all()
     assert torch.allclose(o2.double()[inside], o[inside], rtol=1e-4, atol=0)
     assert_same_nonfinite(o2, o)
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
+def test_a_stepped_chunk_takes_its_output_from_the_state_the_state_pass_holds(gate):
+    """bf16, K 2, V 1, one chunk boundary: the first chunk, stepped (v past BIG at a token with
+    beta 0), leaves the state (1 + 2^-14, -1) (beta 1 + 2^-14 on key e_0 and v 1, then v -1 on
+    e_1); in bf16, to nearest or truncated, it is (1, -1).  At the next chunk's first token
+    beta is +inf, the keys (1/2, 1/2) and v -1: k · S is 2^-15, and the step gives -inf in both
+    keys and o -inf; from the state in bf16, k · S is 0 and inf · 0 gives NaN.  The state pass
+    steps that chunk from the state it holds and writes its o, so o and the final state have
+    the oracle's NaN/Inf sets."""
+    C = 16 if gate == "vector" else 64
+    x = make_inputs(gate, True, B=1, T=C + 1, H=1, K=2, V=1, dtype=torch.bfloat16, seed=1, h0=False)
+    e0, e1, half = ([a, b] for a, b in ((1, 0), (0, 1), (0.5, 0.5)))
+    k = [e0, e1] + [e0] * (C - 2) + [half]
+    beta = [1 + 2 ** -14, 1.0] + [0.0] * (C - 2) + [float("inf")]
+    v = [1.0, -1.0, 1e5] + [0.0] * (C - 3) + [-1.0]
+    x["q"] = torch.ones_like(x["q"])
+    x["k"] = torch.tensor(k, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 2)
+    x["v"] = torch.tensor(v, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 1)
+    x["beta"] = torch.tensor(beta, device=DEV).view(1, C + 1, 1)
+    if x["g"] is not None:
+        x["g"] = torch.zeros_like(x["g"])
+    o, s = call(recurrence, x)
+    assert o[0, C, 0, 0] == float("-inf")
+    last = {n: (x[n][:, C:] if x[n] is not None else None) for n in ("q", "k", "v", "g", "beta")}
+    _, S = recurrence(*(x[n][:, :C] if x[n] is not None else None for n in ("q", "k", "v", "g", "beta")))
+    truncated = (S.float().view(torch.int32) & -65536).view(torch.float32)
+    for rounded in (S.bfloat16().float(), truncated):
+        o_r, _ = recurrence(last["q"], last["k"], last["v"], last["g"], last["beta"],
+                            initial_state=rounded.double())
+        assert o_r.isnan().all()
+    o2, s2 = call(chunk_gdn_fwd, x)
+    assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
+    assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
+
+
+@pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", False)],
+                         ids=["scalar-delta", "vector-linear"])
+def test_an_output_tile_with_stepped_and_matrix_columns_matches_the_oracle(gate, delta):
+    """A NaN in one head's initial state at column 5 of V 48: the state pass steps that
+    head's columns 0-15 (a resume tile) in every chunk and takes columns 16-47 by the matrix
+    path, and the output kernel's 64-wide tile goes to its token-by-token part, which takes
+    only the columns the state pass did not step.  o and the final state are the oracle's,
+    NaN in column 5 alone."""
+    x = make_inputs(gate, delta, B=1, T=70, H=2, K=16, V=48, seed=4)
+    inject(x, "initial_state", float("nan"))
+    o, s = call(recurrence, x, delta=delta)
+    o2, s2, saved = call(chunk_gdn_fwd, x, delta=delta, return_saved=True)
+    stepped = saved["stepped"][:, 1].bool()
+    assert stepped[:, :16].all() and not stepped[:, 16:].any() and not saved["stepped"][:, 0].any()
+    assert o[0, :, 1, 5].isnan().all() and o[0, :, 1, 16:].isfinite().all()
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)

@@ -146,10 +146,10 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
     common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
                   IS_VARLEN=False, PREC="tf32x3" if fp32 else "tf32", BIG=65536.0)
     scal = {"T": "i32", "NT": "i32"}
-    state_sig = {**_ptrs(["k", "v", "beta", "w", "u", "hs", "vn"], X),
+    state_sig = {**_ptrs(["q", "k", "v", "beta", "w", "u", "hs", "vn", "o"], X),
                  **_ptrs(["g", "gc", "gcl", "h0", "hT", "sstop"], "*fp32"),
-                 **_ptrs(["gflag", "flag", "stop", "cu", "choff", "hexp"], "*i32"), "xflag": "*i8", **scal,
-                 "OCC": "i32"}
+                 **_ptrs(["gflag", "flag", "stop", "cu", "choff", "hexp"], "*i32"), "xflag": "*i8",
+                 "scale": "fp32", **scal, "OCC": "i32"}
     out_sig = {**_ptrs(["q", "k", "v", "beta", "hs", "vn", "o"], X), **_ptrs(["g", "gc", "gcl"], "*fp32"),
                **_ptrs(["xflag", "oflag"], "*i8"), **_ptrs(["cb_ptr", "ce_ptr", "hexp"], "*i32"),
                "scale": "fp32", **scal, "NC": "i32"}
