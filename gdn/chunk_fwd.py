@@ -223,9 +223,9 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, 
                     smj = kmask[:, None] & vmj[None, :]
                     Sj = tl.load(hs + hbase + (dk[:, None] * V + dvj[None, :]), mask=smj, other=0.0)
                     Ej = tl.load(hexp + (cid * H + i_h) * V + dvj, mask=vmj, other=0).to(tl.float64)
-                    exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64) * tl.exp2(Ej)[None, :], Ej,
-                                scale, bos, eos, i_h, dk, kmask, dvj, vmj, smj, False, H, K, V, BT,
-                                GATE, DELTA, True)
+                    exact_chunk(q, k, v, g, beta, o, Sj.to(tl.float64) * tl.exp2(Ej)[None, :],
+                                scale, bos, eos, i_h, dk, kmask, dvj, vmj, smj, H, K, V, BT, GATE,
+                                DELTA)
 
 
 @triton.jit

@@ -206,57 +206,44 @@ def chunk_span(i_c, cb_ptr, ce_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.const
 
 
 @triton.jit
-def exact_chunk(q, k, v, g, beta, o, S, E, scale, t0, eos, i_h, dk, kmask, dv, vmask, smask, keep,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 GATE: tl.constexpr, DELTA: tl.constexpr, STORE_O: tl.constexpr):
-    """One chunk token by token with the oracle's formulas, each step in float64 as the oracle
-    computes (so that a value the oracle keeps inside fp32's range is not an fp32 overflow of
-    an intermediate: G06, beta at bf16's maximum); stores its outputs when STORE_O (rounded
-    through fp32: Triton 3.9's interpreter rounds float64 to bf16 wrongly), returns the new
-    state as (S, E), the state S 2^E with E ([BV] float64) a power of two per column.  Between
-    steps the state is kept in S's dtype (float64 in the output kernel, whose E stays as given);
-    an fp32 one (the state kernel's, whose [BK, BV] tile in float64 spilled at sm_90) as
-    S_true / 2^E, E > 0 in a column only while its largest finite element is past 2^127, which
-    S then holds at 2^127 (its elements down to 2^-253 of that one stay normal), so a state
-    that leaves fp32's range and comes back, as the oracle's may, is carried across (G06: final
-    state 1.6e32 after a step past 3.4e38).  The chunk's last step keeps a column scaled only
-    where ``keep`` (a next chunk takes the state: the state pass stores S and E for it) and
-    the column's largest element is past fp32's range, so that a later decay brings it back as
-    the oracle's (`scaled_columns`); else it rounds the column to fp32 as it is, so that in the
-    final state an element inside fp32's range beside one past it keeps its digits rather than
-    coming back from a subnormal (gdn_fwd: ht 3.4e-3 off, 1e36 beside 1e109)."""
-    RESCALE: tl.constexpr = S.dtype == tl.float32
+def exact_chunk(q, k, v, g, beta, o, S, scale, t0, eos, i_h, dk, kmask, dv, vmask, smask,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                GATE: tl.constexpr, DELTA: tl.constexpr):
+    """One chunk token by token with the oracle's formulas, from the state S entering it
+    ([BK, BV] float64), each step in float64 as the oracle computes and the state kept in
+    float64 between steps (so that a value the oracle keeps inside fp32's range is not an fp32
+    overflow of an intermediate: G06, beta at bf16's maximum; and a state that leaves fp32's
+    range inside the chunk and comes back, as the oracle's may, is carried across: G06, final
+    state 1.6e32 after a step past 3.4e38).  Stores o = scale q S_t of every token (rounded
+    through fp32: Triton 3.9's interpreter rounds float64 to bf16 wrongly) and returns the state
+    leaving the chunk, float64.  The state pass hands it on as `scaled_columns` rounds it: a
+    column past fp32's range scaled where a next chunk takes it, so that a later decay brings
+    it back as the oracle's; else rounded to fp32 as it is, so that in the final state an
+    element inside fp32's range beside one past it keeps its digits rather than coming back
+    from a subnormal (gdn_fwd: ht 3.4e-3 off, 1e36 beside 1e109)."""
     n = tl.minimum(BT, eos - t0)
     for t in range(0, n):
         tok = (t0 + t).to(tl.int64)
-        Sd = S.to(tl.float64)
-        if RESCALE:
-            Sd = Sd * tl.exp2(E)[None, :]
         kv = tl.load(k + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
         vv = tl.load(v + (tok * H + i_h) * V + dv, mask=vmask, other=0.0).to(tl.float64)
         if GATE == 1:
-            Sd = tl.exp(tl.load(g + tok * H + i_h).to(tl.float64)) * Sd
+            S = tl.exp(tl.load(g + tok * H + i_h).to(tl.float64)) * S
         elif GATE == 2:
             av = tl.exp(tl.load(g + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64))
-            Sd = av[:, None] * Sd
+            S = av[:, None] * S
         if GATE != 0:   # a decay of inf times the padding's 0 is NaN, which k S would sum in
-            Sd = tl.where(smask, Sd, 0.0)
+            S = tl.where(smask, S, 0.0)
         if DELTA:
             bk = tl.load(beta + tok * H + i_h).to(tl.float64) * kv
-            kS = tl.sum(kv[:, None] * Sd, axis=0)
-            Sd = Sd - bk[:, None] * kS[None, :] + bk[:, None] * vv[None, :]
+            kS = tl.sum(kv[:, None] * S, axis=0)
+            S = S - bk[:, None] * kS[None, :] + bk[:, None] * vv[None, :]
         else:
-            Sd = Sd + kv[:, None] * vv[None, :]
-        Sd = tl.where(smask, Sd, 0.0)   # padding stays 0 (no 0 * inf in it)
-        if STORE_O:
-            qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
-            ov = tl.sum(qv[:, None] * Sd, axis=0)
-            tl.store(o + (tok * H + i_h) * V + dv, ov.to(tl.float32).to(o.dtype.element_ty), mask=vmask)
-        if RESCALE:
-            S, E = scaled_columns(Sd, t < n - 1, keep, S.dtype)
-        else:
-            S = Sd.to(S.dtype)
-    return S, E
+            S = S + kv[:, None] * vv[None, :]
+        S = tl.where(smask, S, 0.0)   # padding stays 0 (no 0 * inf in it)
+        qv = scale * tl.load(q + (tok * H + i_h) * K + dk, mask=kmask, other=0.0).to(tl.float64)
+        ov = tl.sum(qv[:, None] * S, axis=0)
+        tl.store(o + (tok * H + i_h) * V + dv, ov.to(tl.float32).to(o.dtype.element_ty), mask=vmask)
+    return S
 
 
 @triton.jit

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.common import INTERPRET, all_within, all_within_max, exact_chunk, handoff, load_gates, mask_and, odot
+from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, handoff, load_gates, mask_and,
+                        odot, scaled_columns)
 from gdn.config import DEFAULT, GDNConfig
 
 # the state check: one NaN-propagating max an element on a GPU; under the interpreter the same
@@ -153,8 +154,9 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
     leaves the rest of the sequence to PART 1 (it runs on over the rest without storing).
     PART 1, the resume part (16-column tiles, launched after PART 0; a program whose columns
     ran to the end returns at once): from the recorded chunk on, steps token by token the
-    chunks whose inputs or incoming state fail the checks (`exact_chunk`), storing their o
-    from each step's float64 state, and the others by the matrix path.  xflag marks, per V
+    chunks whose inputs or incoming state fail the checks (`exact_chunk`: float64 from the
+    state held, rounded to fp32 at the chunk's end), storing their o from each step's state,
+    and the others by the matrix path.  xflag marks, per V
     column, the chunks stepped token by token, whose o _out_kernel leaves as stored (stepped
     again from hs, rounded to the hand-off dtype, a state that nearly cancels where beta or a
     key is infinite could give NaN where the oracle's o is an Inf).  Kept apart, the matrix
@@ -209,7 +211,7 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
         c0 = tl.min(tl.load(stop + i_nh * V + dv, mask=vmask, other=nch))   # one value a tile
         if c0 < nch:
             S = tl.load(sstop + i_nh.to(tl.int64) * K * V + kv_off, mask=smask, other=0.0)
-            E = tl.zeros([BV], dtype=tl.float64)   # the state is S 2^E (`exact_chunk`)
+            E = tl.zeros([BV], dtype=tl.float64)   # the state is S 2^E (`scaled_columns`)
             for c in range(c0, nch):
                 cid = (c_first + c).to(tl.int64)
                 t0 = bos + c * BT
@@ -227,10 +229,11 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
                 if ok:
                     S = _matrix_step(w, u, gc, gcl, vn, S, kt, vt, r0, rr, rmask, nlast, dk, kmask,
                                      dv, vmask, ok, gk, gkl, H, K, V, GATE, DELTA, PREC, DT)
-                else:   # float64 steps, the state kept fp32 between them (scaled: `exact_chunk`),
-                    # and o from each step's float64 state
-                    S, E = exact_chunk(q, k, v, g, beta, o, S, E, scale, t0, eos, i_h, dk, kmask, dv,
-                                       vmask, smask, c < nch - 1, H, K, V, BT, GATE, DELTA, True)
+                else:   # float64 steps from the state held, o from each (`exact_chunk`)
+                    Sd = exact_chunk(q, k, v, g, beta, o, S.to(tl.float64) * tl.exp2(E)[None, :],
+                                     scale, t0, eos, i_h, dk, kmask, dv, vmask, smask, H, K, V, BT,
+                                     GATE, DELTA)
+                    S, E = scaled_columns(Sd, False, c < nch - 1, tl.float32)
             if STORE_HT:   # the last chunk leaves its state unscaled (E = 0)
                 tl.store(hT + i_nh.to(tl.int64) * K * V + kv_off, S, mask=smask)
 

@@ -1057,3 +1057,25 @@ def test_an_output_tile_with_stepped_and_matrix_columns_matches_the_oracle(gate,
     assert o[0, :, 1, 5].isnan().all() and o[0, :, 1, 16:].isfinite().all()
     assert_same_nonfinite(o2, o)
     assert_same_nonfinite(s2, s)
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
+def test_a_stepped_chunk_keeps_its_state_in_float64_from_step_to_step(gate):
+    """fp32, K 2, V 1, three tokens: beta 1 + 2^-20 and v 1 + 2^-20 on key e_0 leave
+    S_0 = 1 + 2^-19 + 2^-40, which fp32 rounds to 1 + 2^-19; v -(1 + 2^-19) on e_1; then beta
+    +inf (the chunk steps), keys (1/2, 1/2) and v -1: k · S is 2^-41 and the step gives -inf
+    in both keys, o -inf; from the state rounded to fp32 after each step k · S is 0 and
+    inf · 0 gives NaN.  The state pass steps the chunk with its state in float64 from step to
+    step, as the oracle does, so o and the final state have the oracle's NaN/Inf sets."""
+    x = make_inputs(gate, True, B=1, T=3, H=1, K=2, V=1, seed=1, h0=False)
+    x["q"] = torch.ones_like(x["q"])
+    x["k"] = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]], device=DEV).view(1, 3, 1, 2)
+    x["v"] = torch.tensor([1 + 2 ** -20, -(1 + 2 ** -19), -1.0], device=DEV).view(1, 3, 1, 1)
+    x["beta"] = torch.tensor([1 + 2 ** -20, 1.0, float("inf")], device=DEV).view(1, 3, 1)
+    if x["g"] is not None:
+        x["g"] = torch.zeros_like(x["g"])
+    o, s = call(recurrence, x)
+    assert o[0, 2, 0, 0] == float("-inf") and (s == float("-inf")).all()
+    o2, s2 = call(chunk_gdn_fwd, x)
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)
