@@ -21,13 +21,14 @@ the statement this file follows).  Up to seven launches:
      chunks it had to step token by token (xflag, per V column), whose o it
      stores from each step's float64 state.  Two launches: the matrix part
      (PART 0) stops at the first chunk that fails the checks, the resume part
-     (PART 1) goes on from there, token by token where needed.
+     (PART 1) goes on from there, token by token where needed (there a chunk
+     whose q fails the checks too).
   3. `_out_kernel`, one program per (chunk, head, V tile), all parallel:
      o = scale ((Gamma q) S + (q k^T decay) v_new) from the stored state (PART 0),
      or token by token from it in the tiles PART 0 leaves, where q fails the
-     checks or the state pass stepped a column, less the 16-column slices it
-     stepped, whose o it wrote (PART 1, one program per `out_chunks` chunks
-     (`gdn.config`), head and V tile).
+     checks (before the state pass's resume part) or the state pass stepped a
+     column, less the 16-column slices it stepped, whose o it wrote (PART 1,
+     one program per `out_chunks` chunks (`gdn.config`), head and V tile).
      Kept apart, the matrix parts hold no float64 tiles: the state kernel's matrix
      part runs without spills, and its loop, without a branch, is pipelined.
 
@@ -211,9 +212,10 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, 
             # in V): a [BK, 16] float64 tile live, not [BK, BV] (sm_90, K=V=256: no more stack).
             # A slice the state pass stepped (xflag; its resume tiles, multiples of 16 wide,
             # hold whole slices) has its o from there, from the state the pass holds, not from
-            # hs in the hand-off dtype; the others are taken here (q fails its checks, or a
-            # stepped slice shares the tile).  One flag a slice, not a column mask: with the
-            # mask this part spills (sm_90 offline: 16-24 bytes of stack at 80 registers)
+            # hs in the hand-off dtype; the others are taken here (q fails its checks where the
+            # state pass's matrix part ran, or a stepped slice shares the tile).  One flag a
+            # slice, not a column mask: with the mask this part spills (sm_90 offline: 16-24
+            # bytes of stack at 80 registers)
             XV: tl.constexpr = 16 if BV > 16 else BV
             for j in range(0, BV // XV):
                 dvj = i_v * BV + j * XV + tl.arange(0, XV)

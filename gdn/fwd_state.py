@@ -154,13 +154,12 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
     leaves the rest of the sequence to PART 1 (it runs on over the rest without storing).
     PART 1, the resume part (16-column tiles, launched after PART 0; a program whose columns
     ran to the end returns at once): from the recorded chunk on, steps token by token the
-    chunks whose inputs or incoming state fail the checks (`exact_chunk`: float64 from the
-    state held, rounded to fp32 at the chunk's end), storing their o from each step's state,
-    and the others by the matrix path.  xflag marks, per V
-    column, the chunks stepped token by token, whose o _out_kernel leaves as stored (stepped
-    again from hs, rounded to the hand-off dtype, a state that nearly cancels where beta or a
-    key is infinite could give NaN where the oracle's o is an Inf).  Kept apart, the matrix
-    part holds no float64 tiles."""
+    chunks whose inputs (q too) or incoming state fail the checks (`exact_chunk`: float64 from
+    the state held, rounded to fp32 at the chunk's end), storing their o from each step's
+    state, and the others by the matrix path.  xflag marks, per V column, the chunks stepped
+    token by token, whose o _out_kernel leaves as stored (stepped again from hs, rounded to the
+    hand-off dtype, a state that nearly cancels where q or beta is infinite could give NaN where
+    the oracle's o is an Inf).  Kept apart, the matrix part holds no float64 tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -223,6 +222,10 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
                 # a scaled state (E > 0) holds a column's largest element at 2^127, past SBIG
                 ok, kt, vt = _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
                                        H, K, V, GATE, DELTA, BIG, SBIG)
+                # and q's check: a chunk whose q fails it is stepped here too, so that its o comes
+                # from the state held (the matrix part leaves q to _out_kernel)
+                qt = tl.load(_stile(q, r0, rr, dk, K, H), mask=rmask[:, None] & kmask[None, :], other=0.0)
+                ok = ok & all_within(qt, BIG)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, handoff(S, hs), mask=smask)
                 tl.store(hexp + (cid * H + i_h) * V + dv, E.to(tl.int32), mask=vmask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)

@@ -1040,6 +1040,35 @@ def test_a_stepped_chunk_takes_its_output_from_the_state_the_state_pass_holds(ga
     assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
+def test_an_infinite_q_after_a_stepped_chunk_meets_the_state_the_state_pass_holds(gate):
+    """bf16, K 2, V 1: the first chunk, stepped as in
+    `test_a_stepped_chunk_takes_its_output_from_the_state_the_state_pass_holds`, leaves the state
+    (1 + 2^-14, -1), (1, -1) in bf16.  At the next chunk's first token q is (+inf, 0) and the
+    step (key e_0, beta 1/2, v -1) leaves 2^-15 at key 0, so o is +inf; from the state in bf16
+    it leaves 0, and inf · 0 gives NaN.  The chunk's k, v and beta admit the matrix path, q
+    does not: the state pass's resume part steps it from the state it holds and writes its o."""
+    C = 16 if gate == "vector" else 64
+    x = make_inputs(gate, True, B=1, T=C + 1, H=1, K=2, V=1, dtype=torch.bfloat16, seed=1, h0=False)
+    e0, e1, zero = [1, 0], [0, 1], [0, 0]
+    k = [e0, e1] + [zero] * (C - 2) + [e0]
+    beta = [1 + 2 ** -14, 1.0] + [0.0] * (C - 2) + [0.5]
+    v = [1.0, -1.0, 1e5] + [0.0] * (C - 3) + [-1.0]
+    x["q"] = torch.ones_like(x["q"])
+    x["q"][0, C, 0] = torch.tensor([float("inf"), 0.0])
+    x["k"] = torch.tensor(k, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 2)
+    x["v"] = torch.tensor(v, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 1)
+    x["beta"] = torch.tensor(beta, device=DEV).view(1, C + 1, 1)
+    if x["g"] is not None:
+        x["g"] = torch.zeros_like(x["g"])
+    o, s = call(recurrence, x)
+    assert o[0, C, 0, 0] == float("inf")
+    o2, s2, saved = call(chunk_gdn_fwd, x, return_saved=True)
+    assert saved["stepped"][:, 0, 0].tolist() == [1, 1]
+    assert_same_nonfinite(o2, o, BOUND[torch.bfloat16])
+    assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
+
 @pytest.mark.parametrize("gate,delta", [("scalar", True), ("vector", False)],
                          ids=["scalar-delta", "vector-linear"])
 def test_an_output_tile_with_stepped_and_matrix_columns_matches_the_oracle(gate, delta):
