@@ -150,7 +150,8 @@ class Target:
         its variant i (``trusted_variants``)."""
         if variant is not None:
             if not 0 <= variant < self.trusted_variants:
-                raise TargetError(f"target {self.name!r} has {self.trusted_variants} trusted variants, not {variant + 1}")
+                raise TargetError(f"target {self.name!r} has {self.trusted_variants} trusted variants; "
+                                  f"there is no variant {variant}")
             return self.trusted(**inputs, variant=variant)
         if self.trusted is not None:
             return self.trusted(**inputs)
