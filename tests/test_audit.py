@@ -842,6 +842,26 @@ def test_layouts_that_break_a_triangular_input_are_outside_the_domain():
     assert r.status == "fail", r.reason
 
 
+def test_long_totals_that_break_a_triangular_input_are_outside_the_domain():
+    """G07's long totals raise each row's first element to 2; below the diagonal of an upper
+    triangular input that is a position the reference's inputs always hold at zero. A kernel
+    relying on the triangle passes, the case outside the domain (without the rule it fails:
+    6 of 9 exact answers lost); a kernel that sums a row wrongly still fails."""
+    from kfuzz.gates import GATES, run_gate
+    wide = TRIANGULAR.replace("N = 16", "M = 4\nN = 2100").replace(
+        "torch.triu(torch.randn(N, N)), torch.randn(N, N)", "torch.triu(torch.randn(M, N)), torch.randn(N, M)")
+    trusting = as_target(load_pair(wide, wide.replace("class Model(", "class ModelNew(").replace(
+        "torch.triu(A) @ B", "A @ B"), "triu_wide_trusting"))
+    r = run_gate(GATES["G07"], trusting, seed=0)
+    assert r.status == "pass", r.reason
+    trusting.options["outside_domain"] = None       # without the rule
+    assert run_gate(GATES["G07"], trusting, seed=0).status == "fail"
+    fp16_rows = as_target(load_pair(wide, wide.replace("class Model(", "class ModelNew(").replace(
+        "torch.triu(A) @ B", "(torch.triu(A).half() @ B.half()).float()"), "triu_wide_fp16"))
+    r = run_gate(GATES["G07"], fp16_rows, seed=0)
+    assert r.status == "fail", r.reason
+
+
 CACHED = """import torch
 import torch.nn as nn
 

@@ -58,8 +58,13 @@ def _all_float(target, dtype, argcase: ArgCase) -> dict:
 
 def kernel_outputs(target, case, executor, inputs=None):
     """(kfuzz's inputs, the kernel's outputs on them or None, the verdict that ends the case):
-    the case materialized here (on the CPU) unless ``inputs`` are given, then one call."""
+    the case materialized here (on the CPU) unless ``inputs`` are given, then one call; no call
+    where the inputs leave the reference's domain (``outside_domain``'s pass ends the case: an
+    injection, a layout or a draw of any gate)."""
     inputs = materialize(case, target) if inputs is None else inputs
+    outside = outside_domain(target, case, inputs)
+    if outside is not None:
+        return inputs, None, outside
     outputs, verdict = called(executor, target, case, inputs)
     return inputs, outputs, verdict
 
@@ -206,11 +211,7 @@ class Layouts(Reference):
         executor = executor_for(target, device, executor)
         refused = [(n, a.layout.kind) for n, a in case.args if a.layout.kind not in target.args[n].layouts]
         if not refused:
-            inputs = materialize(case, target)
-            outside = outside_domain(target, case, inputs)
-            if outside is not None:
-                return outside
-            inputs, outputs, verdict = kernel_outputs(target, case, executor, inputs)
+            inputs, outputs, verdict = kernel_outputs(target, case, executor)
             if verdict is not None:
                 return verdict
             try:
@@ -264,11 +265,7 @@ class Nonfinite(Gate):
             i += 1
 
     def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
-        inputs = materialize(case, target)
-        outside = outside_domain(target, case, inputs)
-        if outside is not None:
-            return outside
-        inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor), inputs)
+        inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor))
         if verdict is not None:
             return verdict
         oracle = oracle_outputs(target, inputs)
