@@ -1143,3 +1143,52 @@ def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_
     (rec,) = [json.loads(line) for line in (tmp_path / "out" / "audit" / "results.jsonl").read_text().splitlines()]
     assert rec["build"]["status"] == "built" and rec["build"]["extensions"] and "caught" not in rec["build"], rec
     assert got["build_seconds_mean"] == round(rec["build"]["seconds"], 1), (got, rec["build"])
+
+
+ROW_SUMS = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x, w):
+        return (x @ w.T).sum(1, keepdim=True)
+
+
+B = 8
+N = 16
+M = 12
+
+
+def get_inputs():
+    return [torch.randn(B, N), torch.randn(M, N)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_rewrite_that_changes_only_the_kind_of_a_non_finite_value_is_its_own_class():
+    """sum(x W^T) rewritten as x sum(W): an Inf in x gives the reference inf - inf = NaN and the
+    rewrite an Inf. G05 fails it (the reference defines the kinds), with ``kinds_only`` set, and
+    the report counts it as an arguable class of its own; a kernel that turns the NaN into a
+    finite value fails G05 without it."""
+    import importlib.util
+    from kfuzz.gates import GATES, run_gate
+    rewrite = load_pair(ROW_SUMS, ROW_SUMS.replace("class Model(", "class ModelNew(").replace(
+        "(x @ w.T).sum(1, keepdim=True)", "x @ w.sum(0, keepdim=True).T"), "row_sums_rewrite")
+    r = run_gate(GATES["G05"], as_target(rewrite), seed=0)
+    assert r.status == "fail" and r.first_failure[1].metrics["kinds_only"] == 1.0, r.reason
+    zeroed = load_pair(ROW_SUMS, ROW_SUMS.replace("class Model(", "class ModelNew(").replace(
+        "(x @ w.T).sum(1, keepdim=True)", "torch.nan_to_num((x @ w.T).sum(1, keepdim=True))"), "row_sums_zeroed")
+    r = run_gate(GATES["G05"], as_target(zeroed), seed=0)
+    assert r.status == "fail" and r.first_failure[1].metrics["kinds_only"] == 0.0, r.reason
+    spec = importlib.util.spec_from_file_location("audit_report", ROOT / "tools" / "audit_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    recs = [{"key": f"c:{i}", "target": f"kb:c:{i}", "weights": {"status": "exact"}, "standard": {"passed": True},
+             "gates": {"G05": {"status": "fail", "kind": "nonfinite",
+                               "verdict": {"kind": "nonfinite", "metrics": {"kinds_only": flag}}}}}
+            for i, flag in enumerate((1.0, 0.0))]
+    assert [judge_record(r)["violations"] for r in recs] == [["G05"], ["G05"]]
+    assert report.summarize(recs)["arguable"]["only G05, the kind of a non-finite value (NaN against an Inf)"] == 1

@@ -119,6 +119,13 @@ def precision_class(rec: dict, violations: list[str]) -> str | None:
     return next((name for name, top in PRECISION_BANDS if rel <= top), "beyond half precision")
 
 
+def nonfinite_kinds_only(rec: dict) -> bool:
+    """Whether the kernel's G05 failure differs from the oracle only in the kind of non-finite
+    value (``kfuzz.gates.values.kinds_only``, in the failing case's metrics)."""
+    m = ((rec.get("gates", {}).get("G05") or {}).get("verdict") or {}).get("metrics") or {}
+    return bool(m.get("kinds_only"))
+
+
 def summarize(records: list[dict], params: dict | None = None) -> dict:
     corpus = [r for r in records if r.get("expect") is None]
     controls = [r for r in records if r.get("expect") is not None]
@@ -171,6 +178,8 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "only the weights contract (W)": sum(j[r["key"]]["violations"] == ["W"] for r in audited),
         "W only through derived parameters": sum(weights_failures(r) == ["derived"] and not without_w[r["key"]]
                                                  for r in audited),
+        "only G05, the kind of a non-finite value (NaN against an Inf)": sum(
+            j[r["key"]]["violations"] == ["G05"] and nonfinite_kinds_only(r) for r in audited),
     }
     return {
         "records": len(records), "corpus_records": len(corpus),

@@ -16,7 +16,7 @@ import secrets
 import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
-from kfuzz.compare import BOUND_C, compare
+from kfuzz.compare import BOUND_C, compare, kinds
 from kfuzz.dtypes import special_value_table, torch_dtype
 from kfuzz.errors import CaseError
 from kfuzz.execute import flush_subnormals, judge, oracle_outputs, trusted_outputs
@@ -285,12 +285,24 @@ class Nonfinite(Gate):
                         excused += int(spread.sum()) if f.kind != "nonfinite" else 0
             if f.kind == "nonfinite":
                 return Verdict(target.name, "nonfinite", output=name, ratio=f.ratio,
-                               detail=f"{describe_injection(target, case)}: {f.detail}")
+                               detail=f"{describe_injection(target, case)}: {f.detail}",
+                               metrics={"kinds_only": float(kinds_only(out, oracle[name], dtype))})
         if excused:
             return Verdict(target.name, "pass", detail=(
                 f"{excused} position(s) where the oracle is NaN and the kernel finite do not depend on the "
                 f"injected value (the reference spreads it through exact zeros or an op whose finite result ignores it): judged without it"))
         return Verdict(target.name, "pass")
+
+
+def kinds_only(out, oracle, dtype: str) -> bool:
+    """Whether the kernel's ``out`` and the ``oracle`` (rounded to ``dtype``) differ only in the
+    kind of non-finite value: both non-finite wherever their NaN/+Inf/-Inf sets differ (an
+    algebraic rewrite, x sum(W) for sum(x W^T), gives an Inf where the reference's inf - inf
+    gives NaN). The audit's report counts such kernels as a class of their own."""
+    k = out.detach().cpu().double()
+    o = oracle.detach().cpu().to(torch_dtype(dtype)).double()
+    differ = kinds(k) != kinds(o)
+    return bool(differ.any()) and bool((~torch.isfinite(k[differ]) & ~torch.isfinite(o[differ])).all())
 
 
 # rule of G05 on reference-limited targets: injected specials replaced by these to see what an
