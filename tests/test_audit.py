@@ -1145,6 +1145,21 @@ def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_
     assert got["build_seconds_mean"] == round(rec["build"]["seconds"], 1), (got, rec["build"])
 
 
+def g05_classes(fact: str) -> dict:
+    """The audit report's arguable classes over two kernels whose only violation is G05, its
+    failing case's ``fact`` set in one and unset in the other."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("audit_report", ROOT / "tools" / "audit_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    recs = [{"key": f"c:{i}", "target": f"kb:c:{i}", "weights": {"status": "exact"}, "standard": {"passed": True},
+             "gates": {"G05": {"status": "fail", "kind": "nonfinite",
+                               "verdict": {"kind": "nonfinite", "metrics": {fact: flag}}}}}
+            for i, flag in enumerate((1.0, 0.0))]
+    assert [judge_record(r)["violations"] for r in recs] == [["G05"], ["G05"]]
+    return report.summarize(recs)["arguable"]
+
+
 ROW_SUMS = """import torch
 import torch.nn as nn
 
@@ -1168,27 +1183,50 @@ def get_init_inputs():
 """
 
 
-def test_a_rewrite_that_changes_only_the_kind_of_a_non_finite_value_is_its_own_class():
-    """sum(x W^T) rewritten as x sum(W): an Inf in x gives the reference inf - inf = NaN and the
-    rewrite an Inf. G05 fails it (the reference defines the kinds), with ``kinds_only`` set, and
-    the report counts it as an arguable class of its own; a kernel that turns the NaN into a
-    finite value fails G05 without it."""
-    import importlib.util
+UPPER_PRODUCT = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, A, B):
+        return torch.triu(A @ B)
+
+
+N = 16
+
+
+def get_inputs():
+    return [torch.triu(torch.randn(N, N)), torch.triu(torch.randn(N, N))]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+G05_CLASSES = [
+    # sum(x W^T) rewritten as x sum(W): an Inf in x gives the reference inf - inf = NaN and the
+    # rewrite an Inf; turning the NaN into a finite value is no such class
+    (ROW_SUMS, "(x @ w.T).sum(1, keepdim=True)", "x @ w.sum(0, keepdim=True).T",
+     "torch.nan_to_num((x @ w.T).sum(1, keepdim=True))", "kinds_only",
+     "only G05, the kind of a non-finite value (NaN against an Inf)"),
+    # triu(A @ B) of triangular inputs computed as A @ B (the product is upper triangular
+    # anyway): a NaN on A's diagonal reaches its row's positions below the diagonal, which the
+    # reference's triu sets to 0 whatever A holds; a NaN dropped where the reference's value
+    # depends on it is no such class
+    (UPPER_PRODUCT, "torch.triu(A @ B)", "A @ B", "torch.triu(torch.nan_to_num(A) @ B)", "where_ignored",
+     "only G05, non-finite where the reference's value ignores the injected special"),
+]
+
+
+@pytest.mark.parametrize("ref,body,in_class,other,fact,label", G05_CLASSES, ids=[c[4] for c in G05_CLASSES])
+def test_a_g05_failure_of_an_arguable_kind_is_its_own_class(ref, body, in_class, other, fact, label):
+    """G05 fails both kernels (the reference defines the non-finite values); the first with the
+    fact set in its failing case, which the report counts as an arguable class of its own, the
+    second with it unset."""
     from kfuzz.gates import GATES, run_gate
-    rewrite = load_pair(ROW_SUMS, ROW_SUMS.replace("class Model(", "class ModelNew(").replace(
-        "(x @ w.T).sum(1, keepdim=True)", "x @ w.sum(0, keepdim=True).T"), "row_sums_rewrite")
-    r = run_gate(GATES["G05"], as_target(rewrite), seed=0)
-    assert r.status == "fail" and r.first_failure[1].metrics["kinds_only"] == 1.0, r.reason
-    zeroed = load_pair(ROW_SUMS, ROW_SUMS.replace("class Model(", "class ModelNew(").replace(
-        "(x @ w.T).sum(1, keepdim=True)", "torch.nan_to_num((x @ w.T).sum(1, keepdim=True))"), "row_sums_zeroed")
-    r = run_gate(GATES["G05"], as_target(zeroed), seed=0)
-    assert r.status == "fail" and r.first_failure[1].metrics["kinds_only"] == 0.0, r.reason
-    spec = importlib.util.spec_from_file_location("audit_report", ROOT / "tools" / "audit_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
-    recs = [{"key": f"c:{i}", "target": f"kb:c:{i}", "weights": {"status": "exact"}, "standard": {"passed": True},
-             "gates": {"G05": {"status": "fail", "kind": "nonfinite",
-                               "verdict": {"kind": "nonfinite", "metrics": {"kinds_only": flag}}}}}
-            for i, flag in enumerate((1.0, 0.0))]
-    assert [judge_record(r)["violations"] for r in recs] == [["G05"], ["G05"]]
-    assert report.summarize(recs)["arguable"]["only G05, the kind of a non-finite value (NaN against an Inf)"] == 1
+    for name, new, flag in (("in_class", in_class, 1.0), ("other", other, 0.0)):
+        pair = load_pair(ref, ref.replace("class Model(", "class ModelNew(").replace(body, new), f"{fact}_{name}")
+        r = run_gate(GATES["G05"], as_target(pair), seed=0)
+        assert r.status == "fail" and r.first_failure[1].metrics[fact] == flag, r.reason
+    assert g05_classes(fact)[label] == 1

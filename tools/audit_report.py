@@ -119,11 +119,13 @@ def precision_class(rec: dict, violations: list[str]) -> str | None:
     return next((name for name, top in PRECISION_BANDS if rel <= top), "beyond half precision")
 
 
-def nonfinite_kinds_only(rec: dict) -> bool:
-    """Whether the kernel's G05 failure differs from the oracle only in the kind of non-finite
-    value (``kfuzz.gates.values.kinds_only``, in the failing case's metrics)."""
+def g05_fact(rec: dict, fact: str) -> bool:
+    """A fact of the kernel's G05 failure, in its failing case's metrics: ``kinds_only`` (it
+    differs from the oracle only in the kind of non-finite value,
+    ``kfuzz.gates.values.kinds_only``), ``where_ignored`` (only by non-finite values where the
+    oracle's value ignores the injected specials, ``nonfinite_where_ignored``)."""
     m = ((rec.get("gates", {}).get("G05") or {}).get("verdict") or {}).get("metrics") or {}
-    return bool(m.get("kinds_only"))
+    return bool(m.get(fact))
 
 
 def summarize(records: list[dict], params: dict | None = None) -> dict:
@@ -179,7 +181,9 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "W only through derived parameters": sum(weights_failures(r) == ["derived"] and not without_w[r["key"]]
                                                  for r in audited),
         "only G05, the kind of a non-finite value (NaN against an Inf)": sum(
-            j[r["key"]]["violations"] == ["G05"] and nonfinite_kinds_only(r) for r in audited),
+            j[r["key"]]["violations"] == ["G05"] and g05_fact(r, "kinds_only") for r in audited),
+        "only G05, non-finite where the reference's value ignores the injected special": sum(
+            j[r["key"]]["violations"] == ["G05"] and g05_fact(r, "where_ignored") for r in audited),
     }
     return {
         "records": len(records), "corpus_records": len(corpus),

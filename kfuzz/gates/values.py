@@ -273,6 +273,7 @@ class Nonfinite(Gate):
         for name, out in outputs.items():
             dtype, bound = target.output_dtype(name, case.dtype), c * target.bound_scale
             f = compare(out, oracle[name], None, dtype, bound)
+            without = None
             if f.kind == "nonfinite" and target.options.get("reference_limited"):
                 # the reference's own math may spread a NaN through exact zeros (0 x NaN in a dense
                 # product): positions whose oracle value does not depend on the injected values are
@@ -284,9 +285,11 @@ class Nonfinite(Gate):
                         f = compare(out, torch.where(spread, without[0], oracle[name].cpu()), None, dtype, bound)
                         excused += int(spread.sum()) if f.kind != "nonfinite" else 0
             if f.kind == "nonfinite":
+                facts = {"kinds_only": float(kinds_only(out, oracle[name], dtype))}
+                if without is not None:
+                    facts["where_ignored"] = float(nonfinite_where_ignored(out, oracle[name], dtype, without[1]))
                 return Verdict(target.name, "nonfinite", output=name, ratio=f.ratio,
-                               detail=f"{describe_injection(target, case)}: {f.detail}",
-                               metrics={"kinds_only": float(kinds_only(out, oracle[name], dtype))})
+                               detail=f"{describe_injection(target, case)}: {f.detail}", metrics=facts)
         if excused:
             return Verdict(target.name, "pass", detail=(
                 f"{excused} position(s) where the oracle is NaN and the kernel finite do not depend on the "
@@ -303,6 +306,20 @@ def kinds_only(out, oracle, dtype: str) -> bool:
     o = oracle.detach().cpu().to(torch_dtype(dtype)).double()
     differ = kinds(k) != kinds(o)
     return bool(differ.any()) and bool((~torch.isfinite(k[differ]) & ~torch.isfinite(o[differ])).all())
+
+
+def nonfinite_where_ignored(out, oracle, dtype: str, ignored) -> bool:
+    """Whether the kernel's ``out`` differs from the finite ``oracle`` only by non-finite values
+    at positions whose oracle value ignores the injected specials (``ignored``, from
+    ``value_without_injection``): a kernel that relies on the inputs' structure instead of the
+    reference's mask (a NaN on the diagonal of a triangular input reaching the positions
+    ``triu`` sets to 0) spreads it there. The audit's report counts such kernels as a class of
+    their own."""
+    k = out.detach().cpu().double()
+    o = oracle.detach().cpu().to(torch_dtype(dtype)).double()
+    differ = kinds(k) != kinds(o)
+    return bool(differ.any()) and bool((ignored.cpu()[differ] & ~torch.isfinite(k[differ])
+                                        & torch.isfinite(o[differ])).all())
 
 
 # rule of G05 on reference-limited targets: injected specials replaced by these to see what an
