@@ -1005,6 +1005,20 @@ def test_a_beta_that_expands_each_step_sends_its_chunk_to_the_exact_path(gate):
     assert_same_nonfinite(o2, o)
 
 
+def two_chunk_inputs(gate, k, beta, v):
+    """bf16 inputs of one chunk and a token (K 2, V 1, q ones, gates 0, no h0), per token: k
+    (pairs), beta and v (fp32 beta: 1 + 2^-14 is not a bf16 value)."""
+    C = 16 if gate == "vector" else 64
+    x = make_inputs(gate, True, B=1, T=C + 1, H=1, K=2, V=1, dtype=torch.bfloat16, seed=1, h0=False)
+    x["q"] = torch.ones_like(x["q"])
+    x["k"] = torch.tensor(k, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 2)
+    x["v"] = torch.tensor(v, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 1)
+    x["beta"] = torch.tensor(beta, device=DEV).view(1, C + 1, 1)
+    if x["g"] is not None:
+        x["g"] = torch.zeros_like(x["g"])
+    return x
+
+
 @pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
 def test_a_stepped_chunk_takes_its_output_from_the_state_the_state_pass_holds(gate):
     """bf16, K 2, V 1, one chunk boundary: the first chunk, stepped (v past BIG at a token with
@@ -1015,17 +1029,10 @@ def test_a_stepped_chunk_takes_its_output_from_the_state_the_state_pass_holds(ga
     steps that chunk from the state it holds and writes its o, so o and the final state have
     the oracle's NaN/Inf sets."""
     C = 16 if gate == "vector" else 64
-    x = make_inputs(gate, True, B=1, T=C + 1, H=1, K=2, V=1, dtype=torch.bfloat16, seed=1, h0=False)
     e0, e1, half = ([a, b] for a, b in ((1, 0), (0, 1), (0.5, 0.5)))
-    k = [e0, e1] + [e0] * (C - 2) + [half]
-    beta = [1 + 2 ** -14, 1.0] + [0.0] * (C - 2) + [float("inf")]
-    v = [1.0, -1.0, 1e5] + [0.0] * (C - 3) + [-1.0]
-    x["q"] = torch.ones_like(x["q"])
-    x["k"] = torch.tensor(k, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 2)
-    x["v"] = torch.tensor(v, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 1)
-    x["beta"] = torch.tensor(beta, device=DEV).view(1, C + 1, 1)
-    if x["g"] is not None:
-        x["g"] = torch.zeros_like(x["g"])
+    x = two_chunk_inputs(gate, [e0, e1] + [e0] * (C - 2) + [half],
+                         [1 + 2 ** -14, 1.0] + [0.0] * (C - 2) + [float("inf")],
+                         [1.0, -1.0, 1e5] + [0.0] * (C - 3) + [-1.0])
     o, s = call(recurrence, x)
     assert o[0, C, 0, 0] == float("-inf")
     last = {n: (x[n][:, C:] if x[n] is not None else None) for n in ("q", "k", "v", "g", "beta")}
@@ -1040,7 +1047,6 @@ def test_a_stepped_chunk_takes_its_output_from_the_state_the_state_pass_holds(ga
     assert_same_nonfinite(s2, s, BOUND[torch.bfloat16])
 
 
-
 @pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
 def test_an_infinite_q_after_a_stepped_chunk_meets_the_state_the_state_pass_holds(gate):
     """bf16, K 2, V 1: the first chunk, stepped as in
@@ -1050,18 +1056,11 @@ def test_an_infinite_q_after_a_stepped_chunk_meets_the_state_the_state_pass_hold
     it leaves 0, and inf · 0 gives NaN.  The chunk's k, v and beta admit the matrix path, q
     does not: the state pass's resume part steps it from the state it holds and writes its o."""
     C = 16 if gate == "vector" else 64
-    x = make_inputs(gate, True, B=1, T=C + 1, H=1, K=2, V=1, dtype=torch.bfloat16, seed=1, h0=False)
     e0, e1, zero = [1, 0], [0, 1], [0, 0]
-    k = [e0, e1] + [zero] * (C - 2) + [e0]
-    beta = [1 + 2 ** -14, 1.0] + [0.0] * (C - 2) + [0.5]
-    v = [1.0, -1.0, 1e5] + [0.0] * (C - 3) + [-1.0]
-    x["q"] = torch.ones_like(x["q"])
+    x = two_chunk_inputs(gate, [e0, e1] + [zero] * (C - 2) + [e0],
+                         [1 + 2 ** -14, 1.0] + [0.0] * (C - 2) + [0.5],
+                         [1.0, -1.0, 1e5] + [0.0] * (C - 3) + [-1.0])
     x["q"][0, C, 0] = torch.tensor([float("inf"), 0.0])
-    x["k"] = torch.tensor(k, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 2)
-    x["v"] = torch.tensor(v, dtype=torch.bfloat16, device=DEV).view(1, C + 1, 1, 1)
-    x["beta"] = torch.tensor(beta, device=DEV).view(1, C + 1, 1)
-    if x["g"] is not None:
-        x["g"] = torch.zeros_like(x["g"])
     o, s = call(recurrence, x)
     assert o[0, C, 0, 0] == float("inf")
     o2, s2, saved = call(chunk_gdn_fwd, x, return_saved=True)

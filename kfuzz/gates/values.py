@@ -297,14 +297,20 @@ class Nonfinite(Gate):
         return Verdict(target.name, "pass")
 
 
+def _class_differences(out, oracle, dtype: str):
+    """(the kernel's ``out``, the ``oracle`` rounded to ``dtype``, both float64 on the CPU, and
+    where their NaN/+Inf/-Inf sets differ)."""
+    k = out.detach().cpu().double()
+    o = oracle.detach().cpu().to(torch_dtype(dtype)).double()
+    return k, o, kinds(k) != kinds(o)
+
+
 def kinds_only(out, oracle, dtype: str) -> bool:
     """Whether the kernel's ``out`` and the ``oracle`` (rounded to ``dtype``) differ only in the
     kind of non-finite value: both non-finite wherever their NaN/+Inf/-Inf sets differ (an
     algebraic rewrite, x sum(W) for sum(x W^T), gives an Inf where the reference's inf - inf
     gives NaN). The audit's report counts such kernels as a class of their own."""
-    k = out.detach().cpu().double()
-    o = oracle.detach().cpu().to(torch_dtype(dtype)).double()
-    differ = kinds(k) != kinds(o)
+    k, o, differ = _class_differences(out, oracle, dtype)
     return bool(differ.any()) and bool((~torch.isfinite(k[differ]) & ~torch.isfinite(o[differ])).all())
 
 
@@ -315,9 +321,7 @@ def nonfinite_where_ignored(out, oracle, dtype: str, ignored) -> bool:
     reference's mask (a NaN on the diagonal of a triangular input reaching the positions
     ``triu`` sets to 0) spreads it there. The audit's report counts such kernels as a class of
     their own."""
-    k = out.detach().cpu().double()
-    o = oracle.detach().cpu().to(torch_dtype(dtype)).double()
-    differ = kinds(k) != kinds(o)
+    k, o, differ = _class_differences(out, oracle, dtype)
     return bool(differ.any()) and bool((ignored.cpu()[differ] & ~torch.isfinite(k[differ])
                                         & torch.isfinite(o[differ])).all())
 
