@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from gdn import fwd_prep, fwd_state
-from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, all_within, chunk_span,
+from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, all_within, chunk_span, factorable_q,
                         chunk_tokens, exact_chunk, group_flag, handoff_dtype, kept_plan, load_gates,
                         mask_and, odot, pow2, tile)
 from gdn.config import DEFAULT, GDNConfig
@@ -183,7 +183,7 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, 
             S = tl.load(hs + hbase + (dk[:, None] * V + dv[None, :]), mask=smask, other=0.0)
             qt = tl.load(tile(q, r0, rr, dk, K, H), mask=mk, other=0.0)
             xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
-            ok = (tl.max(xf.to(tl.int32)) == 0) & all_within(qt, BIG)
+            ok = (tl.max(xf.to(tl.int32)) == 0) & all_within(qt, BIG) & factorable_q(qt, GATE)
             tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
             if ok:
                 kt = tl.load(tile(k, r0, rr, dk, K, H), mask=mk, other=0.0)

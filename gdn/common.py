@@ -48,6 +48,11 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # -65504 with unit keys: NaN in every output of the chunk, the first token's too), so such a
 # chunk takes the exact path.  The domain (beta in (0, 1), unit keys) stays below 1.
 WY_MAX = tl.constexpr(2.0)
+# The vector gate's factored products take Gamma_t q_t, with Gamma_t >= exp(-VECTOR_DECAY_MAX)
+# inside a chunk: a nonzero |q| below 2^-126 exp(VECTOR_DECAY_MAX) (about 2^-39.4) can put
+# Gamma_t q_t among fp32's subnormals, or at 0, where it keeps few or no digits, so a chunk
+# with such a q takes the exact path.  The trusted reference decays q k^T, not q.
+VECTOR_Q_MIN = tl.constexpr(2.0 ** -39)
 
 
 @triton.jit
@@ -69,6 +74,17 @@ def handoff(x, ptr):
     GPU rounds to nearest, so the CPU does not show it.  Only
     the resume parts store such states: the matrix parts stop before them."""
     return saturated(x, ptr.dtype.element_ty).to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def factorable_q(x, GATE: tl.constexpr):
+    """True unless the gate is a vector gate (GATE 2) and some element of q is nonzero and
+    below VECTOR_Q_MIN in magnitude (NaN passes here: `all_within` fails it)."""
+    if GATE == 2:
+        a = tl.abs(x.to(tl.float32))
+        return tl.max(tl.where((a > 0) & (a < VECTOR_Q_MIN), 1, 0)) == 0
+    else:
+        return True
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, handoff, load_gates, mask_and,
+from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, factorable_q, handoff, load_gates, mask_and,
                         odot, scaled_columns)
 from gdn.config import DEFAULT, GDNConfig
 
@@ -225,7 +225,7 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
                 # and q's check: a chunk whose q fails it is stepped here too, so that its o comes
                 # from the state held (the matrix part leaves q to _out_kernel)
                 qt = tl.load(_stile(q, r0, rr, dk, K, H), mask=rmask[:, None] & kmask[None, :], other=0.0)
-                ok = ok & all_within(qt, BIG)
+                ok = ok & all_within(qt, BIG) & factorable_q(qt, GATE)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, handoff(S, hs), mask=smask)
                 tl.store(hexp + (cid * H + i_h) * V + dv, E.to(tl.int32), mask=vmask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)

@@ -1260,3 +1260,20 @@ def test_the_step_path_ends_a_chunk_inside_a_sequence_at_the_fp32_state_gradient
     for rounded in (lambda d: d.bfloat16().float(), truncated):
         assert not torch.equal(special_kinds(first_chunk_at(x, 16, rounded)), first)
     assert torch.equal(special_kinds(kernel_grads(x, None, True, 16)), special_kinds(want))
+
+
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "linear"])
+def test_a_vector_gate_with_a_q_below_the_factorable_range_matches_float64_autograd(delta):
+    """fp32, vector gate, gates -3 a token, q ~ 1e-30: the factored (Gamma_t q_t) that dk and
+    dg take would lie below fp32's normals.  Without h0 and dht, every gradient but dq is
+    proportional to q.  The chunk takes the exact path, and every
+    gradient is the oracle's to fp32 precision."""
+    x = make_inputs(1, 16, 1, 4, 4, 2, delta, torch.float32, h0=False, seed=3)
+    x["q"] = x["q"] * 1e-30
+    x["g"] = torch.full_like(x["g"], -3.0)
+    want = oracle_grads(x, None, delta)
+    got = kernel_grads(x, None, delta)
+    for name, g, w in zip(NAMES, got, want):
+        if w is not None:
+            err = ((g.double() - w).norm() / w.norm()).item()
+            assert err < 1e-5, (name, err)

@@ -1107,3 +1107,18 @@ def test_a_stepped_chunk_keeps_its_state_in_float64_from_step_to_step(gate):
     o2, s2 = call(chunk_gdn_fwd, x)
     assert_same_nonfinite(o2, o)
     assert_same_nonfinite(s2, s)
+
+
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "linear"])
+def test_a_vector_gate_with_a_q_below_the_factorable_range_matches_the_oracle(delta):
+    """fp32, vector gate, gates -3 a token (a chunk's decay e^-45, inside the factored form's
+    bound), q ~ 1e-30: (Gamma_t q_t) would lie far below fp32's normals (0 from token 12 on),
+    so o from the factored products loses all its digits.  A chunk with a nonzero |q| below
+    VECTOR_Q_MIN takes the exact path, and o is the oracle's to fp32 precision."""
+    x = make_inputs("vector", delta, B=1, T=16, H=1, K=4, V=4, seed=3)
+    x["q"] = x["q"] * 1e-30
+    x["g"] = torch.full_like(x["g"], -3.0)
+    o, s = call(recurrence, x, delta=delta)
+    o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
+    assert rel(o2, o) < 1e-5
+    assert rel(s2, s) < 1e-5
