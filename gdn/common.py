@@ -42,6 +42,7 @@ def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)   # tl.constexpr: read inside kernels
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+FP32_TINY = tl.constexpr(2.0 ** -149)   # fp32's smallest subnormal
 # |beta_t| * ||k_t||^2 above which a delta-rule step's transition I - beta_t k_t k_t^T expands
 # (an eigenvalue 1 - beta |k|^2 below -1): the WY inverse (I + A)^-1 of a chunk grows as the
 # product of those factors over its tokens and overflows fp32 within a chunk (fp16 beta at
@@ -268,12 +269,20 @@ def scaled_columns(Sd, inner, keep, dtype: tl.constexpr):
     power of two that brings the column's largest finite element to 2^127 where that element
     is past 2^127 and ``inner`` (a step inside a chunk), or past fp32's range and ``keep`` (a
     chunk's boundary that hands the state on); 0 elsewhere (NaN and Inf keep no scale).  So a
-    state inside fp32's range at a boundary is handed on unscaled, as rounded."""
+    state inside fp32's range at a boundary is handed on unscaled, as rounded, except that where
+    ``keep`` a nonzero element below fp32's smallest subnormal is handed on as that subnormal
+    with its sign, not as 0 (``dtype`` fp32): a later product with an infinite element of the
+    state, or of its gradient, is then the oracle's ±Inf, not 0 * Inf = NaN (gdn_bwd_gla: a
+    state gradient of 4e-78 at a boundary beside an infinite state, dg NaN where the oracle's
+    is +Inf).  The absolute error stays within fp32's own rounding of its subnormals (2^-149)."""
     a = tl.where(tl.abs(Sd) < float("inf"), tl.abs(Sd), 0.0)
     big = tl.max(a, axis=0)
     E = tl.where(((big > 1.7014118346046923e38) & inner) | ((big > FP32_MAX) & keep),
                  tl.ceil(tl.log2(big)) - 127.0, 0.0)
-    return (Sd * tl.exp2(-E)[None, :]).to(dtype), E
+    S = (Sd * tl.exp2(-E)[None, :]).to(dtype)
+    if keep:
+        S = tl.where((S == 0) & (Sd != 0), tl.where(Sd > 0, FP32_TINY, -FP32_TINY), S)
+    return S, E
 
 
 @triton.jit

@@ -1277,3 +1277,32 @@ def test_a_vector_gate_with_a_q_below_the_factorable_range_matches_float64_autog
         if w is not None:
             err = ((g.double() - w).norm() / w.norm()).item()
             assert err < 1e-5, (name, err)
+
+
+def test_a_state_gradient_below_fp32s_range_at_a_boundary_meets_an_infinite_state():
+    """fp32, vector gate, K 2, V 1, no delta rule: h0 +inf at key 0, so the first chunk steps;
+    the token after it has q (1, 0), do 1 and a gate of -200 at key 0 (past the factored form's
+    bound: that chunk steps too), so the state gradient handed back over the boundary is
+    exp(-200) ~ 1.4e-87 at key 0, below fp32's range.  Through the first chunk's
+    infinite state it gives dg +inf; rounded to 0 at the boundary it gave 0 * inf = NaN.  The
+    step path hands it on as fp32's smallest subnormal with its sign, and every gradient has
+    the oracle's NaN and Inf sets and signs."""
+    C = 16
+    x = make_inputs(1, C + 1, 1, 2, 1, 2, False, torch.float32, seed=5)
+    x["g"] = torch.zeros_like(x["g"])
+    x["g"][0, C, 0] = -200.0
+    x["q"] = torch.zeros_like(x["q"])
+    x["q"][0, C, 0] = torch.tensor([1.0, 0.0])
+    x["do"] = torch.zeros_like(x["do"])
+    x["do"][0, C] = 1.0
+    x["h0"][0, 0, 0, 0] = float("inf")
+    x["dht"] = torch.zeros_like(x["dht"])
+    want = oracle_grads(x, None, False)
+    got = kernel_grads(x, None, False)
+    dg = want[NAMES.index("dg")]
+    assert (dg[0, :C].reshape(C, -1)[:, 0] == float("inf")).all()
+    for name, a, b in zip(NAMES, got, want):
+        if b is not None:
+            a, b = a.double().cpu(), b.cpu()
+            assert torch.equal(a.isnan(), b.isnan()), name
+            assert torch.equal(a.isinf(), b.isinf()) and torch.equal(a[a.isinf()], b[b.isinf()]), name

@@ -1122,3 +1122,27 @@ def test_a_vector_gate_with_a_q_below_the_factorable_range_matches_the_oracle(de
     o2, s2 = call(chunk_gdn_fwd, x, delta=delta)
     assert rel(o2, o) < 1e-5
     assert rel(s2, s) < 1e-5
+
+
+def test_a_state_below_fp32s_range_at_a_boundary_meets_an_infinite_q():
+    """fp32, vector gate, K 2, V 1, no delta rule: token 0 writes 1 at key 0, the first
+    chunk's last token decays key 0 by exp(-200) (past the factored form's bound, so the chunk
+    steps), leaving ~1.4e-87 there, below fp32's range; the next token's q is (+inf, 0), so o
+    is +inf.  Rounded to 0 at the boundary it gave inf * 0 = NaN; the state pass hands it on as
+    fp32's smallest subnormal with its sign, and o has the oracle's NaN and Inf sets."""
+    C = 16
+    x = make_inputs("vector", False, B=1, T=C + 1, H=1, K=2, V=1, seed=1, h0=False)
+    x["k"] = torch.zeros_like(x["k"])
+    x["k"][0, 0, 0, 0] = 1.0
+    x["k"][0, 1:, 0, 1] = 1.0
+    x["v"] = torch.ones_like(x["v"])
+    x["g"] = torch.zeros_like(x["g"])
+    x["g"][0, C - 1, 0, 0] = -200.0
+    x["q"] = torch.zeros_like(x["q"])
+    x["q"][0, :C, 0, 1] = 1.0
+    x["q"][0, C, 0] = torch.tensor([float("inf"), 0.0])
+    o, s = call(recurrence, x, delta=False)
+    assert o[0, C, 0, 0] == float("inf")
+    o2, s2 = call(chunk_gdn_fwd, x, delta=False)
+    assert_same_nonfinite(o2, o)
+    assert_same_nonfinite(s2, s)
