@@ -42,7 +42,6 @@ def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)   # tl.constexpr: read inside kernels
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
-FP32_TINY = tl.constexpr(2.0 ** -149)   # fp32's smallest subnormal
 # |beta_t| * ||k_t||^2 above which a delta-rule step's transition I - beta_t k_t k_t^T expands
 # (an eigenvalue 1 - beta |k|^2 below -1): the WY inverse (I + A)^-1 of a chunk grows as the
 # product of those factors over its tokens and overflows fp32 within a chunk (fp16 beta at
@@ -280,8 +279,8 @@ def scaled_columns(Sd, inner, keep, dtype: tl.constexpr):
     E = tl.where(((big > 1.7014118346046923e38) & inner) | ((big > FP32_MAX) & keep),
                  tl.ceil(tl.log2(big)) - 127.0, 0.0)
     S = (Sd * tl.exp2(-E)[None, :]).to(dtype)
-    if keep:
-        S = tl.where((S == 0) & (Sd != 0), tl.where(Sd > 0, FP32_TINY, -FP32_TINY), S)
+    if keep:   # +-0 from a nonzero Sd keeps Sd's sign: setting its lowest bit gives +-2^-149
+        S = tl.where((S == 0) & (Sd != 0), (S.to(tl.int32, bitcast=True) | 1).to(dtype, bitcast=True), S)
     return S, E
 
 

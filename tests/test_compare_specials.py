@@ -183,6 +183,7 @@ def test_a_non_finite_kind_the_rounding_of_the_inputs_picks_passes_and_no_other(
         assert compare(kernel(**x), oracle, target.trusted(**x), "float32").kind == "nonfinite"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="judges the CPU interpreter's kernel outputs")
 def test_the_envelope_of_a_kind_takes_more_draws_than_the_bound(monkeypatch):
     """gdn_bwd_kda's dk at a key where an Inf times a sum that cancels to its rounding noise
     gives NaN or -Inf by that noise's sign (crashes/gdn_bwd_kda/nonfinite-dk/46656ad1b01ff210):
