@@ -214,9 +214,33 @@ def perturbed_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Ten
                     else moved_oracles(target, case, inputs, device))
 
 
+def trusted_realizations(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
+                         device=None) -> list[dict[str, torch.Tensor]]:
+    """The outputs of the target's trusted variants (``Target.trusted_variants``: other honest
+    realizations of the trusted implementation's roundings) on ``inputs``, on the CPU."""
+    return [_here(trusted_outputs(target, case, inputs, device, variant=i))
+            for i in range(target.trusted_variants)]
+
+
+def with_realized_kinds(envelope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                        oracle: torch.Tensor, realizations: list[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``envelope`` (``oracle_envelope``'s, of one output) with, where the oracle is
+    non-finite, the non-finite kinds the trusted realizations take there added: where an
+    honest realization of the trusted precision lands on an Inf where the oracle's is NaN (or
+    the other way), the kind is its roundings' choice (an infinite step applied to a state
+    whose sign lies below that precision's noise), and a kernel that takes it is as honest."""
+    lo, hi, held = envelope
+    o = oracle.cpu()
+    for r in realizations:
+        held = held | torch.where(torch.isfinite(o), 0, kinds(r.cpu()))
+    return lo, hi, held
+
+
 def varied_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                    oracle: Mapping[str, torch.Tensor], trusted: Mapping[str, torch.Tensor],
-                   c: float, device=None) -> dict[str, torch.Tensor]:
+                   c: float, device=None, realizations: list[Mapping[str, torch.Tensor]] | None = None
+                   ) -> dict[str, torch.Tensor]:
     """The trusted outputs with each finite value moved, where one of the target's trusted
     variants (``Target.trusted_variants``: other honest realizations of its roundings) lands
     farther from the oracle, to o + (v - o) / ``c``: the bound, ``c`` times the trusted error,
@@ -225,10 +249,10 @@ def varied_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor
     of one realization can cancel to far below the others' (so a bound scaled by it alone is
     luck), while a kernel farther off than every realization still fails."""
     oracle64 = {k: v.cpu().to(torch.float64) for k, v in oracle.items()}
-    shrunk = []
-    for i in range(target.trusted_variants):
-        var = _here(trusted_outputs(target, case, inputs, device, variant=i))
-        shrunk.append({k: oracle64[k] + (var[k].to(torch.float64) - oracle64[k]) / c for k in trusted})
+    if realizations is None:
+        realizations = trusted_realizations(target, case, inputs, device)
+    shrunk = [{k: oracle64[k] + (var[k].to(torch.float64) - oracle64[k]) / c for k in trusted}
+              for var in realizations]
     return _farther(oracle, trusted, shrunk)
 
 
@@ -421,7 +445,7 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     outputs = _here(outputs)
     flushed = flush_subnormals(inputs)
     clean = _clean_trusted(target, case, inputs, oracle_device)
-    raised = varied = moved = envelope = None
+    raised = varied = moved = envelope = realized = None
     worst = 0.0
     metrics: dict[str, float] = {}
     for name, out in outputs.items():
@@ -446,6 +470,13 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
                 moved, envelope = more[:PERTURB_DRAWS], oracle_envelope(oracle, more)
             alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
                           clean and clean(name), envelope[name])
+            if alt.kind == "nonfinite" and target.trusted_variants:
+                # a kind that an honest realization of the trusted precision takes
+                realized = realized or trusted_realizations(target, case, inputs, oracle_device)
+                envelope[name] = with_realized_kinds(envelope[name], oracle[name],
+                                                     [r[name] for r in realized])
+                alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
+                              clean and clean(name), envelope[name])
             finding = alt if alt.kind != "nonfinite" else finding
         if finding.kind == "bound":
             # an answer that cancels: the trusted error raised to the oracle's own sensitivity
@@ -458,8 +489,9 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
         if finding.kind == "bound" and target.trusted_variants:
             # no farther from the oracle than an honest realization of the trusted precision
             if varied is None:
+                realized = realized or trusted_realizations(target, case, inputs, oracle_device)
                 varied = varied_trusted(target, case, inputs, oracle, raised, c * target.bound_scale,
-                                        oracle_device)
+                                        oracle_device, realized)
             alt = compare(out, oracle[name], varied[name], dtype, c * target.bound_scale, clean and clean(name),
                           envelope and envelope[name])
             finding = alt if alt.kind is None else finding

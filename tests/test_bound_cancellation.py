@@ -104,3 +104,30 @@ def test_a_target_without_variants_refuses_a_variant():
     from kfuzz.errors import TargetError
     with pytest.raises(TargetError, match="trusted variants"):
         get_target("softmax").call_trusted({}, variant=0)
+
+
+# gdn_fwd_kda, bf16, K 1, 17 tokens: beta +inf at the second chunk's first token meets a state
+# of about 1e-15 (h0 -1 decayed sixteen times), whose sign lies below the chunked fp32 form's
+# noise; the oracle's o there is NaN (inf - inf), two of the four trusted realizations give +Inf
+KIND_CASE = "crashes/gdn_fwd_kda/nonfinite-o/79781b6d3734f198.case.zst"
+
+
+@pytest.mark.parametrize("o_last,ht,passes", [(float("inf"), float("-inf"), True),
+                                              (float("-inf"), float("-inf"), False)])
+def test_a_kind_that_an_honest_rounding_realization_takes_passes(monkeypatch, o_last, ht, passes):
+    from pathlib import Path
+
+    from kfuzz.corpus import load
+    from kfuzz.tensors import materialize
+    case = load(Path(__file__).resolve().parents[1] / KIND_CASE)[0]
+    target = get_target(case.target)
+    inputs = materialize(case, target, "cpu")
+    oracle = ex.oracle_outputs(target, inputs)
+    assert oracle["o"].flatten()[-1].isnan() and oracle["ht"].isnan().all()
+    outputs = {k: v.to(torch.bfloat16 if k == "o" else torch.float32) for k, v in oracle.items()}
+    outputs["o"].view(-1)[-1] = o_last
+    outputs["ht"].fill_(ht)
+    assert ex.judge(case, target, inputs, outputs).passed is passes
+    monkeypatch.setattr(target, "trusted_variants", 0)
+    v = ex.judge(case, target, inputs, outputs)
+    assert v.kind == "nonfinite" and v.output == "o"

@@ -184,6 +184,7 @@ def test_a_non_finite_kind_the_rounding_of_the_inputs_picks_passes_and_no_other(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="judges the CPU interpreter's kernel outputs")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="judges the CPU interpreter's kernel outputs")
 def test_the_envelope_of_a_kind_takes_more_draws_than_the_bound(monkeypatch):
     """gdn_bwd_kda's dk at a key where an Inf times a sum that cancels to its rounding noise
     gives NaN or -Inf by that noise's sign (crashes/gdn_bwd_kda/nonfinite-dk/46656ad1b01ff210):
@@ -206,3 +207,19 @@ def test_the_envelope_of_a_kind_takes_more_draws_than_the_bound(monkeypatch):
     monkeypatch.setattr(ex, "ENVELOPE_DRAWS", ex.PERTURB_DRAWS)
     v = ex.judge(shifted, target, inputs, outputs)
     assert v.kind == "nonfinite" and v.output == "dk"
+
+
+@pytest.mark.parametrize("k0,passes", [(-5e35, True), (2e38, False)], ids=["inside", "outside"])
+def test_a_finite_value_inside_an_envelope_that_swings_across_classes_leaves_the_bound(k0, passes):
+    """gdn_fwd_kda (fp32, beta 1 and unit keys: each step replaces the state): float64 cancels a
+    state of 6e37 against itself to its rounding noise, so the oracle's o is -2.6e59, past
+    fp32's range, where the exact answer, 1.676e38, is finite; inputs one rounding away give
+    any of +-1e68.  Inside such an envelope a finite value passes, and the bound (here from
+    the other position, where the trusted implementation is finite) does not judge it."""
+    o = torch.tensor([-2.58e59, 1.0], dtype=torch.float64)
+    trusted = t32(-math.inf, 1.0)
+    envelope = (torch.tensor([-1e68, 1.0], dtype=torch.float64), torch.tensor([-1e30, 1.0], dtype=torch.float64),
+                torch.zeros(2, dtype=torch.int32))
+    f = compare(t32(k0, 1.0), o, trusted, "float32", envelope=envelope)
+    assert (f.kind is None) == passes, f.detail
+    assert compare(t32(k0, 1.0), o, trusted, "float32").kind is not None
