@@ -221,9 +221,11 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
     grads_stages = cb.stages(launch, "bwd_grads_stages", F32)
     for fn, bv, warps, stages, extra in (
             (cb._prep, tile["BV"], prep["num_warps"], cb.stages(launch, "bwd_prep_stages", F32), {}),
-            (cb._states, tile["BV"], seq, cb.stages(launch, "bwd_seq_stages", F32, tile["BK"]), {}),
-            (cb._dstates, bvd, launch.bwd_dstates_warps, cb.stages(launch, "bwd_dstates_stages", F32, tile["BK"]),
-             {}),
+            # the sequential kernels' matrix parts (PART 0) and resume parts (PART 1)
+            *((cb._states, tile["BV"], seq, cb.stages(launch, "bwd_seq_stages", F32, tile["BK"]), {"PART": part})
+              for part in (0, 1)),
+            *((cb._dstates, bvd, launch.bwd_dstates_warps,
+               cb.stages(launch, "bwd_dstates_stages", F32, tile["BK"]), {"PART": part}) for part in (0, 1)),
             # the gradients: _grads_p (and _grads_wy with delta)
             (cb._grads_p, tile["grads_BV"], launch.bwd_grads_p_warps, grads_stages,
              {"BKS": tile["grads_BKS"]}),
@@ -245,7 +247,8 @@ def gdn_bwd_kernels(K=128, V=128, gate=1, delta=True, fp32=False, given_t=False,
         const.update({a: 1 for a in sig if ints.get(a) == 1})
         sig = {a: t for a, t in sig.items() if a not in const}
         aligned = tuple(a for a, t in sig.items() if t.startswith("*") or ints.get(a, 1) % 16 == 0)
-        yield (f"bwd {fn.__name__}", fn, sig, const, warps, stages, aligned, None)
+        part = {0: " (matrix part)", 1: " (resume part)"}.get(extra.get("PART")) or ""
+        yield (f"bwd {fn.__name__}{part}", fn, sig, const, warps, stages, aligned, None)
 
 
 def main():
