@@ -179,7 +179,15 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
         else:
             S = tl.zeros((BK, BV), dtype=tl.float32)
         alive = nch >= 0
-        stopc = nch
+        if HAS_H0:
+            # a first chunk whose q fails the output kernel's checks is stepped here, from h0 as
+            # given: the output kernel's exact part would start it from h0 in the hand-off
+            # dtype, and q past BIG can sum terms far larger than o (bf16 q near its largest,
+            # h0 1e4: o 8.9e38 from h0, 3.2e38 from its bf16 rounding)
+            q0 = tl.load(_stile(q, bos.to(tl.int64) * H + i_h, rr, dk, K, H),
+                         mask=(bos + rr < eos)[:, None] & kmask[None, :], other=0.0)
+            alive = alive & all_within(q0, BIG) & factorable_q(q0, GATE)
+        stopc = tl.where(alive, nch, 0)
         fl, gfl, gk, gkl = _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, 0, nch, i_h, H,
                                           BT, GATE, DELTA)
         for c in range(0, nch):

@@ -1146,3 +1146,21 @@ def test_a_state_below_fp32s_range_at_a_boundary_meets_an_infinite_q():
     o2, s2 = call(chunk_gdn_fwd, x, delta=False)
     assert_same_nonfinite(o2, o)
     assert_same_nonfinite(s2, s)
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
+def test_a_first_chunk_that_q_sends_off_the_matrix_path_starts_from_h0_as_given(gate):
+    """bf16 inputs, fp32 h0 (1 + 2^-10, 1) at keys 0 and 1 (bf16 holds 1 + 2^-10 as 1), one token
+    with k 0, q (1e38, -1e38): o is scale 1e38 2^-10 ~ 6.9e34, where from h0 rounded to bf16
+    it is 0.  q past BIG sends the chunk off the matrix path; its o comes from h0 as given."""
+    x = make_inputs(gate, False, B=1, T=1, H=1, K=2, V=1, dtype=torch.bfloat16, seed=2)
+    x["k"] = torch.zeros_like(x["k"])
+    x["q"] = torch.tensor([1e38, -1e38], dtype=torch.bfloat16, device=DEV).view(1, 1, 1, 2)
+    x["initial_state"] = torch.tensor([1 + 2 ** -10, 1.0], device=DEV).view(1, 1, 2, 1)
+    if x["g"] is not None:
+        x["g"] = torch.zeros_like(x["g"])
+    o, s = call(recurrence, x, delta=False)
+    assert abs(o.item()) > 1e34
+    o2, s2 = call(chunk_gdn_fwd, x, delta=False)
+    assert rel(o2, o) < BOUND[torch.bfloat16]
+    assert rel(s2, s) < 1e-6
