@@ -66,9 +66,9 @@ import triton
 import triton.language as tl
 
 from gdn import fwd_prep, fwd_state
-from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, all_within, chunk_span, factorable_q,
-                        chunk_tokens, exact_chunk, group_flag, handoff_dtype, kept_plan, load_gates,
-                        mask_and, odot, pow2, tile)
+from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, all_within, chunk_span,
+                        chunk_tokens, exact_chunk, factorable_q, group_flag, handoff_dtype, kept_plan,
+                        load_gates, mask_and, odot, pow2, tile)
 from gdn.config import DEFAULT, GDNConfig
 
 

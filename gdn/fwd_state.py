@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, factorable_q, handoff, load_gates, mask_and,
-                        odot, scaled_columns)
+from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, factorable_q, handoff, load_gates,
+                        mask_and, odot, scaled_columns)
 from gdn.config import DEFAULT, GDNConfig
 
 # the state check: one NaN-propagating max an element on a GPU; under the interpreter the same
