@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.common import WY_MAX, factorable_q, handoff, mask_and, odot, scaled_columns, tile
+from gdn.common import WY_MAX, handoff, mask_and, odot, q_admits_matrix, scaled_columns, tile
 from gdn.fwd_prep import unit_lower_inverse
 
 
@@ -83,7 +83,7 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
     mqk = rv[:, None] & mk[None, :]
     b_q = tl.load(tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
     b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
-    bad = _outside(b_q, BIG) + _outside(b_k, BIG) + tl.where(factorable_q(b_q, GATE), 0, 1)
+    bad = tl.where(q_admits_matrix(b_q, BIG, GATE), 0, 1) + _outside(b_k, BIG)
     b_beta = tl.zeros([C], dtype=tl.float32)
     if DELTA:
         b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)

@@ -67,8 +67,8 @@ import triton.language as tl
 
 from gdn import fwd_prep, fwd_state
 from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, all_within, chunk_span,
-                        chunk_tokens, exact_chunk, factorable_q, group_flag, handoff_dtype, kept_plan,
-                        load_gates, mask_and, odot, pow2, tile)
+                        chunk_tokens, exact_chunk, group_flag, handoff_dtype, kept_plan, load_gates,
+                        mask_and, odot, pow2, q_admits_matrix, tile)
 from gdn.config import DEFAULT, GDNConfig
 
 
@@ -183,7 +183,7 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, 
             S = tl.load(hs + hbase + (dk[:, None] * V + dv[None, :]), mask=smask, other=0.0)
             qt = tl.load(tile(q, r0, rr, dk, K, H), mask=mk, other=0.0)
             xf = tl.load(xflag + (cid * H + i_h) * V + dv, mask=vmask, other=0)
-            ok = (tl.max(xf.to(tl.int32)) == 0) & all_within(qt, BIG) & factorable_q(qt, GATE)
+            ok = (tl.max(xf.to(tl.int32)) == 0) & q_admits_matrix(qt, BIG, GATE)
             tl.store(of, tl.where(ok, 0, 1).to(tl.int8))
             if ok:
                 kt = tl.load(tile(k, r0, rr, dk, K, H), mask=mk, other=0.0)

@@ -77,17 +77,6 @@ def handoff(x, ptr):
 
 
 @triton.jit
-def factorable_q(x, GATE: tl.constexpr):
-    """True unless the gate is a vector gate (GATE 2) and some element of q is nonzero and
-    below VECTOR_Q_MIN in magnitude (NaN passes here: `all_within` fails it)."""
-    if GATE == 2:
-        a = tl.abs(x.to(tl.float32))
-        return tl.max(tl.where((a > 0) & (a < VECTOR_Q_MIN), 1, 0)) == 0
-    else:
-        return True
-
-
-@triton.jit
 def all_within(x, bound):
     """True when every element is finite and |x| <= bound (NaN fails).  In fp32:
     bound = 65536 rounds to inf in fp16, and |inf| <= inf would pass."""
@@ -98,6 +87,17 @@ def all_within(x, bound):
 def _max_nan(a, b):
     """max(a, b), NaN where either is NaN (max.NaN.f32)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def q_admits_matrix(x, bound, GATE: tl.constexpr):
+    """q's checks for the matrix path: every element finite and at most ``bound`` (BIG) in
+    magnitude and, for the vector gate (GATE 2), none nonzero below VECTOR_Q_MIN."""
+    ok = all_within(x, bound)
+    if GATE == 2:
+        a = tl.abs(x.to(tl.float32))
+        ok = ok & (tl.max(tl.where((a > 0) & (a < VECTOR_Q_MIN), 1, 0)) == 0)
+    return ok
 
 
 @triton.jit

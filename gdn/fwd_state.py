@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, factorable_q, handoff, load_gates,
-                        mask_and, odot, scaled_columns)
+from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, handoff, load_gates, mask_and,
+                        odot, q_admits_matrix, scaled_columns)
 from gdn.config import DEFAULT, GDNConfig
 
 # the state check: one NaN-propagating max an element on a GPU; under the interpreter the same
@@ -186,7 +186,7 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
             # h0 1e4: o 8.9e38 from h0, 3.2e38 from its bf16 rounding)
             q0 = tl.load(_stile(q, bos.to(tl.int64) * H + i_h, rr, dk, K, H),
                          mask=(bos + rr < eos)[:, None] & kmask[None, :], other=0.0)
-            alive = alive & all_within(q0, BIG) & factorable_q(q0, GATE)
+            alive = alive & q_admits_matrix(q0, BIG, GATE)
         stopc = tl.where(alive, nch, 0)
         fl, gfl, gk, gkl = _chunk_scalars(flag, gflag, gc, gcl, c_first, bos, eos, 0, nch, i_h, H,
                                           BT, GATE, DELTA)
@@ -233,7 +233,7 @@ def _state_kernel(q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn
                 # and q's check: a chunk whose q fails it is stepped here too, so that its o comes
                 # from the state held (the matrix part leaves q to _out_kernel)
                 qt = tl.load(_stile(q, r0, rr, dk, K, H), mask=rmask[:, None] & kmask[None, :], other=0.0)
-                ok = ok & all_within(qt, BIG) & factorable_q(qt, GATE)
+                ok = ok & q_admits_matrix(qt, BIG, GATE)
                 tl.store(hs + (cid * H + i_h) * K * V + kv_off, handoff(S, hs), mask=smask)
                 tl.store(hexp + (cid * H + i_h) * V + dv, E.to(tl.int32), mask=vmask)
                 tl.store(xflag + (cid * H + i_h) * V + dv, zf + tl.where(ok, 0, 1).to(tl.int8), mask=vmask)
