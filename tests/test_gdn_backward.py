@@ -1284,7 +1284,7 @@ def test_a_state_gradient_below_fp32s_range_at_a_boundary_meets_an_infinite_stat
     the token after it has q (1, 0), do 1 and a gate of -200 at key 0 (past the factored form's
     bound: that chunk steps too), so the state gradient handed back over the boundary is
     exp(-200) ~ 1.4e-87 at key 0, below fp32's range.  Through the first chunk's
-    infinite state it gives dg +inf; rounded to 0 at the boundary it gave 0 * inf = NaN.  The
+    infinite state it gives dg +inf; rounded to 0 at the boundary it would give 0 * inf = NaN.  The
     step path hands it on as fp32's smallest subnormal with its sign, and every gradient has
     the oracle's NaN and Inf sets and signs."""
     C = 16

@@ -1128,7 +1128,7 @@ def test_a_state_below_fp32s_range_at_a_boundary_meets_an_infinite_q():
     """fp32, vector gate, K 2, V 1, no delta rule: token 0 writes 1 at key 0, the first
     chunk's last token decays key 0 by exp(-200) (past the factored form's bound, so the chunk
     steps), leaving ~1.4e-87 there, below fp32's range; the next token's q is (+inf, 0), so o
-    is +inf.  Rounded to 0 at the boundary it gave inf * 0 = NaN; the state pass hands it on as
+    is +inf.  Rounded to 0 at the boundary it would give inf * 0 = NaN; the state pass hands it on as
     fp32's smallest subnormal with its sign, and o has the oracle's NaN and Inf sets."""
     C = 16
     x = make_inputs("vector", False, B=1, T=C + 1, H=1, K=2, V=1, seed=1, h0=False)
