@@ -25,7 +25,13 @@ where an honest kernel could land either way:
   on an Inf gives depends on the algorithm (a chunked WY form and the step-by-step
   recurrence turn an Inf outside an argument's domain into NaN or into an Inf at
   different positions), while the set of non-finite positions does not: a finite
-  value there, or a NaN or Inf where the oracle is finite, still fails.
+  value there, or a NaN or Inf where the oracle is finite, still fails;
+- where the oracle is non-finite and the trusted implementation is non-finite of the same
+  kind by an overflow (it stays non-finite on the inputs with their NaN and Inf replaced
+  by 0): any non-finite value. Its value there is its overflow, which witnesses no kind:
+  an honest kernel that does not overflow there carries a finite state on, and where the
+  chunked form's rounding of a state far larger than the answer gives that state the
+  other sign, an Inf step applied to it takes another kind; a finite value still fails.
 
 - where the oracle's answer swings across classes under the rounding of its inputs
   (``envelope``: the oracle's value minus and plus the farthest it goes on copies of the
@@ -181,11 +187,14 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         # the oracle past the range in float64 where the trusted one overflows: the kernel must
         # overflow too, to any kind
         past = ~torch.isfinite(t) & torch.isfinite(o) & ~torch.isfinite(o_rounded)
+        # the same non-finite kind as the oracle's, where the kernel's differs: excused only
+        # if the trusted one's is an overflow, which witnesses no kind
+        same = ~torch.isfinite(o_rounded) & (_class(t) == _class(o_rounded)) & (_class(k) != _class(o_rounded))
         overflow = None
-        if trusted_clean is not None and bool((free | past).any()):
+        if trusted_clean is not None and bool((free | past | same).any()):
             clean = trusted_clean() if callable(trusted_clean) else trusted_clean
             overflow = ~torch.isfinite(_f64(clean))
-            any_class = free & ~overflow & ~torch.isfinite(o)
+            any_class = (free & ~overflow & ~torch.isfinite(o)) | (same & overflow)
             free &= overflow
         past = past if overflow is None else past & overflow
         any_class = past if any_class is None else any_class | past

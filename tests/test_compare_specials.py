@@ -50,9 +50,25 @@ def test_the_kind_of_a_non_finite_value_is_free_only_where_two_honest_algorithms
         assert compare(kernel, o, trusted, "float32", trusted_clean=clean).kind == "nonfinite"
 
 
-def test_the_clean_run_is_computed_only_where_the_trusted_implementation_differs_in_kind():
+def test_the_clean_run_is_computed_only_where_the_kernel_or_the_trusted_implementation_differs_in_kind():
     o = torch.tensor([1.0, NAN, -INF], dtype=torch.float64)
     assert compare(t32(1.0, NAN, -INF), o, t32(1.0, NAN, -INF), "float32", trusted_clean=never).kind is None
+
+
+def test_a_trusted_overflow_of_the_oracles_kind_witnesses_no_kind():
+    # the trusted implementation overflowed upstream (NaN at every position, with or without
+    # the inputs' specials); the oracle is finite, then NaN where an infinite key meets the state
+    o = torch.tensor([1.3e17, -3.4e16, NAN, NAN], dtype=torch.float64)
+    trusted, clean = t32(NAN, NAN, NAN, NAN), t32(NAN, NAN, NAN, NAN)
+    for kernel in (t32(-3.8e20, 6.9e18, -INF, NAN), t32(1.3e17, -3.4e16, INF, -INF)):
+        assert compare(kernel, o, trusted, "float32", trusted_clean=clean).kind is None
+    # a finite value where the oracle is NaN still fails
+    f = compare(t32(1.3e17, -3.4e16, 5.0, NAN), o, trusted, "float32", trusted_clean=clean)
+    assert f.kind == "nonfinite" and "NaN set differs" in f.detail
+    # a trusted NaN that the inputs' specials carried there witnesses the oracle's kind
+    spread = t32(NAN, NAN, 0.0, NAN)
+    f = compare(t32(1.3e17, -3.4e16, -INF, NAN), o, trusted, "float32", trusted_clean=spread)
+    assert f.kind == "nonfinite"
 
 
 def test_without_specials_zeroes_nan_and_inf_only():
