@@ -52,21 +52,29 @@ GATE_FLOOR = -110.0
 
 
 # (significand bits, smallest normal exponent) of the operand dtypes stochastic rounding takes
-_FORMATS = {torch.bfloat16: (8, -126), torch.float16: (11, -14)}
+_FORMATS = {torch.bfloat16: (8, -126), torch.float16: (11, -14), torch.float32: (24, -126)}
 
 
 def round_to(x, dtype, gen=None):
-    """x rounded to ``dtype`` (bf16/fp16), kept in x's dtype: to nearest even, or with ``gen``
-    (a CPU ``torch.Generator``) stochastically, to one of the two neighbours that bracket x with
-    a chance proportional to its nearness (unbiased: E[round(x)] = x).  Zeros, NaN, Inf and a
-    rounding past the dtype's largest value round to nearest."""
+    """x rounded to ``dtype`` (bf16/fp16/fp32), kept in x's dtype: to nearest even, or with
+    ``gen`` (a CPU ``torch.Generator``) stochastically, to one of the two neighbours that
+    bracket x with a chance proportional to its nearness (unbiased: E[round(x)] = x).  An x
+    already in ``dtype`` (an fp32 operand of the fp32 variants) is the rounding of a value
+    anywhere within half a unit of it: it is moved there at random, then rounded so.  Zeros,
+    NaN, Inf and a rounding past the dtype's largest value round to nearest."""
     nearest = x.to(dtype).to(x.dtype)
     if gen is None or dtype not in _FORMATS:
         return nearest
     bits, emin = _FORMATS[dtype]
     xd = x.double()
-    _, e = torch.frexp(xd)
-    ulp = torch.ldexp(torch.ones_like(xd), (e - 1).clamp(min=emin) - bits + 1)
+
+    def unit(y):
+        _, e = torch.frexp(y)
+        return torch.ldexp(torch.ones_like(y), (e - 1).clamp(min=emin) - bits + 1)
+    if dtype == x.dtype:
+        move = torch.rand(x.shape, generator=gen, dtype=torch.float64).to(x.device) - 0.5
+        xd = torch.where(xd != 0, xd + move * unit(xd), xd)
+    ulp = unit(xd)
     lo = torch.floor(xd / ulp) * ulp
     draw = torch.rand(x.shape, generator=gen, dtype=torch.float64).to(x.device)
     up = torch.where(draw < (xd - lo) / ulp, lo + ulp, lo)
@@ -120,7 +128,7 @@ def _state_decay(dtype, gen):
 
 
 def _operand_rounding(dtype, gen):
-    if dtype is None or dtype == torch.float32:
+    if dtype is None or (dtype == torch.float32 and gen is None):
         return lambda x: x
     return lambda x: _RoundOperand.apply(x, dtype, gen)
 
@@ -310,7 +318,11 @@ def chunked(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     float32 [N,H,K,V] or None).  ``operand_dtype`` rounds every matrix product's
     operands (see `_chunk_scan`): kfuzz's trusted implementation at a bf16 or
     fp16 kernel's own precision; ``rounding_seed`` makes those roundings stochastic
-    (`round_to`), another honest realization of the same precision."""
+    (`round_to`), another honest realization of the same precision; at fp32 every product
+    operand is then moved within its rounding's half unit and rounded stochastically (the
+    arithmetic stays float32), so that an output of one or two elements, where the chunked
+    form cancels terms far larger than the answer, is not judged by the luck of one set of
+    roundings to nearest."""
     from gdn.oracle import _check, _sequences
     N = _check(q, k, v, g, beta, initial_state, cu_seqlens, delta)
     B, T, H, K = q.shape

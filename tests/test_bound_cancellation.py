@@ -6,6 +6,8 @@ replaced at every step, so dg = a <dS, S0> (1 - beta k^2) = 0, a difference of t
 about 1.5.  The float64 oracle and the trusted fp32 reference cancel them exactly; the kernel's
 other order of operations leaves 1.2e-7 (one fp32 rounding of the terms), which a bound scaled
 by the trusted error alone (0) calls 2.5e30 times too large."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,10 +44,20 @@ def test_an_answer_that_cancels_is_judged_against_its_sensitivity(ran, monkeypat
     case, target, inputs, outputs = ran
     assert float(inputs["beta"].min()) == 1.0 and float(outputs["dg"].abs().max()) > 0
     assert ex.judge(case, target, inputs, outputs).passed
-    # without the raised trusted error the bound collapses to the floor at an oracle of 0
+    # without the raised trusted error (and without the trusted variants, which realize other
+    # roundings of the terms) the bound collapses to the floor at an oracle of 0
     monkeypatch.setattr(ex, "perturbed_trusted", lambda target, case, inputs, oracle, trusted, *rest: trusted)
-    v = ex.judge(case, target, inputs, outputs)
+    v = ex.judge(case, dataclasses.replace(target, trusted_variants=0), inputs, outputs)
     assert v.kind == "bound" and v.output == "dg"
+
+
+@cpu_interpreter
+def test_the_fp32_trusted_variants_realize_a_cancelling_answers_rounding(ran, monkeypatch):
+    case, target, inputs, outputs = ran
+    monkeypatch.setattr(ex, "perturbed_trusted", lambda target, case, inputs, oracle, trusted, *rest: trusted)
+    assert ex.judge(case, target, inputs, outputs).passed
+    realized = ex.trusted_realizations(target, case, inputs)
+    assert any(float(r["dg"].abs().max()) > 0 for r in realized)   # the nearest roundings give 0
 
 
 @cpu_interpreter

@@ -63,3 +63,16 @@ def test_stochastic_rounding_lands_on_a_bracketing_neighbour_without_bias(dtype)
     assert torch.allclose(round_to(x, dtype, torch.Generator().manual_seed(7)),
                           round_to(x, dtype, torch.Generator().manual_seed(7)), rtol=0, atol=0, equal_nan=True)
     assert torch.allclose(round_to(x, dtype), near, rtol=0, atol=0, equal_nan=True)   # no generator: nearest
+
+
+def test_an_fp32_operand_is_the_rounding_of_a_value_within_half_a_unit_of_it():
+    from gdn.reference import round_to
+    x = torch.tensor([1.0, 1.5 + 2.0 ** -22, -3.3e-3, 1e-40, 0.0, float("inf"), float("nan")])
+    draws = torch.stack([round_to(x, torch.float32, torch.Generator().manual_seed(s)) for s in range(400)])
+    ulp = torch.tensor([2.0 ** -23, 2.0 ** -23, 2.0 ** -32, 2.0 ** -149])   # each value's unit (just above)
+    for j in range(4):
+        d = (draws[:, j].double() - float(x[j])).abs()
+        assert bool((d <= float(ulp[j]) * 1.0001).all()) and bool((d > 0).any())    # moved by one unit at most
+        assert abs(float(draws[:, j].double().mean()) - float(x[j])) < 0.1 * float(ulp[j])   # unbiased
+    assert torch.equal(draws[:, 4:6], x[4:6].expand(400, 2)) and torch.isnan(draws[:, 6]).all()
+    assert torch.equal(round_to(x[:4], torch.float32), x[:4])    # no generator: x itself
