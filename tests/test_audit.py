@@ -724,6 +724,51 @@ def test_g06_excuses_what_the_reference_in_float32_cannot_do_either():
     assert r.status == "fail" and r.first_failure[1].kind == "nonfinite", r.reason
 
 
+SHIFTED = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            return torch.tanh(x)
+        # the float32 path transforms its inputs first, as a library's float32 convolution may:
+        # exact for finite x, while an Inf at i leaves inf - inf at i + {shift}
+        s = x.roll({shift}, dims=1)
+        return torch.tanh(x + s - s)
+
+
+batch_size = 4
+dim = 32
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_g05_excuses_the_class_that_the_reference_in_float32_takes_too():
+    """A reference whose float32 path turns one Inf into NaN beside it where its float64 path
+    (the oracle) stays finite: a solution bitwise the reference is reference-limited, G05 passes
+    and says so. A kernel with NaN where the float32 reference is finite still fails."""
+    from kfuzz.audit import excused_class
+    from kfuzz.gates import GATES, run_gate
+    ref = SHIFTED.format(shift=1)
+    same = as_target(load_pair(ref, ref.replace("class Model(", "class ModelNew("), "shifted"))
+    seen = []
+    r = run_gate(GATES["G05"], same, seed=0, on_case=lambda *a: seen.append(excused_class(a[-1])))
+    assert r.status == "pass", r.reason
+    assert "reference-limited" in seen
+    worse = as_target(load_pair(ref, SHIFTED.format(shift=2).replace("class Model(", "class ModelNew("),
+                                "shifted_worse"))
+    r = run_gate(GATES["G05"], worse, seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "nonfinite", r.reason
+
+
 FACTOR = """import torch
 import torch.nn as nn
 
