@@ -301,9 +301,19 @@ def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: s
         case, verdict, note = minimize_failure(case, target, verdict, device, max_executions=MINIMIZE_EXECUTIONS,
                                                max_seconds=max_seconds, executor=executor)
     path = case_path(cases, target.name, gid)
-    write_atomic(path, encode(case, make_record(verdict, "fail", device, gate=gid, gate_seed=seed, **note)))
+    resolve = judged_resolve(executor, target)
+    write_atomic(path, encode(case, make_record(verdict, "fail", device, gate=gid, gate_seed=seed, **note,
+                                                **({"resolve": resolve} if resolve else {}))))
     return {"case_file": str(path), "minimized": "error" not in note.get("minimize", {}) and "skipped" not in
             note.get("minimize", {})}
+
+
+def judged_resolve(executor, target) -> dict | None:
+    """The weights the gates judged the solution with (the gate executor's: ``seed``, or ``none``
+    where the weights contract found a derived parameter), as a case record's ``resolve``, so
+    that ``kfuzz verify --replay`` builds that solution again."""
+    resolve = getattr(executor, "resolve", None) or getattr(executor, "target", target).options.get("resolve")
+    return {"weights": resolve["weights"]} if resolve and "weights" in resolve else None
 
 
 def _first_reference_case(target, seed: int, device: str, executor):

@@ -44,7 +44,7 @@ from kfuzz.version import __version__
 from kfuzz.case import Case, decode, encode
 from kfuzz.errors import CaseError, KfuzzError
 from kfuzz.limits import CASE_FILE_ENV, describe, max_case_bytes, max_case_file_bytes
-from kfuzz.target import Target, check_storage, get_target
+from kfuzz.target import Target, check_storage, get_target, load_target
 from kfuzz.verdict import Signature, Verdict
 
 SUFFIX = ".case.zst"
@@ -159,18 +159,31 @@ def check_record(record: Mapping, source: str) -> None:
                 raise CaseError(f"{source}: record field {key!r} is malformed ({type(e).__name__}: {e})") from None
 
 
-def load_checked(path: str | Path) -> tuple[Case, dict | None, Target]:
-    """``load``, then ``checked_target``; every error names the file."""
+def load_checked(path: str | Path, device: str = "cpu") -> tuple[Case, dict | None, Target]:
+    """``load``, then ``checked_target`` (with the record's ``resolve``, on ``device``); every
+    error names the file."""
     case, record = load(path)
-    return case, record, checked_target(case, path)
+    return case, record, checked_target(case, path, replay_resolve(record, path), device)
 
 
-def checked_target(case: Case, source: str | Path) -> Target:
+def replay_resolve(record: Mapping | None, source: str | Path) -> dict | None:
+    """The record's ``resolve``: what the resolver of a target built on demand (``kb:``) needs to
+    build the target the case was judged on (a KernelBench solution's weights), or None."""
+    resolve = (record or {}).get("resolve")
+    if resolve is None:
+        return None
+    if not (isinstance(resolve, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in resolve.items())):
+        raise CaseError(f"{source}: record field 'resolve' must map names to strings, not {resolve!r}")
+    return dict(resolve)
+
+
+def checked_target(case: Case, source: str | Path, resolve: dict | None = None, device: str = "cpu") -> Target:
     """The target of a case read from ``source``, once the case is checked against its
     contract (``Target.validate``) and the global cap on its storage
-    (``kfuzz.target.check_storage``), before anything is materialized."""
+    (``kfuzz.target.check_storage``), before anything is materialized. ``resolve``: options for
+    the resolver of a name built on demand (``kb:``), from the case's record."""
     try:
-        target = get_target(case.target)
+        target = load_target(case.target, resolve={**resolve, "device": device}) if resolve else get_target(case.target)
         target.validate(case)
         check_storage(case, target, max_case_bytes())
     except KfuzzError as e:

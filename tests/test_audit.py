@@ -1046,6 +1046,48 @@ def test_every_failing_gate_leaves_a_case_that_replays_alone(tmp_path):
     assert r.exit_code == 0 and r.output.count("ok ") == len(files), r.output
 
 
+EXTRA_PARAMETER = """# reference: reference_linear.py
+# planted: maps NaN to zero, and holds a parameter the reference has not (its weights load by seed only)
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        y = self.linear(x) * self.gain
+        return torch.where(torch.isnan(y), torch.zeros_like(y), y)
+"""
+
+
+@pytest.mark.parametrize("sandboxed", [False, True])
+def test_a_gate_case_replays_with_the_weights_the_gates_judged_with(tmp_path, sandboxed):
+    """A solution whose weights do not load as Model's (W) is judged by the gates on the
+    weights the audit gave it; its failing case records them (``resolve``), and ``kfuzz verify
+    --replay`` builds that solution again, in this process or in a sandboxed worker, to the
+    same failure (not to the strict loader's WeightsContractError)."""
+    import shutil
+    import kfuzz.cli.verify  # noqa: F401  (registers the verb)
+    from kfuzz.audit import case_path
+    from kfuzz.corpus import load
+    folder = tmp_path / "ctl"
+    folder.mkdir()
+    shutil.copy(CONTROLS / "reference_linear.py", folder)
+    (folder / "extra_parameter.py").write_text(EXTRA_PARAMETER)
+    entry, = read_corpus(folder)
+    record, = run_audit([entry], tmp_path / "out", ["G05"], timeout=180)
+    assert record["gates"]["G05"]["status"] == "fail", record["gates"]
+    path = case_path(tmp_path / "out" / "cases", entry.pair.target_name, "G05")
+    assert load(path)[1]["resolve"] == {"weights": "seed"}
+    r = CliRunner().invoke(cli, ["verify", "--replay", str(path), "--device", "cpu",
+                                 *([] if sandboxed else ["--in-process"])])
+    assert r.exit_code == 0 and "still fails" in r.output and "nonfinite" in r.output, r.output
+
+
 FLAT = """import torch
 import torch.nn as nn
 

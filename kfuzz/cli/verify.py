@@ -95,7 +95,10 @@ def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_proc
 
 
 def _executor(target, device, in_process, timeout):
-    return InProcess(target, device) if in_process else Sandboxed(target, device, timeout)
+    # a target built on demand (kb:) is built in the worker as here: the same weights
+    resolve = target.options.get("resolve")
+    return InProcess(target, device) if in_process else Sandboxed(
+        target, device, timeout, resolve={**resolve, "device": device} if resolve else None)
 
 
 def _case_line(gid, index, seconds, verdict):

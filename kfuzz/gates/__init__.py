@@ -119,7 +119,7 @@ def replay_gate_case(path: str | Path, device: str = "cpu",
                      executors: Callable[[Target], object] | None = None) -> tuple[bool, Verdict, str]:
     """Run a saved gate case through its gate again: (ends as recorded, verdict, message).
     ``executors``: the executor for a target (default: in this process)."""
-    case, record, target = load_checked(path)      # checked before anything is materialized
+    case, record, target = load_checked(path, device)      # checked before anything is materialized
     gid = (record or {}).get("gate")
     if gid not in GATES:
         raise KfuzzError(f"{path}: not a gate case (its record names no known gate)")

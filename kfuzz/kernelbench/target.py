@@ -56,6 +56,8 @@ from kfuzz.kernelbench.source import (PRECISION, PREFIX, SEED, KernelBenchError,
 from kfuzz.target import Arg, Dim, Output, Target
 
 MODEL_SETS = 2            # sets of models (distinct init inputs) kept per pair
+# how the solution gets its weights (``as_target``)
+WEIGHTS = ("strict", "seed", "none", "reload")
 RELOAD_SEED = SEED + 1    # weights="reload": the seed of the checkpoint loaded after a first forward
 # why G07 does not apply to a model with float weights (``float_weights``)
 FLOAT_WEIGHTS = "outputs depend on float weights the case does not set; no exact answer by construction"
@@ -153,6 +155,8 @@ class Bench:
     on first use, the solution, all with the reference's weights."""
 
     def __init__(self, pair: KernelBenchPair, contract: Contract, weights: str = "strict", device: str = "cpu"):
+        if weights not in WEIGHTS:
+            raise KernelBenchError(f"{pair.name}: weights {weights!r} is not one of {', '.join(WEIGHTS)}")
         self.pair, self.contract, self.weights, self.device = pair, contract, weights, device
         self.where = {}
         for i, shape in enumerate(contract.arg_shapes):
@@ -470,6 +474,9 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         domain=domain, constraint=constraint,
         description=f"KernelBench level {pair.level} problem {pair.problem} ({pair.model})",
         options={"bench": bench, "device": device, "fixed": contract.fixed,
+                 # what a sandboxed worker's resolver needs to build this target again (its
+                 # weights), kept with each failing gate case so that the case replays alone
+                 "resolve": {"weights": weights},
                  # G09 and G11 also at the reference's own sizes (where its test ran the kernel)
                  "own_dims": dict(contract.dims),
                  # G06: where the reference in float32 (the trusted run) is non-finite too, a
