@@ -15,6 +15,7 @@ from kfuzz.cli import cli
 from kfuzz.errors import KfuzzError
 from kfuzz.kernelbench import (KernelBenchError, WeightsContractError, as_target, infer_contract, load_pair,
                                load_weights, pair_module, read_corpus, size_constants, standard_test)
+from kfuzz.kernelbench.source import derived_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTROLS = ROOT / "harnesses" / "kernelbench_controls"
@@ -640,6 +641,55 @@ def test_the_float64_oracle_lifts_tensors_a_reference_makes_in_float32():
 def test_size_constants_from_tuple_and_chained_assignments():
     code = "a = 3\nheight, width = 16, 32\nx = y = 4\nc: int = 5\np, q = f()\nr = 2.0\na = -1\n[m, n] = [7, 8]\n"
     assert size_constants(code) == {"height": 16, "width": 32, "x": 4, "y": 4, "c": 5, "m": 7, "n": 8}
+
+
+DEPTHWISE = """import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, groups):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(in_channels, 1, kernel_size))
+
+    def forward(self, x):
+        return F.conv1d(x, self.weight, groups=self.weight.shape[0])   # depthwise, whatever groups says
+
+
+batch_size = 4
+in_channels = 3
+out_channels = in_channels
+kernel_size = 3
+length = 32
+groups = in_channels
+
+
+def get_inputs():
+    return [torch.randn(batch_size, in_channels, length)]
+
+
+def get_init_inputs():
+    return [in_channels, out_channels, kernel_size, groups]
+"""
+
+DEPTHWISE_NEW = DEPTHWISE.replace("class Model(", "class ModelNew(").replace(
+    "groups=self.weight.shape[0]", "groups=self.groups").replace(
+    "super().__init__()", "super().__init__()\n        self.groups = groups")
+
+
+def test_sizes_derived_from_a_size_constant_follow_it():
+    """``groups = in_channels`` and ``out_channels = in_channels`` are evaluated again where G03
+    changes in_channels, as the module would have: a solution that honours ``groups`` passes
+    (kfuzz's own inconsistent init, groups 3 with 1 channel, failed it); one that hard-codes the
+    channels still fails."""
+    from kfuzz.gates import GATES, run_gate
+    assert [n for n, _, _ in derived_sizes(DEPTHWISE)] == ["out_channels", "groups"]
+    r = run_gate(GATES["G03"], as_target(load_pair(DEPTHWISE, DEPTHWISE_NEW, "depthwise")), seed=0)
+    assert r.status == "pass", r.reason
+    fixed = DEPTHWISE_NEW.replace("groups=self.groups", "groups=3")
+    r = run_gate(GATES["G03"], as_target(load_pair(DEPTHWISE, fixed, "depthwise_fixed")), seed=0)
+    assert r.status == "fail", r.reason
 
 
 STATE_FROM_A_CONSTANT = """import torch

@@ -124,7 +124,31 @@ def size_constants(ref_code: str) -> dict[str, int]:
     return out
 
 
+# integer arithmetic a derived size binding may hold (``groups = in_channels``, ``pad = k // 2``)
+_ARITHMETIC = (ast.Expression, ast.Name, ast.Load, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Add, ast.Sub,
+               ast.Mult, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.UAdd)
+
+
+def derived_sizes(code: str) -> list[tuple[str, types.CodeType, frozenset[str]]]:
+    """The module-level bindings ``NAME = <integer arithmetic on other names>`` (``out_channels =
+    in_channels``, ``padding = kernel_size // 2``), in source order: (name, the compiled
+    expression, the names it reads). Where kfuzz changes a size constant, ``sized`` evaluates
+    these again, as the module would have with that constant."""
+    out = []
+    for node in ast.parse(code).body:
+        for name, value in _bindings(node):
+            if value is None or isinstance(value, ast.Constant):
+                continue
+            expr = ast.Expression(value)
+            if all(isinstance(n, _ARITHMETIC) for n in ast.walk(expr)):
+                reads = frozenset(n.id for n in ast.walk(expr) if isinstance(n, ast.Name))
+                if reads:
+                    out.append((name, compile(expr, "<size>", "eval"), reads))
+    return out
+
+
 _MODULES: dict[tuple[str, str], types.ModuleType] = {}
+_DERIVED: dict[str, list] = {}     # module name -> derived_sizes of its code
 
 
 def pair_module(pair: KernelBenchPair, role: str) -> types.ModuleType:
@@ -144,13 +168,28 @@ def pair_module(pair: KernelBenchPair, role: str) -> types.ModuleType:
         except BaseException:
             sys.modules.pop(modname, None)
             raise
+        _DERIVED[modname] = derived_sizes(code)
         _MODULES[key] = mod
     return _MODULES[key]
 
 
 @contextmanager
 def sized(mod: types.ModuleType, values: dict[str, int]):
-    """The module's size constants set to ``values`` for the duration."""
+    """The module's size constants set to ``values`` for the duration, and the sizes it derives
+    from them (``derived_sizes``: ``groups = in_channels``) evaluated again with them."""
+    values = dict(values)
+    changed = {k for k, v in values.items() if mod.__dict__.get(k) != v}
+    for name, expr, reads in _DERIVED.get(mod.__name__, ()):
+        if name in values or name not in mod.__dict__ or not reads & changed \
+                or not reads <= mod.__dict__.keys() | values.keys():
+            continue
+        try:
+            value = eval(expr, {"__builtins__": {}}, {**mod.__dict__, **values})
+        except ArithmeticError:
+            continue
+        if isinstance(value, int) and value != mod.__dict__.get(name):
+            values[name] = value
+            changed.add(name)
     old = {k: mod.__dict__[k] for k in values}
     mod.__dict__.update(values)
     try:
