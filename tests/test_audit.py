@@ -1136,6 +1136,13 @@ def test_a_gate_case_replays_with_the_weights_the_gates_judged_with(tmp_path, sa
     r = CliRunner().invoke(cli, ["verify", "--replay", str(path), "--device", "cpu",
                                  *([] if sandboxed else ["--in-process"])])
     assert r.exit_code == 0 and "still fails" in r.output and "nonfinite" in r.output, r.output
+    if not sandboxed:   # a record naming weights the adapter does not know: bad input, named
+        from kfuzz.case import encode
+        case, rec = load(path)
+        bad = tmp_path / "bad.case.zst"
+        bad.write_bytes(encode(case, {**rec, "resolve": {"weights": "borrowed"}}))
+        r = CliRunner().invoke(cli, ["verify", "--replay", str(bad), "--in-process"])
+        assert r.exit_code == 2 and "bad.case.zst" in r.output and "'borrowed'" in r.output, r.output
 
 
 FLAT = """import torch
