@@ -289,8 +289,9 @@ class Nonfinite(Gate):
                 if f.kind == "nonfinite":
                     # where the reference in float32 takes the kernel's class (NaN, +Inf, -Inf or
                     # finite) and the float64 oracle another (torch's float32 conv3d on the CPU
-                    # turns one Inf into NaN where float64's stays finite), float32 by the reference's own math does
-                    # no better: judged against it there (reference-limited)
+                    # turns one Inf into NaN where float64's stays finite), float32 by the
+                    # reference's own math does no better: judged against it there
+                    # (reference-limited)
                     differ = _class_differences(out, judged, dtype)[2]
                     t = trusted_outputs(target, case, inputs)[name].detach().cpu().double()
                     same = differ & (kinds(t) == kinds(out.detach().cpu().double()))
