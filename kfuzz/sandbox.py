@@ -619,9 +619,13 @@ def address_space() -> int:
 
 def compile_cache(workdir: str) -> str:
     """Triton's cache for this worker: ``TRITON_CACHE_DIR`` when kfuzz's process set one (a
-    campaign's cache), else a directory inside the worker's own; never the user's ~/.triton."""
+    campaign's cache), else a directory inside the worker's own; never the user's ~/.triton.
+    torch.compile's (``TORCHINDUCTOR_CACHE_DIR``) goes beneath it, whatever the parent's
+    environment says: a kernel that uses ``torch.compile`` writes there, not to
+    /tmp/torchinductor_<user>, which a confined worker may not write."""
     cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(workdir, "triton-cache")
     os.environ["TRITON_CACHE_DIR"] = cache
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "torchinductor")
     os.makedirs(cache, exist_ok=True)
     return cache
 

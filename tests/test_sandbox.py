@@ -162,6 +162,24 @@ def test_a_raw_write_outside_the_private_directory_is_refused(tmp_path):
     assert victim.read_text() == "kept" and (private / "inside.txt").read_text() == "ok"
 
 
+def test_torch_compiles_cache_lands_beneath_the_workers_own_directory(tmp_path, monkeypatch):
+    """A kernel that uses torch.compile writes inductor's cache beneath the worker's compile
+    cache, not where the parent's environment points (/tmp/torchinductor_<user> by default),
+    which a confined worker may not write."""
+    outside = tmp_path / "host-inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(outside))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    private = tmp_path / "private"
+    private.mkdir()
+
+    def inductor_cache(_):
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return cache_dir()
+    got = _in_confined_child(inductor_cache, private)
+    assert got == repr(str(private / "triton-cache" / "torchinductor")), got
+    assert not outside.exists()
+
+
 @pytest.mark.skipif(not LANDLOCK, reason="this kernel has no Landlock: reads are named, not blocked")
 def test_a_raw_read_of_a_host_file_is_refused(tmp_path):
     secret = tmp_path / "secret.txt"        # outside the child's directory and the Python environment
