@@ -681,8 +681,8 @@ DEPTHWISE_NEW = DEPTHWISE.replace("class Model(", "class ModelNew(").replace(
 def test_sizes_derived_from_a_size_constant_follow_it():
     """``groups = in_channels`` and ``out_channels = in_channels`` are evaluated again where G03
     changes in_channels, as the module would have: a solution that honours ``groups`` passes
-    (kfuzz's own inconsistent init, groups 3 with 1 channel, failed it); one that hard-codes the
-    channels still fails."""
+    (left at 3 over 1 channel, the init would be one the module never gives, and the solution
+    would raise); one that hard-codes the groups still fails."""
     from kfuzz.gates import GATES, run_gate
     assert [n for n, _, _ in derived_sizes(DEPTHWISE)] == ["out_channels", "groups"]
     r = run_gate(GATES["G03"], as_target(load_pair(DEPTHWISE, DEPTHWISE_NEW, "depthwise")), seed=0)

@@ -475,7 +475,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         description=f"KernelBench level {pair.level} problem {pair.problem} ({pair.model})",
         options={"bench": bench, "device": device, "fixed": contract.fixed,
                  # what a sandboxed worker's resolver needs to build this target again (its
-                 # weights), kept with each failing gate case so that the case replays alone
+                 # weights): `kfuzz verify` hands it to its workers
                  "resolve": {"weights": weights},
                  # G09 and G11 also at the reference's own sizes (where its test ran the kernel)
                  "own_dims": dict(contract.dims),
