@@ -67,8 +67,8 @@ import triton.language as tl
 
 from gdn import fwd_prep, fwd_state
 from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, all_within, chunk_span,
-                        chunk_tokens, exact_chunk, group_flag, handoff_dtype, kept_plan, load_gates,
-                        mask_and, odot, pow2, q_admits_matrix, tile)
+                        chunk_tokens, exact_chunk, forward_precision, group_flag, handoff_dtype, kept_plan,
+                        load_gates, mask_and, odot, pow2, q_admits_matrix, tile)
 from gdn.config import DEFAULT, GDNConfig
 
 
@@ -360,7 +360,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     else:
         h0 = q.new_zeros(1, dtype=torch.float32)
     inter = handoff_dtype(q.dtype)
-    prec = "ieee" if INTERPRET else ("tf32x3" if q.dtype == torch.float32 else "tf32")
+    prec = forward_precision(q.dtype)
     o = torch.empty_like(v, dtype=q.dtype)
     hT = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else \
         q.new_zeros(1, dtype=torch.float32)

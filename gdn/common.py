@@ -40,6 +40,14 @@ def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+def forward_precision(dtype: torch.dtype) -> str:
+    """The input precision of the forward's products on fp32 operands (`fdot`) for inputs of
+    ``dtype``: "tf32x3" for fp32 inputs, "tf32" otherwise; "ieee" under the interpreter."""
+    if INTERPRET:
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 BF16_MAX = tl.constexpr(3.3895313892515355e38)   # tl.constexpr: read inside kernels
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # |beta_t| * ||k_t||^2 above which a delta-rule step's transition I - beta_t k_t k_t^T expands

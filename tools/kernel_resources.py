@@ -41,6 +41,7 @@ import gdn.chunk_fwd as cf  # noqa: E402
 import gdn.fwd_prep as fp  # noqa: E402
 import gdn.fwd_state as fs  # noqa: E402
 from gdn import common  # noqa: E402
+from gdn.common import forward_precision  # noqa: E402
 from gdn.config import DEFAULT  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -143,8 +144,9 @@ def gdn_kernels(K=128, V=128, gate=1, delta=True, fp32=False, state_bv=64):
     (fp32: at fp32 inputs); the state pass's matrix part at V tiles of ``state_bv``."""
     X, DT = ("*fp32", tl.float32) if fp32 else ("*bf16", tl.bfloat16)
     BT = 16 if gate == 2 else 64
+    prec = forward_precision(torch.float32 if fp32 else torch.bfloat16)
     common = dict(H=16, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BT=BT, GATE=gate,
-                  IS_VARLEN=False, PREC="tf32x3" if fp32 else "tf32", BIG=65536.0)
+                  IS_VARLEN=False, PREC=prec, BIG=65536.0)
     scal = {"T": "i32", "NT": "i32"}
     state_sig = {**_ptrs(["q", "k", "v", "beta", "w", "u", "hs", "vn", "o"], X),
                  **_ptrs(["g", "gc", "gcl", "h0", "hT", "sstop"], "*fp32"),
