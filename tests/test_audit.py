@@ -350,10 +350,7 @@ def test_old_records_get_the_float_weights_fact_from_the_corpus_row():
     """A record made before G07 was n/a on float weights says nothing of them: its G07 failure
     counts until the report tool fills ``params`` from the corpus row (the record's sha must
     match); a record whose row is not found stays as recorded, and is counted as unknown."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("audit_report", ROOT / "tools" / "audit_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = audit_report()
     g07 = {"G07": {"status": "fail", "kind": "bound", "worst_ratio": "inf"}}
     recs = [{"key": f"kernelbench_controls:{stem}", "sha": control(stem).pair.sha, "gates": dict(g07),
              "weights": {"status": "exact"}, "standard": {"passed": True},
@@ -1289,13 +1286,19 @@ def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_
     assert got["build_seconds_mean"] == round(rec["build"]["seconds"], 1), (got, rec["build"])
 
 
-def g05_classes(fact: str) -> dict:
-    """The audit report's arguable classes over two kernels whose only violation is G05, its
-    failing case's ``fact`` set in one and unset in the other."""
+def audit_report():
+    """tools/audit_report.py as a module."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("audit_report", ROOT / "tools" / "audit_report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
+    return report
+
+
+def g05_classes(fact: str) -> dict:
+    """The audit report's arguable classes over two kernels whose only violation is G05, its
+    failing case's ``fact`` set in one and unset in the other."""
+    report = audit_report()
     recs = [{"key": f"c:{i}", "target": f"kb:c:{i}", "weights": {"status": "exact"}, "standard": {"passed": True},
              "gates": {"G05": {"status": "fail", "kind": "nonfinite",
                                "verdict": {"kind": "nonfinite", "metrics": {fact: flag}}}}}
@@ -1374,3 +1377,51 @@ def test_a_g05_failure_of_an_arguable_kind_is_its_own_class(ref, body, in_class,
         r = run_gate(GATES["G05"], as_target(pair), seed=0)
         assert r.status == "fail" and r.first_failure[1].metrics[fact] == flag, r.reason
     assert g05_classes(fact)[label] == 1
+
+
+# a constant of the forward registered as a buffer: Model's checkpoint loads only with strict=False
+OWN_CONSTANT = LINEAR.replace("class Model(", "class ModelNew(").replace(
+    "        self.lin = nn.Linear(8, 8)\n",
+    "        self.lin = nn.Linear(8, 8)\n        self.register_buffer('shift', torch.tensor(0.5))\n").replace(
+    "torch.relu(self.lin(x) - 0.5)", "torch.relu(self.lin(x) - self.shift)")
+# the weight's transpose registered as a buffer in __init__: a checkpoint loaded later leaves it stale
+OWN_COPY = LINEAR.replace("class Model(", "class ModelNew(").replace(
+    "        self.lin = nn.Linear(8, 8)\n",
+    "        self.lin = nn.Linear(8, 8)\n        self.register_buffer('wt', self.lin.weight.detach().t().contiguous())\n").replace(
+    "torch.relu(self.lin(x) - 0.5)", "torch.relu(x @ self.wt + self.lin.bias - 0.5)")
+
+
+# the weights under other names, and a constant under its own: nothing of Model's loads by name
+RENAMED = DERIVED.replace("        self.b = nn.Parameter(lin.bias.detach() - 0.5)\n",
+                          "        self.b = nn.Parameter(lin.bias.detach() - 0.5)\n"
+                          "        self.register_buffer('shift', torch.tensor(0.0))\n")
+
+
+# a constant under its own name, and the weight's transpose cached on the first forward
+OWN_CONSTANT_CACHED = STALE.replace("        self.wt = None\n",
+                                    "        self.wt = None\n        self.register_buffer('shift', torch.tensor(0.5))\n")
+
+
+@pytest.mark.parametrize("solution, status", [(OWN_CONSTANT, "pass"), (OWN_COPY, "fail"), (OWN_CONSTANT_CACHED, "fail"),
+                                              (RENAMED, "n/a")],
+                         ids=["own-constant", "own-copy", "own-constant-first-forward-copy", "renamed"])
+def test_a_state_dict_with_names_of_its_own_is_loaded_leniently(solution, status):
+    """A solution whose state_dict holds Model's names and its own besides fails the strict load
+    (W's ``contract``); after a first forward, loaded with strict=False from Model's checkpoint of
+    another seed, a constant under its own name gives the checkpoint's numbers (``lenient``
+    passes: only the strict load fails), a transposed copy of the weight made in __init__ or on
+    the first forward gives the old weights' (``lenient`` fails: stale). Renamed weights do not
+    load by name at all: n/a."""
+    from kfuzz.audit import lenient_check
+    from kfuzz.executor import InProcess
+    pair = load_pair(LINEAR, solution, f"lenient_{status}")
+    bench = as_target(pair, weights="seed").options["bench"]
+    bench.solution_model({"batch": 4}, "cpu")
+    assert bench.weights_status.startswith("seed only"), bench.weights_status
+    check = lenient_check(pair, "cpu", 0, lambda weights, on: InProcess(as_target(pair, weights=weights)))
+    assert check["status"] == status, check
+    rec = {"key": "c:0", "target": "kb:c:0", "standard": {"passed": True}, "gates": {},
+           "weights": {"status": "fail", "detail": bench.weights_status, "checks": {"lenient": check}}}
+    assert judge_record(rec)["violations"] == ["W"]
+    label = "only W, a strict load (a strict=False load gives the checkpoint's numbers)"
+    assert audit_report().summarize([rec])["arguable"][label] == (status == "pass")

@@ -128,6 +128,12 @@ def g05_fact(rec: dict, fact: str) -> bool:
     return bool(m.get(fact))
 
 
+def lenient_pass(rec: dict) -> bool:
+    """Whether the solution, whose state_dict fails ``Model``'s strict load, gives the numbers of
+    ``Model``'s checkpoint loaded with ``strict=False`` (``kfuzz.audit.lenient_check``)."""
+    return ((rec.get("weights") or {}).get("checks") or {}).get("lenient", {}).get("status") == "pass"
+
+
 def summarize(records: list[dict], params: dict | None = None) -> dict:
     corpus = [r for r in records if r.get("expect") is None]
     controls = [r for r in records if r.get("expect") is not None]
@@ -180,6 +186,9 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "only the weights contract (W)": sum(j[r["key"]]["violations"] == ["W"] for r in audited),
         "W only through derived parameters": sum(weights_failures(r) == ["derived"] and not without_w[r["key"]]
                                                  for r in audited),
+        "only W, a strict load (a strict=False load gives the checkpoint's numbers)": sum(
+            j[r["key"]]["violations"] == ["W"] and weights_failures(r) == ["contract"] and lenient_pass(r)
+            for r in audited),
         "only G05, the kind of a non-finite value (NaN against an Inf)": sum(
             j[r["key"]]["violations"] == ["G05"] and g05_fact(r, "kinds_only") for r in audited),
         "only G05, non-finite where the reference's value ignores the injected special": sum(

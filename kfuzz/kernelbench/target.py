@@ -57,8 +57,10 @@ from kfuzz.target import Arg, Dim, Output, Target
 
 MODEL_SETS = 2            # sets of models (distinct init inputs) kept per pair
 # how the solution gets its weights (``as_target``)
-WEIGHTS = ("strict", "seed", "none", "reload")
-RELOAD_SEED = SEED + 1    # weights="reload": the seed of the checkpoint loaded after a first forward
+WEIGHTS = ("strict", "seed", "none", "reload", "lenient")
+# weights="reload": the seed of the checkpoint loaded after a first forward; weights="lenient":
+# of the checkpoint loaded with strict=False (``load_shared``)
+RELOAD_SEED = SEED + 1
 # why G07 does not apply to a model with float weights (``float_weights``)
 FLOAT_WEIGHTS = "outputs depend on float weights the case does not set; no exact answer by construction"
 
@@ -199,8 +201,9 @@ class Bench:
 
     def _ref_cpu(self, dims: dict, seed: int | None = None) -> torch.nn.Module:
         """The reference ``Model`` at ``dims`` on the CPU, its weights from ``seed`` (by default
-        the checkpoint the target judges with: ``SEED``, ``RELOAD_SEED`` for ``weights="reload"``)."""
-        seed = (RELOAD_SEED if self.weights == "reload" else SEED) if seed is None else seed
+        the checkpoint the target judges with: ``SEED``, ``RELOAD_SEED`` for ``weights="reload"``
+        and ``"lenient"``)."""
+        seed = (RELOAD_SEED if self.weights in ("reload", "lenient") else SEED) if seed is None else seed
         key, init = self._init(dims)
         if (key, "ref", seed) not in self.models:
             ref = pair_module(self.pair, "ref")
@@ -233,7 +236,7 @@ class Bench:
             if self.weights == "none":
                 self.weights_status = "same seed"
                 model = model.to(device).train(not self.pair.eval_mode)
-            elif self.weights == "reload":
+            elif self.weights in ("reload", "lenient"):
                 model = self._reloaded(model, dims, device, ref_model)
             else:
                 self.weights_status = load_weights(model, ref_model, strict=self.weights == "strict")
@@ -244,8 +247,12 @@ class Bench:
     def _reloaded(self, model: torch.nn.Module, dims: dict, device, checkpoint: torch.nn.Module) -> torch.nn.Module:
         """``weights="reload"``: the solution as the gates see it (``Model``'s weights of ``SEED``
         loaded), one forward at ``dims``, then ``checkpoint`` (``Model`` of ``RELOAD_SEED``) loaded
-        into it, as a user loads a trained model into a module already in use."""
-        load_weights(model, self._ref_cpu(dims, SEED), strict=False)
+        into it, as a user loads a trained model into a module already in use; ``"lenient"``: the
+        same, each load with ``strict=False`` (``load_shared``)."""
+        def load(into, reference):
+            return load_shared(into, reference) if self.weights == "lenient" else \
+                load_weights(into, reference, strict=False)
+        load(model, self._ref_cpu(dims, SEED))
         model = model.to(device).train(not self.pair.eval_mode)
         ref = pair_module(self.pair, "ref")
         with sized(ref, dims):
@@ -253,7 +260,7 @@ class Bench:
             xs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in ref.get_inputs()]
         with torch.no_grad(), precision(PRECISION, self.flags_changed):
             model(*xs)
-        self.weights_status = load_weights(model, checkpoint, strict=False)
+        self.weights_status = load(model, checkpoint)
         return model
 
     def structure(self, dims: dict) -> dict[str, tuple]:
@@ -365,6 +372,20 @@ def load_weights(model: torch.nn.Module, reference: torch.nn.Module, strict: boo
     if strict:
         raise WeightsContractError(detail)
     return f"seed only ({detail})"
+
+
+def load_shared(model: torch.nn.Module, reference: torch.nn.Module) -> str:
+    """Load ``reference``'s parameters and buffers into ``model`` with ``strict=False``, where
+    ``model``'s state_dict holds every one of ``reference``'s names at its shape and names of its
+    own besides (a user whose strict load fails on those extra names loads this way); the extra
+    names keep their construction values. Returns what stayed; a name of ``reference`` missing
+    from ``model`` or of another shape raises WeightsContractError."""
+    want, have = reference.state_dict(), model.state_dict()
+    missing = sorted(k for k in want if k not in have or have[k].shape != want[k].shape)
+    if missing:
+        raise WeightsContractError(f"Model's {missing[:6]} are not in ModelNew's state_dict at their shapes")
+    model.load_state_dict(want, strict=False)
+    return f"shared names loaded, ModelNew's own kept: {sorted(set(have) - set(want))[:6]}"
 
 
 _FLOAT_WEIGHTS: dict[str, tuple[str, ...]] = {}    # sha256 of the reference -> its float weights
