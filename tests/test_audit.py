@@ -1035,10 +1035,43 @@ STALE = LINEAR.replace("class Model(", "class ModelNew(").replace(
     "        return torch.relu(x @ self.wt + self.lin.bias - 0.5)")
 
 
-def _weights_checks(solution: str, name: str):
+NORM = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(x)
+
+
+batch = 4
+
+
+def get_inputs():
+    return [torch.randn(batch, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+# BatchNorm folded into a scale and a shift on the first forward, plain attributes: the names
+# load exactly, and a checkpoint loaded later never reaches the fold
+FOLDED = NORM.replace("class Model(", "class ModelNew(").replace(
+    "        return self.bn(x)",
+    "        if not hasattr(self, 'scale'):\n"
+    "            self.scale = self.bn.weight / torch.sqrt(self.bn.running_var + self.bn.eps)\n"
+    "            self.shift = self.bn.bias - self.bn.running_mean * self.scale\n"
+    "        return x * self.scale + self.shift")
+
+
+def _weights_checks(solution: str, name: str, ref: str = LINEAR):
     from kfuzz.audit import weights_checks
     from kfuzz.executor import InProcess
-    pair = load_pair(LINEAR, solution, name)
+    pair = load_pair(ref, solution, name, eval_mode=True)
     target = as_target(pair, weights="seed", solution=False)
 
     def executor(weights, on=target):
@@ -1067,6 +1100,18 @@ def test_a_weight_copied_before_a_checkpoint_is_loaded_is_stale():
     checks, _ = _weights_checks(STALE, "stale")
     assert checks["derived"]["status"] == "pass", checks
     assert checks["reload"]["status"] == "fail" and "stale" in checks["reload"]["detail"], checks
+
+
+def test_a_norm_layer_folded_before_a_checkpoint_is_loaded_is_stale():
+    """BatchNorm's initial weight, bias and statistics are the same for every seed; the
+    checkpoint the reload check loads has them moved, as a trained model's are
+    (``kfuzz.kernelbench.target.trained``), so a fold made on the first forward answers with the
+    old ones: ``reload`` fails. BatchNorm as Model has it passes."""
+    checks, _ = _weights_checks(FOLDED, "folded", NORM)
+    assert checks["derived"]["status"] == "pass", checks
+    assert checks["reload"]["status"] == "fail", checks
+    checks, _ = _weights_checks(NORM.replace("class Model(", "class ModelNew("), "norm", NORM)
+    assert checks["reload"]["status"] == "pass", checks
 
 
 def test_every_failing_gate_leaves_a_case_that_replays_alone(tmp_path):

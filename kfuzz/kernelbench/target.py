@@ -209,7 +209,10 @@ class Bench:
             ref = pair_module(self.pair, "ref")
             with sized(ref, dims):
                 set_seed(seed)
-                self.models[(key, "ref", seed)] = ref.Model(*init).train(not self.pair.eval_mode)
+                model = ref.Model(*init).train(not self.pair.eval_mode)
+            if seed == RELOAD_SEED:
+                trained(model, seed)
+            self.models[(key, "ref", seed)] = model
         return self.models[(key, "ref", seed)]
 
     def reference_model(self, dims: dict, dtype: torch.dtype, device) -> torch.nn.Module:
@@ -349,6 +352,31 @@ def _output_specs(bench: Bench, dims: tuple) -> tuple[tuple, ...]:
             model = bench.reference_model(d, torch.float32, bench.device)
             outs = outputs_of(model(*[x.to(bench.device) for x in ref.get_inputs()]))
     return tuple((tuple(o.shape), str(o.dtype).removeprefix("torch.")) for o in outs)
+
+
+def trained(model: torch.nn.Module, seed: int) -> None:
+    """Move ``model``'s learned values off their initial ones in place, as training does, so that
+    a checkpoint of another seed differs everywhere: each parameter that requires a gradient, and
+    each norm layer's running mean, x -> x (1 + u/4) + (v/10) rms(x) (u, v uniform in (-1, 1)
+    from ``seed``; rms 1 for an all-zero tensor), and each running variance x -> x (1 + u/4)
+    (1 + v/10), which stays positive. BatchNorm starts its weight and variance at 1, its bias
+    and mean at 0, whatever the seed: a solution that folds them once would otherwise answer
+    right with a stale copy. Other buffers (a causal mask) keep their values."""
+    gen = torch.Generator().manual_seed(seed)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+    variances = [m.running_var for m in norms if isinstance(m.running_var, torch.Tensor)]
+    learned = [p for p in model.parameters() if p.requires_grad] + \
+        [m.running_mean for m in norms if isinstance(m.running_mean, torch.Tensor)]
+    with torch.no_grad():
+        for x in learned + variances:
+            if not x.is_floating_point() or x.numel() == 0:
+                continue
+            u, v = (torch.rand(x.shape, generator=gen, dtype=torch.float64) * 2 - 1 for _ in range(2))
+            if any(x is var for var in variances):
+                moved = x.double() * (1 + u / 4) * (1 + v / 10)
+            else:
+                moved = x.double() * (1 + u / 4) + v / 10 * (x.double().square().mean().sqrt().item() or 1.0)
+            x.copy_(moved.to(x.dtype))
 
 
 def load_weights(model: torch.nn.Module, reference: torch.nn.Module, strict: bool = True) -> str:
