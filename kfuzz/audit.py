@@ -205,17 +205,17 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
             status = None
         stack = contextlib.ExitStack()
         gate_ex = ex
+
+        def executor(weights: str, on=target):
+            """A sandboxed worker whose solution has ``weights``, open until the gates end."""
+            return stack.enter_context(Sandboxed(on, device, timeout, confined, preload=KERNEL_PRELOAD,
+                                                 resolve={"weights": weights, "device": device, "prebuilt": True}))
         if status in ("exact", "by position") and "G01" in gates:
             # which weights the gates judge with, and whether the solution keeps up with a checkpoint
-            def executor(weights: str, on=target):
-                return stack.enter_context(Sandboxed(on, device, timeout, confined, preload=KERNEL_PRELOAD,
-                                                     resolve={"weights": weights, "device": device, "prebuilt": True}))
             checks, gate_ex = weights_checks(pair, target, device, seed, ex, executor)
             emit("weights", {**record_weights, "checks": checks})
         elif isinstance(status, str) and status.startswith("seed only") and "G01" in gates:
-            def executor(weights: str, on=target):
-                return stack.enter_context(Sandboxed(on, device, timeout, confined, preload=KERNEL_PRELOAD,
-                                                     resolve={"weights": weights, "device": device, "prebuilt": True}))
+            # whether the numbers follow Model's checkpoint loaded with strict=False
             emit("weights", {**record_weights, "checks": {"lenient": lenient_check(pair, device, seed, executor)}})
         budget = {"minimize": MINIMIZE_SECONDS}     # shared by the kernel's failing gates
         with stack:
