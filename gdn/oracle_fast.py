@@ -14,7 +14,9 @@ Gamma_t = exp(G_t) (a vector over keys for a vector gate), the recurrence of
     S_C     = diag(Gamma_C) S_0 + sum_j diag(exp(G_C - G_j)) k_j delta_j^T
 
 (without the delta rule, delta_t = v_t), the deltas from one unit lower-triangular solve.
-Everything is float64, with no clamp, no operand rounding and no fast paths.
+Everything is float64, with no clamp, no operand rounding and no fast paths. The sums
+G_i - G_j and G_C - G_j are formed so that autograd adds each gate's share once
+(``_Between``, ``_After``), as the step-by-step gradients do.
 
 Where it is used (``fast_path``): every input finite, gates GATE_MIN <= g <= 0, beta in
 [0, 1], every key's L2 norm at most 1 (the targets' domain; then each step's transition has
@@ -51,6 +53,51 @@ def fast_path(q, k, v, g, beta, initial_state) -> bool:
     return k.numel() == 0 or float(k.double().norm(dim=-1).max()) <= 1 + KEY_NORM_SLACK
 
 
+class _Between(torch.autograd.Function):
+    """The gate sums between two tokens of a chunk, G_i - G_j = sum_{j < r <= i} g_r for i >= j
+    (0 above the diagonal; [.., n, n] or [.., n, n, K] from g [.., n] or [.., n, K]), whose gradient reaches each g_r from the pairs
+    it lies between and no other: grad g_r = sum_{i >= r} sum_{j < r} grad_ij. Autograd through
+    the difference of cumulative sums would add grad_ij to every g_r with r <= i and subtract it
+    from every r <= j, so each pair's term enters twice with both signs and a gate gradient far
+    smaller than those terms (a tiny initial state beside a large output gradient) is lost to
+    their rounding."""
+
+    @staticmethod
+    def forward(ctx, g):
+        G = torch.cumsum(g, dim=2)
+        n = g.shape[2]
+        idx = torch.arange(n, device=g.device)
+        lower = (idx[:, None] >= idx[None, :]).reshape(n, n, *([1] * (g.dim() - 3)))
+        return torch.where(lower, G[:, :, :, None] - G[:, :, None, :], 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[2]
+        # P[i, m] = sum_{j <= m} grad_ij; Q[i, r] = P[i, r - 1] (0 at r = 0)
+        P = torch.cumsum(grad, dim=3)
+        Q = torch.cat([torch.zeros_like(P[:, :, :, :1]), P[:, :, :, :-1]], dim=3)
+        # R[i, r] = sum_{i' >= i} Q[i', r]; grad g_r = R[r, r]
+        R = torch.flip(torch.cumsum(torch.flip(Q, [2]), dim=2), [2])
+        idx = torch.arange(n, device=grad.device)
+        return R[:, :, idx, idx]
+
+
+class _After(torch.autograd.Function):
+    """The gate sums after each token to the chunk's end, G_n - G_j = sum_{r > j} g_r ([.., n] or
+    [.., n, K]), with grad g_r = sum_{j < r} grad_j: no term entering with both signs (as
+    ``_Between``)."""
+
+    @staticmethod
+    def forward(ctx, g):
+        G = torch.cumsum(g, dim=2)
+        return G[:, :, -1:] - G
+
+    @staticmethod
+    def backward(ctx, grad):
+        P = torch.cumsum(grad, dim=2)
+        return torch.cat([torch.zeros_like(P[:, :, :1]), P[:, :, :-1]], dim=2)
+
+
 def _chunks(q, k, v, g, beta, S, scale, delta):
     """One batch of equal-length sequences, heads first ([b, H, L, *] float64; g [b,H,L] or
     [b,H,L,K]); S [b,H,K,V]. Returns (o [b,H,L,V], S)."""
@@ -67,21 +114,23 @@ def _chunks(q, k, v, g, beta, S, scale, delta):
             kk, qk = kc @ kc.transpose(-1, -2), qc @ kc.transpose(-1, -2)
             gq, gk, kG, last = qc, kc, kc, None
         elif vector_gate:
-            G = torch.cumsum(g[:, :, c0:c1], dim=2)                         # [b,H,n,K]
-            dec = torch.exp(torch.where(causal[..., None], G[:, :, :, None, :] - G[:, :, None, :, :], -torch.inf))
+            gc = g[:, :, c0:c1]
+            G = torch.cumsum(gc, dim=2)                                     # [b,H,n,K]
+            dec = torch.exp(torch.where(causal[..., None], _Between.apply(gc), -torch.inf))
             kk = torch.einsum("bhid,bhjd,bhijd->bhij", kc, kc, dec)
             qk = torch.einsum("bhid,bhjd,bhijd->bhij", qc, kc, dec)
             Gl = G[:, :, -1:]
             gq, kG = qc * torch.exp(G), kc * torch.exp(G)
-            gk = kc * torch.exp(Gl - G)
+            gk = kc * torch.exp(_After.apply(gc))
             last = torch.exp(Gl).transpose(-1, -2)                            # [b,H,K,1]
         else:
-            G = torch.cumsum(g[:, :, c0:c1], dim=2)                         # [b,H,n]
-            dec = torch.exp(torch.where(causal, G[..., :, None] - G[..., None, :], -torch.inf))
+            gc = g[:, :, c0:c1]
+            G = torch.cumsum(gc, dim=2)                                     # [b,H,n]
+            dec = torch.exp(torch.where(causal, _Between.apply(gc), -torch.inf))
             kk, qk = (kc @ kc.transpose(-1, -2)) * dec, (qc @ kc.transpose(-1, -2)) * dec
             Gl = G[:, :, -1:]
             gq, kG = qc * torch.exp(G)[..., None], kc * torch.exp(G)[..., None]
-            gk = kc * torch.exp(Gl - G)[..., None]
+            gk = kc * torch.exp(_After.apply(gc))[..., None]
             last = torch.exp(Gl)[..., None]                                  # [b,H,1,1]
         if delta:
             bc = beta[:, :, c0:c1, None]

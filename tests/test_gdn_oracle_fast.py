@@ -48,6 +48,28 @@ def test_the_closed_form_is_the_recurrence_to_float64_rounding(gate, delta, varl
         assert float((a - b).abs().max()) <= 1e-12 * max(1.0, float(a.abs().max()))
 
 
+@pytest.mark.parametrize("gate,delta", [m for m in MEMBERS if m[0] is not None])
+def test_a_gate_gradient_far_below_the_terms_beside_it_keeps_its_digits(gate, delta):
+    """At the first token the gate's gradient is exp(g) <dS, h0>: with a tiny h0 and a large
+    output gradient it is some 1e-34, beside the first token's own q k v do (some 1e5), whose
+    decay exp(G_1 - G_1) = 1 depends on the gate in form only. The closed form takes it
+    without that term entering twice with both signs (``_Between``, ``_After``): the step-by-step
+    definition's value to 1e-12, where the difference of cumulative sums gave 0
+    (gdn_bwd_mamba2, fp16: dg 0 against -3.66e-34)."""
+    x = _inputs(1, 5, 2, 3, 4, gate, delta, seed=3)
+    x["initial_state"] = x["initial_state"] * 1e-30
+    names = ["g", "initial_state"]
+
+    def dg(fn):
+        leaves = {n: x[n].clone().requires_grad_(True) for n in names}
+        o, ht = fn(**{**x, **leaves}, delta=delta)
+        return torch.autograd.grad((o, ht), leaves["g"], (1e4 * torch.ones_like(o), torch.ones_like(ht)))[0]
+
+    step, fast = dg(recurrence)[:, 0], dg(closed_form)[:, 0]
+    assert float(step.abs().max()) < 1e-25
+    assert float((fast - step).abs().max()) <= 1e-12 * float(step.abs().max())
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 3e38, -3e38])
 @pytest.mark.parametrize("arg", ["q", "k", "v", "g", "beta", "initial_state"])
 def test_special_and_out_of_domain_values_go_step_by_step(arg, value):
