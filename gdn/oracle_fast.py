@@ -55,8 +55,9 @@ def fast_path(q, k, v, g, beta, initial_state) -> bool:
 
 class _Between(torch.autograd.Function):
     """The gate sums between two tokens of a chunk, G_i - G_j = sum_{j < r <= i} g_r for i >= j
-    (0 above the diagonal; [.., n, n] or [.., n, n, K] from g [.., n] or [.., n, K]), whose gradient reaches each g_r from the pairs
-    it lies between and no other: grad g_r = sum_{i >= r} sum_{j < r} grad_ij. Autograd through
+    (0 above the diagonal; [.., n, n] or [.., n, n, K] from g [.., n] or [.., n, K]), whose
+    gradient reaches each g_r from the pairs it lies between and no other:
+    grad g_r = sum_{i >= r} sum_{j < r} grad_ij. Autograd through
     the difference of cumulative sums would add grad_ij to every g_r with r <= i and subtract it
     from every r <= j, so each pair's term enters twice with both signs and a gate gradient far
     smaller than those terms (a tiny initial state beside a large output gradient) is lost to

@@ -364,18 +364,17 @@ def trained(model: torch.nn.Module, seed: int) -> None:
     right with a stale copy. Other buffers (a causal mask) keep their values."""
     gen = torch.Generator().manual_seed(seed)
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
-    variances = [m.running_var for m in norms if isinstance(m.running_var, torch.Tensor)]
     learned = [p for p in model.parameters() if p.requires_grad] + \
         [m.running_mean for m in norms if isinstance(m.running_mean, torch.Tensor)]
+    variances = [m.running_var for m in norms if isinstance(m.running_var, torch.Tensor)]
     with torch.no_grad():
-        for x in learned + variances:
+        for x, variance in [(x, False) for x in learned] + [(x, True) for x in variances]:
             if not x.is_floating_point() or x.numel() == 0:
                 continue
             u, v = (torch.rand(x.shape, generator=gen, dtype=torch.float64) * 2 - 1 for _ in range(2))
-            if any(x is var for var in variances):
-                moved = x.double() * (1 + u / 4) * (1 + v / 10)
-            else:
-                moved = x.double() * (1 + u / 4) + v / 10 * (x.double().square().mean().sqrt().item() or 1.0)
+            d = x.double()
+            moved = d * (1 + u / 4) * (1 + v / 10) if variance else \
+                d * (1 + u / 4) + v / 10 * (d.square().mean().sqrt().item() or 1.0)
             x.copy_(moved.to(x.dtype))
 
 
