@@ -54,8 +54,8 @@ def test_a_gate_gradient_far_below_the_terms_beside_it_keeps_its_digits(gate, de
     output gradient it is some 1e-34, beside the first token's own q k v do (some 1e5), whose
     decay exp(G_1 - G_1) = 1 depends on the gate in form only. The closed form takes it
     without that term entering twice with both signs (``_Between``, ``_After``): the step-by-step
-    definition's value to 1e-12, where the difference of cumulative sums gave 0
-    (gdn_bwd_mamba2, fp16: dg 0 against -3.66e-34)."""
+    definition's value to 1e-12. Differentiated as a difference of cumulative sums, the two
+    signs cancel to exactly 0 (``crashes/gdn_bwd_mamba2/bound-dg``: 0 against -3.66e-34)."""
     x = _inputs(1, 5, 2, 3, 4, gate, delta, seed=3)
     x["initial_state"] = x["initial_state"] * 1e-30
     names = ["g", "initial_state"]
