@@ -107,3 +107,32 @@ def test_kfuzz_run_on_a_good_target_beside_a_broken_module(install_plugin, tmp_p
                                  "--root", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert "4 executions" in r.stdout and "0 failure signature(s)" in r.stdout
+
+
+# a plugin module that queries and initializes the GPU at import, as kernel libraries do
+CUDA_AT_IMPORT = '''
+import torch
+from kfuzz.target import Arg, Dim, Output, target
+
+_ON_IMPORT = torch.zeros(1, device="cuda") + torch.cuda.device_count()
+
+
+@target("{name}", reference=lambda x: x * 2, args={{"x": Arg(("N",))}},
+        outputs={{"out": Output(("N",))}}, dims={{"N": Dim(1, 16)}})
+def doubled(x):
+    return x * 2
+'''
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_plugin_that_initializes_cuda_at_import_runs_in_cuda_workers(install_plugin, tmp_path):
+    """The campaign's process imports the plugin (so CUDA is live in it) before its workers
+    start: each worker must still run the kernel, no case may end as a crash."""
+    install_plugin("probe_cuda", {"probe_cuda.py": CUDA_AT_IMPORT.format(name="probe.cudaimport")},
+            {"kfuzz.targets": {"cudaimport": "probe_cuda"}})
+    import probe_cuda  # noqa: F401  (CUDA is now initialized in this process)
+    assert __import__("torch").cuda.is_initialized()
+    r = CliRunner().invoke(cli, ["run", "--target", "probe.cudaimport", "--runs", "8", "--jobs", "2",
+                                 "--device", "cuda", "--root", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert "8 executions" in r.stdout and "0 failure signature(s)" in r.stdout
