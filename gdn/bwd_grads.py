@@ -33,7 +33,7 @@ from gdn.common import tile
 
 
 @triton.jit
-def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, flag, cu, tab, T, H, K, V,
               C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
               GATE: tl.constexpr, IS_VARLEN: tl.constexpr, F32: tl.constexpr,
               DT: tl.constexpr):
@@ -62,13 +62,17 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     hbase = (cid * H + ih).to(tl.int64) * K * V
     dt = tl.zeros([C, C], dtype=tl.float32)         # dU (beta V)^T, then + (-dU h^T) (beta K_g)^T
     d_beta = tl.zeros([C], dtype=tl.float32)
+    fin = tl.zeros([C], dtype=tl.float32)   # the vector gate's overflow check (`_overflowed`)
     for iv in range(0, tl.cdiv(V, BV)):
         cv = iv * BV + tl.arange(0, BV)
         mcv = rv[:, None] & (cv < V)[None, :]
         b_du = tl.load(tile(dU, r0, rows, cv, V, H), mask=mcv, other=0.)
         b_v = tl.load(tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
         dvb = _mm(tl.trans(tm), b_du, F32, DT)
-        tl.store(tile(dv, r0, rows, cv, V, H), (dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mcv)
+        b_dv = dvb * b_beta[:, None]
+        if GATE == 2:
+            fin += tl.sum(b_dv * 0., 1)
+        tl.store(tile(dv, r0, rows, cv, V, H), b_dv.to(dv.dtype.element_ty), mask=mcv)
         d_beta += tl.sum(dvb * b_v, 1)
         dt += _mm(b_du, tl.trans(b_v * b_beta[:, None]), F32, DT)
     eG = b_beta
@@ -124,6 +128,8 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
     dar = da * b_beta[:, None]
     d_beta += tl.sum(da * araw, 1) + rk
     tl.store(dbeta + tok.to(tl.int64) * H + ih, d_beta.to(dbeta.dtype.element_ty), mask=rv)
+    if GATE == 2:
+        _overflowed(flag, cid, ih, H, fin + d_beta * 0.)
     dkk = dar
     if GATE == 1:
         dgw = _gate_grad(dG, dar * araw, tl.zeros([C], dtype=tl.float32), 0.)
@@ -157,7 +163,7 @@ def _grads_wy(k, v, g, beta, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, 
 
 
 @triton.jit
-def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scale, T, H, K, V, NVS,
+def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, flag, cu, tab, scale, T, H, K, V, NVS,
              C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
              GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
              F32: tl.constexpr, DT: tl.constexpr):
@@ -195,6 +201,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
         # here, before the K slices, so that no [C, C] tile is held through them (less spill)
         spans = _pair_spans(tl.where(strict, dp * p, 0.))
         dp = dp * E                                  # now d(Q K^T) under the decay
+    fin = tl.zeros([C], dtype=tl.float32)          # see _overflowed
     qh = tl.zeros([C], dtype=tl.float32)            # rowsum(dO h^T * Q)
     ke = tl.zeros([C], dtype=tl.float32)            # rowsum(U dS_end^T * K)
     hd = tl.zeros([BKS], dtype=tl.float32)          # rowsum(h * dS_end), slices summed
@@ -255,6 +262,7 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
                                         tl.exp(GC) * acc_dgc)
             if DELTA:
                 dgo += tl.load(tile(dgp, r0, rows, ck, K, H), mask=mqk, other=0.)
+            fin += tl.sum(dgo * 0., 1)
             tl.store(tile(dg, r0, rows, ck, K, H), dgo.to(dg.dtype.element_ty), mask=mqk)
         else:
             dqs = acc_dqh + _mm(dp, b_k, F32, DT)
@@ -262,9 +270,28 @@ def _grads_p(q, k, v, g, do, U, hs, dhs, HD, dq, dk, dg, dkp, dgp, cu, tab, scal
         tl.store(tile(dq, r0, rows, ck, K, H), (dqs * scale).to(dq.dtype.element_ty), mask=mqk)
         if DELTA:
             dkk += tl.load(tile(dkp, r0, rows, ck, K, H), mask=mqk, other=0.)
+        if GATE == 2:
+            fin += tl.sum(dqs * 0. + dkk * 0., 1)
         tl.store(tile(dk, r0, rows, ck, K, H), dkk.to(dk.dtype.element_ty), mask=mqk)
     if GATE == 1:
         dgo = _gate_grad_of_spans(qh * eG, spans, ke * eE, tl.exp(GC) * tl.sum(hd, 0))
         if DELTA:
             dgo += tl.load(dgp + tok.to(tl.int64) * H + ih, mask=rv, other=0.)
         tl.store(dg + tok.to(tl.int64) * H + ih, dgo.to(dg.dtype.element_ty), mask=rv)
+    if GATE == 2:
+        _overflowed(flag, cid, ih, H, fin)
+
+
+@triton.jit
+def _overflowed(flag, cid, ih, H, fin):
+    """Sets the chunk's exact-path flag where its matrix path left a gradient outside fp32's
+    range (``fin``: row sums of the gradients times 0, NaN in a row with an Inf or NaN, else
+    0): `_exact`, launched after both gradient kernels, then rewrites every gradient of the
+    chunk step by step, in float64.  Checked with the vector gate, whose factored products
+    take exp(-G), up to exp(VECTOR_DECAY_MAX), before the decay exp(G) that brings them back:
+    with finite inputs within BIG and states within SBIG such a product can overflow where
+    the gradient is finite ((dA K_n) exp(G) put dk at +Inf and NaN where the oracle's is 1.6e28,
+    a state gradient near SBIG: crashes/gdn_bwd_kda/nonfinite-dk/03397a04cdf4c7d8); a gradient
+    truly past fp32's range the step path rounds to the same Inf.  The scalar gate's pair
+    decays exp(G_i - G_j) are formed whole, and no other product grows past its gradient."""
+    tl.store(flag + cid * H + ih, 1, mask=tl.sum(fin, 0) != 0.)

@@ -324,11 +324,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=N
         dkp = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
         if g is not None:
             dgp = torch.empty(g.shape, device=dev, dtype=torch.float32)
-        _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, cu, tab, T, H, K, V,
+        _grads_wy_[(NC, H)](k, v, gp, bp, Tm, dU, hs, dv, dbeta, dkp, dgp, flag, cu, tab, T, H, K, V,
                             C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"], GATE=GATE,
                             IS_VARLEN=IS_VARLEN, F32=F32, DT=DT, num_warps=config.bwd_grads_wy_warps,
                             num_stages=stages(config, "bwd_grads_stages", F32))
-    _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, cu, tab, scale,
+    _grads_p_[(NC, H)](q, k, v, gp, do, U, hs, dhs, HD, dq, dk, dgx, dkp, dgp, flag, cu, tab, scale,
                        T, H, K, V, NVD, C=C, BK=BK, BKS=tile["grads_BKS"], BV=tile["grads_BV"],
                        GATE=GATE, DELTA=delta, IS_VARLEN=IS_VARLEN, F32=F32, DT=DT,
                        num_warps=config.bwd_grads_p_warps,

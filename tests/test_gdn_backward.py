@@ -1306,3 +1306,22 @@ def test_a_state_gradient_below_fp32s_range_at_a_boundary_meets_an_infinite_stat
             a, b = a.double().cpu(), b.cpu()
             assert torch.equal(a.isnan(), b.isnan()), name
             assert torch.equal(a.isinf(), b.isinf()) and torch.equal(a[a.isinf()], b[b.isinf()]), name
+
+
+@pytest.mark.parametrize("at", [2, 14])
+def test_a_gradient_that_overflows_inside_the_matrix_path_is_taken_step_by_step(at):
+    """The vector gate with the delta rule, fp32, dht 1e30 (the state gradient at the first
+    chunk's end near SBIG, so the chunk takes the matrix path), one gate of -50 in the first
+    chunk: the factored (dA K_n) exp(G) took exp(50) before its decay and overflowed, dk +Inf
+    or NaN where float64 autograd's is finite (crashes/gdn_bwd_kda/nonfinite-dk: fp32, K = V
+    = 1, dht -2.89e38).  A chunk whose matrix path leaves a gradient outside fp32's range is
+    rewritten by the step path: every gradient is the oracle's."""
+    x = make_inputs(1, 32, 1, 4, 2, 2, True, torch.float32, seed=1)
+    g = torch.full_like(x["g"], -0.1)
+    g[:, at] = -50.0
+    x = dict(x, g=g, dht=x["dht"] * 1e30)
+    want = oracle_grads(x, None, True)
+    assert all(w.abs().max() < 3e38 for w in want)
+    got = kernel_grads(x, None, True)
+    assert all(bool(a.isfinite().all()) for a in got)
+    assert_close(got, want, 1e-4)
