@@ -817,7 +817,7 @@ def test_the_gates_through_term_sees_the_state_as_stored(path):
     from kfuzz.tensors import materialize
     case, _ = load(Path(__file__).resolve().parents[1] / "crashes" / f"{path}.case.zst")
     target = get_target(case.target)
-    x = materialize(case, target)
+    x = materialize(case, target, DEV)
     out = dict(zip(target.outputs, target.kernel(**x)))
     i = list(target.outputs).index("dg")
     o, t = target.reference(**x)[i], target.trusted(**x)[i]
@@ -841,7 +841,7 @@ def test_a_through_term_from_a_bf16_state_still_fails_at_fp32(name):
     target = get_target(name)
     for seed in range(3):
         case = make_case(target, "float32", seed, {"B": 1, "T": 1, "H": 1, "K": 1, "V": 1})
-        x = materialize(case, target)
+        x = materialize(case, target, DEV)
         out = dict(zip(target.outputs, target.kernel(**x)))
         assert judge(case, target, x, out).passed
         planted = dict(out, dg=out["dg"] + _stored_h_through_term(x).to(out["dg"].dtype))
