@@ -66,8 +66,8 @@ import triton
 import triton.language as tl
 
 from gdn import fwd_prep, fwd_state
-from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, all_within, chunk_span,
-                        chunk_tokens, exact_chunk, forward_precision, group_flag, handoff_dtype, kept_plan,
+from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, chunk_span, chunk_tokens,
+                        exact_chunk, forward_precision, group_flag, handoff_dtype, in_product_range, kept_plan,
                         load_gates, mask_and, odot, pow2, q_admits_matrix, tile)
 from gdn.config import DEFAULT, GDNConfig
 
@@ -163,7 +163,7 @@ def _out_tile(q, k, v, g, gc, gcl, beta, hs, hexp, vn, xflag, oflag, o, cb_ptr, 
                 kss = tl.load(tile(k, r0, rr, dks, K, H), mask=mks, other=0.0)
                 Ss = tl.load(hs + hbase + (dks[:, None] * V + dv[None, :]),
                              mask=(dks < K)[:, None] & vmask[None, :], other=0.0)
-                nbad += tl.where(all_within(qs, BIG), 0, 1)
+                nbad += tl.where(in_product_range(qs, BIG), 0, 1)
                 Aqk += odot(qs, tl.trans(kss), DT, PREC)
                 if GATE == 1:
                     acc += odot(qs * eq[:, None], Ss, DT, PREC)

@@ -56,6 +56,13 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # -65504 with unit keys: NaN in every output of the chunk, the first token's too), so such a
 # chunk takes the exact path.  The domain (beta in (0, 1), unit keys) stays below 1.
 WY_MAX = tl.constexpr(2.0)
+# A tensor-core product on fp32 operands ("tf32x3" for fp32 inputs, "tf32" for bf16 and fp16
+# ones, `forward_precision`) reads each operand as tf32 parts, the lower one about 2^-11 of it;
+# below 2^-104 that part falls among fp32's subnormals, which those products flush, and a
+# subnormal operand loses itself (on the H200: q ~1e-39 against v ~1e4 put the fp32 forward's
+# o 5.5e-3 off, 2.5e-6 with "ieee" products).  A chunk whose q, k, v or beta holds a nonzero
+# value below PRODUCT_MIN takes the exact path, on every device, so the CPU routes as the GPU.
+PRODUCT_MIN = tl.constexpr(2.0 ** -104)
 # The vector gate's factored products take Gamma_t q_t, with Gamma_t >= exp(-VECTOR_DECAY_MAX)
 # inside a chunk: a nonzero |q| below 2^-126 exp(VECTOR_DECAY_MAX) (about 2^-39.4) can put
 # Gamma_t q_t among fp32's subnormals, or at 0, where it keeps few or no digits, so a chunk
@@ -85,6 +92,14 @@ def handoff(x, ptr):
 
 
 @triton.jit
+def in_product_range(x, bound):
+    """`all_within`, and no element nonzero below PRODUCT_MIN in magnitude: the check of an
+    input tile (q, k, v, beta) whose values enter the matrix path's products."""
+    a = tl.abs(x.to(tl.float32))
+    return tl.max(tl.where((a <= bound) & ((a >= PRODUCT_MIN) | (a == 0)), 0, 1)) == 0
+
+
+@triton.jit
 def all_within(x, bound):
     """True when every element is finite and |x| <= bound (NaN fails).  In fp32:
     bound = 65536 rounds to inf in fp16, and |inf| <= inf would pass."""
@@ -99,9 +114,9 @@ def _max_nan(a, b):
 
 @triton.jit
 def q_admits_matrix(x, bound, GATE: tl.constexpr):
-    """q's checks for the matrix path: every element finite and at most ``bound`` (BIG) in
-    magnitude and, for the vector gate (GATE 2), none nonzero below VECTOR_Q_MIN."""
-    ok = all_within(x, bound)
+    """q's checks for the matrix path: `in_product_range` of ``bound`` (BIG) and, for the
+    vector gate (GATE 2), none nonzero below VECTOR_Q_MIN."""
+    ok = in_product_range(x, bound)
     if GATE == 2:
         a = tl.abs(x.to(tl.float32))
         ok = ok & (tl.max(tl.where((a > 0) & (a < VECTOR_Q_MIN), 1, 0)) == 0)

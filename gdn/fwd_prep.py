@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn.common import WY_MAX, all_within, chunk_span, fdot, inv_unit_lower, load_gates, tile
+from gdn.common import WY_MAX, all_within, chunk_span, fdot, in_product_range, inv_unit_lower, load_gates, tile
 from gdn.config import DEFAULT, GDNConfig
 
 
@@ -185,7 +185,7 @@ def _inverse(k, gc, gcl, beta, tm, r0, rr, rmask, bos, eos, H: tl.constexpr, K: 
     kt = tl.load(tile(k, r0, rr, dk, K, H), mask=m2, other=0.0)
     bt = tl.load(beta + r0 + rr * H, mask=rmask, other=0.0).to(tl.float32)
     kf = kt.to(tl.float32)
-    ok = all_within(kt, BIG) & all_within(bt, BIG) & all_within(bt * tl.sum(kf * kf, 1), WY_MAX)
+    ok = in_product_range(kt, BIG) & in_product_range(bt, BIG) & all_within(bt * tl.sum(kf * kf, 1), WY_MAX)
     lower = rr[:, None] > rr[None, :]
     if GATE == 2:
         G, _, _, _ = load_gates(gc, gcl, r0, rr, rmask, nlast, dk, m2, H, K, GATE)
@@ -278,7 +278,7 @@ def _wu_tile(j, x, gc, y, Ts, hi, lo, row0, rmask, H: tl.constexpr, W: tl.conste
         xs = xt.to(tl.float32) * tl.exp(tl.load(gc + row0 * W + ix, mask=m2, other=0.0))
     tl.store(y + row0 * W + ix, _t_dot(Ts, hi, lo, xs, LOWP, INTERP, PREC, TLO).to(y.dtype.element_ty),
              mask=m2)
-    return tl.where(all_within(xt, BIG), 0, 1)
+    return tl.where(in_product_range(xt, BIG), 0, 1)
 
 
 @triton.jit

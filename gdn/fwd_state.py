@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, handoff, load_gates, mask_and,
-                        odot, q_admits_matrix, scaled_columns)
+from gdn.common import (INTERPRET, all_within, all_within_max, exact_chunk, handoff, in_product_range, load_gates,
+                        mask_and, odot, q_admits_matrix, scaled_columns)
 from gdn.config import DEFAULT, GDNConfig
 
 # the state check: one NaN-propagating max an element on a GPU; under the interpreter the same
@@ -62,7 +62,7 @@ def _chunk_ok(k, v, S, r0, rr, rmask, dk, kmask, dv, vmask, fl, gfl,
     else:
         vt = tl.load(_stile(v, r0, rr, dv, V, H), mask=rmask[:, None] & vmask[None, :],
                      other=0.0).to(tl.float32)
-        ok = ok & all_within(kt, BIG) & all_within(vt, BIG)
+        ok = ok & in_product_range(kt, BIG) & in_product_range(vt, BIG)
     if GATE != 0:
         ok = ok & (gfl != 0)
     return ok, kt, vt

@@ -1164,3 +1164,24 @@ def test_a_first_chunk_that_q_sends_off_the_matrix_path_starts_from_h0_as_given(
     o2, s2 = call(chunk_gdn_fwd, x, delta=False)
     assert rel(o2, o) < BOUND[torch.bfloat16]
     assert rel(s2, s) < 1e-6
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
+@pytest.mark.parametrize("name,kept", [("q", "out_stepped"), ("k", "stepped"), ("v", "stepped"),
+                                       ("beta", "stepped")])
+def test_an_input_below_the_products_range_sends_its_chunk_to_the_exact_path(gate, name, kept):
+    """fp32, three chunks: one value of q, k, v or beta at 1e-39 (a subnormal) in the second
+    chunk. The tensor-core products flush operands below fp32's normals (their lower tf32 part
+    below 2^-104: `gdn.common.PRODUCT_MIN`; on the H200 q ~1e-39 against v ~1e4 put o 5.5e-3
+    off), so that chunk, and only it, is stepped: by the state pass (k, v, beta) or by the
+    output kernel (q); o and the final state are the oracle's."""
+    C = 16 if gate == "vector" else 64
+    x = make_inputs(gate, True, B=1, T=2 * C + 5, H=1, K=4, V=8, seed=3)
+    x[name] = x[name].clone()
+    x[name][0, C + 3, 0] = 1e-39
+    x["v"] = x["v"] * 1e4
+    o, s = call(recurrence, x)
+    o2, s2, saved = call(chunk_gdn_fwd, x, output_final_state=True, return_saved=True)
+    per_chunk = saved[kept].bool().any(dim=(0, 2) if kept == "out_stepped" else (1, 2))
+    assert per_chunk.tolist() == [False, True, False], per_chunk
+    assert rel(o2, o) < 1e-6 and rel(s2, s) < 1e-6, (rel(o2, o), rel(s2, s))
