@@ -141,10 +141,10 @@ def _exact_token(S, dS, acc_dq, acc_dk, acc_dgv, acc_dg, acc_db, t, r, rows, ih,
         dvt = tl.sum(dS2 * b_k[:, None], 0)
         dS1 = dS2
     if GATE == 1:
-        acc_dg += tl.where(rows == r, tl.sum(tl.sum(dS1 * S, 1), 0) * a, 0.)
+        acc_dg += tl.where(rows == r, tl.sum(tl.sum(dS1 * S, 1), 0), 0.)
         dS = _in_tile(a * dS1, mk, mv)
     elif GATE == 2:
-        acc_dgv += tl.where(rows[:, None] == r, (tl.sum(dS1 * S, 1) * av)[None, :], 0.)
+        acc_dgv += tl.where(rows[:, None] == r, tl.sum(dS1 * S, 1)[None, :], 0.)
         dS = _in_tile(av[:, None] * dS1, mk, mv)
     else:
         dS = dS1
@@ -235,10 +235,15 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, h0, dht, hs, hexp, dhs, dexp, dq
                     GATE, DELTA)
     tl.store(tile(dq, r0, rows, ck, K, H), _rounded(acc_dq * scale, dq), mask=mqk)
     tl.store(tile(dk, r0, rows, ck, K, H), _rounded(acc_dk, dk), mask=mqk)
+    # the gate's factor exp(g) after the sum over every V tile, as the recurrence's autograd
+    # takes it: times each tile's part, an infinite gate (+inf, out of the domain) gave inf -
+    # inf = NaN where two tiles' parts have opposite signs and the oracle's dg is an Inf
     if GATE == 1:
-        tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg, dg), mask=rv)
+        a = tl.exp(tl.load(g + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float64))
+        tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg * a, dg), mask=rv)
     elif GATE == 2:
-        tl.store(tile(dg, r0, rows, ck, K, H), _rounded(acc_dgv, dg), mask=mqk)
+        av = tl.exp(tl.load(tile(g, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float64))
+        tl.store(tile(dg, r0, rows, ck, K, H), _rounded(acc_dgv * av, dg), mask=mqk)
     if DELTA:
         tl.store(dbeta + tok.to(tl.int64) * H + ih, _rounded(acc_db, dbeta), mask=rv)
 

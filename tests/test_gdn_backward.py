@@ -1327,3 +1327,31 @@ def test_a_gradient_that_overflows_inside_the_matrix_path_is_taken_step_by_step(
     got = kernel_grads(x, None, True)
     assert all(bool(a.isfinite().all()) for a in got)
     assert_close(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("gate", [1, 2])
+def test_an_infinite_gate_over_two_value_tiles_gives_the_oracles_inf(gate):
+    """One token, no delta rule, a gate of +inf (out of the domain, as an injection puts it) at
+    key 1, V 32 stepped in two 16-wide tiles: the gate's gradient is exp(g) times the sum over
+    every value of dS * h0, +16 - 8 here, so +inf. The step path multiplied each tile's part by
+    exp(g) before adding them, inf + -inf = NaN (gdn_bwd_gla, bf16, V 127, on an H100 and the
+    CPU: dg NaN at 3 keys where the oracle's is an Inf)."""
+    import dataclasses
+
+    from gdn.config import DEFAULT
+    x = make_inputs(1, 1, 1, 4, 32, gate, False, torch.float32, seed=2)
+    g = torch.full_like(x["g"], -0.1)
+    if gate == 2:
+        g[0, 0, 0, 1] = float("inf")
+    else:
+        g[0, 0, 0] = float("inf")
+    h0 = torch.zeros_like(x["h0"])
+    h0[..., :16], h0[..., 16:] = 1.0, -0.5
+    x = dict(x, g=g, h0=h0, dht=torch.ones_like(x["dht"]), do=torch.zeros_like(x["do"]))
+    want = oracle_grads(x, None, False)
+    assert want[3].isposinf().any()
+    config = dataclasses.replace(DEFAULT, bwd_exact_elements=256)   # 16-wide V tiles at K 4
+    got = chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"],
+                        initial_state=x["h0"], delta=False, config=config)
+    assert_same_specials(got, want)
+    assert torch.equal(got[3][got[3].isinf()].cpu(), want[3][want[3].isinf()].cpu().to(got[3].dtype))
