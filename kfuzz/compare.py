@@ -4,10 +4,11 @@ Nonfinite (tolerance-free): the kernel's NaN set and its +Inf and -Inf sets must
 equal those of the oracle's output rounded to the output dtype. The latitude is
 where an honest kernel could land either way:
 
-- where the oracle's value lies within the bound's floor (C * F units of
-  roundoff, below) of the dtype's largest finite value, on either side (an honest
-  kernel's error may land it on either side): a finite value, judged by the bound
-  against the oracle's float64 value, or an Inf of the oracle's sign;
+- where the oracle's value lies within the elementwise bound (below: C times the
+  trusted implementation's largest error, at least C * F units of roundoff) of the
+  dtype's largest finite value, on either side (an honest kernel's error may land it
+  on either side): a finite value, judged by the bound against the oracle's float64
+  value, or an Inf of the oracle's sign (a value the bound admits, past the range);
 - where the oracle is finite in float64 but past the dtype's range, and the
   trusted implementation overflows there too (it stays non-finite on the inputs
   with their NaN and Inf replaced by 0): any non-finite value (a sum of Infs of
@@ -98,13 +99,15 @@ def _class(x: torch.Tensor) -> torch.Tensor:
     return (torch.isnan(x) * 1 + torch.isposinf(x) * 2 + torch.isneginf(x) * 3).to(torch.int8)
 
 
-def near_overflow(o: torch.Tensor, dtype: str, c: float) -> torch.Tensor:
-    """Where the float64 oracle lies within the bound's floor (``c`` * FLOOR_ULPS units of the
-    dtype's roundoff) of the dtype's largest finite value: an honest kernel may land finite or
-    on the Inf of the oracle's sign."""
+def near_overflow(o: torch.Tensor, dtype: str, c: float, reach: float = 0.0) -> torch.Tensor:
+    """Where the float64 oracle lies within the elementwise bound of the dtype's largest
+    finite value: ``c`` times the larger of ``reach`` (the trusted implementation's largest
+    error) and FLOOR_ULPS units of the dtype's roundoff of the oracle's value.  An honest
+    kernel may land finite or on the Inf of the oracle's sign."""
     big, w = float(torch.finfo(torch_dtype(dtype)).max), c * FLOOR_ULPS * unit_roundoff(dtype)
     mag = o.abs()
-    return torch.isfinite(o) & (mag * (1 - w) <= big) & (mag * (1 + w) >= big)
+    band = torch.clamp(mag * w, min=c * reach)
+    return torch.isfinite(o) & (mag - band <= big) & (mag + band >= big)
 
 
 NONFINITE_KINDS = 2 | 4 | 8   # NaN, +Inf and -Inf as ``kinds`` writes them
@@ -175,7 +178,12 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
     fi = torch.finfo(dt)
     o_rounded = o.to(dt).to(torch.float64)
-    near = near_overflow(o, dtype, c)
+    reach = 0.0
+    if trusted_out is not None:
+        d = (_f64(trusted_out) - o).abs()
+        d = d[torch.isfinite(d)]
+        reach = float(d.max()) if d.numel() else 0.0
+    near = near_overflow(o, dtype, c, reach)
     any_class = None
     if trusted_out is not None:
         # where the honest same-precision implementation is non-finite and the oracle is finite

@@ -124,3 +124,17 @@ def test_past_the_range_where_the_trusted_one_overflows_any_nonfinite_value_pass
                    trusted_clean=torch.tensor([3e38, 1.0])).kind == "nonfinite"
     assert compare(torch.tensor([math.nan, 1.0]), o, spread, "float32",
                    trusted_clean=torch.tensor([math.inf, 1.0])).kind is None
+
+
+def test_an_inf_passes_where_the_bound_reaches_past_the_dtypes_largest():
+    """fp16, oracle -57483.46 and the trusted implementation 459 from it (gdn_fwd_kda on an
+    H100: q x 1e4 against v near fp16's largest, tf32 products): the bound admits any value
+    within 8 x 4 x 459 = 14,690 of the oracle, past -65504, where a kernel's value rounds to
+    -inf in fp16. That -inf passes; +inf there, or -inf where the oracle is -20000, fails."""
+    o = torch.tensor([-57483.46, 1.0], dtype=torch.float64)
+    t = torch.tensor([-57024.0, 1.0], dtype=torch.float16)
+    k = torch.tensor([-math.inf, 1.0], dtype=torch.float16)
+    assert compare(k, o, t, "float16", 32.0).kind is None
+    assert compare(-k, o, t, "float16", 32.0).kind == "nonfinite"
+    far = torch.tensor([-20000.0, 1.0], dtype=torch.float64)
+    assert compare(k, far, far.half() + torch.tensor([459.0, 0.0]).half(), "float16", 32.0).kind == "nonfinite"
