@@ -53,7 +53,7 @@ from gdn.bwd_chunks import chunk_plan, generic_v
 from gdn.bwd_exact import _exact
 from gdn.bwd_grads import _grads_p, _grads_wy
 from gdn.bwd_matrix import _dstates, _prep, _states
-from gdn.common import BIG, INTERPRET, SBIG, VECTOR_DECAY_MAX, chunk_tokens, handoff_dtype, pow2
+from gdn.common import BIG, EXACT_PRODUCTS, SBIG, VECTOR_DECAY_MAX, chunk_tokens, handoff_dtype, pow2
 from gdn.config import DEFAULT, GDNConfig
 
 _KERNELS = (_prep, _states, _dstates, _grads_wy, _grads_p, _exact)
@@ -120,7 +120,7 @@ def _sm_count(dev) -> int:
 
 def _dot_mode(dtype):
     """(fp32 dots?, operand dtype of the tensor-core dots)."""
-    if INTERPRET or dtype == torch.float32:
+    if EXACT_PRODUCTS or dtype == torch.float32:
         return True, tl.float32
     if dtype == torch.float16:
         # fp16 range is too narrow for the chunk's intermediates: use tf32-free fp32

@@ -50,8 +50,8 @@ products take bf16 operands for bf16 inputs on GPUs (only where the output's N
 dimension is >= 32, `gdn.common.odot`), fp32 ones otherwise (tf32 on GPUs, "tf32x3" for fp32
 inputs, about fp32 accuracy); the tensors handed between launches are bf16 for
 bf16 inputs and fp32 otherwise.  Under the Triton
-interpreter (TRITON_INTERPRET=1) products are "ieee" (its bf16 tl.dot is wrong)
-and no autotuning runs.
+interpreter (TRITON_INTERPRET=1) products are "ieee", or a GPU's with
+GDN_DEVICE_PRODUCTS=1 (`gdn.common.EXACT_PRODUCTS`), and no autotuning runs.
 
 The gated members' prefix sums come from launch 0: computed next to the matrix
 path's products they fault on the H200 (Triton 3.6, an illegal address).
@@ -66,9 +66,9 @@ import triton
 import triton.language as tl
 
 from gdn import fwd_prep, fwd_state
-from gdn.common import (BIG, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, chunk_span, chunk_tokens,
-                        exact_chunk, forward_precision, group_flag, handoff_dtype, in_product_range, kept_plan,
-                        load_gates, mask_and, odot, pow2, q_admits_matrix, tile)
+from gdn.common import (BIG, EXACT_PRODUCTS, GATE_FLOOR, INTERPRET, SBIG, VECTOR_DECAY_MAX, chunk_span,
+                        chunk_tokens, exact_chunk, forward_precision, group_flag, handoff_dtype, in_product_range,
+                        kept_plan, load_gates, mask_and, odot, pow2, q_admits_matrix, tile)
 from gdn.config import DEFAULT, GDNConfig
 
 
@@ -400,7 +400,7 @@ def chunk_gdn_fwd(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     sstop = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
     # bf16 operands in the matrix products for bf16 inputs on GPUs (as the trusted reference
     # rounds them); fp32 ones otherwise (tf32, "tf32x3" for fp32 inputs; "ieee" interpreted)
-    dt = tl.bfloat16 if inter == torch.bfloat16 and not INTERPRET else tl.float32
+    dt = tl.bfloat16 if inter == torch.bfloat16 and not EXACT_PRODUCTS else tl.float32
     common = dict(H=H, K=K, V=V, BK=BK, BT=BT, GATE=gate, DELTA=delta, IS_VARLEN=cu_seqlens is not None,
                   PREC=prec, BIG=BIG, DT=dt)
     state_args = (q, k, v, g, gc, gcl, gflag, beta, w, u, flag, h0, hs, hexp, vn, xflag, o, hT, stop,

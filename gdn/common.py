@@ -21,6 +21,12 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Under the interpreter the products are exact fp32 ("ieee"), unless GDN_DEVICE_PRODUCTS=1:
+# then they take a GPU's operand types (bf16 for bf16 inputs where a GPU's are, tf32 rounded to
+# nearest for the forward's fp32 operands of bf16 and fp16 inputs; tf32x3 stays exact), so that
+# a CPU run rounds as a GPU does and reproduces a failure only a GPU showed
+# (`kfuzz.interpreter` makes the interpreter's bf16 arithmetic a GPU's).
+EXACT_PRODUCTS = INTERPRET and os.environ.get("GDN_DEVICE_PRODUCTS") != "1"
 GATE_FLOOR = -110.0     # exp(-110) == 0 in fp32: a clamped gate forgets exactly as -inf does
 VECTOR_DECAY_MAX = 60.0  # exp(60) * |k| stays far inside fp32 in the vector-gate factoring
 BIG = 65536.0            # input magnitude above which a chunk runs the exact path
@@ -42,8 +48,9 @@ def handoff_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def forward_precision(dtype: torch.dtype) -> str:
     """The input precision of the forward's products on fp32 operands (`fdot`) for inputs of
-    ``dtype``: "tf32x3" for fp32 inputs, "tf32" otherwise; "ieee" under the interpreter."""
-    if INTERPRET:
+    ``dtype``: "tf32x3" for fp32 inputs, "tf32" otherwise; "ieee" under the interpreter
+    (`EXACT_PRODUCTS`)."""
+    if EXACT_PRODUCTS:
         return "ieee"
     return "tf32x3" if dtype == torch.float32 else "tf32"
 

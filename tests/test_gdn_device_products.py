@@ -1,0 +1,44 @@
+"""GDN_DEVICE_PRODUCTS=1: under Triton's interpreter the GDN kernels' products take a GPU's
+operand types, so a CPU run reproduces what a GPU computes (`gdn.common.EXACT_PRODUCTS`)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ONE_TOKEN_BF16 = """
+import torch
+from kfuzz.target import prepare_triton
+prepare_triton()
+from gdn.chunk_bwd import chunk_gdn_bwd
+bf = torch.bfloat16
+one = lambda x, *s: torch.tensor([x]).view(*s)
+q, k, v = one(-0.40234375, 1, 1, 1, 1).to(bf), one(-1.0, 1, 1, 1, 1).to(bf), one(-0.3671875, 1, 1, 1, 1).to(bf)
+g, beta = one(-0.6890875101089478, 1, 1, 1), one(0.546875, 1, 1, 1).to(bf)
+h0, do, dht = one(-4.0, 1, 1, 1, 1), one(3.875, 1, 1, 1, 1).to(bf), one(1.502206802368164, 1, 1, 1, 1)
+print(repr(chunk_gdn_bwd(q, k, v, g, beta, do, dht, initial_state=h0)[3].item()))
+"""
+
+
+def dg_under_interpreter(device_products: bool) -> float:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("GDN_DEVICE_PRODUCTS", None)
+    if device_products:
+        env["GDN_DEVICE_PRODUCTS"] = "1"
+    run = subprocess.run([sys.executable, "-c", ONE_TOKEN_BF16], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return float(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the setting applies under the interpreter")
+def test_device_products_reproduce_the_gpus_bf16_gradient():
+    """gdn_bwd, bf16, one token (q -0.40234375, k -1, v -0.3671875, g -0.68909, beta 0.546875,
+    h0 -4, do 3.875, dht 1.50221): on an H100 dg is 0.04932938516139984, its bf16 products
+    rounding a term of a sum that cancels (1.502 + q do = -0.057); the interpreter's exact
+    products give 0.0517424 (the oracle's is 0.0517528). With GDN_DEVICE_PRODUCTS=1 the CPU
+    gives the H100's value."""
+    exact, device = dg_under_interpreter(False), dg_under_interpreter(True)
+    assert abs(exact - 0.0517424) < 1e-6, exact
+    assert device == pytest.approx(0.04932938516139984, rel=1e-6), device
