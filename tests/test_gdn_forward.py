@@ -366,8 +366,8 @@ def test_the_gdn_code_cites_no_development_log():
 
 def test_the_gdn_package_reads_no_environment_switch():
     """The launch choices are `gdn.config`'s fields, passed per call: no module under gdn/ reads
-    the environment except for Triton's own TRITON_INTERPRET (an ast walk over every call of
-    os.environ / os.getenv)."""
+    the environment except for Triton's own TRITON_INTERPRET and GDN_DEVICE_PRODUCTS, which
+    applies only under it (an ast walk over every call of os.environ / os.getenv)."""
     import ast
     import pathlib
     root = pathlib.Path(__file__).resolve().parents[1] / "gdn"
@@ -377,7 +377,8 @@ def test_the_gdn_package_reads_no_environment_switch():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 reads.add(f"{path.name}: {lines[node.lineno - 1].strip()}")
-    assert reads == {'common.py: INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"'}, reads
+    assert reads == {'common.py: INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"',
+                     'common.py: EXACT_PRODUCTS = INTERPRET and os.environ.get("GDN_DEVICE_PRODUCTS") != "1"'}, reads
 
 
 def test_the_output_kernels_token_by_token_part_over_chunk_groups():
