@@ -99,11 +99,17 @@ def handoff(x, ptr):
 
 
 @triton.jit
-def in_product_range(x, bound):
-    """`all_within`, and no element nonzero below PRODUCT_MIN in magnitude: the check of an
-    input tile (q, k, v, beta) whose values enter the matrix path's products."""
+def _within_from(x, bound, LEAST: tl.constexpr):
+    """`all_within`, and no element nonzero below LEAST in magnitude (one reduction)."""
     a = tl.abs(x.to(tl.float32))
-    return tl.max(tl.where((a <= bound) & ((a >= PRODUCT_MIN) | (a == 0)), 0, 1)) == 0
+    return tl.max(tl.where((a <= bound) & ((a >= LEAST) | (a == 0)), 0, 1)) == 0
+
+
+@triton.jit
+def in_product_range(x, bound):
+    """The check of an input tile (q, k, v, beta) whose values enter the matrix path's
+    products: `all_within`, and no element nonzero below PRODUCT_MIN in magnitude."""
+    return _within_from(x, bound, PRODUCT_MIN)
 
 
 @triton.jit
@@ -121,13 +127,11 @@ def _max_nan(a, b):
 
 @triton.jit
 def q_admits_matrix(x, bound, GATE: tl.constexpr):
-    """q's checks for the matrix path: `in_product_range` of ``bound`` (BIG) and, for the
-    vector gate (GATE 2), none nonzero below VECTOR_Q_MIN."""
-    ok = in_product_range(x, bound)
+    """q's checks for the matrix path: `in_product_range` of ``bound`` (BIG); for the vector
+    gate (GATE 2) the least nonzero magnitude is VECTOR_Q_MIN, above PRODUCT_MIN."""
     if GATE == 2:
-        a = tl.abs(x.to(tl.float32))
-        ok = ok & (tl.max(tl.where((a > 0) & (a < VECTOR_Q_MIN), 1, 0)) == 0)
-    return ok
+        return _within_from(x, bound, VECTOR_Q_MIN)
+    return in_product_range(x, bound)
 
 
 @triton.jit

@@ -758,18 +758,23 @@ PRECISION = [
     # the vector gate's dg from row sums minus column sums of its pair terms (crashes/gdn_bwd_kda/
     # bound-dg/afc6bccb8fef27b5): 23.7x, 49.6x; that fixed, its fp32 in-chunk gate sums and
     # factored decays (the scalar gate's sums are float64; docs/findings.md) leave 2.6x, 8.3x
-    # on the CPU and 12x, 16x on the H200, where torch's fp32 cumsum in the trusted reference
-    # is 3x more precise than on the CPU: held to the gdn_bwd bound itself, 32x
-    ("shifted-vector-delta", dict(T=40, K=16, V=16, delta=True, seed=1, shift=5.0, vector=True), 16, ("dg",), 32),
-    ("shifted-vector", dict(T=40, K=16, V=16, delta=False, seed=1, shift=5.0, vector=True), 16, ("dg",), 32),
+    # on the CPU, hence gdn_bwd_gla's 10
+    ("shifted-vector-delta", dict(T=40, K=16, V=16, delta=True, seed=1, shift=5.0, vector=True), 16, ("dg",)),
+    ("shifted-vector", dict(T=40, K=16, V=16, delta=False, seed=1, shift=5.0, vector=True), 16, ("dg",), 10),
 ]
+# On a GPU the vector gate's cases read 12x and 16x (H200): torch's fp32 cumsum there makes the
+# trusted reference 3x more precise than on the CPU, so they are held to the gdn_bwd bound, 32x
+ON_GPU = {"shifted-vector-delta": 32, "shifted-vector": 32}
 
 
 @pytest.mark.parametrize("name,spec,chunk,checked,within", [(*p, 3)[:5] for p in PRECISION],
                          ids=[p[0] for p in PRECISION])
 def test_gradients_as_precise_as_the_trusted_reference(name, spec, chunk, checked, within):
-    """Within 3x (or ``within``) the error of float32 autograd through gdn.reference.chunked
-    (kfuzz's trusted implementation, whose error x 32 is the gdn_bwd bound)."""
+    """Within 3x (or ``within``; on a GPU ``ON_GPU``'s) the error of float32 autograd through
+    gdn.reference.chunked (kfuzz's trusted implementation, whose error x 32 is the gdn_bwd
+    bound)."""
+    if DEV == "cuda":
+        within = ON_GPU.get(name, within)
     x = g02_inputs(**spec)
     delta = spec["delta"]
     want = oracle_grads(x, None, delta)
