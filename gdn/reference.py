@@ -97,6 +97,22 @@ class _RoundOperand(torch.autograd.Function):
         return round_to(grad, ctx.dtype, ctx.gen), None, None
 
 
+class _RoundGradient(torch.autograd.Function):
+    """x unchanged; its gradient rounded to a matrix unit's operand dtype (``gen``: stochastic,
+    `round_to`): the state gradient as the backward's products of a chunk's state update take
+    it (k dS and dS v^T, with dS an fp32 state gradient, entering them as a bf16 operand),
+    while the gradient handed on to the chunk before (through the state's decay) stays float32."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, gen):
+        ctx.dtype, ctx.gen = dtype, gen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return round_to(grad, ctx.dtype, ctx.gen), None, None
+
+
 class _DecayStored(torch.autograd.Function):
     """gl * S, a chunk's decay of the state entering it (gl [B,H,1,1], or [B,H,K,1] for a vector
     gate), in float32; the gate's gradient through it, sum(dS_end * S) (its "through" term), is
@@ -128,9 +144,10 @@ def _state_decay(dtype, gen):
 
 
 def _operand_rounding(dtype, gen):
+    """(x's operand rounding, x's gradient rounding) of a matrix product at ``dtype``."""
     if dtype is None or (dtype == torch.float32 and gen is None):
-        return lambda x: x
-    return lambda x: _RoundOperand.apply(x, dtype, gen)
+        return (lambda x: x), (lambda x: x)
+    return (lambda x: _RoundOperand.apply(x, dtype, gen)), (lambda x: _RoundGradient.apply(x, dtype, gen))
 
 
 def _masked_mm(L, X, mask):
@@ -263,10 +280,11 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None, gen=No
     """One batch of equal-length sequences, [B, H, L, *] float32 each (g [B,H,L]
     or [B,H,L,K], beta [B,H,L]); S [B,H,K,V] float32.  Returns (o, S).
     With ``operand_dtype`` (bf16/fp16), every matrix product's operands are
-    rounded to it and accumulate in float32, as on a GPU's matrix units, and for
+    rounded to it and accumulate in float32, as on a GPU's matrix units (the state
+    gradient too, where the state update's products take it: `_RoundGradient`), and for
     bf16 the gate's gradient through a chunk's decay of its entering state sees that
     state as stored in bf16 (`_DecayStored`); ``gen``: those roundings stochastic (`round_to`)."""
-    r, decay = _operand_rounding(operand_dtype, gen), _state_decay(operand_dtype, gen)
+    (r, rg), decay = _operand_rounding(operand_dtype, gen), _state_decay(operand_dtype, gen)
     B, H, L, K = q.shape
     o = q.new_empty(B, H, L, v.shape[-1])
     vector_gate = g is not None and g.dim() == 4
@@ -306,7 +324,7 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None, gen=No
             vnew = vc
         vnew = r(vnew)
         o[:, :, c0:c1] = scale * (r(gq) @ r(S) + _causal_mm(r(qk), vnew, causal))
-        S = (S if g is None else decay(gl, S)) + r(gk).transpose(-1, -2) @ vnew
+        S = (S if g is None else decay(gl, S)) + rg(r(gk).transpose(-1, -2) @ vnew)
     return o, S
 
 
