@@ -151,7 +151,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
             return
         emit("build", built)
         if built["status"] != "built":
-            emit("unbuilt", {"error": f"build: {built.get('error', '')}"[:1000]})
+            emit("unbuilt", {"error": f"build: {built.get('error', '')}"[:2100]})
             return
     if build_only:
         return

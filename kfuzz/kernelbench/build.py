@@ -18,6 +18,11 @@ so the audit splits the two:
   the extension otherwise), and the build folder's lock file by a lock that writes
   nothing, so the folder may stay read-only.
 
+A solution that names its own ``build_directory`` outside the cache builds and loads beneath
+the cache instead (``in_cache``): where it chose to build is no escape, and no write
+outside the cache is needed. A failed build's facts keep the compiler's message (the end of
+torch's error, ``clip``; the build runs quietly so that torch puts that message there).
+
 A build that fails is the solution's ``compile`` failure; what it tried against the
 sandbox is a finding like any other (the audit records the build step's verdict).
 
@@ -90,9 +95,9 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
         out = {"status": status, "seconds": round(time.monotonic() - start, 3), "extensions": built[:20],
                "pch": _PCH_USED[:]}
         if error is not None:
-            out["error"] = error[:1000]
+            out["error"] = clip(error, 2000)
         elif raised:
-            out["caught"] = [e[:500] for e in raised[:5]]
+            out["caught"] = [clip(e, 1000) for e in raised[:5]]
         return out
     try:
         new = pair_module(pair, "new")
@@ -113,23 +118,72 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     return facts("built")
 
 
-def _record_build_errors() -> list[str]:
-    """From now on in this process, the errors that ``load_inline`` and ``load`` raise are also
-    kept in the list returned (installed before the solution's module runs, so that its
-    ``from torch.utils.cpp_extension import load_inline`` binds the recording one)."""
-    import torch.utils.cpp_extension as ext
-    raised: list[str] = []
+def clip(text: str, n: int) -> str:
+    """``text`` cut to about ``n`` characters, its start and its end kept: a failed build's
+    message starts with the command ninja ran and ends with what the compiler said."""
+    if len(text) <= n:
+        return text
+    head = min(300, n // 4)
+    return f"{text[:head]} [...] {text[-(n - head):]}"
 
-    def recording(real):
+
+def in_cache(build_directory):
+    """A solution's own ``build_directory`` outside ``TORCH_EXTENSIONS_DIR`` (``~/.cache/
+    torch_extensions``, ``/tmp/torch_extensions``), moved to a folder beneath it named by the
+    path's hash (made if missing): where the build step may write and the kernel's workers
+    read, the same folder in both. A folder already beneath it, or none given, stays as it is."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not build_directory or not root:
+        return build_directory
+    real, base = os.path.realpath(os.fspath(build_directory)), os.path.realpath(root)
+    if real == base or real.startswith(base + os.sep):
+        return build_directory
+    moved = os.path.join(root, "build_directory-" + hashlib.sha256(real.encode()).hexdigest()[:16])
+    if not os.path.isdir(moved):
+        os.makedirs(moved, exist_ok=True)
+    return moved
+
+
+def _wrap_builders(raised: list[str] | None = None) -> None:
+    """From now on in this process, ``load_inline`` and ``load`` build in a solution's own
+    ``build_directory`` moved into the cache (``in_cache``); with ``raised``, they also build
+    quietly (``verbose=False``: torch then puts the compiler's output in the error it raises,
+    where ``verbose=True`` prints it) and append each error they raise to ``raised``. Installed
+    before the solution's module runs, so that its ``from torch.utils.cpp_extension import
+    load_inline`` binds these."""
+    import torch.utils.cpp_extension as ext
+
+    def wrapped(real):
+        signature = inspect.signature(real)
+
         def call(*args, **kwargs):
             try:
-                return real(*args, **kwargs)
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                return real(*args, **kwargs)      # torch's own error for a call it does not take
+            given = bound.arguments
+            if given.get("build_directory"):
+                given["build_directory"] = in_cache(given["build_directory"])
+            if raised is not None and given.get("verbose"):
+                given["verbose"] = False
+            try:
+                return real(*bound.args, **bound.kwargs)
             except Exception as e:
-                raised.append(f"{type(e).__name__}: {e}")
+                if raised is not None:
+                    raised.append(f"{type(e).__name__}: {e}")
                 raise
+        call.kfuzz_builder = real
         return call
     for name in _BUILDERS:
-        setattr(ext, name, recording(getattr(ext, name)))
+        real = getattr(ext, name)
+        setattr(ext, name, wrapped(getattr(real, "kfuzz_builder", real)))
+
+
+def _record_build_errors() -> list[str]:
+    """The errors that ``load_inline`` and ``load`` raise from now on in this process
+    (``_wrap_builders``)."""
+    raised: list[str] = []
+    _wrap_builders(raised)
     return raised
 
 
@@ -163,6 +217,7 @@ def prebuilt_only() -> None:
     """From now on in this process, ``load_inline`` and ``load`` only load what the build step
     built (see the module docstring)."""
     import torch.utils.cpp_extension as ext
+    _wrap_builders()
     ext._write_ninja_file_and_build_library = _check_built
     ext.FileBaton = _NoLock
 
