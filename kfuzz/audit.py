@@ -698,6 +698,32 @@ def precompile_headers(entries: Iterable[CorpusEntry], root: str | Path) -> dict
     return {f: ensure_pch(root, f) for f, _ in counts.most_common()}
 
 
+def check_build_step(device: str, cache: str | Path, policy: dict | None = None, timeout: float = 600.0) -> None:
+    """kfuzz's probe solution (``kfuzz.kernelbench.probe``) built in the audit's confined build
+    step (``build_kernels``) into ``cache``; raises ``KfuzzError`` with the compiler's message
+    where it does not build, since then no solution's build failure here says anything about the
+    solution (the toolchain, or the sandbox's rules for it, are at fault). Once it has built in
+    ``cache`` (a marker per device kind, torch version and compiler), it is not built again."""
+    import torch
+    import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench.probe import probe_entry
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"
+    stamp = hashlib.sha256("\0".join([kind, torch.__version__, ext.get_cxx_compiler()]).encode()).hexdigest()[:16]
+    marker = Path(cache) / f"probe-built-{stamp}"
+    if marker.is_file():
+        return
+    (rec,) = build_kernels([probe_entry(Path(cache) / "probe")], cache, device, jobs=1, timeout=timeout,
+                           policy=policy)
+    built = rec.get("build") or {}
+    if rec.get("ended") or built.get("status") != "built" or built.get("caught"):
+        said = built.get("error") or "; ".join(built.get("caught") or []) or built.get("detail") or rec.get("ended")
+        raise KfuzzError(f"the audit's build step cannot build kfuzz's probe extension on this machine "
+                         f"({device}): {said}. Every solution's build would fail here for the same reason: "
+                         f"fix the toolchain (the compiler torch picks: $CXX, else c++; nvcc on CUDA) or the "
+                         f"build step's sandbox rules for it")
+    marker.write_text(json.dumps(built) + "\n")
+
+
 def _beneath(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
@@ -706,7 +732,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
-              build_jobs: int = 0, pch: bool = True) -> Iterator[dict]:
+              build_jobs: int = 0, pch: bool = True, probe: bool = True) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish); yields each record once appended, signed with the key at ``key`` (by default
     ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
@@ -717,7 +743,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     ``build_jobs``: builds of solutions further down the queue that run ahead of their judging (a
     compile phase beside the judging; the kernel's own build step then finds its extension built).
     ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
-    first kernels; a build that starts before its header is ready compiles the header itself)."""
+    first kernels; a build that starts before its header is ready compiles the header itself).
+    ``probe``: before the first solution that compiles, build kfuzz's probe solution in the same
+    confined build step (``check_build_step``; a ``KfuzzError`` where it does not build)."""
     entries = list(entries)
     out_dir = Path(out).resolve()
     key_file = Path(key).resolve() if key is not None else key_path().resolve()
@@ -741,6 +769,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     if max_jobs is None:
         max_jobs = default_max_jobs(jobs)
     compiling = [e for e in todo if e.compiles]
+    if compiling and probe:
+        check_build_step(device, cache_dir, policy)
     pch_root = str(cache_dir / PCH_FOLDER) if pch and compiling else None
     if pch_root:
         import threading

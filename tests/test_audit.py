@@ -1527,3 +1527,19 @@ def test_a_state_dict_with_names_of_its_own_is_loaded_leniently(solution, status
     assert judge_record(rec)["violations"] == ["W"]
     label = "only W, a strict load (a strict=False load gives the checkpoint's numbers)"
     assert audit_report().summarize([rec])["arguable"][label] == (status == "pass")
+
+
+def test_an_audit_whose_build_step_cannot_build_the_probe_stops_before_any_record(tmp_path, monkeypatch):
+    """Where the build step cannot build kfuzz's own probe extension (here: a compiler that is not
+    there), the audit of compiling solutions stops with the compiler's message before it records
+    any of them: their build failures would be the machine's, not theirs."""
+    import shutil
+    if not shutil.which("ninja"):
+        pytest.skip("no ninja here: load_inline cannot build")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1].startswith("compiled")]
+    with pytest.raises(KfuzzError, match="cannot build kfuzz's probe extension.*no-such-compiler"):
+        list(run_audit(entries, tmp_path / "out", ["G01"], jobs=1, timeout=300, cache=tmp_path / "ext", pch=False,
+                       key=tmp_path / "key", allow_unconfined=True))
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+    assert not list((tmp_path / "ext").glob("probe-built-*"))
