@@ -1529,17 +1529,22 @@ def test_a_state_dict_with_names_of_its_own_is_loaded_leniently(solution, status
     assert audit_report().summarize([rec])["arguable"][label] == (status == "pass")
 
 
-def test_an_audit_whose_build_step_cannot_build_the_probe_stops_before_any_record(tmp_path, monkeypatch):
+def test_an_audit_whose_build_step_cannot_build_the_probe_stops_before_any_record(tmp_path):
     """Where the build step cannot build kfuzz's own probe extension (here: a compiler that is not
-    there), the audit of compiling solutions stops with the compiler's message before it records
-    any of them: their build failures would be the machine's, not theirs."""
+    there), `kfuzz audit` of compiling solutions exits 2 with the compiler's message before it
+    records any of them: their build failures would be the machine's, not theirs."""
+    import os
     import shutil
+    import subprocess
+    import sys
     if not shutil.which("ninja"):
         pytest.skip("no ninja here: load_inline cannot build")
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1].startswith("compiled")]
-    with pytest.raises(KfuzzError, match="cannot build kfuzz's probe extension.*no-such-compiler"):
-        list(run_audit(entries, tmp_path / "out", ["G01"], jobs=1, timeout=300, cache=tmp_path / "ext", pch=False,
-                       key=tmp_path / "key", allow_unconfined=True))
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"))
+    r = subprocess.run([sys.executable, "-c", "from kfuzz.cli import main; main()", "audit", str(ESCAPES),
+                        "--select", "compile", "--gates", "G01", "--device", "cpu", "--no-pch", "--out",
+                        str(tmp_path / "out"), "--cache", str(tmp_path / "ext"), "--key", str(tmp_path / "key"),
+                        "--allow-unconfined"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "cannot build kfuzz's probe extension" in r.stderr and "no-such-compiler" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out" / "results.jsonl").exists()
     assert not list((tmp_path / "ext").glob("probe-built-*"))

@@ -1,6 +1,6 @@
 """kfuzz's own probe solution: a ReLU extension built with ``load_inline`` as solutions build
 theirs (a host file with torch's extension header and, where CUDA is visible, a CUDA file for
-nvcc). The audit builds it in its confined build step before any solution's
+nvcc, which includes no torch header so that the probe costs a host compile, not two). The audit builds it in its confined build step before any solution's
 (``kfuzz.audit.check_build_step``): where it does not build, no solution's build failure says
 anything about the solution."""
 from __future__ import annotations
@@ -30,26 +30,34 @@ import torch
 import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
 
-DECLARE = "torch::Tensor relu(torch::Tensor x);"
-HOST = "torch::Tensor relu(torch::Tensor x) { return torch::clamp_min(x, 0); }"
-DEVICE = r"""
+HOST = r"""
 #include <torch/extension.h>
+torch::Tensor relu(torch::Tensor x) { return torch::clamp_min(x, 0); }
+"""
+HOST_CUDA = r"""
+#include <torch/extension.h>
+void relu_launch(const float* x, float* y, long n);
+torch::Tensor relu(torch::Tensor x) {
+    auto xc = x.contiguous();
+    auto y = torch::empty_like(xc);
+    relu_launch(xc.data_ptr<float>(), y.data_ptr<float>(), xc.numel());
+    return y;
+}
+"""
+DEVICE = r"""
 __global__ void relu_kernel(const float* x, float* y, long n) {
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = x[i] > 0.f ? x[i] : 0.f;
 }
-torch::Tensor relu(torch::Tensor x) {
-    auto xc = x.contiguous();
-    auto y = torch::empty_like(xc);
-    long n = xc.numel();
-    relu_kernel<<<(n + 255) / 256, 256>>>(xc.data_ptr<float>(), y.data_ptr<float>(), n);
-    return y;
+void relu_launch(const float* x, float* y, long n) {
+    if (n > 0) relu_kernel<<<(n + 255) / 256, 256>>>(x, y, n);
 }
 """
 if torch.cuda.is_available():
-    ext = load_inline("kfuzz_probe_cuda", cpp_sources=DECLARE, cuda_sources=DEVICE, functions=["relu"])
+    ext = load_inline("kfuzz_probe_cuda", cpp_sources=HOST_CUDA, cuda_sources=DEVICE, functions=["relu"],
+                      no_implicit_headers=True)
 else:
-    ext = load_inline("kfuzz_probe", cpp_sources=HOST, functions=["relu"])
+    ext = load_inline("kfuzz_probe", cpp_sources=HOST, functions=["relu"], no_implicit_headers=True)
 
 
 class ModelNew(nn.Module):
