@@ -98,10 +98,11 @@ class _RoundOperand(torch.autograd.Function):
 
 
 class _RoundGradient(torch.autograd.Function):
-    """x unchanged; its gradient rounded to a matrix unit's operand dtype (``gen``: stochastic,
-    `round_to`): the state gradient as the backward's products of a chunk's state update take
-    it (k dS and dS v^T, with dS an fp32 state gradient, entering them as a bf16 operand),
-    while the gradient handed on to the chunk before (through the state's decay) stays float32."""
+    """x unchanged; its gradient rounded to ``dtype`` (``gen``: stochastic, `round_to`), kept
+    where that rounding would overflow: the state gradient as a bf16 kernel's products of a
+    chunk's state update take it (k dS and dS v^T, the fp32 state gradient entering them as a
+    bf16 operand), while the gradient handed on to the chunk before, through the state's
+    decay, stays float32."""
 
     @staticmethod
     def forward(ctx, x, dtype, gen):
@@ -110,7 +111,8 @@ class _RoundGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return round_to(grad, ctx.dtype, ctx.gen), None, None
+        rounded = round_to(grad, ctx.dtype, ctx.gen)
+        return torch.where(torch.isinf(rounded) & ~torch.isinf(grad), grad, rounded), None, None
 
 
 class _DecayStored(torch.autograd.Function):
@@ -143,11 +145,18 @@ def _state_decay(dtype, gen):
     return lambda gl, S: _DecayStored.apply(gl, S, dtype, gen)
 
 
+def _state_gradient(dtype, gen):
+    """The state gradient as the state update's products take it: rounded to bf16 for bf16
+    (`_RoundGradient`), as it is (fp16 and fp32 kernels form those products in fp32)."""
+    if dtype != torch.bfloat16:
+        return lambda x: x
+    return lambda x: _RoundGradient.apply(x, dtype, gen)
+
+
 def _operand_rounding(dtype, gen):
-    """(x's operand rounding, x's gradient rounding) of a matrix product at ``dtype``."""
     if dtype is None or (dtype == torch.float32 and gen is None):
-        return (lambda x: x), (lambda x: x)
-    return (lambda x: _RoundOperand.apply(x, dtype, gen)), (lambda x: _RoundGradient.apply(x, dtype, gen))
+        return lambda x: x
+    return lambda x: _RoundOperand.apply(x, dtype, gen)
 
 
 def _masked_mm(L, X, mask):
@@ -280,11 +289,12 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None, gen=No
     """One batch of equal-length sequences, [B, H, L, *] float32 each (g [B,H,L]
     or [B,H,L,K], beta [B,H,L]); S [B,H,K,V] float32.  Returns (o, S).
     With ``operand_dtype`` (bf16/fp16), every matrix product's operands are
-    rounded to it and accumulate in float32, as on a GPU's matrix units (the state
-    gradient too, where the state update's products take it: `_RoundGradient`), and for
-    bf16 the gate's gradient through a chunk's decay of its entering state sees that
-    state as stored in bf16 (`_DecayStored`); ``gen``: those roundings stochastic (`round_to`)."""
-    (r, rg), decay = _operand_rounding(operand_dtype, gen), _state_decay(operand_dtype, gen)
+    rounded to it and accumulate in float32, as on a GPU's matrix units; for bf16 the
+    state update's products also take the state gradient rounded to bf16 (`_RoundGradient`),
+    and the gate's gradient through a chunk's decay of its entering state sees that state as
+    stored in bf16 (`_DecayStored`); ``gen``: those roundings stochastic (`round_to`)."""
+    r, decay = _operand_rounding(operand_dtype, gen), _state_decay(operand_dtype, gen)
+    rg = _state_gradient(operand_dtype, gen)
     B, H, L, K = q.shape
     o = q.new_empty(B, H, L, v.shape[-1])
     vector_gate = g is not None and g.dim() == 4
