@@ -91,16 +91,18 @@ def kernel_policy(device: str, **overrides) -> "sandbox.Policy":
     return dataclasses.replace(base, **overrides)
 
 
-def build_policy(device: str, folder: str | None, **overrides) -> "sandbox.Policy":
+def build_policy(device: str, folder: str | None, pch: str | None = None, **overrides) -> "sandbox.Policy":
     """The confinement of a solution's build step: new processes (ninja, the compiler), no
     network, writes only beneath its extension ``folder`` (and its private directory), reads of
     the toolchain (``sandbox.toolchain``: a compiler under a prefix of its own, such as
-    the H200 machine's ``/opt/gcc/bin/g++`` script, is read by its shell), memory as a compiler
-    needs, on every device (the build touches no driver)."""
+    the H200 machine's ``/opt/gcc/bin/g++`` script, is read by its shell) and of the folder of
+    precompiled headers ``pch`` (the compiler finds torch's header there first: unreadable, every
+    build that uses it fails), memory as a compiler needs, on every device (the build touches no
+    driver)."""
     from kfuzz import sandbox
     return sandbox.Policy(**{"memory": None, "processes": True, "network": False, "confine_writes": True,
-                             "writable": (folder,) if folder else (), "readable": sandbox.toolchain(),
-                             **overrides})
+                             "writable": (folder,) if folder else (),
+                             "readable": sandbox.toolchain() + ((pch,) if pch else ()), **overrides})
 
 
 def finding(verdict) -> dict:
@@ -114,7 +116,8 @@ def finding(verdict) -> dict:
 
 def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
-                 policy: dict | None = None, build_only: bool = False, cases: str | None = None) -> None:
+                 policy: dict | None = None, build_only: bool = False, cases: str | None = None,
+                 pch: str | None = None) -> None:
     """The build (a solution that compiles), the standard test, the weights contract and each gate
     on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
@@ -123,7 +126,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     programs in a third (``kfuzz.executor.Sandboxed``) that resolves the same ``kb:`` name, while
     the oracle, the trusted implementation and every comparison run here. ``policy``: overrides
     of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging);
-    ``cases``: the folder for each failing gate's case (``save_gate_case``)."""
+    ``cases``: the folder for each failing gate's case (``save_gate_case``); ``pch``: the folder of
+    precompiled headers the build may read (``build_policy``)."""
     from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
@@ -139,7 +143,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     nothing = Case(pair.target_name, "float32", 0, ())
     if entry.compiles:
         emit("phase", {"phase": "build"})
-        with Sandboxed(bare, device, timeout, build_policy(device, cache, **overrides), resolve={"standard": True},
+        with Sandboxed(bare, device, timeout, build_policy(device, cache, pch, **overrides), resolve={"standard": True},
                        preload=KERNEL_PRELOAD) as ex:
             r = ex.run(Program("build", nothing))
         built = r.facts
@@ -427,7 +431,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     fork_server_here(close=(conn.fileno(),))
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
-                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases)
+                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases, pch)
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
         conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000]}))
     conn.send(("done", {}))
@@ -698,22 +702,28 @@ def precompile_headers(entries: Iterable[CorpusEntry], root: str | Path) -> dict
     return {f: ensure_pch(root, f) for f, _ in counts.most_common()}
 
 
-def check_build_step(device: str, cache: str | Path, policy: dict | None = None, timeout: float = 600.0) -> None:
+def check_build_step(device: str, cache: str | Path, policy: dict | None = None, timeout: float = 600.0,
+                     pch_root: str | Path | None = None) -> None:
     """kfuzz's probe solution (``kfuzz.kernelbench.probe``) built in the audit's confined build
     step (``build_kernels``) into ``cache``; raises ``KfuzzError`` with the compiler's message
     where it does not build, since then no solution's build failure here says anything about the
-    solution (the toolchain, or the sandbox's rules for it, are at fault). Once it has built in
-    ``cache`` (a marker per device kind, torch version and compiler), it is not built again."""
+    solution (the toolchain, or the sandbox's rules for it, are at fault). With ``pch_root``,
+    torch's header is precompiled there first for the probe's flags (``ensure_pch``) and the probe
+    builds with it, as solutions do. Once it has built in ``cache`` (a marker per device kind,
+    torch version, compiler and precompiled header), it is not built again."""
     import torch
     import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench.build import ensure_pch
     from kfuzz.kernelbench.probe import probe_entry
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
-    stamp = hashlib.sha256("\0".join([kind, torch.__version__, ext.get_cxx_compiler()]).encode()).hexdigest()[:16]
+    header = ensure_pch(pch_root) if pch_root else None
+    stamp = hashlib.sha256("\0".join([kind, torch.__version__, ext.get_cxx_compiler(), str(header)]).encode()
+                           ).hexdigest()[:16]
     marker = Path(cache) / f"probe-built-{stamp}"
     if marker.is_file():
         return
     (rec,) = build_kernels([probe_entry(Path(cache) / "probe")], cache, device, jobs=1, timeout=timeout,
-                           policy=policy)
+                           policy=policy, pch_root=pch_root if header else None)
     built = rec.get("build") or {}
     if rec.get("ended") or built.get("status") != "built" or built.get("caught"):
         said = built.get("error") or "; ".join(built.get("caught") or []) or built.get("detail") or rec.get("ended")
@@ -769,9 +779,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     if max_jobs is None:
         max_jobs = default_max_jobs(jobs)
     compiling = [e for e in todo if e.compiles]
-    if compiling and probe:
-        check_build_step(device, cache_dir, policy)
     pch_root = str(cache_dir / PCH_FOLDER) if pch and compiling else None
+    if compiling and probe:
+        check_build_step(device, cache_dir, policy, pch_root=pch_root)
     if pch_root:
         import threading
         threading.Thread(target=precompile_headers, args=(compiling, pch_root), daemon=True,

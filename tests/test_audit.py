@@ -1548,3 +1548,18 @@ def test_an_audit_whose_build_step_cannot_build_the_probe_stops_before_any_recor
     assert "cannot build kfuzz's probe extension" in r.stderr and "no-such-compiler" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out" / "results.jsonl").exists()
     assert not list((tmp_path / "ext").glob("probe-built-*"))
+
+
+def test_the_build_step_reads_the_precompiled_header_it_is_given(tmp_path):
+    """kfuzz's probe built in the confined build step with torch's header precompiled for its
+    flags: the compiler finds the header's folder first on its include path, so the build step
+    must be able to read it (where it could not, every build that used it failed at once with
+    'Permission denied' on that header)."""
+    import shutil
+    from kfuzz.audit import check_build_step
+    if not (shutil.which("ninja") and shutil.which("c++")):
+        pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
+    check_build_step("cpu", tmp_path / "ext", pch_root=tmp_path / "ext" / "pch")
+    (marker,) = (tmp_path / "ext").glob("probe-built-*")
+    facts = json.loads(marker.read_text())
+    assert facts["status"] == "built" and facts["pch"] == ["kfuzz_probe"], facts
