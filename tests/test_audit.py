@@ -1286,54 +1286,48 @@ def test_a_build_step_runs_a_compiler_installed_as_a_script_under_a_prefix_of_it
     assert refused == "126" or refused.startswith("PermissionError"), refused
 
 
-def test_a_build_error_the_solution_catches_is_named_in_the_build_step_facts(tmp_path, monkeypatch):
-    """A solution that falls back to PyTorch when its extension does not build imports fine: the
-    build step still says which load_inline call failed (``caught``), so that a record shows
-    the gates judged its fallback, not its extension."""
+RELU_REF = ("import torch\nimport torch.nn as nn\nclass Model(nn.Module):\n    def forward(self, x):\n"
+            "        return torch.relu(x)\ndef get_inputs():\n    return [torch.rand(4)]\n"
+            "def get_init_inputs():\n    return []\n")
+
+
+def build_here(monkeypatch, cache, solution: str, name: str) -> dict:
+    """The build step's facts for ``solution`` (beside RELU_REF), built in this process into
+    ``cache``; torch's builders are restored afterwards. Skips where nothing can build."""
     import shutil
     import torch.utils.cpp_extension as ext
     from kfuzz.kernelbench.build import build_solution
     from kfuzz.kernelbench.source import KernelBenchPair
     if not (shutil.which("ninja") and shutil.which("c++")):
         pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
-    for name in ("load_inline", "load"):
-        monkeypatch.setattr(ext, name, getattr(ext, name))
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    ref = ("import torch\nimport torch.nn as nn\nclass Model(nn.Module):\n    def forward(self, x):\n"
-           "        return torch.relu(x)\ndef get_inputs():\n    return [torch.rand(4)]\n"
-           "def get_init_inputs():\n    return []\n")
+    for attr in ("load_inline", "load", "_write_ninja_file_and_build_library", "FileBaton"):
+        monkeypatch.setattr(ext, attr, getattr(ext, attr))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    return build_solution(KernelBenchPair(name=name, ref_code=RELU_REF, custom_code=solution))
+
+
+def test_a_build_error_the_solution_catches_is_named_in_the_build_step_facts(tmp_path, monkeypatch):
+    """A solution that falls back to PyTorch when its extension does not build imports fine: the
+    build step still says which load_inline call failed (``caught``), so that a record shows
+    the gates judged its fallback, not its extension."""
     new = ("import torch\nimport torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n"
            "try:\n    ext = load_inline('kfuzz_never_builds', cpp_sources='int f( { return 1; }',\n"
            "                      functions=['f'], no_implicit_headers=True)\nexcept Exception:\n    ext = None\n"
            "class ModelNew(nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n")
-    facts = build_solution(KernelBenchPair(name="fallback", ref_code=ref, custom_code=new))
+    facts = build_here(monkeypatch, tmp_path, new, "fallback")
     assert facts["status"] == "built" and facts["caught"], facts
     assert "kfuzz_never_builds" in facts["caught"][0], facts
-
-
-RELU_REF = ("import torch\nimport torch.nn as nn\nclass Model(nn.Module):\n    def forward(self, x):\n"
-            "        return torch.relu(x)\ndef get_inputs():\n    return [torch.rand(4)]\n"
-            "def get_init_inputs():\n    return []\n")
 
 
 def test_a_failed_build_keeps_what_the_compiler_said(tmp_path, monkeypatch):
     """A solution whose extension does not compile fails its build, and the build step's facts
     end with the compiler's message, also where the solution asked load_inline for verbose
     output (which prints the message instead of putting it in torch's error)."""
-    import shutil
-    import torch.utils.cpp_extension as ext
-    from kfuzz.kernelbench.build import build_solution
-    from kfuzz.kernelbench.source import KernelBenchPair
-    if not (shutil.which("ninja") and shutil.which("c++")):
-        pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
-    for name in ("load_inline", "load"):
-        monkeypatch.setattr(ext, name, getattr(ext, name))
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     new = ("import torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n"
            "ext = load_inline('kfuzz_bad_syntax', cpp_sources='int f( { return 1; }' + ' ' * 2000,\n"
            "                  no_implicit_headers=True, verbose=True)\n"
            "class ModelNew(nn.Module):\n    pass\n")
-    facts = build_solution(KernelBenchPair(name="bad", ref_code=RELU_REF, custom_code=new))
+    facts = build_here(monkeypatch, tmp_path, new, "bad")
     assert facts["status"] == "failed", facts
     assert "error:" in facts["error"] and "kfuzz_bad_syntax" in facts["error"], facts["error"]
 
@@ -1342,23 +1336,16 @@ def test_a_solutions_own_build_directory_is_moved_beneath_the_cache(tmp_path, mo
     """A solution that builds in a folder of its choosing (``build_directory``) builds beneath
     the extension cache instead, where the build step may write, and the kernel's worker
     (``prebuilt_only``) loads it from there; nothing is written where the solution asked."""
-    import shutil
     import torch.utils.cpp_extension as ext
-    from kfuzz.kernelbench.build import build_solution, prebuilt_only
-    from kfuzz.kernelbench.source import KernelBenchPair
-    if not (shutil.which("ninja") and shutil.which("c++")):
-        pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
-    for name in ("load_inline", "load", "_write_ninja_file_and_build_library", "FileBaton"):
-        monkeypatch.setattr(ext, name, getattr(ext, name))
+    from kfuzz.kernelbench.build import prebuilt_only
     cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
     module = ('#include <Python.h>\nstatic struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "kfuzz_elsewhere", '
               'NULL, -1, NULL};\nPyMODINIT_FUNC PyInit_kfuzz_elsewhere(void) { return PyModule_Create(&m); }\n')
     new = ("import torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n"
            f"ext = load_inline('kfuzz_elsewhere', cpp_sources={module!r}, no_implicit_headers=True,\n"
            f"                  build_directory={str(elsewhere)!r})\n"
            "class ModelNew(nn.Module):\n    pass\n")
-    facts = build_solution(KernelBenchPair(name="elsewhere", ref_code=RELU_REF, custom_code=new))
+    facts = build_here(monkeypatch, cache, new, "elsewhere")
     assert facts["status"] == "built" and "caught" not in facts, facts
     (folder,) = facts["extensions"]
     assert folder.startswith("build_directory-") and not elsewhere.exists(), facts
