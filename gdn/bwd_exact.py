@@ -236,8 +236,8 @@ def _exact_chunk(cid, ih, q, k, v, g, beta, do, h0, dht, hs, hexp, dhs, dexp, dq
     tl.store(tile(dq, r0, rows, ck, K, H), _rounded(acc_dq * scale, dq), mask=mqk)
     tl.store(tile(dk, r0, rows, ck, K, H), _rounded(acc_dk, dk), mask=mqk)
     # the gate's factor exp(g) after the sum over every V tile, as the recurrence's autograd
-    # takes it: times each tile's part, an infinite gate (+inf, out of the domain) gave inf -
-    # inf = NaN where two tiles' parts have opposite signs and the oracle's dg is an Inf
+    # takes it: times each tile's part, an infinite gate (+inf, out of the domain) would give
+    # inf - inf = NaN where two tiles' parts have opposite signs and the oracle's dg is an Inf
     if GATE == 1:
         a = tl.exp(tl.load(g + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float64))
         tl.store(dg + tok.to(tl.int64) * H + ih, _rounded(acc_dg * a, dg), mask=rv)

@@ -742,7 +742,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
-              build_jobs: int = 0, pch: bool = True, probe: bool = True) -> Iterator[dict]:
+              build_jobs: int = 0, pch: bool = True) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish); yields each record once appended, signed with the key at ``key`` (by default
     ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
@@ -754,8 +754,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     compile phase beside the judging; the kernel's own build step then finds its extension built).
     ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
     first kernels; a build that starts before its header is ready compiles the header itself).
-    ``probe``: before the first solution that compiles, build kfuzz's probe solution in the same
-    confined build step (``check_build_step``; a ``KfuzzError`` where it does not build)."""
+    Before the first solution that compiles, kfuzz's probe solution is built in the same confined
+    build step (``check_build_step``: a ``KfuzzError`` where it does not build)."""
     entries = list(entries)
     out_dir = Path(out).resolve()
     key_file = Path(key).resolve() if key is not None else key_path().resolve()
@@ -780,7 +780,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
         max_jobs = default_max_jobs(jobs)
     compiling = [e for e in todo if e.compiles]
     pch_root = str(cache_dir / PCH_FOLDER) if pch and compiling else None
-    if compiling and probe:
+    if compiling:
         check_build_step(device, cache_dir, policy, pch_root=pch_root)
     if pch_root:
         import threading

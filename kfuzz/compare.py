@@ -178,19 +178,19 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
     fi = torch.finfo(dt)
     o_rounded = o.to(dt).to(torch.float64)
+    t = None if trusted_out is None else _f64(trusted_out)
     reach = 0.0
-    if trusted_out is not None:
-        d = (_f64(trusted_out) - o).abs()
+    if t is not None:
+        d = (t - o).abs()
         d = d[torch.isfinite(d)]
         reach = float(d.max()) if d.numel() else 0.0
     near = near_overflow(o, dtype, c, reach)
     any_class = None
-    if trusted_out is not None:
+    if t is not None:
         # where the honest same-precision implementation is non-finite and the oracle is finite
         # (or non-finite of another kind), so may the kernel be, where that is an overflow: where
         # it stays non-finite on the inputs without their NaN and Inf.  Where both are
         # non-finite but of other kinds, the kernel must be non-finite, of any kind
-        t = _f64(trusted_out)
         free = ~torch.isfinite(t) & (torch.isfinite(o_rounded) | (_class(t) != _class(o_rounded)))
         # the oracle past the range in float64 where the trusted one overflows: the kernel must
         # overflow too, to any kind
@@ -221,9 +221,8 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     u, tiny = unit_roundoff(dtype), float(fi.tiny)
     kf, of = k[finite], o[finite]
     err = (kf - of).abs()
-    if trusted_out is not None:
-        t = _f64(trusted_out)[finite]
-        terr = (t - of).abs()
+    if t is not None:
+        terr = (t[finite] - of).abs()
         unknown = int((~torch.isfinite(terr)).sum())   # the trusted one spread a NaN or Inf here
         terr = terr[torch.isfinite(terr)]
     else:

@@ -1338,9 +1338,9 @@ def test_a_gradient_that_overflows_inside_the_matrix_path_is_taken_step_by_step(
 def test_an_infinite_gate_over_two_value_tiles_gives_the_oracles_inf(gate):
     """One token, no delta rule, a gate of +inf (out of the domain, as an injection puts it) at
     key 1, V 32 stepped in two 16-wide tiles: the gate's gradient is exp(g) times the sum over
-    every value of dS * h0, +16 - 8 here, so +inf. The step path multiplied each tile's part by
-    exp(g) before adding them, inf + -inf = NaN (gdn_bwd_gla, bf16, V 127, on an H100 and the
-    CPU: dg NaN at 3 keys where the oracle's is an Inf)."""
+    every value of dS * h0, +16 - 8 here, so +inf. A step path that multiplies each tile's part
+    by exp(g) before adding them gives inf + -inf = NaN (gdn_bwd_gla, bf16, V 127, on an H100
+    and the CPU: dg NaN at 3 keys where the oracle's is an Inf)."""
     import dataclasses
 
     from gdn.config import DEFAULT

@@ -49,11 +49,11 @@ ONE_TOKEN_CASE = "crashes/gdn_bwd/bound-dg/c13c1afdb6106cc0.case.zst"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the setting applies under the interpreter")
 def test_the_gpus_bf16_rounding_of_the_state_gradient_is_within_the_bound():
-    """The case above as a campaign drew it (an H100's dg 7.36x its bound before): the bf16
-    product k dS rounds the state gradient dht (1.50221 -> 1.5), and the trusted reference
-    rounds the state gradient where its state update's products take it (`gdn.reference.
-    _RoundGradient`), so its error, and the bound, is bf16's there too. Replayed with the GPU's
-    products, it passes."""
+    """The case above as a campaign drew it: the bf16 product k dS rounds the state gradient
+    dht (1.50221 -> 1.5), and the trusted reference rounds the state gradient where its state
+    update's products take it (`gdn.reference._RoundGradient`), so its error, and the bound, is
+    bf16's there too (without that rounding the H100's dg reads 7.36x the bound). Replayed with
+    the GPU's products, it passes."""
     from pathlib import Path
     case = Path(__file__).resolve().parent.parent / ONE_TOKEN_CASE
     env = dict(os.environ, GDN_DEVICE_PRODUCTS="1")
