@@ -69,6 +69,7 @@ WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
 STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded machine is slow
 FULL_SCAN_EVERY = 32       # answers between scans of every process for the kernel's (else its tree's files)
 EXIT_GRACE = 0.25          # seconds a process the kernel started may take to exit after the call
+DEATH_GRACE = 2.0          # seconds a worker whose channel closed after an answer may take to be seen dead
 # bytes that may wait unread in a worker's pipe without blocking kfuzz's send (Linux buffers
 # ~200 KiB); more goes through a sender thread, so that kfuzz never blocks on a worker
 DIRECT_SEND = 64 << 10
@@ -263,7 +264,7 @@ class Worker:
         or torn channel is then a violation too, and so is a process the kernel started that
         is still running (with a case already queued behind this one, which may have begun:
         one still running, the same process, at the next answer)."""
-        found = self.channel.verdict(answered)
+        found = self.channel.verdict(answered and not self._died_in_next_case())
         if found is None and answered and self.watch_tree:
             self.answers += 1
             left = self.started_processes(scan=self.answers % FULL_SCAN_EVERY == 0)
@@ -283,6 +284,15 @@ class Worker:
                 names = "; ".join(f"{pid}: {launcher.command(pid)}" for pid in left[:4])
                 found = sandbox.FORK, f"{len(left)} process(es) the kernel started outlived its call ({names})"
         return found
+
+    def _died_in_next_case(self) -> bool:
+        """Whether the channel closed because the worker went on to a queued case and died in
+        it: its end closes with the process, and that case's verdict is the death. A kernel
+        that closes the channel and then ends its process is still a crash, of the next case."""
+        if not self.queue or self.channel.read() or not self.channel.eof:
+            return False
+        self.process.join(DEATH_GRACE)
+        return self.process.exitcode is not None
 
     def started_processes(self, scan: bool = False) -> list[int]:
         """The live processes below the worker other than its own tree (kfuzz.sandbox.isolate);

@@ -399,7 +399,7 @@ def test_a_process_seen_while_the_next_case_runs_is_judged_at_the_next_answer(mo
     from kfuzz import launcher
     from kfuzz.workers import Worker
     w = object.__new__(Worker)
-    w.channel = SimpleNamespace(verdict=lambda answered: None)
+    w.channel = SimpleNamespace(verdict=lambda answered: None, read=lambda: [], eof=False)
     w.watch_tree, w.answers, w.suspects, w.own_tree = True, 0, {}, 0
     running: dict[int, int] = {}
     monkeypatch.setattr(w, "started_processes", lambda scan=False: list(running))

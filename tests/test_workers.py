@@ -140,6 +140,24 @@ def test_a_crash_in_the_pipeline_belongs_to_the_case_in_flight():
     assert got[FINE].verdict is None and _outputs(got[FINE], get_target(CRASHHANG))["out"].shape == (3,)
 
 
+def test_a_worker_that_dies_in_its_next_case_leaves_the_answered_one_judged():
+    """The worker answers one case, begins the one queued behind it and dies there before kfuzz
+    reads the answer: its violation channel closed with the process, which is the next case's
+    crash, not a violation of the case that answered."""
+    pool = Pool(get_target(CRASHHANG), jobs=1, timeout=30.0)
+    try:
+        pool.submit(FINE)
+        pool.submit(SEGFAULT)
+        (w,) = pool.workers
+        w.process.join(30)    # both cases ran before kfuzz reads anything
+        assert w.process.exitcode is not None
+        got = {r.case: r for r in _drain(pool)}
+    finally:
+        pool.close()
+    assert got[FINE].verdict is None and _outputs(got[FINE], get_target(CRASHHANG))["out"].shape == (3,)
+    assert got[SEGFAULT].verdict.exc_type == "SIGSEGV"
+
+
 def test_large_inputs_and_outputs_do_not_deadlock_the_pipe():
     """256 KiB each way, two cases in flight: more than a pipe holds, so kfuzz must not block
     sending while the worker blocks sending its reply."""
