@@ -24,7 +24,10 @@ dtype-specific fast path, a layout-specific load):
   announces a compile that never ends. The control of the compile allowance;
 - ``searchsum.keyjit``: a JIT that compiles (``KEY_JIT`` seconds, announced) at the first call
   of each specialization it declares (dtype and D's next power of 2) in a process, then is
-  correct: the control of compile-aware scheduling on the CPU.
+  correct: the control of compile-aware scheduling on the CPU;
+- ``searchsum.misskey``: the same JIT, whose key also holds N's parity, which the
+  declared specialization does not name: the control of the campaign's specialization
+  misses (``kfuzz.schedule``).
 """
 import ctypes
 import time
@@ -126,13 +129,24 @@ def keyjit_specialization(dims, dtype, layouts):
     return dtype, 1 << max(0, dims["D"] - 1).bit_length()
 
 
-def keyjit(x):
-    key = keyjit_specialization({"D": x.shape[-1]}, str(x.dtype).removeprefix("torch."), {})
-    if key not in _keys:
-        jit.compiling(True)
+def _compile_once(kernel, key):
+    """A JIT's call: the first at ``key`` in this process compiles (``KEY_JIT`` s, announced
+    with its label as Triton's hook announces one)."""
+    if (kernel, key) not in _keys:
+        jit.compiling(True, jit.label(kernel, key))
         time.sleep(KEY_JIT)
-        _keys.add(key)
+        _keys.add((kernel, key))
         jit.compiling(False)
+
+
+def keyjit(x):
+    _compile_once("keyjit", keyjit_specialization({"D": x.shape[-1]}, str(x.dtype).removeprefix("torch."), {}))
+    return _total(x)
+
+
+def misskey(x):
+    key = keyjit_specialization({"D": x.shape[-1]}, str(x.dtype).removeprefix("torch."), {})
+    _compile_once("misskey", (*key, x.shape[0] % 2))
     return _total(x)
 
 
@@ -149,3 +163,4 @@ variant("searchsum", "searchsum.crashhang", crashhang,
 variant("searchsum", "searchsum.slowjit", slowjit,
         planted_bug="a compile that never ends on float16 inputs wider than 100 columns")
 variant("searchsum", "searchsum.keyjit", keyjit, options={"specialization": keyjit_specialization})
+variant("searchsum", "searchsum.misskey", misskey, options={"specialization": keyjit_specialization})

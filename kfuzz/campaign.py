@@ -56,7 +56,8 @@ from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 
 MINIMIZE_SECONDS = 120.0     # the minimizer's default budget, all new failures together
-COMPILE_LOG = 200            # compiles the stats keep one by one (when, where, how long)
+COMPILE_LOG = 200            # compiles the stats keep one by one (when, where, how long, what)
+MISS_LOG = 20                # specialization misses the stats keep one by one
 
 
 @dataclass
@@ -87,9 +88,11 @@ class CampaignStats:
     judge_seconds: float = 0.0     # the oracle and the trusted implementation, summed over judges
     judge_restarts: int = 0        # judge processes that died and were replaced
     judge_errors: list = field(default_factory=list)   # kfuzz's own: the oracle's exceptions, unjudged cases
-    compile_log: list = field(default_factory=list)    # (seconds into the campaign, worker's device, compile s)
+    compile_log: list = field(default_factory=list)    # (seconds into the campaign, worker's device, compile s, labels)
     workers_ready: float | None = None   # seconds from the start until the workers were up
     specializations: int = 0       # distinct specializations run (kfuzz.schedule)
+    specialization_misses: int = 0  # compiles at a JIT key the specialization does not name
+    miss_log: list = field(default_factory=list)   # (label, dtype, dims) of the first of them
     minimize_seconds: float = 0.0  # spent minimizing, after the campaign's time
     minimized: dict = field(default_factory=dict)   # saved path -> the minimizer's note
 
@@ -111,8 +114,10 @@ class CampaignStats:
                 "kernel_seconds": round(self.kernel_seconds, 3), "judge_seconds": round(self.judge_seconds, 3),
                 "judge_restarts": self.judge_restarts, "judge_errors": self.judge_errors,
                 "workers_ready_seconds": None if self.workers_ready is None else round(self.workers_ready, 3),
-                "compile_log": [[round(t, 2), d, round(c, 2)] for t, d, c in self.compile_log],
+                "compile_log": [[round(t, 2), d, round(c, 2), list(k)] for t, d, c, k in self.compile_log],
                 "specializations": self.specializations,
+                "specialization_misses": self.specialization_misses,
+                "miss_log": [[w, dt, dims] for w, dt, dims in self.miss_log],
                 "minimize_seconds": round(self.minimize_seconds, 3),
                 "sandbox": self.sandbox,
                 "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
@@ -251,8 +256,11 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 stats.compile_seconds += r.compile_seconds
                 stats.compiles += r.compile_seconds > 0
                 if r.compile_seconds > 0 and len(stats.compile_log) < COMPILE_LOG:
-                    stats.compile_log.append((time.monotonic() - start, r.device or device, r.compile_seconds))
-                schedule.observe(case, r.compile_seconds)
+                    stats.compile_log.append((time.monotonic() - start, r.device or device, r.compile_seconds,
+                                              r.compiled))
+                misses = schedule.observe(case, r.compile_seconds, r.compiled)
+                stats.specialization_misses += len(misses)
+                stats.miss_log.extend((w, case.dtype, case.dim) for w in misses[:MISS_LOG - len(stats.miss_log)])
                 stats.specializations = schedule.size
                 outputs, verdict = settled(r, target, case, inputs)
                 ran = Executed(case, outputs, r.coverage, r.seconds)

@@ -67,19 +67,15 @@ class InProcess:
         self.confinement: dict[str, str] = {}
         self.worker_cpu_seconds = 0.0
         self.jobs = 1
-        self._compile = [0.0, None]      # seconds compiled, when the running compile began
+        self.credit = jit.Credit(allowance=float("inf"))     # the running program's compiles
 
     def _note(self, msg: bytes) -> None:
-        now = time.monotonic()
-        if msg == jit.BEGIN and self._compile[1] is None:
-            self._compile[1] = now
-        elif msg == jit.END and self._compile[1] is not None:
-            self._compile = [self._compile[0] + now - self._compile[1], None]
+        self.credit.take(msg, time.monotonic())
 
     def run(self, program: Program | Case) -> ProgramResult:
         program = as_program(program, self.target)
         start = time.monotonic()
-        self._compile = [0.0, None]
+        self.credit.reset()
         inputs = {role: {k: replicate(v, self.device) for k, v in ts.items()} for role, ts in program.inputs.items()}
         told = Program(program.name, Case(program.case.target, program.case.dtype, 0, program.case.dims), {},
                        program.params)     # as a worker is told: no seed
@@ -97,7 +93,7 @@ class InProcess:
         back = {role: {k: (replicate(v) if is_storage_role(role) else v.detach().cpu().clone())
                        for k, v in ts.items()} for role, ts in sendable(outputs).items()}
         return ProgramResult(resource_crash(verdict), back, facts, time.monotonic() - start, program, edges,
-                             self._compile[0], self.device)
+                             self.credit.extension(time.monotonic()), self.device, tuple(self.credit.compiled))
 
     idle = property(lambda self: 1 - len(self.pending))
     busy = property(lambda self: len(self.pending))
@@ -237,13 +233,13 @@ class Pool:
 
     def _failed(self, worker: Worker, kind: str, exc_type: str | None, detail: str) -> ProgramResult:
         now = time.monotonic()
-        compiled = worker.credit.extension(now)
+        compiled, labels = worker.credit.extension(now), tuple(worker.credit.compiled)
         device = self.devices[self.workers.index(worker)]
         program, _, _ = worker.queue.pop(0)
         self._replace(worker)
         return ProgramResult(Verdict(self.target.name, kind, exc_type=exc_type, detail=detail),
                              seconds=now - worker.started, program=program, compile_seconds=compiled,
-                             device=device)
+                             device=device, compiled=labels)
 
     def _answer(self, w: Worker, msg: bytes) -> ProgramResult:
         try:   # the answer is data from the kernel's process: parsed, checked
@@ -262,7 +258,7 @@ class Pool:
         except (ValueError, TypeError, KeyError, RuntimeError, KfuzzError) as e:
             return self._failed(w, "crash", "malformed-answer", f"the worker's answer is malformed: {e}"[:2000])
         now = time.monotonic()
-        seconds, compiled = now - w.started, w.credit.extension(now)
+        seconds, compiled, labels = now - w.started, w.credit.extension(now), tuple(w.credit.compiled)
         self.cpu[w.process.pid] = cpu
         device = self.devices[self.workers.index(w)]
         program, _ = w.finish_head()
@@ -273,7 +269,7 @@ class Pool:
             outputs, verdict = {}, Verdict(self.target.name, "crash", exc_type=escape[0], detail=escape[1])
         if verdict is not None and verdict.kind == "crash":
             self._replace(w)   # the worker ends itself after a crash verdict
-        return ProgramResult(verdict, outputs, facts, seconds, program, edges, compiled, device)
+        return ProgramResult(verdict, outputs, facts, seconds, program, edges, compiled, device, labels)
 
     def results(self, until: float | None = None) -> Iterator[ProgramResult]:
         """Wait for at least one busy worker to finish, die or time out (or for the clock to

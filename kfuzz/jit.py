@@ -10,20 +10,38 @@ kfuzz stops the case's clock in between, timed by its own clock (``Credit``).
 The notes come from the kernel's process, so they are only the kernel's word: a case's
 clock stops for at most ``COMPILE_ALLOWANCE`` seconds in all, after which a hang is a hang
 again. Under the Triton interpreter nothing compiles and no note is sent.
+
+A begin note names what compiles: the kernel and a short hash of its JIT key
+(``name#hash``: Triton's key holds the argument types, their specialization and the
+constexprs), so that a campaign can tell a specialization its scheduler's key does not
+name (``kfuzz.schedule.Scheduler.observe``).
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 COMPILE_ALLOWANCE = 600.0        # seconds a case's clock may stop for compiles, in all
 BEGIN, END = b"kfuzz-jit:begin", b"kfuzz-jit:end"
+LABEL_MAX = 160                  # bytes of a compile's label kept
+LABELS_MAX = 64                  # labels kept a case
 _send: Callable[[bytes], None] | None = None
 
 
-def compiling(begins: bool) -> None:
-    """Tell kfuzz that a JIT compile begins (or has ended), where a worker reports them."""
-    if _send is not None:
-        _send(BEGIN if begins else END)
+def label(kernel: str, key) -> str:
+    """A compile's label: the kernel's name and a short hash of its JIT key."""
+    return f"{kernel}#{hashlib.sha256(str(key).encode()).hexdigest()[:10]}"
+
+
+def compiling(begins: bool, what: str = "") -> None:
+    """Tell kfuzz that a JIT compile begins (of ``what``: a ``label``) or has ended, where a
+    worker reports them."""
+    if _send is None:
+        return
+    if not begins:
+        _send(END)
+    else:
+        _send(BEGIN + b" " + what.encode(errors="replace")[:LABEL_MAX] if what else BEGIN)
 
 
 def report_compiles(send: Callable[[bytes], None]) -> None:
@@ -35,7 +53,7 @@ def report_compiles(send: Callable[[bytes], None]) -> None:
         from triton import knobs
 
         def before(**kw) -> bool:
-            compiling(True)
+            compiling(True, label(getattr(kw.get("fn"), "name", "?"), kw.get("key")))
             return False             # compile as usual
 
         knobs.runtime.jit_cache_hook = before
@@ -46,20 +64,24 @@ def report_compiles(send: Callable[[bytes], None]) -> None:
 
 class Credit:
     """The time a worker's running case spent compiling by its notes, on kfuzz's clock,
-    capped at ``allowance``."""
+    capped at ``allowance``, and the labels its begin notes gave (``compiled``, in order)."""
 
     def __init__(self, allowance: float = COMPILE_ALLOWANCE):
         self.allowance, self.earned, self.since = allowance, 0.0, None
+        self.compiled: list[str] = []
 
     def reset(self) -> None:
         """A new case starts: nothing earned, no compile running."""
-        self.earned, self.since = 0.0, None
+        self.earned, self.since, self.compiled = 0.0, None, []
 
     def take(self, msg: bytes, now: float) -> bool:
         """Whether ``msg`` is a compile note (and if so, account for it at ``now``)."""
-        if msg == BEGIN:
+        if msg == BEGIN or msg.startswith(BEGIN + b" "):
             if self.since is None:
                 self.since = now
+            what = msg[len(BEGIN) + 1:LABEL_MAX + len(BEGIN) + 1].decode(errors="replace")
+            if what and len(self.compiled) < LABELS_MAX:
+                self.compiled.append(what)
         elif msg == END:
             self.earned, self.since = self.extension(now), None
         else:

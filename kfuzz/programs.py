@@ -83,6 +83,7 @@ class ProgramResult:
     coverage: frozenset = frozenset()       # harness edges reached, when the executor records them
     compile_seconds: float = 0.0            # of ``seconds``, the JIT compiles (kfuzz.jit notes)
     device: str = ""                        # where the kernel ran
+    compiled: tuple[str, ...] = ()          # what compiled, a label each (kfuzz.jit.label)
 
     @property
     def case(self) -> Case | None:

@@ -32,6 +32,11 @@ A cold start (``cold=True``: a GPU campaign, whose first case compiles every ker
 calls) opens with the target's smallest case: the first draw, redrawn at each dim's lower
 bound (``smallest``), so the first verdict waits on the cheapest compile (the smallest
 tiles) and small sizes, where bugs live, are run first.
+
+A key can miss a trigger. The compile notes name what compiled (``kfuzz.jit.label``), and
+``observe`` returns a kernel compiled at a second JIT key within one specialization: the
+campaign counts and logs these (``specialization_misses``), so that a target's declaration
+can be corrected from a GPU campaign's stats.
 """
 from __future__ import annotations
 
@@ -91,6 +96,7 @@ class Scheduler:
         self.target, self.engine, self.share, self.workers = target, engine, share, max(1, workers)
         self.cold = cold
         self.ran: dict[Hashable, float] = {}   # key -> the longest compile seen for it (0: none)
+        self.kernels: dict[Hashable, dict[str, set[str]]] = {}   # key -> kernel -> labels compiled
         self.like: dict[Hashable, Case] = {}   # key -> a case of it (opened: in flight or ran)
         self.opening: set[Hashable] = set()    # keys opened whose first case has not come back
         self.held = 0                          # draws replaced by a case of an opened key
@@ -156,9 +162,20 @@ class Scheduler:
         dims = {**like.dim, name: self.engine.next_case().dim[name]}
         return Case.make(like.target, like.dtype, like.seed, dims)
 
-    def observe(self, case: Case, compile_seconds: float) -> None:
-        """``case`` came back, its kernel call having compiled for ``compile_seconds``."""
+    def observe(self, case: Case, compile_seconds: float, compiled: tuple[str, ...] = ()) -> list[str]:
+        """``case`` came back, its kernel call having compiled for ``compile_seconds`` what
+        ``compiled`` names (``kfuzz.jit.label``: kernel#key). Returns the labels that are a
+        kernel's second JIT key within the case's specialization: a trigger of a new
+        specialization that the key does not name (a kernel new to the key is a code path
+        these inputs took, a label seen before a load from the cache of another worker)."""
         key = specialization(self.target, case)
         self.ran[key] = max(self.ran.get(key, 0.0), compile_seconds)
         self.like.setdefault(key, case)
         self.opening.discard(key)
+        misses = []
+        for what in compiled:
+            labels = self.kernels.setdefault(key, {}).setdefault(what.partition("#")[0], set())
+            if labels and what not in labels:
+                misses.append(what)
+            labels.add(what)
+        return misses

@@ -306,6 +306,42 @@ def test_a_campaign_that_compiles_keeps_to_its_share_and_runs_many_shapes_a_spec
     assert max(len(ns) for ns in by_key.values()) >= 4
 
 
+def test_a_kernels_second_jit_key_within_a_specialization_is_a_miss():
+    """A label seen before is a load from the cache, a kernel new to the key a code path: only
+    the same kernel at another JIT key is a trigger that the key does not name."""
+    target = get_target("softmax")
+    schedule = Scheduler(target, RandomEngine(target, seed=1))
+    case = Case.make("softmax", "float32", 1, {"N": 2, "D": 5})
+    assert schedule.observe(case, 1.0, ("main#a", "tail#a")) == []
+    assert schedule.observe(case, 1.0, ("main#a", "exact#b")) == []
+    assert schedule.observe(case, 1.0, ("main#c", "tail#a")) == ["main#c"]
+    other = Case.make("softmax", "float16", 1, {"N": 2, "D": 5})
+    assert schedule.observe(other, 1.0, ("main#d",)) == []
+
+
+@pytest.mark.parametrize("jobs", [0, 1])
+def test_a_campaign_names_the_compiles_its_targets_specialization_misses(tmp_path, jobs):
+    """searchsum.misskey's JIT key holds N's parity, which its declared specialization does not
+    name: the campaign counts those compiles and logs them by label; searchsum.keyjit, the
+    same JIT with a key its declaration names, has compiles and no miss."""
+    import json
+
+    from harnesses import controls_search
+    controls_search._keys.clear()     # in process, as a fresh worker: nothing compiled yet
+    stats = {}
+    for name in ("searchsum.misskey", "searchsum.keyjit"):
+        target = get_target(name)
+        stats[name] = run_campaign(target, RandomEngine(target, seed=5), Corpus(tmp_path / name), runs=60,
+                                   jobs=jobs, timeout=30.0, minimize_seconds=0)
+    missed, kept = stats["searchsum.misskey"], stats["searchsum.keyjit"]
+    assert missed.specialization_misses >= 1 and not missed.failures
+    assert all(w.startswith("misskey#") for w, _, _ in missed.miss_log)
+    assert kept.compiles >= 1 and kept.specialization_misses == 0 and not kept.miss_log
+    logged = json.loads(json.dumps(missed.to_json()))
+    assert logged["specialization_misses"] == missed.specialization_misses
+    assert all(labels and labels[0].startswith("misskey#") for _, _, _, labels in logged["compile_log"])
+
+
 def test_a_cold_start_opens_with_the_targets_smallest_case_then_draws_as_the_engine_does():
     target = get_target("softmax")
     lows = {n: d.lo for n, d in target.dims.items()}

@@ -209,6 +209,33 @@ def test_a_jit_compile_longer_than_the_timeout_is_not_a_hang():
         pool.close()
 
 
+def test_tritons_compile_hook_names_the_kernel_and_its_jit_key():
+    """The hook kfuzz installs in Triton's knobs is called as Triton's JIT calls it (keyword
+    arguments, the kernel as a JitFunctionInfo) and labels the begin note: name#hash of the key."""
+    pytest.importorskip("triton")
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    from kfuzz import jit
+    sent = []
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    previous = jit.listen(sent.append)
+    try:
+        for key in ("k1", "k1", "k2"):
+            skip = knobs.runtime.jit_cache_hook(key=key, repr="chunk_fwd[...]", fn=JitFunctionInfo(None, "chunk_fwd", None),
+                                                compile={}, is_manual_warmup=False, already_compiled=False)
+            assert skip is False            # Triton compiles as usual
+            knobs.runtime.jit_post_compile_hook(key=key, repr="", fn=None, compile={}, is_manual_warmup=False,
+                                                already_compiled=False)
+    finally:
+        jit.listen(previous)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+    credit = jit.Credit()
+    assert all(credit.take(m, 0.0) for m in sent) and sent[1] == jit.END
+    assert credit.compiled[0] == credit.compiled[1] == jit.label("chunk_fwd", "k1") != credit.compiled[2]
+    assert credit.compiled[2].startswith("chunk_fwd#")
+
+
 def test_a_compile_that_never_ends_is_a_hang_past_the_allowance():
     pool = Pool(get_target("searchsum.slowjit"), jobs=1, timeout=1.0, compile_allowance=1.5)
     try:

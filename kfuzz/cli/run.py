@@ -32,6 +32,11 @@ def _render(stats: CampaignStats, limit: str) -> Table:
                             f"({stats.new_coverage} runs found new ones)")
     table.add_row("compiles", f"{stats.compiles} ({stats.compile_seconds:.0f} s), "
                               f"{stats.specializations} specialization(s)")
+    if stats.specialization_misses:
+        what, dtype, dims = stats.miss_log[0]
+        table.add_row("[yellow]specialization misses[/yellow]",
+                      f"{stats.specialization_misses} compile(s) of a kernel at a JIT key that the target's "
+                      f"specialization does not name (first: {what} at {dtype} {dims}; the stats' miss_log)")
     table.add_row("workers restarted", str(stats.worker_restarts))
     if stats.judge_errors or stats.judge_restarts:
         first = f" (first: {stats.judge_errors[0]})" if stats.judge_errors else ""
