@@ -1,6 +1,7 @@
 """The KernelBench adapter and the audit: controls caught, corpus rows as recorded, resumable."""
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -1373,6 +1374,18 @@ def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_
     (rec,) = [json.loads(line) for line in (tmp_path / "out" / "audit" / "results.jsonl").read_text().splitlines()]
     assert rec["build"]["status"] == "built" and rec["build"]["extensions"] and "caught" not in rec["build"], rec
     assert got["build_seconds_mean"] == round(rec["build"]["seconds"], 1), (got, rec["build"])
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| kfuzz audit"))
+    assert row.split(" | ")[1:4] == ["1", str(got["wall_s"]), str(got["kernels_per_hour"])], r.stdout
+
+
+def test_the_throughput_table_gives_each_rate_over_the_baselines():
+    spec = importlib.util.spec_from_file_location("bench_audit_throughput", ROOT / "tools" / "bench_audit_throughput.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    run = {"recorded": 4, "wall_s": 60.0, "kernels_per_hour": 240.0, "ends": {"complete": 4, "killed for time": 0}}
+    lines = tool.table([("baseline", run), ("kfuzz audit", {**run, "kernels_per_hour": 720.0})]).splitlines()
+    assert lines[0].endswith("| / baseline |") and lines[2].endswith("| 1.00 |") and lines[3].endswith("| 3.00 |")
+    assert "baseline" not in tool.table([("kfuzz audit", run)]).splitlines()[0]
 
 
 def audit_report():

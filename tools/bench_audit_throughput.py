@@ -1,7 +1,8 @@
 """The audit's throughput on compiled kernels: kernels an hour, compiles included, from a cold cache.
 
     python tools/bench_audit_throughput.py CORPUS... --limit 160 --budget 400 [--jobs 16]
-        [--build-jobs 8] [--max-jobs N] [--timeout 150] [--device cuda] [--no-pch] [--out DIR] [--key FILE]
+        [--build-jobs 8] [--max-jobs N] [--timeout 150] [--device cuda] [--no-pch] [--baseline]
+        [--out DIR] [--key FILE]
 
 Takes ``--limit`` solutions that call ``load_inline`` (distinct sources, taken in turn from each
 corpus file, so that every file and level is in the sample) and audits them with ``kfuzz.audit.
@@ -15,6 +16,12 @@ for the kernels whose own build step compiled), how many found a precompiled hea
 and how many solutions caught their build's error and ran a fallback, and the records' ends
 (complete, killed for time, skipped). Needs a machine where ``kfuzz audit`` runs (``--allow-
 unconfined`` is passed: use it where the workers have no OS sandbox layer, as the audit's docs say).
+
+Prints a table, a row a run: with ``--baseline``, first the same sample audited one kernel at a
+time with no build ahead and no precompiled header (``--jobs 1 --build-jobs 0 --no-pch``: the
+audit as a plain loop), each run on a fresh cache and results folder, and the rate of the run
+as asked over the baseline's (``/ baseline``). A run's rate counts only kernels recorded, and is
+a compile rate only where ``build failed`` and ``fell back`` are near 0.
 """
 from __future__ import annotations
 
@@ -93,6 +100,26 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
     }
 
 
+COLUMNS = ("recorded", "wall_s", "kernels_per_hour", "kernels_per_hour_second_half", "build_share",
+           "build_seconds_mean", "compiled_in_own_step", "built_ahead", "build_failed", "fell_back")
+ENDS = ("complete", "killed for time")
+
+
+def table(runs: list[tuple[str, dict]]) -> str:
+    """The runs (name, summary) as a markdown table; with two or more, the last column is each
+    run's rate over the first run's."""
+    head = ["run", *COLUMNS, *ENDS] + (["/ baseline"] if len(runs) > 1 else [])
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    base = runs[0][1].get("kernels_per_hour")
+    for name, r in runs:
+        cells = [name, *(str(r.get(c, "")) for c in COLUMNS), *(str(r["ends"][e]) for e in ENDS)]
+        if len(runs) > 1:
+            rate = r.get("kernels_per_hour")
+            cells.append(f"{rate / base:.2f}" if rate and base else "")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("corpora", nargs="+")
@@ -106,21 +133,32 @@ def main(argv=None) -> int:
     ap.add_argument("--pch", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default=None, help="folder for results.jsonl and throughput.json (default: a new temp one)")
     ap.add_argument("--key", default=None, help="the results key (made if missing; default: OUT/audit.key)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first audit the sample as a plain loop (--jobs 1 --build-jobs 0 --no-pch), the ratio's base")
     a = ap.parse_args(argv)
     entries = sample(a.corpora, a.limit)
     if not entries:
         ap.error("no compiling solution in these corpora")
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="kfuzz-throughput-"))
-    cache = Path(tempfile.mkdtemp(prefix="kfuzz-throughput-cache-"))      # cold
     out.mkdir(parents=True, exist_ok=True)
+    key = Path(a.key) if a.key else None
+    asked = dict(jobs=a.jobs, build_jobs=a.build_jobs, pch=a.pch)
+    plans = ([("baseline", dict(jobs=1, build_jobs=0, pch=False))] if a.baseline else []) + [("kfuzz audit", asked)]
+    runs: list[tuple[str, dict]] = []
+    for name, settings in plans:
+        folder = out if len(plans) == 1 else out / name.replace(" ", "-")
+        folder.mkdir(parents=True, exist_ok=True)
+        cache = Path(tempfile.mkdtemp(prefix="kfuzz-throughput-cache-"))      # cold
 
-    def write(result: dict) -> None:
-        (out / "throughput.json").write_text(json.dumps(result, indent=1))
-    result = measure(entries, out / "audit", a.budget, write, key=Path(a.key) if a.key else None,
-                     jobs=a.jobs, device=a.device, timeout=a.timeout,
-                     cache=cache, max_jobs=a.max_jobs, build_jobs=a.build_jobs, pch=a.pch)
-    write(result)
-    print(json.dumps(result, indent=1))
+        def write(result: dict, folder=folder) -> None:
+            (folder / "throughput.json").write_text(json.dumps(result, indent=1))
+        result = measure(entries, folder / "audit", a.budget, write, key=key, device=a.device, timeout=a.timeout,
+                         cache=cache, max_jobs=a.max_jobs, **settings)
+        write(result)
+        runs.append((f"{name} (jobs {settings['jobs']}, build-jobs {settings['build_jobs']}, "
+                     f"{'pch' if settings['pch'] else 'no pch'})", result))
+    print(f"{len(entries)} compiling solutions sampled, --budget {a.budget:g} s a run, device {a.device}\n")
+    print(table(runs))
     return 0
 
 
