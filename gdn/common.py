@@ -23,7 +23,8 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Under the interpreter the products are exact fp32 ("ieee"), unless GDN_DEVICE_PRODUCTS=1:
 # then they take a GPU's operand types (bf16 for bf16 inputs where a GPU's are, tf32 rounded to
-# nearest for the forward's fp32 operands of bf16 and fp16 inputs; tf32x3 stays exact), so that
+# nearest for the forward's fp32 operands of bf16 and fp16 inputs; tf32x3 exact down to 2^-103;
+# a tf32 part among fp32's subnormals flushed, `tensor_core_operand`), so that
 # a CPU run rounds as a GPU does and reproduces a failure only a GPU showed
 # (`kfuzz.interpreter` makes the interpreter's bf16 arithmetic a GPU's).
 EXACT_PRODUCTS = INTERPRET and os.environ.get("GDN_DEVICE_PRODUCTS") != "1"
@@ -201,12 +202,41 @@ def tf32_nearest(x):
     return tl.where(x == x, r, x)
 
 
+# Under GDN_DEVICE_PRODUCTS=1 the interpreter's tf32 operands also lose what a tensor core
+# flushes: a tf32 part among fp32's subnormals (`tensor_core_operand`).
+EMULATED = tl.constexpr(INTERPRET and not EXACT_PRODUCTS)
+FP32_TINY = tl.constexpr(2.0 ** -126)    # fp32's least normal magnitude
+
+
+@triton.jit
+def _normal_or_zero(x):
+    return tl.where(tl.abs(x) < FP32_TINY, 0.0, x)
+
+
+@triton.jit
+def tensor_core_operand(x, PREC: tl.constexpr):
+    """x as a tensor core's product at PREC reads it (for the interpreter to round as a GPU
+    does): "tf32", rounded to nearest tf32 and 0 where that is subnormal; "tf32x3", split
+    into a high tf32 part and the remainder, each 0 where subnormal (exact where |x| is at
+    least 2^-103, the remainder then normal; below, the remainder's subnormal bits are lost, and below 2^-126
+    all of x: the H200's fp32 forward put o 5.5e-3 off for q ~1e-39)."""
+    if PREC == "tf32":
+        x = _normal_or_zero(tf32_nearest(x))
+    elif PREC == "tf32x3":
+        high = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        x = tl.where(x == x, _normal_or_zero(high) + _normal_or_zero(x - high), x)
+    return x
+
+
 @triton.jit
 def fdot(a, b, PREC: tl.constexpr):
     """a b on fp32 operands at PREC ("ieee", "tf32x3" or "tf32"; tf32 operands rounded to
-    nearest, `tf32_nearest`)."""
+    nearest, `tf32_nearest`; under the interpreter with GDN_DEVICE_PRODUCTS=1, as a tensor
+    core reads them, `tensor_core_operand`)."""
     a = a.to(tl.float32)
     b = b.to(tl.float32)
+    if EMULATED:
+        return tl.dot(tensor_core_operand(a, PREC), tensor_core_operand(b, PREC), input_precision="ieee")
     if PREC == "tf32":
         a = tf32_nearest(a)
         b = tf32_nearest(b)

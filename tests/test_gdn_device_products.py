@@ -61,3 +61,51 @@ def test_the_gpus_bf16_rounding_of_the_state_gradient_is_within_the_bound():
                           str(case)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "1 as expected" in run.stdout + run.stderr, run.stdout + run.stderr
+
+
+TENSOR_CORE_OPERANDS = """
+import torch, triton
+import triton.language as tl
+from kfuzz.target import prepare_triton
+prepare_triton()
+from gdn.common import fdot
+
+@triton.jit
+def product(a, b, out, PREC: tl.constexpr):
+    r = tl.arange(0, 16)
+    x = tl.load(a + r[:, None] * 16 + r[None, :])
+    y = tl.load(b + r[:, None] * 16 + r[None, :])
+    tl.store(out + r[:, None] * 16 + r[None, :], fdot(x, y, PREC))
+
+a = torch.zeros(16, 16)
+a[:4, 0] = torch.tensor([0.3, 2.0 ** -120 * 1.2345, 2.0 ** -130, 2.0 ** -100 * 1.2345])
+eye = torch.eye(16)
+for prec in ("tf32x3", "tf32"):
+    out = torch.empty(16, 16)
+    product[(1,)](a, eye, out, PREC=prec)
+    print(prec, *[repr(x) for x in out[:4, 0].tolist()])
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the setting applies under the interpreter")
+def test_device_products_lose_the_tf32_parts_a_tensor_core_flushes():
+    """A tensor core reads an fp32 operand as tf32 parts and flushes those among fp32's
+    subnormals: tf32x3 keeps 0.3 and 1.2345 x 2^-100 whole (their remainders are normal),
+    1.2345 x 2^-120 to its high tf32 part only (its remainder is subnormal), and 2^-130 not at all; tf32 rounds to 10
+    fraction bits and flushes 2^-130. Without the setting the interpreter's products are exact."""
+    def run(device_products):
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        env.pop("GDN_DEVICE_PRODUCTS", None)
+        if device_products:
+            env["GDN_DEVICE_PRODUCTS"] = "1"
+        r = subprocess.run([sys.executable, "-c", TENSOR_CORE_OPERANDS], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return {line.split()[0]: [float(x) for x in line.split()[1:]] for line in r.stdout.splitlines()}
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()   # noqa: E731
+    exact = [f32(0.3), f32(2.0 ** -120 * 1.2345), f32(2.0 ** -130), f32(2.0 ** -100 * 1.2345)]
+    assert run(False)["tf32x3"] == exact
+    device = run(True)
+    high = torch.tensor(exact[1]).view(torch.int32).bitwise_and(-8192).view(torch.float32).item()
+    assert device["tf32x3"] == [exact[0], high, 0.0, exact[3]] and high != exact[1]
+    assert device["tf32"][2] == 0.0 and device["tf32"][0] != exact[0] and abs(device["tf32"][0] - 0.3) < 0.3 * 2 ** -11
