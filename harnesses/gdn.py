@@ -110,15 +110,18 @@ def _dims(varlen: bool) -> dict[str, Dim]:
 
 def specialization(dims: dict[str, int], dtype: str, layouts: dict[str, str]) -> tuple:
     """The kernels' JIT specialization at ``dims`` (``kfuzz.schedule``): the dtype; K and V
-    (tile widths, and the state pass's config, picked from its autotune key); the
-    sequence-heads rounded up to a power of 2 (in that key); and for each integer the
-    kernels take (T, B*T, H, the sequences, the 16- and 64-token chunk counts) whether it is
-    1 or a multiple of 16, as Triton specializes it. Other T, B and H run kernels already
-    compiled; so do other ``layouts`` (the op copies an input that is not contiguous)."""
-    T, H = dims["T"], dims["H"]
-    n = dims.get("N", dims["B"])
-    counts = (T, dims["B"] * T, H, n, -(-T // 16), -(-T // 64))
-    return (dtype, dims["K"], dims["V"], 1 << max(0, n * H - 1).bit_length(), tuple(map(integer_key, counts)))
+    (tile widths, and the state pass's config, picked from its autotune key); H (a constexpr
+    of the forward's kernels); the sequence-heads rounded up to a power of 2 (in that key);
+    and for each integer the kernels take (T, B*T, the sequences, the 16- and 64-token chunk
+    counts of a sequence and of the batch) whether it is 1 or a multiple of 16, as Triton
+    specializes it. Other T and B run kernels already compiled; so do other ``layouts`` (the
+    op copies an input that is not contiguous). With ``cu_seqlens`` the batch's chunk count
+    follows the sequences' lengths, which no dim gives: a varlen campaign can meet a new
+    specialization within a key (counted as a miss, docs/campaign.md)."""
+    T, H, B = dims["T"], dims["H"], dims["B"]
+    n = dims.get("N", B)
+    counts = (T, B * T, n, -(-T // 16), -(-T // 64), B * -(-T // 16), B * -(-T // 64))
+    return (dtype, dims["K"], dims["V"], H, 1 << max(0, n * H - 1).bit_length(), tuple(map(integer_key, counts)))
 
 
 def _args(gate, delta, varlen, backward) -> dict[str, Arg]:
