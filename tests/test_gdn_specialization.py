@@ -77,3 +77,29 @@ def test_cases_of_one_declared_specialization_launch_the_same_kernels(name, dtyp
             assert got.keys() == first[1].keys(), (first[0], dims)
             for kernel in got:
                 assert got[kernel] == first[1][kernel], (kernel, first[0], dims, got[kernel] ^ first[1][kernel])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the launches under Triton's interpreter")
+@pytest.mark.parametrize("name", ["gdn_fwd", "gdn_bwd_delta", "gdn_fwd_kda", "gdn_bwd_linear"])
+def test_a_drawn_case_and_a_sibling_of_its_key_launch_the_same_kernels(name):
+    """A drawn case (small dims, H 5 to 7) and one at other B, T or H that the declared key
+    calls the same specialization, as the scheduler's redraws make them."""
+    import random
+
+    from kfuzz.engines.random import RandomEngine
+    target = get_target(name)
+    rng = random.Random(name)
+    case = RandomEngine(target, seed=3).next_case()
+    dims = dict(case.dim, B=min(case.dim["B"], 2), T=min(case.dim["T"], 70), H=rng.choice([5, 6, 7]),
+                K=min(case.dim["K"], 8), V=min(case.dim["V"], 8))
+    one = Case.make(name, case.dtype, 1, dims)
+    key = specialization(target, one)
+    siblings = [c for c in (Case.make(name, case.dtype, 1, dict(dims, B=rng.randint(1, 3), T=rng.randint(1, 90),
+                                                                H=rng.randint(1, 8))) for _ in range(2000))
+                if specialization(target, c) == key and c.dim != one.dim]
+    # another H where the key allows one, else another B or T
+    other = next((c for c in siblings if c.dim["H"] != one.dim["H"]), siblings[0])
+    got_one, got_other = launches(one), launches(other)
+    assert got_one and got_one.keys() == got_other.keys()
+    for kernel in got_one:
+        assert got_one[kernel] == got_other[kernel], (kernel, one.dim, other.dim)
