@@ -164,18 +164,19 @@ class Scheduler:
 
     def observe(self, case: Case, compile_seconds: float, compiled: tuple[str, ...] = ()) -> list[str]:
         """``case`` came back, its kernel call having compiled for ``compile_seconds`` what
-        ``compiled`` names (``kfuzz.jit.label``: kernel#key). Returns the labels that are a
-        kernel's second JIT key within the case's specialization: a trigger of a new
-        specialization that the key does not name (a kernel new to the key is a code path
-        these inputs took, a label seen before a load from the cache of another worker)."""
+        ``compiled`` names (``kfuzz.jit.label``: kernel#key). Returns the labels of a kernel
+        that an earlier case of the same specialization compiled at other JIT keys only: a
+        trigger of a new specialization that the key does not name. Not a miss: a kernel new
+        to the key (a code path these inputs took), a label seen before (a load from the cache
+        of another worker), or several keys of a kernel within one case (an autotuner's
+        configs, a kernel launched with two values of a constexpr)."""
         key = specialization(self.target, case)
         self.ran[key] = max(self.ran.get(key, 0.0), compile_seconds)
         self.like.setdefault(key, case)
         self.opening.discard(key)
-        misses = []
+        known = self.kernels.setdefault(key, {})
+        misses = [what for what in dict.fromkeys(compiled)
+                  if known.get(what.partition("#")[0]) and what not in known[what.partition("#")[0]]]
         for what in compiled:
-            labels = self.kernels.setdefault(key, {}).setdefault(what.partition("#")[0], set())
-            if labels and what not in labels:
-                misses.append(what)
-            labels.add(what)
+            known.setdefault(what.partition("#")[0], set()).add(what)
         return misses

@@ -317,6 +317,10 @@ def test_a_kernels_second_jit_key_within_a_specialization_is_a_miss():
     assert schedule.observe(case, 1.0, ("main#c", "tail#a")) == ["main#c"]
     other = Case.make("softmax", "float16", 1, {"N": 2, "D": 5})
     assert schedule.observe(other, 1.0, ("main#d",)) == []
+    # an autotuner's configs, or two values of a constexpr, within one case: no miss
+    third = Case.make("softmax", "bfloat16", 1, {"N": 2, "D": 5})
+    assert schedule.observe(third, 1.0, ("tuned#1", "tuned#2", "tuned#3")) == []
+    assert schedule.observe(third, 1.0, ("tuned#2", "tuned#4", "tuned#4")) == ["tuned#4"]
 
 
 @pytest.mark.parametrize("jobs", [0, 1])
