@@ -21,15 +21,19 @@ print(repr(chunk_gdn_bwd(q, k, v, g, beta, do, dht, initial_state=h0)[3].item())
 """
 
 
-def dg_under_interpreter(device_products: bool) -> float:
+def under_interpreter(script: str, device_products: bool) -> list[str]:
+    """The lines ``script`` prints under Triton's interpreter, with or without the setting."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("GDN_DEVICE_PRODUCTS", None)
     if device_products:
         env["GDN_DEVICE_PRODUCTS"] = "1"
-    run = subprocess.run([sys.executable, "-c", ONE_TOKEN_BF16], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    return float(run.stdout.strip().splitlines()[-1])
+    return run.stdout.strip().splitlines()
+
+
+def dg_under_interpreter(device_products: bool) -> float:
+    return float(under_interpreter(ONE_TOKEN_BF16, device_products)[-1])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the setting applies under the interpreter")
@@ -91,17 +95,12 @@ for prec in ("tf32x3", "tf32"):
 def test_device_products_lose_the_tf32_parts_a_tensor_core_flushes():
     """A tensor core reads an fp32 operand as tf32 parts and flushes those among fp32's
     subnormals: tf32x3 keeps 0.3 and 1.2345 x 2^-100 whole (their remainders are normal),
-    1.2345 x 2^-120 to its high tf32 part only (its remainder is subnormal), and 2^-130 not at all; tf32 rounds to 10
-    fraction bits and flushes 2^-130. Without the setting the interpreter's products are exact."""
+    1.2345 x 2^-120 to its high tf32 part only (its remainder is subnormal), and 2^-130 not at
+    all; tf32 rounds to 10 fraction bits and flushes 2^-130. Without the setting the
+    interpreter's products are exact."""
     def run(device_products):
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        env.pop("GDN_DEVICE_PRODUCTS", None)
-        if device_products:
-            env["GDN_DEVICE_PRODUCTS"] = "1"
-        r = subprocess.run([sys.executable, "-c", TENSOR_CORE_OPERANDS], env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return {line.split()[0]: [float(x) for x in line.split()[1:]] for line in r.stdout.splitlines()}
+        lines = under_interpreter(TENSOR_CORE_OPERANDS, device_products)
+        return {line.split()[0]: [float(x) for x in line.split()[1:]] for line in lines}
     f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()   # noqa: E731
     exact = [f32(0.3), f32(2.0 ** -120 * 1.2345), f32(2.0 ** -130), f32(2.0 ** -100 * 1.2345)]
     assert run(False)["tf32x3"] == exact
