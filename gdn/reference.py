@@ -285,14 +285,17 @@ def _gate_sums(gc):
     return torch.cumsum(gc, dim=2), _PairSums.apply(gc)
 
 
-def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None, gen=None):
+def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None, gen=None, decay_values=False):
     """One batch of equal-length sequences, [B, H, L, *] float32 each (g [B,H,L]
     or [B,H,L,K], beta [B,H,L]); S [B,H,K,V] float32.  Returns (o, S).
     With ``operand_dtype`` (bf16/fp16), every matrix product's operands are
     rounded to it and accumulate in float32, as on a GPU's matrix units; for bf16 the
     state update's products also take the state gradient rounded to bf16 (`_RoundGradient`),
     and the gate's gradient through a chunk's decay of its entering state sees that state as
-    stored in bf16 (`_DecayStored`); ``gen``: those roundings stochastic (`round_to`)."""
+    stored in bf16 (`_DecayStored`); ``gen``: those roundings stochastic (`round_to`).
+    ``decay_values``: a scalar gate's in-chunk decay exp(G_C - G_t) of the state update goes
+    on the values (v_new) rather than on the keys before their product is rounded: the other
+    honest placement (the rounded operand is then v_new's, not the decayed key's)."""
     r, decay = _operand_rounding(operand_dtype, gen), _state_decay(operand_dtype, gen)
     rg = _state_gradient(operand_dtype, gen)
     B, H, L, K = q.shape
@@ -334,7 +337,11 @@ def _chunk_scan(q, k, v, g, beta, S, scale, C, delta, operand_dtype=None, gen=No
             vnew = vc
         vnew = r(vnew)
         o[:, :, c0:c1] = scale * (r(gq) @ r(S) + _causal_mm(r(qk), vnew, causal))
-        S = (S if g is None else decay(gl, S)) + rg(r(gk).transpose(-1, -2) @ vnew)
+        if decay_values and g is not None and not vector_gate:
+            update = r(kc).transpose(-1, -2) @ r(vnew * eGl)
+        else:
+            update = r(gk).transpose(-1, -2) @ vnew
+        S = (S if g is None else decay(gl, S)) + rg(update)
     return o, S
 
 
@@ -350,7 +357,10 @@ def chunked(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
     operand is then moved within its rounding's half unit and rounded stochastically (the
     arithmetic stays float32), so that an output of one or two elements, where the chunked
     form cancels terms far larger than the answer, is not judged by the luck of one set of
-    roundings to nearest."""
+    roundings to nearest.  An odd ``rounding_seed`` also puts a scalar gate's in-chunk decay of
+    the state update on the values instead of the keys (`_chunk_scan`'s ``decay_values``): a
+    kernel may round either decayed operand, and one of them can land on its dtype's grid by
+    luck (a key of 65504 decayed to 352.7515, which fp16 holds to 0.0015)."""
     from gdn.oracle import _check, _sequences
     N = _check(q, k, v, g, beta, initial_state, cu_seqlens, delta)
     B, T, H, K = q.shape
@@ -376,7 +386,8 @@ def chunked(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
             S = initial_state[n0:n0 + nb].to(f32) if cu_seqlens is not None else \
                 initial_state.to(f32)
         oc, S = _chunk_scan(*(heads_first(x, b0, b1, t0, t1) for x in (q, k, v, g, beta)),
-                            S, scale, chunk_size, delta, operand_dtype, gen)
+                            S, scale, chunk_size, delta, operand_dtype, gen,
+                            decay_values=rounding_seed is not None and rounding_seed % 2 == 1)
         o[b0:b1, t0:t1] = oc.transpose(1, 2).to(q.dtype)
         finals.append(S)
     final = torch.cat(finals) if output_final_state else None
