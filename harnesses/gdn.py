@@ -81,7 +81,9 @@ BOUND_SCALE = 4.0
 
 # Where an output fails the bound, the trusted reference runs again with its operand roundings
 # stochastic, from these many seeds (kfuzz's trusted variants; at fp32 each operand moved within
-# its rounding's half unit first, `gdn.reference.round_to`): on an output of one or two elements
+# its rounding's half unit first, `gdn.reference.round_to`; an odd seed puts a scalar gate's
+# in-chunk decay of the state update on the values, as the kernels do, not the keys, one of
+# which can land on its dtype's grid by luck): on an output of one or two elements
 # its roundings to nearest can cancel (gdn_bwd_kda dg, bf16 one token, V 16: 2.2e-5 from the
 # oracle, where the kernel's two roundings, h0 and v_new, leave 7.2e-4 and four stochastic
 # realizations 1.1e-4 to 1.2e-2; gdn_bwd_kda dbeta, fp32, one finite element, a state the
