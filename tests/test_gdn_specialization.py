@@ -1,7 +1,7 @@
 """The GDN targets' declared JIT specialization (`harnesses.gdn.specialization`) names every
 trigger of a new one: cases the key calls one specialization pass each kernel the same Triton
-signature (the integers' classes, 1 or a multiple of 16, and every constexpr and launch
-option), seen by recording the kernels' launches under Triton's interpreter."""
+signature (the integers' classes, 1 or a multiple of 16, the pointers' 16-byte alignment, and
+every constexpr and launch option), seen by recording the kernels' launches under Triton's interpreter."""
 import inspect
 
 import pytest
@@ -25,9 +25,11 @@ def launches(case: Case) -> dict[str, set]:
         free = set(self.kwargs.get("do_not_specialize") or ())
         sig = []
         for name, value in [*zip(self.arg_names, args), *sorted(kwargs.items())]:
-            if name in free or hasattr(value, "data_ptr") or isinstance(value, float):
-                continue      # tensors: torch's allocations are aligned; floats are not specialized
-            if isinstance(value, int) and not isinstance(value, bool) and name not in constexprs \
+            if name in free or isinstance(value, float):
+                continue      # floats are not specialized
+            if hasattr(value, "data_ptr"):
+                sig.append((name, value.data_ptr() % 16 == 0))      # a pointer: its alignment
+            elif isinstance(value, int) and not isinstance(value, bool) and name not in constexprs \
                     and name in self.arg_names:
                 sig.append((name, integer_key(value)))
             else:
