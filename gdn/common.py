@@ -218,8 +218,8 @@ def tensor_core_operand(x, PREC: tl.constexpr):
     """x as a tensor core's product at PREC reads it (for the interpreter to round as a GPU
     does): "tf32", rounded to nearest tf32 and 0 where that is subnormal; "tf32x3", split
     into a high tf32 part and the remainder, each 0 where subnormal (exact where |x| is at
-    least 2^-103, the remainder then normal; below, the remainder's subnormal bits are lost, and below 2^-126
-    all of x: the H200's fp32 forward put o 5.5e-3 off for q ~1e-39)."""
+    least 2^-103, the remainder then normal; below, the remainder's subnormal bits are lost,
+    and below 2^-126 all of x: the H200's fp32 forward put o 5.5e-3 off for q ~1e-39)."""
     if PREC == "tf32":
         x = _normal_or_zero(tf32_nearest(x))
     elif PREC == "tf32x3":

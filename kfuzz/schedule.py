@@ -34,9 +34,10 @@ bound (``smallest``), so the first verdict waits on the cheapest compile (the sm
 tiles) and small sizes, where bugs live, are run first.
 
 A key can miss a trigger. The compile notes name what compiled (``kfuzz.jit.label``), and
-``observe`` returns a kernel compiled at a second JIT key within one specialization: the
-campaign counts and logs these (``specialization_misses``), so that a target's declaration
-can be corrected from a GPU campaign's stats.
+``observe`` returns a kernel compiled at a JIT key that the earlier cases of its
+specialization did not compile it at, where they compiled it at another: the campaign counts
+and logs these (``specialization_misses``), so that a target's declaration can be corrected
+from a GPU campaign's stats.
 """
 from __future__ import annotations
 
@@ -175,8 +176,8 @@ class Scheduler:
         self.like.setdefault(key, case)
         self.opening.discard(key)
         known = self.kernels.setdefault(key, {})
-        misses = [what for what in dict.fromkeys(compiled)
-                  if known.get(what.partition("#")[0]) and what not in known[what.partition("#")[0]]]
-        for what in compiled:
-            known.setdefault(what.partition("#")[0], set()).add(what)
+        labels = [(what, what.partition("#")[0]) for what in dict.fromkeys(compiled)]
+        misses = [what for what, kernel in labels if known.get(kernel) and what not in known[kernel]]
+        for what, kernel in labels:
+            known.setdefault(kernel, set()).add(what)
         return misses

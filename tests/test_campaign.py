@@ -306,7 +306,7 @@ def test_a_campaign_that_compiles_keeps_to_its_share_and_runs_many_shapes_a_spec
     assert max(len(ns) for ns in by_key.values()) >= 4
 
 
-def test_a_kernels_second_jit_key_within_a_specialization_is_a_miss():
+def test_a_kernels_jit_key_new_to_the_earlier_cases_of_its_specialization_is_a_miss():
     """A label seen before is a load from the cache, a kernel new to the key a code path: only
     the same kernel at another JIT key is a trigger that the key does not name."""
     target = get_target("softmax")

@@ -222,7 +222,8 @@ def test_tritons_compile_hook_names_the_kernel_and_its_jit_key():
     previous = jit.listen(sent.append)
     try:
         for key in ("k1", "k1", "k2"):
-            skip = knobs.runtime.jit_cache_hook(key=key, repr="chunk_fwd[...]", fn=JitFunctionInfo(None, "chunk_fwd", None),
+            skip = knobs.runtime.jit_cache_hook(key=key, repr="chunk_fwd[...]",
+                                                fn=JitFunctionInfo(None, "chunk_fwd", None),
                                                 compile={}, is_manual_warmup=False, already_compiled=False)
             assert skip is False            # Triton compiles as usual
             knobs.runtime.jit_post_compile_hook(key=key, repr="", fn=None, compile={}, is_manual_warmup=False,

@@ -1,6 +1,7 @@
 """kfuzz's own probe solution: a ReLU extension built with ``load_inline`` as solutions build
 theirs (a host file with torch's extension header and, where CUDA is visible, a CUDA file for
-nvcc, which includes no torch header so that the probe costs a host compile, not two). The audit builds it in its confined build step before any solution's
+nvcc, which includes no torch header so that the probe costs a host compile, not two). The
+audit builds it in its confined build step before any solution's
 (``kfuzz.audit.check_build_step``): where it does not build, no solution's build failure says
 anything about the solution."""
 from __future__ import annotations
