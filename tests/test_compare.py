@@ -1,6 +1,7 @@
 """The bound and the nonfinite check, on tensors built by hand."""
 import math
 
+import pytest
 import torch
 
 from kfuzz.compare import compare
@@ -23,6 +24,26 @@ def test_one_wrong_element_in_a_large_tensor_fails():
     k[54321] += 0.5
     f = compare(k, o, t, "bfloat16")
     assert f.kind == "bound" and "element 54321" in f.detail
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.5, 1e-3])
+def test_a_nan_every_side_shares_changes_no_judgment_of_the_other_positions(wrong):
+    """An output without NaN or Inf is judged in one pass over every position; the same
+    output with a NaN at one more position (kernel, oracle and trusted alike) takes the masked
+    path: both give the same finding, element and numbers."""
+    o, t = oracle_and_trusted(n=10_000, dtype=torch.float32)
+    k = t.clone()
+    k[1234] += wrong
+    plain = compare(k, o, t, "float32")
+    nan = torch.tensor([math.nan])
+    masked = compare(torch.cat([k, nan.float()]), torch.cat([o, nan]), torch.cat([t, nan.float()]),
+                     "float32")
+    assert plain.kind == masked.kind and plain.detail == masked.detail
+    assert plain.ratio == pytest.approx(masked.ratio, rel=1e-12)
+    assert [name for name, _ in plain.metrics] == [name for name, _ in masked.metrics]
+    for (_, a), (_, b) in zip(plain.metrics, masked.metrics):
+        assert a == pytest.approx(b, rel=1e-12)
+    assert (plain.kind is None) == (wrong == 0.0)
 
 
 def test_low_precision_running_total_stands_out():
