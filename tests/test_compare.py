@@ -68,6 +68,20 @@ def test_nan_sets_must_match_exactly():
     assert f.kind == "nonfinite"
 
 
+def test_the_nonfinite_check_alone_judges_no_values():
+    o = torch.tensor([1.0, math.nan, math.inf, -math.inf, 5.0], dtype=torch.float64)
+    off = torch.tensor([7.0, math.nan, math.inf, -math.inf, 5.0])          # 1.0 off by 6: a bound failure
+    assert compare(off, o, None, "float32").kind == "bound"
+    assert compare(off, o, None, "float32", values=False).kind is None
+    for wrong in ([1.0, 0.0, math.inf, -math.inf, 5.0], [1.0, math.nan, -math.inf, -math.inf, 5.0],
+                  [1.0, math.nan, math.inf, math.inf, 5.0], [1.0, math.nan, math.inf, -math.inf, math.nan]):
+        f = compare(torch.tensor(wrong), o, None, "float32", values=False)
+        assert f.kind == "nonfinite", wrong
+    finite = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert compare(torch.tensor([1.0, math.inf]), finite, None, "float32", values=False).kind == "nonfinite"
+    assert compare(torch.tensor([9.0, 2.0]), finite, None, "float32", values=False).kind is None
+
+
 def test_inf_sign_matters_and_overflow_threshold_is_ambiguous():
     o = torch.tensor([math.inf, 65500.0], dtype=torch.float64)
     assert compare(torch.tensor([-math.inf, 65504.0], dtype=torch.float16), o, None, "float16").kind == "nonfinite"

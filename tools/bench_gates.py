@@ -1,0 +1,84 @@
+"""Where a target's gates spend their time: the kernel, the oracle, the trusted implementation,
+and kfuzz's own judging (drawing and injecting inputs, comparing, the gates' bookkeeping).
+
+    python tools/bench_gates.py TARGET [--gates G01,G03] [--device cpu] [--weights seed]
+
+Runs each gate in this process (the kernel in process too, so that no worker's start-up
+counts) with the kernel, the oracle (the reference on float64 inputs) and the trusted
+implementation timed call by call, and prints a table, a row a gate. ``bare`` is the time of
+those calls alone, the loop that runs the same cases with no kfuzz around them, and ``bare /
+total`` kfuzz's rate as a share of that loop's. ``--weights`` is passed to the resolver of a
+``kb:`` target (``seed``: the solution's own same-seed weights, as the audit judges a kernel
+whose weights do not load as its reference's).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections import Counter
+
+import torch
+
+from kfuzz.gates import GATES, parse_gates, run_gate
+from kfuzz.target import RESOLVERS, get_target, load_target
+
+
+def timed(target, seconds: Counter, calls: Counter):
+    """``target`` with its kernel, oracle and trusted calls adding their seconds to ``seconds``."""
+    def clock(name, fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+                calls[name] += 1
+        return call
+
+    reference = target.reference
+
+    def split_reference(**inputs):
+        floats = [v.dtype for v in inputs.values() if v.is_floating_point()]
+        role = "oracle" if floats and floats[0] == torch.float64 else "trusted"
+        return clock(role, reference)(**inputs)
+
+    changes = {"kernel": clock("kernel", target.kernel), "reference": split_reference}
+    if target.trusted is not None:
+        changes["trusted"] = clock("trusted", target.trusted)
+    return dataclasses.replace(target, **changes)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target")
+    ap.add_argument("--gates", default="")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weights", default=None, help="a kb: target's weights (strict, seed, none)")
+    args = ap.parse_args(argv)
+    if args.weights and any(args.target.startswith(p) for p in RESOLVERS):
+        target = load_target(args.target, resolve={"weights": args.weights, "device": args.device})
+    else:
+        target = get_target(args.target)
+    seconds, calls = Counter(), Counter()
+    target = timed(target, seconds, calls)
+    print(f"{args.target} on {args.device}, torch threads {torch.get_num_threads()}\n")
+    print("| gate | status | cases | total s | kernel s | oracle s | trusted s | judging s | bare / total |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for gid in parse_gates(args.gates):
+        seconds.clear()
+        calls.clear()
+        start = time.perf_counter()
+        result = run_gate(GATES[gid], target, seed=args.seed, device=args.device)
+        total = time.perf_counter() - start
+        bare = sum(seconds.values())
+        share = f"{bare / total:.2f}" if total > 0 and result.cases else "-"
+        print(f"| {gid} | {result.status} | {result.cases} | {total:.2f} | {seconds['kernel']:.2f} | "
+              f"{seconds['oracle']:.2f} | {seconds['trusted']:.2f} | {total - bare:.2f} | {share} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
