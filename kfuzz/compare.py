@@ -94,7 +94,7 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float64)
 
 
-def _all_finite(x: torch.Tensor) -> bool:
+def all_finite(x: torch.Tensor) -> bool:
     """Whether every element is finite: the least and the largest are (both are NaN where one
     element is), a reduction that costs a fraction of a mask."""
     if x.numel() == 0:
@@ -110,7 +110,7 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 def _class(x: torch.Tensor) -> torch.Tensor:
     """0 finite, 1 NaN, 2 +Inf, 3 -Inf."""
-    if _all_finite(x):
+    if all_finite(x):
         return torch.zeros(x.shape, dtype=torch.int8, device=x.device)
     out = torch.isnan(x).to(torch.int8)
     out.masked_fill_(x == math.inf, 2)
@@ -202,7 +202,7 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     t = None if trusted_out is None else _f64(trusted_out)
     o_rounded = o_low.to(torch.float64) if envelope is not None else None
     swing = swinging(o_rounded, envelope, dt)
-    if all(_all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \
+    if all(all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \
             and (swing is None or not bool(swing[0].any())):
         # no position takes a latitude of the nonfinite check: every one is judged by the bound
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
@@ -268,7 +268,7 @@ def _bound(k: torch.Tensor, o: torch.Tensor, t: torch.Tensor | None, judged: tor
     err = only((k - o).abs_())
     if t is not None:
         terr = only((t - o).abs_())
-        unknown = 0 if _all_finite(terr) else int((~_finite(terr)).sum())
+        unknown = 0 if all_finite(terr) else int((~_finite(terr)).sum())
         if unknown:   # the trusted one spread a NaN or Inf here
             terr = torch.where(_finite(terr), terr, 0)
     else:

@@ -16,7 +16,7 @@ import secrets
 import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
-from kfuzz.compare import BOUND_C, compare, kinds
+from kfuzz.compare import BOUND_C, all_finite, compare, kinds
 from kfuzz.dtypes import special_value_table, torch_dtype
 from kfuzz.errors import CaseError
 from kfuzz.execute import flush_subnormals, judge, oracle_outputs, trusted_outputs
@@ -389,6 +389,8 @@ def value_without_injection(target, case, inputs, output: str):
 def _finite_where_oracle_finite(out, oracle, dtype: str):
     """Positions where the oracle, rounded to ``dtype``, is finite (off the overflow edge)
     and the kernel is not; None if there are none."""
+    if all_finite(out):
+        return None
     dt = torch_dtype(dtype)
     fi = torch.finfo(dt)
     o = oracle.detach().cpu().double()
