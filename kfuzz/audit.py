@@ -475,6 +475,24 @@ class _Running:
         elif kind in ("build", "standard", "weights", "adapter", "unbuilt", "error"):
             self.record[kind] = d
 
+    def ended(self) -> str | None:
+        """How the kernel's process has ended, taking what it sent: "done" (its record handed
+        up), "crash" (the process or its pipe gone first) or "timeout" (past its deadline); None
+        while it runs."""
+        try:
+            while self.conn.poll():
+                kind, d = self.conn.recv()
+                if kind == "done":
+                    return "done"
+                self.take(kind, d)
+        except (EOFError, OSError):
+            return "crash"
+        if not self.proc.is_alive() and not self.conn.poll():
+            return "crash"
+        if time.monotonic() >= self.deadline:
+            return "timeout"
+        return None
+
     def kill(self) -> None:
         """End the kernel's process group: its oracle process, the workers and their forkserver."""
         try:
@@ -826,20 +844,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                     b.conn.close()
                     builders.remove(b)
             for r in list(running):
-                how = None
-                try:
-                    while r.conn.poll():
-                        kind, d = r.conn.recv()
-                        if kind == "done":
-                            how = "done"
-                            break
-                        r.take(kind, d)
-                except (EOFError, OSError):
-                    how = "crash"
-                if how is None and not r.proc.is_alive() and not r.conn.poll():
-                    how = "crash"
-                if how is None and time.monotonic() >= r.deadline:
-                    how = "timeout"
+                how = r.ended()
                 if how is None:
                     continue
                 r.kill()          # also after "done": nothing of the kernel outlives its record
@@ -878,20 +883,7 @@ def build_kernels(entries: Iterable[CorpusEntry], cache: str | Path, device: str
             wait([r.conn for r in running] + [r.proc.sentinel for r in running],
                  timeout=max(0.0, min(r.deadline for r in running) - time.monotonic()))
             for r in list(running):
-                how = None
-                try:
-                    while r.conn.poll():
-                        kind, d = r.conn.recv()
-                        if kind == "done":
-                            how = "done"
-                            break
-                        r.take(kind, d)
-                except (EOFError, OSError):
-                    how = "crash"
-                if how is None and not r.proc.is_alive():
-                    how = "crash"
-                if how is None and time.monotonic() >= r.deadline:
-                    how = "timeout"
+                how = r.ended()
                 if how is None:
                     continue
                 r.kill()
