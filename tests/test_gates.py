@@ -2,8 +2,12 @@
 have, the correct kernel of the same op passes that gate, failing cases replay through
 their gate, and `kfuzz verify` renders and exits as documented. (A table: one row a control.)"""
 import dataclasses
+import importlib.util
 import json
 import re
+import time
+from collections import Counter
+from pathlib import Path
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -452,3 +456,30 @@ def test_g10_and_g11_cases_reach_odd_sizes_and_shared_elements():
     assert {"N": 13, "D": 67} in dims and {"N": 7, "D": 131} in dims
     kept = [c for c in GATES["G11"].cases(t, 0) if c.args]
     assert {a.inject[0][0] for c in kept for n, a in c.args if n == "x"} == {0, 16 * 64 // 2, 16 * 64 - 1}
+
+
+def test_bench_gates_puts_each_call_in_its_own_column(capsys):
+    """tools/bench_gates.py: a kernel that sleeps shows its time in the kernel column, the
+    columns add up to the gate's total, and the bare share is the calls' part of it."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_gates", Path(__file__).resolve().parents[1] / "tools" / "bench_gates.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = get_target("softmax")
+
+    def slow(**inputs):
+        time.sleep(0.05)
+        return base.kernel(**inputs)
+
+    seconds, calls = Counter(), Counter()
+    target = bench.timed(dataclasses.replace(base, kernel=slow), seconds, calls)
+    result = run_gate(GATES["G01"], target, seed=0)
+    assert result.status == "pass" and calls["kernel"] >= result.cases > 0
+    assert seconds["kernel"] >= 0.05 * calls["kernel"]
+    assert calls["oracle"] > 0 and calls["trusted"] > 0      # the reference, told apart by its dtype
+    assert bench.main(["softmax", "--gates", "G01", "--device", "cpu"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| G01 "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    total, kernel, oracle, trusted, judging, share = map(float, cells[3:9])
+    assert kernel + oracle + trusted + judging == pytest.approx(total, abs=0.02)
+    assert share == pytest.approx((kernel + oracle + trusted) / total, abs=0.02)

@@ -1,7 +1,7 @@
 """Where a target's gates spend their time: the kernel, the oracle, the trusted implementation,
 and kfuzz's own judging (drawing and injecting inputs, comparing, the gates' bookkeeping).
 
-    python tools/bench_gates.py TARGET [--gates G01,G03] [--device cpu] [--weights seed]
+    python tools/bench_gates.py TARGET [--gates G01,G03] [--device auto] [--weights seed]
 
 Runs each gate in this process (the kernel in process too, so that no worker's start-up
 counts) with the kernel, the oracle (the reference on float64 inputs) and the trusted
@@ -20,18 +20,23 @@ from collections import Counter
 
 import torch
 
+from kfuzz.devices import resolve_device
+from kfuzz.errors import KfuzzError
 from kfuzz.gates import GATES, parse_gates, run_gate
 from kfuzz.target import RESOLVERS, get_target, load_target
 
 
-def timed(target, seconds: Counter, calls: Counter):
-    """``target`` with its kernel, oracle and trusted calls adding their seconds to ``seconds``."""
+def timed(target, seconds: Counter, calls: Counter, cuda: bool = False):
+    """``target`` with its kernel, oracle and trusted calls adding their seconds to ``seconds``
+    (with ``cuda``, each call's work on the GPU finished before its clock stops)."""
     def clock(name, fn):
         def call(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if cuda:
+                    torch.cuda.synchronize()
                 seconds[name] += time.perf_counter() - start
                 calls[name] += 1
         return call
@@ -53,20 +58,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target")
     ap.add_argument("--gates", default="")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="auto", help="auto (cuda where torch sees a GPU), cpu, cuda or cuda:N")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weights", default=None, help="a kb: target's weights (strict, seed, none)")
     args = ap.parse_args(argv)
-    if args.weights and any(args.target.startswith(p) for p in RESOLVERS):
-        target = load_target(args.target, resolve={"weights": args.weights, "device": args.device})
-    else:
-        target = get_target(args.target)
+    try:
+        args.device = resolve_device(args.device)
+    except KfuzzError as e:
+        ap.error(str(e))
+    try:
+        if args.weights and any(args.target.startswith(p) for p in RESOLVERS):
+            target = load_target(args.target, resolve={"weights": args.weights, "device": args.device})
+        else:
+            target = get_target(args.target)
+        gates = parse_gates(args.gates)
+    except KfuzzError as e:
+        ap.error(str(e))
     seconds, calls = Counter(), Counter()
-    target = timed(target, seconds, calls)
+    target = timed(target, seconds, calls, cuda=args.device.startswith("cuda"))
     print(f"{args.target} on {args.device}, torch threads {torch.get_num_threads()}\n")
     print("| gate | status | cases | total s | kernel s | oracle s | trusted s | judging s | bare / total |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for gid in parse_gates(args.gates):
+    for gid in gates:
         seconds.clear()
         calls.clear()
         start = time.perf_counter()
