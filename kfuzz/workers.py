@@ -67,7 +67,9 @@ from kfuzz.wire import pack, unpack
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
 WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
 STARTUP_TIMEOUT = 600.0     # importing torch and Triton targets on a loaded machine is slow
-FULL_SCAN_EVERY = 32       # answers between scans of every process for the kernel's (else its tree's files)
+FULL_SCAN_EVERY = 32       # answers between scans of every process for the kernel's (else its tree's
+                           # `children` files, which the kernel does not promise to be a consistent
+                           # snapshot while processes start and exit); the first answer is scanned
 EXIT_GRACE = 0.25          # seconds a process the kernel started may take to exit after the call
 DEATH_GRACE = 2.0          # seconds a worker whose channel closed after an answer may take to be seen dead
 # bytes that may wait unread in a worker's pipe without blocking kfuzz's send (Linux buffers
@@ -267,7 +269,7 @@ class Worker:
         found = self.channel.verdict(answered and not self._died_in_next_case())
         if found is None and answered and self.watch_tree:
             self.answers += 1
-            left = self.started_processes(scan=self.answers % FULL_SCAN_EVERY == 0)
+            left = self.started_processes(scan=self.answers % FULL_SCAN_EVERY == 1)
             if left and self.queue:
                 # the worker may have begun its next case, whose processes (a JIT compiler) are
                 # that call's: one seen now outlived this call if it still runs at the next answer
