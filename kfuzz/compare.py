@@ -206,10 +206,8 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
             and (swing is None or not bool(swing[0].any())):
         # no position takes a latitude of the nonfinite check: every one is judged by the bound
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
-    if o_rounded is None:
-        o_rounded = o_low.to(torch.float64)
-    ck, co = _class(k), _class(o_rounded)
-    o_finite = _finite(o)
+    ck, co = _class(k), _class(o_low)
+    o_finite = _finite(o) if t is not None or values else None
     free = any_class = None
     if t is not None:
         ct = _class(t)
@@ -239,6 +237,8 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
             d = d[_finite(d)]
             reach = float(d.max()) if d.numel() else 0.0
         near = near_overflow(o, dtype, c, reach)
+        if o_rounded is None:
+            o_rounded = o_low.to(torch.float64)
         bad = nonfinite_mismatch(k, o_rounded, near, free, any_class, swing)
         if bad:
             return Finding("nonfinite", bad, math.inf)
