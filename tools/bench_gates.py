@@ -60,15 +60,16 @@ def main(argv=None) -> int:
     ap.add_argument("--gates", default="")
     ap.add_argument("--device", default="auto", help="auto (cuda where torch sees a GPU), cpu, cuda or cuda:N")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--weights", default=None, help="a kb: target's weights (strict, seed, none)")
+    ap.add_argument("--weights", default=None, help="a kb: target's weights (strict, the default; seed; none)")
     args = ap.parse_args(argv)
     try:
         args.device = resolve_device(args.device)
     except KfuzzError as e:
         ap.error(str(e))
     try:
-        if args.weights and any(args.target.startswith(p) for p in RESOLVERS):
-            target = load_target(args.target, resolve={"weights": args.weights, "device": args.device})
+        if any(args.target.startswith(p) for p in RESOLVERS):     # built for the device asked
+            target = load_target(args.target, resolve={"weights": args.weights or "strict",
+                                                       "device": args.device})
         else:
             target = get_target(args.target)
         gates = parse_gates(args.gates)
