@@ -268,9 +268,10 @@ def _bound(k: torch.Tensor, o: torch.Tensor, t: torch.Tensor | None, judged: tor
     err = only((k - o).abs_())
     if t is not None:
         terr = only((t - o).abs_())
-        unknown = 0 if all_finite(terr) else int((~_finite(terr)).sum())
-        if unknown:   # the trusted one spread a NaN or Inf here
-            terr = torch.where(_finite(terr), terr, 0)
+        spread = None if all_finite(terr) else ~_finite(terr)   # the trusted one's NaN or Inf here
+        unknown = 0 if spread is None else int(spread.sum())
+        if unknown:
+            terr = terr.masked_fill(spread, 0)
     else:
         terr, unknown = torch.zeros(0, dtype=torch.float64), 0
     n = k.numel() if judged is None else int(judged.sum())
