@@ -481,5 +481,7 @@ def test_bench_gates_puts_each_call_in_its_own_column(capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| G01 "))
     cells = [c.strip() for c in row.strip("|").split("|")]
     total, kernel, oracle, trusted, judging, share = map(float, cells[3:9])
-    assert kernel + oracle + trusted + judging == pytest.approx(total, abs=0.02)
-    assert share == pytest.approx((kernel + oracle + trusted) / total, abs=0.02)
+    # every number is printed rounded to 0.005: the checks allow that much on each
+    assert kernel + oracle + trusted + judging == pytest.approx(total, abs=0.025)
+    bare = kernel + oracle + trusted
+    assert share == pytest.approx(bare / total, abs=0.005 + (0.015 + 0.005 * bare / total) / total)
