@@ -1356,6 +1356,45 @@ def test_a_solutions_own_build_directory_is_moved_beneath_the_cache(tmp_path, mo
     assert loaded.__name__ == "kfuzz_elsewhere" and not elsewhere.exists()
 
 
+PER_PROCESS_MODULE = ('#include <Python.h>\n#define CAT2(a, b) a##b\n#define CAT(a, b) CAT2(a, b)\n#define STR2(a) #a\n'
+           '#define STR(a) STR2(a)\nstatic struct PyModuleDef m = {PyModuleDef_HEAD_INIT, STR(TORCH_EXTENSION_NAME), '
+           'NULL, -1, NULL};\nPyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&m); }\n')
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["builds", "fails-and-is-caught"])
+def test_an_extension_named_anew_in_each_process_loads_what_the_build_step_built(tmp_path, monkeypatch, broken):
+    """A solution whose extension's name and folder change from process to process (the time,
+    the process id, a temporary folder in them) loads, in the kernel's worker, the extension that
+    the build step built from the same sources, and writes nothing there; where that build
+    failed and the solution caught it, the worker's call fails too and the solution falls back
+    as it did in the build step."""
+    import os
+    import subprocess
+    import sys
+    cache = tmp_path / "cache"
+    source = PER_PROCESS_MODULE + ("int broken( {\n" if broken else "")
+    new = ("import tempfile, uuid\nimport torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n"
+           "try:\n"
+           f"    ext = load_inline('kfuzz_renamed_' + uuid.uuid4().hex[:8], cpp_sources={source!r},\n"
+           "                      no_implicit_headers=True, build_directory=tempfile.mkdtemp())\n"
+           "except RuntimeError as e:\n    ext = e\n"
+           "class ModelNew(nn.Module):\n    pass\n")
+    facts = build_here(monkeypatch, cache, new, "renamed")
+    assert facts["status"] == "built" and bool(facts.get("caught")) == broken, facts
+    before = sorted(p for p in cache.rglob("*"))
+    worker = ("import sys\nfrom kfuzz.kernelbench.build import prebuilt_only\nprebuilt_only()\nscope = {}\n"
+              "exec(sys.stdin.read(), scope)\nprint(type(scope['ext']).__name__, getattr(scope['ext'], '__name__', ''),"
+              " str(scope['ext'])[:200] if isinstance(scope['ext'], Exception) else '')\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", worker], input=new, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p for p in cache.rglob("*")) == before
+    if broken:
+        assert r.stdout.startswith("RuntimeError") and "was not built by the build step" in r.stdout, r.stdout
+    else:
+        assert r.stdout.startswith("module kfuzz_renamed_"), r.stdout
+
+
 def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_path):
     """tools/bench_audit_throughput.py on the compiled escape kernels (one, on the CPU): its
     summary counts the record and its build, with no failed build or fallback."""

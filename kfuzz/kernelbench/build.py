@@ -20,7 +20,10 @@ so the audit splits the two:
 
 A solution that names its own ``build_directory`` outside the cache builds and loads beneath
 the cache instead (``in_cache``): where it chose to build is no escape, and no write
-outside the cache is needed. A failed build's facts keep the compiler's message (the end of
+outside the cache is needed. A solution that names its extension or its folder anew in each
+process (the time, the process id, a temporary folder) gets, in the kernel's worker, the name
+and folder that the build step gave the same sources (``kfuzz-built/<digest>.json`` beneath
+the cache, written by the build step): it loads what was built, or fails as its build failed. A failed build's facts keep the compiler's message (the end of
 torch's error, ``clip``; the build runs quietly so that torch puts that message there).
 
 A build that fails is the solution's ``compile`` failure; what it tried against the
@@ -44,6 +47,7 @@ import ast
 import fcntl
 import hashlib
 import inspect
+import json
 import os
 import shlex
 import shutil
@@ -91,7 +95,7 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
 
     def facts(status: str, error: str | None = None) -> dict:
         root = os.environ.get("TORCH_EXTENSIONS_DIR")
-        built = sorted(os.listdir(root)) if root and os.path.isdir(root) else []
+        built = sorted(set(os.listdir(root)) - {BUILT}) if root and os.path.isdir(root) else []
         out = {"status": status, "seconds": round(time.monotonic() - start, 3), "extensions": built[:20],
                "pch": _PCH_USED[:]}
         if error is not None:
@@ -162,8 +166,14 @@ def _wrap_builders(raised: list[str] | None = None) -> None:
             except TypeError:
                 return real(*args, **kwargs)      # torch's own error for a call it does not take
             given = bound.arguments
-            if given.get("build_directory"):
-                given["build_directory"] = in_cache(given["build_directory"])
+            built = _built_before(real.__name__, given)
+            if built is not None:
+                given["name"], given["build_directory"] = built
+            else:
+                if given.get("build_directory"):
+                    given["build_directory"] = in_cache(given["build_directory"])
+                if raised is not None:
+                    _record_built(real.__name__, given)
             if raised is not None and given.get("verbose"):
                 given["verbose"] = False
             try:
@@ -177,6 +187,61 @@ def _wrap_builders(raised: list[str] | None = None) -> None:
     for name in _BUILDERS:
         real = getattr(ext, name)
         setattr(ext, name, wrapped(getattr(real, "kfuzz_builder", real)))
+
+
+BUILT = "kfuzz-built"     # beneath TORCH_EXTENSIONS_DIR: a file a build call, named by its sources
+
+
+def _sources_digest(builder: str, given: dict) -> str:
+    """A digest of a ``load_inline``/``load`` call's arguments other than its extension's name
+    and folder (``load``'s source files by their text): the same for the same extension built
+    under another name (one made of the time, the process id, a temporary folder)."""
+    args = {k: v for k, v in given.items() if k not in ("name", "build_directory", "verbose")}
+    if builder == "load":
+        paths = [args["sources"]] if isinstance(args.get("sources"), str) else list(args.get("sources") or [])
+        texts = []
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    texts.append(hashlib.sha256(f.read()).hexdigest())
+            except OSError:
+                texts.append(str(path))
+        args["sources"] = texts
+    text = json.dumps([builder, args], sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _record_built(builder: str, given: dict) -> None:
+    """The build step: the call's extension name and folder, under the digest of its sources
+    (``_sources_digest``), beneath ``TORCH_EXTENSIONS_DIR``; the first call of those sources kept."""
+    import torch.utils.cpp_extension as ext
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        return
+    path = os.path.join(root, BUILT, _sources_digest(builder, given) + ".json")
+    if os.path.exists(path):
+        return
+    folder = given.get("build_directory") or ext._get_build_directory(given["name"], False)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".part", "w") as f:
+        json.dump({"name": given["name"], "build_directory": os.fspath(folder)}, f)
+    os.replace(path + ".part", path)
+
+
+def _built_before(builder: str, given: dict) -> tuple[str, str] | None:
+    """The name and folder that the build step gave a call of the same sources, where it
+    recorded one (``_record_built``): a solution that names its extension anew in each process
+    loads, in the kernel's worker, what the build step built (or fails as it failed there),
+    and writes no new folder."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        return None
+    try:
+        with open(os.path.join(root, BUILT, _sources_digest(builder, given) + ".json")) as f:
+            built = json.load(f)
+        return str(built["name"]), str(built["build_directory"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _record_build_errors() -> list[str]:
