@@ -1333,6 +1333,19 @@ def test_a_failed_build_keeps_what_the_compiler_said(tmp_path, monkeypatch):
     assert "error:" in facts["error"] and "kfuzz_bad_syntax" in facts["error"], facts["error"]
 
 
+def test_a_clipped_build_message_keeps_the_compilers_error_lines():
+    """ninja prints the failed command, the compiler's message, then the status lines of
+    commands still running: a clipped message keeps the error though long lines follow it."""
+    from kfuzz.kernelbench.build import clip
+    text = ("[1/3] c++ " + "-I/x " * 100 + "main.cpp\nFAILED: cuda.o\nnvcc " + "-I/y " * 100 + "\n"
+            "cuda.cu(62): error: no suitable conversion function exists\n1 error detected\n"
+            "[2/3] c++ " + "-I/z " * 200 + "\nninja: build stopped: subcommand failed.\n")
+    out = clip(text, 1000)
+    assert len(out) <= 1020 and "cuda.cu(62): error: no suitable conversion" in out, out
+    assert out.startswith("[1/3] c++") and out.endswith("ninja: build stopped: subcommand failed.\n"), out
+    assert clip("short", 1000) == "short"
+
+
 def test_a_solutions_own_build_directory_is_moved_beneath_the_cache(tmp_path, monkeypatch):
     """A solution that builds in a folder of its choosing (``build_directory``) builds beneath
     the extension cache instead, where the build step may write, and the kernel's worker

@@ -123,12 +123,19 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
 
 
 def clip(text: str, n: int) -> str:
-    """``text`` cut to about ``n`` characters, its start and its end kept: a failed build's
-    message starts with the command ninja ran and ends with what the compiler said."""
+    """``text`` cut to about ``n`` characters: its start (the command ninja ran), the compiler's
+    first lines that say ``error`` (up to half of ``n``; ninja may print another command's long
+    line after them), and its end."""
     if len(text) <= n:
         return text
     head = min(300, n // 4)
-    return f"{text[:head]} [...] {text[-(n - head):]}"
+    errors = ""
+    for line in text[head:].splitlines():
+        if "error" in line.lower() and len(errors) + len(line) < n // 2:
+            errors += line + "\n"
+    tail = text[-(n - head - len(errors)):]
+    errors = "".join(line + "\n" for line in errors.splitlines() if line not in tail)
+    return f"{text[:head]} [...] {errors}[...] {tail}" if errors else f"{text[:head]} [...] {tail}"
 
 
 def in_cache(build_directory):
