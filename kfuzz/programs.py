@@ -96,9 +96,10 @@ class ProgramResult:
 
 
 def resource_crash(verdict: Verdict | None) -> Verdict | None:
-    """An exception that says a resource ran out (memory, open files) is a ``crash`` named
-    after the resource, not the kernel's exception."""
-    if verdict is not None and verdict.kind == "exception":
+    """An exception, or a CUDA error that ended the call, that says a resource ran out (memory,
+    open files) is a ``crash`` named after the resource, not the kernel's exception."""
+    if verdict is not None and (verdict.kind == "exception"
+                                or verdict.kind == "crash" and verdict.detail.startswith("CUDA error")):
         kind = sandbox.resource_kind(verdict.exc_type, verdict.detail)
         if kind is not None:
             return Verdict(verdict.target, "crash", detail=verdict.detail, exc_type=kind)

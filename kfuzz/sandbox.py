@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shutil
 import signal
@@ -881,10 +882,16 @@ def violation() -> tuple[str, str] | None:
     return _violations[0] if _violations else None
 
 
+# a GPU's memory, as CUDA, its libraries and Triton's driver calls name its exhaustion
+_DEVICE_OUT_OF_MEMORY = re.compile(r"CUDA out of memory|\[CUDA\]: out of memory|CUDA error: out of memory"
+                                   r"|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def resource_kind(exc_type: str | None, detail: str) -> str | None:
-    """The resource an exception says ran out: memory, open files; None otherwise."""
+    """The resource an exception says ran out: memory (the host's or a GPU's), open files;
+    None otherwise."""
     if exc_type in ("MemoryError", "OutOfMemoryError", "_ArrayMemoryError") or "can't allocate memory" in detail \
-            or "Cannot allocate memory" in detail:
+            or "Cannot allocate memory" in detail or _DEVICE_OUT_OF_MEMORY.search(detail):
         return MEMORY
     if "Too many open files" in detail or f"[Errno {errno.EMFILE}]" in detail:
         return FILES

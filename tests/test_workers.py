@@ -378,3 +378,22 @@ def test_a_cuda_worker_tries_fewer_namespaces_before_it_gives_up(monkeypatch):
     with pytest.raises(RuntimeError, match="died while starting"):
         workers.Worker("searchsum", None, "cuda", False, sandbox.Policy())
     assert workers._levels["cuda"] == ["none"] and workers.isolation_level("cpu") == "full"
+
+
+def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():
+    """A GPU that ran out of memory (torch's allocator, or Triton's driver call that ended the
+    call as a CUDA error) is the crash ``resource-memory``; other CUDA errors keep their type."""
+    from kfuzz.programs import resource_crash
+    from kfuzz.verdict import Verdict
+    named = [resource_crash(Verdict("t", "crash", detail="CUDA error in the call: Triton Error [CUDA]: out of memory",
+                                    exc_type="RuntimeError")),
+             resource_crash(Verdict("t", "exception", detail="OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                                    "2.00 GiB", exc_type="OutOfMemoryError")),
+             resource_crash(Verdict("t", "exception", detail="RuntimeError: CUDA error: out of memory",
+                                    exc_type="RuntimeError"))]
+    assert [(v.kind, v.exc_type) for v in named] == [("crash", "resource-memory")] * 3
+    kept = resource_crash(Verdict("t", "crash", detail="CUDA error in the call: an illegal memory access was "
+                                  "encountered", exc_type="AcceleratorError"))
+    assert (kept.kind, kept.exc_type) == ("crash", "AcceleratorError")
+    wrong = resource_crash(Verdict("t", "exception", detail="ValueError: shape out of range", exc_type="ValueError"))
+    assert (wrong.kind, wrong.exc_type) == ("exception", "ValueError")
