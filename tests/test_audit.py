@@ -1615,3 +1615,27 @@ def test_the_build_step_reads_the_precompiled_header_it_is_given(tmp_path):
     (marker,) = (tmp_path / "ext").glob("probe-built-*")
     facts = json.loads(marker.read_text())
     assert facts["status"] == "built" and facts["pch"] == ["kfuzz_probe"], facts
+
+
+def test_a_solution_that_names_its_extension_per_process_is_audited_as_built(tmp_path):
+    """A solution whose extension's name carries the process id and whose build folder is a new
+    temporary one builds in the build step and runs in the kernel's sandboxed worker, a
+    process of another id that may not write the cache: its standard test and G01 pass."""
+    import shutil
+    if not (shutil.which("ninja") and shutil.which("c++")):
+        pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
+    folder = tmp_path / "controls"
+    folder.mkdir()
+    (folder / "reference_relu.py").write_text((CONTROLS / "reference_relu.py").read_text())
+    source = (ESCAPES / "compiled_relu.py").read_text()
+    source = source.replace("../../kernelbench_controls/reference_relu.py", "reference_relu.py")
+    built = 'load_inline("kfuzz_escapes_relu", cpp_sources=SOURCE,'
+    assert built in source
+    source = "import os\nimport tempfile\n" + source.replace(
+        built, 'load_inline(f"kfuzz_relu_{os.getpid()}", cpp_sources=SOURCE, build_directory=tempfile.mkdtemp(),')
+    (folder / "relu_per_process.py").write_text(source)
+    (entry,) = [e for e in read_corpus(folder) if e.key.endswith(":relu_per_process")]
+    (rec,) = run_audit([entry], tmp_path / "out", ["G01"], jobs=1, timeout=300, cache=tmp_path / "ext", pch=False)
+    assert rec["build"]["status"] == "built" and "caught" not in rec["build"], rec["build"]
+    assert rec["standard"]["passed"], rec["standard"]
+    assert rec["gates"]["G01"]["status"] == "pass" and judge_record(rec)["violations"] == [], rec
