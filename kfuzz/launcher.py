@@ -160,20 +160,38 @@ def started_at(pid: int) -> int | None:
     return None if fields is None else int(fields[19])
 
 
+WALKS = 4     # walks of the children files that may disagree before the whole table is scanned
+
+
+def _walk(pid: int) -> tuple[list[int], list[int]] | None:
+    """Every process met below ``pid`` through the ``children`` files, and the live ones among
+    them; None without those files."""
+    met, below, todo = [], [], [pid]
+    while todo:
+        kids = _kids(todo.pop())
+        if kids is None:
+            return None
+        todo += kids
+        met += kids
+        below += [k for k in kids if _state(k) not in "ZX"]
+    return met, below
+
+
 def descendants(pid: int, scan: bool = False) -> list[int]:
     """The live (not zombie) processes below ``pid`` in the process tree: from the processes'
     ``children`` files (a few reads), or with ``scan`` (or without those files) from a scan of
-    every process's parent."""
+    every process's parent. The files are read one process at a time, so a walk can miss a
+    process moved while it ran (a grandchild handed to ``pid`` as its parent exits after its
+    list was read): walks repeat until two meet the same processes, else the table is scanned."""
     if not scan:
-        below, todo = [], [pid]
-        while todo:
-            kids = _kids(todo.pop())
-            if kids is None:
+        last = None
+        for _ in range(WALKS):
+            got = _walk(pid)
+            if got is None:
                 break
-            todo += kids
-            below += [k for k in kids if _state(k) not in "ZX"]
-        else:
-            return below
+            if got == last:
+                return got[1]
+            last = got
     tree = _parents()
     below, todo = [], [pid]
     while todo:

@@ -397,3 +397,22 @@ def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():
     assert (kept.kind, kept.exc_type) == ("crash", "AcceleratorError")
     wrong = resource_crash(Verdict("t", "exception", detail="ValueError: shape out of range", exc_type="ValueError"))
     assert (wrong.kind, wrong.exc_type) == ("exception", "ValueError")
+
+
+def test_a_process_moved_during_the_walk_of_the_children_files_is_still_found(monkeypatch):
+    """The children files are read one process at a time: a child that exits between the
+    worker's list and its own hands its child to the worker unseen by that walk. The walk is
+    taken again until two agree, so the grandchild is found (simulated /proc: the worker 1, its
+    child 2 exiting, the grandchild 3)."""
+    from kfuzz import launcher
+    lists = iter([[2], [2, 3]])
+    last = {"1": [2]}
+
+    def kids(pid):
+        if pid == 1:
+            last["1"] = next(lists, last["1"])
+            return last["1"]
+        return []
+    monkeypatch.setattr(launcher, "_kids", kids)
+    monkeypatch.setattr(launcher, "_state", lambda pid: "Z" if pid == 2 else "S")
+    assert launcher.descendants(1) == [3]
