@@ -316,6 +316,17 @@ def _here(outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in outputs.items()}
 
 
+CACHE_KEPT = 2 << 30     # bytes of GPU memory a process may keep cached by torch's allocator after a case
+
+
+def release_device_memory(device: str) -> None:
+    """Give the GPU memory that torch's allocator cached in this process beyond ``CACHE_KEPT``
+    back to the GPU: a GPU's kernel workers and judges share its memory, and the cache of one
+    large case held by each would leave none for the others' launches."""
+    if str(device).startswith("cuda") and torch.cuda.memory_reserved() > CACHE_KEPT:
+        torch.cuda.empty_cache()
+
+
 def is_device_error(e: BaseException) -> bool:
     """A CUDA error (illegal address, launch failure, ...) raised by torch or by Triton's launcher."""
     text = str(e)

@@ -30,13 +30,12 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from kfuzz.case import Case
-from kfuzz.execute import judge
+from kfuzz.execute import judge, release_device_memory
 from kfuzz.target import Target
 from kfuzz.verdict import Verdict
 from kfuzz.wire import geometry, pack, rebuild, unpack
 
 MEMORY_SHARE = 0.5          # of a GPU's memory, for all of its judges together
-RELEASE_BYTES = 2 << 30     # a judge holding more than this after a case gives it back to the GPU
 _TARGET: Target | None = None
 
 
@@ -59,8 +58,7 @@ def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict,
         torch.cuda.empty_cache()
         return judge(case, target, inputs, outputs, "cpu").to_json()
     finally:
-        if device.startswith("cuda") and torch.cuda.memory_reserved() > RELEASE_BYTES:
-            torch.cuda.empty_cache()
+        release_device_memory(device)
 
 
 def _started() -> bool:

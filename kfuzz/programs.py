@@ -48,8 +48,8 @@ import torch
 
 from kfuzz import sandbox
 from kfuzz.case import Case
-from kfuzz.execute import (call_kernel, contract_violation, kernel_stage, raising_frame, storage_bytes,
-                           storage_view)
+from kfuzz.execute import (call_kernel, contract_violation, kernel_stage, raising_frame, release_device_memory,
+                           storage_bytes, storage_view)
 from kfuzz.target import Target
 from kfuzz.tensors import raw_bytes
 from kfuzz.verdict import Verdict
@@ -395,5 +395,9 @@ def answer(target: Target, case: Case, name: str, params: dict, layouts: list, s
     usage = resource.getrusage(resource.RUSAGE_SELF)
     msg = pack(("program-done", back, None if verdict is None else verdict.to_json(), facts,
                 usage.ru_utime + usage.ru_stime, list(edges)), tensors)
-    return msg, verdict is not None and verdict.kind == "crash"
+    crashed = verdict is not None and verdict.kind == "crash"
+    if not crashed:
+        del inputs, outputs, tensors
+        release_device_memory(device)
+    return msg, crashed
 

@@ -416,3 +416,17 @@ def test_a_process_moved_during_the_walk_of_the_children_files_is_still_found(mo
     monkeypatch.setattr(launcher, "_kids", kids)
     monkeypatch.setattr(launcher, "_state", lambda pid: "Z" if pid == 2 else "S")
     assert launcher.descendants(1) == [3]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_process_gives_back_the_gpu_memory_a_large_case_left_cached():
+    """After a case, a worker or a judge keeps at most CACHE_KEPT of GPU memory cached by
+    torch's allocator: the GPU's other processes need it for their launches."""
+    import torch
+    from kfuzz.execute import CACHE_KEPT, release_device_memory
+    big = torch.empty(CACHE_KEPT + (1 << 30), dtype=torch.uint8, device="cuda")
+    del big
+    assert torch.cuda.memory_reserved() > CACHE_KEPT
+    release_device_memory("cuda")
+    assert torch.cuda.memory_reserved() <= CACHE_KEPT
+    release_device_memory("cpu")     # nothing to give back
