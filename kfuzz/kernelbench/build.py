@@ -23,8 +23,9 @@ the cache instead (``in_cache``): where it chose to build is no escape, and no w
 outside the cache is needed. A solution that names its extension or its folder anew in each
 process (the time, the process id, a temporary folder) gets, in the kernel's worker, the name
 and folder that the build step gave the same sources (``kfuzz-built/<digest>.json`` beneath
-the cache, written by the build step): it loads what was built, or fails as its build failed. A failed build's facts keep the compiler's message (the end of
-torch's error, ``clip``; the build runs quietly so that torch puts that message there).
+the cache, written by the build step): it loads what was built, or fails as its build failed.
+A failed build's facts keep the compiler's message (its start, its error lines and its end,
+``clip``; the build runs quietly so that torch puts that message in its error).
 
 A build that fails is the solution's ``compile`` failure; what it tried against the
 sandbox is a finding like any other (the audit records the build step's verdict).
