@@ -701,6 +701,18 @@ def isolate(policy: Policy, level: str = "full") -> dict[str, str]:
     return {"namespaces": "+".join(got) if got else "none (the machine refuses them)"}
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> None:
+    """Make this process the parent of every process its descendants orphan (a ``setsid``
+    grandchild whose parent has exited): a worker's processes then stay below it, where kfuzz
+    looks for those that outlive a call, with a PID namespace or without one (a GPU whose
+    driver does not start inside one, ``isolate``'s ``none``)."""
+    if _LINUX:
+        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
 def _keep_only(*fds: int) -> None:
     lo, top = 0, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1 << 20
     for fd in sorted(fds) + [top]:

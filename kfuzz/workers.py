@@ -106,6 +106,8 @@ def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, w
     that does not start inside the namespaces ends the worker with ``CUDA_UNAVAILABLE``."""
     if policy is not None:
         sandbox.isolate(policy, level)
+        if policy.processes:
+            sandbox.adopt_orphans()
     if workdir is not None:
         sandbox.compile_cache(workdir)
     if str(device).startswith("cuda"):

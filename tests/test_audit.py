@@ -437,7 +437,8 @@ def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
         (ESCAPES / "forge_results.py").read_text().replace("../../kernelbench_controls/", ""))
     (rec,) = run_audit(read_corpus(corpus), tmp_path / "out", ["G01"], timeout=120, allow_unconfined=True,
                        policy={"processes": True, "confine_writes": False})
-    assert judge_record(rec)["violations"] == ["sandbox-fork"] and judge_record(rec)["broken"], rec
+    assert judge_record(rec)["violations"] == ["sandbox-fork"] and judge_record(rec)["broken"], \
+        (rec.get("standard"), rec.get("gates"))
     assert "outlived its call" in rec["standard"]["detail"], rec["standard"]
     time.sleep(2)       # the grandchild polls every 0.1 s: had it survived, it would have written by now
     path = tmp_path / "out" / RESULTS

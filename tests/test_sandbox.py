@@ -336,6 +336,20 @@ def test_a_kernel_that_fights_back_gets_the_verdict_and_the_host_is_unharmed(nam
     assert {p: after.get(p) for p in before} == before
 
 
+def test_a_detached_grandchild_stays_below_a_worker_without_a_pid_namespace(monkeypatch):
+    """Where a worker gets no PID namespace (``none``: a GPU whose driver does not start inside
+    one), a ``setsid`` grandchild whose parent has exited is still below the worker, which
+    adopts orphans: the process that outlived its call is found, then ended with the worker."""
+    import kfuzz.workers
+    monkeypatch.setitem(kfuzz.workers._levels, "cpu", ["none"])
+    verdict = _one_verdict("escapes.orphan", PROCS)
+    assert verdict is not None and (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK), verdict
+    deadline = time.monotonic() + 5
+    while _named(ORPHAN) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _named(ORPHAN), "a process the kernel started outlived its worker"
+
+
 def test_kfuzz_control_sockets_have_no_name():
     """A kernel can reach no control channel of kfuzz's by a path or an abstract name: every
     Unix socket that the zygote (the one process that starts workers) holds is unnamed."""
