@@ -16,6 +16,7 @@ from kfuzz.cli import cli
 from kfuzz.errors import KfuzzError
 from kfuzz.kernelbench import (KernelBenchError, WeightsContractError, as_target, infer_contract, load_pair,
                                load_weights, pair_module, read_corpus, size_constants, standard_test)
+from kfuzz.kernelbench.build import fell_back
 from kfuzz.kernelbench.source import derived_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1319,6 +1320,20 @@ def test_a_build_error_the_solution_catches_is_named_in_the_build_step_facts(tmp
     facts = build_here(monkeypatch, tmp_path, new, "fallback")
     assert facts["status"] == "built" and facts["caught"], facts
     assert "kfuzz_never_builds" in facts["caught"][0], facts
+    assert facts["loaded"] == [] and fell_back(facts), facts
+
+
+def test_a_solution_whose_second_build_loads_did_not_fall_back(tmp_path, monkeypatch):
+    """A solution that catches its first build's error and loads a second extension runs an
+    extension, not a fallback: the build step's facts name both, and ``fell_back`` is false."""
+    new = ("import torch\nimport torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n"
+           "try:\n    ext = load_inline('kfuzz_first_try', cpp_sources='int f( {', no_implicit_headers=True)\n"
+           "except RuntimeError:\n"
+           f"    ext = load_inline('kfuzz_second_try', cpp_sources={PER_PROCESS_MODULE!r}, no_implicit_headers=True)\n"
+           "class ModelNew(nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n")
+    facts = build_here(monkeypatch, tmp_path, new, "second")
+    assert "kfuzz_first_try" in facts["caught"][0] and facts["loaded"] == ["kfuzz_second_try"], facts
+    assert not fell_back(facts) and fell_back({"caught": ["an error"]}) and not fell_back(None)
 
 
 def test_a_failed_build_keeps_what_the_compiler_said(tmp_path, monkeypatch):

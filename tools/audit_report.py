@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kfuzz.audit import BROKEN_RATIO, judge_record, read_results, results_key, weights_failures
 from kfuzz.kernelbench import read_corpus
+from kfuzz.kernelbench.build import fell_back
 from kfuzz.compare import BOUND_C
 from kfuzz.gates import GATES
 
@@ -233,7 +234,7 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
                          "killed_for_time": sum(j[r["key"]]["incomplete"] for r in audited),
                          "adapter_refused": sum("adapter" in r for r in corpus),
                          "unbuilt": sum("unbuilt" in r for r in corpus),
-                         "fell_back": sum(bool((r.get("build") or {}).get("caught")) for r in audited)},
+                         "fell_back": sum(fell_back(r.get("build")) for r in audited)},
         "arguable": arguable, "excused_cases": dict(sorted(excused.items())),
         "sweep": sweep, "broken_ratio": BROKEN_RATIO, "controls": control_rows,
         "controls_as_planted": all(c["as_planted"] for c in control_rows) if control_rows else None,

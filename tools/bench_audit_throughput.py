@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from kfuzz.audit import judge_record, results_key, run_audit
+from kfuzz.kernelbench.build import fell_back
 from kfuzz.kernelbench.corpus import read_corpus
 from kfuzz.gates import GATES
 
@@ -94,7 +95,7 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
         "compiled_in_own_step": len(compiled),
         "built_ahead": sum(bool(r.get("build_ahead")) for r in recs),
         "build_failed": sum((r.get("build") or {}).get("status") == "failed" for r in recs),
-        "fell_back": sum(bool((r.get("build") or {}).get("caught")) for r in recs), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
+        "fell_back": sum(fell_back(r.get("build")) for r in recs), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
         "kernel_seconds_mean": round(sum(float(r.get("seconds") or 0) for r in recs) / max(1, len(recs)), 1),
         "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
     }

@@ -85,10 +85,11 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     """Build the solution's extensions here (untrusted code: call it in a confined worker).
     Facts: ``status`` (``built`` or ``failed``), ``error`` for a failure, ``seconds``,
     ``extensions`` (the folders beneath ``TORCH_EXTENSIONS_DIR``), ``pch`` (the extensions
-    built with a precompiled header: ``$KFUZZ_PCH``, ``use_pch``), and ``caught``: the errors of
-    ``load_inline``/``load`` calls that the solution's own code caught (a solution that falls
-    back to PyTorch when its extension does not build is ``built`` and runs its fallback: what
-    the gates then judge is not its extension)."""
+    built with a precompiled header: ``$KFUZZ_PCH``, ``use_pch``), ``loaded`` (the extensions
+    its calls loaded), and ``caught``: the errors of ``load_inline``/``load`` calls that the
+    solution's own code caught (a solution that falls back to PyTorch when its extension does
+    not build is ``built`` and runs its fallback: what the gates then judge is not its
+    extension, ``fell_back``)."""
     start = time.monotonic()
     if os.environ.get(PCH_ENV):
         use_pch(os.environ[PCH_ENV])
@@ -98,7 +99,7 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
         root = os.environ.get("TORCH_EXTENSIONS_DIR")
         built = sorted(set(os.listdir(root)) - {BUILT}) if root and os.path.isdir(root) else []
         out = {"status": status, "seconds": round(time.monotonic() - start, 3), "extensions": built[:20],
-               "pch": _PCH_USED[:]}
+               "pch": _PCH_USED[:], "loaded": _LOADED[:20]}
         if error is not None:
             out["error"] = clip(error, 2000)
         elif raised:
@@ -121,6 +122,14 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     except Exception:
         pass      # not a build failure: the standard test reports what fails here
     return facts("built")
+
+
+def fell_back(build: dict | None) -> bool:
+    """Whether the build step's facts say the solution caught an error of its own build and
+    loaded no extension: what runs is its fallback (PyTorch), not an extension. Facts without
+    ``loaded`` count every caught error."""
+    build = build or {}
+    return bool(build.get("caught")) and not build.get("loaded")
 
 
 def clip(text: str, n: int) -> str:
@@ -185,11 +194,14 @@ def _wrap_builders(raised: list[str] | None = None) -> None:
             if raised is not None and given.get("verbose"):
                 given["verbose"] = False
             try:
-                return real(*bound.args, **bound.kwargs)
+                module = real(*bound.args, **bound.kwargs)
             except Exception as e:
                 if raised is not None:
                     raised.append(f"{type(e).__name__}: {e}")
                 raise
+            if raised is not None:
+                _LOADED.append(given["name"])
+            return module
         call.kfuzz_builder = real
         return call
     for name in _BUILDERS:
@@ -304,6 +316,7 @@ def compiles(code: str) -> bool:
 
 PCH_ENV = "KFUZZ_PCH"     # the folder of precompiled headers the build step may use (set by the audit)
 _PCH_USED: list[str] = []  # the extensions this process built with a precompiled header
+_LOADED: list[str] = []    # the extensions this process's build step built or found, and loaded
 
 
 def cflag_sets(code: str) -> list[tuple[str, ...]]:
