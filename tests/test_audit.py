@@ -427,9 +427,16 @@ def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
     """forge_results forks a detached grandchild that waits for the kernel's real record and
     appends a forged all-pass one. Where processes are allowed and writes are not blocked (as on
     a machine without OS layers, simulated by the policy), the grandchild outlives the call:
-    that is the finding, it dies with its worker, and the results file holds the real record
-    only; where processes are blocked, the fork itself is the finding. A line a process does
-    append anyway is refused (``test_forged_altered_and_unsigned_results_are_refused``)."""
+    that is the finding (on the standard test, or on the gate whose worker forked next where
+    the standard test's worker did not see its grandchild, as happens on a loaded machine; a
+    grandchild a call waits for is always seen: ``tests/test_sandbox.py``), it dies with its
+    worker, and the results file holds the real record only; where processes are blocked, the
+    fork itself is the finding. A line a process does append anyway is refused
+    (``test_forged_altered_and_unsigned_results_are_refused``)."""
+
+    def outlived(record):     # where the grandchild was found (processes are allowed: by outliving its call)
+        return [where for where, found in [("standard", record["standard"]), *record["gates"].items()]
+                if found.get("exc_type") == "sandbox-fork"]
     from kfuzz.audit import RESULTS, first_failure, read_results
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -438,14 +445,12 @@ def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
         (ESCAPES / "forge_results.py").read_text().replace("../../kernelbench_controls/", ""))
     (rec,) = run_audit(read_corpus(corpus), tmp_path / "out", ["G01"], timeout=120, allow_unconfined=True,
                        policy={"processes": True, "confine_writes": False})
-    assert judge_record(rec)["violations"] == ["sandbox-fork"] and judge_record(rec)["broken"], \
-        (rec.get("standard"), rec.get("gates"))
-    assert "outlived its call" in rec["standard"]["detail"], rec["standard"]
+    assert outlived(rec) and judge_record(rec)["broken"], (rec.get("standard"), rec.get("gates"))
     time.sleep(2)       # the grandchild polls every 0.1 s: had it survived, it would have written by now
     path = tmp_path / "out" / RESULTS
     got = read_results(path)
     assert len(path.read_text().splitlines()) == 1 and not got.refused
-    assert judge_record(got["corpus:forge_results"])["violations"] == ["sandbox-fork"]
+    assert outlived(got["corpus:forge_results"]) == outlived(rec)
     # confined (this machine's OS layers): the fork itself is the finding
     (rec,) = run_audit(read_corpus(corpus), tmp_path / "confined", ["G01"], timeout=120)
     assert judge_record(rec)["violations"] == ["sandbox-fork"] and judge_record(rec)["broken"]
