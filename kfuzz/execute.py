@@ -316,6 +316,7 @@ def _here(outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in outputs.items()}
 
 
+DEVICE_ERROR = "CUDA error"     # how the detail of a crash that a CUDA error ended the call with starts
 CACHE_KEPT = 2 << 30     # bytes of GPU memory a process may keep cached by torch's allocator after a case
 
 
@@ -358,13 +359,13 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                 torch.cuda.synchronize(device)
             except Exception as e:  # an asynchronous CUDA error
                 namespaces.undo()
-                return None, Verdict(target.name, "crash", detail=f"CUDA error after the call: {e}",
+                return None, Verdict(target.name, "crash", detail=f"{DEVICE_ERROR} after the call: {e}",
                                      exc_type=type(e).__name__)
     except Exception as e:
         if device.type == "cuda" and is_device_error(e):
             # the context is unusable after this: a crash, not an exception to carry on from
             namespaces.undo()
-            return None, Verdict(target.name, "crash", detail=f"CUDA error in the call: {e}"[:2000],
+            return None, Verdict(target.name, "crash", detail=f"{DEVICE_ERROR} in the call: {e}"[:2000],
                                  exc_type=type(e).__name__)
         namespaces.undo()
         restore_hooks(hooks)

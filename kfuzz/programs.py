@@ -48,8 +48,8 @@ import torch
 
 from kfuzz import sandbox
 from kfuzz.case import Case
-from kfuzz.execute import (call_kernel, contract_violation, kernel_stage, raising_frame, release_device_memory,
-                           storage_bytes, storage_view)
+from kfuzz.execute import (DEVICE_ERROR, call_kernel, contract_violation, kernel_stage, raising_frame,
+                           release_device_memory, storage_bytes, storage_view)
 from kfuzz.target import Target
 from kfuzz.tensors import raw_bytes
 from kfuzz.verdict import Verdict
@@ -99,7 +99,7 @@ def resource_crash(verdict: Verdict | None) -> Verdict | None:
     """An exception, or a CUDA error that ended the call, that says a resource ran out (memory,
     open files) is a ``crash`` named after the resource, not the kernel's exception."""
     if verdict is not None and (verdict.kind == "exception"
-                                or verdict.kind == "crash" and verdict.detail.startswith("CUDA error")):
+                                or verdict.kind == "crash" and verdict.detail.startswith(DEVICE_ERROR)):
         kind = sandbox.resource_kind(verdict.exc_type, verdict.detail)
         if kind is not None:
             return Verdict(verdict.target, "crash", detail=verdict.detail, exc_type=kind)

@@ -183,14 +183,15 @@ def _wrap_builders(raised: list[str] | None = None) -> None:
             except TypeError:
                 return real(*args, **kwargs)      # torch's own error for a call it does not take
             given = bound.arguments
-            built = _built_before(real.__name__, given)
+            record = _built_path(real.__name__, given)
+            built = _built_before(record)
             if built is not None:
                 given["name"], given["build_directory"] = built
             else:
                 if given.get("build_directory"):
                     given["build_directory"] = in_cache(given["build_directory"])
                 if raised is not None:
-                    _record_built(real.__name__, given)
+                    _record_built(record, given)
             if raised is not None and given.get("verbose"):
                 given["verbose"] = False
             try:
@@ -231,15 +232,18 @@ def _sources_digest(builder: str, given: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _record_built(builder: str, given: dict) -> None:
-    """The build step: the call's extension name and folder, under the digest of its sources
-    (``_sources_digest``), beneath ``TORCH_EXTENSIONS_DIR``; the first call of those sources kept."""
-    import torch.utils.cpp_extension as ext
+def _built_path(builder: str, given: dict) -> str | None:
+    """Where the build step records the call's extension (beneath ``TORCH_EXTENSIONS_DIR``,
+    named by ``_sources_digest``); None without that folder."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        return
-    path = os.path.join(root, BUILT, _sources_digest(builder, given) + ".json")
-    if os.path.exists(path):
+    return os.path.join(root, BUILT, _sources_digest(builder, given) + ".json") if root else None
+
+
+def _record_built(path: str | None, given: dict) -> None:
+    """The build step: the call's extension name and folder, at ``path`` (``_built_path``); the
+    first call of those sources kept."""
+    import torch.utils.cpp_extension as ext
+    if path is None or os.path.exists(path):
         return
     folder = given.get("build_directory") or ext._get_build_directory(given["name"], False)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -248,16 +252,15 @@ def _record_built(builder: str, given: dict) -> None:
     os.replace(path + ".part", path)
 
 
-def _built_before(builder: str, given: dict) -> tuple[str, str] | None:
+def _built_before(path: str | None) -> tuple[str, str] | None:
     """The name and folder that the build step gave a call of the same sources, where it
-    recorded one (``_record_built``): a solution that names its extension anew in each process
-    loads, in the kernel's worker, what the build step built (or fails as it failed there),
-    and writes no new folder."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
+    recorded one at ``path`` (``_record_built``): a solution that names its extension anew in
+    each process loads, in the kernel's worker, what the build step built (or fails as it
+    failed there), and writes no new folder."""
+    if path is None:
         return None
     try:
-        with open(os.path.join(root, BUILT, _sources_digest(builder, given) + ".json")) as f:
+        with open(path) as f:
             built = json.load(f)
         return str(built["name"]), str(built["build_directory"])
     except (OSError, ValueError, KeyError, TypeError):
