@@ -16,37 +16,29 @@ the same definition, slower. A judge that dies (killed, a driver fault) is repla
 pending results are judged again; an exception of the oracle's or the trusted
 implementation's own is kfuzz's error, counted (``errors``) and named, never a verdict.
 
-With ``processes=0`` the judge runs in the caller's process, when its result is asked for.
-``pending`` results come back in the order they finish (``done``).
+A judge is a spawned process with a pipe of its own: kfuzz sends it the case and the
+tensors' raw bytes (``kfuzz.wire``; a large message through a sender thread, so that kfuzz
+never waits on a busy judge) and reads its verdict back, with no other thread in kfuzz's
+process. Results come back in the order they finish (``done``). With ``processes=0`` the
+judge runs in the caller's process, at ``submit``.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 
 import torch
 
 from kfuzz.case import Case
 from kfuzz.execute import judge, release_device_memory
-from kfuzz.target import Target
+from kfuzz.target import Target, load_target
 from kfuzz.verdict import Verdict
-from kfuzz.wire import geometry, pack, rebuild, unpack
+from kfuzz.wire import Outbox, geometry, pack, rebuild, unpack
 
 MEMORY_SHARE = 0.5          # of a GPU's memory, for all of its judges together
-_TARGET: Target | None = None
-
-
-def _start(name: str, module: str | None, threads: int, device: str, memory_fraction: float) -> None:
-    global _TARGET
-    from kfuzz.target import load_target
-    torch.set_num_threads(threads)
-    if device.startswith("cuda"):    # a current device for autograd's own threads (cuBLAS)
-        torch.cuda.set_device(torch.device(device) if ":" in device else 0)
-        torch.cuda.set_per_process_memory_fraction(memory_fraction)
-    _TARGET = load_target(name, module)
 
 
 def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict, device: str) -> dict:
@@ -61,134 +53,192 @@ def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict,
         release_device_memory(device)
 
 
-def _started() -> bool:
-    return _TARGET is not None
-
-
-def _message(inputs: dict, outputs: dict) -> bytes:
+def _message(case: Case, inputs: dict, outputs: dict) -> bytes:
     items = [("in", k, t) for k, t in inputs.items()] + [("out", k, t) for k, t in outputs.items()]
-    return pack(([(role, k, geometry(t)) for role, k, t in items],), [t for _, _, t in items])
+    return pack((case.to_json(), [(role, k, geometry(t)) for role, k, t in items]), [t for _, _, t in items])
 
 
-def _judge_here(case_json: dict, msg: bytes, device: str) -> tuple[dict, float]:
-    (layouts,), storages = unpack(msg)
-    got: dict[str, dict] = {"in": {}, "out": {}}
-    for (role, k, geo), st in zip(layouts, storages):
-        got[role][k] = rebuild(st, geo)
-    start = time.monotonic()
-    verdict = judge_within_memory(Case.from_json(case_json), _TARGET, got["in"], got["out"], device)
-    return verdict, time.monotonic() - start
+def _serve(conn: Connection, name: str, module: str | None, threads: int, device: str,
+           memory_fraction: float) -> None:
+    """A judge process: judge each message's case until the pipe closes; the answer is the
+    verdict and the seconds judging took, or the oracle's own exception."""
+    torch.set_num_threads(threads)
+    if device.startswith("cuda"):    # a current device for autograd's own threads (cuBLAS)
+        torch.cuda.set_device(torch.device(device) if ":" in device else 0)
+        torch.cuda.set_per_process_memory_fraction(memory_fraction)
+    target = load_target(name, module)
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        (case_json, layouts), storages = unpack(msg)
+        got: dict[str, dict] = {"in": {}, "out": {}}
+        for (role, k, geo), st in zip(layouts, storages):
+            got[role][k] = rebuild(st, geo)
+        start = time.monotonic()
+        try:
+            answer = ("verdict", judge_within_memory(Case.from_json(case_json), target, got["in"], got["out"],
+                                                     device), time.monotonic() - start)
+        except Exception as e:  # noqa: BLE001 - the oracle's own error: kfuzz's, named by the caller
+            answer = ("error", f"{type(e).__name__}: {e}"[:2000], time.monotonic() - start)
+        del got, storages
+        conn.send_bytes(pack(answer, []))
+
+
+@dataclass
+class _Job:
+    case: Case
+    inputs: dict
+    outputs: dict
+    tag: object
+    tries: int = 0
+
+
+@dataclass
+class _Judge:
+    """One judge process, its pipe, and the jobs sent to it (answered in order)."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    outbox: Outbox
+    device: str
+    jobs: list = field(default_factory=list)
+    unread: list = field(default_factory=list)    # each sent job's message size, until answered
+    discard: int = 0                               # answers still due for dropped jobs
 
 
 class Judges:
     """``processes`` judges for ``target`` on ``device`` (0: judge in this process); ``devices``
-    (GPUs) splits them into a pool a GPU, and ``submit`` takes the GPU a result came from."""
+    (GPUs) splits them among the GPUs, and ``submit`` takes the GPU a result came from."""
 
     def __init__(self, target: Target, processes: int = 0, device: str = "cpu", devices: list[str] | None = None):
         self.target, self.processes, self.device = target, processes, device
         gpus = sorted(set(devices or [device]))
         self.share = {d: processes // len(gpus) + (i < processes % len(gpus)) for i, d in enumerate(gpus)}
-        self.pools: dict[str, ProcessPoolExecutor] = {}
-        if processes > 0:
-            self.threads = max(1, (os.cpu_count() or 1) // (2 * processes))
-            for d, n in self.share.items():
-                if n:
-                    self.pools[d] = self._pool(d, n)
-        self.pending: dict[Future, tuple] = {}
+        self.threads = max(1, (os.cpu_count() or 1) // (2 * processes)) if processes else 1
+        self.judges: dict[str, list[_Judge]] = {}
+        self.here: list[tuple[object, Verdict]] = []    # judged in this process, not yet asked for
         self.seconds = 0.0           # spent judging, summed over the judges
-        self.restarts = 0            # judge processes that died and were replaced (their pool)
+        self.restarts = 0            # judge processes that died and were replaced
         self.errors: list[str] = []  # the oracle's or trusted implementation's own exceptions
 
-    def _pool(self, device: str, n: int) -> ProcessPoolExecutor:
-        fraction = MEMORY_SHARE / n if device.startswith("cuda") else 1.0
-        return ProcessPoolExecutor(
-            max_workers=n, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
-            initargs=(self.target.name, getattr(self.target.kernel, "__module__", None), self.threads, device,
-                      fraction))
+    def _spawn(self, device: str) -> _Judge:
+        ctx = multiprocessing.get_context("spawn")     # a fresh interpreter, which may use CUDA
+        mine, theirs = ctx.Pipe()
+        fraction = MEMORY_SHARE / self.share[device] if device.startswith("cuda") else 1.0
+        process = ctx.Process(target=_serve, name="kfuzz-judge", daemon=True,
+                              args=(theirs, self.target.name, getattr(self.target.kernel, "__module__", None),
+                                    self.threads, device, fraction))
+        process.start()
+        theirs.close()
+        return _Judge(process, mine, Outbox(mine, "kfuzz-judge-sender"), device)
 
     def start(self) -> None:
-        """Start every judge now, in the background (a pool starts its processes on demand)."""
-        for where, pool in self.pools.items():
-            for _ in range(self.share[where]):
-                pool.submit(_started)
+        """Start every judge now, in the background (each imports torch and the target)."""
+        for device, n in self.share.items():
+            if self.processes and device not in self.judges:
+                self.judges[device] = [self._spawn(device) for _ in range(n)]
 
     def _where(self, device: str | None) -> str:
         device = device or self.device
-        if device in self.pools:
+        if device in self.judges:
             return device
-        return next(iter(self.pools), device)
+        return next(iter(self.judges), device)
 
     def submit(self, case: Case, inputs: dict, outputs: dict, tag: object = None, device: str | None = None) -> None:
         """Judge ``outputs`` of ``case`` on ``inputs``; ``tag`` comes back with the verdict.
         ``device``: the GPU the kernel ran on, whose judges take it."""
+        self.start()
         where = self._where(device)
-        job = (case, inputs, outputs, tag, where, 0)
-        if where not in self.pools:
-            fut: Future = Future()
+        if where not in self.judges:
             start = time.monotonic()
             try:
-                fut.set_result((judge_within_memory(case, self.target, inputs, outputs, where),
-                                time.monotonic() - start))
-            except Exception as e:  # noqa: BLE001 - the oracle's own error, named by ``done``
-                fut.set_exception(e)
-        else:
-            fut = self._send(case, inputs, outputs, where)
-        self.pending[fut] = job
+                verdict = judge_within_memory(case, self.target, inputs, outputs, where)
+            except Exception as e:  # noqa: BLE001 - the oracle's own error: kfuzz's, counted and named
+                self.errors.append(f"case {case.hash}: {type(e).__name__}: {e}")
+                return
+            self.seconds += time.monotonic() - start
+            self.here.append((tag, Verdict.from_json(self.target.name, verdict)))
+            return
+        self._send(min(self.judges[where], key=lambda j: len(j.jobs)), _Job(case, inputs, outputs, tag))
 
-    def _send(self, case: Case, inputs: dict, outputs: dict, where: str) -> Future:
-        self._renew(where)
-        return self.pools[where].submit(_judge_here, case.to_json(), _message(inputs, outputs), where)
+    def _send(self, judge_: _Judge, job: _Job) -> None:
+        msg = _message(job.case, job.inputs, job.outputs)
+        judge_.outbox.post(msg, sum(judge_.unread))
+        judge_.jobs.append(job)
+        judge_.unread.append(len(msg))
 
     @property
     def busy(self) -> int:
-        return len(self.pending)
+        return len(self.here) + sum(len(j.jobs) for js in self.judges.values() for j in js)
 
     def done(self, timeout: float | None = 0.0) -> list[tuple[object, Verdict]]:
         """The judged results (``tag``, verdict), waiting up to ``timeout`` seconds for one."""
-        if not self.pending:
+        if self.here:
+            out, self.here = self.here, []
+            return out
+        waiting = {j.conn: j for js in self.judges.values() for j in js if j.jobs or j.discard}
+        if not waiting:
             return []
-        finished, _ = wait(list(self.pending), timeout=timeout, return_when=FIRST_COMPLETED)
         out = []
-        for fut in finished:
-            case, inputs, outputs, tag, where, tries = self.pending.pop(fut)
+        for conn in wait(list(waiting), timeout=timeout):
+            j = waiting[conn]
             try:
-                verdict_json, seconds = fut.result()
-            except BrokenProcessPool:       # a judge died under this result: judged again, once
-                if tries == 0:
-                    self.pending[self._send(case, inputs, outputs, where)] = (case, inputs, outputs, tag, where, 1)
-                else:
-                    self.errors.append(f"case {case.hash}: a judge died judging it twice")
+                (kind, answer, seconds), _ = unpack(conn.recv_bytes())
+            except (EOFError, OSError):
+                self._replace(j)
                 continue
-            except Exception as e:  # noqa: BLE001 - kfuzz's side failed: counted and named, not a verdict
-                self.errors.append(f"case {case.hash}: {type(e).__name__}: {e}")
+            if j.discard:
+                j.discard -= 1
                 continue
+            job = j.jobs.pop(0)
+            j.unread.pop(0)
             self.seconds += seconds
-            out.append((tag, Verdict.from_json(self.target.name, verdict_json)))
+            if kind == "verdict":
+                out.append((job.tag, Verdict.from_json(self.target.name, answer)))
+            else:
+                self.errors.append(f"case {job.case.hash}: {answer}")
         return out
 
-    def _renew(self, where: str) -> None:
-        """A fresh pool for ``where`` if a judge of it died (once for all its pending results)."""
-        pool = self.pools[where]
-        if getattr(pool, "_broken", False):
-            pool.shutdown(wait=False, cancel_futures=True)
-            self.pools[where] = self._pool(where, self.share[where])
-            self.restarts += 1
+    def _replace(self, dead: _Judge) -> None:
+        """A fresh judge for one that died; the job it was judging is judged again, once,
+        and the jobs queued behind it go to the replacement."""
+        self._end(dead)
+        self.restarts += 1
+        fresh = self._spawn(dead.device)
+        pool = self.judges[dead.device]
+        pool[pool.index(dead)] = fresh
+        for i, job in enumerate(dead.jobs):
+            judging = i == 0 and not dead.discard      # else a dropped job's was
+            if judging and job.tries:
+                self.errors.append(f"case {job.case.hash}: a judge died judging it twice")
+                continue
+            job.tries += judging
+            self._send(fresh, job)
+
+    @staticmethod
+    def _end(j: _Judge) -> None:
+        if j.process.is_alive():
+            j.process.kill()
+        j.process.join(10)
+        j.outbox.close()
+        j.conn.close()
 
     def drop(self) -> int:
         """Forget the results not yet judged; how many."""
-        n = len(self.pending)
-        for fut in self.pending:
-            fut.cancel()
-        self.pending.clear()
+        n = self.busy
+        self.here = []
+        for js in self.judges.values():
+            for j in js:
+                j.discard += len(j.jobs)
+                j.jobs, j.unread = [], []
         return n
 
     def close(self) -> None:
         """Drop what is pending and end the judges now (one in the middle of a case too)."""
         self.drop()
-        for pool in self.pools.values():
-            processes = list((getattr(pool, "_processes", None) or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for p in processes:
-                if p.is_alive():
-                    p.kill()
-        self.pools = {}
+        for js in self.judges.values():
+            for j in js:
+                self._end(j)
+        self.judges = {}

@@ -13,11 +13,18 @@ from __future__ import annotations
 import ctypes
 import json
 import struct
+import threading
+from multiprocessing.connection import Connection
+from queue import Queue
 from typing import Mapping
 
 import torch
 
 from kfuzz.dtypes import torch_dtype
+
+# bytes that may wait unread in a pipe without blocking the sender (Linux buffers ~200 KiB);
+# more goes through a sender thread
+DIRECT_SEND = 64 << 10
 
 
 def storage_buffer(t: torch.Tensor):
@@ -75,3 +82,46 @@ def dense_outputs(outputs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         t = t.detach().contiguous()
         out.append(t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone())
     return out
+
+
+class Outbox:
+    """Sends messages on ``conn``, in order, without ever blocking the sender on the receiver:
+    directly while the pipe has room (``unread`` bytes may wait in it), else through a
+    sender thread. A large message could fill the pipe while the receiver blocks on sending
+    its own reply (a deadlock), or hangs (its sender could not act on a timeout)."""
+
+    def __init__(self, conn: Connection, name: str = "kfuzz-sender"):
+        self.conn, self.name = conn, name
+        self.queue: Queue | None = None         # the sender thread's, once needed
+
+    def post(self, msg: bytes, unread: int = 0) -> None:
+        if unread + len(msg) <= DIRECT_SEND and (self.queue is None or self.queue.unfinished_tasks == 0):
+            try:
+                self.conn.send_bytes(msg)
+            except OSError:   # the receiver died: its owner finds out from the connection
+                pass
+            return
+        if self.queue is None:
+            self.queue = Queue()
+            threading.Thread(target=_sender, args=(self.conn, self.queue), daemon=True, name=self.name).start()
+        self.queue.put(msg)
+
+    def close(self) -> None:
+        """End the sender thread, once it has sent or dropped what it holds."""
+        if self.queue is not None:
+            self.queue.put(None)
+
+
+def _sender(conn: Connection, queue: Queue) -> None:
+    """Send what ``queue`` holds, in order, until ``None``; a dead receiver's messages are dropped."""
+    while True:
+        msg = queue.get()
+        try:
+            if msg is None:
+                return
+            conn.send_bytes(msg)
+        except (OSError, ValueError, TypeError):   # the receiver died or the connection was closed
+            # under this thread (it then has no handle: TypeError); keep draining to None
+            pass
+        finally:
+            queue.task_done()

@@ -49,10 +49,8 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-import threading
 import time
 from multiprocessing.connection import Connection
-from queue import Queue
 
 import torch
 
@@ -62,7 +60,7 @@ from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.jit import Credit
 from kfuzz.target import load_target, prepare_triton
 from kfuzz.verdict import Verdict
-from kfuzz.wire import pack, unpack
+from kfuzz.wire import Outbox, pack, unpack
 
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
 WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
@@ -72,9 +70,6 @@ FULL_SCAN_EVERY = 32       # answers between scans of every process for the kern
                            # snapshot while processes start and exit); the first answer is scanned
 EXIT_GRACE = 0.25          # seconds a process the kernel started may take to exit after the call
 DEATH_GRACE = 2.0          # seconds a worker whose channel closed after an answer may take to be seen dead
-# bytes that may wait unread in a worker's pipe without blocking kfuzz's send (Linux buffers
-# ~200 KiB); more goes through a sender thread, so that kfuzz never blocks on a worker
-DIRECT_SEND = 64 << 10
 
 
 # the worker process ------------------------------------------------------------------------
@@ -159,22 +154,6 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
                 return   # an escape, a CUDA error or OOM may leave the process unusable: start afresh
 
 
-def _sender(conn: Connection, outbox: Queue) -> None:
-    """Send what ``outbox`` holds, in order, until ``None``; a dead worker's messages are dropped
-    (its cases go to a replacement)."""
-    while True:
-        msg = outbox.get()
-        try:
-            if msg is None:
-                return
-            conn.send_bytes(msg)
-        except (OSError, ValueError, TypeError):   # the worker died or was killed (a connection closed
-            # under this thread has no handle: TypeError); keep draining to None
-            pass
-        finally:
-            outbox.task_done()
-
-
 def worker_case(case: Case) -> tuple:
     """What a worker is told of a case: enough for the contract (target, dtype, dims), not
     the seed that would let a kernel predict its inputs."""
@@ -239,7 +218,7 @@ class Worker:
         self.started = 0.0            # when the head case began to run
         self.credit = Credit()        # the head case's compile time (kfuzz.jit)
         self.suspects: dict[int, int | None] = {}   # pid -> start: running at the last answer, a case queued
-        self.outbox: Queue | None = None                 # the sender thread's, once needed
+        self.outbox = Outbox(self.conn, "kfuzz-worker-sender")
 
     def _await_ready(self) -> None:
         target_name, policy = self.target_name, self._args[4]
@@ -304,21 +283,9 @@ class Worker:
         return launcher.descendants(self.process.pid, scan)[self.own_tree:]
 
     def post(self, msg: bytes, unread: int = 0) -> None:
-        """Send ``msg`` without ever blocking on the worker: directly while the pipe has room
-        (``unread`` bytes may wait in it), else through a sender thread."""
-        if unread + len(msg) <= DIRECT_SEND and (self.outbox is None or self.outbox.unfinished_tasks == 0):
-            try:
-                self.conn.send_bytes(msg)
-            except OSError:   # the worker died on its head case: ``results`` finds out, requeues this
-                pass
-            return
-        # a large message could fill the pipe while the worker blocks on sending its reply
-        # (a deadlock) or hangs (kfuzz could not enforce the timeout): a thread sends it
-        if self.outbox is None:
-            self.outbox = Queue()
-            threading.Thread(target=_sender, args=(self.conn, self.outbox), daemon=True,
-                             name="kfuzz-worker-sender").start()
-        self.outbox.put(msg)
+        """Send ``msg`` without ever blocking on the worker (``unread`` bytes may wait in its pipe):
+        kfuzz must stay free to enforce the timeout of a worker that hangs."""
+        self.outbox.post(msg, unread)
 
     def finish_head(self) -> tuple[Case, dict]:
         case, inputs, _ = self.queue.pop(0)
@@ -340,8 +307,7 @@ class Worker:
         self.process.kill()
         self.process.join(10)
         self.process.release()
-        if self.outbox is not None:
-            self.outbox.put(None)     # the sender, if blocked, fails now that the worker is gone
+        self.outbox.close()     # the sender, if blocked, fails now that the worker is gone
         self.conn.close()
         self.channel.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
