@@ -257,13 +257,22 @@ def register_program(name: str, program: ProgramFn) -> None:
     PROGRAMS[name] = program
 
 
+# programs that compare their inputs' bytes themselves, with a snapshot taken before the call
+# (``execute.kernel_stage``): a change is their ``mutation`` verdict, and the inputs do not
+# travel back (kfuzz's comparison would rest on bytes from the same process, at the price of
+# a device-to-host copy and a pipe transfer of every input a case)
+SELF_CHECKED = frozenset({"call"})
+
+
 def run_program(target: Target, program: Program, inputs: dict[str, Tensors], device: str
                 ) -> tuple[Verdict | None, dict[str, Tensors], dict]:
     """Run ``program`` here on ``inputs`` (already on ``device``; the program may write into
-    them). Adds ``after:<role>`` for every input role: the inputs as they are afterwards."""
+    them). Adds ``after:<role>`` for every input role, the inputs as they are afterwards,
+    unless the program checks them itself (``SELF_CHECKED``)."""
     verdict, outputs, facts = PROGRAMS[program.name](target, program, inputs, torch.device(device))
     outputs = dict(outputs)
-    outputs.update({f"after:{role}": dict(ts) for role, ts in inputs.items()})
+    if program.name not in SELF_CHECKED:
+        outputs.update({f"after:{role}": dict(ts) for role, ts in inputs.items()})
     return verdict, outputs, facts
 
 
@@ -343,12 +352,9 @@ def shared_exception(target: Target, inputs: Tensors, verdict: Verdict) -> Verdi
 
 def settled(r: ProgramResult, target: Target, case: Case, inputs: Tensors) -> tuple[Tensors | None, Verdict | None]:
     """What a ``call`` program's result on kfuzz's ``inputs`` leaves to judge: the outputs, or
-    the verdict that ends the case (the call's own, or a change to the inputs seen here)."""
+    the verdict that ends the case (the call's own: a change to the inputs is its ``mutation``)."""
     if r.verdict is not None:
         return None, shared_exception(target, inputs, r.verdict) or r.verdict
-    verdict = changed_input(target.name, inputs, r.outputs.get("after:case", {}))
-    if verdict is not None:
-        return None, verdict
     outs = outputs_of(r, target, case, "out")
     return (None, outs) if isinstance(outs, Verdict) else (outs, None)
 
