@@ -8,7 +8,9 @@ a GPU machine they are spread over the GPUs visible (``kfuzz.devices.spread``), 
 ``judges`` processes run the oracle and the trusted implementation beside them, on the
 kernel's device (``kfuzz.judges``). A worker that crashes or hangs yields a ``crash`` or
 ``timeout`` verdict whose case is saved like any other failure; the campaign goes on
-until its time or run limit.
+until its time or run limit. A crash for want of memory (``resource-memory``) is run once
+more first: the memory is shared (a GPU's by every worker and judge on it), so another
+process's peak can take it from a case that needs little; a second one is the verdict.
 
 Deadlines: at ``seconds`` the campaign ends, compiles included. The cases still in flight
 (in a worker or waiting for a judge) are dropped and counted (``unfinished``), never judged
@@ -49,7 +51,7 @@ from kfuzz.executor import InProcess, Pool
 from kfuzz.judges import Judges
 from kfuzz.minimize import DEFAULT_BUDGET, minimize_failure
 from kfuzz.programs import Program, settled
-from kfuzz.sandbox import Policy
+from kfuzz.sandbox import MEMORY, Policy
 from kfuzz.schedule import Scheduler, specialization
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
@@ -93,6 +95,7 @@ class CampaignStats:
     specializations: int = 0       # distinct specializations run (kfuzz.schedule)
     specialization_misses: int = 0  # compiles at a JIT key the specialization does not name
     miss_log: list = field(default_factory=list)   # (label, dtype, dims) of the first of them
+    memory_reruns: int = 0         # out-of-memory crashes run once more (the memory is shared)
     minimize_seconds: float = 0.0  # spent minimizing, after the campaign's time
     minimized: dict = field(default_factory=dict)   # saved path -> the minimizer's note
 
@@ -118,6 +121,7 @@ class CampaignStats:
                 "specializations": self.specializations,
                 "specialization_misses": self.specialization_misses,
                 "miss_log": [[w, dt, dims] for w, dt, dims in self.miss_log],
+                "memory_reruns": self.memory_reruns,
                 "minimize_seconds": round(self.minimize_seconds, 3),
                 "sandbox": self.sandbox,
                 "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
@@ -177,6 +181,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     schedule = Scheduler(target, engine, compile_share, workers=max(1, jobs),
                          cold=jobs > 0 and device.startswith("cuda"))
     submitted = 0
+    rerun: set[str] = set()       # cases run again after an out-of-memory crash
 
     def finish(case: Case, verdict: Verdict, ran: Executed, where: str) -> None:
         stats.executions += 1
@@ -263,6 +268,14 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 stats.miss_log.extend((w, case.dtype, case.dim) for w in misses[:MISS_LOG - len(stats.miss_log)])
                 stats.specializations = schedule.size
                 outputs, verdict = settled(r, target, case, inputs)
+                if verdict is not None and verdict.exc_type == MEMORY and case.hash not in rerun:
+                    # a GPU's memory is shared by every worker and judge on it, a host's by the
+                    # workers: the case runs once more, in a fresh worker; again out of memory
+                    # is its verdict
+                    rerun.add(case.hash)
+                    stats.memory_reruns += 1
+                    runner.submit(r.program, affinity=specialization(target, case))
+                    continue
                 ran = Executed(case, outputs, r.coverage, r.seconds)
                 if verdict is not None:
                     finish(case, verdict, ran, r.device or device)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from kfuzz.campaign import run_campaign, worker_devices
@@ -144,6 +145,36 @@ def test_an_oracle_that_raises_is_kfuzz_s_error_not_a_verdict():
     judges.submit(case, inputs, outputs, "tag")
     assert judges.done() == [] and judges.busy == 0
     assert len(judges.errors) == 1 and "ArithmeticError: the oracle cannot" in judges.errors[0]
+
+
+# out of memory -----------------------------------------------------------------------------------
+
+def _memory_target(name: str, fails: int) -> Target:
+    """A row sum whose first ``fails`` calls (in this process) run out of memory."""
+    calls = [0]
+
+    def kernel(x):
+        calls[0] += 1
+        if calls[0] <= fails:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return (x.sum(dim=-1),)
+    return add_target(Target(name=name, kernel=kernel, reference=lambda x: (x.sum(dim=-1),),
+                             args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N",))},
+                             dims={"N": Dim(1, 4), "D": Dim(1, 8)}))
+
+
+@pytest.mark.parametrize("fails, failures", [(1, 0), (2, 1)])
+def test_an_out_of_memory_crash_runs_once_more_before_it_is_a_verdict(tmp_path, fails, failures):
+    """Another process's peak can take a shared GPU's memory from a case that needs little: the
+    case runs again, and only a second out-of-memory crash is saved as its failure."""
+    target = _memory_target(f"oom_{fails}", fails)
+    case = Case.make(target.name, "float32", 1, {"N": 2, "D": 3})
+    stats = run_campaign(target, ListEngine([case]), Corpus(tmp_path), runs=1, jobs=0, minimize_seconds=0)
+    assert stats.executions == 1 and stats.memory_reruns == 1
+    assert len(stats.failures) == failures == len(stats.saved)
+    if failures:
+        (sig,) = stats.failures
+        assert sig.kind == "crash" and sig.exc_type == "resource-memory"
 
 
 # the minimizer's budget --------------------------------------------------------------------------

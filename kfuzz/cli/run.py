@@ -38,6 +38,9 @@ def _render(stats: CampaignStats, limit: str) -> Table:
                       f"{stats.specialization_misses} compile(s) of a kernel at a JIT key that the target's "
                       f"specialization does not name (first: {what} at {dtype} {dims}; the stats' miss_log)")
     table.add_row("workers restarted", str(stats.worker_restarts))
+    if stats.memory_reruns:
+        table.add_row("out of memory, run again", f"{stats.memory_reruns} case(s) (the memory is shared; "
+                                                  "a second out-of-memory crash is the verdict)")
     if stats.judge_errors or stats.judge_restarts:
         first = f" (first: {stats.judge_errors[0]})" if stats.judge_errors else ""
         table.add_row("[yellow]kfuzz errors[/yellow]", f"{len(stats.judge_errors)} case(s) not judged, "
