@@ -28,7 +28,8 @@ yet costs a JIT compile; the scheduler opens new ones one (or ``compile_share`` 
 workers) at a time, and only while compiling has taken at most ``compile_share`` of the
 workers' time; the other cases reuse specializations already opened. A GPU campaign's first
 case is the target's smallest (the cheapest compile), and until it has come back no other is
-sent (the others then find its kernels in the JIT cache).
+sent, to any worker (the others then find its kernels in the JIT cache; a second case queued
+behind it on the same worker would open a second specialization before any compile is seen).
 
 Cases that an engine keeps in its corpus (new coverage or, for the atheris engine, a new
 divergence feature) are saved under ``seeds/<target>/``.
@@ -235,12 +236,9 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             open_ = ((end is None or now < end) and (runs is None or submitted < runs)
                      and not (stop_on_failure and stats.failures))
             capacity = getattr(engine, "capacity", None)   # cases it can have out at once
-            # until a case has come back, one at a time: a cold GPU campaign compiles its first
-            # specialization in one worker, the others then load it from the JIT cache
-            first_round = jobs > 1 and schedule.size == 0 and device.startswith("cuda")
             while (open_ and runner.idle > 0 and (runs is None or submitted < runs)
                    and (capacity is None or runner.busy + judging.busy < capacity)
-                   and judging.busy <= max(2 * n_judges, 1) and not (first_round and runner.busy)):
+                   and judging.busy <= max(2 * n_judges, 1) and not schedule.waiting_first):
                 case = schedule.next_case(stats.seconds, stats.compile_seconds)
                 runner.submit(Program("call", case, {"case": materialize(case, target, "cpu")}),
                               affinity=specialization(target, case))

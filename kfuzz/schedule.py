@@ -31,7 +31,8 @@ CPU, the Triton interpreter: never) every draw passes.
 A cold start (``cold=True``: a GPU campaign, whose first case compiles every kernel it
 calls) opens with the target's smallest case: the first draw, redrawn at each dim's lower
 bound (``smallest``), so the first verdict waits on the cheapest compile (the smallest
-tiles) and small sizes, where bugs live, are run first.
+tiles) and small sizes, where bugs live, are run first; until that case has come back no other
+is drawn (``waiting_first``).
 
 A key can miss a trigger. The compile notes name what compiled (``kfuzz.jit.label``), and
 ``observe`` returns a kernel compiled at a JIT key that the earlier cases of its
@@ -107,6 +108,14 @@ class Scheduler:
     @property
     def size(self) -> int:
         return len(self.ran)
+
+    @property
+    def waiting_first(self) -> bool:
+        """A cold start whose first case is out and not back: no other case is to be drawn
+        until it is. Its compile fills the JIT cache that other workers then load from, and a
+        draw before any compile is seen would open a second specialization (one worker would
+        compile both before its first verdict)."""
+        return self.cold and not self.ran and bool(self.like)
 
     def next_case(self, elapsed: float, compile_seconds: float) -> Case:
         """The next case, ``elapsed`` seconds into the campaign, its workers having compiled

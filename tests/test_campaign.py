@@ -400,6 +400,22 @@ def test_smallest_keeps_a_case_whose_lowest_dims_the_target_refuses():
     assert smallest(target, case).dim == {n: d.lo for n, d in target.dims.items()}
 
 
+@pytest.mark.parametrize("workers", [1, 8])
+def test_a_cold_start_draws_nothing_more_until_its_first_case_is_back(workers):
+    """With one worker too: a second case queued behind the first would be a fresh draw, a
+    second specialization compiled before the first verdict."""
+    target = get_target("softmax")
+    cold = Scheduler(target, RandomEngine(target, seed=1), workers=workers, cold=True)
+    assert not cold.waiting_first
+    first = cold.next_case(0.0, 0.0)
+    assert cold.waiting_first
+    cold.observe(first, compile_seconds=5.0)
+    assert not cold.waiting_first
+    warm = Scheduler(target, RandomEngine(target, seed=1), workers=workers)
+    warm.next_case(0.0, 0.0)
+    assert not warm.waiting_first
+
+
 def test_without_compiles_the_scheduler_passes_the_engines_draws():
     target = get_target("softmax")
     schedule = Scheduler(target, RandomEngine(target, seed=1), workers=4)
