@@ -53,7 +53,7 @@ def _dict_of(space: Any) -> dict:
     return inner[0] if inner else dict(d)
 
 
-_cache: list = []    # [len(sys.modules), namespaces, their dicts, ids of watched functions]
+_cache: list = []    # [len(sys.modules), namespaces, their dicts, ids of watched functions, tag views]
 
 # Every assignment to a function's ``__code__`` raises the audit event "object.__setattr__"
 # before it happens: the hook records the function and the code it still has, so a snapshot
@@ -73,19 +73,22 @@ def _record_code_swap(event: str, args: tuple) -> None:
 sys.addaudithook(_record_code_swap)
 
 
-def _watched() -> tuple[list, list, list]:
-    """The namespaces, their dicts and the watched Python functions; recomputed when a
-    module is imported."""
+def _watched() -> tuple[list, list, set, list | None]:
+    """The namespaces, their dicts, the watched Python functions and the dicts' version-tag
+    views (None without them; the cache keeps the dicts alive, so their views stay valid);
+    recomputed when a module is imported."""
     if not _cache or _cache[0] != len(sys.modules):
         spaces, code_spaces = _watched_namespaces()
         funcs = {id(f) for s in code_spaces for f in list(vars(s).values()) if type(f) is types.FunctionType}
-        _cache[:] = [len(sys.modules), spaces, [_dict_of(s) for s in spaces], funcs]
-    return _cache[1], _cache[2], _cache[3]
+        dicts = [_dict_of(s) for s in spaces]
+        _cache[:] = [len(sys.modules), spaces, dicts, funcs, None if _version is None else [_version(d) for d in dicts]]
+    return _cache[1], _cache[2], _cache[3], _cache[4]
 
 
 def _dict_version_reader():
-    """CPython's version tag of a dict (PEP 509: every change to the dict moves it), read
-    through ctypes, or None where a probe does not see it move as it should (another
+    """CPython's version tag of a dict (PEP 509: every change to the dict moves it) through
+    ctypes: a function that gives a dict's tag as a view whose ``value`` reads it (valid while
+    the dict lives), or None where a probe does not see it move as it should (another
     interpreter or layout); the snapshot then compares every value on every call."""
     if sys.implementation.name != "cpython":
         return None
@@ -93,8 +96,11 @@ def _dict_version_reader():
         import ctypes
         offset = 3 * ctypes.sizeof(ctypes.c_ssize_t)        # after ob_refcnt, ob_type, ma_used
 
+        def view(d: dict):
+            return ctypes.c_uint64.from_address(id(d) + offset)
+
         def read(d: dict) -> int:
-            return ctypes.c_uint64.from_address(id(d) + offset).value
+            return view(d).value
         probe = {"a": 1}
         tags = [read(probe)]
         probe["a"] = 2
@@ -104,7 +110,7 @@ def _dict_version_reader():
         del probe["b"]
         tags.append(read(probe))
         if len(set(tags)) == 4 and read(probe) == tags[-1] and read({}) != tags[-1]:
-            return read
+            return view
     except Exception:
         pass
     return None
@@ -148,11 +154,11 @@ class NamespaceSnapshot:
     first, in C). A replaced attribute keeps its place in its dict, so listing keys and values
     is enough to say which one it was."""
 
-    __slots__ = ("spaces", "dicts", "tags", "keys", "values", "funcs", "codes")
+    __slots__ = ("spaces", "dicts", "views", "tags", "keys", "values", "funcs", "codes")
 
     def __init__(self):
-        self.spaces, self.dicts, self.funcs = _watched()
-        self.tags = None if _version is None else [_version(d) for d in self.dicts]
+        self.spaces, self.dicts, self.funcs, self.views = _watched()
+        self.tags = None if self.views is None else [v.value for v in self.views]
         if self.tags is None:
             self.keys = [list(d) for d in self.dicts]
             self.values = [list(d.values()) for d in self.dicts]
@@ -169,7 +175,7 @@ class NamespaceSnapshot:
     def _changed_keys(self, i: int) -> tuple[list[str], dict]:
         now = self.dicts[i]
         if self.tags is not None:
-            if _version(now) == self.tags[i]:
+            if self.views[i].value == self.tags[i]:
                 return [], {}
         else:
             try:

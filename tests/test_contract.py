@@ -1,6 +1,8 @@
 """The call contract's namespace snapshot against torch's own lazy state (kfuzz.contract)."""
+import pytest
 import torch
 
+import kfuzz.contract
 from kfuzz.contract import NamespaceSnapshot
 
 
@@ -23,3 +25,20 @@ def test_cuda_initialization_during_a_call_is_not_a_replacement():
         assert torch.cuda.default_generators is filled
     finally:
         torch.cuda.default_generators = was
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["version-tags", "every-value"])
+def test_a_replaced_function_is_named_and_put_back_with_or_without_version_tags(monkeypatch, tags):
+    """The snapshot reads CPython's dict version tags where it can and compares every value
+    elsewhere: both name a replacement, put the original back, and see nothing in a clean call."""
+    if not tags:
+        monkeypatch.setattr(kfuzz.contract, "_version", None)
+    monkeypatch.setattr(kfuzz.contract, "_cache", [])
+    assert (kfuzz.contract._watched()[3] is None) is (not tags)
+    original = torch.softmax
+    snapshot = NamespaceSnapshot()
+    torch.softmax = lambda *a, **k: None
+    assert snapshot.undo() == ["torch.softmax"] and torch.softmax is original
+    snapshot = NamespaceSnapshot()
+    torch.ones(2).sum()
+    assert snapshot.undo() == []
