@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -61,7 +62,9 @@ def _message(case: Case, inputs: dict, outputs: dict) -> bytes:
 def _serve(conn: Connection, name: str, module: str | None, threads: int, device: str,
            memory_fraction: float) -> None:
     """A judge process: judge each message's case until the pipe closes; the answer is the
-    verdict and the seconds judging took, or the oracle's own exception."""
+    verdict and the seconds judging took, or the oracle's own exception. A terminal's Ctrl-C
+    reaches the whole process group: kfuzz's process ends its judges itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     if device.startswith("cuda"):    # a current device for autograd's own threads (cuBLAS)
         torch.cuda.set_device(torch.device(device) if ":" in device else 0)

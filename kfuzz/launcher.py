@@ -337,6 +337,9 @@ def _child(entry: tuple[str, str], args: tuple, keep: list[int]) -> None:
 
 
 def _zygote_main(fd: int) -> None:
+    # a terminal's Ctrl-C reaches the whole process group: kfuzz's process ends the zygote and
+    # its workers itself (they inherit this), without a KeyboardInterrupt traceback from each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     hello, _ = _recv(sock)
     sys.path[:] = hello["path"]

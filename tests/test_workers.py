@@ -1,5 +1,6 @@
 """Sandboxed workers: a segfault and a hang become verdicts with their cases saved, the
 campaign goes on, and a worker's result is judged exactly as an in-process execution."""
+import os
 import signal
 import time
 
@@ -284,6 +285,30 @@ def test_a_terminated_campaign_still_writes_its_summary(tmp_path):
     stats = json.loads(stats_json.read_text())
     assert stats["interrupted"] is True and stats["executions"] > 0 and not stats["failures"]
     assert "interrupted" in out
+
+
+def test_ctrl_c_ends_the_campaign_and_its_workers_and_judges_without_a_traceback(tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the whole process group: kfuzz's process stops as on
+    SIGTERM (summary, exit 130), and its zygote, workers and judges leave the ending to it,
+    without a KeyboardInterrupt traceback each."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "from kfuzz.cli import main; main()", "run", "--target",
+                          "softmax", "--engine", "atheris", "--time", "300", "--jobs", "1", "--judges", "1",
+                          "--root", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not any((tmp_path / "seeds").rglob("*.zst")) and time.monotonic() < deadline:
+            time.sleep(0.5)   # running: the coverage engine has kept a case
+        time.sleep(1.0)
+        os.killpg(p.pid, signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "interrupted" in out, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
 
 
 def test_a_target_whose_import_breaks_forked_copies_runs_in_workers():
