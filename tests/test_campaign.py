@@ -133,6 +133,26 @@ def test_a_judge_that_dies_is_replaced_and_its_results_judged_again():
     assert judges.restarts == 1 and judges.errors == []
 
 
+def test_results_dropped_at_a_judge_never_come_back_as_later_ones():
+    """A judge answers in order; the answers still due for dropped results are discarded, so a
+    result submitted after a drop gets its own verdict, not a dropped one's."""
+    target = get_target("softmax.nomax")
+    failing, passing = OVERFLOW, Case.make("softmax.nomax", "float32", 4, {"N": 3, "D": 17})
+    ran = {case: kernel_stage(case, target)[:2] for case in (failing, passing)}
+    judges = Judges(target, processes=1)
+    try:
+        for tag in ("dropped-1", "dropped-2"):
+            judges.submit(failing, *ran[failing], tag)
+        assert judges.drop() == 2 and judges.busy == 0
+        judges.submit(passing, *ran[passing], "kept")
+        got, deadline = [], time.monotonic() + 600
+        while judges.busy and time.monotonic() < deadline:
+            got += judges.done(5.0)
+    finally:
+        judges.close()
+    assert [(tag, v.passed) for tag, v in got] == [("kept", True)]
+
+
 def test_an_oracle_that_raises_is_kfuzz_s_error_not_a_verdict():
     def reference(x):
         raise ArithmeticError("the oracle cannot")
