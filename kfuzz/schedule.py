@@ -167,9 +167,11 @@ class Scheduler:
         return dataclasses.replace(like, seed=self.rng.getrandbits(32))
 
     def _mixed(self, like: Case) -> Case:
-        """``like``'s dims, one of them (at random) taken from a fresh draw."""
+        """``like``'s dims, one of them (at random) taken from a fresh draw: of that dim alone
+        where the engine draws one (``draw_dim(name)``), else of a whole case."""
         name = self.rng.choice(sorted(like.dim))
-        dims = {**like.dim, name: self.engine.next_case().dim[name]}
+        draw_dim = getattr(self.engine, "draw_dim", None)
+        dims = {**like.dim, name: draw_dim(name) if draw_dim is not None else self.engine.next_case().dim[name]}
         return Case.make(like.target, like.dtype, like.seed, dims)
 
     def observe(self, case: Case, compile_seconds: float, compiled: tuple[str, ...] = ()) -> list[str]:

@@ -103,6 +103,11 @@ class RandomEngine:
     def next_case(self) -> Case:
         return sample_case(self.target, self.rng)
 
+    def draw_dim(self, name: str) -> int:
+        """A fresh value of dim ``name``, drawn as a whole case's would be."""
+        d = self.target.dims[name]
+        return sample_size(self.rng, d.lo, d.search_hi, d.multiple_of)
+
     def redraw(self, like: Case) -> Case:
         """A case in place of the last one drawn, of ``like``'s dims and dtype (so of a JIT
         specialization already compiled: ``kfuzz.schedule``)."""
