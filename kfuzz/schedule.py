@@ -20,8 +20,9 @@ keys are in flight and (b) compiling has taken at most ``share`` of the workers'
 (``kfuzz.jit`` notes, summed over the workers); otherwise a draw of a new key is replaced by
 a fresh case of a key already compiled (one at random: its dtype, its dims or those with one
 dim from a fresh draw, the rest redrawn until the key matches, at most ``REDRAWS`` tries,
-else its values redrawn), from an engine that can redraw (``redraw(like)``, the random
-engine); other engines' cases pass unchanged. A key in flight (opened, its first case not
+else its values redrawn), from an engine that can redraw (``redraw(like)``, and
+``draw_dim(name)`` for one dim's fresh value: the random engine); other engines' cases pass
+unchanged. A key in flight (opened, its first case not
 back) is not handed to a second worker either: that worker would compile the same kernels
 at the same time, each compile slowing the others, where once the first is back it loads
 them from the disk cache. So a campaign that compiles settles at a steady rate, most of its
