@@ -96,6 +96,7 @@ class _Job:
     outputs: dict
     tag: object
     tries: int = 0
+    size: int = 0          # bytes of its message, unread by the judge until it answers
 
 
 @dataclass
@@ -107,7 +108,6 @@ class _Judge:
     outbox: Outbox
     device: str
     jobs: list = field(default_factory=list)
-    unread: list = field(default_factory=list)    # each sent job's message size, until answered
     discard: int = 0                               # answers still due for dropped jobs
 
 
@@ -168,9 +168,9 @@ class Judges:
 
     def _send(self, judge_: _Judge, job: _Job) -> None:
         msg = _message(job.case, job.inputs, job.outputs)
-        judge_.outbox.post(msg, sum(judge_.unread))
+        judge_.outbox.post(msg, sum(j.size for j in judge_.jobs))
+        job.size = len(msg)
         judge_.jobs.append(job)
-        judge_.unread.append(len(msg))
 
     @property
     def busy(self) -> int:
@@ -196,7 +196,6 @@ class Judges:
                 j.discard -= 1
                 continue
             job = j.jobs.pop(0)
-            j.unread.pop(0)
             self.seconds += seconds
             if kind == "verdict":
                 out.append((job.tag, Verdict.from_json(self.target.name, answer)))
@@ -235,7 +234,7 @@ class Judges:
         for js in self.judges.values():
             for j in js:
                 j.discard += len(j.jobs)
-                j.jobs, j.unread = [], []
+                j.jobs = []
         return n
 
     def close(self) -> None:

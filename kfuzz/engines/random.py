@@ -75,10 +75,15 @@ def sample_injections(rng: random.Random, numel: int, names: list[str]) -> tuple
     return tuple(sorted(picks.items()))
 
 
+def sample_dim(rng: random.Random, dim) -> int:
+    """A value of ``dim`` (a ``Dim``) over its search range."""
+    return sample_size(rng, dim.lo, dim.search_hi, dim.multiple_of)
+
+
 def sample_case(target: Target, rng: random.Random, like: Case | None = None) -> Case:
     """A case for ``target``; with ``like``, one of its dims and dtype (everything else drawn)."""
     for _ in range(100 if like is None else 0):
-        dims = {name: sample_size(rng, d.lo, d.search_hi, d.multiple_of) for name, d in target.dims.items()}
+        dims = {name: sample_dim(rng, d) for name, d in target.dims.items()}
         if target.constraint is None or not target.constraint(dims):
             break
     if like is not None:
@@ -105,8 +110,7 @@ class RandomEngine:
 
     def draw_dim(self, name: str) -> int:
         """A fresh value of dim ``name``, drawn as a whole case's would be."""
-        d = self.target.dims[name]
-        return sample_size(self.rng, d.lo, d.search_hi, d.multiple_of)
+        return sample_dim(self.rng, self.target.dims[name])
 
     def redraw(self, like: Case) -> Case:
         """A case in place of the last one drawn, of ``like``'s dims and dtype (so of a JIT
