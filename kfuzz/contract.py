@@ -118,6 +118,7 @@ def _dict_version_reader():
 
 _version = _dict_version_reader()
 _seen: dict[int, tuple[int, list, list]] = {}    # id(dict) -> (version, keys, values) when last read
+_last: list = []    # the last snapshot's [tags, dicts, keys, values]: reused while no tag moved
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -162,6 +163,8 @@ class NamespaceSnapshot:
         if self.tags is None:
             self.keys = [list(d) for d in self.dicts]
             self.values = [list(d.values()) for d in self.dicts]
+        elif _last and _last[0] == self.tags and _last[1] is self.dicts:    # nothing moved since
+            self.keys, self.values = _last[2], _last[3]
         else:
             self.keys, self.values = [], []
             for d, tag in zip(self.dicts, self.tags):
@@ -170,6 +173,7 @@ class NamespaceSnapshot:
                     seen = _seen[id(d)] = (tag, list(d), list(d.values()))
                 self.keys.append(seen[1])
                 self.values.append(seen[2])
+            _last[:] = [self.tags, self.dicts, self.keys, self.values]
         self.codes = len(_code_swaps)
 
     def _changed_keys(self, i: int) -> tuple[list[str], dict]:
@@ -196,6 +200,8 @@ class NamespaceSnapshot:
 
     def undo(self) -> list[str]:
         """What the call replaced or removed, as ``namespace.name``; restores each."""
+        if self.tags is not None and len(_code_swaps) == self.codes and [v.value for v in self.views] == self.tags:
+            return []
         changed = []
         for i, space in enumerate(self.spaces):
             keys, before = self._changed_keys(i)
@@ -219,6 +225,10 @@ class NamespaceSnapshot:
         return changed
 
 
+try:     # the handler as set, without signal.getsignal's conversion to an enum (read twice a call)
+    from _signal import getsignal as _getsignal
+except ImportError:     # pragma: no cover - another interpreter
+    _getsignal = signal.getsignal
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2")
                  if hasattr(signal, n))
 
@@ -228,7 +238,7 @@ def current_hooks() -> tuple:
     thread's and new threads'), garbage-collection callbacks, timer and user signal handlers."""
     return (sys.gettrace(), sys.getprofile(), getattr(threading, "_trace_hook", None),
             getattr(threading, "_profile_hook", None), tuple(gc.callbacks),
-            tuple(signal.getsignal(s) for s in _SIGNALS))
+            tuple(_getsignal(s) for s in _SIGNALS))
 
 
 def restore_hooks(hooks: tuple) -> list[str]:

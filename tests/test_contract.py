@@ -42,3 +42,26 @@ def test_a_replaced_function_is_named_and_put_back_with_or_without_version_tags(
     snapshot = NamespaceSnapshot()
     torch.ones(2).sum()
     assert snapshot.undo() == []
+
+
+def test_a_replacement_after_clean_calls_is_named_whether_made_inside_or_between_calls():
+    """Clean calls in a row reuse the last snapshot's listing while no namespace moved; a
+    replacement made inside a later call is still named, and one made between calls (by
+    kfuzz's own code, say) is part of the next snapshot, not that call's doing."""
+    original = torch.softmax
+    for _ in range(3):
+        snapshot = NamespaceSnapshot()
+        torch.ones(2).sum()
+        assert snapshot.undo() == []
+    snapshot = NamespaceSnapshot()
+    torch.softmax = lambda *a, **k: None
+    assert snapshot.undo() == ["torch.softmax"] and torch.softmax is original
+    replacement = torch.softmax = lambda *a, **k: None
+    try:
+        snapshot = NamespaceSnapshot()
+        assert snapshot.undo() == [] and torch.softmax is replacement
+        snapshot = NamespaceSnapshot()
+        torch.softmax = original
+        assert snapshot.undo() == ["torch.softmax"] and torch.softmax is replacement
+    finally:
+        torch.softmax = original
