@@ -623,10 +623,21 @@ def compile_cache(workdir: str) -> str:
     campaign's cache), else a directory inside the worker's own; never the user's ~/.triton.
     torch.compile's (``TORCHINDUCTOR_CACHE_DIR``) goes beneath it, whatever the parent's
     environment says: a kernel that uses ``torch.compile`` writes there, not to
-    /tmp/torchinductor_<user>, which a confined worker may not write."""
+    /tmp/torchinductor_<user>, which a confined worker may not write. Temporary files
+    (``TMPDIR``, ``tempfile``) go to a folder inside the worker's own directory, and
+    torch.compile compiles in the worker itself (``TORCHINDUCTOR_COMPILE_THREADS=1``): its
+    default is a pool of compile processes kept for later compiles, which would outlive the
+    call that started them."""
     cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(workdir, "triton-cache")
     os.environ["TRITON_CACHE_DIR"] = cache
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "torchinductor")
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:     # imported already (a preloaded module): its setting was read then
+        inductor.compile_threads = 1
+    tmp = os.path.join(workdir, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = tmp
     os.makedirs(cache, exist_ok=True)
     return cache
 

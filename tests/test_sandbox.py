@@ -439,3 +439,41 @@ def test_a_process_seen_while_the_next_case_runs_is_judged_at_the_next_answer(mo
     w.queue = ["next"]
     w.suspects = {105: 3}
     assert w.escape() is None
+
+
+# a plugin kernel doing, inside its call, what torch.compile does on a GPU (start inductor's
+# pool of compile processes, kept for later compiles) and what libraries do with temporary files
+COMPILE_POOL = '''
+import tempfile
+
+import torch
+from torch._inductor.async_compile import AsyncCompile
+
+from kfuzz.target import Arg, Dim, Output, target
+
+
+@target("probe.compilepool", reference=lambda x: x * 2, args={"x": Arg(("N",))},
+        outputs={"out": Output(("N",))}, dims={"N": Dim(1, 16)})
+def doubled(x):
+    AsyncCompile.warm_pool()
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(b"scratch")
+    return x * 2
+'''
+
+
+def test_torch_compiles_pool_and_temporary_files_stay_inside_a_worker(install_plugin, tmp_path):
+    """A correct kernel that uses torch.compile and temporary files passes in a confined worker:
+    inductor compiles in the worker (no pool of compile processes that would outlive the call:
+    ``sandbox-fork``), and ``tempfile`` writes beneath the worker's own directory (not /tmp:
+    ``sandbox-write``)."""
+    from click.testing import CliRunner
+
+    import kfuzz.cli.run  # noqa: F401  (registers the verbs)
+    from kfuzz.cli import cli
+    install_plugin("probe_compile", {"probe_compilepool.py": COMPILE_POOL},
+                   {"kfuzz.targets": {"compilepool": "probe_compilepool"}})
+    r = CliRunner().invoke(cli, ["run", "--target", "probe.compilepool", "--runs", "3", "--jobs", "1",
+                                 "--device", "cpu", "--root", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert "3 executions" in r.stdout and "0 failure signature(s)" in r.stdout
