@@ -40,8 +40,8 @@ from kfuzz.programs import (Program, ProgramResult, Tensors, is_storage_role, re
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
-from kfuzz.wire import geometry, pack, rebuild, unpack
-from kfuzz.workers import WORKER_VERDICTS, Worker, death, worker_case, worker_policy
+from kfuzz.wire import rebuild, unpack
+from kfuzz.workers import WORKER_VERDICTS, Worker, death, program_message, worker_policy
 
 # what a program worker imports before it is confined: the programs, and torch._dynamo, which
 # torch.use_deterministic_algorithms (G10) imports and which makes a directory in /tmp
@@ -211,12 +211,7 @@ class Pool:
         if affinity is not None:
             self.ran[i].add(affinity)
         w = self.workers[i]
-        layouts, tensors = [], []
-        for role, ts in program.inputs.items():
-            for arg, t in ts.items():
-                layouts.append((role, arg, geometry(t)))
-                tensors.append(t)
-        msg = pack(("program", worker_case(program.case), program.name, program.params, layouts), tensors)
+        msg = program_message(program.case, program.name, program.params, program.inputs)
         if not w.queue:
             w.started = time.monotonic()
             w.credit.reset()

@@ -54,9 +54,25 @@ def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict,
         release_device_memory(device)
 
 
-def _message(case: Case, inputs: dict, outputs: dict) -> bytes:
+def judge_message(case: Case, inputs: dict, outputs: dict) -> bytes:
+    """The message that asks a judge for ``case``'s verdict on the kernel's ``outputs``."""
     items = [("in", k, t) for k, t in inputs.items()] + [("out", k, t) for k, t in outputs.items()]
     return pack((case.to_json(), [(role, k, geometry(t)) for role, k, t in items]), [t for _, _, t in items])
+
+
+def judged(msg: bytes, target: Target, device: str) -> tuple:
+    """A judge's answer to a ``judge_message``: ``("verdict", verdict JSON, seconds)``, or
+    ``("error", the oracle's own exception, seconds)``."""
+    (case_json, layouts), storages = unpack(msg)
+    got: dict[str, dict] = {"in": {}, "out": {}}
+    for (role, k, geo), st in zip(layouts, storages):
+        got[role][k] = rebuild(st, geo)
+    start = time.monotonic()
+    try:
+        return ("verdict", judge_within_memory(Case.from_json(case_json), target, got["in"], got["out"], device),
+                time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001 - the oracle's own error: kfuzz's, named by the caller
+        return ("error", f"{type(e).__name__}: {e}"[:2000], time.monotonic() - start)
 
 
 def _serve(conn: Connection, name: str, module: str | None, threads: int, device: str,
@@ -75,17 +91,8 @@ def _serve(conn: Connection, name: str, module: str | None, threads: int, device
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        (case_json, layouts), storages = unpack(msg)
-        got: dict[str, dict] = {"in": {}, "out": {}}
-        for (role, k, geo), st in zip(layouts, storages):
-            got[role][k] = rebuild(st, geo)
-        start = time.monotonic()
-        try:
-            answer = ("verdict", judge_within_memory(Case.from_json(case_json), target, got["in"], got["out"],
-                                                     device), time.monotonic() - start)
-        except Exception as e:  # noqa: BLE001 - the oracle's own error: kfuzz's, named by the caller
-            answer = ("error", f"{type(e).__name__}: {e}"[:2000], time.monotonic() - start)
-        del got, storages
+        answer = judged(msg, target, device)
+        del msg
         conn.send_bytes(pack(answer, []))
 
 
@@ -167,7 +174,7 @@ class Judges:
         self._send(min(self.judges[where], key=lambda j: len(j.jobs)), _Job(case, inputs, outputs, tag))
 
     def _send(self, judge_: _Judge, job: _Job) -> None:
-        msg = _message(job.case, job.inputs, job.outputs)
+        msg = judge_message(job.case, job.inputs, job.outputs)
         judge_.outbox.post(msg, sum(j.size for j in judge_.jobs))
         job.size = len(msg)
         judge_.jobs.append(job)

@@ -60,7 +60,7 @@ from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.jit import Credit
 from kfuzz.target import load_target, prepare_triton
 from kfuzz.verdict import Verdict
-from kfuzz.wire import Outbox, pack, unpack
+from kfuzz.wire import Outbox, geometry, pack, unpack
 
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge
 WORKER_VERDICTS = frozenset({"exception", "contract", "mutation", "crash"})
@@ -141,14 +141,12 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
         except (EOFError, OSError):
             return
         header, storages = unpack(msg)
-        kind, told = header[0], header[1]
-        if kind == "stop":
+        if header[0] == "stop":
             return
-        case = Case(told[0], told[1], 0, tuple((k, int(v)) for k, v in told[2]))
-        if kind == "program":
+        if header[0] == "program":
             from kfuzz.programs import answer    # preloaded by the pools that send programs
-            reply, crashed = answer(target, case, header[2], header[3], header[4], storages, device,
-                                    cpu_seconds, coverage)
+            case, name, params, layouts = read_program(header)
+            reply, crashed = answer(target, case, name, params, layouts, storages, device, cpu_seconds, coverage)
             conn.send_bytes(reply)
             if crashed:
                 return   # an escape, a CUDA error or OOM may leave the process unusable: start afresh
@@ -158,6 +156,23 @@ def worker_case(case: Case) -> tuple:
     """What a worker is told of a case: enough for the contract (target, dtype, dims), not
     the seed that would let a kernel predict its inputs."""
     return case.target, case.dtype, case.dims
+
+
+def program_message(case: Case, name: str, params: dict, inputs: dict[str, dict[str, torch.Tensor]]) -> bytes:
+    """The message that asks a worker to run program ``name`` on ``inputs`` (tensors by role
+    and argument, their whole storages sent) for ``case`` (``worker_case``: no seed)."""
+    layouts, tensors = [], []
+    for role, ts in inputs.items():
+        for arg, t in ts.items():
+            layouts.append((role, arg, geometry(t)))
+            tensors.append(t)
+    return pack(("program", worker_case(case), name, params, layouts), tensors)
+
+
+def read_program(header: list) -> tuple[Case, str, dict, list]:
+    """The case (seed 0), program name, parameters and input layouts of a ``program_message``."""
+    told = header[1]
+    return Case(told[0], told[1], 0, tuple((k, int(v)) for k, v in told[2])), header[2], header[3], header[4]
 
 
 class _CudaUnavailable(Exception):

@@ -461,3 +461,21 @@ def test_a_pool_sends_a_specialization_to_the_workers_that_ran_it():
     assert placed == [cases[:2], cases[2:3]]
     assert sorted(r.program.case.seed for r in got) == [0, 1, 2]
     assert pool.ran == [{"a"}, {"b"}]
+
+
+def test_the_stage_benchmark_prints_each_sides_stages_and_the_ratio(tmp_path):
+    """``tools/bench_stages.py`` runs a target's cases both ways in one process and prints
+    each stage's microseconds a case, each side's sum and the bare loop's ratio."""
+    import os
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "tools/bench_stages.py", "--targets", "hacks.honest_softmax", "--cases", "12",
+                        "--device", "cpu", "--profile", "4"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "KFUZZ_FIXTURES": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [line.split(" | ") for line in p.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    stages = {(r[0].strip("| "), r[1]) for r in rows[1:]}
+    assert {("worker", "answer (programs.answer)"), ("judge", "judged"), ("bare loop", "kernel"),
+            ("kfuzz's process", "all")} <= stages
+    assert all(float(r[2].strip(" |")) > 0 for r in rows[1:])
+    assert "bare loop / kfuzz's busiest process:" in p.stdout and "programs.py" in p.stdout
