@@ -451,9 +451,23 @@ def base_record(entry: CorpusEntry) -> dict:
     return rec
 
 
+def shares_memory(device: str) -> bool:
+    """Whether kernels audited at once share ``device``'s memory: a GPU's, where one kernel's
+    allocation can fail for what the others hold (on the CPU each worker has a limit of its own)."""
+    return str(device).startswith("cuda")
+
+
+def out_of_device_memory(record: dict) -> bool:
+    """Whether the kernel's standard test, weights contract or a gate ended for want of memory
+    (``resource-memory``)."""
+    from kfuzz import sandbox
+    parts = [record.get("standard"), record.get("weights"), *record.get("gates", {}).values()]
+    return any(isinstance(p, dict) and sandbox.MEMORY in (p.get("exc_type"), p.get("finding")) for p in parts)
+
+
 class _Running:
-    def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False):
-        self.entry, self.start, self.timeout = entry, time.monotonic(), timeout
+    def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False, alone: bool = False):
+        self.entry, self.start, self.timeout, self.alone = entry, time.monotonic(), timeout, alone
         self.deadline = self.start + timeout
         # kernel_side: where the solution ran (records before it ran it beside the oracle)
         self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers"}
@@ -607,7 +621,7 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
 
 def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
     """A record the kernel's run did not finish (killed for time, a gate that could not run),
-    or one made before the audit kept the accepting harness's train/eval mode, of a reference
+    one made before the audit kept the accepting harness's train/eval mode, of a reference
     that the mode changes."""
     return judge_record(record)["incomplete"] or any(
         g.get("status") == "error" for g in record.get("gates", {}).values()) or (
@@ -811,8 +825,12 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     ahead_builds: dict[str, dict] = {}  # their build facts, joined to their kernel's record
     queue = list(todo)
     ahead = [e for e in queue if e.compiles]
+    shared_gpu = shares_memory(device) and jobs > 1
+    alone: list[CorpusEntry] = []     # out of GPU memory beside other kernels: run again, alone, at the end
     try:
-        while queue or running:
+        while queue or running or alone:
+            if not queue and not running:
+                running.append(_Running(ctx, alone.pop(0), args, timeout, alone=True))
             while queue and len(running) < jobs:
                 entry = queue.pop(0)
                 if entry in ahead:
@@ -856,6 +874,11 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                     record["build_ahead"] = ahead_builds.pop(r.entry.key)
                 running.remove(r)
                 r.conn.close()
+                if shared_gpu and not r.alone and out_of_device_memory(record):
+                    alone.append(r.entry)
+                    continue
+                if r.alone:
+                    record["alone"] = True
                 append_record(out, record, secret)
                 yield record
     finally:   # a caller that stops early (an interrupt): no kernel outlives the audit
@@ -927,21 +950,26 @@ def judge_record(record: dict) -> dict:
     finding's kind where the build or the standard test ended in a sandbox violation, a limit, a
     crash or a timeout, ``crash`` for a kernel process that died), ``broken`` (a tolerance-free
     failure, or an error over BROKEN_RATIO times the bound), ``standard`` (the standard test
-    passed), ``incomplete`` (killed for time in the gates or the build: judged on what finished).
+    passed), ``incomplete`` (killed for time in the gates or the build: judged on what finished;
+    or out of a GPU's memory beside other kernels, not ``alone``: judged without those findings).
 
     G07 counts only where it applies: not on a reference with float weights (the weights
     record's ``params``; records made before G07 was n/a there say ``params`` only if the
     report tool filled it in from the corpus), whose G07 result is ``g07_not_applicable``."""
+    from kfuzz import sandbox
     from kfuzz.gates import GATES
     violations, broken = [], False
+    # out of a shared GPU's memory: perhaps the others' memory, not the kernel's finding
+    shared = shares_memory(record.get("device") or "") and not record.get("alone") and out_of_device_memory(record)
+    memory = sandbox.MEMORY
     for where in ("build", "standard"):
         found = (record.get(where) or {}).get("finding")
-        if found:
+        if found and not (shared and found == memory):
             violations.append(str(found))
             broken = True
     g07_na = record.get("weights", {}).get("params") is True and "G07" in record.get("gates", {})
     for gid, g in sorted(record.get("gates", {}).items()):
-        if g.get("status") != "fail" or (gid == "G07" and g07_na):
+        if g.get("status") != "fail" or (gid == "G07" and g07_na) or (shared and g.get("exc_type") == memory):
             continue
         violations.append(gid)
         ratio = g.get("worst_ratio", 0)
@@ -962,7 +990,7 @@ def judge_record(record: dict) -> dict:
     std = record.get("standard")
     # a kernel process killed for time in the gates is incomplete, not judged: slow at the fixed
     # size on a CPU (or a slow oracle) looks the same as a hang from outside
-    incomplete = ended.startswith("timeout") and "timeout" not in violations
+    incomplete = ended.startswith("timeout") and "timeout" not in violations or shared
     return {"violations": violations, "broken": broken, "violation": bool(violations),
             "standard": None if std is None else bool(std.get("passed")),
             "incomplete": incomplete, "g07_not_applicable": g07_na,

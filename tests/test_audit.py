@@ -457,6 +457,25 @@ def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
     assert first_failure(rec).startswith("standard sandbox-fork: os.fork()")
 
 
+def test_a_kernel_out_of_memory_on_a_shared_device_is_run_again_alone_at_the_end(tmp_path, monkeypatch):
+    """Where the audit's kernels share the device's memory (a GPU), a run that ended for want of
+    memory may have met the others' memory: it is not recorded, but run again once the others
+    are done, alone, and that record (``alone``) is the kernel's."""
+    import kfuzz.audit
+    monkeypatch.setattr(kfuzz.audit, "shares_memory", lambda device: True)
+    entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1] in ("memory_hog", "fork_bomb")]
+    records = list(run_audit(entries, tmp_path, ["G01"], jobs=2, timeout=120))
+    assert [r["key"].rsplit(":", 1)[1] for r in records] == ["fork_bomb", "memory_hog"]
+    assert records[1]["alone"] is True and "alone" not in records[0]
+    assert records[1]["standard"]["finding"] == "resource-memory"     # alone too: the kernel's own
+    assert done_keys(tmp_path, retry=True) == {r["key"] for r in records}     # made alone: final
+    append_record(tmp_path, {k: v for k, v in records[1].items() if k not in ("alone", "hmac")})
+    assert done_keys(tmp_path, retry=True) == {records[0]["key"]}     # beside others: --retry redoes it
+    beside = {k: v for k, v in records[1].items() if k != "alone"}
+    assert judge_record(beside)["incomplete"] and "resource-memory" not in judge_record(beside)["violations"]
+    assert judge_record(records[1])["violations"][0] == "resource-memory"
+
+
 # findings: attempts against the sandbox are verdicts ------------------------------------------------
 
 def test_attempts_against_the_sandbox_in_the_standard_test_are_findings(tmp_path):
