@@ -992,7 +992,7 @@ def judge_record(record: dict) -> dict:
     # size on a CPU (or a slow oracle) looks the same as a hang from outside
     incomplete = ended.startswith("timeout") and "timeout" not in violations or shared
     return {"violations": violations, "broken": broken, "violation": bool(violations),
-            "standard": None if std is None else bool(std.get("passed")),
+            "standard": None if std is None or (shared and std.get("finding") == memory) else bool(std.get("passed")),
             "incomplete": incomplete, "g07_not_applicable": g07_na,
             "audited": not {"adapter", "unbuilt", "skip"} & set(record) and ("standard" in record or bool(violations))}
 

@@ -473,6 +473,7 @@ def test_a_kernel_out_of_memory_on_a_shared_device_is_run_again_alone_at_the_end
     assert done_keys(tmp_path, retry=True) == {records[0]["key"]}     # beside others: --retry redoes it
     beside = {k: v for k, v in records[1].items() if k != "alone"}
     assert judge_record(beside)["incomplete"] and "resource-memory" not in judge_record(beside)["violations"]
+    assert judge_record(beside)["standard"] is None and judge_record(records[1])["standard"] is False
     assert judge_record(records[1])["violations"][0] == "resource-memory"
 
 

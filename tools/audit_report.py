@@ -141,7 +141,10 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
     audited = [r for r in corpus if judge_record(r)["audited"]]
     j = {r["key"]: judge_record(r) for r in records}
     n = max(1, len(audited))
-    confusion = Counter((j[r["key"]]["standard"], j[r["key"]]["violation"]) for r in audited)
+    # the standard test's verdict where it has one (none where it ran out of a GPU's memory
+    # beside other kernels: incomplete, run again alone by --retry)
+    judged_standard = [r for r in audited if j[r["key"]]["standard"] is not None]
+    confusion = Counter((j[r["key"]]["standard"], j[r["key"]]["violation"]) for r in judged_standard)
     by_gate = Counter(v for r in audited for v in j[r["key"]]["violations"])
     by_model: dict[str, Counter] = defaultdict(Counter)
     for r in audited:
@@ -208,7 +211,7 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "broken": sum(j[r["key"]]["broken"] for r in audited),
         "share_violation": sum(j[r["key"]]["violation"] for r in audited) / n,
         "share_broken": sum(j[r["key"]]["broken"] for r in audited) / n,
-        "standard_agreement": agree / n,
+        "standard_agreement": agree / max(1, len(judged_standard)),
         "confusion": {f"standard_{'pass' if s else 'fail'}__gates_{'violation' if v else 'clean'}": c
                       for (s, v), c in sorted(confusion.items(), key=str)},
         "accepted_by_standard_rejected_by_gates": confusion[(True, True)],
