@@ -470,7 +470,8 @@ class _Running:
         self.entry, self.start, self.timeout, self.alone = entry, time.monotonic(), timeout, alone
         self.deadline = self.start + timeout
         # kernel_side: where the solution ran (records before it ran it beside the oracle)
-        self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers"}
+        self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers",
+                       "timeout": timeout}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
         self.proc = ctx.Process(target=_child, args=(child, entry, *args), kwargs={"build_only": build_only},
@@ -877,7 +878,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 if shared_gpu and not r.alone and out_of_device_memory(record):
                     alone.append(r.entry)
                     continue
-                if r.alone:
+                if r.alone or (shares_memory(device) and jobs == 1):
                     record["alone"] = True
                 append_record(out, record, secret)
                 yield record

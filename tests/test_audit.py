@@ -474,6 +474,14 @@ def test_a_kernel_out_of_memory_on_a_shared_device_is_run_again_alone_at_the_end
     beside = {k: v for k, v in records[1].items() if k != "alone"}
     assert judge_record(beside)["incomplete"] and "resource-memory" not in judge_record(beside)["violations"]
     assert judge_record(beside)["standard"] is None and judge_record(records[1])["standard"] is False
+    # the report leaves its standard test out (as corpus records: these controls expect a finding)
+    summary = audit_report().summarize([{**beside, "expect": None}, {**records[0], "expect": None}])
+    assert summary["incomplete"] == 1 and summary["confusion"] == {"standard_fail__gates_violation": 1}
+    assert summary["time_limits"] == [120]
+    # one kernel at a time: every run is alone, the first record is final
+    hog = [e for e in entries if e.key.endswith("memory_hog")]
+    (alone,) = run_audit(hog, tmp_path / "one", ["G01"], jobs=1, timeout=120)
+    assert alone["alone"] is True and not judge_record(alone)["incomplete"] and alone["timeout"] == 120
     assert judge_record(records[1])["violations"][0] == "resource-memory"
 
 

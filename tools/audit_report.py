@@ -206,6 +206,7 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "without_mode": sum("mode" not in r for r in audited),
         "audited": len(audited),
         "incomplete": sum(j[r["key"]]["incomplete"] for r in audited),
+        "time_limits": sorted({r["timeout"] for r in audited if isinstance(r.get("timeout"), (int, float))}),
         "gate_errors": sum(any(g.get("status") == "error" for g in r.get("gates", {}).values()) for r in audited),
         "violation": sum(j[r["key"]]["violation"] for r in audited),
         "broken": sum(j[r["key"]]["broken"] for r in audited),
@@ -263,9 +264,12 @@ def markdown(s: dict) -> str:
            *([f"The corpora hold {s['corpus_accepted']} accepted kernels; {s['audited']} of them are audited here "
               f"({pct(s['audited'] / max(1, s['corpus_accepted']))}).", ""] if s.get("corpus_accepted") else []),
            f"{s['audited']} kernels audited ({s['incomplete']} incomplete: killed for time, judged on the gates "
-           f"that finished; {s['gate_errors']} with a gate that could not run, judged on the others), "
+           f"that finished, or out of a GPU's memory beside other kernels; {s['gate_errors']} with a gate that could "
+           f"not run, judged on the others), "
            f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
-           f"{s['unbuilt']} that did not build or import here (not judged).", "",
+           f"{s['unbuilt']} that did not build or import here (not judged)."
+           + (f" Per-kernel time limits: {', '.join(f'{t:g} s' for t in s['time_limits'])} (records that name theirs)."
+              if s.get("time_limits") else ""), "",
            *([f"Results lines: {s['lines_refused']} refused (not a record, or its HMAC fails: forged, altered, "
               f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (made before results were "
               f"signed).", ""] if s.get("lines_refused") or s.get("lines_unsigned") else []),
