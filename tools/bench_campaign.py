@@ -18,6 +18,9 @@ checks, no pipes; on warm caches. The ratio is kfuzz's warm rate over it. The ta
 
     python tools/bench_campaign.py --targets softmax,gdn_fwd,gdn_bwd --jobs 1,4,8 --seconds 300
     python tools/bench_campaign.py --targets softmax --jobs 1 --seconds 20     # a CPU smoke run
+
+``--judges N`` gives every campaign N judges instead of kfuzz's default (one a worker on a
+GPU), to compare in one call.
 """
 from __future__ import annotations
 
@@ -39,14 +42,17 @@ def _env(cache: Path) -> dict:
     return env
 
 
-def campaign(target: str, jobs: int, seconds: float, device: str, cache: Path, work: Path, seed: int) -> dict:
-    """One `kfuzz run` in its own process: its stats, and the process's wall time."""
+def campaign(target: str, jobs: int, seconds: float, device: str, cache: Path, work: Path, seed: int,
+             judges: int | None = None) -> dict:
+    """One `kfuzz run` in its own process (``judges``: its ``--judges``, else kfuzz's default):
+    its stats, and the process's wall time."""
     root = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     stats = root / "stats.json"
     start = time.monotonic()
     p = subprocess.run([sys.executable, "-c", "from kfuzz.cli import main; main()", "run", "--target", target,
                         "--time", str(seconds), "--jobs", str(jobs), "--device", device, "--seed", str(seed),
-                        "--root", str(root), "--minimize-time", "0", "--stats-json", str(stats)],
+                        "--root", str(root), "--minimize-time", "0", "--stats-json", str(stats),
+                        *(["--judges", str(judges)] if judges is not None else [])],
                        env=_env(cache), capture_output=True, text=True, timeout=seconds + 900)
     wall = time.monotonic() - start
     if not stats.exists():
@@ -126,6 +132,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--judges", type=int, default=None, help="Each campaign's --judges (default: kfuzz's own).")
     ap.add_argument("--work", default=None, help="Folder for caches and campaign roots (default: a temporary one).")
     ap.add_argument("--json", default=None, help="Also write every measurement here.")
     ap.add_argument("--bare", default=None, help=argparse.SUPPRESS)
@@ -138,7 +145,8 @@ def main() -> None:
     device = resolve_device(a.device)
     work = Path(a.work or tempfile.mkdtemp(prefix="bench-campaign-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"device {device}, {a.seconds:g} s a campaign, work folder {work}\n", flush=True)
+    judges = "kfuzz's default" if a.judges is None else a.judges
+    print(f"device {device}, {a.seconds:g} s a campaign, judges {judges}, work folder {work}\n", flush=True)
     print("| target | jobs | caches | judged | s | judged/s | first judged, s | compiles | compiling | "
           "kernel | oracle+trusted | dropped at --time | failures | / bare |")
     print("|" + " --- |" * 14, flush=True)
@@ -148,7 +156,7 @@ def main() -> None:
         for jobs in (int(j) for j in a.jobs.split(",")):
             cache = Path(tempfile.mkdtemp(prefix=f"cache-{target}-{jobs}-", dir=work))
             for kind in ("cold", "warm"):
-                s = campaign(target, jobs, a.seconds, device, cache, work, a.seed)
+                s = campaign(target, jobs, a.seconds, device, cache, work, a.seed, a.judges)
                 if kind == "warm" and bare_rate is None:
                     b = bare(target, a.seconds, device, cache, a.seed)
                     bare_rate = b["executions"] / b["seconds"]
