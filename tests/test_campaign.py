@@ -465,17 +465,23 @@ def test_a_pool_sends_a_specialization_to_the_workers_that_ran_it():
 
 def test_the_stage_benchmark_prints_each_sides_stages_and_the_ratio(tmp_path):
     """``tools/bench_stages.py`` runs a target's cases both ways in one process and prints
-    each stage's microseconds a case, each side's sum and the bare loop's ratio."""
+    each stage's microseconds a case, each side's sum and the bare loop's ratio; and the worker's
+    and the judge's sides alone and side by side."""
     import os
     import subprocess
     import sys
     p = subprocess.run([sys.executable, "tools/bench_stages.py", "--targets", "hacks.honest_softmax", "--cases", "12",
-                        "--device", "cpu", "--profile", "4"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "KFUZZ_FIXTURES": "1"})
+                        "--device", "cpu", "--profile", "4", "--side-by-side", "0.5"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "KFUZZ_FIXTURES": "1"})
     assert p.returncode == 0, p.stderr[-2000:]
-    rows = [line.split(" | ") for line in p.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    stages_table, side_by_side = p.stdout.split("####")
+    rows = [line.split(" | ") for line in stages_table.splitlines() if line.startswith("| ") and "---" not in line]
     stages = {(r[0].strip("| "), r[1]) for r in rows[1:]}
     assert {("worker", "answer (programs.answer)"), ("judge", "judged"), ("bare loop", "kernel"),
             ("kfuzz's process", "all")} <= stages
     assert all(float(r[2].strip(" |")) > 0 for r in rows[1:])
     assert "bare loop / kfuzz's busiest process:" in p.stdout and "programs.py" in p.stdout
+    sides = {r[0].strip("| "): [float(x.strip(" |")) for x in r[1:]] for r in
+             (line.split(" | ") for line in side_by_side.splitlines() if line.startswith("| ") and "---" not in line)
+             if r[0] != "| side"}
+    assert set(sides) == {"worker", "judge"} and all(v > 0 for vs in sides.values() for v in vs)

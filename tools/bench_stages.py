@@ -1,7 +1,7 @@
 """Where one case's time goes, stage by stage: kfuzz's path against the bare loop.
 
     python tools/bench_stages.py [--targets softmax,gdn_fwd] [--device auto] [--cases 1000]
-        [--specializations 12] [--seed 0] [--profile N]
+        [--specializations 12] [--seed 0] [--profile N] [--side-by-side S]
 
 For each target it draws ``--cases`` cases from at most ``--specializations`` JIT
 specializations (so that warming up compiles few kernels), runs every case once both ways
@@ -21,6 +21,9 @@ Prints a table a target: microseconds a case for each stage, each side's sum, an
 loop's over kfuzz's busiest process: the ratio a pipelined campaign at ``--jobs 1`` could reach
 if its processes never waited on each other (the GPU they share serializes their work in part).
 ``--profile N``: also a cProfile of the worker's side over N cases, by cumulative time.
+``--side-by-side S``: also the worker's side and the judge's side each in a process of its own
+for S seconds, alone and then both at once (as a campaign at ``--jobs 1`` runs them): their
+microseconds a case, and how much each slows the other (on one GPU they share its time).
 """
 from __future__ import annotations
 
@@ -124,6 +127,78 @@ def stages(target, cases: list, device: str, profile: int = 0) -> tuple[dict[str
     return per_case, text
 
 
+def _side(name: str, side: str, device: str, n: int, keys_at_most: int, seed: int, seconds: float,
+          ready, go, out) -> None:
+    """One side (``worker``: the message unpacked and ``programs.answer``; ``judge``: ``judges.
+    judged``) looped over ``n`` cases for ``seconds`` once ``go`` is set; microseconds a case to ``out``."""
+    import torch
+
+    from kfuzz.execute import as_outputs
+    from kfuzz.judges import judge_message, judged
+    from kfuzz.programs import answer
+    from kfuzz.target import get_target
+    from kfuzz.tensors import materialize
+    from kfuzz.wire import unpack
+    from kfuzz.workers import program_message, read_program
+    target = get_target(name)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    messages = []
+    for case in draw(target, n, keys_at_most, seed):
+        inputs = materialize(case, target, "cpu")
+        if side == "worker":
+            messages.append(program_message(case, "call", {}, {"case": inputs}))
+        else:
+            outputs = as_outputs(target.kernel(**{k: v.to(device) for k, v in inputs.items()}), target)
+            messages.append(judge_message(case, inputs, {k: v.cpu() for k, v in outputs.items()}))
+
+    def once(msg) -> None:
+        if side == "worker":
+            header, storages = unpack(msg)
+            case, program, params, layouts = read_program(header)
+            answer(target, case, program, params, layouts, storages, device, None)
+        else:
+            judged(msg, target, device)
+        sync()
+    for msg in messages:      # warm: compiles
+        once(msg)
+    ready.set()
+    go.wait()
+    start, done = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        for msg in messages:
+            once(msg)
+            done += 1
+    out.put((side, 1e6 * (time.perf_counter() - start) / done))
+
+
+def side_by_side(name: str, device: str, n: int, keys_at_most: int, seed: int, seconds: float) -> str:
+    """The worker's and the judge's sides alone, then at once, each in a spawned process."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+
+    def run(sides: tuple[str, ...]) -> dict[str, float]:
+        out, go = ctx.Queue(), ctx.Event()
+        ready = [ctx.Event() for _ in sides]
+        procs = [ctx.Process(target=_side, args=(name, side, device, n, keys_at_most, seed, seconds, r, go, out))
+                 for side, r in zip(sides, ready)]
+        for p in procs:
+            p.start()
+        for r in ready:
+            r.wait()
+        go.set()
+        got = dict(out.get() for _ in procs)
+        for p in procs:
+            p.join()
+        return got
+    alone = {**run(("worker",)), **run(("judge",))}
+    together = run(("worker", "judge"))
+    rows = [f"#### {name} on {device}: the worker's and the judge's sides, {seconds:g} s each", "",
+            "| side | alone, us a case | side by side, us a case | slowdown |", "| --- | --- | --- | --- |"]
+    rows += [f"| {side} | {alone[side]:.1f} | {together[side]:.1f} | {together[side] / alone[side]:.2f} |"
+             for side in ("worker", "judge")]
+    return "\n".join(rows + [""])
+
+
 def table(name: str, device: str, n: int, per_case: dict[str, float]) -> str:
     sides = defaultdict(float)
     for k, v in per_case.items():
@@ -145,6 +220,7 @@ def main() -> None:
     ap.add_argument("--specializations", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0, help="cases of the worker's side to profile")
+    ap.add_argument("--side-by-side", type=float, default=0, help="seconds for each side alone and together")
     args = ap.parse_args()
     from kfuzz.devices import resolve_device
     from kfuzz.target import get_target
@@ -156,6 +232,8 @@ def main() -> None:
         print(table(name, device, args.cases, per_case))
         if text:
             print(text)
+        if args.side_by_side:
+            print(side_by_side(name, device, args.cases, args.specializations, args.seed, args.side_by_side))
 
 
 if __name__ == "__main__":
