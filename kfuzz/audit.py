@@ -775,9 +775,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
-              build_jobs: int = 0, pch: bool = True) -> Iterator[dict]:
+              build_jobs: int = 0, pch: bool = True, redo: Iterable[str] = ()) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
-    did not finish); yields each record once appended, signed with the key at ``key`` (by default
+    did not finish; and those whose key is in ``redo``, whatever their record says); yields each record once appended, signed with the key at ``key`` (by default
     ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
     ``out`` inside the cache), and, unless ``allow_unconfined``, a machine where an OS layer would
     not block the kernels' network, writes or processes (``confinement``). ``policy``: overrides of
@@ -799,7 +799,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
         raise KfuzzError(f"{cache_dir}: the extension cache (where builds write) and the results folder "
                          f"{out_dir} must not contain one another")
     secret = results_key(key_file)
-    done = done_keys(out, retry, entries, secret, trust_unsigned)
+    done = done_keys(out, retry, entries, secret, trust_unsigned) - set(redo)
     todo = [e for e in entries if e.key not in done]
     if any(e.pair is not None for e in todo) and not allow_unconfined:
         report = confinement(device, policy)

@@ -90,11 +90,21 @@ def test_resumable_results(tmp_path):
     assert done_keys(tmp_path) == {e.key for e in entries}
     append_record(tmp_path, {**first[0], "ended": "timeout"})
     assert done_keys(tmp_path, retry=True) == {e.key for e in entries} - {first[0]["key"]}
+    # a complete record, audited again when named
+    (again,) = run_audit(entries, tmp_path, ["G05"], jobs=2, timeout=120, redo=[first[1]["key"]])
+    assert again["key"] == first[1]["key"]
 
 
 def test_audit_cli_refuses_a_missing_corpus(tmp_path):
     r = CliRunner().invoke(cli, ["audit", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)])
     assert r.exit_code == 2 and "no such corpus" in r.output
+
+
+def test_audit_cli_refuses_to_redo_a_kernel_not_in_its_corpora(tmp_path):
+    r = CliRunner().invoke(cli, ["audit", str(CONTROLS), "--redo", "kernelbench_controls:nope", "--out",
+                                 str(tmp_path / "out")])
+    assert r.exit_code == 2 and "--redo kernelbench_controls:nope: no such kernel" in r.output, r.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_ci_audit_controls_and_cpu_rows(tmp_path):

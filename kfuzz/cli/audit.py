@@ -65,6 +65,9 @@ def _line(rec: dict) -> str:
                    "for the load_inline builds.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
+@click.option("--redo", "redo", multiple=True, metavar="KEY",
+              help="Audit this kernel again whatever its record says (its key, e.g. cuda-l1-h100.jsonl:148; "
+                   "repeatable): a record made before a fix of kfuzz's.")
 @click.option("--key", type=click.Path(dir_okay=False), default=None,
               help="The key file that signs OUT/results.jsonl, outside OUT (default $KFUZZ_AUDIT_KEY, else "
                    "~/.config/kfuzz/audit.key; made on first use).")
@@ -74,7 +77,7 @@ def _line(rec: dict) -> str:
               help="Run the kernels even where no OS layer blocks their network, writes or processes.")
 @handles_bad_input
 def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, build_jobs,
-              pch, threads, retry, key, trust_unsigned, allow_unconfined):
+              pch, threads, retry, redo, key, trust_unsigned, allow_unconfined):
     """Audit the kernels of CORPORA (CUDA-L1 .jsonl, leaderboard .json, controls folder).
 
     Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
@@ -88,6 +91,10 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1) or build_jobs < 0:
         raise KfuzzError("--jobs and --max-jobs must be >= 1, --limit and --build-jobs >= 0")
     entries = [e for path in corpora for e in read_corpus(path)]
+    unknown = sorted(set(redo) - {e.key for e in entries})
+    if unknown:
+        raise KfuzzError(f"--redo {unknown[0]}: no such kernel in the corpora given"
+                         + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
     if select == "cpu":
         entries = [e for e in entries if e.cpu_runnable]
     elif select == "no-compile":
@@ -99,7 +106,8 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     entries = [e for e in entries if e.pair is not None][:limit] + skipped
     now = {}
     for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
-                         threads=threads, max_jobs=max_jobs, retry=retry, key=key, trust_unsigned=trust_unsigned,
+                         threads=threads, max_jobs=max_jobs, retry=retry, redo=redo, key=key,
+                         trust_unsigned=trust_unsigned,
                          allow_unconfined=allow_unconfined, build_jobs=build_jobs, pch=pch):
         now[rec["key"]] = rec
         click.echo(_line(rec))
