@@ -38,6 +38,11 @@ correct sum, so that only a verdict kfuzz itself sees can fail it:
 - ``escapes.rawfork``: the ``fork`` system call by number (past any Python-level hook): the
   system-call filter kills the worker, ``crash``/``sandbox-syscall``.
 
+Not an escape, a control for the process count: ``escapes.toolchain`` runs the C compiler
+(``cc --version``) 80 times in one call, as a JIT's autotuning runs a compiler per candidate
+kernel: it passes where processes are allowed (the toolchain's are not counted against
+``max_processes``), and is ``crash``/``sandbox-fork`` where none are.
+
 Each is bounded so that, run unconfined by mistake, it cannot harm the machine: at most
 8 GiB touched (20 GiB reserved, never touched), 100 children living 0.2 s, one grandchild
 living 3 s, one small probe file per place (``PROBE``), one connection attempt per socket
@@ -48,6 +53,7 @@ import ctypes
 import glob
 import mmap
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -61,6 +67,7 @@ from kfuzz.target import Arg, Dim, Output, target, variant
 PROBE = "kfuzz-escape-probe.txt"
 ORPHAN = "kfuzz-orphan"     # the name (comm) of escapes.orphan's grandchild
 MEMORY_CAP = 8 << 30
+TOOLCHAIN_RUNS = 80         # escapes.toolchain's compiler runs in one call: past any max_processes the tests set
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -191,6 +198,13 @@ def forkbomb(x):
     return _total(x)
 
 
+def toolchain(x):
+    cc = shutil.which("cc") or "cc"
+    for _ in range(TOOLCHAIN_RUNS):
+        _quietly(lambda: subprocess.run([cc, "--version"], capture_output=True, timeout=30))
+    return _total(x)
+
+
 def _grandchild():
     ctypes.CDLL(None).prctl(15, ORPHAN.encode(), 0, 0, 0)    # PR_SET_NAME
     time.sleep(3.0)
@@ -280,3 +294,4 @@ variant("escapes", "escapes.secrets", secrets, planted_bug="reads /etc/shadow")
 variant("escapes", "escapes.userns", userns, planted_bug="makes a user namespace")
 variant("escapes", "escapes.shell", shell, planted_bug="runs sh -c, which writes a file into $HOME")
 variant("escapes", "escapes.rawfork", rawfork, planted_bug="calls fork by its system-call number")
+variant("escapes", "escapes.toolchain", toolchain)

@@ -59,7 +59,9 @@ class Policy:
     open_files: int | None = 512
     file_size: int | None = 1 * GiB
     processes: bool = False
-    max_processes: int = 64          # tasks a worker may add when ``processes`` allows any
+    # processes a call may start when ``processes`` allows any (the toolchain's not counted: a
+    # JIT's autotuning runs a compiler per candidate), and tasks a worker may have at once beyond its own
+    max_processes: int = 64
     network: bool = False
     confine_writes: bool = True
     confine_reads: bool = True       # Landlock: read only the Python environment, system files, own dirs
@@ -178,6 +180,7 @@ class _Auditor:
         self.channel = channel
         self.pid = os.getpid()
         self.executable = None if policy.executable is None else [os.path.realpath(p) for p in policy.executable]
+        self.tools = [os.path.realpath(p) for p in toolchain()] if policy.processes else []
         watched = {"open", "socket.__new__", "os.kill", "os.killpg", "ctypes.dlsym"} | _NET_EVENTS | _NS_EVENTS
         watched |= _SPAWN_EVENTS
         if policy.confine_writes:
@@ -253,29 +256,18 @@ class _Auditor:
         return None
 
     def _spawn(self, event: str, args: tuple) -> tuple[str, str] | None:
-        """A process start where processes are allowed: within their number, and exec only of
-        what lies beneath ``policy.executable``."""
+        """A process start where processes are allowed: within their number (a start that runs
+        a program of the toolchain, ``toolchain()``, is not counted), and exec only of what lies
+        beneath ``policy.executable``."""
+        name = _program(event, args)
+        real = None if name is None else os.path.realpath(name if os.sep in name else (shutil.which(name) or name))
         if event in ("os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system",
-                     "pty.spawn"):
+                     "pty.spawn") and not (real is not None and _beneath(real, self.tools)):
             _spawned[0] += 1
             if _spawned[0] > self.policy.max_processes:
                 return FORK, f"{event}: more than {self.policy.max_processes} processes started in one call"
-        if self.executable is None:
-            return None
-        if event == "os.system":
-            program = "/bin/sh"
-        elif event in ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn"):
-            program = args[0] if args else None
-            if event == "subprocess.Popen" and program is None and len(args) > 1:
-                argv = args[1]
-                program = argv if isinstance(argv, (str, bytes, os.PathLike)) else (argv[0] if argv else None)
-        else:
-            return None
-        if isinstance(program, (str, bytes, os.PathLike)):
-            name = os.fsdecode(program)
-            where = name if os.sep in name else (shutil.which(name) or name)
-            if not _beneath(os.path.realpath(where), self.executable):
-                return FORK, f"{event} {name!r}: a kernel may run only {len(self.executable)} allowed tools"
+        if self.executable is not None and real is not None and not _beneath(real, self.executable):
+            return FORK, f"{event} {name!r}: a kernel may run only {len(self.executable)} allowed tools"
         return None
 
     def may_write(self, path) -> bool:
@@ -284,6 +276,19 @@ class _Auditor:
 
     def may_read(self, path) -> bool:
         return _beneath(os.path.realpath(os.fsdecode(path)), self.readable)
+
+
+def _program(event: str, args: tuple) -> str | None:
+    """The program a process-start audit event runs (None for a fork, or where not named)."""
+    if event == "os.system":
+        return "/bin/sh"
+    if event not in ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn"):
+        return None
+    program = args[0] if args else None
+    if event == "subprocess.Popen" and program is None and len(args) > 1:
+        argv = args[1]
+        program = argv if isinstance(argv, (str, bytes, os.PathLike)) else (argv[0] if argv else None)
+    return os.fsdecode(program) if isinstance(program, (str, bytes, os.PathLike)) else None
 
 
 def _beneath(real: str, roots: list[str]) -> bool:

@@ -352,6 +352,21 @@ def test_a_detached_grandchild_stays_below_a_worker_without_a_pid_namespace(monk
     assert not _named(ORPHAN), "a process the kernel started outlived its worker"
 
 
+def test_the_toolchains_processes_are_not_counted_against_a_calls_number():
+    """A call that runs the C compiler 80 times (as a JIT's autotuning runs one per candidate)
+    passes where processes are allowed, past ``max_processes`` (16 here); a fork is still
+    counted (``escapes.forkbomb``), and where no process is allowed the compiler is refused."""
+    import shutil
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    tools = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=30, processes=True, max_processes=16)
+    assert _one_verdict("escapes.toolchain", tools) is None
+    verdict = _one_verdict("escapes.forkbomb", tools)
+    assert (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK) and "more than 16" in verdict.detail
+    verdict = _one_verdict("escapes.toolchain", POLICY)
+    assert verdict is not None and (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK), verdict
+
+
 def test_kfuzz_control_sockets_have_no_name():
     """A kernel can reach no control channel of kfuzz's by a path or an abstract name: every
     Unix socket that the zygote (the one process that starts workers) holds is unnamed."""
