@@ -621,9 +621,9 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
 
 
 def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
-    """A record the kernel's run did not finish (killed for time, a gate that could not run),
-    one made before the audit kept the accepting harness's train/eval mode, of a reference
-    that the mode changes."""
+    """A record of a run that did not finish (``judge_record``'s ``incomplete``: killed for time,
+    or out of a shared GPU's memory; or a gate that could not run), or one made before the audit
+    kept the accepting harness's train/eval mode, of a reference that the mode changes."""
     return judge_record(record)["incomplete"] or any(
         g.get("status") == "error" for g in record.get("gates", {}).values()) or (
         "mode" not in record and entry is not None and entry.mode_sensitive)
@@ -777,11 +777,14 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
               build_jobs: int = 0, pch: bool = True, redo: Iterable[str] = ()) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
-    did not finish; and those whose key is in ``redo``, whatever their record says); yields each record once appended, signed with the key at ``key`` (by default
-    ``key_path()``). Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or
-    ``out`` inside the cache), and, unless ``allow_unconfined``, a machine where an OS layer would
-    not block the kernels' network, writes or processes (``confinement``). ``policy``: overrides of
-    the kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
+    did not finish; and those whose key is in ``redo``, whatever their record says); yields each
+    record once appended, signed with the key at ``key`` (by default ``key_path()``). A kernel
+    that ran out of a GPU's memory beside other kernels (``shares_memory``) is run again at the
+    end, alone, and only that record is kept (``alone``; at ``jobs`` 1 every record is alone).
+    Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or ``out`` inside the
+    cache), and, unless ``allow_unconfined``, a machine where an OS layer would not block the
+    kernels' network, writes or processes (``confinement``). ``policy``: overrides of the
+    kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
     ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once).
     ``build_jobs``: builds of solutions further down the queue that run ahead of their judging (a
     compile phase beside the judging; the kernel's own build step then finds its extension built).
