@@ -259,7 +259,7 @@ class _Auditor:
         """A process start where processes are allowed: within their number (a start that runs
         a program of the toolchain, ``toolchain()``, is not counted), and exec only of what lies
         beneath ``policy.executable``."""
-        name = _program(event, args)
+        name = _executable(event, args)
         real = None if name is None else os.path.realpath(name if os.sep in name else (shutil.which(name) or name))
         if event in ("os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system",
                      "pty.spawn") and not (real is not None and _beneath(real, self.tools)):
@@ -278,7 +278,7 @@ class _Auditor:
         return _beneath(os.path.realpath(os.fsdecode(path)), self.readable)
 
 
-def _program(event: str, args: tuple) -> str | None:
+def _executable(event: str, args: tuple) -> str | None:
     """The program a process-start audit event runs (None for a fork, or where not named)."""
     if event == "os.system":
         return "/bin/sh"
