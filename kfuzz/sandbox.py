@@ -26,6 +26,7 @@ such by ``confine`` instead of failing the worker.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import glob
@@ -263,9 +264,11 @@ class _Auditor:
         real = None if name is None else os.path.realpath(name if os.sep in name else (shutil.which(name) or name))
         if event in ("os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system",
                      "pty.spawn") and not (real is not None and _beneath(real, self.tools)):
-            _spawned[0] += 1
-            if _spawned[0] > self.policy.max_processes:
-                return FORK, f"{event}: more than {self.policy.max_processes} processes started in one call"
+            _spawned[real or "a fork"] += 1
+            if _spawned.total() > self.policy.max_processes:
+                started = ", ".join(f"{what} x{n}" for what, n in _spawned.most_common(3))
+                return FORK, (f"{event}: more than {self.policy.max_processes} processes started in one call"
+                              f" (most: {started})")
         if self.executable is not None and real is not None and not _beneath(real, self.executable):
             return FORK, f"{event} {name!r}: a kernel may run only {len(self.executable)} allowed tools"
         return None
@@ -885,7 +888,7 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
 # each case ---------------------------------------------------------------------------------------
 
 _cpu_soft = [0]    # the RLIMIT_CPU soft limit as last set
-_spawned = [0]     # processes the current call started (where a policy allows any)
+_spawned: collections.Counter = collections.Counter()   # processes the current call started, by program
 
 
 def start_case(cpu_seconds: int | None) -> None:
@@ -893,7 +896,7 @@ def start_case(cpu_seconds: int | None) -> None:
     before ``SIGXCPU``: re-arming the limit costs ~40 us, so it is re-armed only when less
     than one budget is left."""
     _violations.clear()
-    _spawned[0] = 0
+    _spawned.clear()
     _told[0] = False
     if cpu_seconds:
         used = resource.getrusage(resource.RUSAGE_SELF)

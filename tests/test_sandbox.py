@@ -363,6 +363,7 @@ def test_the_toolchains_processes_are_not_counted_against_a_calls_number():
     assert _one_verdict("escapes.toolchain", tools) is None
     verdict = _one_verdict("escapes.forkbomb", tools)
     assert (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK) and "more than 16" in verdict.detail
+    assert "(most: a fork x" in verdict.detail, verdict.detail     # names what it started
     verdict = _one_verdict("escapes.toolchain", POLICY)
     assert verdict is not None and (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK), verdict
 
