@@ -43,6 +43,11 @@ Not an escape, a control for the process count: ``escapes.toolchain`` runs the C
 kernel: it passes where processes are allowed (the toolchain's are not counted against
 ``max_processes``), and is ``crash``/``sandbox-fork`` where none are.
 
+A control for the count itself: ``escapes.spawns`` runs ``true`` ``SPAWN_RUNS`` times with
+``subprocess.run(close_fds=False)``, which Python starts through ``os.posix_spawn`` (two audit
+events a process): it passes where ``max_processes`` is ``SPAWN_RUNS`` and is
+``crash``/``sandbox-fork`` below it.
+
 Each is bounded so that, run unconfined by mistake, it cannot harm the machine: at most
 8 GiB touched (20 GiB reserved, never touched), 100 children living 0.2 s, one grandchild
 living 3 s, one small probe file per place (``PROBE``), one connection attempt per socket
@@ -68,6 +73,7 @@ PROBE = "kfuzz-escape-probe.txt"
 ORPHAN = "kfuzz-orphan"     # the name (comm) of escapes.orphan's grandchild
 MEMORY_CAP = 8 << 30
 TOOLCHAIN_RUNS = 80         # escapes.toolchain's compiler runs in one call: past any max_processes the tests set
+SPAWN_RUNS = 10             # escapes.spawns' processes in one call
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -205,6 +211,13 @@ def toolchain(x):
     return _total(x)
 
 
+def spawns(x):
+    true = shutil.which("true") or "/bin/true"
+    for _ in range(SPAWN_RUNS):
+        _quietly(lambda: subprocess.run([true], close_fds=False, timeout=30))
+    return _total(x)
+
+
 def _grandchild():
     ctypes.CDLL(None).prctl(15, ORPHAN.encode(), 0, 0, 0)    # PR_SET_NAME
     time.sleep(3.0)
@@ -295,3 +308,4 @@ variant("escapes", "escapes.userns", userns, planted_bug="makes a user namespace
 variant("escapes", "escapes.shell", shell, planted_bug="runs sh -c, which writes a file into $HOME")
 variant("escapes", "escapes.rawfork", rawfork, planted_bug="calls fork by its system-call number")
 variant("escapes", "escapes.toolchain", toolchain)
+variant("escapes", "escapes.spawns", spawns)

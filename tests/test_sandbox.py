@@ -368,6 +368,19 @@ def test_the_toolchains_processes_are_not_counted_against_a_calls_number():
     assert verdict is not None and (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK), verdict
 
 
+def test_a_process_python_starts_through_posix_spawn_counts_once():
+    """``subprocess.run(close_fds=False)`` raises two audit events a process (``subprocess.Popen``
+    and ``os.posix_spawn``): ``escapes.spawns`` starts ``SPAWN_RUNS`` processes so and passes at
+    a ``max_processes`` of exactly that; one fewer allowed, it is ``sandbox-fork``, the program named."""
+    from harnesses.escapes import SPAWN_RUNS
+    at = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=30, processes=True, max_processes=SPAWN_RUNS)
+    assert _one_verdict("escapes.spawns", at) is None
+    below = sandbox.Policy(memory=1 * sandbox.GiB, cpu_seconds=30, processes=True, max_processes=SPAWN_RUNS - 1)
+    verdict = _one_verdict("escapes.spawns", below)
+    assert verdict is not None and (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK), verdict
+    assert f"more than {SPAWN_RUNS - 1}" in verdict.detail and "true x" in verdict.detail, verdict.detail
+
+
 def test_kfuzz_control_sockets_have_no_name():
     """A kernel can reach no control channel of kfuzz's by a path or an abstract name: every
     Unix socket that the zygote (the one process that starts workers) holds is unnamed."""
