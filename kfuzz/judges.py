@@ -35,6 +35,7 @@ import torch
 
 from kfuzz.case import Case
 from kfuzz.execute import judge, release_device_memory
+from kfuzz.launcher import helpers_ignore_ctrl_c
 from kfuzz.target import Target, load_target
 from kfuzz.verdict import Verdict
 from kfuzz.wire import Outbox, geometry, pack, rebuild, unpack
@@ -140,7 +141,8 @@ class Judges:
         process = ctx.Process(target=_serve, name="kfuzz-judge", daemon=True,
                               args=(theirs, self.target.name, getattr(self.target.kernel, "__module__", None),
                                     self.threads, device, fraction))
-        process.start()
+        with helpers_ignore_ctrl_c():
+            process.start()
         theirs.close()
         return _Judge(process, mine, Outbox(mine, "kfuzz-judge-sender"), device)
 

@@ -21,6 +21,7 @@ whose parent died) becomes its child, and it kills every child that is not a wor
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import os
@@ -39,6 +40,25 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER = 1, 4, 36
 STARTUP_TIMEOUT = 600.0     # importing torch on a loaded machine is slow
 PRELOAD = ("torch", "triton", "triton.language", "kfuzz.workers", "kfuzz.sandbox")   # those installed
 _MAX_FDS = 8
+
+
+@contextlib.contextmanager
+def helpers_ignore_ctrl_c():
+    """Start kfuzz's helper processes (the zygote, judges, fuzzers, the gates' pool) inside
+    this block: a process started here begins with SIGINT ignored, a disposition kept through
+    fork and exec. A terminal's Ctrl-C reaches the whole process group, and kfuzz's process
+    ends its helpers itself; a helper still starting its interpreter, before it ignores SIGINT
+    itself, would otherwise end with a KeyboardInterrupt traceback of its own. kfuzz's process
+    ignores a Ctrl-C that comes during the block (the moment of a start). Only the main thread
+    may change a disposition: elsewhere the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -416,9 +436,10 @@ class Launcher:
             return
         _prctl(_PR_SET_DUMPABLE, 0)    # no worker may open this process's /proc/PID/mem or fd
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from kfuzz.launcher import _zygote_main; "
-                                      f"_zygote_main({theirs.fileno()})"],
-                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
+        with helpers_ignore_ctrl_c():
+            self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from kfuzz.launcher import _zygote_main; "
+                                          f"_zygote_main({theirs.fileno()})"],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
         theirs.close()
         _send(self.sock, {"path": list(sys.path), "preload": list(preload)})
         reply = self._reply(STARTUP_TIMEOUT, "ready")

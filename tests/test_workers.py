@@ -287,6 +287,24 @@ def test_a_terminated_campaign_still_writes_its_summary(tmp_path):
     assert "interrupted" in out
 
 
+def test_a_helper_process_still_starting_leaves_ctrl_c_to_kfuzz():
+    """A Ctrl-C reaches the whole process group, also a helper (a judge, a fuzzer, the zygote)
+    whose interpreter is still starting, before it could ignore SIGINT itself: started inside
+    ``launcher.helpers_ignore_ctrl_c`` it begins with SIGINT ignored and runs to its end; this
+    process's own handler is back after the block."""
+    import multiprocessing
+    from kfuzz.launcher import helpers_ignore_ctrl_c
+    ctx = multiprocessing.get_context("spawn")
+    before = signal.getsignal(signal.SIGINT)
+    with helpers_ignore_ctrl_c():
+        p = ctx.Process(target=time.sleep, args=(1.0,))
+        p.start()
+    assert signal.getsignal(signal.SIGINT) is before
+    os.kill(p.pid, signal.SIGINT)       # while it imports: a KeyboardInterrupt or a SIGINT death without
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+
+
 def test_ctrl_c_ends_the_campaign_and_its_workers_and_judges_without_a_traceback(tmp_path):
     """A terminal's Ctrl-C sends SIGINT to the whole process group: kfuzz's process stops as on
     SIGTERM (summary, exit 130), and its zygote, workers and judges leave the ending to it,

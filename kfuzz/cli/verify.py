@@ -22,6 +22,7 @@ from kfuzz.corpus import iter_case_files
 from kfuzz.errors import KfuzzError
 from kfuzz.executor import InProcess, Sandboxed
 from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gate, run_gates
+from kfuzz.launcher import helpers_ignore_ctrl_c
 from kfuzz.target import get_target
 
 
@@ -131,9 +132,10 @@ def _run_parallel(target, ids, seed, out, device, on_result, jobs, in_process, t
     threads = max(1, (os.cpu_count() or 1) // min(jobs, len(ids)))
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_share_cpus,
                              initargs=(threads,)) as pool:
-        futures = {pool.submit(_gate_alone, target.name, gid, seed, out, device, in_process, timeout,
-                               on_case): gid
-                   for gid in ids}
+        with helpers_ignore_ctrl_c():     # the pool starts its processes at the first submit
+            futures = {pool.submit(_gate_alone, target.name, gid, seed, out, device, in_process, timeout,
+                                   on_case): gid
+                       for gid in ids}
         for done in as_completed(futures):
             r = results[futures[done]] = done.result()
             if on_result is not None:

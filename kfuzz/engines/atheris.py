@@ -54,6 +54,7 @@ from kfuzz.case import DISTRIBUTIONS, ArgCase, Case, Dist, Layout, decode, encod
 from kfuzz.corpus import target_folder
 from kfuzz.engines.random import EDGE_SIZES, sample_case, sample_layout, sample_size
 from kfuzz.errors import KfuzzError
+from kfuzz.launcher import helpers_ignore_ctrl_c
 from kfuzz.target import Target, get_target, prepare_triton
 from kfuzz.verdict import KINDS
 
@@ -393,7 +394,8 @@ class AtherisEngine:
         p = ctx.Process(target=_fuzzer_main, daemon=True, name=f"kfuzz-fuzzer-{i}",
                         args=(child, self.target.name, self.mode, str(self.workdir / "corpus"),
                               self.seed * 1000 + i + 1, str(self.workdir / f"fuzzer-{i}.log")))
-        p.start()
+        with helpers_ignore_ctrl_c():
+            p.start()
         child.close()
         if not conn.poll(STARTUP_TIMEOUT) or conn.recv()[0] != "ready":
             p.kill()
