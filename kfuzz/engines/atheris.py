@@ -334,9 +334,10 @@ def _fuzzer_main(conn: Connection, target_name: str, mode: str, corpus_dir: str,
         rng = random.Random(s)
         return encode(crossover(decode_input(d1, target), decode_input(d2, target), target, rng))[:max_size]
 
-    # libFuzzer's own artifacts (crash-<sha1> files) stay in the engine's folder, not the cwd
+    # libFuzzer's own artifacts (crash-<sha1> files) stay in the engine's folder, not the cwd;
+    # SIGINT stays ignored (-handle_int=0): kfuzz's process ends its fuzzers
     argv = [sys.argv[0], f"-seed={seed}", f"-max_len={MAX_LEN}", "-rss_limit_mb=0", "-timeout=0",
-            "-print_final_stats=0", "-reduce_inputs=0", f"-artifact_prefix={os.path.dirname(log)}/"]
+            "-print_final_stats=0", "-reduce_inputs=0", "-handle_int=0", f"-artifact_prefix={os.path.dirname(log)}/"]
     conn.send(("ready", os.getpid()))
     if mode == "hypothesis":
         from hypothesis import HealthCheck, given, settings
