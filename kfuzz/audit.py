@@ -330,7 +330,7 @@ def _first_reference_case(target, seed: int, device: str, executor):
     from kfuzz.gates import GATES
     gate = type(GATES["G01"])()
     case = next(iter(gate.cases(target, seed)))
-    v = gate.check(target, case, device, executor=executor)
+    v = gate.judge_case(target, case, device, executor=executor)
     return v if isinstance(v, tuple) else (case, v)
 
 
@@ -469,9 +469,11 @@ class _Running:
     def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False, alone: bool = False):
         self.entry, self.start, self.timeout, self.alone = entry, time.monotonic(), timeout, alone
         self.deadline = self.start + timeout
-        # kernel_side: where the solution ran (records before it ran it beside the oracle)
+        # kernel_side: where the solution ran (records before it ran it beside the oracle);
+        # trusted_on: where the gates ran the reference in float32, the trusted implementation
+        # that scales the bound (where the kernel ran; a record without it ran it on the CPU)
         self.record = {**base_record(entry), "gates": {}, "device": args[0], "kernel_side": "sandboxed workers",
-                       "timeout": timeout}
+                       "trusted_on": args[0], "timeout": timeout}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
         self.proc = ctx.Process(target=_child, args=(child, entry, *args), kwargs={"build_only": build_only},

@@ -488,6 +488,9 @@ def test_a_kernel_out_of_memory_on_a_shared_device_is_run_again_alone_at_the_end
     summary = audit_report().summarize([{**beside, "expect": None}, {**records[0], "expect": None}])
     assert summary["incomplete"] == 1 and summary["confusion"] == {"standard_fail__gates_violation": 1}
     assert summary["time_limits"] == [120]
+    # where the gates ran the trusted implementation: where the kernel ran (here the CPU)
+    assert records[0]["trusted_on"] == "cpu" and summary["trusted_on"] == {"cpu": 2}
+    assert "ran on the CPU for 2 (where the kernel ran" in audit_report().markdown(summary)
     # one kernel at a time: every run is alone, the first record is final
     hog = [e for e in entries if e.key.endswith("memory_hog")]
     (alone,) = run_audit(hog, tmp_path / "one", ["G01"], jobs=1, timeout=120)

@@ -485,3 +485,38 @@ def test_bench_gates_puts_each_call_in_its_own_column(capsys):
     assert kernel + oracle + trusted + judging == pytest.approx(total, abs=0.025)
     bare = kernel + oracle + trusted
     assert share == pytest.approx(bare / total, abs=0.005 + (0.015 + 0.005 * bare / total) / total)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the oracle runs where the kernel ran")
+def test_the_gates_run_the_oracle_and_the_trusted_implementation_where_the_kernel_ran_on_cuda():
+    """Each value and call gate whose kernel ran on a GPU runs the float64 oracle and the trusted
+    implementation there too (as a campaign's judges and G12 do), not on the CPU: every call of
+    the reference sees tensors on the GPU."""
+    from kfuzz.executor import InProcess
+    base = get_target("softmax")
+    seen = []
+
+    def reference(**inputs):
+        seen.append({t.device.type for t in inputs.values() if isinstance(t, torch.Tensor)})
+        return base.reference(**inputs)
+    target = dataclasses.replace(base, reference=reference)
+    results = run_gates(target, ["G01", "G04", "G05", "G06", "G10", "G11"], device="cuda",
+                        executor=InProcess(target, "cuda"))
+    assert all(r.status != "error" for r in results), [(r.gate, r.reason) for r in results]
+    assert seen and all(s == {"cuda"} for s in seen), seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: its memory runs out")
+def test_a_case_whose_oracle_does_not_fit_the_gpu_is_judged_on_the_cpu_on_cuda():
+    """Where the oracle's side runs out of the GPU's memory in kfuzz's process, the gate judges
+    the case again with it on the CPU: a verdict, not a gate that could not run."""
+    from kfuzz.executor import InProcess
+    base = get_target("softmax")
+
+    def reference(**inputs):
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs.values()):
+            raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+        return base.reference(**inputs)
+    target = dataclasses.replace(base, reference=reference)
+    (result,) = run_gates(target, ["G01"], device="cuda", executor=InProcess(target, "cuda"))
+    assert result.status == "pass" and result.cases > 0, (result.status, result.reason)

@@ -207,6 +207,7 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "audited": len(audited),
         "incomplete": sum(j[r["key"]]["incomplete"] for r in audited),
         "time_limits": sorted({r["timeout"] for r in audited if isinstance(r.get("timeout"), (int, float))}),
+        "trusted_on": dict(sorted(Counter(str(r.get("trusted_on", "cpu")).split(":")[0] for r in audited).items())),
         "gate_errors": sum(any(g.get("status") == "error" for g in r.get("gates", {}).values()) for r in audited),
         "violation": sum(j[r["key"]]["violation"] for r in audited),
         "broken": sum(j[r["key"]]["broken"] for r in audited),
@@ -269,7 +270,11 @@ def markdown(s: dict) -> str:
            f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
            f"{s['unbuilt']} that did not build or import here (not judged)."
            + (f" Per-kernel time limits: {', '.join(f'{t:g} s' for t in s['time_limits'])} (records that name theirs)."
-              if s.get("time_limits") else ""), "",
+              if s.get("time_limits") else "")
+           + (" The trusted implementation (the reference in float32, which scales the bound) ran "
+              + ", ".join(f"on the {'GPU' if d == 'cuda' else d.upper()} for {n}" for d, n in s["trusted_on"].items())
+              + " (where the kernel ran; records that do not say ran it on the CPU)."
+              if s.get("trusted_on") else ""), "",
            *([f"Results lines: {s['lines_refused']} refused (not a record, or its HMAC fails: forged, altered, "
               f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (made before results were "
               f"signed).", ""] if s.get("lines_refused") or s.get("lines_unsigned") else []),

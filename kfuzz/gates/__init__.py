@@ -69,7 +69,7 @@ def run_gate(gate: Gate, target: Target, seed: int = 0, out: str | Path | None =
     verdicts: list[Verdict] = []
     for index, case in enumerate(gate.cases(target, seed)):
         case_start = time.monotonic()
-        v = gate.check(target, case, device, c, executor=executor)
+        v = gate.judge_case(target, case, device, c, executor=executor)
         if isinstance(v, tuple):    # the check judged other inputs than the case's own: these fail
             case, v = v
         if on_case is not None:
@@ -124,7 +124,7 @@ def replay_gate_case(path: str | Path, device: str = "cpu",
     if gid not in GATES:
         raise KfuzzError(f"{path}: not a gate case (its record names no known gate)")
     check_record(record, str(path))
-    verdict = GATES[gid].check(target, case, device, executor=executors(target) if executors else None)
+    verdict = GATES[gid].judge_case(target, case, device, executor=executors(target) if executors else None)
     if isinstance(verdict, tuple):
         verdict = verdict[1]
     if record.get("expect", "fail") == "fail":

@@ -143,6 +143,20 @@ class Gate:
         runs in ``executor`` (default: ``kfuzz.executor.InProcess`` on ``device``)."""
         raise NotImplementedError
 
+    def judge_case(self, target: Target, case: Case, device: str = "cpu", c: float = BOUND_C, executor=None
+                   ) -> Verdict | tuple[Case, Verdict]:
+        """``check``, with the oracle and the trusted implementation where the kernel ran; where
+        a GPU's memory left to this process does not hold them, the case again with them on the
+        CPU (the kernel's side runs again, in ``executor`` on its own device)."""
+        import torch
+        try:
+            return self.check(target, case, device, c, executor=executor)
+        except torch.OutOfMemoryError:
+            if executor is None or not str(device).startswith("cuda"):
+                raise
+            torch.cuda.empty_cache()
+            return self.check(target, case, "cpu", c, executor=executor)
+
     def no_evidence(self, target: Target, verdicts: list[Verdict]) -> str | None:
         """After all cases passed: a reason the gate found nothing to judge (then n/a)."""
         return None

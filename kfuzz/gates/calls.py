@@ -214,7 +214,7 @@ class CompleteWrites(Gate):
         outputs = outputs_of(r, target, case, "out")
         if isinstance(outputs, Verdict):
             return outputs
-        oracle = oracle_outputs(target, inputs)     # only after the kernel returned
+        oracle = oracle_outputs(target, inputs, device)     # only after the kernel returned
         for name, out in outputs.items():
             dt = torch_dtype(target.output_dtype(name, case.dtype))
             if not dt.is_floating_point:
@@ -277,8 +277,8 @@ class InputDependence(Gate):
         if bad is not None:
             return bad
         first, second, reused = sets
-        oracle_a = oracle_outputs(target, inputs)
-        oracle_b = oracle_outputs(target, fresh)
+        oracle_a = oracle_outputs(target, inputs, device)
+        oracle_b = oracle_outputs(target, fresh, device)
         for name in first:
             dt = torch_dtype(target.output_dtype(name, case.dtype))
             if _same_bits(oracle_a[name].to(dt), oracle_b[name].to(dt)):

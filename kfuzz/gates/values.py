@@ -69,12 +69,14 @@ def kernel_outputs(target, case, executor, inputs=None):
     return inputs, outputs, verdict
 
 
-def bound_check(target, case, executor, c) -> Verdict:
+def bound_check(target, case, executor, c, device="cpu") -> Verdict:
+    """One call, judged with the oracle and the trusted implementation run on ``device``, where
+    the kernel ran (the comparison on the CPU)."""
     inputs, outputs, verdict = kernel_outputs(target, case, executor)
-    return verdict if verdict is not None else judge(case, target, inputs, outputs, c=c)
+    return verdict if verdict is not None else judge(case, target, inputs, outputs, device, c)
 
 
-def hidden_seed_check(target, case, executor, c):
+def hidden_seed_check(target, case, executor, c, device="cpu"):
     """``case``'s shape and dtype, with values drawn from a seed that exists nowhere the kernel
     could look: made from the OS's randomness, used once to materialize and dropped before
     the call. A kernel that finds the case it is called for (through the call stack or the
@@ -84,7 +86,7 @@ def hidden_seed_check(target, case, executor, c):
     inputs = materialize(case.with_(seed=secrets.randbits(32)), target)
     inputs, outputs, verdict = kernel_outputs(target, case, executor, inputs)
     if verdict is None:
-        verdict = judge(case, target, inputs, outputs, c=c)
+        verdict = judge(case, target, inputs, outputs, device, c)
     if verdict.passed:
         return verdict
     try:
@@ -119,8 +121,8 @@ class Reference(Gate):
     def check(self, target, case, device="cpu", c=BOUND_C, executor=None):
         executor = executor_for(target, device, executor)
         if case in self.hidden:
-            return hidden_seed_check(target, case, executor, c)
-        return bound_check(target, case, executor, c)
+            return hidden_seed_check(target, case, executor, c, device)
+        return bound_check(target, case, executor, c, device)
 
 
 def distribution_cases(target, seed, gate_id, dims, dists):
@@ -215,7 +217,7 @@ class Layouts(Reference):
             if verdict is not None:
                 return verdict
             try:
-                return judge(case, target, inputs, outputs, c=c)
+                return judge(case, target, inputs, outputs, device, c)
             except Exception as e:
                 if not target.options.get("reference_limited"):
                     raise
@@ -268,7 +270,7 @@ class Nonfinite(Gate):
         inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor))
         if verdict is not None:
             return verdict
-        oracle = oracle_outputs(target, inputs)
+        oracle = oracle_outputs(target, inputs, device)
         excused = limited = 0
         for name, out in outputs.items():
             dtype, bound = target.output_dtype(name, case.dtype), c * target.bound_scale
@@ -278,7 +280,7 @@ class Nonfinite(Gate):
                 # the reference's own math may spread a NaN through exact zeros (0 x NaN in a dense
                 # product): positions whose oracle value does not depend on the injected values are
                 # judged on the value they take without them
-                without = value_without_injection(target, case, inputs, name)
+                without = value_without_injection(target, case, inputs, name, device)
                 judged = oracle[name].cpu()
                 if without is not None:
                     spread = torch.isnan(judged) & ~torch.isnan(out.detach().cpu().double()) & without[1]
@@ -293,7 +295,7 @@ class Nonfinite(Gate):
                     # reference's own math does no better: judged against it there
                     # (reference-limited)
                     differ = _class_differences(out, judged, dtype)[2]
-                    t = trusted_outputs(target, case, inputs)[name].detach().cpu().double()
+                    t = trusted_outputs(target, case, inputs, device)[name].detach().cpu().double()
                     same = differ & (kinds(t) == kinds(out.detach().cpu().double()))
                     if same.any():
                         f = compare(out, torch.where(same, t, judged.double()), None, dtype, bound, values=False)
@@ -350,7 +352,7 @@ def nonfinite_where_ignored(out, oracle, dtype: str, ignored) -> bool:
 FINITE_STANDINS = (1000.0, -1000.0)
 
 
-def value_without_injection(target, case, inputs, output: str):
+def value_without_injection(target, case, inputs, output: str, device="cpu"):
     """The oracle's ``output`` where exact zeros are honoured: at each position, the injected
     specials it does not depend on (an injection ``k`` is a dependence where changing ``k``
     alone between the two ``FINITE_STANDINS``, all others at the first, changes the value) are
@@ -369,7 +371,7 @@ def value_without_injection(target, case, inputs, output: str):
                 if m == n:
                     x.view(-1)[flat] = v
             changed[n] = x
-        return oracle_outputs(target, changed)[output].cpu()
+        return oracle_outputs(target, changed, device)[output].cpu()
 
     base = run({k: first for k in injected})
     pattern = torch.zeros(base.shape, dtype=torch.int64)
@@ -435,7 +437,7 @@ class Range(Gate):
         inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor))
         if verdict is not None:
             return verdict
-        oracle = oracle_outputs(target, inputs)
+        oracle = oracle_outputs(target, inputs, device)
         flushed = flush_subnormals(inputs)
         limited = 0
         for name, out in outputs.items():
@@ -443,13 +445,13 @@ class Range(Gate):
             bad = _finite_where_oracle_finite(out, oracle[name], dtype)
             if bad is not None and flushed is not None:
                 # flush-to-zero is a legitimate mode: judge against the flushed inputs too
-                if _finite_where_oracle_finite(out, oracle_outputs(target, flushed)[name], dtype) is None:
+                if _finite_where_oracle_finite(out, oracle_outputs(target, flushed, device)[name], dtype) is None:
                     bad = None
             if bad is not None and target.options.get("reference_limited"):
                 # a target whose trusted implementation is its reference's own float32 math: where
                 # that is non-finite too, float32 itself cannot do better (reference-limited)
                 before = int(bad.sum())
-                bad = bad & torch.isfinite(trusted_outputs(target, case, inputs)[name].detach().cpu())
+                bad = bad & torch.isfinite(trusted_outputs(target, case, inputs, device)[name].detach().cpu())
                 limited += before - int(bad.sum())
                 bad = bad if bad.any() else None
             if bad is not None:
@@ -540,8 +542,8 @@ class Accumulation(Gate):
         inputs, outputs, verdict = kernel_outputs(target, case, executor_for(target, device, executor))
         if verdict is not None:
             return verdict
-        oracle = oracle_outputs(target, inputs)
-        trusted = trusted_outputs(target, case, inputs)
+        oracle = oracle_outputs(target, inputs, device)
+        trusted = trusted_outputs(target, case, inputs, device)
         checked = 0
         for name, out in outputs.items():
             dt = torch_dtype(target.output_dtype(name, case.dtype))
