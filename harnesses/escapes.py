@@ -46,7 +46,9 @@ kernel: it passes where processes are allowed (the toolchain's are not counted a
 A control for the count itself: ``escapes.spawns`` runs ``true`` ``SPAWN_RUNS`` times with
 ``subprocess.run(close_fds=False)``, which Python starts through ``os.posix_spawn`` (two audit
 events a process): it passes where ``max_processes`` is ``SPAWN_RUNS`` and is
-``crash``/``sandbox-fork`` below it.
+``crash``/``sandbox-fork`` below it; ``escapes.popen_inside`` starts as many by calling
+subprocess's own ``_posix_spawn`` directly, which no ``subprocess.Popen`` event counted before:
+``crash``/``sandbox-fork`` one below.
 
 Each is bounded so that, run unconfined by mistake, it cannot harm the machine: at most
 8 GiB touched (20 GiB reserved, never touched), 100 children living 0.2 s, one grandchild
@@ -218,6 +220,30 @@ def spawns(x):
     return _total(x)
 
 
+def popen_inside(x):
+    """Starts processes by calling subprocess's own posix_spawn helper directly, as no Popen
+    would: no ``subprocess.Popen`` event before its ``os.posix_spawn``."""
+    import inspect
+    true = shutil.which("true") or "/bin/true"
+    helper = subprocess.Popen._posix_spawn
+    names = list(inspect.signature(helper).parameters)[1:]
+
+    class Shell:
+        pid = None
+
+        def _close_pipe_fds(self, *fds):
+            pass
+
+    def one():
+        shell = Shell()
+        helper(shell, **{**{n: -1 for n in names}, "args": [true], "executable": true, "env": None,
+                         "restore_signals": False})
+        os.waitpid(shell.pid, 0)
+    for _ in range(SPAWN_RUNS):
+        _quietly(one)
+    return _total(x)
+
+
 def _grandchild():
     ctypes.CDLL(None).prctl(15, ORPHAN.encode(), 0, 0, 0)    # PR_SET_NAME
     time.sleep(3.0)
@@ -309,3 +335,5 @@ variant("escapes", "escapes.shell", shell, planted_bug="runs sh -c, which writes
 variant("escapes", "escapes.rawfork", rawfork, planted_bug="calls fork by its system-call number")
 variant("escapes", "escapes.toolchain", toolchain)
 variant("escapes", "escapes.spawns", spawns)
+variant("escapes", "escapes.popen_inside", popen_inside,
+        planted_bug="starts processes through subprocess's own posix_spawn helper, with no Popen before")

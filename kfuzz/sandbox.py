@@ -263,9 +263,11 @@ class _Auditor:
         beneath ``policy.executable``."""
         name = _executable(event, args)
         real = None if name is None else os.path.realpath(name if os.sep in name else (shutil.which(name) or name))
+        counted = _popen_pending[0] if event == "os.posix_spawn" else None
+        _popen_pending[0] = real if event == "subprocess.Popen" else None
         if event in ("os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system",
                      "pty.spawn") and not (real is not None and _beneath(real, self.tools)) \
-                and not (event == "os.posix_spawn" and _within_popen()):
+                and not (counted is not None and counted == real and _within_popen()):
             _spawned[real or "a fork"] += 1
             if _spawned.total() > self.policy.max_processes:
                 started = ", ".join(f"{what} x{n}" for what, n in _spawned.most_common(3))
@@ -284,12 +286,14 @@ class _Auditor:
 
 
 _POPEN_SPAWN = getattr(getattr(subprocess.Popen, "_posix_spawn", None), "__code__", None)
+_popen_pending: list = [None]     # the program of the last process-start event, if subprocess.Popen's
 
 
 def _within_popen(depth: int = 8) -> bool:
     """Whether the ``os.posix_spawn`` being audited is subprocess's own (``Popen(close_fds=False)``
-    starts its process so, after its ``subprocess.Popen`` event has counted it): its code object,
-    taken when kfuzz imported this module, among the nearest callers."""
+    starts its process so, right after its ``subprocess.Popen`` event has counted it, which
+    ``_spawn`` checks too): its code object, taken when kfuzz imported this module, among the
+    nearest callers."""
     frame = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
@@ -916,6 +920,7 @@ def start_case(cpu_seconds: int | None) -> None:
     than one budget is left."""
     _violations.clear()
     _spawned.clear()
+    _popen_pending[0] = None
     _told[0] = False
     if cpu_seconds:
         used = resource.getrusage(resource.RUSAGE_SELF)

@@ -379,6 +379,9 @@ def test_a_process_python_starts_through_posix_spawn_counts_once():
     verdict = _one_verdict("escapes.spawns", below)
     assert verdict is not None and (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK), verdict
     assert f"more than {SPAWN_RUNS - 1}" in verdict.detail and "true x" in verdict.detail, verdict.detail
+    # subprocess's helper called directly, with no Popen event before it: every process counts
+    verdict = _one_verdict("escapes.popen_inside", below)
+    assert verdict is not None and (verdict.kind, verdict.exc_type) == ("crash", sandbox.FORK), verdict
 
 
 def test_kfuzz_control_sockets_have_no_name():
