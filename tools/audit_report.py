@@ -207,7 +207,8 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "audited": len(audited),
         "incomplete": sum(j[r["key"]]["incomplete"] for r in audited),
         "time_limits": sorted({r["timeout"] for r in audited if isinstance(r.get("timeout"), (int, float))}),
-        "trusted_on": dict(sorted(Counter(str(r.get("trusted_on", "cpu")).split(":")[0] for r in audited).items())),
+        "trusted_on": dict(sorted(Counter(str(r.get("trusted_on", "unrecorded")).split(":")[0]
+                                          for r in audited).items())),
         "gate_errors": sum(any(g.get("status") == "error" for g in r.get("gates", {}).values()) for r in audited),
         "violation": sum(j[r["key"]]["violation"] for r in audited),
         "broken": sum(j[r["key"]]["broken"] for r in audited),
@@ -271,9 +272,11 @@ def markdown(s: dict) -> str:
            f"{s['unbuilt']} that did not build or import here (not judged)."
            + (f" Per-kernel time limits: {', '.join(f'{t:g} s' for t in s['time_limits'])} (records that name theirs)."
               if s.get("time_limits") else "")
-           + (" The trusted implementation (the reference in float32, which scales the bound) ran "
-              + ", ".join(f"on the {'GPU' if d == 'cuda' else d.upper()} for {n}" for d, n in s["trusted_on"].items())
-              + " (where the kernel ran; records that do not say ran it on the CPU)."
+           + (" The trusted implementation (the reference in float32, which scales the bound) ran where the "
+              "kernel ran for " + (", ".join(f"{n} ({'on the GPU' if d == 'cuda' else 'on the ' + d.upper()})"
+                                            for d, n in s["trusted_on"].items() if d != "unrecorded") or "none")
+              + (f"; {s['trusted_on']['unrecorded']} records do not say where: made when the gates ran it on "
+                 f"the CPU whatever the kernel's device" if s["trusted_on"].get("unrecorded") else "") + "."
               if s.get("trusted_on") else ""), "",
            *([f"Results lines: {s['lines_refused']} refused (not a record, or its HMAC fails: forged, altered, "
               f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (made before results were "
