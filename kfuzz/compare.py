@@ -90,8 +90,9 @@ def error_scale(trusted_err_norm: float, u: float, oracle_norm: float) -> float:
     return max(trusted_err_norm, FLOOR_ULPS * u * oracle_norm)
 
 
-def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", torch.float64)
+def _f64(t: torch.Tensor, device=None) -> torch.Tensor:
+    """``t`` as float64 on ``device`` (None: the CPU)."""
+    return t.detach().to(device or "cpu", torch.float64)
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -144,11 +145,12 @@ def swinging(o_rounded: torch.Tensor,
              dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(where the envelope, rounded to ``dt``, reaches another class than the oracle's, its
     low end, its high end, the non-finite kinds it holds (``kinds``)) or None without an
-    envelope."""
+    envelope; on ``o_rounded``'s device."""
     if envelope is None:
         return None
-    lo, hi = (_f64(x).to(dt).to(torch.float64) for x in envelope[:2])
-    return (_class(lo) != _class(o_rounded)) | (_class(hi) != _class(o_rounded)), lo, hi, envelope[2]
+    lo, hi = (_f64(x, o_rounded.device).to(dt).to(torch.float64) for x in envelope[:2])
+    held = envelope[2].to(o_rounded.device)
+    return (_class(lo) != _class(o_rounded)) | (_class(hi) != _class(o_rounded)), lo, hi, held
 
 
 def nonfinite_mismatch(k: torch.Tensor, o_rounded: torch.Tensor, near: torch.Tensor,
@@ -183,15 +185,16 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
             dtype: str, c: float = BOUND_C,
             trusted_clean: torch.Tensor | Callable[[], torch.Tensor] | None = None,
             envelope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            values: bool = True) -> Finding:
+            values: bool = True, device=None) -> Finding:
     """Judge one output; ``dtype`` is the output's dtype name. ``trusted_clean``: the trusted
     implementation's output on the inputs with every NaN and Inf replaced by 0 (or a function
     that computes it, called only when needed); None where the inputs hold no NaN or Inf.
     ``envelope``: the oracle's (low, high) ends under the rounding of its inputs and the
     non-finite kinds it takes there (``kinds``; see the module docstring), or None.
     ``values=False``: the nonfinite check alone, no bound (a gate that judges only where the
-    output is NaN or Inf)."""
-    k, o = _f64(kernel_out), _f64(oracle_out)
+    output is NaN or Inf). ``device``: where the comparison runs (None: the CPU; a GPU judges a
+    large output far faster, with the same verdicts up to the order of a norm's sum)."""
+    k, o = _f64(kernel_out, device), _f64(oracle_out, device)
     dt = torch_dtype(dtype)
     if not dt.is_floating_point:
         if torch.equal(k, o):
@@ -199,7 +202,7 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         n = int((k != o).sum())
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
     o_low = o.to(dt)
-    t = None if trusted_out is None else _f64(trusted_out)
+    t = None if trusted_out is None else _f64(trusted_out, device)
     o_rounded = o_low.to(torch.float64) if envelope is not None else None
     swing = swinging(o_rounded, envelope, dt)
     if all(all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \
@@ -225,7 +228,7 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         overflow = None
         if trusted_clean is not None and bool((free | past | same).any()):
             clean = trusted_clean() if callable(trusted_clean) else trusted_clean
-            overflow = ~_finite(_f64(clean))
+            overflow = ~_finite(_f64(clean, device))
             any_class = (free & ~overflow & ~o_finite) | (same & overflow)
             free &= overflow
         past = past if overflow is None else past & overflow

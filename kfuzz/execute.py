@@ -316,6 +316,18 @@ def _here(outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in outputs.items()}
 
 
+COMPARE_ON_DEVICE_MIN = 1 << 20    # output elements from which a GPU oracle's comparison runs on the GPU
+
+
+def comparison_device(oracle: Mapping[str, torch.Tensor], oracle_device) -> str:
+    """Where ``judge`` compares: on the GPU where the oracle ran on one and an output holds at
+    least ``COMPARE_ON_DEVICE_MIN`` elements (a comparison makes about ten float64 passes over
+    an output: a second on one CPU thread at ten million elements), else on the CPU, where a
+    small output costs less than the GPU's launches and synchronizations."""
+    big = any(t.numel() >= COMPARE_ON_DEVICE_MIN for t in oracle.values())
+    return str(oracle_device) if str(oracle_device).startswith("cuda") and big else "cpu"
+
+
 DEVICE_ERROR = "CUDA error"     # how the detail of a crash that a CUDA error ended the call with starts
 CACHE_KEPT = 2 << 30     # bytes of GPU memory a process may keep cached by torch's allocator after a case
 
@@ -459,9 +471,11 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     """The oracle's half: compare the kernel's ``outputs`` on ``inputs`` with the float64
     oracle, the bound scaled by the trusted implementation (FTZ-tolerant). The oracle and the
     trusted implementation run on ``oracle_device`` (a GPU, where the kernel ran on one);
-    the comparison on the CPU."""
-    oracle = _here(oracle_outputs(target, inputs, oracle_device))
-    trusted = _here(trusted_outputs(target, case, inputs, oracle_device))
+    the comparison where ``comparison_device`` says."""
+    oracle = oracle_outputs(target, inputs, oracle_device)
+    where = comparison_device(oracle, oracle_device)
+    oracle = {k: v.to(where) for k, v in oracle.items()}
+    trusted = {k: v.to(where) for k, v in trusted_outputs(target, case, inputs, oracle_device).items()}
     outputs = _here(outputs)
     flushed = flush_subnormals(inputs)
     clean = _clean_trusted(target, case, inputs, oracle_device)
@@ -471,17 +485,17 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     for name, out in outputs.items():
         dtype = target.output_dtype(name, case.dtype)
         finding = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
-                          clean and clean(name))
+                          clean and clean(name), device=where)
         if finding.kind is not None and flushed is not None:
             # flush-to-zero is a legitimate IEEE mode on GPUs: judge against it too
             oracle_ftz = _here(oracle_outputs(target, flushed, oracle_device))
             trusted_ftz = _here(trusted_outputs(target, case, flushed, oracle_device))
             clean_ftz = _clean_trusted(target, case, flushed, oracle_device)
             alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale,
-                          clean_ftz and clean_ftz(name))
+                          clean_ftz and clean_ftz(name), device=where)
             finding = alt if alt.kind is None else finding
         if finding.kind == "nonfinite" and compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
-                                                   clean and clean(name), _widest(oracle[name])).kind != "nonfinite":
+                                                   clean and clean(name), _widest(oracle[name]), device=where).kind != "nonfinite":
             # an answer whose class the rounding of the inputs decides: any value in its envelope
             # (computed only where some envelope could pass the kernel: never for a NaN where
             # the oracle is finite)
@@ -489,14 +503,14 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
                 more = moved_oracles(target, case, inputs, oracle_device, ENVELOPE_DRAWS)
                 moved, envelope = more[:PERTURB_DRAWS], oracle_envelope(oracle, more)
             alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
-                          clean and clean(name), envelope[name])
+                          clean and clean(name), envelope[name], device=where)
             if alt.kind == "nonfinite" and target.trusted_variants:
                 # a kind that an honest realization of the trusted precision takes
                 realized = realized or trusted_realizations(target, case, inputs, oracle_device)
                 envelope[name] = with_realized_kinds(envelope[name], oracle[name],
                                                      [r[name] for r in realized])
                 alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
-                              clean and clean(name), envelope[name])
+                              clean and clean(name), envelope[name], device=where)
             finding = alt if alt.kind != "nonfinite" else finding
         if finding.kind == "bound":
             # an answer that cancels: the trusted error raised to the oracle's own sensitivity
@@ -504,7 +518,7 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
             if raised is None:
                 raised = perturbed_trusted(target, case, inputs, oracle, trusted, oracle_device, moved)
             alt = compare(out, oracle[name], raised[name], dtype, c * target.bound_scale, clean and clean(name),
-                          envelope and envelope[name])
+                          envelope and envelope[name], device=where)
             finding = alt if alt.kind is None else finding
         if finding.kind == "bound" and target.trusted_variants:
             # no farther from the oracle than an honest realization of the trusted precision
@@ -513,7 +527,7 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
                 varied = varied_trusted(target, case, inputs, oracle, raised, c * target.bound_scale,
                                         oracle_device, realized)
             alt = compare(out, oracle[name], varied[name], dtype, c * target.bound_scale, clean and clean(name),
-                          envelope and envelope[name])
+                          envelope and envelope[name], device=where)
             finding = alt if alt.kind is None else finding
         metrics.update({f"{name}.{k}": v for k, v in finding.metrics})
         if finding.kind is not None:

@@ -239,3 +239,36 @@ def test_a_finite_value_inside_an_envelope_that_swings_across_classes_leaves_the
     f = compare(t32(k0, 1.0), o, trusted, "float32", envelope=envelope)
     assert (f.kind is None) == passes, f.detail
     assert compare(t32(k0, 1.0), o, trusted, "float32").kind is not None
+
+
+def test_a_gpu_oracles_large_output_is_compared_on_the_gpu():
+    """``judge`` compares on the oracle's GPU from ``COMPARE_ON_DEVICE_MIN`` output elements (a
+    comparison's float64 passes take about a second on one CPU thread at ten million), below
+    that and for a CPU oracle on the CPU."""
+    from kfuzz.execute import COMPARE_ON_DEVICE_MIN, comparison_device
+    big, small = torch.empty(COMPARE_ON_DEVICE_MIN), torch.empty(COMPARE_ON_DEVICE_MIN - 1)
+    assert comparison_device({"a": small, "b": big}, "cuda:1") == "cuda:1"
+    assert comparison_device({"a": small}, "cuda") == "cpu"
+    assert comparison_device({"a": big}, "cpu") == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the comparison runs there")
+def test_a_comparison_on_the_gpu_gives_the_cpus_verdicts_on_cuda():
+    """The same tensors compared on the GPU and on the CPU: the same finding, kind and detail's
+    position, the ratio up to the order of a norm's sum; with an envelope too."""
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(1 << 20, generator=g, dtype=torch.float64)
+    t = (o + torch.randn(o.shape, generator=g, dtype=torch.float64) * 1e-7).float()
+    k = (o + torch.randn(o.shape, generator=g, dtype=torch.float64) * 1e-7).float()
+    off = k.clone()
+    off[77] += 1.0
+    nan = k.clone()
+    nan[5] = float("nan")
+    lo, hi = o - 1e-6, o + 1e-6
+    envelope = (lo, hi, torch.zeros(o.shape, dtype=torch.int32))
+    for kernel in (k, off, nan):
+        for env in (None, envelope):
+            on_cpu = compare(kernel, o, t, "float32", envelope=env)
+            on_gpu = compare(kernel, o.cuda(), t.cuda(), "float32", envelope=env, device="cuda")
+            assert on_gpu.kind == on_cpu.kind and on_gpu.detail.split(":")[0] == on_cpu.detail.split(":")[0]
+            assert on_gpu.ratio == pytest.approx(on_cpu.ratio, rel=1e-9)
