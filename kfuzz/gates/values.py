@@ -71,7 +71,7 @@ def kernel_outputs(target, case, executor, inputs=None):
 
 def bound_check(target, case, executor, c, device="cpu") -> Verdict:
     """One call, judged with the oracle and the trusted implementation run on ``device``, where
-    the kernel ran (the comparison on the CPU)."""
+    the kernel ran (``execute.judge``; its comparison where ``execute.comparison_device`` says)."""
     inputs, outputs, verdict = kernel_outputs(target, case, executor)
     return verdict if verdict is not None else judge(case, target, inputs, outputs, device, c)
 
