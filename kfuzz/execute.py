@@ -322,7 +322,7 @@ COMPARE_ON_DEVICE_MIN = 1 << 20    # output elements from which a GPU oracle's c
 def comparison_device(oracle: Mapping[str, torch.Tensor], oracle_device) -> str:
     """Where ``judge`` compares: on the GPU where the oracle ran on one and an output holds at
     least ``COMPARE_ON_DEVICE_MIN`` elements (a comparison makes about ten float64 passes over
-    an output: a second on one CPU thread at ten million elements), else on the CPU, where a
+    an output: 0.4 s on one idle CPU thread at ten million elements), else on the CPU, where a
     small output costs less than the GPU's launches and synchronizations."""
     big = any(t.numel() >= COMPARE_ON_DEVICE_MIN for t in oracle.values())
     return str(oracle_device) if str(oracle_device).startswith("cuda") and big else "cpu"
