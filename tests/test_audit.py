@@ -493,7 +493,7 @@ def test_a_kernel_out_of_memory_on_a_shared_device_is_run_again_alone_at_the_end
     assert "ran where the kernel ran for 2 (on the CPU)." in audit_report().markdown(summary)
     unsaid = audit_report().summarize([{**{k: v for k, v in records[0].items() if k != "trusted_on"}, "expect": None}])
     assert unsaid["trusted_on"] == {"unrecorded": 1}
-    assert "for none; 1 records do not say where" in audit_report().markdown(unsaid)
+    assert "for none; 1 record does not say where" in audit_report().markdown(unsaid)
     # one kernel at a time: every run is alone, the first record is final
     hog = [e for e in entries if e.key.endswith("memory_hog")]
     (alone,) = run_audit(hog, tmp_path / "one", ["G01"], jobs=1, timeout=120)

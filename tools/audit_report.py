@@ -275,8 +275,10 @@ def markdown(s: dict) -> str:
            + (" The trusted implementation (the reference in float32, which scales the bound) ran where the "
               "kernel ran for " + (", ".join(f"{n} ({'on the GPU' if d == 'cuda' else 'on the ' + d.upper()})"
                                             for d, n in s["trusted_on"].items() if d != "unrecorded") or "none")
-              + (f"; {s['trusted_on']['unrecorded']} records do not say where: made when the gates ran it on "
-                 f"the CPU whatever the kernel's device" if s["trusted_on"].get("unrecorded") else "") + "."
+              + (f"; {s['trusted_on']['unrecorded']} "
+                 + ("record does" if s["trusted_on"]["unrecorded"] == 1 else "records do")
+                 + " not say where: made when the gates ran it on the CPU whatever the kernel's device"
+                 if s["trusted_on"].get("unrecorded") else "") + "."
               if s.get("trusted_on") else ""), "",
            *([f"Results lines: {s['lines_refused']} refused (not a record, or its HMAC fails: forged, altered, "
               f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (made before results were "
