@@ -77,7 +77,10 @@ def main(argv=None) -> int:
         ap.error(str(e))
     seconds, calls = Counter(), Counter()
     target = timed(target, seconds, calls, cuda=args.device.startswith("cuda"))
-    print(f"{args.target} on {args.device}, torch threads {torch.get_num_threads()}\n")
+    from kfuzz.execute import COMPARE_ON_DEVICE_MIN
+    where = (f"oracle and trusted implementation on {args.device}, outputs of {COMPARE_ON_DEVICE_MIN:,} elements "
+             f"or more compared there" if args.device.startswith("cuda") else "everything on the CPU")
+    print(f"{args.target} on {args.device} ({where}), torch threads {torch.get_num_threads()}\n")
     print("| gate | status | cases | total s | kernel s | oracle s | trusted s | judging s | bare / total |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for gid in gates:
