@@ -282,23 +282,27 @@ def _bound(k: torch.Tensor, o: torch.Tensor, t: torch.Tensor | None, judged: tor
     t_max = float(terr.max()) if terr.numel() else 0.0
     o_norm = float(of.norm())
     norm_bound = c * error_scale(t_norm, u, o_norm) + FLOOR_ULPS * tiny * math.sqrt(max(1, n))
-    # c * max(t_max, F * u * |o_i|) + F * tiny, in place (an output may be large)
-    elem_bound = of.abs().mul_(FLOOR_ULPS * u).clamp_(min=t_max).mul_(c).add_(FLOOR_ULPS * tiny)
+    # c * max(t_max, F * u * |o_i|) + F * tiny, in place, in the trusted errors' buffer once they
+    # are summed up (an output may be large: a fresh buffer costs more than the arithmetic)
+    spare = terr if terr.numel() == of.numel() and terr.numel() else None
+    elem_bound = (torch.abs(of, out=spare) if spare is not None else of.abs()) \
+        .mul_(FLOOR_ULPS * u).clamp_(min=t_max).mul_(c).add_(FLOOR_ULPS * tiny)
     e_norm = float(err.norm())
+    max_err = float(err.max()) if err.numel() else 0.0
     norm_ratio = e_norm / norm_bound if norm_bound > 0 else (math.inf if e_norm > 0 else 0.0)
-    elem_ratios = err / elem_bound
+    elem_ratios = err.div_(elem_bound)     # the errors are summed up: their buffer takes the ratios
     elem_ratio = float(elem_ratios.max()) if n else 0.0
     rel = e_norm / o_norm if o_norm > 0 else e_norm
     metrics = (("rel_err", rel), ("err_norm", e_norm), ("bound_norm", norm_bound),
-               ("trusted_err_norm", t_norm), ("max_err", float(err.max()) if err.numel() else 0.0),
-               ("trusted_max_err", t_max))
+               ("trusted_err_norm", t_norm), ("max_err", max_err), ("trusted_max_err", t_max))
     ratio = max(norm_ratio, elem_ratio)
     if ratio <= 1.0:
         return Finding(None, ratio=ratio, metrics=metrics)
     if elem_ratio >= norm_ratio:
         i = int(elem_ratios.argmax())
-        detail = (f"element {i}: kernel {k.reshape(-1)[i].item():.6g}, oracle {of[i].item():.6g}, "
-                  f"error {err[i].item():.3g} > bound {elem_bound[i].item():.3g} ({elem_ratio:.3g}x)")
+        ki, oi = k.reshape(-1)[i].item(), of[i].item()
+        detail = (f"element {i}: kernel {ki:.6g}, oracle {oi:.6g}, "
+                  f"error {abs(ki - oi):.3g} > bound {elem_bound[i].item():.3g} ({elem_ratio:.3g}x)")
     else:
         detail = (f"normwise error {e_norm:.3g} > bound {norm_bound:.3g} ({norm_ratio:.3g}x; "
                   f"relative {rel:.3g}, trusted {t_norm / o_norm if o_norm else t_norm:.3g})")
