@@ -24,6 +24,7 @@ from typing import Iterable
 from kfuzz.case import ArgCase, Case
 from kfuzz.compare import BOUND_C
 from kfuzz.dtypes import is_float
+from kfuzz.execute import release_device_memory
 from kfuzz.target import Target
 from kfuzz.verdict import Verdict
 
@@ -147,7 +148,8 @@ class Gate:
                    ) -> Verdict | tuple[Case, Verdict]:
         """``check``, with the oracle and the trusted implementation where the kernel ran; where
         a GPU's memory left to this process does not hold them, the case again with them on the
-        CPU (the kernel's side runs again, in ``executor`` on its own device)."""
+        CPU (the kernel's side runs again, in ``executor`` on its own device). After the case,
+        ``execute.release_device_memory``."""
         import torch
         try:
             return self.check(target, case, device, c, executor=executor)
@@ -156,6 +158,8 @@ class Gate:
                 raise
             torch.cuda.empty_cache()
             return self.check(target, case, "cpu", c, executor=executor)
+        finally:    # what a large case's oracle left cached goes back to the GPU the kernels share
+            release_device_memory(device)
 
     def no_evidence(self, target: Target, verdicts: list[Verdict]) -> str | None:
         """After all cases passed: a reason the gate found nothing to judge (then n/a)."""
