@@ -312,8 +312,12 @@ def trusted_outputs(target: Target, case: Case, inputs: Mapping[str, torch.Tenso
     return {k: v.to(torch_dtype(target.output_dtype(k, case.dtype))) for k, v in outs.items()}
 
 
+def _on(outputs: Mapping[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in outputs.items()}
+
+
 def _here(outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.cpu() for k, v in outputs.items()}
+    return _on(outputs, "cpu")
 
 
 COMPARE_ON_DEVICE_MIN = 1 << 20    # output elements from which a GPU oracle's comparison runs on the GPU
@@ -322,8 +326,8 @@ COMPARE_ON_DEVICE_MIN = 1 << 20    # output elements from which a GPU oracle's c
 def comparison_device(oracle: Mapping[str, torch.Tensor], oracle_device) -> str:
     """Where ``judge`` compares: on the GPU where the oracle ran on one and an output holds at
     least ``COMPARE_ON_DEVICE_MIN`` elements (a comparison makes about ten float64 passes over
-    an output: 0.4 s on one idle CPU thread at ten million elements), else on the CPU, where a
-    small output costs less than the GPU's launches and synchronizations."""
+    an output, each bound by the memory's bandwidth), else on the CPU, where a small output
+    costs less than the GPU's launches and synchronizations."""
     big = any(t.numel() >= COMPARE_ON_DEVICE_MIN for t in oracle.values())
     return str(oracle_device) if str(oracle_device).startswith("cuda") and big else "cpu"
 
@@ -474,8 +478,8 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     the comparison where ``comparison_device`` says."""
     oracle = oracle_outputs(target, inputs, oracle_device)
     where = comparison_device(oracle, oracle_device)
-    oracle = {k: v.to(where) for k, v in oracle.items()}
-    trusted = {k: v.to(where) for k, v in trusted_outputs(target, case, inputs, oracle_device).items()}
+    oracle = _on(oracle, where)
+    trusted = _on(trusted_outputs(target, case, inputs, oracle_device), where)
     outputs = _here(outputs)
     flushed = flush_subnormals(inputs)
     clean = _clean_trusted(target, case, inputs, oracle_device)
@@ -488,8 +492,8 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
                           clean and clean(name), device=where)
         if finding.kind is not None and flushed is not None:
             # flush-to-zero is a legitimate IEEE mode on GPUs: judge against it too
-            oracle_ftz = _here(oracle_outputs(target, flushed, oracle_device))
-            trusted_ftz = _here(trusted_outputs(target, case, flushed, oracle_device))
+            oracle_ftz = _on(oracle_outputs(target, flushed, oracle_device), where)
+            trusted_ftz = _on(trusted_outputs(target, case, flushed, oracle_device), where)
             clean_ftz = _clean_trusted(target, case, flushed, oracle_device)
             alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale,
                           clean_ftz and clean_ftz(name), device=where)

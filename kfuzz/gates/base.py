@@ -21,6 +21,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import torch
+
 from kfuzz.case import ArgCase, Case
 from kfuzz.compare import BOUND_C
 from kfuzz.dtypes import is_float
@@ -150,7 +152,6 @@ class Gate:
         a GPU's memory left to this process does not hold them, the case again with them on the
         CPU (the kernel's side runs again, in ``executor`` on its own device). After the case,
         ``execute.release_device_memory``."""
-        import torch
         try:
             return self.check(target, case, device, c, executor=executor)
         except torch.OutOfMemoryError:
