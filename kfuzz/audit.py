@@ -205,7 +205,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                               "params": params, "seconds": round(time.monotonic() - start, 3)}
             emit("weights", record_weights)
         except Exception as e:
-            emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000], "params": params})
+            emit("weights", {"status": "error", "detail": f"{type(e).__name__}: {e}"[:1000], "params": params,
+                             "exc_type": _error_kind(e)})
             status = None
         stack = contextlib.ExitStack()
         gate_ex = ex
@@ -225,6 +226,13 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
         with stack:
             for gid in gates:
                 run_one_gate(gid, target, seed, device, gate_ex, emit, cases, budget)
+
+
+def _error_kind(e: Exception) -> str:
+    """An error's ``exc_type`` in a record: the resource it says ran out (a GPU's memory, which
+    ``out_of_device_memory`` reads), else its type."""
+    from kfuzz.sandbox import resource_kind
+    return resource_kind(type(e).__name__, str(e)) or type(e).__name__
 
 
 def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases: str | None = None,
@@ -251,7 +259,8 @@ def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases
         d["reason"] = d["reason"][:600]
     except Exception as e:    # the gate itself could not run (the reference failed, say)
         d = {"gate": gid, "status": "error", "reason": f"{type(e).__name__}: {e}"[:600],
-             "where": traceback.format_exc(limit=-3)[-800:]}
+             "where": traceback.format_exc(limit=-3)[-800:],
+             "exc_type": _error_kind(e)}
         r = None
     if r is not None and r.first_failure is not None and cases:
         try:

@@ -75,6 +75,7 @@ DEATH_GRACE = 2.0          # seconds a worker whose channel closed after an answ
 # the worker process ------------------------------------------------------------------------
 
 CUDA_UNAVAILABLE = 75     # a worker's exit code: CUDA does not start inside its namespaces
+DEVICE_FULL = 76          # a worker's exit code: CUDA did not start for want of the GPU's memory
 _levels: dict[str, list[str]] = {}     # device kind -> the isolation levels still to try, best first
 
 
@@ -93,12 +94,23 @@ def _isolation_failed(device: str, level: str) -> bool:
     return False
 
 
+def start_failure(e: Exception, level: str) -> int | None:
+    """The exit code of a worker whose CUDA did not start at isolation ``level`` with ``e``:
+    ``DEVICE_FULL`` where the GPU's memory is taken, ``CUDA_UNAVAILABLE`` where fewer
+    namespaces are left to try; None (the error itself) at the last level."""
+    if sandbox.resource_kind(type(e).__name__, str(e)) == sandbox.MEMORY:
+        return DEVICE_FULL
+    return CUDA_UNAVAILABLE if level != sandbox.ISOLATION_LEVELS[-1] else None
+
+
 def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, workdir: str | None,
                  device: str, level: str = "full") -> Connection:
     """A worker's first steps, before it imports its target: its namespaces (while it has one
     thread), its compile cache inside its directory (or kfuzz's campaign cache), and on CUDA
     the driver and Triton's launcher stubs initialised while exec is still allowed. A CUDA
-    that does not start inside the namespaces ends the worker with ``CUDA_UNAVAILABLE``."""
+    that does not start inside the namespaces ends the worker with ``CUDA_UNAVAILABLE``; one
+    that does not start because the GPU's memory is taken, with ``DEVICE_FULL`` (a state of the
+    GPU that other processes make, never a reason to give up namespaces)."""
     if policy is not None:
         sandbox.isolate(policy, level)
         if policy.processes:
@@ -108,10 +120,11 @@ def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, w
     if str(device).startswith("cuda"):
         try:
             torch.zeros(1, device=device)
-        except Exception:   # noqa: BLE001 - kfuzz retries with fewer namespaces
-            if level != "none":
-                os._exit(CUDA_UNAVAILABLE)
-            raise
+        except Exception as e:   # noqa: BLE001 - kfuzz retries with fewer namespaces
+            code = start_failure(e, level)
+            if code is None:
+                raise
+            os._exit(code)
         try:
             from triton.runtime import driver
             driver.active.get_current_device()
@@ -248,6 +261,9 @@ class Worker:
             self.kill()
             if code == CUDA_UNAVAILABLE:
                 raise _CudaUnavailable() from None
+            if code == DEVICE_FULL:     # the words sandbox.resource_kind reads as a GPU's memory
+                raise RuntimeError(f"worker for {target_name!r} did not start: CUDA out of memory on "
+                                   f"{self.device} (other processes hold the GPU's memory)") from None
             raise RuntimeError(f"worker for {target_name!r} died while starting ({sandbox.death_name(code)})") from None
         assert kind == "ready"
         # where the kernel may start processes, none may outlive its call: the worker's own

@@ -423,6 +423,29 @@ def test_a_cuda_worker_tries_fewer_namespaces_before_it_gives_up(monkeypatch):
     assert workers._levels["cuda"] == ["none"] and workers.isolation_level("cpu") == "full"
 
 
+def test_a_worker_whose_gpu_is_full_keeps_its_namespaces_and_says_the_memory_is_taken():
+    """CUDA that does not start for want of the GPU's memory (other processes hold it) ends the
+    worker with ``DEVICE_FULL`` at every isolation level: fewer namespaces would not help, and a
+    kernel that fills the GPU must not lower its neighbours' isolation. Any other CUDA start
+    failure tries fewer namespaces, then is the error itself. The error kfuzz raises for a full
+    GPU is read as ``resource-memory`` (an audit runs such a kernel again alone)."""
+    import torch
+
+    from kfuzz import sandbox, workers
+    from kfuzz.audit import _error_kind, out_of_device_memory
+    full = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
+            RuntimeError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'")]
+    for level in sandbox.ISOLATION_LEVELS:
+        assert [workers.start_failure(e, level) for e in full] == [workers.DEVICE_FULL] * 2
+    other = RuntimeError("CUDA driver initialization failed, you might not have a CUDA gpu.")
+    assert [workers.start_failure(other, level) for level in sandbox.ISOLATION_LEVELS] == [
+        workers.CUDA_UNAVAILABLE, workers.CUDA_UNAVAILABLE, None]
+    said = RuntimeError("worker for 'softmax' did not start: CUDA out of memory on cuda:0 (other processes hold "
+                        "the GPU's memory)")
+    assert _error_kind(said) == sandbox.MEMORY and _error_kind(other) == "RuntimeError"
+    assert out_of_device_memory({"gates": {"G05": {"status": "error", "exc_type": _error_kind(said)}}})
+
+
 def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():
     """A GPU that ran out of memory (torch's allocator, or Triton's driver call that ended the
     call as a CUDA error) is the crash ``resource-memory``; other CUDA errors keep their type."""
