@@ -270,11 +270,25 @@ def _idle_pool_worker(frame) -> bool:
     return queue is not None and queue.empty()
 
 
+def _monitor_asleep(frame) -> bool:
+    """tqdm's monitor thread (the first progress bar starts it, torch.compile's autotuning bar
+    among them) asleep between its checks of the bars: it refreshes progress bars, nothing of
+    the call's."""
+    if frame.f_code.co_name != "wait":
+        return False
+    monitor = os.path.join("tqdm", "_monitor.py")
+    while frame is not None:
+        if frame.f_code.co_name == "run" and frame.f_code.co_filename.endswith(monitor):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def threads_left(before: set[int]) -> list[str]:
     """Python threads started during the call and still running: ``name in function``."""
     left = []
     for ident, frame in sys._current_frames().items():
-        if ident in before or _idle_pool_worker(frame):
+        if ident in before or _idle_pool_worker(frame) or _monitor_asleep(frame):
             continue
         thread = threading._active.get(ident)
         name = thread.name if thread is not None else f"thread {ident}"

@@ -156,6 +156,48 @@ def test_an_idle_thread_pool_left_behind_is_not_pending_work():
             pool.shutdown(wait=True)
 
 
+def test_a_progress_bar_monitor_left_asleep_is_not_pending_work():
+    """tqdm's first progress bar starts a monitor thread that outlives it (torch.compile's
+    max-autotune shows one): asleep between its checks of the bars, it is no work of the call.
+    A timer that writes the output after return is pending work."""
+    import dataclasses
+    import io
+    import threading
+    tqdm = pytest.importorskip("tqdm")
+    from kfuzz.execute import call_kernel
+    from kfuzz.gates.base import make_case, nominal_dims
+    from kfuzz.tensors import materialize
+    target = get_target("hacks.honest_softmax")
+    case = make_case(target, "float32", 1, nominal_dims(target))
+    if tqdm.tqdm.monitor is not None:      # the monitor the kernel's bar starts is the call's own
+        tqdm.tqdm.monitor.exit()
+        tqdm.tqdm.monitor = None
+    timers = []
+
+    def with_bar(x):
+        with tqdm.tqdm(total=1, file=io.StringIO(), mininterval=0) as bar:
+            bar.update(1)
+        return torch.softmax(x, -1)
+
+    def with_timer(x):
+        out = torch.ones_like(x)
+        timers.append(threading.Timer(0.05, lambda: out.copy_(torch.softmax(x, -1))))
+        timers[-1].start()
+        return out
+    try:
+        for kernel, pending in ((with_bar, False), (with_timer, True)):
+            _, verdict = call_kernel(dataclasses.replace(target, kernel=kernel), case,
+                                     materialize(case, target), torch.device("cpu"))
+            assert (verdict is not None and "pending work" in verdict.detail) == pending, verdict
+        assert tqdm.tqdm.monitor is not None and tqdm.tqdm.monitor.is_alive()
+    finally:
+        for timer in timers:
+            timer.join()
+        if tqdm.tqdm.monitor is not None:
+            tqdm.tqdm.monitor.exit()
+            tqdm.tqdm.monitor = None
+
+
 @pytest.mark.parametrize("twin", ["hacks.honest_softmax", "matmul"])
 def test_correct_twin_passes_the_gates_that_reject_the_hacks(twin):
     for gate in ("G01", "G03", "G09", "G10", "G11"):
