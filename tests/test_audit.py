@@ -1704,3 +1704,19 @@ def test_a_solution_that_names_its_extension_per_process_is_audited_as_built(tmp
     assert rec["build"]["status"] == "built" and "caught" not in rec["build"], rec["build"]
     assert rec["standard"]["passed"], rec["standard"]
     assert rec["gates"]["G01"]["status"] == "pass" and judge_record(rec)["violations"] == [], rec
+
+
+def test_the_reports_denominator_names_accepted_rows_with_no_solution_to_audit(tmp_path):
+    """A row with a speedup whose code is the string "None" or does not parse was accepted, but
+    holds nothing to audit: the report counts it among the accepted kernels and says how many
+    such rows there are; a null row is not accepted."""
+    ref = (CONTROLS / "reference_relu.py").read_text()
+    codes = [(CONTROLS / "drops_nan.py").read_text(), "None", "class ModelNew(:\n", None]
+    (tmp_path / "cuda-l1-x.jsonl").write_text("".join(
+        json.dumps({"level_id": 1, "task_id": 1, "ref_code": ref, "custom_code": c, "score_default": 1.0}) + "\n"
+        for c in codes))
+    report = audit_report()
+    assert report.accepted_in_corpora([tmp_path]) == (3, 2)
+    s = {**report.summarize([]), "corpus_accepted": 3, "corpus_without_solution": 2}
+    assert "The corpora hold 3 accepted kernels; 0 of them are audited here (0.0%); 2 carry no solution that runs" \
+        in report.markdown(s)

@@ -264,7 +264,10 @@ def markdown(s: dict) -> str:
     pct = lambda x: f"{100 * x:.1f}%"
     out = ["# Audit report", "",
            *([f"The corpora hold {s['corpus_accepted']} accepted kernels; {s['audited']} of them are audited here "
-              f"({pct(s['audited'] / max(1, s['corpus_accepted']))}).", ""] if s.get("corpus_accepted") else []),
+              f"({pct(s['audited'] / max(1, s['corpus_accepted']))})"
+              + (f"; {s['corpus_without_solution']} carry no solution that runs (a row whose code is the string "
+                 f"\"None\", does not parse or defines no `ModelNew`: nothing to audit)."
+                 if s.get("corpus_without_solution") else "."), ""] if s.get("corpus_accepted") else []),
            f"{s['audited']} kernels audited ({s['incomplete']} incomplete: killed for time, judged on the gates "
            f"that finished, or out of a GPU's memory beside other kernels; {s['gate_errors']} with a gate that could "
            f"not run, judged on the others), "
@@ -395,15 +398,18 @@ def plot(s: dict, path: Path) -> None:
 NOT_ACCEPTED = ("custom_code is null (not accepted)", "code is null")
 
 
-def accepted_in_corpora(dirs) -> int | None:
+def accepted_in_corpora(dirs) -> tuple[int, int] | None:
     """How many accepted kernels (rows with a solution, paired or not) the first corpora folder
-    found holds: the audit's denominator; None where none is found."""
+    found holds, the audit's denominator, and how many of them carry no solution that runs (a
+    row whose code is the string "None", does not parse or defines no ``ModelNew``); None where
+    no corpus is found."""
     for d in dirs:
         files = sorted(Path(d).glob("cuda-l1-*.jsonl")) + sorted(Path(d).glob("*leaderboard*.json"))
         if files:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return sum(e.pair is not None or e.skip not in NOT_ACCEPTED for f in files for e in read_corpus(f))
+                accepted = [e for f in files for e in read_corpus(f) if e.pair is not None or e.skip not in NOT_ACCEPTED]
+            return len(accepted), sum(e.pair is None for e in accepted)
     return None
 
 
@@ -437,8 +443,9 @@ def main(argv=None) -> int:
     recs = list(records.values())
     params = fill_params(recs, CorpusWeights([a.corpora] if a.corpora else DEFAULT_CORPORA))
     s = summarize(recs, params)
-    s.update(lines_refused=refused, lines_unsigned=unsigned, corpus_accepted=accepted_in_corpora(
-        [Path(a.corpora)] if a.corpora else DEFAULT_CORPORA))
+    accepted = accepted_in_corpora([Path(a.corpora)] if a.corpora else DEFAULT_CORPORA)
+    s.update(lines_refused=refused, lines_unsigned=unsigned, corpus_accepted=accepted and accepted[0],
+             corpus_without_solution=accepted and accepted[1])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(markdown(s))
