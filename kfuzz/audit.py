@@ -442,7 +442,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
                      os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases, pch)
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
-        conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000]}))
+        conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000], "exc_type": _error_kind(e)}))
     conn.send(("done", {}))
     conn.close()
     os._exit(0)     # skip interpreter teardown: a broken extension may crash it
@@ -467,10 +467,10 @@ def shares_memory(device: str) -> bool:
 
 
 def out_of_device_memory(record: dict) -> bool:
-    """Whether the kernel's standard test, weights contract or a gate ended for want of memory
-    (``resource-memory``)."""
+    """Whether the kernel's standard test, weights contract, a gate or its whole run (``error``)
+    ended for want of memory (``resource-memory``)."""
     from kfuzz import sandbox
-    parts = [record.get("standard"), record.get("weights"), *record.get("gates", {}).values()]
+    parts = [record.get("standard"), record.get("weights"), record.get("error"), *record.get("gates", {}).values()]
     return any(isinstance(p, dict) and sandbox.MEMORY in (p.get("exc_type"), p.get("finding")) for p in parts)
 
 
@@ -633,9 +633,10 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
 
 def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
     """A record of a run that did not finish (``judge_record``'s ``incomplete``: killed for time,
-    or out of a shared GPU's memory; or a gate that could not run), or one made before the audit
-    kept the accepting harness's train/eval mode, of a reference that the mode changes."""
-    return judge_record(record)["incomplete"] or any(
+    or out of a shared GPU's memory; a gate that could not run, or an error that ended the
+    kernel's run), or one made before the audit kept the accepting harness's train/eval mode, of
+    a reference that the mode changes."""
+    return judge_record(record)["incomplete"] or "error" in record or any(
         g.get("status") == "error" for g in record.get("gates", {}).values()) or (
         "mode" not in record and entry is not None and entry.mode_sensitive)
 

@@ -1720,3 +1720,23 @@ def test_the_reports_denominator_names_accepted_rows_with_no_solution_to_audit(t
     s = {**report.summarize([]), "corpus_accepted": 3, "corpus_without_solution": 2}
     assert "The corpora hold 3 accepted kernels; 0 of them are audited here (0.0%); 2 carry no solution that runs" \
         in report.markdown(s)
+
+
+def test_runs_ended_before_the_standard_tests_verdict_are_counted_and_retried():
+    """A kernel whose run an error of kfuzz's ended, or whose build was killed for time, has no
+    verdict: the report counts each among kfuzz's own errors and timeouts, and ``--retry``
+    redoes it."""
+    from kfuzz.audit import needs_retry
+    errored = {"key": "c:1", "gates": {}, "phase": "standard", "expect": None, "level": 1,
+               "error": {"error": "RuntimeError: worker for 'kb:c:1' died while starting (exit-1)",
+                         "exc_type": "RuntimeError"}}
+    slow_build = {"key": "c:2", "gates": {}, "phase": "build", "ended": "timeout", "expect": None, "level": 1}
+    fine = {"key": "c:3", "gates": {}, "phase": "gates", "expect": None, "level": 1,
+            "standard": {"passed": True, "reason": "pass"}}
+    assert [needs_retry(r) for r in (errored, slow_build, fine)] == [True, True, False]
+    report = audit_report()
+    s = report.summarize([errored, slow_build, fine])
+    assert s["audited"] == 1 and s["kfuzz_errors"]["run_errors"] == 1 and s["kfuzz_errors"]["build_killed_for_time"] == 1
+    text = report.markdown(s)
+    assert "| kernels whose run a kfuzz error ended before the standard test's verdict (not audited) | 1 |" in text
+    assert "| kernels killed for time in their build (not audited) | 1 |" in text

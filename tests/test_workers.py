@@ -444,6 +444,7 @@ def test_a_worker_whose_gpu_is_full_keeps_its_namespaces_and_says_the_memory_is_
                         "the GPU's memory)")
     assert _error_kind(said) == sandbox.MEMORY and _error_kind(other) == "RuntimeError"
     assert out_of_device_memory({"gates": {"G05": {"status": "error", "exc_type": _error_kind(said)}}})
+    assert out_of_device_memory({"gates": {}, "error": {"error": str(said), "exc_type": _error_kind(said)}})
 
 
 def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():

@@ -240,6 +240,11 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
                          "killed_for_time": sum(j[r["key"]]["incomplete"] for r in audited),
                          "adapter_refused": sum("adapter" in r for r in corpus),
                          "unbuilt": sum("unbuilt" in r for r in corpus),
+                         # not audited: no standard test's verdict yet (--retry redoes both)
+                         "run_errors": sum("error" in r and not j[r["key"]]["audited"] for r in corpus),
+                         "build_killed_for_time": sum(r.get("phase") == "build" and not j[r["key"]]["audited"]
+                                                      and str(r.get("ended", "")).startswith("timeout")
+                                                      for r in corpus),
                          "fell_back": sum(fell_back(r.get("build")) for r in audited)},
         "arguable": arguable, "excused_cases": dict(sorted(excused.items())),
         "sweep": sweep, "broken_ratio": BROKEN_RATIO, "controls": control_rows,
@@ -345,6 +350,9 @@ def markdown(s: dict) -> str:
             f"| kernels killed for time in the gates or the build (incomplete) | {s['kfuzz_errors']['killed_for_time']} |",
             f"| references the adapter refused | {s['kfuzz_errors']['adapter_refused']} |",
             f"| solutions that did not build here (not judged) | {s['kfuzz_errors']['unbuilt']} |",
+            f"| kernels whose run a kfuzz error ended before the standard test's verdict (not audited) "
+            f"| {s['kfuzz_errors'].get('run_errors', 0)} |",
+            f"| kernels killed for time in their build (not audited) | {s['kfuzz_errors'].get('build_killed_for_time', 0)} |",
             f"| solutions whose extension did not build here and that ran their own fallback (judged as they ran) "
             f"| {s['kfuzz_errors']['fell_back']} |",
             "", "## Arguable classes", "",
