@@ -159,12 +159,13 @@ def perturbed_inputs(inputs: Mapping[str, torch.Tensor], u: float, seed: int) ->
 
 
 def moved_oracles(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
-                  device="cpu", draws: int = PERTURB_DRAWS) -> list[dict[str, torch.Tensor]]:
+                  device="cpu", draws: int = PERTURB_DRAWS, where="cpu") -> list[dict[str, torch.Tensor]]:
     """The oracle's outputs on ``draws`` copies of ``inputs``, each moved by one unit of the
-    compute precision's roundoff (fp32's; float64's for float64 cases); draw i from seed
-    ``case.seed + i``, so fewer draws are the first of more."""
+    compute precision's roundoff (fp32's; float64's for float64 cases), computed on ``device``
+    and kept on ``where`` (the comparison's device); draw i from seed ``case.seed + i``, so
+    fewer draws are the first of more."""
     u = unit_roundoff("float64" if case.dtype == "float64" else "float32")
-    return [_here(oracle_outputs(target, perturbed_inputs(inputs, u, case.seed + draw), device))
+    return [_on(oracle_outputs(target, perturbed_inputs(inputs, u, case.seed + draw), device), where)
             for draw in range(draws)]
 
 
@@ -174,14 +175,14 @@ def oracle_envelope(oracle: Mapping[str, torch.Tensor], moved: list[Mapping[str,
     from it (float64; an Inf where a copy left the oracle's class, NaN where any is NaN), and
     where the oracle is non-finite, the non-finite kinds (``kfuzz.compare.kinds``) it and the
     copies take there: how far the rounding of the inputs alone can take the answer, either
-    way (``kfuzz.compare``)."""
+    way (``kfuzz.compare``). On the oracle's device."""
     out = {}
     for k, o in oracle.items():
-        o = o.cpu().to(torch.float64)
+        o = o.to(torch.float64)
         r = torch.zeros_like(o)
         held = kinds(o)
         for m in moved:
-            m = m[k].to(torch.float64)
+            m = m[k].to(o.device, torch.float64)
             d = (m - o).abs()
             r = torch.maximum(r, torch.where(torch.isnan(d) & (m == o), 0.0, d))   # the same Inf: 0
             held = held | kinds(m)
@@ -194,8 +195,8 @@ def oracle_envelope(oracle: Mapping[str, torch.Tensor], moved: list[Mapping[str,
 def _widest(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The envelope that holds every non-NaN value (-Inf to +Inf everywhere) and, where the
     oracle is non-finite, every non-finite kind."""
-    far = torch.full(o.shape, torch.inf, dtype=torch.float64)
-    return -far, far, torch.where(torch.isfinite(o.cpu()), 0, NONFINITE_KINDS)
+    far = torch.full(o.shape, torch.inf, dtype=torch.float64, device=o.device)
+    return -far, far, torch.where(torch.isfinite(o), 0, NONFINITE_KINDS)
 
 
 def perturbed_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
@@ -215,10 +216,11 @@ def perturbed_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Ten
 
 
 def trusted_realizations(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
-                         device=None) -> list[dict[str, torch.Tensor]]:
+                         device=None, where="cpu") -> list[dict[str, torch.Tensor]]:
     """The outputs of the target's trusted variants (``Target.trusted_variants``: other honest
-    realizations of the trusted implementation's roundings) on ``inputs``, on the CPU."""
-    return [_here(trusted_outputs(target, case, inputs, device, variant=i))
+    realizations of the trusted implementation's roundings) on ``inputs``, computed on
+    ``device`` and kept on ``where``."""
+    return [_on(trusted_outputs(target, case, inputs, device, variant=i), where)
             for i in range(target.trusted_variants)]
 
 
@@ -231,9 +233,9 @@ def with_realized_kinds(envelope: tuple[torch.Tensor, torch.Tensor, torch.Tensor
     the other way), the kind is its roundings' choice (an infinite step applied to a state
     whose sign lies below that precision's noise), and a kernel that takes it is as honest."""
     lo, hi, held = envelope
-    o = oracle.cpu()
+    o = oracle.to(held.device)
     for r in realizations:
-        held = held | torch.where(torch.isfinite(o), 0, kinds(r.cpu()))
+        held = held | torch.where(torch.isfinite(o), 0, kinds(r.to(held.device)))
     return lo, hi, held
 
 
@@ -248,22 +250,22 @@ def varied_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor
     land as far as its farthest realization: on an output of an element or two, the roundings
     of one realization can cancel to far below the others' (so a bound scaled by it alone is
     luck), while a kernel farther off than every realization still fails."""
-    oracle64 = {k: v.cpu().to(torch.float64) for k, v in oracle.items()}
+    oracle64 = {k: v.to(torch.float64) for k, v in oracle.items()}
     if realizations is None:
-        realizations = trusted_realizations(target, case, inputs, device)
-    shrunk = [{k: oracle64[k] + (var[k].to(torch.float64) - oracle64[k]) / c for k in trusted}
+        realizations = trusted_realizations(target, case, inputs, device, next(iter(oracle64.values())).device)
+    shrunk = [{k: oracle64[k] + (var[k].to(oracle64[k].device, torch.float64) - oracle64[k]) / c for k in trusted}
               for var in realizations]
     return _farther(oracle, trusted, shrunk)
 
 
 def _farther(oracle: Mapping[str, torch.Tensor], trusted: Mapping[str, torch.Tensor],
              others: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``trusted`` (float64, on the CPU) with each finite value replaced by the farthest from the
-    oracle of the finite ``others`` there, where one is farther."""
-    out = {k: v.cpu().to(torch.float64) for k, v in trusted.items()}
+    """``trusted`` (float64, on the oracle's device) with each finite value replaced by the
+    farthest from the oracle of the finite ``others`` there, where one is farther."""
+    out = {k: v.to(oracle[k].device, torch.float64) for k, v in trusted.items()}
     for draw in others:
         for k, t in out.items():
-            o, m = oracle[k].cpu().to(torch.float64), draw[k].to(torch.float64)
+            o, m = oracle[k].to(torch.float64), draw[k].to(t.device, torch.float64)
             farther = torch.isfinite(t) & torch.isfinite(o) & torch.isfinite(m) & ((m - o).abs() > (t - o).abs())
             out[k] = torch.where(farther, m, t)
     return out
@@ -314,10 +316,6 @@ def trusted_outputs(target: Target, case: Case, inputs: Mapping[str, torch.Tenso
 
 def _on(outputs: Mapping[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in outputs.items()}
-
-
-def _here(outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return _on(outputs, "cpu")
 
 
 COMPARE_ON_DEVICE_MIN = 1 << 20    # output elements from which a GPU oracle's comparison runs on the GPU
@@ -460,14 +458,15 @@ def execute(case: Case, target: Target | None = None, device: str = "cpu",
     return judge(case, target, inputs, outputs, oracle_device or device, c)
 
 
-def _clean_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor], device
+def _clean_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor], device, where="cpu"
                    ) -> Callable[[str], Callable[[], torch.Tensor]] | None:
     """Per output, the trusted implementation's output on ``inputs`` without their NaN and Inf
-    (computed once, when first asked for); None where the inputs hold none."""
+    (computed once, on ``device``, when first asked for, and kept on ``where``); None where the
+    inputs hold none."""
     clean = without_specials(inputs)
     if clean is None:
         return None
-    return lazy_outputs(lambda: _here(trusted_outputs(target, case, clean, device)))
+    return lazy_outputs(lambda: _on(trusted_outputs(target, case, clean, device), where))
 
 
 def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
@@ -480,9 +479,9 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     where = comparison_device(oracle, oracle_device)
     oracle = _on(oracle, where)
     trusted = _on(trusted_outputs(target, case, inputs, oracle_device), where)
-    outputs = _here(outputs)
+    outputs = _on(outputs, where)
     flushed = flush_subnormals(inputs)
-    clean = _clean_trusted(target, case, inputs, oracle_device)
+    clean = _clean_trusted(target, case, inputs, oracle_device, where)
     raised = varied = moved = envelope = realized = None
     worst = 0.0
     metrics: dict[str, float] = {}
@@ -494,7 +493,7 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
             # flush-to-zero is a legitimate IEEE mode on GPUs: judge against it too
             oracle_ftz = _on(oracle_outputs(target, flushed, oracle_device), where)
             trusted_ftz = _on(trusted_outputs(target, case, flushed, oracle_device), where)
-            clean_ftz = _clean_trusted(target, case, flushed, oracle_device)
+            clean_ftz = _clean_trusted(target, case, flushed, oracle_device, where)
             alt = compare(out, oracle_ftz[name], trusted_ftz[name], dtype, c * target.bound_scale,
                           clean_ftz and clean_ftz(name), device=where)
             finding = alt if alt.kind is None else finding
@@ -504,13 +503,13 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
             # (computed only where some envelope could pass the kernel: never for a NaN where
             # the oracle is finite)
             if envelope is None:
-                more = moved_oracles(target, case, inputs, oracle_device, ENVELOPE_DRAWS)
+                more = moved_oracles(target, case, inputs, oracle_device, ENVELOPE_DRAWS, where)
                 moved, envelope = more[:PERTURB_DRAWS], oracle_envelope(oracle, more)
             alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
                           clean and clean(name), envelope[name], device=where)
             if alt.kind == "nonfinite" and target.trusted_variants:
                 # a kind that an honest realization of the trusted precision takes
-                realized = realized or trusted_realizations(target, case, inputs, oracle_device)
+                realized = realized or trusted_realizations(target, case, inputs, oracle_device, where)
                 envelope[name] = with_realized_kinds(envelope[name], oracle[name],
                                                      [r[name] for r in realized])
                 alt = compare(out, oracle[name], trusted[name], dtype, c * target.bound_scale,
@@ -518,7 +517,7 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
             finding = alt if alt.kind != "nonfinite" else finding
         if finding.kind == "bound":
             # an answer that cancels: the trusted error raised to the oracle's own sensitivity
-            moved = moved or moved_oracles(target, case, inputs, oracle_device)
+            moved = moved or moved_oracles(target, case, inputs, oracle_device, where=where)
             if raised is None:
                 raised = perturbed_trusted(target, case, inputs, oracle, trusted, oracle_device, moved)
             alt = compare(out, oracle[name], raised[name], dtype, c * target.bound_scale, clean and clean(name),
@@ -527,7 +526,7 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
         if finding.kind == "bound" and target.trusted_variants:
             # no farther from the oracle than an honest realization of the trusted precision
             if varied is None:
-                realized = realized or trusted_realizations(target, case, inputs, oracle_device)
+                realized = realized or trusted_realizations(target, case, inputs, oracle_device, where)
                 varied = varied_trusted(target, case, inputs, oracle, raised, c * target.bound_scale,
                                         oracle_device, realized)
             alt = compare(out, oracle[name], varied[name], dtype, c * target.bound_scale, clean and clean(name),

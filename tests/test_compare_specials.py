@@ -272,3 +272,35 @@ def test_a_comparison_on_the_gpu_gives_the_cpus_verdicts_on_cuda():
             on_gpu = compare(kernel, o.cuda(), t.cuda(), "float32", envelope=env, device="cuda")
             assert on_gpu.kind == on_cpu.kind and on_gpu.detail.split(":")[0] == on_cpu.detail.split(":")[0]
             assert on_gpu.ratio == pytest.approx(on_cpu.ratio, rel=1e-9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_judgment_on_the_gpu_keeps_the_cpus_verdicts_through_every_rule_on_cuda():
+    """``judge`` with the oracle on the GPU and an output of a million elements (compared on the
+    GPU, the kernel's output, the oracle's runs on moved inputs and the envelope kept there):
+    the CPU's verdicts for an Inf the inputs' rounding allows (the envelope), a NaN (no
+    envelope holds one), a value far off (the cancellation rule runs the oracle again first)
+    and the honest output."""
+    n = 1 << 20
+    g = torch.Generator().manual_seed(0)
+    plain = {k: torch.rand(n, generator=g) + 0.5 for k in "xywv"}
+    special = {k: v.clone() for k, v in plain.items()}
+    for v in special.values():
+        v[:2] = t32(1e38, 1.0)
+
+    def stable(x, y, w, v):
+        return (x - w) * y + w * (y - v)
+    target = _cancelling_target(stable)
+    case = Case.make(target.name, "float32", 3, {"N": 2})
+    verdicts = {}
+    for name, inputs, (at0, at1, far) in (("inf", special, (math.inf, 0.0, 0.0)), ("nan", special, (NAN, 0.0, 0.0)),
+                                          ("off", plain, (None, None, 1.0)), ("honest", plain, (None, None, 0.0))):
+        out = stable(**inputs)
+        if at0 is not None:
+            out[0], out[1] = at0, at1
+        out[1000] += far
+        on_cpu = judge(case, target, inputs, {"out": out}, "cpu")
+        on_gpu = judge(case, target, {k: v.cuda() for k, v in inputs.items()}, {"out": out.cuda()}, "cuda")
+        assert (on_gpu.kind, on_gpu.passed) == (on_cpu.kind, on_cpu.passed), (name, on_gpu.detail, on_cpu.detail)
+        verdicts[name] = on_gpu.kind
+    assert verdicts == {"inf": "pass", "nan": "nonfinite", "off": "bound", "honest": "pass"}
