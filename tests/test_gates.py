@@ -520,3 +520,20 @@ def test_a_case_whose_oracle_does_not_fit_the_gpu_is_judged_on_the_cpu_on_cuda()
     target = dataclasses.replace(base, reference=reference)
     (result,) = run_gates(target, ["G01"], device="cuda", executor=InProcess(target, "cuda"))
     assert result.status == "pass" and result.cases > 0, (result.status, result.reason)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gates_comparisons_on_the_gpu_give_the_cpus_statuses_on_cuda(monkeypatch):
+    """With every comparison on the GPU where the oracle ran there (the threshold set to one
+    element), G01, G05 and G12 give a correct softmax (in torch, so that it runs on either
+    device) and one that turns NaN into 0 the statuses they give on the CPU."""
+    import kfuzz.execute
+    from kfuzz.executor import InProcess
+    base = get_target("hacks.honest_softmax")
+    quiet = dataclasses.replace(base, kernel=lambda **a: torch.nan_to_num(base.kernel(**a)))
+    monkeypatch.setattr(kfuzz.execute, "COMPARE_ON_DEVICE_MIN", 1)
+    for target, want in ((base, ["pass", "pass", "pass"]), (quiet, [None, "fail", None])):
+        on = {d: [r.status for r in run_gates(target, ["G01", "G05", "G12"], device=d, executor=InProcess(target, d))]
+              for d in ("cpu", "cuda")}
+        assert on["cuda"] == on["cpu"], on
+        assert all(w is None or w == got for w, got in zip(want, on["cuda"])), on

@@ -17,7 +17,7 @@ import torch
 
 from kfuzz.case import ArgCase
 from kfuzz.compare import BOUND_C, compare
-from kfuzz.execute import as_outputs, lazy_outputs, without_specials
+from kfuzz.execute import as_outputs, comparison_device, lazy_outputs, without_specials
 from kfuzz.executor import executor_for
 from kfuzz.gates.base import Gate, float_args, gate_seed, make_case, nominal_dims
 from kfuzz.programs import Program, changed_input, grads, leaves, malformed, replicate
@@ -100,6 +100,7 @@ class Gradients(Gate):
             return {n: torch.zeros_like(low[n]) if g is None else g for n, g in got.items()}
         clean_of = lazy_outputs(clean_grads) if clean is not None else None
         worst, metrics = 0.0, {}
+        where = comparison_device({n: g for n, g in oracle.items() if g is not None}, device)
         for name in names:
             want = oracle[name] if oracle[name] is not None else torch.zeros_like(wide[name])
             got = kernel.get(name)
@@ -111,7 +112,7 @@ class Gradients(Gate):
             tr = trusted[name]
             f = compare(got, want, tr if tr is not None else None,
                         target.arg_dtype(name, case.dtype), c * target.bound_scale,
-                        clean_of and clean_of(name))
+                        clean_of and clean_of(name), device=where)
             metrics.update({f"grad.{name}.{k}": v for k, v in f.metrics})
             if f.kind is not None:
                 return Verdict(target.name, f.kind, output=f"grad.{name}", detail=f.detail,

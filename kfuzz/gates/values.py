@@ -19,7 +19,7 @@ from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.compare import BOUND_C, all_finite, compare, kinds
 from kfuzz.dtypes import special_value_table, torch_dtype
 from kfuzz.errors import CaseError
-from kfuzz.execute import flush_subnormals, judge, oracle_outputs, trusted_outputs
+from kfuzz.execute import comparison_device, flush_subnormals, judge, oracle_outputs, trusted_outputs
 from kfuzz.executor import executor_for
 from kfuzz.gates.base import (Gate, fit_dims, float_args, gate_seed, inner_dims, make_case,
                               nominal_dims)
@@ -271,10 +271,11 @@ class Nonfinite(Gate):
         if verdict is not None:
             return verdict
         oracle = oracle_outputs(target, inputs, device)
+        where = comparison_device(oracle, device)
         excused = limited = 0
         for name, out in outputs.items():
             dtype, bound = target.output_dtype(name, case.dtype), c * target.bound_scale
-            f = compare(out, oracle[name], None, dtype, bound, values=False)
+            f = compare(out, oracle[name], None, dtype, bound, values=False, device=where)
             without = None
             if f.kind == "nonfinite" and target.options.get("reference_limited"):
                 # the reference's own math may spread a NaN through exact zeros (0 x NaN in a dense
@@ -286,7 +287,7 @@ class Nonfinite(Gate):
                     spread = torch.isnan(judged) & ~torch.isnan(out.detach().cpu().double()) & without[1]
                     if spread.any():
                         judged = torch.where(spread, without[0], judged)
-                        f = compare(out, judged, None, dtype, bound, values=False)
+                        f = compare(out, judged, None, dtype, bound, values=False, device=where)
                         excused += int(spread.sum()) if f.kind != "nonfinite" else 0
                 if f.kind == "nonfinite":
                     # where the reference in float32 takes the kernel's class (NaN, +Inf, -Inf or
@@ -298,7 +299,8 @@ class Nonfinite(Gate):
                     t = trusted_outputs(target, case, inputs, device)[name].detach().cpu().double()
                     same = differ & (kinds(t) == kinds(out.detach().cpu().double()))
                     if same.any():
-                        f = compare(out, torch.where(same, t, judged.double()), None, dtype, bound, values=False)
+                        f = compare(out, torch.where(same, t, judged.double()), None, dtype, bound, values=False,
+                                    device=where)
                         limited += int(same.sum()) if f.kind != "nonfinite" else 0
             if f.kind == "nonfinite":
                 facts = {"kinds_only": float(kinds_only(out, oracle[name], dtype))}
