@@ -15,7 +15,7 @@ both load the built extension and may not start processes. Each result is stream
 it ends. A worker that dies in a gate is that case's ``crash`` and the gates go on; a
 standard test or build that ends in a sandbox violation, a crash or a timeout is a
 finding of that kind. The kernel's processes are one process group, killed after
-``timeout`` seconds (the build gets its own ``timeout``; what finished is kept) or once
+``timeout`` seconds (the build gets its own limit, ``build_timeout``; what finished is kept) or once
 its record is written. CUDA extensions built by ``load_inline`` go to
 ``TORCH_EXTENSIONS_DIR`` = ``<cache>/<hash of the solution's source>``, so a rerun never
 rebuilds one and kernels with the same extension name never collide; ``jobs`` processes
@@ -117,7 +117,7 @@ def finding(verdict) -> dict:
 def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
                  policy: dict | None = None, build_only: bool = False, cases: str | None = None,
-                 pch: str | None = None) -> None:
+                 pch: str | None = None, build_timeout: float | None = None) -> None:
     """The build (a solution that compiles), the standard test, the weights contract and each gate
     on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
@@ -127,7 +127,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     the oracle, the trusted implementation and every comparison run here. ``policy``: overrides
     of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging);
     ``cases``: the folder for each failing gate's case (``save_gate_case``); ``pch``: the folder of
-    precompiled headers the build may read (``build_policy``)."""
+    precompiled headers the build may read (``build_policy``); ``build_timeout``: the seconds
+    the build may take (default ``timeout``)."""
     from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
@@ -143,8 +144,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     nothing = Case(pair.target_name, "float32", 0, ())
     if entry.compiles:
         emit("phase", {"phase": "build"})
-        with Sandboxed(bare, device, timeout, build_policy(device, cache, pch, **overrides), resolve={"standard": True},
-                       preload=KERNEL_PRELOAD) as ex:
+        with Sandboxed(bare, device, build_timeout or timeout, build_policy(device, cache, pch, **overrides),
+                       resolve={"standard": True}, preload=KERNEL_PRELOAD) as ex:
             r = ex.run(Program("build", nothing))
         built = r.facts
         v = r.verdict
@@ -417,7 +418,7 @@ def lenient_check(pair, device: str, seed: int, executor: Callable) -> dict:
 
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
            threads: int, max_jobs: int, timeout: float, policy: dict | None, pch: str | None = None,
-           cases: str | None = None, build_only: bool = False) -> None:
+           cases: str | None = None, build_timeout: float | None = None, build_only: bool = False) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
     if pch:
         from kfuzz.kernelbench.build import PCH_ENV
@@ -440,7 +441,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     fork_server_here(close=(conn.fileno(),))
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
-                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases, pch)
+                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases, pch, build_timeout)
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
         conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000], "exc_type": _error_kind(e)}))
     conn.send(("done", {}))
@@ -477,7 +478,8 @@ def out_of_device_memory(record: dict) -> bool:
 class _Running:
     def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False, alone: bool = False):
         self.entry, self.start, self.timeout, self.alone = entry, time.monotonic(), timeout, alone
-        self.deadline = self.start + timeout
+        build_timeout = args[-1] or timeout     # _child's build_timeout: the build's own limit
+        self.deadline = self.start + (build_timeout if entry.compiles else timeout)
         # kernel_side: where the solution ran (records before it ran it beside the oracle);
         # trusted_on: where the gates ran the reference in float32, the trusted implementation
         # that scales the bound (where the kernel ran; a record without it ran it on the CPU)
@@ -495,7 +497,7 @@ class _Running:
         if kind == "gate":
             self.record["gates"][d["gate"]] = d
         elif kind == "phase":
-            if self.record.get("phase") == "build":    # the build had its own timeout
+            if self.record.get("phase") == "build":    # the build had its own limit
                 self.deadline = time.monotonic() + self.timeout
             self.record["phase"] = str(d.get("phase"))
         elif kind in ("build", "standard", "weights", "adapter", "unbuilt", "error"):
@@ -787,7 +789,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               device: str = "cpu", seed: int = 0, timeout: float = 300.0, cache: str | Path | None = None,
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
-              build_jobs: int = 0, pch: bool = True, redo: Iterable[str] = ()) -> Iterator[dict]:
+              build_jobs: int = 0, pch: bool = True, redo: Iterable[str] = (),
+              build_timeout: float | None = None) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish; and those whose key is in ``redo``, whatever their record says); yields each
     record once appended, signed with the key at ``key`` (by default ``key_path()``). A kernel
@@ -802,8 +805,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     compile phase beside the judging; the kernel's own build step then finds its extension built).
     ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
     first kernels; a build that starts before its header is ready compiles the header itself).
-    Before the first solution that compiles, kfuzz's probe solution is built in the same confined
-    build step (``check_build_step``: a ``KfuzzError`` where it does not build)."""
+    ``build_timeout``: the seconds a solution's build may take, apart from ``timeout`` (default
+    ``timeout``). Before the first solution that compiles, kfuzz's probe solution is built in
+    the same confined build step (``check_build_step``: a ``KfuzzError`` where it does not build)."""
     entries = list(entries)
     out_dir = Path(out).resolve()
     key_file = Path(key).resolve() if key is not None else key_path().resolve()
@@ -835,7 +839,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
         threading.Thread(target=precompile_headers, args=(compiling, pch_root), daemon=True,
                          name="kfuzz-audit-pch").start()
     args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}), pch_root,
-            str(out_dir / CASES))
+            str(out_dir / CASES), build_timeout)
     running: list[_Running] = []
     builders: list[_Running] = []     # builds ahead of judging: no record of their own
     ahead_builds: dict[str, dict] = {}  # their build facts, joined to their kernel's record
@@ -912,7 +916,8 @@ def build_kernels(entries: Iterable[CorpusEntry], cache: str | Path, device: str
     precompiled headers the builds may use (``precompile_headers``). Nothing is recorded."""
     ctx = _context()
     args = ("cpu" if device is None else device, [], 0, str(Path(cache).resolve()), 1,
-            max_jobs or default_max_jobs(jobs), timeout, dict(policy or {}), str(pch_root) if pch_root else None, None)
+            max_jobs or default_max_jobs(jobs), timeout, dict(policy or {}), str(pch_root) if pch_root else None, None,
+            timeout)
     queue = [e for e in entries if e.pair is not None and e.compiles]
     running: list[_Running] = []
     try:

@@ -568,6 +568,30 @@ def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(
     assert judge_record(records["compiled_fork"])["violations"] == ["sandbox-fork"]
 
 
+def test_a_build_has_its_own_time_limit_apart_from_the_kernels(tmp_path):
+    """A solution that compiles gets ``build_timeout`` for its build (a build ahead of judging
+    too), then ``timeout`` for its standard test and gates; one that does not, ``timeout``."""
+    from kfuzz.audit import _context, _Running
+    compiled = next(e for e in read_corpus(ESCAPES) if e.key.endswith("compiled_relu"))
+    plain = control("correct_sum")
+    args = ("cpu", ["G01"], 0, str(tmp_path / "ext"), 1, 2, 5.0, {}, None, str(tmp_path / "cases"), 600.0)
+    limits = {}
+    for name, entry, build_only in (("compiled", compiled, False), ("ahead", compiled, True), ("plain", plain, False)):
+        r = _Running(_context(), entry, args, 5.0, build_only=build_only)
+        limits[name] = round(r.deadline - r.start)
+        r.kill()
+        r.proc.join(10)
+        r.conn.close()
+    assert limits == {"compiled": 600, "ahead": 600, "plain": 5}
+    r = _Running(_context(), compiled, args, 5.0)
+    r.take("phase", {"phase": "build"})
+    r.take("phase", {"phase": "standard"})     # the build is done: the kernel's own limit from here
+    assert round(r.deadline - time.monotonic()) == 5
+    r.kill()
+    r.proc.join(10)
+    r.conn.close()
+
+
 def test_a_kernel_that_builds_nothing_in_the_build_step_is_not_built_by_its_worker(tmp_path, monkeypatch):
     """A worker of a kernel loads extensions only (kfuzz.kernelbench.build.prebuilt_only): an
     extension missing from the build folder is an error naming it, not a compiler run."""

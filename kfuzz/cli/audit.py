@@ -48,7 +48,10 @@ def _line(rec: dict) -> str:
 @device_option
 @click.option("--seed", type=int, default=0, show_default=True, help="The gates' seed.")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
-              help="Seconds a kernel may take (its standard test and gates); a build gets as long again.")
+              help="Seconds a kernel may take (its standard test and gates).")
+@click.option("--build-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a solution's load_inline build may take, apart from --timeout (builds share the "
+                   "cores with the kernels judged beside them).")
 @click.option("--select", type=click.Choice(SELECT), default="all", show_default=True,
               help="cpu: solutions that neither compile CUDA nor ask for the GPU (a static check); "
                    "no-compile / compile: by whether they build a load_inline extension.")
@@ -76,8 +79,8 @@ def _line(rec: dict) -> str:
 @click.option("--allow-unconfined", is_flag=True,
               help="Run the kernels even where no OS layer blocks their network, writes or processes.")
 @handles_bad_input
-def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, select, cache, max_jobs, build_jobs,
-              pch, threads, retry, redo, key, trust_unsigned, allow_unconfined):
+def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, build_timeout, select, cache,
+              max_jobs, build_jobs, pch, threads, retry, redo, key, trust_unsigned, allow_unconfined):
     """Audit the kernels of CORPORA (CUDA-L1 .jsonl, leaderboard .json, controls folder).
 
     Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
@@ -108,7 +111,8 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
                          threads=threads, max_jobs=max_jobs, retry=retry, redo=redo, key=key,
                          trust_unsigned=trust_unsigned,
-                         allow_unconfined=allow_unconfined, build_jobs=build_jobs, pch=pch):
+                         allow_unconfined=allow_unconfined, build_jobs=build_jobs, pch=pch,
+                         build_timeout=build_timeout):
         now[rec["key"]] = rec
         click.echo(_line(rec))
     # the whole results file for the selected kernels, this run's records first
