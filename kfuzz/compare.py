@@ -258,40 +258,74 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     return _bound(k, o, t, finite, dtype, c)
 
 
+# output elements the bound takes at a time: its float64 temporaries stay 8 MB on a CPU and
+# 128 MB on a GPU (whose memory the audit's kernels and oracles share) however large the output,
+# and a GPU's chunk still keeps its launches few
+BOUND_CHUNK = {"cpu": 1 << 20, "cuda": 1 << 24}
+
+
+def _chunks(x: torch.Tensor):
+    n, step = x.numel(), BOUND_CHUNK.get(x.device.type, BOUND_CHUNK["cpu"])
+    return [slice(s, min(s + step, n)) for s in range(0, n, step)]
+
+
+def _norm(parts: list[torch.Tensor]) -> float:
+    """The 2-norm of a vector from its chunks' 2-norms (one chunk: its own, exactly)."""
+    return float(torch.stack(parts).norm()) if parts else 0.0
+
+
+def _max(parts: list[torch.Tensor]) -> float:
+    return float(torch.stack(parts).max()) if parts else 0.0
+
+
 def _bound(k: torch.Tensor, o: torch.Tensor, t: torch.Tensor | None, judged: torch.Tensor | None,
            dtype: str, c: float) -> Finding:
     """The normwise and elementwise bound over the ``judged`` positions (a mask; None: every
     position) of the kernel's output ``k``, the oracle's ``o`` and the trusted implementation's
     ``t``. Positions not judged count as zero error and zero oracle, which changes no norm or
-    maximum (masking by value, not by gathering, keeps a large output to a few passes)."""
-    def only(x):
-        return x.reshape(-1) if judged is None else torch.where(judged, x, 0).reshape(-1)
+    maximum. Taken ``BOUND_CHUNK`` elements (by device) at a time, in two passes: the norms and maxima,
+    then each position's ratio to the elementwise bound, which needs the trusted error's
+    maximum over all of them."""
+    kf, of = k.reshape(-1), o.reshape(-1)
+    tf = None if t is None else t.reshape(-1)
+    jf = None if judged is None else judged.reshape(-1)
+
+    def only(x, at):
+        return x if jf is None else torch.where(jf[at], x, 0)
     u, tiny = unit_roundoff(dtype), float(torch.finfo(torch_dtype(dtype)).tiny)
-    of = only(o)
-    err = only((k - o).abs_())
-    if t is not None:
-        terr = only((t - o).abs_())
-        spread = None if all_finite(terr) else ~_finite(terr)   # the trusted one's NaN or Inf here
-        unknown = 0 if spread is None else int(spread.sum())
-        if unknown:
-            terr = terr.masked_fill(spread, 0)
-    else:
-        terr, unknown = torch.zeros(0, dtype=torch.float64), 0
-    n = k.numel() if judged is None else int(judged.sum())
-    t_norm = float(terr.norm()) if terr.numel() else 0.0
-    t_max = float(terr.max()) if terr.numel() else 0.0
-    o_norm = float(of.norm())
+    e_norms, e_maxes, t_norms, t_maxes, o_norms, unknowns = [], [], [], [], [], []
+    for at in _chunks(kf):
+        oc = only(of[at], at)
+        err = only((kf[at] - of[at]).abs_(), at)
+        e_norms.append(err.norm())
+        e_maxes.append(err.max())
+        o_norms.append(oc.norm())
+        if tf is not None:
+            terr = only((tf[at] - of[at]).abs_(), at)
+            if not all_finite(terr):     # the trusted one's NaN or Inf here: not in the bound
+                spread = ~_finite(terr)
+                unknowns.append(spread.sum())
+                terr = terr.masked_fill_(spread, 0)
+            t_norms.append(terr.norm())
+            t_maxes.append(terr.max())
+    unknown = int(torch.stack(unknowns).sum()) if unknowns else 0
+    n = kf.numel() if jf is None else int(jf.sum())
+    t_norm, t_max, o_norm = _norm(t_norms), _max(t_maxes), _norm(o_norms)
+    e_norm, max_err = _norm(e_norms), _max(e_maxes)
     norm_bound = c * error_scale(t_norm, u, o_norm) + FLOOR_ULPS * tiny * math.sqrt(max(1, n))
-    # c * max(t_max, F * u * |o_i|) + F * tiny, in place, in the trusted errors' buffer once they
-    # are summed up (an output may be large: a fresh buffer costs more than the arithmetic)
-    spare = terr if terr.numel() == of.numel() and terr.numel() else None
-    elem_bound = (torch.abs(of, out=spare) if spare is not None else of.abs()) \
-        .mul_(FLOOR_ULPS * u).clamp_(min=t_max).mul_(c).add_(FLOOR_ULPS * tiny)
-    e_norm = float(err.norm())
-    max_err = float(err.max()) if err.numel() else 0.0
+
+    def elem_bound(oc: torch.Tensor) -> torch.Tensor:
+        """c * max(t_max, F * u * |o_i|) + F * tiny, in ``oc``'s buffer."""
+        return oc.abs_().mul_(FLOOR_ULPS * u).clamp_(min=t_max).mul_(c).add_(FLOOR_ULPS * tiny)
+    ratio_maxes, ratio_at = [], []
+    for at in _chunks(kf):
+        err = only((kf[at] - of[at]).abs_(), at)
+        ratios = err.div_(elem_bound(only(of[at], at).clone()))
+        best = ratios.max(0)
+        ratio_maxes.append(best.values)
+        ratio_at.append(best.indices + at.start)
     norm_ratio = e_norm / norm_bound if norm_bound > 0 else (math.inf if e_norm > 0 else 0.0)
-    elem_ratios = err.div_(elem_bound)     # the errors are summed up: their buffer takes the ratios
-    elem_ratio = float(elem_ratios.max()) if n else 0.0
+    elem_ratio = _max(ratio_maxes) if n else 0.0
     rel = e_norm / o_norm if o_norm > 0 else e_norm
     metrics = (("rel_err", rel), ("err_norm", e_norm), ("bound_norm", norm_bound),
                ("trusted_err_norm", t_norm), ("max_err", max_err), ("trusted_max_err", t_max))
@@ -299,10 +333,11 @@ def _bound(k: torch.Tensor, o: torch.Tensor, t: torch.Tensor | None, judged: tor
     if ratio <= 1.0:
         return Finding(None, ratio=ratio, metrics=metrics)
     if elem_ratio >= norm_ratio:
-        i = int(elem_ratios.argmax())
-        ki, oi = k.reshape(-1)[i].item(), of[i].item()
+        i = int(ratio_at[int(torch.stack(ratio_maxes).argmax())])
+        ki, oi = kf[i].item(), of[i].item()
         detail = (f"element {i}: kernel {ki:.6g}, oracle {oi:.6g}, "
-                  f"error {abs(ki - oi):.3g} > bound {elem_bound[i].item():.3g} ({elem_ratio:.3g}x)")
+                  f"error {abs(ki - oi):.3g} > bound {elem_bound(of[i:i + 1].clone()).item():.3g} "
+                  f"({elem_ratio:.3g}x)")
     else:
         detail = (f"normwise error {e_norm:.3g} > bound {norm_bound:.3g} ({norm_ratio:.3g}x; "
                   f"relative {rel:.3g}, trusted {t_norm / o_norm if o_norm else t_norm:.3g})")

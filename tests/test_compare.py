@@ -173,3 +173,30 @@ def test_an_inf_passes_where_the_bound_reaches_past_the_dtypes_largest():
     assert compare(-k, o, t, "float16", 32.0).kind == "nonfinite"
     far = torch.tensor([-20000.0, 1.0], dtype=torch.float64)
     assert compare(k, far, far.half() + torch.tensor([459.0, 0.0]).half(), "float16", 32.0).kind == "nonfinite"
+
+
+@pytest.mark.parametrize("masked, trusted_special, off", [(False, False, False), (True, True, True),
+                                                          (False, True, False), (True, False, True)])
+def test_the_bound_taken_a_chunk_at_a_time_is_the_bound_over_the_whole_output(monkeypatch, masked,
+                                                                              trusted_special, off):
+    """An output larger than the bound's chunk: the same finding, detail and ratio as in one
+    chunk, and its metrics up to the order of the norms' sums."""
+    import kfuzz.compare
+    g = torch.Generator().manual_seed(1)
+    o = torch.randn(5000, generator=g, dtype=torch.float64)
+    k = (o + torch.randn(5000, generator=g, dtype=torch.float64) * 1e-7).float()
+    t = (o + torch.randn(5000, generator=g, dtype=torch.float64) * 1e-7).float()
+    if off:
+        k[3001] += 0.5
+    if trusted_special:
+        t[7], t[4998] = float("nan"), float("inf")
+    if masked:       # a non-finite position: the bound judges the others
+        k[5], o[5] = float("inf"), float("inf")
+    whole = compare(k, o, t, "float32")
+    monkeypatch.setattr(kfuzz.compare, "BOUND_CHUNK", {"cpu": 1000})
+    chunked = compare(k, o, t, "float32")
+    assert (chunked.kind, chunked.detail) == (whole.kind, whole.detail)
+    assert chunked.ratio == pytest.approx(whole.ratio, rel=1e-12)
+    assert [m for m, _ in chunked.metrics] == [m for m, _ in whole.metrics]
+    assert [v for _, v in chunked.metrics] == pytest.approx([v for _, v in whole.metrics], rel=1e-12)
+    assert (whole.kind == "bound") == off
