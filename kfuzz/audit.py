@@ -268,6 +268,7 @@ def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases
             start = time.monotonic()
             left = (budget or {}).get("minimize", MINIMIZE_SECONDS)
             d.update(save_gate_case(cases, target, gid, *r.first_failure, device, seed, executor, left))
+            d["minimize_seconds"] = round(time.monotonic() - start, 3)
             if budget is not None:
                 budget["minimize"] = left - (time.monotonic() - start)
         except Exception as e:     # the verdict stands; only its replayable copy is missing

@@ -1529,6 +1529,21 @@ def test_the_throughput_table_gives_each_rate_over_the_baselines():
     assert "baseline" not in tool.table([("kfuzz audit", run)]).splitlines()[0]
 
 
+def test_the_throughput_summary_says_where_the_kernels_seconds_go():
+    """The shares of the kernels' own seconds: their gates, minimizing the failing cases, and the
+    rest (process and worker starts) once the build, standard test and weights are counted."""
+    spec = importlib.util.spec_from_file_location("bench_audit_throughput", ROOT / "tools" / "bench_audit_throughput.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rec = {"key": "c:1", "seconds": 100.0, "build": {"status": "built", "seconds": 20.0},
+           "standard": {"passed": True, "reason": "pass", "seconds": 10.0}, "weights": {"seconds": 5.0},
+           "gates": {"G01": {"status": "fail", "seconds": 30.0, "minimize_seconds": 15.0},
+                     "G02": {"status": "pass", "seconds": 10.0}}}
+    got = tool.summary([None], [(50.0, rec)], 100.0, {})
+    assert (got["gates_share"], got["minimize_share"], got["rest_share"]) == (0.4, 0.15, 0.1), got
+    assert got["build_share"] == 0.2 and got["kernel_seconds_mean"] == 100.0
+
+
 def audit_report():
     """tools/audit_report.py as a module."""
     import importlib.util

@@ -83,6 +83,15 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
     ends = {"complete": sum(not judge_record(r)["incomplete"] and judge_record(r)["audited"] for r in recs),
             "killed for time": sum(judge_record(r)["incomplete"] for r in recs),
             "not judged (unbuilt, adapter, skipped)": sum(not judge_record(r)["audited"] for r in recs)}
+    # where the kernels' own seconds go: the steps a record times, and the rest (the kernel
+    # process's and its workers' starts, saving the records)
+    steps = {"standard": sum(float((r.get("standard") or {}).get("seconds") or 0) for r in recs),
+             "weights": sum(float((r.get("weights") or {}).get("seconds") or 0) for r in recs),
+             "gates": sum(float(g.get("seconds") or 0) for r in recs for g in r.get("gates", {}).values()),
+             "minimize": sum(float(g.get("minimize_seconds") or 0) for r in recs for g in r.get("gates", {}).values())}
+    own = sum(float(r.get("seconds") or 0) for r in recs)
+    steps["build"] = sum(float(r["build"]["seconds"]) for r in built)
+    steps["rest"] = own - sum(steps.values())
     return {
         "sample": len(entries), "recorded": len(recs), "wall_s": round(wall, 1),
         "kernels_per_hour": round(3600 * len(recs) / wall, 1) if wall else None,
@@ -96,13 +105,15 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
         "built_ahead": sum(bool(r.get("build_ahead")) for r in recs),
         "build_failed": sum((r.get("build") or {}).get("status") == "failed" for r in recs),
         "fell_back": sum(fell_back(r.get("build")) for r in recs), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
-        "kernel_seconds_mean": round(sum(float(r.get("seconds") or 0) for r in recs) / max(1, len(recs)), 1),
+        "kernel_seconds_mean": round(own / max(1, len(recs)), 1),
+        **{f"{k}_share": round(v / own, 3) if own else None for k, v in steps.items() if k != "build"},
         "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
     }
 
 
 COLUMNS = ("recorded", "wall_s", "kernels_per_hour", "kernels_per_hour_second_half", "build_share",
-           "build_seconds_mean", "compiled_in_own_step", "built_ahead", "build_failed", "fell_back")
+           "build_seconds_mean", "compiled_in_own_step", "built_ahead", "build_failed", "fell_back",
+           "kernel_seconds_mean", "gates_share", "minimize_share", "rest_share")
 ENDS = ("complete", "killed for time")
 
 
