@@ -118,6 +118,23 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
                  policy: dict | None = None, build_only: bool = False, cases: str | None = None,
                  pch: str | None = None, build_timeout: float | None = None) -> None:
+    """``audit_steps``, then (``starts``) the seconds the kernel's workers took to start (a fork,
+    CUDA, the kernel's import each; part of the steps' own seconds or between them) and how many
+    started."""
+    pools: list = []
+    try:
+        audit_steps(entry, device, gates, seed, emit, timeout, cache, policy, build_only, cases, pch, build_timeout,
+                    pools)
+    finally:
+        if pools:
+            emit("starts", {"seconds": round(sum(p.start_seconds for p in pools), 3),
+                            "workers": sum(p.spawned for p in pools)})
+
+
+def audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
+                emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
+                policy: dict | None = None, build_only: bool = False, cases: str | None = None,
+                pch: str | None = None, build_timeout: float | None = None, pools: list | None = None) -> None:
     """The build (a solution that compiles), the standard test, the weights contract and each gate
     on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
@@ -128,7 +145,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging);
     ``cases``: the folder for each failing gate's case (``save_gate_case``); ``pch``: the folder of
     precompiled headers the build may read (``build_policy``); ``build_timeout``: the seconds
-    the build may take (default ``timeout``)."""
+    the build may take (default ``timeout``); ``pools``: each executor opened is added to it."""
     from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
@@ -138,14 +155,19 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     from kfuzz.programs import Program, malformed
     pair = entry.pair
     overrides = dict(policy or {})
+    pools = [] if pools is None else pools
+
+    def kept(pool):
+        pools.append(pool)
+        return pool
     # the workers that run the kernel load its built extensions: they read the cache, never write it
     confined = kernel_policy(device, **{"readable": (str(cache),) if cache else (), **overrides})
     bare = StandardOnly(pair.target_name, {"pair": pair})
     nothing = Case(pair.target_name, "float32", 0, ())
     if entry.compiles:
         emit("phase", {"phase": "build"})
-        with Sandboxed(bare, device, build_timeout or timeout, build_policy(device, cache, pch, **overrides),
-                       resolve={"standard": True}, preload=KERNEL_PRELOAD) as ex:
+        with kept(Sandboxed(bare, device, build_timeout or timeout, build_policy(device, cache, pch, **overrides),
+                            resolve={"standard": True}, preload=KERNEL_PRELOAD)) as ex:
             r = ex.run(Program("build", nothing))
         built = r.facts
         v = r.verdict
@@ -161,8 +183,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     if build_only:
         return
     emit("phase", {"phase": "standard"})
-    with Sandboxed(bare, device, timeout, confined, resolve={"standard": True, "prebuilt": True},
-                   preload=KERNEL_PRELOAD) as ex:
+    with kept(Sandboxed(bare, device, timeout, confined, resolve={"standard": True, "prebuilt": True},
+                        preload=KERNEL_PRELOAD)) as ex:
         r = ex.run(Program("standard", nothing))
     standard, v = r.facts, r.verdict
     if v is None and not (isinstance(standard.get("passed"), bool) and isinstance(standard.get("reason"), str)):
@@ -191,8 +213,8 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     bench = target.options["bench"]
     # the reference has float weights the case does not set: G07 is n/a (kfuzz.kernelbench.float_weights)
     params = bool(target.options.get("no_exact_answers"))
-    with Sandboxed(target, device, timeout, confined, resolve={"weights": "seed", "device": device, "prebuilt": True},
-                   preload=KERNEL_PRELOAD) as ex:
+    with kept(Sandboxed(target, device, timeout, confined,
+                        resolve={"weights": "seed", "device": device, "prebuilt": True}, preload=KERNEL_PRELOAD)) as ex:
         try:
             w = ex.run(Program("weights", Case(target.name, "float32", 0, tuple(sorted(bench.contract.dims.items())))))
             status = w.facts.get("status") if w.verdict is None else None
@@ -214,8 +236,9 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
 
         def executor(weights: str, on=target):
             """A sandboxed worker whose solution has ``weights``, open until the gates end."""
-            return stack.enter_context(Sandboxed(on, device, timeout, confined, preload=KERNEL_PRELOAD,
-                                                 resolve={"weights": weights, "device": device, "prebuilt": True}))
+            return stack.enter_context(kept(Sandboxed(on, device, timeout, confined, preload=KERNEL_PRELOAD,
+                                                      resolve={"weights": weights, "device": device,
+                                                               "prebuilt": True})))
         if status in ("exact", "by position") and "G01" in gates:
             # which weights the gates judge with, and whether the solution keeps up with a checkpoint
             checks, gate_ex = weights_checks(pair, target, device, seed, ex, executor)
@@ -501,7 +524,7 @@ class _Running:
             if self.record.get("phase") == "build":    # the build had its own limit
                 self.deadline = time.monotonic() + self.timeout
             self.record["phase"] = str(d.get("phase"))
-        elif kind in ("build", "standard", "weights", "adapter", "unbuilt", "error"):
+        elif kind in ("build", "standard", "weights", "adapter", "unbuilt", "error", "starts"):
             self.record[kind] = d
 
     def ended(self) -> str | None:

@@ -151,6 +151,7 @@ class Pool:
         self.confinement: dict = {}
         self.restarts = 0          # workers started in place of one that died, hung or was dropped
         self.spawned = 0           # workers started in all
+        self.start_seconds = 0.0   # spent waiting for workers to be ready, all of them
         self.cpu: dict[int, float] = {}   # worker pid -> CPU seconds it reported last
         self.ran: list[set] = [set() for _ in range(jobs)]   # each worker's specializations (submit)
 
@@ -169,6 +170,7 @@ class Pool:
         self.spawned += 1
         if wait:
             self.confinement = self.confinement or w.confinement
+            self.start_seconds += w.start_seconds
         return w
 
     def start(self) -> None:
@@ -180,6 +182,7 @@ class Pool:
             for w in self.workers:
                 if not hasattr(w, "confinement"):
                     w.ready()
+                    self.start_seconds += w.start_seconds
                 self.confinement = self.confinement or w.confinement
         except BaseException:
             self.abandon()

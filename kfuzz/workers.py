@@ -205,6 +205,8 @@ class Worker:
         self.target_name, self.device = target_name, device
         self._args = (target_name, module, device, with_coverage, policy, resolve, preload)
         self.level = isolation_level(device)
+        self._born = time.monotonic()
+        self.start_seconds = 0.0      # from its start to ready: the fork, CUDA, the target's import
         self._start(*self._args, self.level)
         if wait:
             self.ready()
@@ -215,6 +217,7 @@ class Worker:
         while True:
             try:
                 self._await_ready()
+                self.start_seconds = time.monotonic() - self._born
                 return
             except _CudaUnavailable:
                 _isolation_failed(self.device, self.level)

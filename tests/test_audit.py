@@ -564,6 +564,8 @@ def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(
     assert records["compiled_relu"]["build_ahead"]["extensions"] == ["kfuzz_escapes_relu"], records
     clean = records["compiled_relu"]
     assert clean["standard"]["passed"] and clean["gates"]["G01"]["status"] == "pass", clean
+    # its workers: the build step's, the standard test's, the weights contract's and gates'
+    assert clean["starts"]["workers"] >= 3 and 0 < clean["starts"]["seconds"] < clean["seconds"], clean["starts"]
     assert judge_record(clean)["violations"] == []
     assert judge_record(records["compiled_fork"])["violations"] == ["sandbox-fork"]
 
@@ -1530,17 +1532,19 @@ def test_the_throughput_table_gives_each_rate_over_the_baselines():
 
 
 def test_the_throughput_summary_says_where_the_kernels_seconds_go():
-    """The shares of the kernels' own seconds: their gates, minimizing the failing cases, and the
-    rest (process and worker starts) once the build, standard test and weights are counted."""
+    """The shares of the kernels' own seconds: their gates, minimizing the failing cases, the
+    rest once the build, standard test and weights are counted, and the workers' starts (within
+    those)."""
     spec = importlib.util.spec_from_file_location("bench_audit_throughput", ROOT / "tools" / "bench_audit_throughput.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     rec = {"key": "c:1", "seconds": 100.0, "build": {"status": "built", "seconds": 20.0},
            "standard": {"passed": True, "reason": "pass", "seconds": 10.0}, "weights": {"seconds": 5.0},
            "gates": {"G01": {"status": "fail", "seconds": 30.0, "minimize_seconds": 15.0},
-                     "G02": {"status": "pass", "seconds": 10.0}}}
+                     "G02": {"status": "pass", "seconds": 10.0}}, "starts": {"seconds": 12.0, "workers": 3}}
     got = tool.summary([None], [(50.0, rec)], 100.0, {})
     assert (got["gates_share"], got["minimize_share"], got["rest_share"]) == (0.4, 0.15, 0.1), got
+    assert got["worker_starts_share"] == 0.12
     assert got["build_share"] == 0.2 and got["kernel_seconds_mean"] == 100.0
 
 

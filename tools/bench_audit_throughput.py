@@ -92,6 +92,7 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
     own = sum(float(r.get("seconds") or 0) for r in recs)
     steps["build"] = sum(float(r["build"]["seconds"]) for r in built)
     steps["rest"] = own - sum(steps.values())
+    starts = sum(float((r.get("starts") or {}).get("seconds") or 0) for r in recs)   # within the others
     return {
         "sample": len(entries), "recorded": len(recs), "wall_s": round(wall, 1),
         "kernels_per_hour": round(3600 * len(recs) / wall, 1) if wall else None,
@@ -107,13 +108,14 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
         "fell_back": sum(fell_back(r.get("build")) for r in recs), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
         "kernel_seconds_mean": round(own / max(1, len(recs)), 1),
         **{f"{k}_share": round(v / own, 3) if own else None for k, v in steps.items() if k != "build"},
+        "worker_starts_share": round(starts / own, 3) if own else None,
         "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
     }
 
 
 COLUMNS = ("recorded", "wall_s", "kernels_per_hour", "kernels_per_hour_second_half", "build_share",
            "build_seconds_mean", "compiled_in_own_step", "built_ahead", "build_failed", "fell_back",
-           "kernel_seconds_mean", "gates_share", "minimize_share", "rest_share")
+           "kernel_seconds_mean", "gates_share", "minimize_share", "rest_share", "worker_starts_share")
 ENDS = ("complete", "killed for time")
 
 
