@@ -500,10 +500,12 @@ def out_of_device_memory(record: dict) -> bool:
 
 
 class _Running:
-    def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False, alone: bool = False):
+    def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False, alone: bool = False,
+                 build_timeout: float | None = None):
+        """``timeout``: the kernel's limit; ``build_timeout``: its build's (default ``timeout``),
+        from the start of a solution that compiles until its next step begins."""
         self.entry, self.start, self.timeout, self.alone = entry, time.monotonic(), timeout, alone
-        build_timeout = args[-1] or timeout     # _child's build_timeout: the build's own limit
-        self.deadline = self.start + (build_timeout if entry.compiles else timeout)
+        self.deadline = self.start + ((build_timeout or timeout) if entry.compiles else timeout)
         # kernel_side: where the solution ran (records before it ran it beside the oracle);
         # trusted_on: where the gates ran the reference in float32, the trusted implementation
         # that scales the bound (where the kernel ran; a record without it ran it on the CPU)
@@ -874,7 +876,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     try:
         while queue or running or alone:
             if not queue and not running:
-                running.append(_Running(ctx, alone.pop(0), args, timeout, alone=True))
+                running.append(_Running(ctx, alone.pop(0), args, timeout, alone=True, build_timeout=build_timeout))
             while queue and len(running) < jobs:
                 entry = queue.pop(0)
                 if entry in ahead:
@@ -884,11 +886,12 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                     append_record(out, record, secret)
                     yield record
                     continue
-                running.append(_Running(ctx, entry, args, timeout))
+                running.append(_Running(ctx, entry, args, timeout, build_timeout=build_timeout))
             if not running:
                 continue
             while ahead and len(builders) < build_jobs:
-                builders.append(_Running(ctx, ahead.pop(0), args, timeout, build_only=True))
+                builders.append(_Running(ctx, ahead.pop(0), args, timeout, build_only=True,
+                                         build_timeout=build_timeout))
             deadline = min(r.deadline for r in running + builders)
             wait([r.conn for r in running + builders] + [r.proc.sentinel for r in running + builders],
                  timeout=max(0.0, deadline - time.monotonic()))

@@ -579,13 +579,13 @@ def test_a_build_has_its_own_time_limit_apart_from_the_kernels(tmp_path):
     args = ("cpu", ["G01"], 0, str(tmp_path / "ext"), 1, 2, 5.0, {}, None, str(tmp_path / "cases"), 600.0)
     limits = {}
     for name, entry, build_only in (("compiled", compiled, False), ("ahead", compiled, True), ("plain", plain, False)):
-        r = _Running(_context(), entry, args, 5.0, build_only=build_only)
+        r = _Running(_context(), entry, args, 5.0, build_only=build_only, build_timeout=600.0)
         limits[name] = round(r.deadline - r.start)
         r.kill()
         r.proc.join(10)
         r.conn.close()
     assert limits == {"compiled": 600, "ahead": 600, "plain": 5}
-    r = _Running(_context(), compiled, args, 5.0)
+    r = _Running(_context(), compiled, args, 5.0, build_timeout=600.0)
     r.take("phase", {"phase": "build"})
     r.take("phase", {"phase": "standard"})     # the build is done: the kernel's own limit from here
     assert round(r.deadline - time.monotonic()) == 5
