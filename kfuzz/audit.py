@@ -46,7 +46,9 @@ import hmac
 import json
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -442,11 +444,15 @@ def lenient_check(pair, device: str, seed: int, executor: Callable) -> dict:
 
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
            threads: int, max_jobs: int, timeout: float, policy: dict | None, pch: str | None = None,
-           cases: str | None = None, build_timeout: float | None = None, build_only: bool = False) -> None:
+           cases: str | None = None, build_timeout: float | None = None, stubs: str | None = None,
+           build_only: bool = False) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
     if pch:
         from kfuzz.kernelbench.build import PCH_ENV
         os.environ[PCH_ENV] = pch
+    if stubs:       # Triton's driver stubs, built once by the audit: each worker copies them
+        from kfuzz.sandbox import STUBS_ENV
+        os.environ[STUBS_ENV] = stubs
     if cache and entry.pair is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, entry.pair.custom_sha)
         # made now: a worker may write only beneath directories that exist when it is confined
@@ -864,8 +870,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
         import threading
         threading.Thread(target=precompile_headers, args=(compiling, pch_root), daemon=True,
                          name="kfuzz-audit-pch").start()
+    stubs = driver_stubs(device) if any(e.pair is not None for e in todo) else None
     args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}), pch_root,
-            str(out_dir / CASES), build_timeout)
+            str(out_dir / CASES), build_timeout, stubs)
     running: list[_Running] = []
     builders: list[_Running] = []     # builds ahead of judging: no record of their own
     ahead_builds: dict[str, dict] = {}  # their build facts, joined to their kernel's record
@@ -932,6 +939,23 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
         for r in running + builders:
             r.kill()
             r.proc.join(10)
+        if stubs:
+            shutil.rmtree(stubs, ignore_errors=True)
+
+
+def driver_stubs(device: str) -> str | None:
+    """On a GPU, a folder (made here, outside every folder a worker may write) holding Triton's
+    driver stubs built once (``sandbox.build_driver_stubs``), which every kernel's workers copy
+    into their own Triton caches instead of each compiling them as it starts; None on a CPU or
+    where they did not build (each worker then builds its own)."""
+    from kfuzz.sandbox import build_driver_stubs
+    if not str(device).startswith("cuda"):
+        return None
+    folder = tempfile.mkdtemp(prefix="kfuzz-triton-stubs-")
+    if build_driver_stubs(folder):
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    return None
 
 
 def build_kernels(entries: Iterable[CorpusEntry], cache: str | Path, device: str = "cpu", jobs: int = 1,
@@ -944,7 +968,7 @@ def build_kernels(entries: Iterable[CorpusEntry], cache: str | Path, device: str
     ctx = _context()
     args = ("cpu" if device is None else device, [], 0, str(Path(cache).resolve()), 1,
             max_jobs or default_max_jobs(jobs), timeout, dict(policy or {}), str(pch_root) if pch_root else None, None,
-            timeout)
+            timeout, None)
     queue = [e for e in entries if e.pair is not None and e.compiles]
     running: list[_Running] = []
     try:

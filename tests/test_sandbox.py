@@ -509,3 +509,39 @@ def test_torch_compiles_pool_and_temporary_files_stay_inside_a_worker(install_pl
                                  "--device", "cpu", "--root", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     assert "3 executions" in r.stdout and "0 failure signature(s)" in r.stdout
+
+
+def test_a_workers_own_triton_cache_starts_with_the_driver_stubs_kfuzz_built(tmp_path, monkeypatch):
+    """A worker whose Triton cache is its own gets a copy of the driver stubs kfuzz built once
+    (``STUBS_ENV``), so it does not compile them as it starts; a shared cache (a campaign's) is
+    left as it is."""
+    import tempfile
+    from pathlib import Path
+    stubs = tmp_path / "stubs"
+    (stubs / "0123abcd").mkdir(parents=True)
+    (stubs / "0123abcd" / "cuda_utils.so").write_bytes(b"\x7fELF stub")
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS", "TMPDIR"):
+        monkeypatch.setenv(name, "")      # compile_cache sets them: each put back as it was after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+    inductor = __import__("sys").modules.get("torch._inductor.config")
+    if inductor is not None:
+        monkeypatch.setattr(inductor, "compile_threads", inductor.compile_threads)
+    monkeypatch.setenv(sandbox.STUBS_ENV, str(stubs))
+    (tmp_path / "w").mkdir()
+    own = Path(sandbox.compile_cache(str(tmp_path / "w")))
+    assert own.is_relative_to(tmp_path / "w") and (own / "0123abcd" / "cuda_utils.so").read_bytes() == b"\x7fELF stub"
+    shared = tmp_path / "campaign-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(shared))
+    (tmp_path / "w2").mkdir()
+    assert sandbox.compile_cache(str(tmp_path / "w2")) == str(shared) and not (shared / "0123abcd").exists()
+
+
+def test_the_driver_stubs_build_where_cuda_and_triton_are(tmp_path):
+    """``build_driver_stubs`` builds Triton's CUDA stub in a process of its own where there is
+    a GPU, and says it did not on a machine without one."""
+    import glob
+    import torch
+    built = sandbox.build_driver_stubs(str(tmp_path / "stubs"), timeout=600)
+    assert built == torch.cuda.is_available()
+    assert bool(glob.glob(str(tmp_path / "stubs" / "**" / "*.so"), recursive=True)) == built
