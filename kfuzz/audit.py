@@ -120,23 +120,23 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
                  policy: dict | None = None, build_only: bool = False, cases: str | None = None,
                  pch: str | None = None, build_timeout: float | None = None) -> None:
-    """``audit_steps``, then (``starts``) the seconds the kernel's workers took to start (a fork,
+    """``_audit_steps``, then (``starts``) the seconds the kernel's workers took to start (a fork,
     CUDA, the kernel's import each; part of the steps' own seconds or between them) and how many
     started."""
     pools: list = []
     try:
-        audit_steps(entry, device, gates, seed, emit, timeout, cache, policy, build_only, cases, pch, build_timeout,
-                    pools)
+        _audit_steps(entry, device, gates, seed, emit, timeout, cache, policy, build_only, cases, pch, build_timeout,
+                     pools)
     finally:
         if pools:
             emit("starts", {"seconds": round(sum(p.start_seconds for p in pools), 3),
                             "workers": sum(p.spawned for p in pools)})
 
 
-def audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
-                emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
-                policy: dict | None = None, build_only: bool = False, cases: str | None = None,
-                pch: str | None = None, build_timeout: float | None = None, pools: list | None = None) -> None:
+def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
+                 emit: Callable[[str, dict], None], timeout: float, cache: str | None, policy: dict | None,
+                 build_only: bool, cases: str | None, pch: str | None, build_timeout: float | None,
+                 pools: list) -> None:
     """The build (a solution that compiles), the standard test, the weights contract and each gate
     on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
@@ -157,8 +157,6 @@ def audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     from kfuzz.programs import Program, malformed
     pair = entry.pair
     overrides = dict(policy or {})
-    pools = [] if pools is None else pools
-
     def kept(pool):
         pools.append(pool)
         return pool

@@ -252,7 +252,7 @@ def varied_trusted(target: Target, case: Case, inputs: Mapping[str, torch.Tensor
     luck), while a kernel farther off than every realization still fails."""
     oracle64 = {k: v.to(torch.float64) for k, v in oracle.items()}
     if realizations is None:
-        realizations = trusted_realizations(target, case, inputs, device, next(iter(oracle64.values())).device)
+        realizations = trusted_realizations(target, case, inputs, device)
     shrunk = [{k: oracle64[k] + (var[k].to(oracle64[k].device, torch.float64) - oracle64[k]) / c for k in trusted}
               for var in realizations]
     return _farther(oracle, trusted, shrunk)
