@@ -487,6 +487,25 @@ def test_bench_gates_puts_each_call_in_its_own_column(capsys):
     assert share == pytest.approx(bare / total, abs=0.005 + (0.015 + 0.005 * bare / total) / total)
 
 
+def test_bench_gates_profile_lists_the_functions_with_the_most_time_of_their_own(capsys):
+    """tools/bench_gates.py --profile N: after the gate's row, N functions from cProfile, by
+    their own time, the first no faster than the next."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_gates", Path(__file__).resolve().parents[1] / "tools" / "bench_gates.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["softmax", "--gates", "G01", "--device", "cpu", "--profile", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("| G01 "))
+    assert out[at + 2].startswith("The 4 functions with the most time of their own")
+    header = out.index("```", at) + 1
+    assert out[header].split()[:3] == ["ncalls", "tottime", "percall"]
+    rows = out[header + 1:out.index("```", header)]
+    assert len(rows) == 4
+    own = [float(r.split()[1]) for r in rows]
+    assert own == sorted(own, reverse=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the oracle runs where the kernel ran")
 def test_the_gates_run_the_oracle_and_the_trusted_implementation_where_the_kernel_ran_on_cuda():
     """Each value and call gate whose kernel ran on a GPU runs the float64 oracle and the trusted

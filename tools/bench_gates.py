@@ -1,7 +1,7 @@
 """Where a target's gates spend their time: the kernel, the oracle, the trusted implementation,
 and kfuzz's own judging (drawing and injecting inputs, comparing, the gates' bookkeeping).
 
-    python tools/bench_gates.py TARGET [--gates G01,G03] [--device auto] [--weights seed]
+    python tools/bench_gates.py TARGET [--gates G01,G03] [--device auto] [--weights seed] [--profile N]
 
 Runs each gate in this process (the kernel in process too, so that no worker's start-up
 counts) with the kernel, the oracle (the reference on float64 inputs) and the trusted
@@ -9,12 +9,19 @@ implementation timed call by call, and prints a table, a row a gate. ``bare`` is
 those calls alone, the loop that runs the same cases with no kfuzz around them, and ``bare /
 total`` kfuzz's rate as a share of that loop's. ``--weights`` is passed to the resolver of a
 ``kb:`` target (``seed``: the solution's own same-seed weights, as the audit judges a kernel
-whose weights do not load as its reference's).
+whose weights do not load as its reference's). ``--profile N``: after each gate's row, the N
+functions of this process with the most time of their own over a second run of the gate under
+cProfile (``tottime``; the row comes from the first, unprofiled), for the judging column's
+parts; on a GPU, time waiting for its work shows up in the calls that synchronize with it
+(``synchronize``, ``item``, a copy to the CPU).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
+import pstats
 import time
 from collections import Counter
 
@@ -54,6 +61,16 @@ def timed(target, seconds: Counter, calls: Counter, cuda: bool = False):
     return dataclasses.replace(target, **changes)
 
 
+def own_time(profiler: cProfile.Profile, n: int) -> str:
+    """The ``n`` functions with the most time of their own, as cProfile prints them."""
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(n)
+    lines = [line for line in text.getvalue().splitlines() if line.strip()]
+    first = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return "\n".join(["", f"The {n} functions with the most time of their own over the gate (cProfile):",
+                      "```", *lines[first:], "```", ""])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target")
@@ -61,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto (cuda where torch sees a GPU), cpu, cuda or cuda:N")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weights", default=None, help="a kb: target's weights (strict, the default; seed; none)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after each gate, the N functions with the most time of their own")
     args = ap.parse_args(argv)
     try:
         args.device = resolve_device(args.device)
@@ -94,6 +113,10 @@ def main(argv=None) -> int:
         print(f"| {gid} | {result.status} | {result.cases} | {total:.2f} | {seconds['kernel']:.2f} | "
               f"{seconds['oracle']:.2f} | {seconds['trusted']:.2f} | {total - bare:.2f} | {share} |",
               flush=True)
+        if args.profile > 0:     # a second run of the gate, so that the row above is timed unprofiled
+            profiler = cProfile.Profile()
+            profiler.runcall(run_gate, GATES[gid], target, seed=args.seed, device=args.device)
+            print(own_time(profiler, args.profile), flush=True)
     return 0
 
 
