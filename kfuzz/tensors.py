@@ -184,7 +184,8 @@ def logical_values(case: Case, target: Target) -> dict[str, torch.Tensor]:
         if name in payload:
             continue
         values = draw(case.arg(name).dist, shape, dtype, rng_for(case.seed, name))
-        drawn[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        # asarray keeps a 0-d draw 0-d (ascontiguousarray makes every array at least 1-d)
+        drawn[name] = torch.from_numpy(np.asarray(values, dtype=np.float64))
     if target.domain is not None and drawn:
         drawn = {**drawn, **target.domain(dict(drawn), dims)}
     out: dict[str, torch.Tensor] = {}

@@ -1783,3 +1783,48 @@ def test_runs_ended_before_the_standard_tests_verdict_are_counted_and_retried():
     text = report.markdown(s)
     assert "| kernels whose run a kfuzz error ended before the standard test's verdict (not audited) | 1 |" in text
     assert "| kernels killed for time in their build (not audited) | 1 |" in text
+
+
+SCALE_REF = """import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, A, s):
+        return A * s
+
+M = 64
+N = 48
+
+def get_inputs():
+    return [torch.randn(M, N), 3.14]
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_float_input_is_fuzzed_as_a_0d_argument_and_passed_as_a_float():
+    """A reference whose get_inputs gives a Python float (a matrix times a scalar) is a target:
+    the float is a 0-d float argument of the cases, passed to both models as a Python float
+    again. A solution right for every scale passes every gate; one that hard-codes the scale
+    of get_inputs passes the standard test and fails the gates on the first scale drawn."""
+    from kfuzz.gates import GATES, run_gate
+    from kfuzz.tensors import materialize
+    right = load_pair(SCALE_REF, SCALE_REF.replace("class Model(", "class ModelNew(").replace(
+        "return A * s", "assert type(s) is float, type(s)\n        return A * s"), "scale_right")
+    c = infer_contract(right)
+    assert c.arg_shapes == (("M", "N"), ()) and c.arg_dtypes == ("case", "case") and c.scalars == ("s",)
+    target = as_target(right)
+    for gid in ("G01", "G02", "G03", "G04", "G05", "G06", "G11"):
+        r = run_gate(GATES[gid], target, seed=0)
+        assert r.status in ("pass", "n/a"), (gid, r.reason)
+    case = next(iter(GATES["G01"].cases(target, 0)))
+    assert materialize(case, target)["s"].dim() == 0
+    fixed = load_pair(SCALE_REF, SCALE_REF.replace("class Model(", "class ModelNew(").replace(
+        "return A * s", "return A * 3.14"), "scale_fixed")
+    assert standard_test(fixed).passed
+    r = run_gate(GATES["G01"], as_target(fixed), seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason

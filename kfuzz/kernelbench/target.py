@@ -19,6 +19,9 @@
   symmetric, and integer inputs (indices, class labels) are drawn by
   ``get_inputs`` itself at the case's dims. Value ranges are not kept: that
   KernelBench draws ``torch.rand`` in [0, 1) is the weakness the gates probe.
+  A Python float in ``get_inputs`` (a matrix times a scalar) is a 0-d float
+  argument in the cases, fuzzed as any input (distributions, special values)
+  and passed to ``forward`` as a Python float again (``Contract.scalars``).
 - G07 (exact accumulation) is n/a for a reference with float weights
   (``float_weights``: parameters, buffers, tensor attributes), through
   ``options["no_exact_answers"]``: the case sets the inputs, not the weights, so
@@ -32,8 +35,9 @@
 only when the kernel is first called (in a sandboxed worker). ``resolve``
 builds the target named ``kb:<corpus file>:<row>``.
 
-Refuses (``KernelBenchError``): references whose inputs are not tensors, are
-floating point other than float32, or that do not run at their own sizes.
+Refuses (``KernelBenchError``): references whose inputs are neither tensors nor
+Python floats, are floating point other than float32, or that do not run at
+their own sizes.
 """
 from __future__ import annotations
 
@@ -106,6 +110,20 @@ class Contract:
     arg_dtypes: tuple[str, ...]
     dims: dict                       # free constant -> its fixed value
     fixed: tuple[str, ...]           # size constants held at their value
+    scalars: tuple[str, ...] = ()    # inputs get_inputs gives as Python floats (0-d in the cases)
+
+    def passed(self, inputs: dict) -> list:
+        """The arguments of ``forward`` from a case's ``inputs``, in order: each a tensor, or
+        for a ``scalars`` input, the Python float of its 0-d tensor, as ``get_inputs`` gives it."""
+        return [float(inputs[n]) if n in self.scalars else inputs[n] for n in self.arg_names]
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, float)
+
+
+def _shape(x) -> tuple:
+    return () if _is_scalar(x) else tuple(x.shape)
 
 
 def infer_contract(pair: KernelBenchPair) -> Contract:
@@ -117,8 +135,11 @@ def infer_contract(pair: KernelBenchPair) -> Contract:
     except Exception as e:
         raise KernelBenchError(f"{pair.name}: get_inputs() fails on the meta device ({type(e).__name__}: {e})") from None
     for i, x in enumerate(base):
+        if _is_scalar(x):
+            continue
         if not isinstance(x, torch.Tensor):
-            raise KernelBenchError(f"{pair.name}: get_inputs() item {i} is a {type(x).__name__}, not a tensor")
+            raise KernelBenchError(f"{pair.name}: get_inputs() item {i} is a {type(x).__name__}, "
+                                   f"not a tensor or a float")
         if x.dtype.is_floating_point and x.dtype != torch.float32:
             raise KernelBenchError(f"{pair.name}: input {i} is {x.dtype}; the adapter takes float32 references")
     params = [p for p in inspect.signature(ref.Model.forward).parameters.values() if p.name != "self"]
@@ -131,25 +152,27 @@ def infer_contract(pair: KernelBenchPair) -> Contract:
     for const, value in base_values.items():
         probe = value + 1 if value > 1 else 2
         try:
-            shapes = [tuple(x.shape) for x in _meta_inputs(ref, {const: probe})]
+            shapes = [_shape(x) for x in _meta_inputs(ref, {const: probe})]
         except Exception:
             fixed.add(const)
             continue
         for i, (x, s) in enumerate(zip(base, shapes)):
-            for axis, (a, b) in enumerate(zip(x.shape, s)):
+            for axis, (a, b) in enumerate(zip(_shape(x), s)):
                 if a == b:
                     continue
                 if a == value and b == probe and (i, axis) not in owner:
                     owner[(i, axis)] = const
                 else:
                     fixed.add(const)
-            if len(s) != x.dim():
+            if len(s) != len(_shape(x)):
                 fixed.add(const)
     owner = {k: c for k, c in owner.items() if c not in fixed}
     free = {c: base_values[c] for c in base_values if c in set(owner.values())}
-    shapes = tuple(tuple(owner.get((i, a), n) for a, n in enumerate(x.shape)) for i, x in enumerate(base))
-    dtypes = tuple("case" if x.dtype.is_floating_point else str(x.dtype).removeprefix("torch.") for x in base)
-    return Contract(tuple(names), shapes, dtypes, free, tuple(sorted(set(base_values) - set(free))))
+    shapes = tuple(tuple(owner.get((i, a), n) for a, n in enumerate(_shape(x))) for i, x in enumerate(base))
+    dtypes = tuple("case" if _is_scalar(x) or x.dtype.is_floating_point else str(x.dtype).removeprefix("torch.")
+                   for x in base)
+    scalars = tuple(n for n, x in zip(names, base) if _is_scalar(x))
+    return Contract(tuple(names), shapes, dtypes, free, tuple(sorted(set(base_values) - set(free))), scalars)
 
 
 class Bench:
@@ -281,7 +304,7 @@ class Bench:
             out = {}
             for i, n in enumerate(self.contract.arg_names):
                 a, b = draws[0][i], draws[1][i]
-                if self.contract.arg_dtypes[i] != "case":
+                if self.contract.arg_dtypes[i] != "case" or n in self.contract.scalars:
                     continue
                 zero = (a == 0) & (b == 0)
                 sym = (a.dim() >= 2 and a.shape[-1] == a.shape[-2] and a.shape[-1] > 1
@@ -471,7 +494,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
                                    f"a sandboxed worker (kfuzz.executor.Sandboxed)")
         model = bench.solution_model(bench.dims_of(inputs), next(iter(inputs.values())).device)
         with torch.no_grad(), precision(PRECISION, bench.flags_changed):
-            return outputs_of(model(*[inputs[n] for n in names]))
+            return outputs_of(model(*contract.passed(inputs)))
 
     def run_reference(inputs, dtype, where):
         dims = bench.dims_of(inputs)
@@ -481,7 +504,7 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         try:
             with torch.no_grad(), sized(pair_module(pair, "ref"), dims), precision(PRECISION, set()), \
                     (OracleDtype(dtype) if dtype == torch.float64 else contextlib.nullcontext()):
-                return outputs_of(model(*[inputs[n].to(where) for n in names]))
+                return outputs_of(model(*contract.passed({n: v.to(where) for n, v in inputs.items()})))
         finally:
             torch.set_default_dtype(old)
 
