@@ -474,7 +474,11 @@ def judge(case: Case, target: Target, inputs: Mapping[str, torch.Tensor],
     """The oracle's half: compare the kernel's ``outputs`` on ``inputs`` with the float64
     oracle, the bound scaled by the trusted implementation (FTZ-tolerant). The oracle and the
     trusted implementation run on ``oracle_device`` (a GPU, where the kernel ran on one);
-    the comparison where ``comparison_device`` says."""
+    the comparison where ``comparison_device`` says. On a GPU, ``inputs`` are moved there once,
+    first: the oracle's upcast, the trusted run's copies and the scans for subnormals and
+    specials then run on the GPU, not on the host's one thread."""
+    if str(oracle_device).startswith("cuda"):
+        inputs = _on(inputs, oracle_device)
     oracle = oracle_outputs(target, inputs, oracle_device)
     where = comparison_device(oracle, oracle_device)
     oracle = _on(oracle, where)
