@@ -104,6 +104,14 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
+def rounds_finite(o: torch.Tensor, dt: torch.dtype) -> bool:
+    """Whether every element of ``o`` rounds to a finite value of ``dt``: its least and its
+    largest do (rounding is monotonic; a NaN makes both NaN), with no copy of ``o`` in ``dt``."""
+    if o.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(o)).to(dt)).all())
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """``torch.isfinite`` as two comparisons (NaN compares false), a third of its cost on the CPU."""
     return (x > -math.inf) & (x < math.inf)
@@ -194,20 +202,28 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     ``values=False``: the nonfinite check alone, no bound (a gate that judges only where the
     output is NaN or Inf). ``device``: where the comparison runs (None: the CPU; a GPU judges a
     large output far faster, with the same verdicts up to the order of a norm's sum)."""
-    k, o = _f64(kernel_out, device), _f64(oracle_out, device)
+    o = _f64(oracle_out, device)
     dt = torch_dtype(dtype)
     if not dt.is_floating_point:
+        k = _f64(kernel_out, device)
         if torch.equal(k, o):
             return Finding(None)
         n = int((k != o).sum())
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
+    # the kernel's and the trusted outputs keep their own dtype until a path needs float64: the
+    # bound's arithmetic promotes each chunk to float64 exactly, and finiteness is the same in both
+    k = kernel_out.detach().to(device or "cpu")
+    t = None if trusted_out is None else trusted_out.detach().to(device or "cpu")
+    if envelope is None and all(all_finite(x) for x in (k,) + (() if t is None else (t,))) \
+            and rounds_finite(o, dt):
+        # no position takes a latitude of the nonfinite check: every one is judged by the bound
+        return _bound(k, o, t, None, dtype, c) if values else Finding(None)
+    k, t = _f64(k), (None if t is None else _f64(t))
     o_low = o.to(dt)
-    t = None if trusted_out is None else _f64(trusted_out, device)
     o_rounded = o_low.to(torch.float64) if envelope is not None else None
     swing = swinging(o_rounded, envelope, dt)
     if all(all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \
             and (swing is None or not bool(swing[0].any())):
-        # no position takes a latitude of the nonfinite check: every one is judged by the bound
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
     ck, co = _class(k), _class(o_low)
     o_finite = _finite(o) if t is not None or values else None
