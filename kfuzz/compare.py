@@ -210,15 +210,14 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
             return Finding(None)
         n = int((k != o).sum())
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
-    # the kernel's and the trusted outputs keep their own dtype until a path needs float64: the
-    # bound's arithmetic promotes each chunk to float64 exactly, and finiteness is the same in both
+    # the kernel's and the trusted outputs keep their own dtype: arithmetic with the oracle
+    # promotes them to float64 exactly, and a value's class (finite, NaN, +Inf, -Inf) is the same
     k = kernel_out.detach().to(device or "cpu")
     t = None if trusted_out is None else trusted_out.detach().to(device or "cpu")
     if envelope is None and all(all_finite(x) for x in (k,) + (() if t is None else (t,))) \
             and rounds_finite(o, dt):
         # no position takes a latitude of the nonfinite check: every one is judged by the bound
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
-    k, t = _f64(k), (None if t is None else _f64(t))
     o_low = o.to(dt)
     o_rounded = o_low.to(torch.float64) if envelope is not None else None
     swing = swinging(o_rounded, envelope, dt)
