@@ -221,8 +221,10 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     o_low = o.to(dt)
     o_rounded = o_low.to(torch.float64) if envelope is not None else None
     swing = swinging(o_rounded, envelope, dt)
-    if all(all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \
-            and (swing is None or not bool(swing[0].any())):
+    if swing is not None and all(all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \
+            and not bool(swing[0].any()):
+        # with an envelope, no position swings across classes (without one, the test above
+        # already found a non-finite value)
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
     ck, co = _class(k), _class(o_low)
     o_finite = _finite(o) if t is not None or values else None
