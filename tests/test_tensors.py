@@ -199,3 +199,17 @@ def test_raw_bytes_and_payloads_take_any_strides_a_layout_gives():
     assert torch.equal(raw_bytes(grid), grid.clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8))
     back = decode_payload(encode_payload(one), "x")
     assert back.shape == one.shape and torch.equal(raw_bytes(back), raw_bytes(one))
+
+
+def test_a_0d_argument_is_drawn_0d_and_injected_there():
+    """A scalar argument (shape ()) is drawn as a 0-d tensor, with the same value as the first
+    element of a one-element draw from the same stream, and takes an injection at flat 0."""
+    import dataclasses
+    from kfuzz.target import Arg
+    scaled = dataclasses.replace(SOFTMAX, args={**SOFTMAX.args, "s": Arg(shape=())})
+    one = dataclasses.replace(SOFTMAX, args={**SOFTMAX.args, "s": Arg(shape=(1,))})
+    case = Case.make("softmax", "float32", 7, {"N": 5, "D": 9}, {})
+    s, s1 = materialize(case, scaled)["s"], materialize(case, one)["s"]
+    assert s.shape == () and s1.shape == (1,) and torch.equal(s.reshape(1), s1)
+    nan = Case.make("softmax", "float32", 7, {"N": 5, "D": 9}, {"s": ArgCase(inject=((0, "nan"),))})
+    assert math.isnan(float(materialize(nan, scaled)["s"]))
