@@ -82,6 +82,23 @@ def test_the_nonfinite_check_alone_judges_no_values():
     assert compare(torch.tensor([9.0, 2.0]), finite, None, "float32", values=False).kind is None
 
 
+def test_same_classes_agrees_with_the_classes_position_by_position():
+    """``same_classes`` (worked out only where a value is not finite) says what comparing
+    ``_class`` everywhere says, across dtypes, for every kind of difference one position can make."""
+    from kfuzz.compare import _class, same_classes
+    g = torch.Generator().manual_seed(3)
+    values = torch.tensor([0.0, -2.5, math.nan, math.inf, -math.inf], dtype=torch.float64)
+    for trial in range(300):
+        a = values[torch.randint(0, 5, (40,), generator=g)]
+        b = a.clone()
+        if trial % 3:      # one position changed to another value (often of another class)
+            i = int(torch.randint(0, 40, (1,), generator=g))
+            b[i] = values[int(torch.randint(0, 5, (1,), generator=g))]
+        for x, y in ((a, b), (a.float(), b), (a, b.half()), (a.float(), b.bfloat16())):
+            assert same_classes(x, y) == bool((_class(x) == _class(y)).all()), (x, y)
+    assert same_classes(torch.zeros(0), torch.zeros(0, dtype=torch.float64))
+
+
 def test_inf_sign_matters_and_overflow_threshold_is_ambiguous():
     o = torch.tensor([math.inf, 65500.0], dtype=torch.float64)
     assert compare(torch.tensor([-math.inf, 65504.0], dtype=torch.float16), o, None, "float16").kind == "nonfinite"
