@@ -1521,6 +1521,24 @@ def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_
     assert row.split(" | ")[1:4] == ["1", str(got["wall_s"]), str(got["kernels_per_hour"])], r.stdout
 
 
+def test_the_throughput_sample_leaves_out_kernels_already_recorded(tmp_path):
+    """--exclude RESULTS: the sample takes no kernel with a line in that results file (a torn
+    line is skipped), so a measurement audits kernels not yet audited."""
+    spec = importlib.util.spec_from_file_location("bench_audit_throughput", ROOT / "tools" / "bench_audit_throughput.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    every = tool.sample([str(ESCAPES)], 100)
+    assert len(every) >= 2
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps({"key": every[0].key, "seconds": 1.0}) + "\n" + '{"key": "torn')
+    assert tool.recorded_keys(results) == {every[0].key}
+    left = tool.sample([str(ESCAPES)], 100, tool.recorded_keys(results))
+    assert [e.key for e in left] == [e.key for e in every[1:]]
+    with pytest.raises(SystemExit) as stop:      # a results file that is not there: bad usage
+        tool.main([str(ESCAPES), "--exclude", str(tmp_path / "none.jsonl")])
+    assert stop.value.code == 2
+
+
 def test_the_throughput_table_gives_each_rate_over_the_baselines():
     spec = importlib.util.spec_from_file_location("bench_audit_throughput", ROOT / "tools" / "bench_audit_throughput.py")
     tool = importlib.util.module_from_spec(spec)

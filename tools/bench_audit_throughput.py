@@ -2,11 +2,14 @@
 
     python tools/bench_audit_throughput.py CORPUS... --limit 160 --budget 400 [--jobs 16]
         [--build-jobs 8] [--max-jobs N] [--timeout 150] [--device cuda] [--no-pch] [--baseline]
-        [--out DIR] [--key FILE]
+        [--out DIR] [--key FILE] [--exclude RESULTS]
 
 Takes ``--limit`` solutions that call ``load_inline`` (distinct sources, taken in turn from each
-corpus file, so that every file and level is in the sample) and audits them with ``kfuzz.audit.
-run_audit`` (every gate) into a fresh results folder and a fresh, empty extension cache, until
+corpus file, so that every file and level is in the sample; with ``--exclude``, none whose kernel
+already has a line in that ``results.jsonl``, so that a measurement also audits kernels not yet
+audited, whose records can join those results when signed with the same ``--key``) and audits
+them with ``kfuzz.audit.run_audit`` (every gate) into a fresh results folder and a fresh, empty
+extension cache, until
 all are recorded or ``--budget`` seconds have passed (the kernels still running then are stopped
 and not counted). Prints, and writes to ``<out>/throughput.json``: kernels recorded, wall seconds,
 kernels an hour (recorded / wall), the rate over the second half of the run, the build's share
@@ -37,9 +40,22 @@ from kfuzz.kernelbench.corpus import read_corpus
 from kfuzz.gates import GATES
 
 
-def sample(corpora: list[str], limit: int) -> list:
-    """Compiling solutions with distinct sources, one from each corpus file in turn."""
-    per_file = [[e for e in read_corpus(p) if e.pair is not None and e.compiles] for p in corpora]
+def recorded_keys(results: Path) -> set[str]:
+    """The kernel keys that have a line in a ``results.jsonl`` (signed or not; a torn line is skipped)."""
+    keys = set()
+    for line in results.read_text().splitlines():
+        try:
+            keys.add(json.loads(line)["key"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return keys
+
+
+def sample(corpora: list[str], limit: int, exclude: set[str] = frozenset()) -> list:
+    """Compiling solutions with distinct sources, one from each corpus file in turn, none whose
+    key is in ``exclude``."""
+    per_file = [[e for e in read_corpus(p) if e.pair is not None and e.compiles and e.key not in exclude]
+                for p in corpora]
     out, seen = [], set()
     while len(out) < limit and any(per_file):
         for rows in per_file:
@@ -147,10 +163,15 @@ def main(argv=None) -> int:
     ap.add_argument("--pch", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default=None, help="folder for results.jsonl and throughput.json (default: a new temp one)")
     ap.add_argument("--key", default=None, help="the results key (made if missing; default: OUT/audit.key)")
+    ap.add_argument("--exclude", type=Path, action="append", default=[], metavar="RESULTS",
+                    help="a results.jsonl whose kernels are left out of the sample (repeatable)")
     ap.add_argument("--baseline", action="store_true",
                     help="first audit the sample as a plain loop (--jobs 1 --build-jobs 0 --no-pch), the ratio's base")
     a = ap.parse_args(argv)
-    entries = sample(a.corpora, a.limit)
+    missing = [str(r) for r in a.exclude if not r.is_file()]
+    if missing:
+        ap.error(f"--exclude: no such results file: {', '.join(missing)}")
+    entries = sample(a.corpora, a.limit, set().union(*(recorded_keys(r) for r in a.exclude)))
     if not entries:
         ap.error("no compiling solution in these corpora")
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="kfuzz-throughput-"))
