@@ -109,7 +109,13 @@ def rounds_finite(o: torch.Tensor, dt: torch.dtype) -> bool:
     largest do (rounding is monotonic; a NaN makes both NaN), with no copy of ``o`` in ``dt``."""
     if o.numel() == 0:
         return True
-    return bool(torch.isfinite(torch.stack(torch.aminmax(o)).to(dt)).all())
+    return bool(torch.isfinite(_wide(torch.stack(torch.aminmax(o)).to(dt))).all())
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x``, as float32 where it is a float8 (which holds every float8 value, NaN and Inf
+    exactly): torch has no reductions for float8 and no promotion of it to float64."""
+    return x.float() if x.is_floating_point() and x.element_size() == 1 else x
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -224,13 +230,13 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
     # the kernel's and the trusted outputs keep their own dtype: arithmetic with the oracle
     # promotes them to float64 exactly, and a value's class (finite, NaN, +Inf, -Inf) is the same
-    k = kernel_out.detach().to(device or "cpu")
-    t = None if trusted_out is None else trusted_out.detach().to(device or "cpu")
+    k = _wide(kernel_out.detach().to(device or "cpu"))
+    t = None if trusted_out is None else _wide(trusted_out.detach().to(device or "cpu"))
     if envelope is None and all(all_finite(x) for x in (k,) + (() if t is None else (t,))) \
             and rounds_finite(o, dt):
         # no position takes a latitude of the nonfinite check: every one is judged by the bound
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
-    o_low = o.to(dt)
+    o_low = _wide(o.to(dt))
     o_rounded = o_low.to(torch.float64) if envelope is not None else None
     swing = swinging(o_rounded, envelope, dt)
     if swing is not None and all(all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \

@@ -99,6 +99,22 @@ def test_same_classes_agrees_with_the_classes_position_by_position():
     assert same_classes(torch.zeros(0), torch.zeros(0, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_outputs_are_judged(dtype):
+    """A float8 output is compared like any other (torch has no reductions for float8 and no
+    promotion of it to float64): its own rounding passes, a lost NaN is nonfinite, a wrong value
+    fails the bound, on the nonfinite check alone too."""
+    dt = getattr(torch, dtype)
+    o = torch.tensor([1.0, 2.0, 3.0, math.nan], dtype=torch.float64)
+    honest = o.to(dt)
+    assert compare(honest, o, honest, dtype).kind is None
+    assert compare(honest, o, None, dtype, values=False).kind is None
+    assert compare(torch.tensor([1.0, 2.0, 3.0, 0.0]).to(dt), o, honest, dtype).kind == "nonfinite"
+    assert compare(torch.tensor([1.0, 2.0, 3.0, 0.0]).to(dt), o, None, dtype, values=False).kind == "nonfinite"
+    f = compare(torch.tensor([1.0, 2.0, 32.0, math.nan]).to(dt), o, honest, dtype)
+    assert f.kind == "bound" and "element 2: kernel 32" in f.detail, f.detail
+
+
 def test_inf_sign_matters_and_overflow_threshold_is_ambiguous():
     o = torch.tensor([math.inf, 65500.0], dtype=torch.float64)
     assert compare(torch.tensor([-math.inf, 65504.0], dtype=torch.float16), o, None, "float16").kind == "nonfinite"
