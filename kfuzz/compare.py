@@ -68,7 +68,7 @@ from typing import Callable
 
 import torch
 
-from kfuzz.dtypes import torch_dtype, unit_roundoff
+from kfuzz.dtypes import torch_dtype, unit_roundoff, widen_float8
 
 BOUND_C = 8.0
 FLOOR_ULPS = 4.0
@@ -100,7 +100,7 @@ def all_finite(x: torch.Tensor) -> bool:
     element is), a reduction that costs a fraction of a mask."""
     if x.numel() == 0:
         return True
-    lo, hi = torch.aminmax(x)
+    lo, hi = torch.aminmax(widen_float8(x))
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
@@ -109,17 +109,12 @@ def rounds_finite(o: torch.Tensor, dt: torch.dtype) -> bool:
     largest do (rounding is monotonic; a NaN makes both NaN), with no copy of ``o`` in ``dt``."""
     if o.numel() == 0:
         return True
-    return bool(torch.isfinite(_wide(torch.stack(torch.aminmax(o)).to(dt))).all())
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """``x``, as float32 where it is a float8 (which holds every float8 value, NaN and Inf
-    exactly): torch has no reductions for float8 and no promotion of it to float64."""
-    return x.float() if x.is_floating_point() and x.element_size() == 1 else x
+    return bool(torch.isfinite(widen_float8(torch.stack(torch.aminmax(o)).to(dt))).all())
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """``torch.isfinite`` as two comparisons (NaN compares false), a third of its cost on the CPU."""
+    x = widen_float8(x)
     return (x > -math.inf) & (x < math.inf)
 
 
@@ -127,6 +122,7 @@ def same_classes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` (one shape, any float dtypes) are finite at the same positions and
     take the same non-finite value (NaN, +Inf or -Inf) at the others: ``_class`` equal everywhere,
     with the classes worked out only where a value is not finite."""
+    a, b = widen_float8(a), widen_float8(b)
     finite = _finite(a)
     if not torch.equal(finite, _finite(b)):
         return False
@@ -137,6 +133,7 @@ def same_classes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _class(x: torch.Tensor) -> torch.Tensor:
     """0 finite, 1 NaN, 2 +Inf, 3 -Inf."""
+    x = widen_float8(x)
     if all_finite(x):
         return torch.zeros(x.shape, dtype=torch.int8, device=x.device)
     out = torch.isnan(x).to(torch.int8)
@@ -230,13 +227,13 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
         return Finding("bound", f"{n} integer element(s) differ from the oracle", math.inf)
     # the kernel's and the trusted outputs keep their own dtype: arithmetic with the oracle
     # promotes them to float64 exactly, and a value's class (finite, NaN, +Inf, -Inf) is the same
-    k = _wide(kernel_out.detach().to(device or "cpu"))
-    t = None if trusted_out is None else _wide(trusted_out.detach().to(device or "cpu"))
+    k = widen_float8(kernel_out.detach().to(device or "cpu"))
+    t = None if trusted_out is None else widen_float8(trusted_out.detach().to(device or "cpu"))
     if envelope is None and all(all_finite(x) for x in (k,) + (() if t is None else (t,))) \
             and rounds_finite(o, dt):
         # no position takes a latitude of the nonfinite check: every one is judged by the bound
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
-    o_low = _wide(o.to(dt))
+    o_low = widen_float8(o.to(dt))
     o_rounded = o_low.to(torch.float64) if envelope is not None else None
     swing = swinging(o_rounded, envelope, dt)
     if swing is not None and all(all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \

@@ -1,5 +1,6 @@
 """Dtype facts: the dtypes kfuzz knows by name (``DTYPES``), and per dtype its special values
-(``special_value_table``) and unit roundoff (``unit_roundoff``).
+(``special_value_table``) and unit roundoff (``unit_roundoff``); ``widen_float8`` for the
+arithmetic torch lacks on float8.
 
 Refuses (CaseError): an unknown dtype name.
 """
@@ -52,3 +53,10 @@ def special_value_table(dtype: str) -> dict[str, float | None]:
 def unit_roundoff(dtype: str) -> float:
     dt = torch_dtype(dtype)
     return float(torch.finfo(dt).eps) / 2 if dt.is_floating_point else 0.0
+
+
+def widen_float8(x: torch.Tensor) -> torch.Tensor:
+    """``x``, as float32 where it is a float8 (float32 holds every float8 value, NaN and Inf
+    exactly): torch has no comparisons, reductions or promotion to float64 for float8 on the
+    CPU. Any other tensor is returned as it is."""
+    return x.float() if x.is_floating_point() and x.element_size() == 1 else x

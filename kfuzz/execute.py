@@ -48,7 +48,7 @@ import torch
 from kfuzz.case import Case
 from kfuzz.compare import BOUND_C, NONFINITE_KINDS, compare, kinds
 from kfuzz.contract import NamespaceSnapshot, current_hooks, overlapping, restore_hooks, threads_left
-from kfuzz.dtypes import torch_dtype, unit_roundoff
+from kfuzz.dtypes import torch_dtype, unit_roundoff, widen_float8
 from kfuzz.target import Target, get_target
 from kfuzz.tensors import materialize, raw_bytes
 from kfuzz.verdict import Verdict
@@ -126,10 +126,11 @@ def flush_subnormals(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     out, any_sub = {}, False
     for k, v in inputs.items():
         if v.is_floating_point():
-            sub = (v != 0) & (v.abs() < torch.finfo(v.dtype).tiny)
+            w = widen_float8(v)
+            sub = (w != 0) & (w.abs() < torch.finfo(v.dtype).tiny)
             if sub.any():
                 any_sub = True
-                v = torch.where(sub, v * 0, v)
+                v = torch.where(sub, w * 0, w).to(v.dtype)
         out[k] = v
     return out if any_sub else None
 
@@ -277,9 +278,10 @@ def without_specials(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     so, only an overflow (``kfuzz.compare``)."""
     out, any_special = {}, False
     for k, v in inputs.items():
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+        w = widen_float8(v)
+        if v.is_floating_point() and not bool(torch.isfinite(w).all()):
             any_special = True
-            v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+            v = torch.where(torch.isfinite(w), w, torch.zeros_like(w)).to(v.dtype)
         out[k] = v
     return out if any_special else None
 

@@ -556,3 +556,26 @@ def test_the_gates_comparisons_on_the_gpu_give_the_cpus_statuses_on_cuda(monkeyp
               for d in ("cpu", "cuda")}
         assert on["cuda"] == on["cpu"], on
         assert all(w is None or w == got for w, got in zip(want, on["cuda"])), on
+
+
+def _float8_target(kernel):
+    from kfuzz.target import Arg, Dim, Output, Target
+    return Target(name="double8", kernel=kernel, reference=lambda x: x * 2, args={"x": Arg(shape=("N",))},
+                  outputs={"out": Output(shape=("N",))}, dims={"N": Dim(1, 64)},
+                  dtypes=("float8_e4m3fn", "float8_e5m2"))
+
+
+def test_a_float8_target_is_judged_by_every_gate():
+    """float8 inputs and outputs (which torch cannot compare, reduce or promote on the CPU) are
+    judged as any others: a correct kernel passes every gate, one that maps NaN to 0 fails G05,
+    one that adds 1 fails G01 on its bound."""
+    right = _float8_target(lambda x: (x.float() * 2).to(x.dtype))
+    for gid, gate in GATES.items():
+        r = run_gate(gate, right, seed=0)
+        assert r.status == "pass", (gid, r.reason)
+    drops_nan = _float8_target(lambda x: torch.nan_to_num(x.float() * 2, nan=0.0).to(x.dtype))
+    r = run_gate(GATES["G05"], drops_nan, seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "nonfinite", r.reason
+    adds_one = _float8_target(lambda x: (x.float() * 2 + 1).to(x.dtype))
+    r = run_gate(GATES["G01"], adds_one, seed=0)
+    assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason
