@@ -1,7 +1,8 @@
 """The audit's throughput on compiled kernels: kernels an hour, compiles included, from a cold cache.
 
     python tools/bench_audit_throughput.py CORPUS... --limit 160 --budget 400 [--jobs 16]
-        [--build-jobs 8] [--max-jobs N] [--timeout 150] [--device cuda] [--no-pch] [--baseline]
+        [--build-jobs 8] [--max-jobs N] [--timeout 150] [--build-timeout 600] [--device cuda]
+        [--no-pch] [--baseline]
         [--out DIR] [--key FILE] [--exclude RESULTS]
 
 Takes ``--limit`` solutions that call ``load_inline`` (distinct sources, taken in turn from each
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--build-jobs", type=int, default=8)
     ap.add_argument("--max-jobs", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=150.0)
+    ap.add_argument("--build-timeout", type=float, default=600.0,
+                    help="seconds a solution's build may take, apart from --timeout (kfuzz audit's default)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--pch", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default=None, help="folder for results.jsonl and throughput.json (default: a new temp one)")
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
         def write(result: dict, folder=folder) -> None:
             (folder / "throughput.json").write_text(json.dumps(result, indent=1))
         result = measure(entries, folder / "audit", a.budget, write, key=key, device=a.device, timeout=a.timeout,
-                         cache=cache, max_jobs=a.max_jobs, **settings)
+                         build_timeout=a.build_timeout, cache=cache, max_jobs=a.max_jobs, **settings)
         write(result)
         runs.append((f"{name} (jobs {settings['jobs']}, build-jobs {settings['build_jobs']}, "
                      f"{'pch' if settings['pch'] else 'no pch'})", result))
