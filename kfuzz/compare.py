@@ -229,17 +229,15 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor, trusted_out: tor
     # promotes them to float64 exactly, and a value's class (finite, NaN, +Inf, -Inf) is the same
     k = widen_float8(kernel_out.detach().to(device or "cpu"))
     t = None if trusted_out is None else widen_float8(trusted_out.detach().to(device or "cpu"))
-    if envelope is None and all(all_finite(x) for x in (k,) + (() if t is None else (t,))) \
-            and rounds_finite(o, dt):
+    finite = all_finite(k) and (t is None or all_finite(t)) and rounds_finite(o, dt)
+    if finite and envelope is None:
         # no position takes a latitude of the nonfinite check: every one is judged by the bound
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
-    o_low = widen_float8(o.to(dt))
+    o_low = o.to(dt)
     o_rounded = o_low.to(torch.float64) if envelope is not None else None
     swing = swinging(o_rounded, envelope, dt)
-    if swing is not None and all(all_finite(x) for x in (k, o_low) + (() if t is None else (t,))) \
-            and not bool(swing[0].any()):
-        # with an envelope, no position swings across classes (without one, the test above
-        # already found a non-finite value)
+    if finite and not bool(swing[0].any()):
+        # (with an envelope) nor does any position swing across classes
         return _bound(k, o, t, None, dtype, c) if values else Finding(None)
     if t is None and swing is None and not values and same_classes(k, o_low):
         return Finding(None)     # the nonfinite check alone, and the NaN, +Inf and -Inf sets are equal
