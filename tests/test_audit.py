@@ -1514,6 +1514,7 @@ def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads((tmp_path / "out" / "throughput.json").read_text())
     assert got["recorded"] == 1 and got["build_failed"] == 0 and got["fell_back"] == 0, got
+    assert got["settings"]["build_timeout"] == 600.0, got["settings"]     # kfuzz audit's, not --timeout
     (rec,) = [json.loads(line) for line in (tmp_path / "out" / "audit" / "results.jsonl").read_text().splitlines()]
     assert rec["build"]["status"] == "built" and rec["build"]["extensions"] and "caught" not in rec["build"], rec
     assert got["build_seconds_mean"] == round(rec["build"]["seconds"], 1), (got, rec["build"])
