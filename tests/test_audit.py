@@ -3,6 +3,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import textwrap
 import time
 from pathlib import Path
 
@@ -1408,6 +1409,7 @@ def test_a_solution_whose_second_build_loads_did_not_fall_back(tmp_path, monkeyp
            "class ModelNew(nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n")
     facts = build_here(monkeypatch, tmp_path, new, "second")
     assert "kfuzz_first_try" in facts["caught"][0] and facts["loaded"] == ["kfuzz_second_try"], facts
+    assert facts["cpu_seconds"] > 0, facts     # the compilers it ran, twice
     assert not fell_back(facts) and fell_back({"caught": ["an error"]}) and not fell_back(None)
 
 
@@ -1518,6 +1520,7 @@ def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_
     (rec,) = [json.loads(line) for line in (tmp_path / "out" / "audit" / "results.jsonl").read_text().splitlines()]
     assert rec["build"]["status"] == "built" and rec["build"]["extensions"] and "caught" not in rec["build"], rec
     assert got["build_seconds_mean"] == round(rec["build"]["seconds"], 1), (got, rec["build"])
+    assert rec["build"]["cpu_seconds"] > 0 and got["build_cpu_seconds_mean"] == round(rec["build"]["cpu_seconds"], 1)
     row = next(line for line in r.stdout.splitlines() if line.startswith("| kfuzz audit"))
     assert row.split(" | ")[1:4] == ["1", str(got["wall_s"]), str(got["kernels_per_hour"])], r.stdout
 
@@ -1565,6 +1568,13 @@ def test_the_throughput_summary_says_where_the_kernels_seconds_go():
     assert (got["gates_share"], got["minimize_share"], got["rest_share"]) == (0.4, 0.15, 0.1), got
     assert got["worker_starts_share"] == 0.12
     assert got["build_share"] == 0.2 and got["kernel_seconds_mean"] == 100.0
+    assert got["cpu_busy_share"] is None and got["core_seconds_per_kernel"] is None   # not measured
+    with_ahead = {**rec, "build": {**rec["build"], "cpu_seconds": 3.0}, "build_ahead": {"seconds": 9.0, "cpu_seconds": 40.0}}
+    got = tool.summary([None, None], [(50.0, with_ahead), (90.0, rec)], 100.0, {}, cpu=(800.0, 1600.0))
+    assert (got["cpu_busy_share"], got["core_seconds_per_kernel"]) == (0.5, 400.0), got
+    assert got["build_cpu_seconds_mean"] == 43.0, got     # over the kernels whose build said
+    busy, total = tool.machine_cpu()
+    assert 0 < busy <= total
 
 
 def audit_report():
@@ -1847,3 +1857,50 @@ def test_a_float_input_is_fuzzed_as_a_0d_argument_and_passed_as_a_float():
     assert standard_test(fixed).passed
     r = run_gate(GATES["G01"], as_target(fixed), seed=0)
     assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason
+
+
+def _bench_builds():
+    spec = importlib.util.spec_from_file_location("bench_builds", ROOT / "tools" / "bench_builds.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_the_build_benchmark_reads_a_solutions_cuda_file_without_running_it():
+    """--cuda-phases: the CUDA file as torch's load_inline writes it, from literals and
+    module-level constants; a source made at run time is not read."""
+    tool = _bench_builds()
+    code = textwrap.dedent('''
+        from torch.utils.cpp_extension import load_inline
+        SRC = "__global__ void k(float* x) { x[0] = 1.0f; }"
+        ext = load_inline(name="k", cpp_sources="void f();", cuda_sources=SRC, functions=["f"],
+                          extra_cuda_cflags=["-O3"])
+    ''')
+    got = tool.cuda_sources(code)
+    assert got["source"].splitlines() == [*tool.TORCH_CUDA_PREFIX, "__global__ void k(float* x) { x[0] = 1.0f; }"]
+    assert got["extra_cuda_cflags"] == ["-O3"]
+    made = code.replace('cuda_sources=SRC', 'cuda_sources=SRC.replace("1.0f", "2.0f")')
+    assert tool.cuda_sources(made) is None
+    assert tool.cuda_sources("import torch\n") is None and tool.cuda_sources("def (") is None
+
+
+def test_the_build_benchmark_reads_nvccs_phases_from_its_time_file():
+    tool = _bench_builds()
+    csv_text = (
+        "source file name , phase name , phase input files , phase output file , arch , tool, metric , unit\n"
+        "k.cu , gcc (preprocessing 4) , k.cu , a.ii ,  , nvcc , 2501.8860 , ms\n"
+        "k.cu , cudafe++ , a.ii , b.cpp , compute_90 , nvcc , 27978.2012 , ms\n"
+        "k.cu , gcc (preprocessing 1) , k.cu , c.ii , compute_90 , nvcc , 1607.5540 , ms\n"
+        "k.cu , cicc , c.ii , d.ptx , compute_90 , nvcc , 37300.8906 , ms\n"
+        "k.cu , ptxas , d.ptx , e.cubin , sm_90 , nvcc , 58.0720 , ms\n"
+        "k.cu , fatbinary , e.cubin , f.fatbin ,  , nvcc , 4.5950 , ms\n"
+        "k.cu , gcc (compiling) ,   , k.o , compute_90 , nvcc , 18065.6816 , ms\n"
+        " , nvcc (driver) ,  , k.o ,  , nvcc , 0.8125 , ms\n")
+    got = tool.nvcc_phases(csv_text)
+    assert got == pytest.approx({"preprocess": 4.1094, "cudafe++": 27.9782, "cicc": 37.3009, "ptxas": 0.0581,
+                                 "host compile": 18.0657, "other": 0.0046}, abs=1e-4)
+    row = tool.cuda_table([{"key": "c:1", "status": "compiled", "phases": got, "wall_s": 87.6, "cpu_s": 86.8}])
+    assert row.splitlines()[2] == "| c:1 | compiled | 4.1 | 28.0 | 37.3 | 0.1 | 18.1 | 0.0 | 87.6 | 86.8 |"
+    with pytest.raises(SystemExit) as stop:      # no toolkit there: bad usage
+        tool.main([str(ESCAPES), "--cuda-phases", "--cuda-home", "/nonexistent"])
+    assert stop.value.code == 2

@@ -16,9 +16,13 @@ and not counted). Prints, and writes to ``<out>/throughput.json``: kernels recor
 kernels an hour (recorded / wall), the rate over the second half of the run, the build's share
 of the kernels' time (build seconds, a kernel's own build step's and its build run ahead by
 ``--build-jobs`` (``build_ahead`` in its record), over those and its process's seconds; also
-for the kernels whose own build step compiled), how many found a precompiled header, how many builds failed
+for the kernels whose own build step compiled), the CPU seconds of a build's compilers (a
+kernel's own build step and its build ahead; ``cpu_seconds`` in their records), how many found a
+precompiled header, how many builds failed
 and how many solutions caught their build's error and ran a fallback, and the records' ends
-(complete, killed for time, skipped). Needs a machine where ``kfuzz audit`` runs (``--allow-
+(complete, killed for time, skipped), and the machine's CPU over the run (``/proc/stat``: the
+share of its cores busy, and busy core-seconds per kernel recorded, which bounds the rate a
+machine of as many cores can reach when the run keeps them busy). Needs a machine where ``kfuzz audit`` runs (``--allow-
 unconfined`` is passed: use it where the workers have no OS sandbox layer, as the audit's docs say).
 
 Prints a table, a row a run: with ``--baseline``, first the same sample audited one kernel at a
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -71,24 +76,43 @@ def sample(corpora: list[str], limit: int, exclude: set[str] = frozenset()) -> l
     return out
 
 
+def machine_cpu() -> tuple[float, float] | None:
+    """The whole machine's busy and total CPU seconds since boot, summed over its cores, from
+    ``/proc/stat`` (busy: all but idle and I/O wait); None where there is no such file."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    ticks = [int(x) for x in fields[1:9]]       # user nice system idle iowait irq softirq steal
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / tick, sum(ticks) / tick
+
+
 def measure(entries, out: Path, budget: float, write=None, key: Path | None = None, **audit) -> dict:
     """Audit ``entries`` into ``out`` until done or ``budget`` seconds; the summary (``summary``),
     also handed to ``write`` after each record (so that a run stopped from outside leaves one).
     Records are signed with ``key`` (made if missing; default: ``<out>.key`` beside ``out``)."""
     key = key or out.parent / f"{out.name}.key"
     results_key(key)
-    start = time.monotonic()
+    start, cpu = time.monotonic(), machine_cpu()
+
+    def used() -> tuple[float, float] | None:
+        now = machine_cpu()
+        return None if cpu is None or now is None else (now[0] - cpu[0], now[1] - cpu[1])
     done: list[tuple[float, dict]] = []
     for rec in run_audit(entries, out, list(GATES), key=key, allow_unconfined=True, **audit):
         done.append((time.monotonic() - start, rec))
         if write is not None:
-            write(summary(entries, done, time.monotonic() - start, audit))
+            write(summary(entries, done, time.monotonic() - start, audit, used()))
         if time.monotonic() - start >= budget:
             break
-    return summary(entries, done, time.monotonic() - start, audit)
+    return summary(entries, done, time.monotonic() - start, audit, used())
 
 
-def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -> dict:
+def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
+            cpu: tuple[float, float] | None = None) -> dict:
+    """The run's numbers (the module's docstring); ``cpu``: the machine's busy and total CPU
+    seconds over the run (``machine_cpu``)."""
     recs = [r for _, r in done]
     built = [r for r in recs if isinstance(r.get("build"), dict) and r["build"].get("seconds") is not None]
     ahead_s = sum(float((r.get("build_ahead") or {}).get("seconds") or 0) for r in built)
@@ -96,6 +120,9 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
     kernel_s = sum(float(r.get("seconds") or 0) for r in built) + ahead_s
     compiled = [r for r in built if float(r["build"]["seconds"]) > 5.0]
     half = [t for t, _ in done if t >= wall / 2]
+    # the compilers' CPU seconds per kernel whose build compiled (its own step's and its build ahead's)
+    cpus = [c for c in (sum(float((r.get(k) or {}).get("cpu_seconds") or 0) for k in ("build", "build_ahead"))
+                        for r in built) if c > 0]
     first = done[0][0] if done else None
     ends = {"complete": sum(not judge_record(r)["incomplete"] and judge_record(r)["audited"] for r in recs),
             "killed for time": sum(judge_record(r)["incomplete"] for r in recs),
@@ -119,11 +146,14 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
         "build_share_where_compiled_here": round(sum(float(r["build"]["seconds"]) for r in compiled) / max(
             1e-9, sum(float(r.get("seconds") or 0) for r in compiled)), 3) if compiled else None,
         "build_seconds_mean": round(build_s / len(built), 1) if built else None,
+        "build_cpu_seconds_mean": round(sum(cpus) / len(cpus), 1) if cpus else None,
         "compiled_in_own_step": len(compiled),
         "built_ahead": sum(bool(r.get("build_ahead")) for r in recs),
         "build_failed": sum((r.get("build") or {}).get("status") == "failed" for r in recs),
         "fell_back": sum(fell_back(r.get("build")) for r in recs), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
         "kernel_seconds_mean": round(own / max(1, len(recs)), 1),
+        "cpu_busy_share": round(cpu[0] / cpu[1], 3) if cpu and cpu[1] else None,
+        "core_seconds_per_kernel": round(cpu[0] / len(recs), 1) if cpu and recs else None,
         **{f"{k}_share": round(v / own, 3) if own else None for k, v in steps.items() if k != "build"},
         "worker_starts_share": round(starts / own, 3) if own else None,
         "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
@@ -131,8 +161,9 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict) -
 
 
 COLUMNS = ("recorded", "wall_s", "kernels_per_hour", "kernels_per_hour_second_half", "build_share",
-           "build_seconds_mean", "compiled_in_own_step", "built_ahead", "build_failed", "fell_back",
-           "kernel_seconds_mean", "gates_share", "minimize_share", "rest_share", "worker_starts_share")
+           "build_seconds_mean", "build_cpu_seconds_mean", "compiled_in_own_step", "built_ahead", "build_failed", "fell_back",
+           "kernel_seconds_mean", "gates_share", "minimize_share", "rest_share", "worker_starts_share",
+           "cpu_busy_share", "core_seconds_per_kernel")
 ENDS = ("complete", "killed for time")
 
 

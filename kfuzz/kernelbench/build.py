@@ -50,6 +50,7 @@ import hashlib
 import inspect
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -81,16 +82,23 @@ def builds_lazily(code: str) -> bool:
     return False
 
 
+def _children_cpu() -> float:
+    """User and system seconds of this process's ended children (the compilers a build ran)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     """Build the solution's extensions here (untrusted code: call it in a confined worker).
     Facts: ``status`` (``built`` or ``failed``), ``error`` for a failure, ``seconds``,
     ``extensions`` (the folders beneath ``TORCH_EXTENSIONS_DIR``), ``pch`` (the extensions
-    built with a precompiled header: ``$KFUZZ_PCH``, ``use_pch``), ``loaded`` (the extensions
+    built with a precompiled header: ``$KFUZZ_PCH``, ``use_pch``), ``cpu_seconds`` (the CPU time
+    of the processes the build started and waited for: ninja and the compilers), ``loaded`` (the extensions
     its calls loaded), and ``caught``: the errors of ``load_inline``/``load`` calls that the
     solution's own code caught (a solution that falls back to PyTorch when its extension does
     not build is ``built`` and runs its fallback: what the gates then judge is not its
     extension, ``fell_back``)."""
-    start = time.monotonic()
+    start, cpu = time.monotonic(), _children_cpu()
     if os.environ.get(PCH_ENV):
         use_pch(os.environ[PCH_ENV])
     raised = _record_build_errors()
@@ -98,7 +106,8 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     def facts(status: str, error: str | None = None) -> dict:
         root = os.environ.get("TORCH_EXTENSIONS_DIR")
         built = sorted(set(os.listdir(root)) - {BUILT}) if root and os.path.isdir(root) else []
-        out = {"status": status, "seconds": round(time.monotonic() - start, 3), "extensions": built[:20],
+        out = {"status": status, "seconds": round(time.monotonic() - start, 3),
+               "cpu_seconds": round(_children_cpu() - cpu, 3), "extensions": built[:20],
                "pch": _PCH_USED[:], "loaded": _LOADED[:20]}
         if error is not None:
             out["error"] = clip(error, 2000)
