@@ -53,7 +53,7 @@ from kfuzz.judges import Judges
 from kfuzz.minimize import DEFAULT_BUDGET, minimize_failure
 from kfuzz.programs import Program, settled
 from kfuzz.sandbox import MEMORY, Policy
-from kfuzz.schedule import Scheduler, specialization
+from kfuzz.schedule import CompileHistory, Scheduler, specialization
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
@@ -161,13 +161,15 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                  stop_on_failure: bool = False, on_progress: Callable[[CampaignStats, Verdict | None], None] | None = None,
                  policy: Policy | None = None, minimize_seconds: float = MINIMIZE_SECONDS,
                  judges: int | None = None, compile_share: float = 0.25, tick: float = 1.0,
-                 cuda_count: int | None = None) -> CampaignStats:
+                 cuda_count: int | None = None, compile_history: str | Path | None = None) -> CampaignStats:
     """Execute cases from ``engine`` until ``seconds`` pass or ``runs`` cases are judged (or,
     with ``stop_on_failure``, the first failure); then minimize the new failures for up to
     ``minimize_seconds``. ``policy`` confines the workers (``kfuzz.sandbox``; by default the
     device's). A KeyboardInterrupt, worker startup included, ends the campaign as a time
     limit would, with ``interrupted`` set and nothing minimized: the cases in flight are
-    dropped, the failures already saved stay (as found), and the stats are returned."""
+    dropped, the failures already saved stay (as found), and the stats are returned.
+    ``compile_history``: the JIT cache's ``kfuzz.schedule.CompileHistory`` file, read at the start
+    and written with this campaign's specializations at the end (None: none kept)."""
     if seconds is None and runs is None:
         raise ValueError("give seconds or runs")
     if jobs < 0:
@@ -179,8 +181,10 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     found: list[tuple[Case, Verdict, Path, str]] = []   # new failures, saved as found
     seen_edges: set[int] = set()
     runner = judging = None
+    history = CompileHistory(compile_history) if compile_history is not None else None
     schedule = Scheduler(target, engine, compile_share, workers=max(1, jobs),
-                         cold=jobs > 0 and device.startswith("cuda"))
+                         cold=jobs > 0 and device.startswith("cuda"),
+                         history=history.of(target.name) if history is not None else (frozenset(), 0.0))
     submitted = 0
     rerun: set[str] = set()       # cases run again after an out-of-memory crash
 
@@ -303,6 +307,12 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             judging.close()
         if hasattr(engine, "close"):
             engine.close()
+        if history is not None and schedule.ran:
+            history.add(target.name, schedule)
+            try:
+                history.save()
+            except OSError:     # a cache folder that cannot be written: scheduling only loses the history
+                pass
         stats.seconds = time.monotonic() - start
     if found and not stats.interrupted and minimize_seconds > 0:
         minimize_found(target, corpus, found, stats, minimize_seconds, jobs, timeout, policy)

@@ -16,8 +16,13 @@ arguments whose data starts off a 16-byte boundary (Triton specializes a pointer
 alignment).
 
 A ``Scheduler`` opens a new key only while (a) fewer than ``max(1, share * workers)`` new
-keys are in flight and (b) compiling has taken at most ``share`` of the workers' time
-(``kfuzz.jit`` notes, summed over the workers); otherwise a draw of a new key is replaced by
+keys are in flight and (b) compiling, the new key's expected compile counted in, stays within
+``share`` of the workers' time (``kfuzz.jit`` notes, summed over the workers): ``compiled +
+expected <= share * (elapsed + expected) * workers``. The expected compile of a key is 0 where an
+earlier campaign ran it on the same JIT cache (``CompileHistory``: its kernels load from the
+disk cache), else the longest compile of a key seen, in this campaign or, by the history, in an
+earlier one (a warm campaign's first keys load in a fraction of a second, and would otherwise
+price a key that compiles for real at that); otherwise a draw of a new key is replaced by
 a fresh case of a key already compiled (one at random: its dtype, its dims or those with one
 dim from a fresh draw, the rest redrawn until the key matches, at most ``REDRAWS`` tries,
 else its values redrawn), from an engine that can redraw (``redraw(like)``, and
@@ -44,7 +49,11 @@ from a GPU campaign's stats.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
+import tempfile
+from pathlib import Path
 from typing import Hashable
 
 from kfuzz.case import Case
@@ -89,15 +98,61 @@ def smallest(target: Target, case: Case) -> Case:
 
 REDRAWS = 32
 MIX_PROBE = 64
+HISTORY = "kfuzz-compiles.json"    # a JIT cache's CompileHistory, a file in the cache's folder
+HISTORY_KEYS = 20000               # keys a target's history keeps (the first ones)
+
+
+class CompileHistory:
+    """What campaigns compiled into one JIT cache, per target: the specialization keys that ran
+    (their ``repr``; their kernels are in the cache) and the longest compile of a key. Read from
+    ``path`` (a JSON file; missing or unreadable: empty), written back by ``save``. Only
+    scheduling reads it: a wrong history costs time, never a verdict."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else None
+        self.data: dict = {}
+        try:
+            data = json.loads(self.path.read_text()) if self.path is not None else {}
+        except (OSError, ValueError):
+            data = {}
+        if isinstance(data, dict):
+            self.data = {t: e for t, e in data.items() if isinstance(e, dict)}
+
+    def of(self, target: str) -> tuple[frozenset[str], float]:
+        """``target``'s keys (reprs) and its longest compile, in seconds."""
+        entry = self.data.get(target, {})
+        keys = entry.get("keys") if isinstance(entry.get("keys"), list) else []
+        cost = entry.get("longest")
+        return (frozenset(k for k in keys if isinstance(k, str)),
+                float(cost) if isinstance(cost, (int, float)) and cost >= 0 else 0.0)
+
+    def add(self, target: str, schedule: "Scheduler") -> None:
+        """The keys ``schedule`` ran and its longest compile, merged into ``target``'s."""
+        keys, longest = self.of(target)
+        new = [k for k in dict.fromkeys(map(repr, schedule.ran)) if k not in keys]
+        self.data[target] = {"keys": (sorted(keys) + new)[:HISTORY_KEYS],
+                             "longest": max([longest, *schedule.ran.values()])}
+
+    def save(self) -> None:
+        """Write the history to its file (atomically: a reader sees the old or the new one)."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".kfuzz-compiles-", dir=self.path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.data, f)
+        os.replace(tmp, self.path)
 
 
 class Scheduler:
     """Draws cases from ``engine`` for ``target`` (see the module docstring)."""
 
     def __init__(self, target: Target, engine, share: float = 0.25, workers: int = 1, seed: int = 0,
-                 cold: bool = False):
+                 cold: bool = False, history: tuple[frozenset[str], float] = (frozenset(), 0.0)):
+        """``history``: ``CompileHistory.of``'s keys cached before and longest compile."""
         self.target, self.engine, self.share, self.workers = target, engine, share, max(1, workers)
         self.cold = cold
+        self.cached, self.longest = history
         self.ran: dict[Hashable, float] = {}   # key -> the longest compile seen for it (0: none)
         self.kernels: dict[Hashable, dict[str, set[str]]] = {}   # key -> kernel -> labels compiled
         self.like: dict[Hashable, Case] = {}   # key -> a case of it (opened: in flight or ran)
@@ -130,8 +185,10 @@ class Scheduler:
             return case
         if key not in self.like:
             # bounded once compiles were seen (a cold campaign's first round is the campaign's)
+            expected = self.expected(key)
             may_open = compile_seconds <= 0 or (len(self.opening) < max(1, int(self.share * self.workers))
-                                                and compile_seconds <= self.share * elapsed * self.workers)
+                                                and compile_seconds + expected
+                                                <= self.share * (elapsed + expected) * self.workers)
             if may_open or redraw is None or not self.like:
                 self.like[key] = case
                 self.opening.add(key)
@@ -140,6 +197,12 @@ class Scheduler:
             return case
         self.held += 1
         return self._redraw(redraw, list(self.ran or self.like))
+
+    def expected(self, key: Hashable) -> float:
+        """The seconds opening ``key`` is expected to compile (see the module docstring)."""
+        if repr(key) in self.cached:
+            return 0.0
+        return max([self.longest, *self.ran.values()])
 
     def _redraw(self, redraw, keys: list) -> Case:
         """A fresh case of one of ``keys`` (one at random). A redraw keeps the dims and dtype

@@ -20,7 +20,7 @@ from kfuzz.devices import DeviceError, resolve_device, spread
 from kfuzz.engines.random import RandomEngine
 from kfuzz.execute import execute, judge, kernel_stage
 from kfuzz.judges import Judges
-from kfuzz.schedule import Scheduler, smallest, specialization
+from kfuzz.schedule import CompileHistory, Scheduler, smallest, specialization
 from kfuzz.target import Arg, Dim, Output, Target, add_target, get_target
 from test_workers import ListEngine
 
@@ -307,6 +307,69 @@ def test_a_specialization_in_flight_goes_to_no_second_worker_once_compiles_are_s
     assert {specialization(target, c) for c in again} == {specialization(target, compiled)}
     schedule.observe(opened, compile_seconds=6.0)
     assert schedule.next_case(elapsed=11.0, compile_seconds=10.0).dim == {"N": 3, "D": 77}
+
+
+class _NewKey(RandomEngine):
+    """Draws one case of a specialization not yet run, again and again."""
+    def next_case(self):
+        return Case.make("softmax", "float32", 7, {"N": 3, "D": 77})
+
+
+def test_a_new_specialization_waits_until_its_expected_compile_fits_the_share():
+    """A key is opened only while compiling, its expected compile included, stays within the
+    share: a warm campaign whose first key loaded in 1 s still prices a key that no campaign
+    compiled on this cache at the 15 s the history recorded, and one the history lists at 0."""
+    target = get_target("softmax")
+    loaded = Case.make("softmax", "float32", 1, {"N": 2, "D": 5})
+    opened = {"N": 3, "D": 77}
+
+    def first_new(history, elapsed):
+        schedule = Scheduler(target, _NewKey(target, seed=1), share=0.25, workers=1, history=history)
+        schedule.observe(loaded, compile_seconds=1.0)
+        return schedule.next_case(elapsed=elapsed, compile_seconds=1.0).dim == opened
+    # without a history, the 1-s load is the longest compile seen: 1 + 1 <= 0.25 * (9 + 1)
+    assert first_new((frozenset(), 0.0), elapsed=9.0)
+    # the history's 15 s: held at 9 s (1 + 15 > 0.25 * 24), opened once 1 + 15 <= 0.25 * (elapsed + 15)
+    assert not first_new((frozenset(), 15.0), elapsed=9.0)
+    assert not first_new((frozenset(), 15.0), elapsed=48.0)
+    assert first_new((frozenset(), 15.0), elapsed=49.0)
+    # a key an earlier campaign ran on this cache loads from it: expected 0, 1 <= 0.25 * 9
+    new_key = specialization(target, Case.make("softmax", "float32", 7, opened))
+    assert first_new((frozenset({repr(new_key)}), 15.0), elapsed=9.0)
+
+
+def test_the_compile_history_keeps_what_campaigns_ran_and_survives_a_bad_file(tmp_path):
+    path = tmp_path / "triton" / "kfuzz-compiles.json"
+    target = get_target("softmax")
+    schedule = Scheduler(target, RandomEngine(target, seed=1))
+    a, b = Case.make("softmax", "float32", 1, {"N": 2, "D": 5}), Case.make("softmax", "float32", 1, {"N": 3, "D": 77})
+    schedule.observe(a, compile_seconds=12.0)
+    history = CompileHistory(path)
+    assert history.of("softmax") == (frozenset(), 0.0)
+    history.add("softmax", schedule)
+    history.save()
+    later = Scheduler(target, RandomEngine(target, seed=1))
+    later.observe(b, compile_seconds=0.5)       # a load: the longest stays the 12 s compile
+    again = CompileHistory(path)
+    again.add("softmax", later)
+    again.save()
+    keys, longest = CompileHistory(path).of("softmax")
+    assert keys == {repr(specialization(target, a)), repr(specialization(target, b))} and longest == 12.0
+    assert CompileHistory(path).of("gdn_bwd") == (frozenset(), 0.0)
+    path.write_text('{"softmax": {"keys": [1, "k"], "longest": "x"}, "torn')
+    assert CompileHistory(path).of("softmax") == (frozenset(), 0.0)       # unreadable: no history
+    path.write_text('{"softmax": {"keys": [1, "k"], "longest": -3}}')
+    assert CompileHistory(path).of("softmax") == (frozenset({"k"}), 0.0)  # only what is well formed
+
+
+def test_a_campaign_writes_the_specializations_it_ran_into_the_caches_history(tmp_path):
+    target = get_target("softmax")
+    path = tmp_path / "cache" / "kfuzz-compiles.json"
+    stats = run_campaign(target, RandomEngine(target, seed=3), Corpus(tmp_path / "root"), runs=5, jobs=0,
+                         minimize_seconds=0, compile_history=path)
+    keys, longest = CompileHistory(path).of("softmax")
+    assert stats.executions == 5 and keys and longest == 0.0       # the CPU compiles nothing
+    assert len(keys) == stats.specializations
 
 
 def test_the_specialization_key_names_a_pointer_off_a_16_byte_boundary():

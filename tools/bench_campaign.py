@@ -12,7 +12,8 @@ cold run filled. From its ``--stats-json``:
   campaign's wall time (with several workers and judges a share can pass 100%).
 
 The bare loop is the same cases (the random engine, same seed, drawn through the same
-compile-aware scheduler, ``kfuzz.schedule``) in one process: the kernel called directly,
+compile-aware scheduler, ``kfuzz.schedule``, reading the compile history the cold campaign left
+in the cache) in one process: the kernel called directly,
 then the oracle and the trusted implementation (``execute.judge``), no sandbox, no contract
 checks, no pipes; on warm caches. The ratio is kfuzz's warm rate over it. The table is printed in Markdown. A benchmark, not a test:
 
@@ -70,13 +71,16 @@ def bare_loop(target_name: str, seconds: float, device: str, seed: int) -> dict:
     from kfuzz import jit
     from kfuzz.engines.random import RandomEngine
     from kfuzz.execute import as_outputs, judge
-    from kfuzz.schedule import Scheduler
+    from kfuzz.schedule import HISTORY, CompileHistory, Scheduler
     from kfuzz.target import get_target
     from kfuzz.tensors import materialize
     target = get_target(target_name)
     credit = jit.Credit()
     jit.report_compiles(lambda note: credit.take(note, time.monotonic()))
-    schedule = Scheduler(target, RandomEngine(target, seed=seed), seed=seed, cold=device.startswith("cuda"))
+    # the compile history the campaigns on this cache wrote, as kfuzz run reads it (not written)
+    history = CompileHistory(Path(os.environ["TRITON_CACHE_DIR"]) / HISTORY).of(target_name)
+    schedule = Scheduler(target, RandomEngine(target, seed=seed), seed=seed, cold=device.startswith("cuda"),
+                         history=history)
     start = time.monotonic()
     n = errors = 0
     compiled = 0.0

@@ -2,7 +2,9 @@
 
 On a terminal the campaign's table is redrawn live; without one (a CI log) a one-line status
 is printed every 30 s (``--status-interval``). JIT caches (Triton's, ``TORCH_EXTENSIONS_DIR``)
-live under ``--root``, so that the next campaign on the same root starts warm."""
+live under ``--root``, so that the next campaign on the same root starts warm; beside Triton's
+cache, ``kfuzz-compiles.json`` keeps what the campaigns compiled there, which the scheduler reads
+(``kfuzz.schedule.CompileHistory``)."""
 import contextlib
 import json
 import os
@@ -21,6 +23,7 @@ from kfuzz.cli.base import cli, device_option, handles_bad_input
 from kfuzz.corpus import Corpus
 from kfuzz.engines import ENGINES
 from kfuzz.sandbox import Policy, parse_size
+from kfuzz.schedule import HISTORY
 from kfuzz.target import get_target
 
 
@@ -134,13 +137,14 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, judges, minimize_t
     eng = ENGINES[engine](target, seed=seed)
     console = Console(stderr=True)
     limit = f"{runs} runs" if runs is not None else f"{seconds:g} s"
-    cache_dirs(root)
+    history = Path(cache_dirs(root)["TRITON_CACHE_DIR"]) / HISTORY
     shown = [0.0, time.monotonic()]
 
     def campaign(on_progress):
         return run_campaign(target, eng, Corpus(root), seconds=seconds, runs=runs, device=device, jobs=jobs,
                             timeout=timeout, on_progress=on_progress, policy=policy, judges=judges,
-                            minimize_seconds=minimize_time, tick=min(1.0, status_interval))
+                            minimize_seconds=minimize_time, tick=min(1.0, status_interval),
+                            compile_history=history)
 
     if console.is_terminal:
         def on_progress(stats, verdict):
