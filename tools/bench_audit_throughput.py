@@ -22,8 +22,9 @@ precompiled header, how many builds failed
 and how many solutions caught their build's error and ran a fallback, and the records' ends
 (complete, killed for time, skipped), and the machine's CPU over the run (``/proc/stat``: the
 share of its cores busy, and busy core-seconds per kernel recorded, which bounds the rate a
-machine of as many cores can reach when the run keeps them busy). Needs a machine where ``kfuzz audit`` runs (``--allow-
-unconfined`` is passed: use it where the workers have no OS sandbox layer, as the audit's docs say).
+machine of as many cores can reach when the run keeps them busy). Needs a machine where
+``kfuzz audit`` runs (``--allow-unconfined`` is passed: use it where the workers have no OS
+sandbox layer, as the audit's docs say).
 
 Prints a table, a row a run: with ``--baseline``, first the same sample audited one kernel at a
 time with no build ahead and no precompiled header (``--jobs 1 --build-jobs 0 --no-pch``: the

@@ -168,7 +168,8 @@ def cuda_flags(extra_cuda_cflags, cuda_home: str, arch: str) -> tuple[str, list[
             extra_cuda_cflags=list(extra_cuda_cflags), extra_sycl_cflags=[], extra_ldflags=[], extra_include_paths=[],
             with_cuda=True, with_sycl=False, is_standalone=False)
         lines = dict(line.split(" = ", 1) for line in path.read_text().splitlines() if " = " in line)
-    return lines["nvcc"].strip(), shlex.split(lines.get("cuda_cflags", "")) + shlex.split(lines.get("cuda_post_cflags", ""))
+    flags = shlex.split(lines.get("cuda_cflags", "")) + shlex.split(lines.get("cuda_post_cflags", ""))
+    return lines["nvcc"].strip(), flags
 
 
 def run_cuda(entries, cuda_home: str, arch: str) -> list[dict]:
