@@ -100,19 +100,21 @@ REDRAWS = 32
 MIX_PROBE = 64
 HISTORY = "kfuzz-compiles.json"    # a JIT cache's CompileHistory, a file in the cache's folder
 HISTORY_KEYS = 20000               # keys a target's history keeps (the first ones)
+HISTORY_BYTES = 16 << 20           # a larger history file is not read (workers may write the cache)
 
 
 class CompileHistory:
     """What campaigns compiled into one JIT cache, per target: the specialization keys that ran
     (their ``repr``; their kernels are in the cache) and the longest compile of a key. Read from
-    ``path`` (a JSON file; missing or unreadable: empty), written back by ``save``. Only
-    scheduling reads it: a wrong history costs time, never a verdict."""
+    ``path`` (a JSON file; missing, unreadable or over ``HISTORY_BYTES``: empty), written back by
+    ``save``. Only scheduling reads it: a wrong history costs time, never a verdict."""
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else None
         self.data: dict = {}
         try:
-            data = json.loads(self.path.read_text()) if self.path is not None else {}
+            big = self.path is not None and self.path.stat().st_size > HISTORY_BYTES
+            data = json.loads(self.path.read_text()) if self.path is not None and not big else {}
         except (OSError, ValueError):
             data = {}
         if isinstance(data, dict):

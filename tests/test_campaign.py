@@ -360,6 +360,8 @@ def test_the_compile_history_keeps_what_campaigns_ran_and_survives_a_bad_file(tm
     assert CompileHistory(path).of("softmax") == (frozenset(), 0.0)       # unreadable: no history
     path.write_text('{"softmax": {"keys": [1, "k"], "longest": -3}}')
     assert CompileHistory(path).of("softmax") == (frozenset({"k"}), 0.0)  # only what is well formed
+    path.write_text('{"softmax": {"keys": ["k"], "longest": 1}}' + " " * (16 << 20))
+    assert CompileHistory(path).of("softmax") == (frozenset(), 0.0)       # too large to read
 
 
 def test_a_campaign_writes_the_specializations_it_ran_into_the_caches_history(tmp_path):
