@@ -393,6 +393,10 @@ def answer(target: Target, case: Case, name: str, params: dict, layouts: list, s
     escape = sandbox.violation()    # recorded even when the kernel caught it
     if escape is not None:
         outputs, facts, verdict = {}, {}, Verdict(target.name, "crash", exc_type=escape[0], detail=escape[1])
+    if verdict is not None and verdict.kind == "crash":
+        # nothing of a crashed case is judged, and after a CUDA error the device's memory
+        # cannot be read: the verdict goes back alone
+        outputs = {}
     back, tensors = [], []
     for role, ts in sendable(outputs).items():
         for arg, t in ts.items():

@@ -466,6 +466,33 @@ def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():
     assert (wrong.kind, wrong.exc_type) == ("exception", "ValueError")
 
 
+def test_a_crash_verdict_goes_back_without_tensors():
+    """A program whose verdict is a crash (a CUDA error after the call, which leaves the
+    device's memory unreadable) answers with the verdict alone: no output or input travels, so
+    packing the answer reads nothing on the faulted device. Other verdicts keep their tensors."""
+    import torch
+    from kfuzz.programs import answer, register_program
+    from kfuzz.verdict import Verdict
+    from kfuzz.wire import unpack
+
+    def crashing(target, program, inputs, device):
+        return (Verdict(target.name, "crash", detail="CUDA error after the call: misaligned address"),
+                {"out": {"y": torch.ones(3)}}, {})
+
+    def raising(target, program, inputs, device):
+        return (Verdict(target.name, "exception", detail="ValueError: no"), {"out": {"y": torch.ones(3)}}, {})
+    register_program("kfuzz-test-crashing", crashing)
+    register_program("kfuzz-test-raising", raising)
+    target = get_target("softmax")
+    case = Case.make("softmax", "float32", 1, {"N": 2, "D": 5})
+    msg, crashed = answer(target, case, "kfuzz-test-crashing", {}, [], [], "cpu", None)
+    (kind, back, verdict, facts, cpu, edges), tensors = unpack(msg)
+    assert crashed and kind == "program-done" and verdict["kind"] == "crash" and back == [] and tensors == []
+    msg, crashed = answer(target, case, "kfuzz-test-raising", {}, [], [], "cpu", None)
+    (kind, back, verdict, facts, cpu, edges), tensors = unpack(msg)
+    assert not crashed and verdict["kind"] == "exception" and [b[:2] for b in back] == [["out", "y"]] and len(tensors) == 1
+
+
 def test_a_process_moved_during_the_walk_of_the_children_files_is_still_found(monkeypatch):
     """The children files are read one process at a time: a child that exits between the
     worker's list and its own hands its child to the worker unseen by that walk. The walk is
