@@ -35,8 +35,8 @@ from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.errors import KfuzzError
 from kfuzz.jit import COMPILE_ALLOWANCE
-from kfuzz.programs import (Program, ProgramResult, Tensors, is_storage_role, replicate, resource_crash, run_program,
-                            sendable, settled)
+from kfuzz.programs import (Program, ProgramResult, Tensors, answered, is_storage_role, replicate, resource_crash,
+                            run_program, sendable, settled)
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
@@ -92,7 +92,7 @@ class InProcess:
             jit.listen(previous)
         # one copy on the CPU (a GPU tensor's .cpu() is a copy already; a CPU tensor's is itself)
         back = {role: {k: (replicate(v) if is_storage_role(role) else v.detach().to("cpu", copy=True))
-                       for k, v in ts.items()} for role, ts in sendable(outputs).items()}
+                       for k, v in ts.items()} for role, ts in sendable(answered(verdict, outputs)).items()}
         return ProgramResult(resource_crash(verdict), back, facts, time.monotonic() - start, program, edges,
                              self.credit.extension(time.monotonic()), self.device, tuple(self.credit.compiled))
 

@@ -276,6 +276,12 @@ def run_program(target: Target, program: Program, inputs: dict[str, Tensors], de
     return verdict, outputs, facts
 
 
+def answered(verdict: Verdict | None, outputs: dict[str, Tensors]) -> dict[str, Tensors]:
+    """What of a program's outputs goes back with its verdict: nothing after a crash (nothing of
+    a crashed case is judged, and after a CUDA error the device's memory cannot be read)."""
+    return {} if verdict is not None and verdict.kind == "crash" else outputs
+
+
 def is_storage_role(role: str) -> bool:
     """Roles whose tensors travel with their whole storage (inputs after a program); outputs
     travel dense."""
@@ -393,12 +399,8 @@ def answer(target: Target, case: Case, name: str, params: dict, layouts: list, s
     escape = sandbox.violation()    # recorded even when the kernel caught it
     if escape is not None:
         outputs, facts, verdict = {}, {}, Verdict(target.name, "crash", exc_type=escape[0], detail=escape[1])
-    if verdict is not None and verdict.kind == "crash":
-        # nothing of a crashed case is judged, and after a CUDA error the device's memory
-        # cannot be read: the verdict goes back alone
-        outputs = {}
     back, tensors = [], []
-    for role, ts in sendable(outputs).items():
+    for role, ts in sendable(answered(verdict, outputs)).items():
         for arg, t in ts.items():
             back.append((role, arg, geometry(t)))
             tensors.append(t.detach())

@@ -469,7 +469,8 @@ def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():
 def test_a_crash_verdict_goes_back_without_tensors():
     """A program whose verdict is a crash (a CUDA error after the call, which leaves the
     device's memory unreadable) answers with the verdict alone: no output or input travels, so
-    packing the answer reads nothing on the faulted device. Other verdicts keep their tensors."""
+    packing the answer reads nothing on the faulted device; in process, nothing is copied back.
+    Other verdicts keep their tensors."""
     import torch
     from kfuzz.programs import answer, register_program
     from kfuzz.verdict import Verdict
@@ -491,6 +492,11 @@ def test_a_crash_verdict_goes_back_without_tensors():
     msg, crashed = answer(target, case, "kfuzz-test-raising", {}, [], [], "cpu", None)
     (kind, back, verdict, facts, cpu, edges), tensors = unpack(msg)
     assert not crashed and verdict["kind"] == "exception" and [b[:2] for b in back] == [["out", "y"]] and len(tensors) == 1
+    # the in-process executor copies nothing back after a crash either
+    from kfuzz.programs import Program
+    with InProcess(target) as ex:
+        assert ex.run(Program("kfuzz-test-crashing", case)).outputs == {}
+        assert list(ex.run(Program("kfuzz-test-raising", case)).outputs) == ["out"]
 
 
 def test_a_process_moved_during_the_walk_of_the_children_files_is_still_found(monkeypatch):
