@@ -90,10 +90,11 @@ class InProcess:
                 edges = frozenset(self.coverage.edges)
         finally:
             jit.listen(previous)
+        verdict = resource_crash(verdict)
         # one copy on the CPU (a GPU tensor's .cpu() is a copy already; a CPU tensor's is itself)
         back = {role: {k: (replicate(v) if is_storage_role(role) else v.detach().to("cpu", copy=True))
                        for k, v in ts.items()} for role, ts in sendable(answered(verdict, outputs)).items()}
-        return ProgramResult(resource_crash(verdict), back, facts, time.monotonic() - start, program, edges,
+        return ProgramResult(verdict, back, facts, time.monotonic() - start, program, edges,
                              self.credit.extension(time.monotonic()), self.device, tuple(self.credit.compiled))
 
     idle = property(lambda self: 1 - len(self.pending))

@@ -482,8 +482,12 @@ def test_a_crash_verdict_goes_back_without_tensors():
 
     def raising(target, program, inputs, device):
         return (Verdict(target.name, "exception", detail="ValueError: no"), {"out": {"y": torch.ones(3)}}, {})
+    def out_of_memory(target, program, inputs, device):    # an exception that resource_crash makes a crash
+        return (Verdict(target.name, "exception", detail="OutOfMemoryError: CUDA out of memory.",
+                        exc_type="OutOfMemoryError"), {"out": {"y": torch.ones(3)}}, {})
     register_program("kfuzz-test-crashing", crashing)
     register_program("kfuzz-test-raising", raising)
+    register_program("kfuzz-test-out-of-memory", out_of_memory)
     target = get_target("softmax")
     case = Case.make("softmax", "float32", 1, {"N": 2, "D": 5})
     msg, crashed = answer(target, case, "kfuzz-test-crashing", {}, [], [], "cpu", None)
@@ -497,6 +501,11 @@ def test_a_crash_verdict_goes_back_without_tensors():
     with InProcess(target) as ex:
         assert ex.run(Program("kfuzz-test-crashing", case)).outputs == {}
         assert list(ex.run(Program("kfuzz-test-raising", case)).outputs) == ["out"]
+        r = ex.run(Program("kfuzz-test-out-of-memory", case))
+        assert (r.verdict.kind, r.verdict.exc_type, r.outputs) == ("crash", "resource-memory", {})
+    msg, crashed = answer(target, case, "kfuzz-test-out-of-memory", {}, [], [], "cpu", None)
+    (kind, back, verdict, facts, cpu, edges), tensors = unpack(msg)
+    assert crashed and verdict["exc_type"] == "resource-memory" and back == [] and tensors == []
 
 
 def test_a_process_moved_during_the_walk_of_the_children_files_is_still_found(monkeypatch):

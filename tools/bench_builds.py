@@ -31,15 +31,21 @@ from __future__ import annotations
 
 import argparse
 import ast
+import csv
 import json
+import os
 import re
+import resource
+import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.utils.cpp_extension as ext
 
 from kfuzz.audit import build_kernels, precompile_headers
 from kfuzz.kernelbench.corpus import read_corpus
@@ -138,7 +144,6 @@ NVCC_PHASES = (("gcc (preprocessing", "preprocess"), ("cudafe++", "cudafe++"), (
 
 def nvcc_phases(csv_text: str) -> dict[str, float]:
     """Seconds per phase (``NVCC_PHASES``'s columns, and ``other``) from ``nvcc --time``'s CSV."""
-    import csv
     out = {name: 0.0 for _, name in NVCC_PHASES}
     out["other"] = 0.0
     rows = list(csv.reader(csv_text.splitlines()))
@@ -146,19 +151,15 @@ def nvcc_phases(csv_text: str) -> dict[str, float]:
         if len(row) < 8 or row[7].strip() != "ms":
             continue
         phase = row[1].strip()
-        name = next((n for start, n in NVCC_PHASES if phase.startswith(start)), "other")
-        if phase.startswith("nvcc (driver)"):
+        if phase.startswith("nvcc (driver)"):     # the driver's own time, the phases' sum
             continue
-        out[name] += float(row[6]) / 1000
+        out[next((n for start, n in NVCC_PHASES if phase.startswith(start)), "other")] += float(row[6]) / 1000
     return out
 
 
 def cuda_flags(extra_cuda_cflags, cuda_home: str, arch: str) -> tuple[str, list[str]]:
     """nvcc and the flags torch's ninja file gives a ``load_inline`` CUDA file for ``arch``
     (``TORCH_CUDA_ARCH_LIST``'s form, e.g. ``9.0``)."""
-    import os
-    import shlex
-    import torch.utils.cpp_extension as ext
     ext.CUDA_HOME = cuda_home
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     with tempfile.TemporaryDirectory(prefix="kfuzz-bench-nvcc-") as d:
@@ -175,8 +176,6 @@ def cuda_flags(extra_cuda_cflags, cuda_home: str, arch: str) -> tuple[str, list[
 def run_cuda(entries, cuda_home: str, arch: str) -> list[dict]:
     """Each entry's CUDA file compiled by nvcc here, one at a time, with torch's flags and
     ``--time``: seconds per nvcc phase, wall seconds and the CPU seconds of nvcc's processes."""
-    import resource
-    import subprocess
     rows = []
     root = Path(tempfile.mkdtemp(prefix="kfuzz-bench-cuda-"))
     try:
@@ -215,7 +214,6 @@ def cuda_table(rows: list[dict]) -> str:
 def run_host(entries, modes, pch_root: Path | None = None) -> list[dict]:
     """Each entry's host file compiled by torch's ``load_inline`` here, cold, per mode; the
     precompiled headers beneath ``pch_root`` where given (kept, and reused by a later run)."""
-    import torch.utils.cpp_extension as ext
     from kfuzz.kernelbench.build import cflag_sets, ensure_pch, use_pch
     rows = []
     for mode in modes:
@@ -316,8 +314,6 @@ def main(argv=None) -> int:
                     "torch's, else /usr/local/cuda)")
     a = ap.parse_args(argv)
     if a.cuda_phases:
-        import os
-        import torch.utils.cpp_extension as ext
         home = a.cuda_home or os.environ.get("CUDA_HOME") or ext.CUDA_HOME or "/usr/local/cuda"
         if not Path(home, "bin", "nvcc").is_file():
             ap.error(f"--cuda-phases: no nvcc in {home}/bin (give --cuda-home)")
