@@ -443,11 +443,12 @@ def lenient_check(pair, device: str, seed: int, executor: Callable) -> dict:
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
            threads: int, max_jobs: int, timeout: float, policy: dict | None, pch: str | None = None,
            cases: str | None = None, build_timeout: float | None = None, stubs: str | None = None,
-           build_only: bool = False) -> None:
+           slim: bool = True, build_only: bool = False) -> None:
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
+    from kfuzz.kernelbench.build import PCH_ENV, SLIM_ENV
     if pch:
-        from kfuzz.kernelbench.build import PCH_ENV
         os.environ[PCH_ENV] = pch
+    os.environ[SLIM_ENV] = "1" if slim else "0"
     if stubs:       # Triton's driver stubs, built once by the audit: each worker copies them
         from kfuzz.sandbox import STUBS_ENV
         os.environ[STUBS_ENV] = stubs
@@ -820,7 +821,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
               build_jobs: int = 0, pch: bool = True, redo: Iterable[str] = (),
-              build_timeout: float | None = None) -> Iterator[dict]:
+              build_timeout: float | None = None, slim: bool = True) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish; and those whose key is in ``redo``, whatever their record says); yields each
     record once appended, signed with the key at ``key`` (by default ``key_path()``). A kernel
@@ -835,7 +836,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     compile phase beside the judging; the kernel's own build step then finds its extension built).
     ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
     first kernels; a build that starts before its header is ready compiles the header itself).
-    ``build_timeout``: the seconds a solution's build may take, apart from ``timeout`` (default
+    ``slim``: compile a ``load_inline`` CUDA file with its torch frontend includes slimmed where it
+    compiles so (``kfuzz.kernelbench.build.use_slim_cuda``). ``build_timeout``: the seconds a solution's build may take, apart from ``timeout`` (default
     ``timeout``). Before the first solution that compiles, kfuzz's probe solution is built in
     the same confined build step (``check_build_step``: a ``KfuzzError`` where it does not build)."""
     entries = list(entries)
@@ -870,7 +872,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                          name="kfuzz-audit-pch").start()
     stubs = driver_stubs(device) if any(e.pair is not None for e in todo) else None
     args = (device, gates, seed, str(cache_dir), threads, max_jobs, timeout, dict(policy or {}), pch_root,
-            str(out_dir / CASES), build_timeout, stubs)
+            str(out_dir / CASES), build_timeout, stubs, slim)
     running: list[_Running] = []
     builders: list[_Running] = []     # builds ahead of judging: no record of their own
     ahead_builds: dict[str, dict] = {}  # their build facts, joined to their kernel's record
@@ -958,15 +960,16 @@ def driver_stubs(device: str) -> str | None:
 
 def build_kernels(entries: Iterable[CorpusEntry], cache: str | Path, device: str = "cpu", jobs: int = 1,
                   max_jobs: int | None = None, timeout: float = 600.0, pch_root: str | Path | None = None,
-                  policy: dict | None = None) -> Iterator[dict]:
+                  policy: dict | None = None, slim: bool = True) -> Iterator[dict]:
     """Only the build step of each compiling entry (the audit's own, confined), ``jobs`` at once,
     extensions into ``cache``; yields per kernel its key, ``build`` (the build step's facts, or
     its finding) and ``seconds`` (wall time of its process). ``pch_root``: a folder of
-    precompiled headers the builds may use (``precompile_headers``). Nothing is recorded."""
+    precompiled headers the builds may use (``precompile_headers``); ``slim`` as ``run_audit``'s.
+    Nothing is recorded."""
     ctx = _context()
     args = ("cpu" if device is None else device, [], 0, str(Path(cache).resolve()), 1,
             max_jobs or default_max_jobs(jobs), timeout, dict(policy or {}), str(pch_root) if pch_root else None, None,
-            timeout, None)
+            timeout, None, slim)
     queue = [e for e in entries if e.pair is not None and e.compiles]
     running: list[_Running] = []
     try:

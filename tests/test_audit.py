@@ -3,6 +3,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import textwrap
 import time
 from pathlib import Path
@@ -1329,6 +1330,69 @@ def test_builds_find_the_precompiled_header_of_their_flags_first_on_the_include_
     assert build._PCH_USED == ["fast"]
 
 
+def test_a_cuda_file_is_slimmed_to_torch_types_only_where_it_names_nothing_the_frontend_alone_declares():
+    from kfuzz.kernelbench.build import slim_cuda_source
+    kernel = "\n__global__ void k(float* x) { x[0] = 1.0f; }\ntorch::Tensor f(torch::Tensor x) { return x; }\n"
+    for include in ("#include <torch/extension.h>", '#include "torch/extension.h"', "  #  include <torch/torch.h>",
+                    "#include <torch/all.h> // everything"):
+        got = slim_cuda_source("#include <cuda.h>\n" + include + kernel)
+        assert got == "#include <cuda.h>\n#include <torch/types.h>" + kernel, include
+    assert slim_cuda_source("#include <torch/types.h>" + kernel) is None           # nothing to slim
+    assert slim_cuda_source("// #include <torch/extension.h> in a comment" + kernel) is None
+    assert slim_cuda_source("#include <torch/extension.h>\n// a PyTorch fallback" + kernel) is not None
+    for use in ("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"f\", &f); }", "py::object o;",
+                "PyObject* p;", "Py_INCREF(p);", "namespace F = torch::nn::functional;", "torch::optim::SGD s;",
+                "#include <pybind11/pybind11.h>", "TORCH_LIBRARY(ops, m) {}", "auto n = torch::cuda::device_count();"):
+        assert slim_cuda_source("#include <torch/extension.h>" + kernel + use) is None, use
+
+
+def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_written_files_stay(tmp_path, monkeypatch):
+    """The build step compiles load_inline's CUDA file from a slimmed copy beside it; where the
+    copy fails, the same call builds the files as written (the original's result decides), and
+    sources elsewhere or of another kind are passed as they are."""
+    import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench import build
+    calls = []
+
+    def compiler(name, sources, extra_cflags, **kw):
+        """compiles a CUDA file only where everything it uses is declared"""
+        calls.append((name, [os.path.basename(s) for s in sources]))
+        for src in sources:
+            text = open(src).read()
+            if "at::frontend_only" in text and "torch/extension.h" not in text:
+                raise RuntimeError(f"Error building extension '{name}': at::frontend_only undeclared")
+    monkeypatch.setattr(ext, "_write_ninja_file_and_build_library", compiler)
+    monkeypatch.setattr(build, "_SLIM_USED", [])
+    monkeypatch.setattr(build, "_SLIM_REFUSED", [])
+    build.use_slim_cuda()
+    build.use_slim_cuda()                         # once a process
+    elsewhere = tmp_path / "user.cu"
+    elsewhere.write_text("#include <torch/extension.h>\n")
+    for name, body in (("lean", ""), ("needs", "at::frontend_only();")):
+        folder = tmp_path / name
+        folder.mkdir()
+        written = "#include <torch/types.h>\n#include <torch/extension.h>\n" + body
+        (folder / "cuda.cu").write_text(written)
+        (folder / "main.cpp").write_text("#include <torch/extension.h>\n")
+        ext._write_ninja_file_and_build_library(
+            name=name, sources=[str(folder / "main.cpp"), str(folder / "cuda.cu"), str(elsewhere)], extra_cflags=[],
+            extra_cuda_cflags=[], extra_ldflags=[], extra_include_paths=[], build_directory=str(folder),
+            verbose=False, with_cuda=True)
+        assert (folder / "cuda.cu").read_text() == written
+        assert (folder / "cuda.slim.cu").read_text() == written.replace("<torch/extension.h>", "<torch/types.h>")
+        assert (folder / "main.cpp").read_text() == "#include <torch/extension.h>\n"
+    assert calls == [("lean", ["main.cpp", "cuda.slim.cu", "user.cu"]),
+                     ("needs", ["main.cpp", "cuda.slim.cu", "user.cu"]), ("needs", ["main.cpp", "cuda.cu", "user.cu"])]
+    assert build._SLIM_USED == ["lean"] and build._SLIM_REFUSED == ["needs"]
+    with pytest.raises(RuntimeError, match="frontend_only"):       # the original's own failure is the build's
+        folder = tmp_path / "broken"
+        folder.mkdir()
+        (folder / "cuda.cu").write_text("#include <torch/types.h>\nat::frontend_only();")
+        ext._write_ninja_file_and_build_library(
+            name="broken", sources=[str(folder / "cuda.cu")], extra_cflags=[], extra_cuda_cflags=[], extra_ldflags=[],
+            extra_include_paths=[], build_directory=str(folder), verbose=False, with_cuda=True)
+
+
 def test_a_build_step_runs_a_compiler_installed_as_a_script_under_a_prefix_of_its_own(tmp_path, monkeypatch):
     """torch's cpp_extension runs ``$CXX``; where that is a script under a prefix of its own (the
     H200 machine's /opt/gcc/bin/g++), its shell reads it: the build step's confinement lets it
@@ -1899,8 +1963,9 @@ def test_the_build_benchmark_reads_nvccs_phases_from_its_time_file():
     got = tool.nvcc_phases(csv_text)
     assert got == pytest.approx({"preprocess": 4.1094, "cudafe++": 27.9782, "cicc": 37.3009, "ptxas": 0.0581,
                                  "host compile": 18.0657, "other": 0.0046}, abs=1e-4)
-    row = tool.cuda_table([{"key": "c:1", "status": "compiled", "phases": got, "wall_s": 87.6, "cpu_s": 86.8}])
-    assert row.splitlines()[2] == "| c:1 | compiled | 4.1 | 28.0 | 37.3 | 0.1 | 18.1 | 0.0 | 87.6 | 86.8 |"
+    row = tool.cuda_table([{"key": "c:1", "source": "slimmed", "status": "compiled", "phases": got, "wall_s": 87.6,
+                            "cpu_s": 86.8}])
+    assert row.splitlines()[2] == "| c:1 | slimmed | compiled | 4.1 | 28.0 | 37.3 | 0.1 | 18.1 | 0.0 | 87.6 | 86.8 |"
     with pytest.raises(SystemExit) as stop:      # no toolkit there: bad usage
         tool.main([str(ESCAPES), "--cuda-phases", "--cuda-home", "/nonexistent"])
     assert stop.value.code == 2

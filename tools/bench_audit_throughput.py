@@ -2,7 +2,7 @@
 
     python tools/bench_audit_throughput.py CORPUS... --limit 160 --budget 400 [--jobs 16]
         [--build-jobs 8] [--max-jobs N] [--timeout 150] [--build-timeout 600] [--device cuda]
-        [--no-pch] [--baseline]
+        [--no-pch] [--no-slim-cuda] [--baseline]
         [--out DIR] [--key FILE] [--exclude RESULTS]
 
 Takes ``--limit`` solutions that call ``load_inline`` (distinct sources, taken in turn from each
@@ -27,7 +27,8 @@ machine of as many cores can reach when the run keeps them busy). Needs a machin
 sandbox layer, as the audit's docs say).
 
 Prints a table, a row a run: with ``--baseline``, first the same sample audited one kernel at a
-time with no build ahead and no precompiled header (``--jobs 1 --build-jobs 0 --no-pch``: the
+time with no build ahead, no precompiled header and CUDA files compiled as written (``--jobs 1
+--build-jobs 0 --no-pch --no-slim-cuda``: the
 audit as a plain loop), each run on a fresh cache and results folder, and the rate of the run
 as asked over the baseline's (``/ baseline``). A run's rate counts only kernels recorded, and is
 a compile rate only where ``build failed`` and ``fell back`` are near 0.
@@ -152,6 +153,8 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
         "built_ahead": sum(bool(r.get("build_ahead")) for r in recs),
         "build_failed": sum((r.get("build") or {}).get("status") == "failed" for r in recs),
         "fell_back": sum(fell_back(r.get("build")) for r in recs), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
+        "cuda_slimmed": sum(bool(r["build"].get("slim")) for r in built),
+        "cuda_slim_refused": sum(bool(r["build"].get("slim_refused")) for r in built),
         "kernel_seconds_mean": round(own / max(1, len(recs)), 1),
         "cpu_busy_share": round(cpu[0] / cpu[1], 3) if cpu and cpu[1] else None,
         "core_seconds_per_kernel": round(cpu[0] / len(recs), 1) if cpu and recs else None,
@@ -163,6 +166,7 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
 
 COLUMNS = ("recorded", "wall_s", "kernels_per_hour", "kernels_per_hour_second_half", "build_share",
            "build_seconds_mean", "build_cpu_seconds_mean", "compiled_in_own_step", "built_ahead", "build_failed", "fell_back",
+           "cuda_slimmed", "cuda_slim_refused",
            "kernel_seconds_mean", "gates_share", "minimize_share", "rest_share", "worker_starts_share",
            "cpu_busy_share", "core_seconds_per_kernel")
 ENDS = ("complete", "killed for time")
@@ -196,12 +200,15 @@ def main(argv=None) -> int:
                     help="seconds a solution's build may take, apart from --timeout (kfuzz audit's default)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--pch", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--slim-cuda", action=argparse.BooleanOptionalAction, default=True,
+                    help="kfuzz audit's --slim-cuda (the CUDA file's torch frontend includes slimmed)")
     ap.add_argument("--out", default=None, help="folder for results.jsonl and throughput.json (default: a new temp one)")
     ap.add_argument("--key", default=None, help="the results key (made if missing; default: OUT/audit.key)")
     ap.add_argument("--exclude", type=Path, action="append", default=[], metavar="RESULTS",
                     help="a results.jsonl whose kernels are left out of the sample (repeatable)")
     ap.add_argument("--baseline", action="store_true",
-                    help="first audit the sample as a plain loop (--jobs 1 --build-jobs 0 --no-pch), the ratio's base")
+                    help="first audit the sample as a plain loop (--jobs 1 --build-jobs 0 --no-pch --no-slim-cuda), "
+                         "the ratio's base")
     a = ap.parse_args(argv)
     missing = [str(r) for r in a.exclude if not r.is_file()]
     if missing:
@@ -212,8 +219,8 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="kfuzz-throughput-"))
     out.mkdir(parents=True, exist_ok=True)
     key = Path(a.key) if a.key else None
-    asked = dict(jobs=a.jobs, build_jobs=a.build_jobs, pch=a.pch)
-    plans = ([("baseline", dict(jobs=1, build_jobs=0, pch=False))] if a.baseline else []) + [("kfuzz audit", asked)]
+    asked = dict(jobs=a.jobs, build_jobs=a.build_jobs, pch=a.pch, slim=a.slim_cuda)
+    plans = ([("baseline", dict(jobs=1, build_jobs=0, pch=False, slim=False))] if a.baseline else []) + [("kfuzz audit", asked)]
     runs: list[tuple[str, dict]] = []
     for name, settings in plans:
         folder = out if len(plans) == 1 else out / name.replace(" ", "-")
@@ -226,7 +233,7 @@ def main(argv=None) -> int:
                          build_timeout=a.build_timeout, cache=cache, max_jobs=a.max_jobs, **settings)
         write(result)
         runs.append((f"{name} (jobs {settings['jobs']}, build-jobs {settings['build_jobs']}, "
-                     f"{'pch' if settings['pch'] else 'no pch'})", result))
+                     f"{'pch' if settings['pch'] else 'no pch'}, {'slim' if settings['slim'] else 'no slim'})", result))
     print(f"{len(entries)} compiling solutions sampled, --budget {a.budget:g} s a run, device {a.device}\n")
     print(table(runs))
     return 0

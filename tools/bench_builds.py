@@ -22,10 +22,11 @@ solutions whose ``cuda_sources`` and ``extra_cuda_cflags`` are literals or modul
 constants, written as torch's ``load_inline`` writes it and compiled by ``nvcc`` with the flags
 torch's ninja file gives it for ``--arch``, one at a time, with ``nvcc --time``. Prints a table
 of the seconds of each of nvcc's phases (the host preprocessing, ``cudafe++``, ``cicc``, ``ptxas``,
-the host compile), the wall seconds and the CPU seconds of nvcc's processes. Needs nvcc and
-torch's headers, not a GPU:
+the host compile), the wall seconds and the CPU seconds of nvcc's processes; with ``--slim``,
+each file also as the audit's build step compiles it first (its torch frontend includes slimmed,
+``kfuzz.kernelbench.build.slim_cuda_source``). Needs nvcc and torch's headers, not a GPU:
 
-    python tools/bench_builds.py CORPORA/kernelbench-leaderboard.json --limit 3 --cuda-phases --arch 9.0
+    python tools/bench_builds.py CORPORA/kernelbench-leaderboard.json --limit 3 --cuda-phases --slim --arch 9.0
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ import torch
 import torch.utils.cpp_extension as ext
 
 from kfuzz.audit import build_kernels, precompile_headers
+from kfuzz.kernelbench.build import slim_cuda_source
 from kfuzz.kernelbench.corpus import read_corpus
 
 
@@ -173,14 +175,22 @@ def cuda_flags(extra_cuda_cflags, cuda_home: str, arch: str) -> tuple[str, list[
     return lines["nvcc"].strip(), flags
 
 
-def run_cuda(entries, cuda_home: str, arch: str) -> list[dict]:
+def run_cuda(entries, cuda_home: str, arch: str, slim: bool = False) -> list[dict]:
     """Each entry's CUDA file compiled by nvcc here, one at a time, with torch's flags and
-    ``--time``: seconds per nvcc phase, wall seconds and the CPU seconds of nvcc's processes."""
+    ``--time``: seconds per nvcc phase, wall seconds and the CPU seconds of nvcc's processes.
+    With ``slim``, also the file as the audit's build step compiles it first
+    (``kfuzz.kernelbench.build.slim_cuda_source``), where slimming changes it."""
     rows = []
     root = Path(tempfile.mkdtemp(prefix="kfuzz-bench-cuda-"))
     try:
-        for i, e in enumerate(entries):
+        files = []
+        for e in entries:
             src = cuda_sources(e.pair.custom_code)
+            files.append((e, "as written", src))
+            slimmed = slim_cuda_source(src["source"]) if slim else None
+            if slimmed is not None:
+                files.append((e, "slimmed", {**src, "source": slimmed}))
+        for i, (e, form, src) in enumerate(files):
             nvcc, flags = cuda_flags(src["extra_cuda_cflags"], cuda_home, arch)
             folder = root / str(i)
             folder.mkdir()
@@ -193,7 +203,7 @@ def run_cuda(entries, cuda_home: str, arch: str) -> list[dict]:
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             phases = nvcc_phases((folder / "phases.csv").read_text()) if (folder / "phases.csv").is_file() else {}
-            rows.append({"key": e.key, "status": "compiled" if p.returncode == 0 else
+            rows.append({"key": e.key, "source": form, "status": "compiled" if p.returncode == 0 else
                          f"failed: {(p.stderr or p.stdout).strip()[-160:]}", "phases": phases,
                          "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)})
     finally:
@@ -203,10 +213,10 @@ def run_cuda(entries, cuda_home: str, arch: str) -> list[dict]:
 
 def cuda_table(rows: list[dict]) -> str:
     names = [n for _, n in NVCC_PHASES] + ["other"]
-    out = ["| kernel | status | " + " | ".join(f"{n} s" for n in names) + " | wall s | CPU s |",
-           "| --- | --- |" + " ---: |" * (len(names) + 2)]
+    out = ["| kernel | CUDA file | status | " + " | ".join(f"{n} s" for n in names) + " | wall s | CPU s |",
+           "| --- | --- | --- |" + " ---: |" * (len(names) + 2)]
     for r in rows:
-        out.append(f"| {r['key']} | {r['status']} | " + " | ".join(f"{r['phases'].get(n, 0):.1f}" for n in names)
+        out.append(f"| {r['key']} | {r['source']} | {r['status']} | " + " | ".join(f"{r['phases'].get(n, 0):.1f}" for n in names)
                    + f" | {r['wall_s']} | {r['cpu_s']} |")
     return "\n".join(out)
 
@@ -308,6 +318,8 @@ def main(argv=None) -> int:
                     help="the host file alone, built here (default where torch has no CUDA)")
     ap.add_argument("--cuda-phases", action="store_true",
                     help="the CUDA file alone, compiled here by nvcc --time: seconds per phase (no GPU needed)")
+    ap.add_argument("--slim", action="store_true",
+                    help="--cuda-phases: also each file slimmed as the audit's build step compiles it first")
     ap.add_argument("--arch", default=None, help="--cuda-phases: TORCH_CUDA_ARCH_LIST's form (default: "
                     "$TORCH_CUDA_ARCH_LIST, else this GPU's, else 9.0)")
     ap.add_argument("--cuda-home", default=None, help="--cuda-phases: the CUDA toolkit (default: $CUDA_HOME, "
@@ -322,7 +334,7 @@ def main(argv=None) -> int:
         entries = pick(a.corpora, a.limit, cuda_sources)
         if not entries:
             ap.error("no solution whose CUDA sources can be read without running it")
-        rows = run_cuda(entries, home, arch)
+        rows = run_cuda(entries, home, arch, a.slim)
         print(f"nvcc {home}, arch {arch}, one file at a time\n")
         print(cuda_table(rows))
         if a.json:

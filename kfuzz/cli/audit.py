@@ -66,6 +66,9 @@ def _line(rec: dict) -> str:
 @click.option("--pch/--no-pch", default=True, show_default=True,
               help="Precompile torch's extension header once per set of host-file flags, beneath --cache, "
                    "for the load_inline builds.")
+@click.option("--slim-cuda/--no-slim-cuda", default=True, show_default=True,
+              help="Compile a load_inline CUDA file with <torch/extension.h> (torch.h, all.h) included as "
+                   "<torch/types.h> where it compiles so, else as written.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
 @click.option("--redo", "redo", multiple=True, metavar="KEY",
@@ -80,7 +83,7 @@ def _line(rec: dict) -> str:
               help="Run the kernels even where no OS layer blocks their network, writes or processes.")
 @handles_bad_input
 def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, build_timeout, select, cache,
-              max_jobs, build_jobs, pch, threads, retry, redo, key, trust_unsigned, allow_unconfined):
+              max_jobs, build_jobs, pch, slim_cuda, threads, retry, redo, key, trust_unsigned, allow_unconfined):
     """Audit the kernels of CORPORA (CUDA-L1 .jsonl, leaderboard .json, controls folder).
 
     Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
@@ -112,7 +115,7 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
                          threads=threads, max_jobs=max_jobs, retry=retry, redo=redo, key=key,
                          trust_unsigned=trust_unsigned,
                          allow_unconfined=allow_unconfined, build_jobs=build_jobs, pch=pch,
-                         build_timeout=build_timeout):
+                         build_timeout=build_timeout, slim=slim_cuda):
         now[rec["key"]] = rec
         click.echo(_line(rec))
     # the whole results file for the selected kernels, this run's records first

@@ -41,6 +41,22 @@ where a source includes the header again). A header whose flags
 differ (``-O3`` against none) is ignored by GCC and the header compiled as usual: the
 precompiled header changes the build's time, never its result. Torch's own ``use_pch=True``
 is the solution's argument, and writes beside torch's headers: not used.
+
+The CUDA file (``cuda.cu``, compiled by ``nvcc``) has no precompiled header: nvcc's front ends
+see only preprocessed text. Most of its compile is spent parsing the torch headers that a
+solution's ``cuda_sources`` include again after load_inline's own ``#include <torch/types.h>``:
+``<torch/extension.h>`` (or ``<torch/torch.h>``, ``<torch/all.h>``) adds torch's C++ frontend
+(modules, optimizers, data loaders, serialization) and pybind11, which a kernel file rarely
+uses. ``slim_cuda_source`` replaces those includes with ``<torch/types.h>`` (tensors, ATen's
+operators and factories, ``TORCH_CHECK``, the dispatch macros), and leaves alone a file that
+names what only they declare (pybind11, the Python API, ``torch::nn`` and the other frontend
+namespaces). ``use_slim_cuda`` (in the build step) compiles a slimmed copy of a ``load_inline``
+CUDA file beside it (``cuda.slim.cu``) and, where that copy does not compile, the file as
+written: a trimmed include only removes declarations, so what builds from the copy is the
+solution's own code, and what does not builds as it always did (the error, if any, is the
+original's). The files load_inline wrote stay as written (the kernel's workers check them
+against the build). On by default; ``KFUZZ_SLIM_CUDA=0`` turns it off (``kfuzz audit
+--no-slim-cuda``).
 """
 from __future__ import annotations
 
@@ -50,6 +66,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -101,6 +118,8 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
     start, cpu = time.monotonic(), _children_cpu()
     if os.environ.get(PCH_ENV):
         use_pch(os.environ[PCH_ENV])
+    if os.environ.get(SLIM_ENV, "1") != "0":
+        use_slim_cuda()
     raised = _record_build_errors()
 
     def facts(status: str, error: str | None = None) -> dict:
@@ -108,7 +127,8 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
         built = sorted(set(os.listdir(root)) - {BUILT}) if root and os.path.isdir(root) else []
         out = {"status": status, "seconds": round(time.monotonic() - start, 3),
                "cpu_seconds": round(_children_cpu() - cpu, 3), "extensions": built[:20],
-               "pch": _PCH_USED[:], "loaded": _LOADED[:20]}
+               "pch": _PCH_USED[:], "slim": _SLIM_USED[:], "slim_refused": _SLIM_REFUSED[:],
+               "loaded": _LOADED[:20]}
         if error is not None:
             out["error"] = clip(error, 2000)
         elif raised:
@@ -450,4 +470,70 @@ def use_pch(root: str | os.PathLike) -> None:
                 args[3] = [folder, *(args[3] or [])]
         return build(name, sources, extra_cflags, *args, **kwargs)
     with_pch.kfuzz_pch = root
+    with_pch.kfuzz_slim = getattr(build, "kfuzz_slim", False)
     ext._write_ninja_file_and_build_library = with_pch
+
+
+# the CUDA file's torch includes, slimmed -----------------------------------------------------------
+
+SLIM_ENV = "KFUZZ_SLIM_CUDA"   # "0": the build step compiles CUDA files as written
+SLIM_SUFFIX = ".slim.cu"
+_SLIM_USED: list[str] = []     # the extensions this process built from a slimmed CUDA file
+_SLIM_REFUSED: list[str] = []  # those whose slimmed CUDA file did not compile (built as written)
+
+_FRONTEND_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(?:extension|torch|all)\.h[>"][^\n]*$',
+                               re.MULTILINE)
+# what only the frontend headers declare: a file that names any of it compiles as written
+_FRONTEND_USE = re.compile(r"PYBIND11|pybind11|\bpy::|\bPy(?:_[A-Z]|[A-Z][A-Za-z]*_[A-Za-z]|Object\b)|Python\.h|\btorch::(?:nn|optim|data|serialize|"
+                           r"jit|autograd|cuda|fft|linalg|special|nested|python)\b|\bTORCH_LIBRARY|\bTORCH_MODULE")
+
+
+def slim_cuda_source(text: str) -> str | None:
+    """``text`` (a CUDA file) with its ``#include`` of ``<torch/extension.h>``, ``<torch/torch.h>``
+    or ``<torch/all.h>`` replaced by ``<torch/types.h>``; None where there is none, or where the
+    file names what only those headers declare (see the module docstring)."""
+    if not _FRONTEND_INCLUDE.search(text) or _FRONTEND_USE.search(_FRONTEND_INCLUDE.sub("", text)):
+        return None
+    return _FRONTEND_INCLUDE.sub("#include <torch/types.h>", text)
+
+
+def use_slim_cuda() -> None:
+    """From now on in this process, an extension's CUDA files that load_inline wrote in its
+    build folder compile slimmed (``slim_cuda_source``) where they can, else as written."""
+    import torch.utils.cpp_extension as ext
+    build = ext._write_ninja_file_and_build_library
+    if getattr(build, "kfuzz_slim", False):
+        return
+
+    def slimmed(name, sources, *args, **kwargs):
+        folder = kwargs.get("build_directory", args[5] if len(args) > 5 else None)
+        light, changed = [], False
+        for src in sources:
+            text = None
+            if folder and src.endswith(".cu") and os.path.dirname(os.path.abspath(src)) == os.path.abspath(folder):
+                try:
+                    with open(src) as f:
+                        text = slim_cuda_source(f.read())
+                except (OSError, UnicodeDecodeError):
+                    text = None
+            if text is None:
+                light.append(src)
+                continue
+            copy = src[:-len(".cu")] + SLIM_SUFFIX
+            with open(copy + ".part", "w") as f:
+                f.write(text)
+            os.replace(copy + ".part", copy)
+            light.append(copy)
+            changed = True
+        if changed:
+            try:
+                result = build(name, light, *args, **kwargs)
+            except Exception:
+                _SLIM_REFUSED.append(name)  # the copy does not compile: the file as written decides
+            else:
+                _SLIM_USED.append(name)
+                return result
+        return build(name, sources, *args, **kwargs)
+    slimmed.kfuzz_slim = True
+    slimmed.kfuzz_pch = getattr(build, "kfuzz_pch", None)
+    ext._write_ninja_file_and_build_library = slimmed
