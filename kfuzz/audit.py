@@ -770,14 +770,27 @@ def default_max_jobs(jobs: int) -> int:
 def precompile_headers(entries: Iterable[CorpusEntry], root: str | Path) -> dict[tuple[str, ...], str | None]:
     """torch's extension header precompiled beneath ``root`` for each distinct set of host-file
     flags among ``entries``' ``load_inline`` calls (read statically; none given: the default
-    flags), most used first (``kfuzz.kernelbench.build.ensure_pch``). Runs in kfuzz's process:
+    flags), most used first (``kfuzz.kernelbench.build.ensure_pch``), each marked pending first
+    (``mark_pending``: the builds that need one wait for it). Runs in kfuzz's process:
     the compiler sees torch's header and the flags, never a solution's code. Returns each flag
     set's folder (None: could not be made)."""
     from collections import Counter
-    from kfuzz.kernelbench.build import cflag_sets, ensure_pch
+    from kfuzz.kernelbench.build import cflag_sets, ensure_pch, mark_pending
     counts = Counter(f for e in entries if e.pair is not None and e.compiles
                      for f in (cflag_sets(e.pair.custom_code) or [()]))
-    return {f: ensure_pch(root, f) for f, _ in counts.most_common()}
+    order = [f for f, _ in counts.most_common()]
+    markers = {f: mark_pending(root, f) for f in order}
+    made = {}
+    try:
+        for f in order:
+            try:
+                made[f] = ensure_pch(root, f)
+            finally:
+                os.remove(markers.pop(f))
+    finally:
+        for marker in markers.values():     # not reached: builds wait for them no longer
+            os.remove(marker)
+    return made
 
 
 def check_build_step(device: str, cache: str | Path, policy: dict | None = None, timeout: float = 600.0,

@@ -1330,6 +1330,52 @@ def test_builds_find_the_precompiled_header_of_their_flags_first_on_the_include_
     assert build._PCH_USED == ["fast"]
 
 
+def test_a_build_waits_for_a_precompiled_header_marked_pending_and_the_maker_clears_every_mark(tmp_path, monkeypatch):
+    """A header that kfuzz's process is about to make is marked pending: a build of its flags
+    waits for it and then finds it; the maker removes each mark, also where making one fails."""
+    import threading
+    import torch.utils.cpp_extension as ext
+    from kfuzz import audit
+    from kfuzz.kernelbench import build
+    seen = []
+    monkeypatch.setattr(ext, "_write_ninja_file_and_build_library",
+                        lambda name, sources, extra_cflags, **kw: seen.append((name, kw["extra_include_paths"])))
+    monkeypatch.setattr(build, "_PCH_USED", [])
+    marker = build.mark_pending(tmp_path, ["-O3"])
+    folder = tmp_path / build.pch_key(["-O3"]) / "torch"
+    folder.mkdir(parents=True)
+
+    def make():
+        time.sleep(1.0)
+        (folder / "extension.h.gch").write_bytes(b"")
+        os.remove(marker)
+    maker = threading.Thread(target=make)
+    maker.start()
+    build.use_pch(tmp_path)
+    ext._write_ninja_file_and_build_library(name="fast", sources=[], extra_cflags=["-O3"], extra_cuda_cflags=[],
+                                            extra_ldflags=[], extra_include_paths=[], build_directory="d",
+                                            verbose=False, with_cuda=False)
+    maker.join()
+    assert seen == [("fast", [str(folder.parent)])]
+
+    made = []
+
+    def ensure(root, flags):
+        made.append(sorted(p.name for p in Path(root).glob("*/" + build.PENDING)))
+        if flags:
+            raise OSError("the compiler failed")
+        return None
+    monkeypatch.setattr(build, "ensure_pch", ensure)
+    code = "from torch.utils.cpp_extension import load_inline\nm = load_inline(name='m', cpp_sources='', extra_cflags={})\n"
+    base = control("correct_sum")
+    entries = [dataclasses.replace(base, pair=dataclasses.replace(base.pair, custom_code=code.format(flags)))
+               for flags in ("[]", "[]", "['-O2']")]
+    with pytest.raises(OSError):
+        audit.precompile_headers(entries, tmp_path / "pch")
+    assert made == [[build.PENDING, build.PENDING], [build.PENDING]]     # both marked first, in use order
+    assert not list((tmp_path / "pch").glob("*/" + build.PENDING))
+
+
 def test_a_cuda_file_is_slimmed_to_torch_types_only_where_it_names_nothing_the_frontend_alone_declares():
     from kfuzz.kernelbench.build import slim_cuda_source
     kernel = "\n__global__ void k(float* x) { x[0] = 1.0f; }\ntorch::Tensor f(torch::Tensor x) { return x; }\n"

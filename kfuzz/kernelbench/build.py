@@ -451,9 +451,28 @@ def ensure_pch(root: str | os.PathLike, extra_cflags=(), timeout: float = 600.0)
     return folder
 
 
+PENDING = "pending"   # in a header's folder while kfuzz's process is to make it (``mark_pending``)
+PCH_WAIT = 300.0      # seconds a build waits for a header marked pending
+
+
+def mark_pending(root: str | os.PathLike, extra_cflags=()) -> str:
+    """Mark the header of ``extra_cflags`` beneath ``root`` as about to be made (a file
+    ``pending`` in its folder, which the maker removes when it is made or has failed): a build
+    that needs it waits for it (``use_pch``) instead of compiling torch's header itself.
+    Returns the marker's path."""
+    folder = os.path.join(os.fspath(root), pch_key(extra_cflags))
+    os.makedirs(folder, exist_ok=True)
+    marker = os.path.join(folder, PENDING)
+    with open(marker, "w"):
+        pass
+    return marker
+
+
 def use_pch(root: str | os.PathLike) -> None:
     """From now on in this process, a host file built with flags that have a precompiled header
-    beneath ``root`` (``ensure_pch``) finds it first on its include path."""
+    beneath ``root`` (``ensure_pch``) finds it first on its include path; where that header is
+    marked pending (``mark_pending``), the build first waits for it, at most ``PCH_WAIT``
+    seconds."""
     import torch.utils.cpp_extension as ext
     build = ext._write_ninja_file_and_build_library
     if getattr(build, "kfuzz_pch", None) is not None:
@@ -462,7 +481,12 @@ def use_pch(root: str | os.PathLike) -> None:
     def with_pch(name, sources, extra_cflags, *args, **kwargs):
         args = list(args)
         folder = os.path.join(os.fspath(root), pch_key(extra_cflags))
-        if os.path.isfile(os.path.join(folder, "torch", "extension.h.gch")):
+        header = os.path.join(folder, "torch", "extension.h.gch")
+        deadline = time.monotonic() + PCH_WAIT
+        while not os.path.isfile(header) and os.path.isfile(os.path.join(folder, PENDING)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)     # being made (``precompile_headers``): a build without it costs more
+        if os.path.isfile(header):
             _PCH_USED.append(name)
             if "extra_include_paths" in kwargs:
                 kwargs["extra_include_paths"] = [folder, *(kwargs["extra_include_paths"] or [])]
