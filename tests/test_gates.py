@@ -579,3 +579,33 @@ def test_a_float8_target_is_judged_by_every_gate():
     adds_one = _float8_target(lambda x: (x.float() * 2 + 1).to(x.dtype))
     r = run_gate(GATES["G01"], adds_one, seed=0)
     assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason
+
+
+def _wobbly(scale):
+    """A sum whose last bits change from call to call (every other call scales by 1 + scale),
+    as a nondeterministic reduction's do."""
+    calls = iter(range(1 << 30))
+    return lambda x: x.sum(dim=-1) * (1 + scale * (next(calls) % 2))
+
+
+@pytest.mark.parametrize("kernel_scale, trusted_scale, limited, status", [
+    (2 ** -22, 2 ** -22, True, "pass"),      # as unrepeatable as the reference itself: reference-limited
+    (2 ** -10, 2 ** -22, True, "fail"),      # far past what the reference's own runs differ by
+    (2 ** -22, 0.0, True, "fail"),           # the reference repeats bitwise: the kernel's own nondeterminism
+    (2 ** -22, 2 ** -22, False, "fail"),     # a target that does not judge against its reference's float32
+], ids=["as-the-reference", "beyond-it", "reference-repeats", "not-reference-limited"])
+def test_g08_excuses_only_the_nondeterminism_the_reference_itself_shows(kernel_scale, trusted_scale, limited,
+                                                                         status):
+    from kfuzz.target import Arg, Dim, Output, Target
+    t = Target(name="wobbly_sum", kernel=_wobbly(kernel_scale), reference=lambda x: x.sum(dim=-1),
+               trusted=_wobbly(trusted_scale), args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N",))},
+               dims={"N": Dim(1, 8), "D": Dim(1, 64)}, dtypes=("float32",),
+               options={"reference_limited": True} if limited else {})
+    gate = GATES["G08"]
+    v = gate.check(t, next(iter(gate.cases(t, 0))))
+    assert v.passed == (status == "pass"), v.detail
+    if status == "pass":
+        assert v.detail.startswith("reference-limited: calls on the same inputs differ"), v.detail
+    else:
+        assert v.kind == "nondeterminism"
+        assert ("the reference in float32 differs run to run too" in v.detail) == (limited and trusted_scale > 0)
