@@ -682,6 +682,14 @@ def done_keys(out: str | Path, retry: bool = False, entries: Iterable[CorpusEntr
             if not (retry and needs_retry(r, by_key.get(k)))}
 
 
+def _signed_lines(path: Path) -> int:
+    """How many lines of a results file carry an HMAC (read as text: a torn line counts if it does)."""
+    if not path.is_file():
+        return 0
+    with open(path, errors="replace") as f:
+        return sum('"hmac":' in line for line in f)
+
+
 def append_record(out: str | Path, record: dict, key: bytes | None = None) -> None:
     """Append ``record`` to ``out``'s results, signed with ``key`` (by default ``results_key()``)."""
     key = key if key is not None else results_key()
@@ -841,7 +849,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     that ran out of a GPU's memory beside other kernels (``shares_memory``) is run again at the
     end, alone, and only that record is kept (``alone``; at ``jobs`` 1 every record is alone).
     Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or ``out`` inside the
-    cache), and, unless ``allow_unconfined``, a machine where an OS layer would not block the
+    cache), a key file that does not exist where ``out``'s results hold signed records (the key
+    that signed them is elsewhere or lost: a new one would verify none of them), and, unless ``allow_unconfined``, a machine where an OS layer would not block the
     kernels' network, writes or processes (``confinement``). ``policy``: overrides of the
     kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
     ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once).
@@ -862,6 +871,10 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     if _beneath(out_dir, cache_dir) or _beneath(cache_dir, out_dir):
         raise KfuzzError(f"{cache_dir}: the extension cache (where builds write) and the results folder "
                          f"{out_dir} must not contain one another")
+    if not key_file.exists() and _signed_lines(out_dir / RESULTS):
+        raise KfuzzError(f"{key_file}: no audit key, and {out_dir / RESULTS} holds records signed under one: give "
+                         f"the key that signed them (--key FILE, $KFUZZ_AUDIT_KEY); a new key would verify none "
+                         f"of them and audit every kernel again")
     secret = results_key(key_file)
     done = done_keys(out, retry, entries, secret, trust_unsigned) - set(redo)
     todo = [e for e in entries if e.key not in done]

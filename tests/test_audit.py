@@ -428,6 +428,20 @@ def test_forged_altered_and_unsigned_results_are_refused(tmp_path, audit_key):
         results_key(audit_key)
 
 
+def test_an_audit_without_the_key_that_signed_its_results_stops_before_making_a_new_one(tmp_path):
+    """Where the key that signed a results folder is missing (given wrong, or lost), a new key
+    would verify none of its records and the audit would run every kernel again: it stops,
+    naming the key, and makes no key and no record."""
+    from kfuzz.audit import RESULTS
+    out = tmp_path / "out"
+    append_record(out, {"key": "c:k", "standard": {"passed": True, "reason": "pass"}, "gates": {}})
+    before = (out / RESULTS).read_text()
+    lost = tmp_path / "elsewhere" / "audit.key"
+    with pytest.raises(KfuzzError, match="no audit key, and .* holds records signed under one"):
+        list(run_audit([control("correct_sum")], out, ["G01"], key=lost))
+    assert not lost.exists() and (out / RESULTS).read_text() == before
+
+
 def test_the_key_and_the_extension_cache_stay_outside_the_results_folder(tmp_path):
     with pytest.raises(KfuzzError, match="outside the results folder"):
         list(run_audit([control("correct_sum")], tmp_path, ["G01"], key=tmp_path / "k"))
