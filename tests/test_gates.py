@@ -18,6 +18,7 @@ from kfuzz.cli import cli
 from kfuzz.cli import verify  # noqa: F401  (registers the verb)
 from kfuzz.gates import GATES, parse_gates, replay_gate_case, run_gate, run_gates
 from kfuzz.gates.calls import poisoned_allocations
+from kfuzz.case import Dist
 from kfuzz.errors import KfuzzError
 from kfuzz.target import get_target
 
@@ -609,3 +610,36 @@ def test_g08_excuses_only_the_nondeterminism_the_reference_itself_shows(kernel_s
     else:
         assert v.kind == "nondeterminism"
         assert ("the reference in float32 differs run to run too" in v.detail) == (limited and trusted_scale > 0)
+
+
+def _transposed_as_contiguous(x):
+    """Reads a transposed input's memory as if it were contiguous (strides and offsets handled)."""
+    if x.dim() == 2 and x.stride() == (1, x.shape[0]):
+        return torch.as_strided(x, x.shape, (x.shape[1], 1), x.storage_offset())
+    return x
+
+
+@pytest.mark.parametrize("kernel, status, values_wrong", [
+    (lambda x: torch.relu(_transposed_as_contiguous(x) - 5), "fail", False),   # the layout misread
+    (lambda x: torch.relu(x.half().float() - 5), "pass", True),   # right layouts, half-precision values
+    (lambda x: torch.relu(x.contiguous() - 5), "pass", False),
+], ids=["misreads-a-transpose", "half-precision", "correct"])
+def test_g04_draws_each_layout_again_where_the_nominal_draw_leaves_the_output_constant(kernel, status,
+                                                                                     values_wrong):
+    """relu(x - 5) is 0 almost everywhere on normal inputs: a kernel that misreads a transposed
+    input passes every nominal layout case. G04's wide draw (100 times the spread) shows it; a
+    kernel whose layouts are right and whose values are not (G02's finding) passes G04, saying so."""
+    from kfuzz.target import Arg, Dim, Output, Target
+    t = Target(name="relu_shift", kernel=kernel, reference=lambda x: torch.relu(x - 5),
+               args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N", "D"))},
+               dims={"N": Dim(1, 64), "D": Dim(1, 64)}, dtypes=("float32",))
+    gate = GATES["G04"]
+    verdicts = [(c, gate.check(t, c)) for c in gate.cases(t, 0)]
+    nominal = [v for c, v in verdicts if c.arg("x").dist == Dist()]
+    wide = [(c, v) for c, v in verdicts if c.arg("x").dist != Dist()]
+    assert all(v.passed for v in nominal)                 # the nominal draw shows nothing
+    assert len(wide) == 1 and wide[0][0].arg("x").layout.kind == "permuted"
+    assert wide[0][1].passed == (status == "pass"), wide[0][1].detail
+    assert (wide[0][1].detail or "").startswith("outside the layouts: the same values laid out contiguously "
+                                                "fail too") == values_wrong
+    assert run_gate(gate, t, seed=0).status == status

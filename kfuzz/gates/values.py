@@ -37,6 +37,7 @@ SHAPE_CAP = 1024      # G03/G07 sizes stop here: the Triton interpreter is slow 
 G02_DISTS = (Dist("scaled", (("factor", 100.0),)), Dist("scaled", (("factor", 0.01),)),
              Dist("shifted", (("shift", 5.0),)), Dist("heavytailed"), Dist("ones"), Dist("uniform01"))
 G07_DISTS = (Dist("ones"), Dist("binary01"), Dist("smallint"))
+WIDE = Dist("scaled", (("factor", 100.0),))   # G04's second draw of a layout
 FP16_INTEGERS = 2048  # fp16 holds every integer up to 2^11 and not all beyond
 LONG_CAP = 4095       # G07's long totals: up to the largest odd size below 4096
 ROW_STARTS = 64       # G07: rows whose first element is raised, per argument
@@ -194,7 +195,8 @@ class Layouts(Reference):
         i = 0
         for name, arg in target.args.items():
             shape = target.shape_of(arg.shape, dims)
-            for layout in layout_variants(shape):
+            variants = layout_variants(shape)
+            for layout in variants:
                 dtype = target.dtypes[i % len(target.dtypes)]
                 case = Case.make(target.name, dtype, gate_seed(seed, self.id, i), dims,
                                  {name: ArgCase(layout=layout)})
@@ -202,6 +204,16 @@ class Layouts(Reference):
                 if layout.kind in arg.layouts:
                     target.validate(case)
                 yield case
+            # the first admitted layout again, every float argument drawn at 100 times the
+            # spread: outputs that the nominal draw leaves nearly constant (a ReLU after a
+            # negative bias) show where a kernel reads the layout wrong
+            admitted = [v for v in variants if v.kind in arg.layouts and v.kind != "expanded"]
+            dtype = target.dtypes[i % len(target.dtypes)]
+            if admitted and name in float_args(target, dtype):
+                spread = {n: ArgCase(dist=WIDE) for n in float_args(target, dtype)}
+                spread[name] = ArgCase(layout=admitted[0], dist=WIDE)
+                yield make_case(target, dtype, gate_seed(seed, self.id, i), dims, spread)
+                i += 1
 
     def not_applicable(self, target, executor=None):
         dims = nominal_dims(target)
@@ -217,7 +229,17 @@ class Layouts(Reference):
             if verdict is not None:
                 return verdict
             try:
-                return judge(case, target, inputs, outputs, device, c)
+                verdict = judge(case, target, inputs, outputs, device, c)
+                if not verdict.passed and any(a.dist == WIDE for _, a in case.args):
+                    # a wide draw judges the layout, not the values: the same values laid out
+                    # contiguously must pass for the failure to be the layout's (else G02's)
+                    flat = case.with_(args={n: ArgCase(dist=a.dist, inject=a.inject) for n, a in case.args})
+                    twin = bound_check(target, flat, executor, c, device)
+                    if not twin.passed:
+                        return Verdict(target.name, "pass", detail=(
+                            f"outside the layouts: the same values laid out contiguously fail too "
+                            f"({twin.kind}: {(twin.detail or '')[:160]}), a finding of the values' gate (G02)"))
+                return verdict
             except Exception as e:
                 if not target.options.get("reference_limited"):
                     raise
