@@ -164,9 +164,9 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
     }
 
 
-COLUMNS = ("recorded", "wall_s", "kernels_per_hour", "kernels_per_hour_second_half", "build_share",
+COLUMNS = ("recorded", "wall_s", "kernels_per_hour", "kernels_per_hour_second_half", "first_record_s", "build_share",
            "build_seconds_mean", "build_cpu_seconds_mean", "compiled_in_own_step", "built_ahead", "build_failed", "fell_back",
-           "cuda_slimmed", "cuda_slim_refused",
+           "with_precompiled_header", "cuda_slimmed", "cuda_slim_refused",
            "kernel_seconds_mean", "gates_share", "minimize_share", "rest_share", "worker_starts_share",
            "cpu_busy_share", "core_seconds_per_kernel")
 ENDS = ("complete", "killed for time")
