@@ -1415,12 +1415,20 @@ def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_wri
     calls = []
 
     def compiler(name, sources, extra_cflags, **kw):
-        """compiles a CUDA file only where everything it uses is declared"""
+        """compiles a CUDA file (to <stem>.cuda.o, as ninja does) only where everything it uses
+        is declared, then the host file"""
         calls.append((name, [os.path.basename(s) for s in sources]))
-        for src in sources:
+        errors = []
+        for src in sources:             # every file compiles (ninja's jobs side by side), then errors
             text = open(src).read()
             if "at::frontend_only" in text and "torch/extension.h" not in text:
-                raise RuntimeError(f"Error building extension '{name}': at::frontend_only undeclared")
+                errors.append(f"Error building extension '{name}': at::frontend_only undeclared")
+            elif "undeclared_in_host" in text:
+                errors.append(f"Error building extension '{name}': main.cpp: 'forward' was not declared")
+            elif src.endswith(".cu") and os.path.dirname(src) == kw["build_directory"]:
+                open(src[:-len(".cu")] + ".cuda.o", "w").close()
+        if errors:
+            raise RuntimeError(errors[0])
     monkeypatch.setattr(ext, "_write_ninja_file_and_build_library", compiler)
     monkeypatch.setattr(build, "_SLIM_USED", [])
     monkeypatch.setattr(build, "_SLIM_REFUSED", [])
@@ -1444,6 +1452,18 @@ def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_wri
     assert calls == [("lean", ["main.cpp", "cuda.slim.cu", "user.cu"]),
                      ("needs", ["main.cpp", "cuda.slim.cu", "user.cu"]), ("needs", ["main.cpp", "cuda.cu", "user.cu"])]
     assert build._SLIM_USED == ["lean"] and build._SLIM_REFUSED == ["needs"]
+    # the copy compiled and the host file failed: the files as written would fail there too
+    folder = tmp_path / "host"
+    folder.mkdir()
+    (folder / "cuda.cu").write_text("#include <torch/extension.h>\n")
+    (folder / "main.cpp").write_text("undeclared_in_host\n")
+    del calls[:]
+    with pytest.raises(RuntimeError, match="'forward' was not declared"):
+        ext._write_ninja_file_and_build_library(
+            name="host", sources=[str(folder / "main.cpp"), str(folder / "cuda.cu")], extra_cflags=[],
+            extra_cuda_cflags=[], extra_ldflags=[], extra_include_paths=[], build_directory=str(folder),
+            verbose=False, with_cuda=True)
+    assert calls == [("host", ["main.cpp", "cuda.slim.cu"])] and build._SLIM_USED == ["lean", "host"]
     with pytest.raises(RuntimeError, match="frontend_only"):       # the original's own failure is the build's
         folder = tmp_path / "broken"
         folder.mkdir()

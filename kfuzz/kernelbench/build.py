@@ -54,9 +54,11 @@ namespaces). ``use_slim_cuda`` (in the build step) compiles a slimmed copy of a 
 CUDA file beside it (``cuda.slim.cu``) and, where that copy does not compile, the file as
 written: a trimmed include only removes declarations, so what builds from the copy is the
 solution's own code, and what does not builds as it always did (the error, if any, is the
-original's). The files load_inline wrote stay as written (the kernel's workers check them
-against the build). On by default; ``KFUZZ_SLIM_CUDA=0`` turns it off (``kfuzz audit
---no-slim-cuda``).
+original's). A build whose slimmed copies compiled and that failed elsewhere (the host file,
+the link) is not built again: the files as written would fail there the same way, and the
+error is the slimmed build's. The files load_inline wrote stay as written (the kernel's
+workers check them against the build). On by default; ``KFUZZ_SLIM_CUDA=0`` turns it off
+(``kfuzz audit --no-slim-cuda``).
 """
 from __future__ import annotations
 
@@ -531,7 +533,7 @@ def use_slim_cuda() -> None:
 
     def slimmed(name, sources, *args, **kwargs):
         folder = kwargs.get("build_directory", args[5] if len(args) > 5 else None)
-        light, changed = [], False
+        light, objects = [], []
         for src in sources:
             text = None
             if folder and src.endswith(".cu") and os.path.dirname(os.path.abspath(src)) == os.path.abspath(folder):
@@ -548,12 +550,18 @@ def use_slim_cuda() -> None:
                 f.write(text)
             os.replace(copy + ".part", copy)
             light.append(copy)
-            changed = True
-        if changed:
+            # where ninja puts the copy's object (torch's naming: the source's stem + ".cuda.o")
+            objects.append(os.path.join(folder, os.path.basename(copy)[:-len(".cu")] + ".cuda.o"))
+        if objects:
+            start = time.time()
             try:
                 result = build(name, light, *args, **kwargs)
             except Exception:
-                _SLIM_REFUSED.append(name)  # the copy does not compile: the file as written decides
+                if all(os.path.isfile(o) and os.path.getmtime(o) >= start - 1 for o in objects):
+                    # the copies compiled: what failed (the host file, the link) fails as written too
+                    _SLIM_USED.append(name)
+                    raise
+                _SLIM_REFUSED.append(name)  # a copy does not compile: the file as written decides
             else:
                 _SLIM_USED.append(name)
                 return result
