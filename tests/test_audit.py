@@ -379,6 +379,20 @@ def test_old_records_get_the_float_weights_fact_from_the_corpus_row():
     assert report.summarize(recs)["g07_params_unknown"] == 1
 
 
+def test_a_bound_failure_whose_gate_also_met_a_non_finite_output_is_not_a_precision_class():
+    """The report's arguable classes "only bound failures, <band>" hold kernels whose every
+    violation is a rounding difference. A gate's kind is its first failing case's; a later case
+    that went non-finite where the oracle is finite (an fp16 cast overflowing) leaves the gate's
+    worst ratio infinite, and the kernel is then in no precision class."""
+    report = audit_report()
+
+    def rec(worst):
+        return {"key": "c:k", "gates": {"G02": {"status": "fail", "kind": "bound", "worst_ratio": worst,
+                                                 "verdict": {"metrics": {"out.rel_err": 3e-4}}}}}
+    assert report.precision_class(rec(12.5), ["G02"]) == "tf32/fp16-level"
+    assert report.precision_class(rec("inf"), ["G02"]) is None
+
+
 def test_the_leaderboard_counts_problems_from_zero(tmp_path):
     """KernelBench leaderboard problem_id 0 is CUDA-L1's (and KernelBench's) problem 1: the
     first leaderboard rows of the shipped corpus failed ModelNew(*get_init_inputs()) against

@@ -110,8 +110,12 @@ PRECISION_BANDS = (("tf32/fp16-level", 4 * 2.0 ** -11), ("bf16-level", 4 * 2.0 *
 
 def precision_class(rec: dict, violations: list[str]) -> str | None:
     """For a kernel whose every violation is a bound failure of G01-G04, the band of its worst
-    relative error (``PRECISION_BANDS``, else ``beyond half precision``); None otherwise."""
-    if not violations or any(v not in BOUND_GATES or rec["gates"][v].get("kind") != "bound" for v in violations):
+    relative error (``PRECISION_BANDS``, else ``beyond half precision``); None otherwise, and
+    None where a failing gate's worst case is infinitely over the bound (a non-finite output
+    where the oracle is finite, in a case after the first failing one, which gave the gate's
+    ``kind``: an fp16 cast that overflows is not a rounding difference)."""
+    if not violations or any(v not in BOUND_GATES or rec["gates"][v].get("kind") != "bound"
+                             or _ratio(rec["gates"][v].get("worst_ratio")) == float("inf") for v in violations):
         return None
     rel = 0.0
     for v in violations:
