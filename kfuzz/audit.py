@@ -262,21 +262,27 @@ def _error_kind(e: Exception) -> str:
 def run_one_gate(gid: str, target, seed: int, device: str, executor, emit, cases: str | None = None,
                  budget: dict | None = None) -> None:
     """One gate on the audited kernel, its result emitted as a ``gate`` record (``error`` when
-    the gate itself could not run); a failure's first case saved beneath ``cases``
+    the gate itself could not run; ``kind`` its first failing case's, ``failing_kinds`` how
+    many failing cases of each kind); a failure's first case saved beneath ``cases``
     (``save_gate_case``), named in the record's ``case_file``. ``budget["minimize"]``: the
     seconds left for minimizing (spent here)."""
     from kfuzz.gates import GATES, run_gate
     excused: dict[str, int] = {}
+    failing: dict[str, int] = {}
 
     def tally(_gid, _index, _seconds, verdict) -> None:
         cls = excused_class(verdict)
         if cls is not None:
             excused[cls] = excused.get(cls, 0) + 1
+        if not verdict.passed:
+            failing[verdict.kind] = failing.get(verdict.kind, 0) + 1
     try:
         r = run_gate(GATES[gid], target, seed=seed, out=None, device=device, executor=executor, on_case=tally)
         d = r.to_json()
         if excused:
             d["excused"] = excused
+        if failing:
+            d["failing_kinds"] = failing
         d.pop("saved", None)
         d["kind"] = r.first_failure[1].kind if r.first_failure else None
         d["exc_type"] = r.first_failure[1].exc_type if r.first_failure else None

@@ -259,6 +259,8 @@ def test_the_oracle_process_never_runs_the_solution():
     audit_kernel(entry, "cpu", ["G01"], 0, lambda kind, d: got.setdefault(kind, []).append(d), timeout=120)
     assert got["standard"][0]["passed"] and got["weights"][0]["status"] == "exact"
     assert got["gate"][0]["status"] == "fail" and got["gate"][0]["kind"] == "bound"
+    assert set(got["gate"][0]["failing_kinds"]) == {"bound"}
+    assert sum(got["gate"][0]["failing_kinds"].values()) == got["gate"][0]["failures"]
     assert (entry.pair.sha, "new") not in source._MODULES
     target = as_target(entry.pair, weights="seed", solution=False)
     with pytest.raises(KernelBenchError, match="runs only in a sandboxed worker"):
@@ -391,6 +393,11 @@ def test_a_bound_failure_whose_gate_also_met_a_non_finite_output_is_not_a_precis
                                                  "verdict": {"metrics": {"out.rel_err": 3e-4}}}}}
     assert report.precision_class(rec(12.5), ["G02"]) == "tf32/fp16-level"
     assert report.precision_class(rec("inf"), ["G02"]) is None
+    kept = rec(12.5)                                       # records that keep every failing case's kind
+    kept["gates"]["G02"]["failing_kinds"] = {"bound": 3, "nonfinite": 1}
+    assert report.precision_class(kept, ["G02"]) is None
+    kept["gates"]["G02"]["failing_kinds"] = {"bound": 4}
+    assert report.precision_class(kept, ["G02"]) == "tf32/fp16-level"
 
 
 def test_the_leaderboard_counts_problems_from_zero(tmp_path):

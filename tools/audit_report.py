@@ -110,12 +110,16 @@ PRECISION_BANDS = (("tf32/fp16-level", 4 * 2.0 ** -11), ("bf16-level", 4 * 2.0 *
 
 def precision_class(rec: dict, violations: list[str]) -> str | None:
     """For a kernel whose every violation is a bound failure of G01-G04, the band of its worst
-    relative error (``PRECISION_BANDS``, else ``beyond half precision``); None otherwise, and
-    None where a failing gate's worst case is infinitely over the bound (a non-finite output
-    where the oracle is finite, in a case after the first failing one, which gave the gate's
-    ``kind``: an fp16 cast that overflows is not a rounding difference)."""
-    if not violations or any(v not in BOUND_GATES or rec["gates"][v].get("kind") != "bound"
-                             or _ratio(rec["gates"][v].get("worst_ratio")) == float("inf") for v in violations):
+    relative error (``PRECISION_BANDS``, else ``beyond half precision``); None otherwise: also
+    where a failing gate met another kind of failure after its first (the record's
+    ``failing_kinds``; in records without them, a worst case infinitely over the bound, a
+    non-finite output where the oracle is finite: an fp16 cast that overflows is not a rounding
+    difference)."""
+    def bound_only(g: dict) -> bool:
+        if "failing_kinds" in g:            # every failing case's kind, in records that keep them
+            return set(g["failing_kinds"]) == {"bound"}
+        return g.get("kind") == "bound" and _ratio(g.get("worst_ratio")) != float("inf")
+    if not violations or any(v not in BOUND_GATES or not bound_only(rec["gates"][v]) for v in violations):
         return None
     rel = 0.0
     for v in violations:
