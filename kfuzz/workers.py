@@ -160,7 +160,10 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
             from kfuzz.programs import answer    # preloaded by the pools that send programs
             case, name, params, layouts = read_program(header)
             reply, crashed = answer(target, case, name, params, layouts, storages, device, cpu_seconds, coverage)
-            conn.send_bytes(reply)
+            try:
+                conn.send_bytes(reply)
+            except OSError:     # kfuzz's process closed the pipe (an interrupt, a deadline): no one to answer
+                return
             if crashed:
                 return   # an escape, a CUDA error or OOM may leave the process unusable: start afresh
 
