@@ -797,12 +797,10 @@ def precompile_headers(entries: Iterable[CorpusEntry], root: str | Path) -> dict
     made = {}
     try:
         for f in order:
-            try:
-                made[f] = ensure_pch(root, f)
-            finally:
-                os.remove(markers.pop(f))
+            made[f] = ensure_pch(root, f)
+            os.remove(markers.pop(f))
     finally:
-        for marker in markers.values():     # not reached: builds wait for them no longer
+        for marker in markers.values():     # left by an error: no build waits for them
             os.remove(marker)
     return made
 
@@ -856,17 +854,18 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     end, alone, and only that record is kept (``alone``; at ``jobs`` 1 every record is alone).
     Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or ``out`` inside the
     cache), a key file that does not exist where ``out``'s results hold signed records (the key
-    that signed them is elsewhere or lost: a new one would verify none of them), and, unless ``allow_unconfined``, a machine where an OS layer would not block the
-    kernels' network, writes or processes (``confinement``). ``policy``: overrides of the
+    that signed them is elsewhere or lost: a new one would verify none of them), and, unless
+    ``allow_unconfined``, a machine where an OS layer would not block the kernels' network,
+    writes or processes (``confinement``). ``policy``: overrides of the
     kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
     ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once).
     ``build_jobs``: builds of solutions further down the queue that run ahead of their judging (a
     compile phase beside the judging; the kernel's own build step then finds its extension built).
     ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
-    first kernels; a build that starts before its header is ready compiles the header itself).
-    ``slim``: compile a ``load_inline`` CUDA file with its torch frontend includes slimmed where it
-    compiles so (``kfuzz.kernelbench.build.use_slim_cuda``). ``build_timeout``: the seconds a solution's build may take, apart from ``timeout`` (default
-    ``timeout``). Before the first solution that compiles, kfuzz's probe solution is built in
+    first kernels; a build whose header is still being made waits for it). ``slim``: compile a
+    ``load_inline`` CUDA file with its torch frontend includes slimmed where it compiles so
+    (``kfuzz.kernelbench.build.use_slim_cuda``). ``build_timeout``: the seconds a solution's build
+    may take, apart from ``timeout`` (default ``timeout``). Before the first solution that compiles, kfuzz's probe solution is built in
     the same confined build step (``check_build_step``: a ``KfuzzError`` where it does not build)."""
     entries = list(entries)
     out_dir = Path(out).resolve()

@@ -34,10 +34,10 @@ SEEDS_PER_DTYPE = 4
 EDGE_SIZES = (1, 2, 3, 5, 7, 13, 17, 31, 33, 63, 65, 97, 100, 127, 129, 257, 1000)
 SHAPE_CAP = 1024      # G03/G07 sizes stop here: the Triton interpreter is slow on the CPU
 # uniform01: the range of torch.rand, where a kernel may special-case the inputs a test draws
-G02_DISTS = (Dist("scaled", (("factor", 100.0),)), Dist("scaled", (("factor", 0.01),)),
+WIDE = Dist("scaled", (("factor", 100.0),))   # G02's widest draw; G04's second draw of a layout
+G02_DISTS = (WIDE, Dist("scaled", (("factor", 0.01),)),
              Dist("shifted", (("shift", 5.0),)), Dist("heavytailed"), Dist("ones"), Dist("uniform01"))
 G07_DISTS = (Dist("ones"), Dist("binary01"), Dist("smallint"))
-WIDE = Dist("scaled", (("factor", 100.0),))   # G04's second draw of a layout
 FP16_INTEGERS = 2048  # fp16 holds every integer up to 2^11 and not all beyond
 LONG_CAP = 4095       # G07's long totals: up to the largest odd size below 4096
 ROW_STARTS = 64       # G07: rows whose first element is raised, per argument

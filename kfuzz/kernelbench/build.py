@@ -510,8 +510,9 @@ _SLIM_REFUSED: list[str] = []  # those whose slimmed CUDA file did not compile (
 _FRONTEND_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(?:extension|torch|all)\.h[>"][^\n]*$',
                                re.MULTILINE)
 # what only the frontend headers declare: a file that names any of it compiles as written
-_FRONTEND_USE = re.compile(r"PYBIND11|pybind11|\bpy::|\bPy(?:_[A-Z]|[A-Z][A-Za-z]*_[A-Za-z]|Object\b)|Python\.h|\btorch::(?:nn|optim|data|serialize|"
-                           r"jit|autograd|cuda|fft|linalg|special|nested|python)\b|\bTORCH_LIBRARY|\bTORCH_MODULE")
+_FRONTEND_USE = re.compile(r"PYBIND11|pybind11|\bpy::|\bPy(?:_[A-Z]|[A-Z][A-Za-z]*_[A-Za-z]|Object\b)|Python\.h"
+                           r"|\btorch::(?:nn|optim|data|serialize|jit|autograd|cuda|fft|linalg|special|nested|python)\b"
+                           r"|\bTORCH_LIBRARY|\bTORCH_MODULE")
 
 
 def slim_cuda_source(text: str) -> str | None:
