@@ -37,7 +37,7 @@ import torch
 
 from kfuzz.case import ArgCase
 from kfuzz.compare import BOUND_C
-from kfuzz.dtypes import torch_dtype
+from kfuzz.dtypes import torch_dtype, widen_float8
 from kfuzz.execute import oracle_outputs, storage_bytes, trusted_outputs
 from kfuzz.executor import executor_for
 from kfuzz.gates.base import Gate, fit_dims, float_args, gate_seed, inner_dims, make_case, nominal_dims
@@ -252,7 +252,8 @@ class CompleteWrites(Gate):
             dt = torch_dtype(target.output_dtype(name, case.dtype))
             if not dt.is_floating_point:
                 continue
-            leaked = torch.isnan(out.detach().cpu()) & ~torch.isnan(oracle[name].cpu().to(dt))
+            leaked = (torch.isnan(widen_float8(out.detach().cpu()))
+                      & ~torch.isnan(widen_float8(oracle[name].cpu().to(dt))))
             if leaked.any():
                 idx = int(leaked.reshape(-1).nonzero()[0])
                 return Verdict(target.name, "stale", output=name,

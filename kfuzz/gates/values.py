@@ -17,7 +17,7 @@ import torch
 
 from kfuzz.case import ArgCase, Case, Dist, Layout
 from kfuzz.compare import BOUND_C, all_finite, compare, kinds
-from kfuzz.dtypes import special_value_table, torch_dtype
+from kfuzz.dtypes import special_value_table, torch_dtype, widen_float8
 from kfuzz.errors import CaseError
 from kfuzz.execute import comparison_device, flush_subnormals, judge, oracle_outputs, trusted_outputs
 from kfuzz.executor import executor_for
@@ -421,7 +421,7 @@ def _finite_where_oracle_finite(out, oracle, dtype: str):
     fi = torch.finfo(dt)
     o = oracle.detach().cpu().double()
     edge = o.abs() / float(fi.max)
-    clear = torch.isfinite(o.to(dt)) & ~((edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps)))
+    clear = torch.isfinite(widen_float8(o.to(dt))) & ~((edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps)))
     bad = clear & ~torch.isfinite(out.detach().cpu().double())
     return bad if bad.any() else None
 
