@@ -288,17 +288,23 @@ def variant(base: str, name: str, kernel: Callable, planted_bug: str | None = No
     return add_target(Target(**fields))
 
 
-def prepare_triton() -> None:
-    """Without a GPU, Triton kernels run under the interpreter; it must be chosen before
-    ``triton.jit`` decorates them, so before target modules are imported.  Under the
-    interpreter, nested jit calls share their launch's language patch, and bf16 converts and
-    multiplies as on a GPU (`kfuzz.interpreter`)."""
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    except ImportError:
-        pass
+def prepare_triton(device: str | None = None) -> None:
+    """Triton kernels run on CPU tensors only under the interpreter; it must be chosen before
+    ``triton.jit`` decorates them, so before target modules are imported.  It is chosen for
+    ``device`` ``cpu`` (also on a machine with a GPU) and, with no device named, where torch
+    sees no GPU; an explicit ``TRITON_INTERPRET`` is kept.  Under the interpreter, nested jit
+    calls share their launch's language patch, and bf16 converts and multiplies as on a GPU
+    (`kfuzz.interpreter`)."""
+    if device is not None:
+        interpret = not str(device).startswith("cuda")
+    else:
+        try:
+            import torch
+            interpret = not torch.cuda.is_available()
+        except ImportError:
+            interpret = False
+    if interpret:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
         share_language_patch()
         exact_bf16()

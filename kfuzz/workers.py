@@ -131,7 +131,7 @@ def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, w
             driver.active.utils     # noqa: B018  (builds Triton's stub with the C compiler, once)
         except Exception:   # noqa: BLE001 - no Triton, or its CUDA driver: a kernel of this target has none
             pass
-    prepare_triton()
+    prepare_triton(device)
     return Connection(conn_fd)
 
 

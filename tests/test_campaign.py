@@ -3,6 +3,7 @@ the oracle judged in parallel processes, the minimizer's own budget, progress wi
 terminal, an interrupt during worker startup, compile-aware scheduling."""
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -71,6 +72,34 @@ def test_minimize_refuses_a_device_this_machine_lacks(tmp_path):
     r = invoke("minimize", str(path), "--device", "cuda" if not torch.cuda.is_available() else "npu")
     assert r.exit_code == 2 and "--device" in r.output
     assert sorted(p.name for p in path.parent.iterdir()) == before
+
+
+def test_the_cpu_device_chooses_tritons_interpreter_also_where_a_gpu_is_visible(monkeypatch):
+    """Triton runs on CPU tensors only under its interpreter: a device of cpu chooses it, a
+    cuda device does not, and with no device named it follows torch's view of the machine; a
+    setting the user made is kept."""
+    from kfuzz.target import prepare_triton
+    for device, expected in (("cpu", "1"), ("cuda", None), ("cuda:1", None),
+                             (None, None if torch.cuda.is_available() else "1")):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        prepare_triton(device)
+        assert os.environ.get("TRITON_INTERPRET") == expected, device
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    prepare_triton("cpu")
+    assert os.environ["TRITON_INTERPRET"] == "0"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the machine's default is compiled Triton")
+@pytest.mark.parametrize("jobs", ["0", "1"])
+def test_a_triton_target_on_the_cpu_of_a_gpu_machine_runs_under_the_interpreter(tmp_path, jobs):
+    """``--device cpu`` on a GPU machine: the correct Triton softmax passes, in process and in
+    workers (a Triton kernel compiled for the GPU would raise on every CPU tensor)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", "from kfuzz.cli import main; main()", "run", "--target", "softmax",
+                        "--device", "cpu", "--runs", "4", "--jobs", jobs, "--root", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "4 executions" in r.stdout and "0 failure signature(s)" in r.stdout, r.stdout
 
 
 def test_workers_spread_over_the_gpus_one_pool_each():

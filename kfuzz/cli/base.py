@@ -10,6 +10,7 @@ import click
 
 from kfuzz.devices import DeviceError, resolve_device
 from kfuzz.errors import KfuzzError
+from kfuzz.target import prepare_triton
 
 
 def handles_bad_input(fn):
@@ -32,14 +33,17 @@ def cli():
 
 def _device(ctx, param, value: str) -> str:
     try:
-        return resolve_device(value)
+        device = resolve_device(value)
     except DeviceError as e:
         raise click.BadParameter(str(e), ctx, param) from None
+    prepare_triton(device)      # before any target module is imported, in this process and its children
+    return device
 
 
 def device_option(fn):
     """``--device``, resolved on this machine before the verb runs (``kfuzz.devices``): auto
     (the default) is cuda where torch sees a GPU, else cpu; a device the machine lacks, or
-    text that names no device, is bad usage (exit 2) before anything is read or saved."""
+    text that names no device, is bad usage (exit 2) before anything is read or saved.  On
+    cpu, Triton kernels run under Triton's interpreter, also on a machine with a GPU."""
     return click.option("--device", default="auto", show_default=True, callback=_device,
                         help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N.")(fn)
