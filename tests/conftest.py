@@ -8,6 +8,27 @@ from kfuzz.target import prepare_triton
 # any harness module is imported (triton.jit reads it when it decorates).
 prepare_triton()
 
+# a Triton kernel runs on CPU tensors only under the interpreter, chosen once a process: on a
+# machine with a GPU this process compiles Triton for it, and the tests marked triton_on_cpu
+# (a Triton kernel called on CPU tensors in this process) are skipped there
+TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton_on_cpu: calls a Triton kernel on CPU tensors in the test's own "
+                                       "process (Triton's interpreter)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if TRITON_ON_CPU:
+        return
+    skip = pytest.mark.skip(reason="calls a Triton kernel on CPU tensors in this process, which compiles Triton "
+                                   "for the GPU: run it with TRITON_INTERPRET=1")
+    for item in items:
+        if item.get_closest_marker("triton_on_cpu"):
+            item.add_marker(skip)
+
+
 # the test suite's own targets (escapes, hacks, positive controls: the kfuzz.fixtures
 # entry points) register only when asked; sandboxed workers inherit the setting
 os.environ["KFUZZ_FIXTURES"] = "1"

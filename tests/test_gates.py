@@ -42,7 +42,13 @@ CONTROLS = [
 ]
 
 
-@pytest.mark.parametrize("name, gate, kind, output", CONTROLS, ids=[f"{r[1]}-{r[0]}" for r in CONTROLS])
+TRITON_HARNESSES = {"softmax", "rowsum"}     # their kernels are Triton's
+CONTROL_PARAMS = [pytest.param(*r, id=f"{r[1]}-{r[0]}",
+                               marks=[pytest.mark.triton_on_cpu] if r[0].split(".")[0] in TRITON_HARNESSES else [])
+                  for r in CONTROLS]
+
+
+@pytest.mark.parametrize("name, gate, kind, output", CONTROL_PARAMS)
 def test_control_is_caught_by_its_gate_and_the_correct_kernel_passes(name, gate, kind, output, tmp_path):
     r = run_gate(GATES[gate], get_target(name), seed=0, out=tmp_path)
     assert r.status == "fail", r.reason
@@ -57,6 +63,7 @@ def test_control_is_caught_by_its_gate_and_the_correct_kernel_passes(name, gate,
         assert base.status == "pass"
 
 
+@pytest.mark.triton_on_cpu
 def test_the_core_tail_control_is_caught_by_the_shape_gate():
     r = run_gate(GATES["G03"], get_target("rowsum.droptail"), seed=0)
     assert r.status == "fail" and r.first_failure[1].kind == "bound"
@@ -73,6 +80,7 @@ def test_correct_torch_kernels_pass_all_twelve_over_seeds(name):
         assert not bad, bad
 
 
+@pytest.mark.triton_on_cpu
 def test_gate_that_does_not_apply_says_why():
     r = run_gate(GATES["G12"], get_target("softmax"), seed=0)
     assert r.status == "n/a" and "no backward" in r.reason and r.cases == 0
@@ -181,7 +189,7 @@ def _first_failing(gate, target):
     raise AssertionError(f"{target.name} passed {gate.id}")
 
 
-@pytest.mark.parametrize("name, gate, kind, output", CONTROLS, ids=[f"{r[1]}-{r[0]}" for r in CONTROLS])
+@pytest.mark.parametrize("name, gate, kind, output", CONTROL_PARAMS)
 def test_a_worker_gives_the_gates_verdicts_of_this_process(name, gate, kind, output):
     """Each gate's kernel program (call, repeat, guarded, poisoned, rebind, backward) run by the
     sandboxed executor: the control's first failing case fails the same way, and the correct
@@ -298,6 +306,7 @@ def test_verify_jobs_gives_each_gate_process_its_share_of_the_cpus(tmp_path, mon
             os.environ["OMP_NUM_THREADS"] = env
 
 
+@pytest.mark.triton_on_cpu
 def test_the_cache_warmer_calls_the_kernel_on_every_case_the_gates_run(capsys):
     """tools/warm_triton_cache.py (a device verify's compiles, spread over processes first)
     enumerates exactly the cases the gates judge, and calls the kernel on each."""
@@ -323,6 +332,7 @@ def test_the_cache_warmer_calls_the_kernel_on_every_case_the_gates_run(capsys):
            "0 raised" in capsys.readouterr().out
 
 
+@pytest.mark.triton_on_cpu
 def test_the_gate_parts_run_every_case_once_and_judge_as_the_gate_does():
     """tools/gate_part.py (a gate's cases spread over processes on the device): its parts
     together run the gate's cases, each once, with the gate's verdicts: a planted bug's
@@ -351,6 +361,7 @@ def test_the_gate_parts_run_every_case_once_and_judge_as_the_gate_does():
         part.main(["--target", "softmax", "--gate", "G02", "--part", "3/3"])
 
 
+@pytest.mark.triton_on_cpu
 def test_run_case_runs_one_case_and_says_how_it_ended(monkeypatch, capsys):
     """tools/run_case.py (one case, in this process, for a fault's traceback on the device):
     a correct kernel's case returns (exit 0), a kernel that raises is reported with its
@@ -459,6 +470,7 @@ def test_g10_and_g11_cases_reach_odd_sizes_and_shared_elements():
     assert {a.inject[0][0] for c in kept for n, a in c.args if n == "x"} == {0, 16 * 64 // 2, 16 * 64 - 1}
 
 
+@pytest.mark.triton_on_cpu
 def test_bench_gates_puts_each_call_in_its_own_column(capsys):
     """tools/bench_gates.py: a kernel that sleeps shows its time in the kernel column, the
     columns add up to the gate's total, and the bare share is the calls' part of it."""

@@ -117,7 +117,7 @@ def test_cli_run_reports_crash_and_timeout_and_writes_stats(tmp_path):
     from kfuzz.cli import run as _run  # noqa: F401  (registers the verb)
     stats_json = tmp_path / "stats.json"
     r = CliRunner().invoke(cli, ["run", "--target", CRASHHANG, "--runs", "12", "--seed", "10", "--jobs", "1",
-                                 "--timeout", "2", "--root", str(tmp_path), "--stats-json", str(stats_json),
+                                 "--device", "cpu", "--timeout", "2", "--root", str(tmp_path), "--stats-json", str(stats_json),
                                  "--minimize-time", "0"])
     assert r.exit_code == 1, r.output
     stats = json.loads(stats_json.read_text())
@@ -264,6 +264,7 @@ def test_a_timed_campaign_ends_within_seconds_of_its_limit_even_while_compiling(
 def test_a_terminated_campaign_still_writes_its_summary(tmp_path):
     """SIGTERM (a machine's end, a scheduler) stops `kfuzz run` as Ctrl-C does: the cases in
     flight are dropped, the summary and --stats-json are written, and the exit code is 130."""
+    pytest.importorskip("atheris", reason="the coverage engine needs atheris (the dev extra)")
     import json
     import subprocess
     import sys
@@ -274,7 +275,7 @@ def test_a_terminated_campaign_still_writes_its_summary(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not any((tmp_path / "seeds").rglob("*.zst")) and time.monotonic() < deadline:
+        while not any((tmp_path / "seeds").rglob("*.zst")) and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.5)   # running: the coverage engine has kept a case
         time.sleep(1.0)
         p.send_signal(signal.SIGTERM)
@@ -309,6 +310,7 @@ def test_ctrl_c_ends_the_campaign_and_its_workers_and_judges_without_a_traceback
     """A terminal's Ctrl-C sends SIGINT to the whole process group: kfuzz's process stops as on
     SIGTERM (summary, exit 130), and its zygote, workers and judges leave the ending to it,
     without a KeyboardInterrupt traceback each."""
+    pytest.importorskip("atheris", reason="the coverage engine needs atheris (the dev extra)")
     import subprocess
     import sys
     p = subprocess.Popen([sys.executable, "-c", "from kfuzz.cli import main; main()", "run", "--target",
@@ -318,7 +320,7 @@ def test_ctrl_c_ends_the_campaign_and_its_workers_and_judges_without_a_traceback
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
-        while not any((tmp_path / "seeds").rglob("*.zst")) and time.monotonic() < deadline:
+        while not any((tmp_path / "seeds").rglob("*.zst")) and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.5)   # running: the coverage engine has kept a case
         time.sleep(1.0)
         os.killpg(p.pid, signal.SIGINT)
