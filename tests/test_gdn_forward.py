@@ -271,7 +271,9 @@ def _scalars_one_too_far(flag, gflag, gc, gcl, c_first, bos, eos, c, nch, i_h, H
 
 
 @pytest.mark.parametrize("gate,delta,T,cu,nan_in,planted", [
-    ("scalar", True, 260, None, None, True),
+    pytest.param("scalar", True, 260, None, None, True, marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="plants a helper, which the interpreter looks up at each call and a "
+                                          "compiled kernel keeps from its first compile")),
     ("scalar", True, 260, None, "k", False),
     ("none", True, 200, None, "v", False),
     ("vector", True, 150, None, None, False),
@@ -955,7 +957,8 @@ def test_a_campaign_fails_a_chunk_that_spreads_a_later_nan_to_earlier_tokens(tmp
         case = Case.from_json({"kfuzz": 1, "target": name, "dtype": "float32", "seed": 7, "payload": None,
                                "dims": {"B": 1, "T": 20, "H": 1, "K": 4, "V": 4},
                                "args": {"v": {"inject": [[5 * 4 + 1, "nan"]]}}})
-        return run_campaign(get_target(name), Cases(case), Corpus(tmp_path / name), runs=1, jobs=0)
+        return run_campaign(get_target(name), Cases(case), Corpus(tmp_path / name), runs=1, jobs=0,
+                            device=DEV)
 
     bad = campaign("gdn_fwd_linear.maskafter")
     assert [(s.kind, s.output) for s in bad.failures] == [("nonfinite", "o")]
@@ -977,7 +980,7 @@ def test_reference_spreads_a_nan_exactly_as_the_recurrence_does(name):
         ins = {n: t.detach().to(dt).requires_grad_() for n, t in leaves.items()}
         o, ht = call(fn, ins)
         gen = torch.Generator().manual_seed(1)
-        loss = (o * torch.randn(o.shape, generator=gen, dtype=dt)).sum() + (ht * 0.5).sum()
+        loss = (o * torch.randn(o.shape, generator=gen, dtype=dt).to(o.device)).sum() + (ht * 0.5).sum()
         grads = torch.autograd.grad(loss, [ins[n] for n in ("q", "k", "v", "g", "beta", "initial_state")])
         outs[label] = (o, ht, *grads)
     for i, (a, b) in enumerate(zip(outs["reference"], outs["oracle"])):

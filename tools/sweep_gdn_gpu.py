@@ -166,6 +166,9 @@ def main():
     if a.state_configs and (not a.forward or a.tune):
         ap.error("--state-configs sweeps the forward's untuned state pass: add --forward, "
                  "without --tune")
+    if a.device == "cpu":
+        # the interpreter, GPU or not: chosen before triton loads, and the children inherit it
+        os.environ["TRITON_INTERPRET"] = "1"
     if a.child:
         gate, K, cfg = (int(x) for x in a.child.split(","))
         bad = child(gate, K, a.dtype, a.device, vs, a.forward, a.tune,
@@ -176,7 +179,8 @@ def main():
         # teardown, which once aborted a child on the H200 ("terminate called without an
         # active exception", exit -6) after all its cases had printed ok
         os._exit(1 if bad else 0)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the repository root ahead of the PYTHONPATH this process was given
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     if a.launch:
         sys.path.insert(0, str(ROOT))
         from gdn.config import GDNConfig
@@ -184,12 +188,8 @@ def main():
             GDNConfig.from_dict(json.loads(a.launch))
         except (ValueError, TypeError) as e:
             ap.error(f"--launch: {e}")
-    if a.device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
     configs = [-1]
     if a.state_configs:
-        if a.device == "cpu":
-            os.environ["TRITON_INTERPRET"] = "1"    # the interpreter's list, before triton loads
         sys.path.insert(0, str(ROOT))
         from gdn.config import DEFAULT
         from gdn.fwd_state import _state_configs
