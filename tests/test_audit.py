@@ -1427,6 +1427,30 @@ def test_a_cuda_file_is_slimmed_to_torch_types_only_where_it_names_nothing_the_f
         assert slim_cuda_source("#include <torch/extension.h>" + kernel + use) is None, use
 
 
+def test_a_slimmed_copy_is_written_again_only_where_it_changed(tmp_path, monkeypatch):
+    """A second build of the same extension (the kernel's build step after its build ahead)
+    leaves the slimmed copy as it was, so ninja does not compile it again; a changed CUDA file
+    gets a new copy."""
+    import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench import build
+    monkeypatch.setattr(ext, "_write_ninja_file_and_build_library", lambda name, sources, *a, **kw: None)
+    monkeypatch.setattr(build, "_SLIM_USED", [])
+    build.use_slim_cuda()
+    (tmp_path / "cuda.cu").write_text("#include <torch/extension.h>\n__global__ void k() {}\n")
+    copy = tmp_path / "cuda.slim.cu"
+
+    def call():
+        ext._write_ninja_file_and_build_library(name="e", sources=[str(tmp_path / "cuda.cu")], extra_cflags=[],
+                                                build_directory=str(tmp_path), verbose=False, with_cuda=True)
+    call()
+    os.utime(copy, (1_000_000, 1_000_000))        # older than anything a build writes
+    call()
+    assert copy.stat().st_mtime == 1_000_000 and build._SLIM_USED == ["e", "e"]
+    (tmp_path / "cuda.cu").write_text("#include <torch/extension.h>\n__global__ void k2() {}\n")
+    call()
+    assert copy.stat().st_mtime > 1_000_000 and "k2" in copy.read_text()
+
+
 def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_written_files_stay(tmp_path, monkeypatch):
     """The build step compiles load_inline's CUDA file from a slimmed copy beside it; where the
     copy fails, the same call builds the files as written (the original's result decides), and

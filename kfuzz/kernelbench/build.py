@@ -524,6 +524,29 @@ def slim_cuda_source(text: str) -> str | None:
     return _FRONTEND_INCLUDE.sub("#include <torch/types.h>", text)
 
 
+def _write_if_changed(path: str, text: str) -> None:
+    """``text`` at ``path``, written only where the file holds something else (its time stays,
+    so ninja does not compile it again)."""
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return
+    except (OSError, UnicodeDecodeError):
+        pass
+    with open(path + ".part", "w") as f:
+        f.write(text)
+    os.replace(path + ".part", path)
+
+
+def _built_from(obj: str, source: str) -> bool:
+    """Whether the object file ``obj`` is there and no older than its ``source``: compiled
+    from it, in this build or in one before."""
+    try:
+        return os.path.getmtime(obj) >= os.path.getmtime(source)
+    except OSError:
+        return False
+
+
 def use_slim_cuda() -> None:
     """From now on in this process, an extension's CUDA files that load_inline wrote in its
     build folder compile slimmed (``slim_cuda_source``) where they can, else as written."""
@@ -534,7 +557,7 @@ def use_slim_cuda() -> None:
 
     def slimmed(name, sources, *args, **kwargs):
         folder = kwargs.get("build_directory", args[5] if len(args) > 5 else None)
-        light, objects = [], []
+        light, objects = [], []     # objects: (the object ninja makes, the copy it compiles)
         for src in sources:
             text = None
             if folder and src.endswith(".cu") and os.path.dirname(os.path.abspath(src)) == os.path.abspath(folder):
@@ -547,18 +570,15 @@ def use_slim_cuda() -> None:
                 light.append(src)
                 continue
             copy = src[:-len(".cu")] + SLIM_SUFFIX
-            with open(copy + ".part", "w") as f:
-                f.write(text)
-            os.replace(copy + ".part", copy)
+            _write_if_changed(copy, text)     # as load_inline writes its files: ninja rebuilds only what changed
             light.append(copy)
             # where ninja puts the copy's object (torch's naming: the source's stem + ".cuda.o")
-            objects.append(os.path.join(folder, os.path.basename(copy)[:-len(".cu")] + ".cuda.o"))
+            objects.append((os.path.join(folder, os.path.basename(copy)[:-len(".cu")] + ".cuda.o"), copy))
         if objects:
-            start = time.time()
             try:
                 result = build(name, light, *args, **kwargs)
             except Exception:
-                if all(os.path.isfile(o) and os.path.getmtime(o) >= start - 1 for o in objects):
+                if all(_built_from(o, c) for o, c in objects):
                     # the copies compiled: what failed (the host file, the link) fails as written too
                     _SLIM_USED.append(name)
                     raise
