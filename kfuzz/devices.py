@@ -13,6 +13,7 @@ machine without GPUs.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Sequence
 
@@ -23,6 +24,24 @@ CHOICES = ("auto", "cpu", "cuda")
 
 class DeviceError(KfuzzError):
     """A ``--device`` this machine cannot run on, or text that names no device."""
+
+
+# what a Triton kernel compiled for the GPU raises when it is given CPU tensors
+_COMPILED_TRITON_ON_CPU = "cannot be accessed from Triton (cpu tensor?)"
+
+
+def compiled_triton_on_cpu(e: BaseException, device: str) -> DeviceError | None:
+    """The error for ``e``, raised by a kernel called on ``device``, where it is a Triton
+    kernel compiled for the GPU given CPU tensors: this process chose Triton's mode before the
+    device was known (``kfuzz.target.prepare_triton``), so the kernel cannot run here; None
+    for any other exception (the kernel's own)."""
+    if not str(device).startswith("cpu") or os.environ.get("TRITON_INTERPRET") == "1" \
+            or _COMPILED_TRITON_ON_CPU not in str(e):
+        return None
+    return DeviceError("a Triton kernel compiled for the GPU was called on CPU tensors: on the cpu device, "
+                       "Triton kernels run under Triton's interpreter, which must be chosen before their "
+                       "modules are imported (kfuzz's commands do; in Python, set TRITON_INTERPRET=1 first, "
+                       f"or run on cuda): {type(e).__name__}: {e}")
 
 
 def _cuda_count() -> int:

@@ -48,6 +48,7 @@ import torch
 from kfuzz.case import Case
 from kfuzz.compare import BOUND_C, NONFINITE_KINDS, compare, kinds
 from kfuzz.contract import NamespaceSnapshot, current_hooks, overlapping, restore_hooks, threads_left
+from kfuzz.devices import compiled_triton_on_cpu
 from kfuzz.dtypes import torch_dtype, unit_roundoff, widen_float8
 from kfuzz.target import Target, get_target
 from kfuzz.tensors import materialize, raw_bytes
@@ -386,6 +387,11 @@ def call_kernel(target: Target, case: Case, inputs: Mapping[str, torch.Tensor],
                 return None, Verdict(target.name, "crash", detail=f"{DEVICE_ERROR} after the call: {e}",
                                      exc_type=type(e).__name__)
     except Exception as e:
+        mismatch = compiled_triton_on_cpu(e, device.type)
+        if mismatch is not None:
+            namespaces.undo()
+            restore_hooks(hooks)
+            raise mismatch from e
         if device.type == "cuda" and is_device_error(e):
             # the context is unusable after this: a crash, not an exception to carry on from
             namespaces.undo()

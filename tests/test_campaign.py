@@ -89,6 +89,25 @@ def test_the_cpu_device_chooses_tritons_interpreter_also_where_a_gpu_is_visible(
     assert os.environ["TRITON_INTERPRET"] == "0"
 
 
+def test_a_triton_kernel_compiled_for_the_gpu_on_cpu_tensors_is_an_error_of_the_device_not_a_verdict(monkeypatch):
+    """In a process whose Triton compiles for the GPU, a Triton kernel called on the cpu device
+    raises on its first pointer: a DeviceError naming the interpreter, not an exception verdict
+    against the kernel; under the interpreter the same message is the kernel's own exception."""
+    from kfuzz.execute import call_kernel
+
+    def compiled(x):
+        raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+    target = dataclasses.replace(get_target("softmax"), name="softmax.compiled", kernel=compiled)
+    case = Case.make("softmax", "float32", 0, {"N": 2, "D": 8})
+    inputs = {"x": torch.zeros(2, 8)}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(DeviceError, match="Triton's interpreter"):
+        call_kernel(target, case, inputs, torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out, verdict = call_kernel(target, case, inputs, torch.device("cpu"))
+    assert out is None and verdict.kind == "exception" and verdict.exc_type == "ValueError"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the machine's default is compiled Triton")
 @pytest.mark.parametrize("jobs", ["0", "1"])
 def test_a_triton_target_on_the_cpu_of_a_gpu_machine_runs_under_the_interpreter(tmp_path, jobs):
