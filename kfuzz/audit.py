@@ -121,16 +121,20 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  policy: dict | None = None, build_only: bool = False, cases: str | None = None,
                  pch: str | None = None, build_timeout: float | None = None) -> None:
     """``_audit_steps``, then (``starts``) the seconds the kernel's workers took to start (a fork,
-    CUDA, the kernel's import each; part of the steps' own seconds or between them) and how many
-    started."""
+    CUDA, the kernel's import each; part of the steps' own seconds or between them), those
+    seconds by step (``phases``: ``Worker.start_phases``) and how many started."""
     pools: list = []
     try:
         _audit_steps(entry, device, gates, seed, emit, timeout, cache, policy, build_only, cases, pch, build_timeout,
                      pools)
     finally:
         if pools:
+            phases: dict[str, float] = {}
+            for p in pools:
+                for step, seconds in p.start_phases.items():
+                    phases[step] = round(phases.get(step, 0.0) + seconds, 3)
             emit("starts", {"seconds": round(sum(p.start_seconds for p in pools), 3),
-                            "workers": sum(p.spawned for p in pools)})
+                            "workers": sum(p.spawned for p in pools), "phases": phases})
 
 
 def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,

@@ -154,6 +154,7 @@ class Pool:
         self.restarts = 0          # workers started in place of one that died, hung or was dropped
         self.spawned = 0           # workers started in all
         self.start_seconds = 0.0   # spent waiting for workers to be ready, all of them
+        self.start_phases: dict[str, float] = {}   # the workers' starts by step (``Worker.start_phases``), summed
         self.cpu: dict[int, float] = {}   # worker pid -> CPU seconds it reported last
         self.ran: list[set] = [set() for _ in range(jobs)]   # each worker's specializations (submit)
 
@@ -172,8 +173,13 @@ class Pool:
         self.spawned += 1
         if wait:
             self.confinement = self.confinement or w.confinement
-            self.start_seconds += w.start_seconds
+            self._started(w)
         return w
+
+    def _started(self, w: Worker) -> None:
+        self.start_seconds += w.start_seconds
+        for step, seconds in w.start_phases.items():
+            self.start_phases[step] = round(self.start_phases.get(step, 0.0) + seconds, 4)
 
     def start(self) -> None:
         """Start every worker now, all at once (a KeyboardInterrupt meanwhile leaves none running)."""
@@ -184,7 +190,7 @@ class Pool:
             for w in self.workers:
                 if not hasattr(w, "confinement"):
                     w.ready()
-                    self.start_seconds += w.start_seconds
+                    self._started(w)
                 self.confinement = self.confinement or w.confinement
         except BaseException:
             self.abandon()

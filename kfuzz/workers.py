@@ -103,20 +103,32 @@ def start_failure(e: Exception, level: str) -> int | None:
     return CUDA_UNAVAILABLE if level != sandbox.ISOLATION_LEVELS[-1] else None
 
 
+def lap(phases: dict[str, float], name: str, since: float) -> float:
+    """Add the seconds from ``since`` to now to ``phases[name]``; now (``time.monotonic``, one
+    clock for every process of the machine)."""
+    now = time.monotonic()
+    phases[name] = round(phases.get(name, 0.0) + now - since, 4)
+    return now
+
+
 def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, workdir: str | None,
-                 device: str, level: str = "full") -> Connection:
+                 device: str, level: str = "full", phases: dict[str, float] | None = None) -> Connection:
     """A worker's first steps, before it imports its target: its namespaces (while it has one
     thread), its compile cache inside its directory (or kfuzz's campaign cache), and on CUDA
     the driver and Triton's launcher stubs initialised while exec is still allowed. A CUDA
     that does not start inside the namespaces ends the worker with ``CUDA_UNAVAILABLE``; one
     that does not start because the GPU's memory is taken, with ``DEVICE_FULL`` (a state of the
-    GPU that other processes make, never a reason to give up namespaces)."""
+    GPU that other processes make, never a reason to give up namespaces). ``phases`` gets the
+    seconds of each step (``isolation``, ``cuda``, ``triton_driver``)."""
+    phases = {} if phases is None else phases
+    t = time.monotonic()
     if policy is not None:
         sandbox.isolate(policy, level)
         if policy.processes:
             sandbox.adopt_orphans()
     if workdir is not None:
         sandbox.compile_cache(workdir)
+    t = lap(phases, "isolation", t)
     if str(device).startswith("cuda"):
         try:
             torch.zeros(1, device=device)
@@ -125,12 +137,14 @@ def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, w
             if code is None:
                 raise
             os._exit(code)
+        t = lap(phases, "cuda", t)
         try:
             from triton.runtime import driver
             driver.active.get_current_device()
             driver.active.utils     # noqa: B018  (builds Triton's stub with the C compiler, once)
         except Exception:   # noqa: BLE001 - no Triton, or its CUDA driver: a kernel of this target has none
             pass
+        lap(phases, "triton_driver", t)
     prepare_triton(device)
     return Connection(conn_fd)
 
@@ -138,16 +152,21 @@ def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, w
 def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | None, device: str,
                  with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
                  resolve: dict | None = None, preload: tuple[str, ...] = (), level: str = "full") -> None:
-    conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level)
+    entered, phases = time.monotonic(), {}
+    conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level, phases)
+    t = time.monotonic()
     for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
         importlib.import_module(name)
+    t = lap(phases, "preload", t)
     target = load_target(target_name, module, resolve)
+    t = lap(phases, "target", t)
     jit.report_compiles(conn.send_bytes)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
     # confined after the target's import (the harness is trusted), before any kernel call
     confinement = sandbox.confine(policy, workdir, channel_fd) if policy is not None else {}
+    lap(phases, "confinement", t)
     cpu_seconds = policy.cpu_seconds if policy is not None else None
-    conn.send_bytes(pack(("ready", os.getpid(), confinement), []))
+    conn.send_bytes(pack(("ready", os.getpid(), confinement, entered, phases), []))
     while True:
         try:
             msg = conn.recv_bytes()
@@ -210,6 +229,7 @@ class Worker:
         self.level = isolation_level(device)
         self._born = time.monotonic()
         self.start_seconds = 0.0      # from its start to ready: the fork, CUDA, the target's import
+        self.start_phases: dict[str, float] = {}   # those seconds by step (``launch``: to its first line)
         self._start(*self._args, self.level)
         if wait:
             self.ready()
@@ -231,6 +251,7 @@ class Worker:
                 self._start(*self._args, self.level)
 
     def _start(self, target_name, module, device, with_coverage, policy, resolve, preload, level) -> None:
+        self._launched = time.monotonic()
         self.workdir = tempfile.mkdtemp(prefix="kfuzz-worker-")
         self.conn, child = multiprocessing.Pipe()
         self.channel = sandbox.Channel()
@@ -260,7 +281,7 @@ class Worker:
             self.kill()
             raise RuntimeError(f"worker for {target_name!r} did not start within {STARTUP_TIMEOUT:.0f} s")
         try:
-            (kind, _, self.confinement), _ = unpack(self.conn.recv_bytes())
+            (kind, _, self.confinement, entered, phases), _ = unpack(self.conn.recv_bytes())
         except EOFError:
             self.process.join(5)
             code = self.process.exitcode
@@ -272,6 +293,7 @@ class Worker:
                                    f"{self.device} (other processes hold the GPU's memory)") from None
             raise RuntimeError(f"worker for {target_name!r} died while starting ({sandbox.death_name(code)})") from None
         assert kind == "ready"
+        self.start_phases = {"launch": round(entered - self._launched, 4), **phases}
         # where the kernel may start processes, none may outlive its call: the worker's own
         # tree is its relay, the init of its PID namespace and itself (kfuzz.sandbox.isolate)
         self.watch_tree = policy is not None and policy.processes

@@ -603,6 +603,10 @@ def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(
     assert clean["standard"]["passed"] and clean["gates"]["G01"]["status"] == "pass", clean
     # its workers: the build step's, the standard test's, the weights contract's and gates'
     assert clean["starts"]["workers"] >= 3 and 0 < clean["starts"]["seconds"] < clean["seconds"], clean["starts"]
+    # those seconds by step: each worker's launch, then its steps to ready, no more than the whole
+    phases = clean["starts"]["phases"]
+    assert {"launch", "isolation", "preload", "target", "confinement"} <= set(phases), phases
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= clean["starts"]["seconds"] + 0.01, phases
     assert judge_record(clean)["violations"] == []
     assert judge_record(records["compiled_fork"])["violations"] == ["sandbox-fork"]
 
@@ -1752,10 +1756,12 @@ def test_the_throughput_summary_says_where_the_kernels_seconds_go():
     rec = {"key": "c:1", "seconds": 100.0, "build": {"status": "built", "seconds": 20.0},
            "standard": {"passed": True, "reason": "pass", "seconds": 10.0}, "weights": {"seconds": 5.0},
            "gates": {"G01": {"status": "fail", "seconds": 30.0, "minimize_seconds": 15.0},
-                     "G02": {"status": "pass", "seconds": 10.0}}, "starts": {"seconds": 12.0, "workers": 3}}
+                     "G02": {"status": "pass", "seconds": 10.0}},
+           "starts": {"seconds": 12.0, "workers": 3, "phases": {"launch": 3.0, "cuda": 6.0, "target": 1.5}}}
     got = tool.summary([None], [(50.0, rec)], 100.0, {})
     assert (got["gates_share"], got["minimize_share"], got["rest_share"]) == (0.4, 0.15, 0.1), got
-    assert got["worker_starts_share"] == 0.12
+    assert got["worker_starts_share"] == 0.12 and got["worker_start_seconds_mean"] == 4.0
+    assert got["worker_start_steps_mean"] == {"launch": 1.0, "cuda": 2.0, "target": 0.5}
     assert got["build_share"] == 0.2 and got["kernel_seconds_mean"] == 100.0
     assert got["cpu_busy_share"] is None and got["core_seconds_per_kernel"] is None   # not measured
     with_ahead = {**rec, "build": {**rec["build"], "cpu_seconds": 3.0}, "build_ahead": {"seconds": 9.0, "cpu_seconds": 40.0}}

@@ -20,7 +20,9 @@ for the kernels whose own build step compiled), the CPU seconds of a build's com
 kernel's own build step and its build ahead; ``cpu_seconds`` in their records), how many found a
 precompiled header, how many builds failed
 and how many solutions caught their build's error and ran a fallback, and the records' ends
-(complete, killed for time, skipped), and the machine's CPU over the run (``/proc/stat``: the
+(complete, killed for time, skipped), a worker start's mean seconds and their steps (the launch,
+isolation, CUDA, Triton's driver, preloads, the target's import, confinement: printed below the
+table), and the machine's CPU over the run (``/proc/stat``: the
 share of its cores busy, and busy core-seconds per kernel recorded, which bounds the rate a
 machine of as many cores can reach when the run keeps them busy). Needs a machine where
 ``kfuzz audit`` runs (``--allow-unconfined`` is passed: use it where the workers have no OS
@@ -139,6 +141,11 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
     steps["build"] = sum(float(r["build"]["seconds"]) for r in built)
     steps["rest"] = own - sum(steps.values())
     starts = sum(float((r.get("starts") or {}).get("seconds") or 0) for r in recs)   # within the others
+    workers = sum(int((r.get("starts") or {}).get("workers") or 0) for r in recs)
+    steps_of_starts: dict[str, float] = {}
+    for r in recs:
+        for step, seconds in ((r.get("starts") or {}).get("phases") or {}).items():
+            steps_of_starts[step] = steps_of_starts.get(step, 0.0) + float(seconds)
     return {
         "sample": len(entries), "recorded": len(recs), "wall_s": round(wall, 1),
         "kernels_per_hour": round(3600 * len(recs) / wall, 1) if wall else None,
@@ -160,6 +167,8 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
         "core_seconds_per_kernel": round(cpu[0] / len(recs), 1) if cpu and recs else None,
         **{f"{k}_share": round(v / own, 3) if own else None for k, v in steps.items() if k != "build"},
         "worker_starts_share": round(starts / own, 3) if own else None,
+        "worker_start_seconds_mean": round(starts / workers, 3) if workers else None,
+        "worker_start_steps_mean": {k: round(v / workers, 3) for k, v in steps_of_starts.items()} if workers else {},
         "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
     }
 
@@ -236,6 +245,10 @@ def main(argv=None) -> int:
                      f"{'pch' if settings['pch'] else 'no pch'}, {'slim' if settings['slim'] else 'no slim'})", result))
     print(f"{len(entries)} compiling solutions sampled, --budget {a.budget:g} s a run, device {a.device}\n")
     print(table(runs))
+    for name, summary in runs:
+        steps = ", ".join(f"{k} {v:g}" for k, v in summary.get("worker_start_steps_mean", {}).items())
+        print(f"\n{name}: a worker start {summary.get('worker_start_seconds_mean')} s on average"
+              + (f" ({steps})" if steps else ""))
     return 0
 
 
