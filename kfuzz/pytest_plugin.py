@@ -10,12 +10,19 @@ names the file and what is wrong; it never stops the other cases.
 
 Files are collected only under a folder named ``crashes``: other ``.case.zst``
 files (seeds, scratch copies) are not tests.
+
+The cases replay where ``kfuzz replay`` replays them by default (``auto``: cuda where torch
+sees a GPU, else cpu), except in a process whose Triton runs under its interpreter
+(``TRITON_INTERPRET=1``), which replays on the cpu: Triton's mode is chosen once a process.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from kfuzz.corpus import SUFFIX, load
+from kfuzz.devices import resolve_device
 from kfuzz.errors import KfuzzError
 from kfuzz.replay import ReplayResult, replay_file
 from kfuzz.verdict import Signature
@@ -40,6 +47,14 @@ def item_name(path) -> str:
     return f"{case.target}/pass"
 
 
+def replay_device(cuda_count: int | None = None) -> str:
+    """The device this process replays the crash corpus on (``cuda_count``: the GPUs visible,
+    by default torch's count)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    return resolve_device("auto", cuda_count)
+
+
 class CaseFile(pytest.File):
     def collect(self):
         yield CaseItem.from_parent(self, name=item_name(self.path))
@@ -53,7 +68,7 @@ class ReplayMismatch(Exception):
 
 class CaseItem(pytest.Item):
     def runtest(self):
-        result = replay_file(self.path)
+        result = replay_file(self.path, replay_device())
         if result.status != "ok":
             raise ReplayMismatch(result)
 

@@ -242,6 +242,16 @@ def test_only_an_open_failure_hides_a_new_one_with_its_signature(tmp_path):
 
 # the pytest plugin -------------------------------------------------------------------------------
 
+def test_the_crash_corpus_replays_where_this_process_runs_triton(monkeypatch):
+    """As `kfuzz replay` by default (cuda where a GPU is visible), except under Triton's
+    interpreter, which runs its kernels on the CPU; a machine without GPUs replays on the CPU."""
+    from kfuzz.pytest_plugin import replay_device
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert replay_device(cuda_count=1) == "cuda" and replay_device(cuda_count=0) == "cpu"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert replay_device(cuda_count=1) == "cpu"
+
+
 def test_pytest_collects_saved_cases_by_target_and_signature(pytester):
     root = pytester.path
     still = junk("cumsum.inplace", "float32", 0, {"N": 1, "D": 2})
