@@ -129,10 +129,10 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                      pools)
     finally:
         if pools:
+            from kfuzz.workers import add_seconds
             phases: dict[str, float] = {}
             for p in pools:
-                for step, seconds in p.start_phases.items():
-                    phases[step] = round(phases.get(step, 0.0) + seconds, 3)
+                add_seconds(phases, p.start_phases)
             emit("starts", {"seconds": round(sum(p.start_seconds for p in pools), 3),
                             "workers": sum(p.spawned for p in pools), "phases": phases})
 

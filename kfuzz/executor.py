@@ -41,7 +41,7 @@ from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 from kfuzz.wire import rebuild, unpack
-from kfuzz.workers import WORKER_VERDICTS, Worker, death, program_message, worker_policy
+from kfuzz.workers import WORKER_VERDICTS, Worker, add_seconds, death, program_message, worker_policy
 
 # what a program worker imports before it is confined: the programs, and torch._dynamo, which
 # torch.use_deterministic_algorithms (G10) imports and which makes a directory in /tmp
@@ -178,8 +178,7 @@ class Pool:
 
     def _started(self, w: Worker) -> None:
         self.start_seconds += w.start_seconds
-        for step, seconds in w.start_phases.items():
-            self.start_phases[step] = round(self.start_phases.get(step, 0.0) + seconds, 4)
+        add_seconds(self.start_phases, w.start_phases)
 
     def start(self) -> None:
         """Start every worker now, all at once (a KeyboardInterrupt meanwhile leaves none running)."""

@@ -111,6 +111,12 @@ def lap(phases: dict[str, float], name: str, since: float) -> float:
     return now
 
 
+def add_seconds(total: dict[str, float], more: dict[str, float]) -> None:
+    """Add ``more``'s seconds to ``total``'s, step by step (``Worker.start_phases``)."""
+    for step, seconds in more.items():
+        total[step] = round(total.get(step, 0.0) + seconds, 4)
+
+
 def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, workdir: str | None,
                  device: str, level: str = "full", phases: dict[str, float] | None = None) -> Connection:
     """A worker's first steps, before it imports its target: its namespaces (while it has one

@@ -593,7 +593,8 @@ def float8_without_predicates(monkeypatch):
 def test_a_float8_target_is_judged_by_every_gate(float8_without_predicates):
     """float8 inputs and outputs (which torch cannot compare, reduce or promote on the CPU, and
     in some releases cannot test for NaN or Inf) are judged as any others: a correct kernel
-    passes every gate, one that maps NaN to 0 fails G05, one that adds 1 fails G01 on its bound."""
+    passes every gate, one that maps NaN to 0 fails G05, one that adds 1 fails G01 on its bound,
+    and one whose calls differ is measured against its reference's own spread in G08."""
     right = _float8_target(lambda x: (x.float() * 2).to(x.dtype))
     for gid, gate in GATES.items():
         r = run_gate(gate, right, seed=0)
@@ -604,6 +605,12 @@ def test_a_float8_target_is_judged_by_every_gate(float8_without_predicates):
     adds_one = _float8_target(lambda x: (x.float() * 2 + 1).to(x.dtype))
     r = run_gate(GATES["G01"], adds_one, seed=0)
     assert r.status == "fail" and r.first_failure[1].kind == "bound", r.reason
+    calls = iter(range(1 << 30))
+    wobbly = _float8_target(lambda x: (x.float() * 2 * (1 + 0.25 * (next(calls) % 2))).to(x.dtype))
+    limited = dataclasses.replace(wobbly, trusted=wobbly.kernel, options={"reference_limited": True})
+    for t, status in ((wobbly, "fail"), (limited, "pass")):
+        r = run_gate(GATES["G08"], t, seed=0)
+        assert r.status == status, (status, r.reason)
 
 
 def _wobbly(scale):

@@ -47,6 +47,7 @@ from pathlib import Path
 from kfuzz.audit import judge_record, results_key, run_audit
 from kfuzz.kernelbench.build import fell_back
 from kfuzz.kernelbench.corpus import read_corpus
+from kfuzz.workers import add_seconds
 from kfuzz.gates import GATES
 
 
@@ -144,8 +145,7 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
     workers = sum(int((r.get("starts") or {}).get("workers") or 0) for r in recs)
     steps_of_starts: dict[str, float] = {}
     for r in recs:
-        for step, seconds in ((r.get("starts") or {}).get("phases") or {}).items():
-            steps_of_starts[step] = steps_of_starts.get(step, 0.0) + float(seconds)
+        add_seconds(steps_of_starts, (r.get("starts") or {}).get("phases") or {})
     return {
         "sample": len(entries), "recorded": len(recs), "wall_s": round(wall, 1),
         "kernels_per_hour": round(3600 * len(recs) / wall, 1) if wall else None,

@@ -94,23 +94,24 @@ class Determinism(Gate):
         bad = next((v for v in calls if isinstance(v, Verdict)), None)
         if bad is not None:
             return bad
-        first, found, spread = calls[0], None, {}
-        for i, outputs in enumerate(calls[1:], start=2):
-            for name, out in outputs.items():
-                if not _same_bits(out, first[name]):
-                    found = found or (i, name, _first_bit_difference(out, first[name]))
-                    spread[name] = max(spread.get(name, 0.0), _largest_difference(out, first[name]))
-        if found is None:
+        first = calls[0]
+        differing = [(i, name, out) for i, outputs in enumerate(calls[1:], start=2)
+                     for name, out in outputs.items() if not _same_bits(out, first[name])]
+        if not differing:
             return Verdict(target.name, "pass")
-        i, name, j = found
+        i, name, out = differing[0]
+        j = _first_bit_difference(out, first[name])
         own = _reference_spread(target, case, inputs, device) if target.options.get("reference_limited") else {}
+        spread: dict[str, float] = {}     # the kernel's own, where the reference's is known
+        if own:
+            for _, k, o in differing:
+                spread[k] = max(spread.get(k, 0.0), _largest_difference(o, first[k]))
         if own and all(0 < own.get(k, 0.0) and spread[k] <= c * own[k] for k in spread):
             return Verdict(target.name, "pass", detail=(
                 f"reference-limited: calls on the same inputs differ (by at most {spread[name]:.3g} in '{name}'), "
                 f"as the reference in float32 does on them (by at most {own[name]:.3g})"))
         also = (f"; the reference in float32 differs run to run too, by at most {own[name]:.3g}"
                 if own.get(name) else "")
-        out = calls[i - 1][name]
         return Verdict(target.name, "nondeterminism", output=name,
                        detail=(f"call {i} on the same inputs differs from call 1 at flat index {j}: "
                                f"{out.reshape(-1)[j].item()!r} vs {first[name].reshape(-1)[j].item()!r}{also}"))
@@ -119,7 +120,7 @@ class Determinism(Gate):
 def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest absolute difference of two outputs of one shape (NaN at the same position
     in both: none; NaN or Inf in one only: infinite)."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    a, b = widen_float8(a.detach().cpu()).double(), widen_float8(b.detach().cpu()).double()
     diff = (a - b).abs()
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
     diff = torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
