@@ -22,6 +22,14 @@ inf, as on a GPU), another type to bf16 through fp32, and computes every arithme
 comparison, unary, clamp and fma operation with a bf16 operand on the fp32 values, rounding
 an fp32 result to bf16 (a select moves bits and stays as it is). It needs the interpreter's
 ``InterpreterBuilder`` and ``TensorHandle``; without them it does nothing.
+
+``scalar_index`` makes a Triton scalar usable as a Python index with NumPy 2.4 or later. The
+interpreter holds a scalar as a one-element array, and Triton before 3.7 converts it with
+``int(array)`` (``range(n)``, a loop bound, a constexpr argument of a nested call), which NumPy
+2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"); every such
+kernel then raises under the interpreter. The patch converts the array's one element instead,
+whatever the Triton. It needs the interpreter's ``_patch_lang_tensor``; without it it does
+nothing.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import inspect
 
 _INSTALLED = False
 _BF16 = False
+_INDEX = False
 
 
 def share_language_patch() -> bool:
@@ -74,6 +83,38 @@ def share_language_patch() -> bool:
     interpreter._patch_lang = patch_once
     launch.__call__ = run_patched_once
     _INSTALLED = True
+    return True
+
+
+def scalar_index() -> bool:
+    """Install the index patch once per process (see the module docstring); whether it is."""
+    global _INDEX
+    if _INDEX:
+        return True
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None:
+        return False
+
+    def index(self):
+        data = self.handle.data
+        if getattr(data, "size", 1) != 1:
+            raise TypeError(f"a Triton tensor of {data.size} elements is not an index")
+        return int(data.reshape(-1)[0]) if hasattr(data, "reshape") else int(data)
+
+    def patch_lang_tensor(tensor, *rest, **kwargs):
+        patch(tensor, *rest, **kwargs)
+        scope = rest[0] if rest else kwargs.get("scope")
+        if hasattr(scope, "set_attr"):     # restored with the launch's other patches
+            scope.set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    _INDEX = True
     return True
 
 

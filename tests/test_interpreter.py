@@ -1,6 +1,7 @@
 """`kfuzz.interpreter`: under Triton's interpreter, nested jit calls share their launch's
 language patch, and kernels compute what they computed before; bf16 converts and multiplies
-as on a GPU (torch's conversions, bit for bit)."""
+as on a GPU (torch's conversions, bit for bit); a runtime scalar bounds a loop under any
+NumPy."""
 import os
 
 import pytest
@@ -14,7 +15,7 @@ import triton.language as tl  # noqa: E402
 
 from kfuzz.case import ArgCase, Case, Dist  # noqa: E402
 from kfuzz.execute import execute  # noqa: E402
-from kfuzz.interpreter import exact_bf16, share_language_patch  # noqa: E402
+from kfuzz.interpreter import exact_bf16, scalar_index, share_language_patch  # noqa: E402
 from kfuzz.target import get_target  # noqa: E402
 
 
@@ -47,6 +48,39 @@ def test_nested_calls_walk_the_language_once_a_launch_and_compute_the_same(monke
     # triton.language.core once: 10 nested calls and 10 tl.sum calls walk nothing more
     assert 0 < len(walks) <= 10, len(walks)
 
+
+# a scalar as an index -----------------------------------------------------------------------------
+
+@triton.jit
+def _sum_in_blocks(x_ptr, out_ptr, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    acc = tl.zeros([B], dtype=tl.float32)
+    for start in range(0, n, B):      # n: a runtime scalar, an index to Python's range
+        acc += tl.load(x_ptr + start + i, mask=start + i < n, other=0.0)
+    tl.store(out_ptr, tl.sum(acc, axis=0))
+
+
+def test_a_runtime_scalar_bounds_a_loop_where_the_interpreter_converts_it_as_triton_before_3_7(monkeypatch):
+    """Triton before 3.7 made a scalar an index with ``int(array)`` of a one-element array,
+    which NumPy 2.4 refuses: planted here, the loop raises, and ``scalar_index`` repairs it."""
+    import kfuzz.interpreter
+    import numpy as np
+    from triton.runtime import interpreter
+    patch = interpreter._patch_lang_tensor
+
+    def as_triton_before_3_7(tensor, *rest, **kwargs):
+        patch(tensor, *rest, **kwargs)
+        tensor.__index__ = lambda self: int(self.handle.data)   # restored by monkeypatch below
+    monkeypatch.setattr(tl.tensor, "__index__", getattr(tl.tensor, "__index__", None), raising=False)
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", as_triton_before_3_7)
+    monkeypatch.setattr(kfuzz.interpreter, "_INDEX", False)
+    x, out = torch.arange(10, dtype=torch.float32), torch.empty(1)
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
+        with pytest.raises(Exception, match="0-dimensional"):
+            _sum_in_blocks[(1,)](x, out, 10, B=4)
+    assert scalar_index()
+    _sum_in_blocks[(1,)](x, out, 10, B=4)
+    assert out.item() == 45.0
 
 
 # bf16 as on a GPU --------------------------------------------------------------------------------
