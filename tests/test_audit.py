@@ -4,6 +4,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import signal
 import textwrap
 import time
 from pathlib import Path
@@ -502,6 +503,68 @@ def test_a_detached_grandchild_cannot_forge_the_verdict(tmp_path):
     (rec,) = run_audit(read_corpus(corpus), tmp_path / "confined", ["G01"], timeout=120)
     assert judge_record(rec)["violations"] == ["sandbox-fork"] and judge_record(rec)["broken"]
     assert first_failure(rec).startswith("standard sandbox-fork: os.fork()")
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` now (from /proc's parent links)."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+            parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_terminated_audit_ends_its_kernels_and_keeps_its_records(tmp_path):
+    """SIGTERM (a job scheduler, a machine's end) stops `kfuzz audit` as Ctrl-C does: the kernel
+    in flight (its process group, its workers) ends with it, the record already written stays
+    and verifies, and the exit code is 130; a rerun goes on with the kernel left."""
+    import subprocess
+    import sys
+    from kfuzz.audit import RESULTS, read_results
+    def row(code, task):
+        return {"level_id": 1, "task_id": task, "ref_code": (CONTROLS / "reference_relu.py").read_text(),
+                "custom_code": code, "name": f"relu_{task}"}
+    relu = ("import time\nimport torch\nimport torch.nn as nn\n\n\nclass ModelNew(nn.Module):\n"
+            "    def forward(self, x):\n        return torch.relu(x)\n")
+    sleeps = relu.replace("        return", "        time.sleep(600)\n        return")
+    jsonl = tmp_path / "cuda-l1-x.jsonl"
+    jsonl.write_text(json.dumps(row(relu, 1)) + "\n"
+                     + json.dumps(row(sleeps, 2)) + "\n")
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-c", "from kfuzz.cli import main; main()", "audit", str(jsonl), "--out",
+                          str(out), "--gates", "G01", "--device", "cpu", "--timeout", "600"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / RESULTS).exists() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.5)     # the first kernel is recorded; the second sleeps in its standard test
+        time.sleep(5.0)
+        below = _descendants(p.pid)
+        assert below, "no kernel process is running"
+        p.send_signal(signal.SIGTERM)
+        output, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, output
+    assert "interrupted (SIGTERM)" in output and "1 kernel(s) recorded now" in output, output
+    time.sleep(1.0)
+    assert not [pid for pid in below if _alive(pid)], output
+    results = read_results(out / RESULTS)
+    assert list(results) == ["cuda-l1-x.jsonl:0"] and not results.refused
 
 
 def test_a_kernel_out_of_memory_on_a_shared_device_is_run_again_alone_at_the_end(tmp_path, monkeypatch):

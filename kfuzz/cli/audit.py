@@ -1,10 +1,11 @@
 """kfuzz audit CORPUS...: accepted KernelBench kernels through the standard test and the gates."""
+import contextlib
 import sys
 from pathlib import Path
 
 import click
 
-from kfuzz.cli.base import cli, device_option, handles_bad_input
+from kfuzz.cli.base import cli, device_option, handles_bad_input, stop_signals_interrupt
 from kfuzz.errors import KfuzzError
 
 SELECT = ("all", "cpu", "no-compile", "compile")
@@ -89,7 +90,8 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
     run's and earlier ones. Exit 0 when each ends as expected, 1 when any does not (a violation in
     a corpus without expectations, a control whose verdict differs from its planting, a kernel
-    killed for time), 2 on bad input (docs/audit.md, "Exit codes and output")."""
+    killed for time), 2 on bad input, 130 when stopped by SIGINT, SIGTERM or SIGHUP (the records
+written are kept; docs/audit.md, "Exit codes and output")."""
     from kfuzz.audit import RESULTS, judge_record, outcome, read_results, results_key, run_audit
     from kfuzz.gates import parse_gates
     from kfuzz.kernelbench import read_corpus
@@ -111,13 +113,21 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     skipped = [e for e in entries if e.pair is None]  # recorded (cheap), never counted in --limit
     entries = [e for e in entries if e.pair is not None][:limit] + skipped
     now = {}
-    for rec in run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
-                         threads=threads, max_jobs=max_jobs, retry=retry, redo=redo, key=key,
-                         trust_unsigned=trust_unsigned,
-                         allow_unconfined=allow_unconfined, build_jobs=build_jobs, pch=pch,
-                         build_timeout=build_timeout, slim=slim_cuda):
-        now[rec["key"]] = rec
-        click.echo(_line(rec))
+    audit = run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
+                      threads=threads, max_jobs=max_jobs, retry=retry, redo=redo, key=key,
+                      trust_unsigned=trust_unsigned, allow_unconfined=allow_unconfined, build_jobs=build_jobs,
+                      pch=pch, build_timeout=build_timeout, slim=slim_cuda)
+    try:
+        # closed on an interrupt: the kernels in flight and their builds end, unrecorded
+        with stop_signals_interrupt(), contextlib.closing(audit):
+            for rec in audit:
+                now[rec["key"]] = rec
+                click.echo(_line(rec))
+    except KeyboardInterrupt as e:
+        click.echo(f"audit: interrupted ({e.args[0] if e.args else 'SIGINT'}): {len(now)} kernel(s) recorded now "
+                   f"in {Path(out) / RESULTS}, kept; the kernels in flight were stopped unrecorded (run again to "
+                   f"go on)", err=True)
+        sys.exit(130)
     # the whole results file for the selected kernels, this run's records first
     results = read_results(Path(out) / RESULTS, results_key(key) if key else None, trust_unsigned)
     earlier = [results[e.key] for e in entries if e.key not in now and e.key in results]

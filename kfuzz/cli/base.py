@@ -1,9 +1,12 @@
 """The command group every verb registers on (``cli``), how a verb turns bad input into
-exit code 2 (``handles_bad_input``), and the ``--device`` option every verb that runs a kernel
-shares (``device_option``)."""
+exit code 2 (``handles_bad_input``), how a long verb stops on SIGTERM and SIGHUP as on Ctrl-C
+(``stop_signals_interrupt``), and the ``--device`` option every verb that runs a kernel shares
+(``device_option``)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 import sys
 
 import click
@@ -23,6 +26,21 @@ def handles_bad_input(fn):
             click.echo(f"kfuzz: error: {e}", err=True)
             sys.exit(2)
     return wrapper
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt():
+    """SIGTERM and SIGHUP raise KeyboardInterrupt, as SIGINT does, inside the block: a verb
+    stopped by its machine's end or a job scheduler still ends its processes and writes what it
+    has."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    saved = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 @click.group()

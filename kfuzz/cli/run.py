@@ -5,10 +5,8 @@ is printed every 30 s (``--status-interval``). JIT caches (Triton's, ``TORCH_EXT
 live under ``--root``, so that the next campaign on the same root starts warm; beside Triton's
 cache, ``kfuzz-compiles.json`` keeps what the campaigns compiled there, which the scheduler reads
 (``kfuzz.schedule.CompileHistory``)."""
-import contextlib
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -19,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from kfuzz.campaign import MINIMIZE_SECONDS, CampaignStats, run_campaign
-from kfuzz.cli.base import cli, device_option, handles_bad_input
+from kfuzz.cli.base import cli, device_option, handles_bad_input, stop_signals_interrupt
 from kfuzz.corpus import Corpus
 from kfuzz.engines import ENGINES
 from kfuzz.sandbox import Policy, parse_size
@@ -77,20 +75,6 @@ def cache_dirs(root: str) -> dict[str, str]:
             os.environ[var] = str(path)
         out[var] = os.environ[var]
     return out
-
-
-@contextlib.contextmanager
-def _stop_signals_interrupt():
-    """SIGTERM and SIGHUP raise KeyboardInterrupt, as SIGINT does, while the campaign runs: a
-    campaign killed by its machine's end or a job scheduler still writes its summary."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-    saved = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
 
 
 @cli.command("run")
@@ -152,7 +136,7 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, judges, minimize_t
                 shown[0] = stats.seconds     # rendering is not free
                 live.update(_render(stats, limit))
 
-        with _stop_signals_interrupt(), Live(_render(CampaignStats(target.name, engine, jobs), limit),
+        with stop_signals_interrupt(), Live(_render(CampaignStats(target.name, engine, jobs), limit),
                                              console=console, refresh_per_second=4, transient=False) as live:
             stats = campaign(on_progress)
             live.update(_render(stats, limit))
@@ -163,7 +147,7 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, judges, minimize_t
                 click.echo(status_line(stats), err=True)
 
         click.echo(f"kfuzz run {target.name}: {engine} engine, {jobs} job(s) on {device}, {limit}", err=True)
-        with _stop_signals_interrupt():
+        with stop_signals_interrupt():
             stats = campaign(on_progress)
         console.print(_render(stats, limit))
     for sig, n in stats.failures.items():
