@@ -381,8 +381,17 @@ def answer(target: Target, case: Case, name: str, params: dict, layouts: list, s
     if device.startswith("cuda:"):    # a worker pinned to one GPU: Triton launches on the current one
         torch.cuda.set_device(torch.device(device))
     inputs: dict[str, dict[str, torch.Tensor]] = {}
-    for (role, arg, geo), st in zip(layouts, storages):
-        inputs.setdefault(role, {})[arg] = rebuild(st, geo, device)
+    try:
+        for (role, arg, geo), st in zip(layouts, storages):
+            inputs.setdefault(role, {})[arg] = rebuild(st, geo, device)
+    except Exception as e:   # before the kernel runs: only a resource that ran out (a GPU shared with
+        kind = sandbox.resource_kind(type(e).__name__, str(e))     # other processes) is a verdict
+        if kind is None:
+            raise
+        verdict = Verdict(target.name, "crash", exc_type=kind,
+                          detail=f"the case's inputs did not fit on {device}: {type(e).__name__}: {e}"[:2000])
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return pack(("program-done", [], verdict.to_json(), {}, usage.ru_utime + usage.ru_stime, []), []), True
     sandbox.start_case(cpu_seconds)
     outputs, facts, edges = {}, {}, ()
     try:

@@ -510,6 +510,35 @@ def test_a_crash_verdict_goes_back_without_tensors():
     assert crashed and verdict["exc_type"] == "resource-memory" and back == [] and tensors == []
 
 
+def test_inputs_that_do_not_fit_on_the_device_are_a_memory_crash_not_the_workers_death(monkeypatch):
+    """Moving kfuzz's inputs to the device happens before the kernel runs; where the device's
+    memory is taken (a GPU shared with other processes), the answer is the crash
+    ``resource-memory`` (what the audit runs again alone), not a worker dead of the exception
+    (a kernel's ``exit-1``). Any other error there is kfuzz's own and still raises."""
+    import torch
+    from kfuzz import programs
+    from kfuzz.execute import storage_bytes
+    from kfuzz.wire import geometry, unpack
+    target = get_target("softmax")
+    case = Case.make("softmax", "float32", 1, {"N": 2, "D": 5})
+    x = torch.ones(2, 5)
+    layouts, storages = [("in", "x", geometry(x))], [storage_bytes(x)]
+
+    def full(storage, geo, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB.")
+    monkeypatch.setattr(programs, "rebuild", full)
+    msg, crashed = programs.answer(target, case, "call", {}, layouts, storages, "cpu", None)
+    (kind, back, verdict, facts, cpu, edges), tensors = unpack(msg)
+    assert crashed and (verdict["kind"], verdict["exc_type"]) == ("crash", "resource-memory") and back == []
+    assert "inputs did not fit on cpu" in verdict["detail"]
+
+    def broken(storage, geo, device):
+        raise ValueError("a layout kfuzz got wrong")
+    monkeypatch.setattr(programs, "rebuild", broken)
+    with pytest.raises(ValueError):
+        programs.answer(target, case, "call", {}, layouts, storages, "cpu", None)
+
+
 def test_a_process_moved_during_the_walk_of_the_children_files_is_still_found(monkeypatch):
     """The children files are read one process at a time: a child that exits between the
     worker's list and its own hands its child to the worker unseen by that walk. The walk is
