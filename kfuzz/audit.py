@@ -46,6 +46,7 @@ import hmac
 import json
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import tempfile
@@ -122,7 +123,10 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  pch: str | None = None, build_timeout: float | None = None) -> None:
     """``_audit_steps``, then (``starts``) the seconds the kernel's workers took to start (a fork,
     CUDA, the kernel's import each; part of the steps' own seconds or between them), those
-    seconds by step (``phases``: ``Worker.start_phases``) and how many started."""
+    seconds by step (``phases``: ``Worker.start_phases``) and how many started; and (``cpu``) the
+    CPU seconds of this process (the oracle's: ``oracle_process``, from its fork) and of the
+    workers (``workers``, as of each one's last answer; the compilers a build started are the
+    build's own ``cpu_seconds``)."""
     pools: list = []
     try:
         _audit_steps(entry, device, gates, seed, emit, timeout, cache, policy, build_only, cases, pch, build_timeout,
@@ -135,6 +139,9 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                 add_seconds(phases, p.start_phases)
             emit("starts", {"seconds": round(sum(p.start_seconds for p in pools), 3),
                             "workers": sum(p.spawned for p in pools), "phases": phases})
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        emit("cpu", {"oracle_process": round(usage.ru_utime + usage.ru_stime, 3),
+                     "workers": round(sum(p.worker_cpu_seconds for p in pools), 3)})
 
 
 def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
@@ -541,7 +548,7 @@ class _Running:
             if self.record.get("phase") == "build":    # the build had its own limit
                 self.deadline = time.monotonic() + self.timeout
             self.record["phase"] = str(d.get("phase"))
-        elif kind in ("build", "standard", "weights", "adapter", "unbuilt", "error", "starts"):
+        elif kind in ("build", "standard", "weights", "adapter", "unbuilt", "error", "starts", "cpu"):
             self.record[kind] = d
 
     def ended(self) -> str | None:

@@ -1777,6 +1777,9 @@ def test_the_throughput_tool_audits_a_compiled_kernel_and_says_how_it_built(tmp_
     assert rec["build"]["status"] == "built" and rec["build"]["extensions"] and "caught" not in rec["build"], rec
     assert got["build_seconds_mean"] == round(rec["build"]["seconds"], 1), (got, rec["build"])
     assert rec["build"]["cpu_seconds"] > 0 and got["build_cpu_seconds_mean"] == round(rec["build"]["cpu_seconds"], 1)
+    assert rec["cpu"]["oracle_process"] > 0 and rec["cpu"]["workers"] > 0, rec.get("cpu")
+    assert set(got["core_seconds_per_kernel_by_process"]) >= {"compilers", "oracle_process", "workers"}, got
+    assert "core-seconds a kernel by process: compilers" in r.stdout, r.stdout
     row = next(line for line in r.stdout.splitlines() if line.startswith("| kfuzz audit"))
     assert row.split(" | ")[1:4] == ["1", str(got["wall_s"]), str(got["kernels_per_hour"])], r.stdout
 
@@ -1831,6 +1834,12 @@ def test_the_throughput_summary_says_where_the_kernels_seconds_go():
     got = tool.summary([None, None], [(50.0, with_ahead), (90.0, rec)], 100.0, {}, cpu=(800.0, 1600.0))
     assert (got["cpu_busy_share"], got["core_seconds_per_kernel"]) == (0.5, 400.0), got
     assert got["build_cpu_seconds_mean"] == 43.0, got     # over the kernels whose build said
+    # the machine's core-seconds a kernel by process: what the records account for, and the rest
+    cpu = {"oracle_process": 30.0, "workers": 50.0}
+    got = tool.summary([None, None], [(50.0, {**with_ahead, "cpu": cpu}), (90.0, {**rec, "cpu": cpu})], 100.0, {},
+                       cpu=(800.0, 1600.0))
+    assert got["core_seconds_per_kernel_by_process"] == {"compilers": 21.5, "oracle_process": 30.0, "workers": 50.0,
+                                                         "rest": 298.5}, got
     busy, total = tool.machine_cpu()
     assert 0 < busy <= total
 

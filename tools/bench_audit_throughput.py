@@ -24,7 +24,10 @@ and how many solutions caught their build's error and ran a fallback, and the re
 isolation, CUDA, Triton's driver, preloads, the target's import, confinement: printed below the
 table), and the machine's CPU over the run (``/proc/stat``: the
 share of its cores busy, and busy core-seconds per kernel recorded, which bounds the rate a
-machine of as many cores can reach when the run keeps them busy). Needs a machine where
+machine of as many cores can reach when the run keeps them busy), and those core-seconds by
+process (printed below the table): the compilers, the kernel's oracle process and its workers
+(``cpu`` in its record), and the rest (the audit's own process, the builds ahead's processes,
+forkservers, the system). Needs a machine where
 ``kfuzz audit`` runs (``--allow-unconfined`` is passed: use it where the workers have no OS
 sandbox layer, as the audit's docs say).
 
@@ -146,6 +149,14 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
     steps_of_starts: dict[str, float] = {}
     for r in recs:
         add_seconds(steps_of_starts, (r.get("starts") or {}).get("phases") or {})
+    # the machine's core-seconds a kernel by process: the compilers (its builds'), its oracle
+    # process and its workers (its record's ``cpu``), and the rest (the audit's own process, the
+    # builds ahead's processes, forkservers, the system)
+    by_process = {"compilers": sum(cpus), "oracle_process": sum(float((r.get("cpu") or {}).get("oracle_process") or 0)
+                                                                 for r in recs),
+                  "workers": sum(float((r.get("cpu") or {}).get("workers") or 0) for r in recs)}
+    if cpu and recs:
+        by_process["rest"] = cpu[0] - sum(by_process.values())
     return {
         "sample": len(entries), "recorded": len(recs), "wall_s": round(wall, 1),
         "kernels_per_hour": round(3600 * len(recs) / wall, 1) if wall else None,
@@ -169,6 +180,7 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
         "worker_starts_share": round(starts / own, 3) if own else None,
         "worker_start_seconds_mean": round(starts / workers, 3) if workers else None,
         "worker_start_steps_mean": {k: round(v / workers, 3) for k, v in steps_of_starts.items()} if workers else {},
+        "core_seconds_per_kernel_by_process": {k: round(v / len(recs), 1) for k, v in by_process.items()} if recs else {},
         "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
     }
 
@@ -249,6 +261,9 @@ def main(argv=None) -> int:
         steps = ", ".join(f"{k} {v:g}" for k, v in summary.get("worker_start_steps_mean", {}).items())
         print(f"\n{name}: a worker start {summary.get('worker_start_seconds_mean')} s on average"
               + (f" ({steps})" if steps else ""))
+        parts = ", ".join(f"{k} {v:g}" for k, v in summary.get("core_seconds_per_kernel_by_process", {}).items())
+        if parts:
+            print(f"{name}: core-seconds a kernel by process: {parts} (of {summary.get('core_seconds_per_kernel')})")
     return 0
 
 
