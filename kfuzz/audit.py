@@ -400,7 +400,11 @@ def weights_checks(pair, target, device: str, seed: int, loaded, executor: Calla
     - ``reload``: where the case passes with the loaded weights: one forward, then ``Model``'s
       checkpoint of another seed (``RELOAD_SEED``) loaded into the solution and the reference
       alike, and the case again (``weights="reload"``). A solution that copied its weights in
-      ``__init__`` or on its first forward answers with the old ones: stale."""
+      ``__init__`` or on its first forward answers with the old ones: stale.
+
+    Each executor but the one returned is closed when its check ends (``loaded`` too, where the
+    gates judge another): on a GPU shared by several kernels, a worker left idle through the
+    gates keeps a CUDA context and its cached memory from the others."""
     from kfuzz.kernelbench import as_target
     checks: dict = {}
     case, first = _first_reference_case(target, seed, device, loaded)
@@ -408,6 +412,7 @@ def weights_checks(pair, target, device: str, seed: int, loaded, executor: Calla
     if not first.passed:
         own = executor("none")
         _, same = _first_reference_case(target, seed, device, own)
+        (loaded if same.passed else own).close()
         if same.passed:
             gate_ex = own
             checks["derived"] = {"status": "fail", "detail": (
@@ -421,7 +426,8 @@ def weights_checks(pair, target, device: str, seed: int, loaded, executor: Calla
         return checks, gate_ex
     checks["derived"] = {"status": "pass", "detail": "G01's first case passes with Model's weights loaded"}
     other = as_target(pair, device, weights="reload", solution=False)
-    case, again = _first_reference_case(other, seed, device, executor("reload", other))
+    with executor("reload", other) as reloaded:
+        case, again = _first_reference_case(other, seed, device, reloaded)
     checks["reload"] = ({"status": "pass", "detail": "after a first forward, Model's checkpoint of another seed "
                                                      "loaded: G01's first case passes"} if again.passed else
                         {"status": "fail", "detail": (
@@ -444,7 +450,8 @@ def lenient_check(pair, device: str, seed: int, executor: Callable) -> dict:
     (renamed weights do not load by name at all)."""
     from kfuzz.kernelbench import as_target
     other = as_target(pair, device, weights="lenient", solution=False)
-    case, verdict = _first_reference_case(other, seed, device, executor("lenient", other))
+    with executor("lenient", other) as lenient:     # closed once its one case is judged
+        case, verdict = _first_reference_case(other, seed, device, lenient)
     if verdict.kind == "exception" and verdict.exc_type == "WeightsContractError":
         return {"status": "n/a", "detail": verdict.detail[:300]}
     if verdict.passed:

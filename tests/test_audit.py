@@ -1251,14 +1251,27 @@ FOLDED = NORM.replace("class Model(", "class ModelNew(").replace(
 
 
 def _weights_checks(solution: str, name: str, ref: str = LINEAR):
+    """``weights_checks`` on in-process executors; every executor but the one the gates judge
+    with is closed by then."""
     from kfuzz.audit import weights_checks
     from kfuzz.executor import InProcess
     pair = load_pair(ref, solution, name, eval_mode=True)
     target = as_target(pair, weights="seed", solution=False)
+    opened = []
+
+    class Recorded(InProcess):
+        closed = False
+
+        def close(self):
+            self.closed = True
+            super().close()
 
     def executor(weights, on=target):
-        return InProcess(as_target(pair, weights=weights))
-    return weights_checks(pair, target, "cpu", 0, executor("seed"), executor)
+        opened.append(Recorded(as_target(pair, weights=weights)))
+        return opened[-1]
+    checks, gate_ex = weights_checks(pair, target, "cpu", 0, executor("seed"), executor)
+    assert len(opened) == 2 and [ex for ex in opened if not ex.closed] == [gate_ex], checks
+    return checks, gate_ex
 
 
 def test_a_derived_parameter_lands_on_the_weights_contract_not_on_the_gates():
