@@ -806,6 +806,62 @@ def get_init_inputs():
 """
 
 
+CLOSURE = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.ModuleDict(dict(fc=nn.Linear(8, 8)))
+        m = self.mlp
+        self.mlpf = lambda x: m.fc(x)      # minGPT's block keeps its MLP's forward so
+
+
+    def forward(self, x):
+        return self.mlpf(x)
+
+
+batch = 4
+
+
+def get_inputs():
+    return [torch.randn(batch, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_the_oracles_model_calls_its_own_modules_where_the_reference_keeps_them_in_a_closure():
+    """A forward that calls a submodule through a lambda made in ``__init__``: the float64 oracle's
+    model (and the float32 trusted one) is a Model made anew with the checkpoint's values, so its
+    lambda calls its own modules (a copy's called the checkpoint's, on the CPU in float32: on a
+    GPU, "mat1 is on cuda:0, different from other tensors on cpu"). Its own weights changed,
+    its output follows; its values are the checkpoint's."""
+    pair = load_pair(CLOSURE, CLOSURE.replace("class Model(", "class ModelNew("), "closure", eval_mode=True)
+    target = as_target(pair, weights="seed", solution=False)
+    bench = target.options["bench"]
+    x = torch.randn(4, 8, dtype=torch.float64)
+    (name,) = target.args
+    (out,) = target.reference(**{name: x})
+    for dtype in (torch.float64, torch.float32):
+        model = bench.reference_model({"batch": 4}, dtype, "cpu")
+        assert all(p.dtype == dtype for p in model.parameters())
+        want = x.to(dtype) @ model.mlp.fc.weight.T + model.mlp.fc.bias
+        assert torch.allclose(model(x.to(dtype)), want)
+        with torch.no_grad():
+            model.mlp.fc.weight.zero_()
+            model.mlp.fc.bias.fill_(1.0)
+        assert torch.equal(model(x.to(dtype)), torch.ones(4, 8, dtype=dtype))
+    first = bench.reference_model({"batch": 4}, torch.float64, "cpu")     # the same (cached) one
+    assert torch.equal(first.mlp.fc.bias, torch.ones(8, dtype=torch.float64))
+    bench.models.clear()     # made again: the checkpoint's values, as the oracle computed them
+    again = bench.reference_model({"batch": 4}, torch.float64, "cpu")
+    assert torch.equal(again(x), out)
+
+
 def test_the_float64_oracle_lifts_tensors_a_reference_makes_in_float32():
     """A reference that makes float32 tensors inside forward (an explicit dtype, .float()) meets
     its float64 weights in one op: the oracle lifts them to float64 instead of raising."""

@@ -229,23 +229,43 @@ class Bench:
         seed = (RELOAD_SEED if self.weights in ("reload", "lenient") else SEED) if seed is None else seed
         key, init = self._init(dims)
         if (key, "ref", seed) not in self.models:
-            ref = pair_module(self.pair, "ref")
-            with sized(ref, dims):
-                set_seed(seed)
-                model = ref.Model(*init).train(not self.pair.eval_mode)
+            model = self._new_ref(dims, init)
             if seed == RELOAD_SEED:
                 trained(model, seed)
             self.models[(key, "ref", seed)] = model
         return self.models[(key, "ref", seed)]
 
+    def _new_ref(self, dims: dict, init: list, seed: int = SEED) -> torch.nn.Module:
+        """A reference ``Model`` made now at ``dims`` on the CPU, after ``set_seed(seed)``."""
+        ref = pair_module(self.pair, "ref")
+        with sized(ref, dims):
+            set_seed(seed)
+            return ref.Model(*init).train(not self.pair.eval_mode)
+
     def reference_model(self, dims: dict, dtype: torch.dtype, device) -> torch.nn.Module:
+        """The reference at ``dims`` in ``dtype`` on ``device``, with the values of the checkpoint
+        the target judges with (``_ref_cpu``). It is a ``Model`` made anew with that checkpoint
+        loaded, not a copy: a copy's forward may still call the original's modules, where it
+        keeps them in a closure (minGPT's ``self.mlpf = lambda x: m.c_proj(...)``), which stay
+        on the CPU in float32. A model whose state does not load so is copied."""
         key = (self._init(dims)[0], "ref", dtype, str(device))
         if key not in self.models:
-            model = copy.deepcopy(self._ref_cpu(dims)).to(device=device, dtype=dtype)
-            for m in model.modules():     # plain tensor attributes (an LSTM's h0) too
-                for k, v in list(vars(m).items()):
+            checkpoint = self._ref_cpu(dims)
+            model = self._new_ref(dims, self._init(dims)[1])
+            mods, was = list(model.modules()), list(checkpoint.modules())
+            try:
+                if [type(m) for m in mods] != [type(m) for m in was]:
+                    raise RuntimeError("the module trees differ")
+                model.load_state_dict(checkpoint.state_dict())
+                pairs = list(zip(mods, was))
+            except RuntimeError:
+                model = copy.deepcopy(checkpoint)
+                pairs = [(m, m) for m in model.modules()]
+            for m, was in pairs:
+                for k, v in list(vars(was).items()):   # plain tensor attributes (an LSTM's h0) too
                     if isinstance(v, torch.Tensor) and v.is_floating_point():
                         setattr(m, k, v.to(device=device, dtype=dtype))
+            model = model.to(device=device, dtype=dtype)
             self.models[key] = model
         return self.models[key]
 
