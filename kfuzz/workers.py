@@ -161,10 +161,14 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
     entered, phases = time.monotonic(), {}
     conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level, phases)
     t = time.monotonic()
-    for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
-        importlib.import_module(name)
-    t = lap(phases, "preload", t)
-    target = load_target(target_name, module, resolve)
+    try:
+        for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
+            importlib.import_module(name)
+        t = lap(phases, "preload", t)
+        target = load_target(target_name, module, resolve)
+    except Exception as e:      # kfuzz's process says why (a GPU's memory taken while the target loads)
+        conn.send_bytes(pack(("failed", os.getpid(), f"{type(e).__name__}: {e}"[:1500]), []))
+        raise
     t = lap(phases, "target", t)
     jit.report_compiles(conn.send_bytes)
     coverage = HarnessCoverage(harness_files(target)) if with_coverage else None
@@ -287,7 +291,12 @@ class Worker:
             self.kill()
             raise RuntimeError(f"worker for {target_name!r} did not start within {STARTUP_TIMEOUT:.0f} s")
         try:
-            (kind, _, self.confinement, entered, phases), _ = unpack(self.conn.recv_bytes())
+            header, _ = unpack(self.conn.recv_bytes())
+            if header[0] == "failed":
+                self.process.join(5)
+                self.kill()
+                raise RuntimeError(f"worker for {target_name!r} could not load its target: {header[2]}")
+            kind, _, self.confinement, entered, phases = header
         except EOFError:
             self.process.join(5)
             code = self.process.exitcode

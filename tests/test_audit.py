@@ -160,6 +160,28 @@ def test_a_worker_finds_a_pair_by_name():
         pool.close()
 
 
+def test_a_worker_whose_target_does_not_load_says_why_and_a_full_gpu_reads_as_memory(tmp_path):
+    """A worker resolves its ``kb:`` target itself (the reference run at its sizes); where that
+    raises, the worker's start fails with the error's own words, not a bare exit code, so that a
+    GPU's memory taken by other kernels (a reference run out of it) is read as a memory failure
+    (``sandbox.resource_kind``: the audit runs such a kernel again, alone)."""
+    from kfuzz import sandbox
+    from kfuzz.workers import Worker
+    folder = tmp_path / "controls"
+    folder.mkdir()
+    (folder / "reference_full.py").write_text((CONTROLS / "reference_relu.py").read_text().replace(
+        "        return torch.relu(x)",
+        "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"))
+    (folder / "relu.py").write_text("# reference: reference_full.py\nimport torch\nimport torch.nn as nn\n\n\n"
+                                    "class ModelNew(nn.Module):\n    def forward(self, x):\n"
+                                    "        return torch.relu(x)\n")
+    with pytest.raises(RuntimeError) as failed:
+        Worker(f"kb:{folder}:relu", None, "cpu", False, sandbox.Policy(), resolve={"weights": "seed"})
+    said = str(failed.value)
+    assert "could not load its target" in said and "CUDA out of memory" in said, said
+    assert sandbox.resource_kind(type(failed.value).__name__, said) == sandbox.MEMORY
+
+
 # the standard test's report and its side effects ----------------------------------------------
 
 IDENTITY_REF = """import torch
