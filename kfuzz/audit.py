@@ -233,7 +233,9 @@ def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                 raise RuntimeError(w.verdict.detail if w.verdict is not None else "no weights status came back")
             # the kernel process's word (it ran ModelNew to load the weights)
             flags = w.facts.get("flags")
-            record_weights = {"status": "fail" if status.startswith("seed only") else status, "detail": status,
+            # "n/a": no ModelNew to load into (it does not construct; its standard test says why)
+            kind = "fail" if status.startswith("seed only") else "n/a" if status.startswith("n/a") else status
+            record_weights = {"status": kind, "detail": status,
                               "flags": [str(f)[:100] for f in flags[:10]] if isinstance(flags, list) else [],
                               "dims": dict(bench.contract.dims), "fixed": list(bench.contract.fixed),
                               "params": params, "seconds": round(time.monotonic() - start, 3)}

@@ -182,6 +182,29 @@ def test_a_worker_whose_target_does_not_load_says_why_and_a_full_gpu_reads_as_me
     assert sandbox.resource_kind(type(failed.value).__name__, said) == sandbox.MEMORY
 
 
+def test_a_solution_that_does_not_construct_has_no_weights_contract_to_judge(tmp_path):
+    """ModelNew(*get_init_inputs()) raises (a name the solution never defined): its standard test
+    fails at init and every gate on the exception; the weights contract has nothing to load into,
+    so it is n/a saying why, not a check of kfuzz's that could not run (``error``)."""
+    from kfuzz.audit import audit_kernel, weights_failures
+    from kfuzz.kernelbench import read_corpus
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "reference_relu.py").write_text((CONTROLS / "reference_relu.py").read_text())
+    (folder / "undefined.py").write_text("# reference: reference_relu.py\nimport torch\nimport torch.nn as nn\n\n\n"
+                                         "class ModelNew(nn.Module):\n    def __init__(self):\n"
+                                         "        super().__init__()\n        self.n = batch\n\n"
+                                         "    def forward(self, x):\n        return torch.relu(x)\n")
+    (entry,) = [e for e in read_corpus(folder) if e.key.endswith("undefined")]
+    got = {}
+    audit_kernel(entry, "cpu", ["G01"], 0, lambda kind, d: got.setdefault(kind, []).append(d), timeout=120)
+    assert got["standard"][0]["reason"].startswith("init: NameError"), got["standard"]
+    (weights,) = got["weights"]
+    assert weights["status"] == "n/a" and "NameError" in weights["detail"], weights
+    assert weights_failures({"weights": weights}) == []
+    assert got["gate"][0]["status"] == "fail" and got["gate"][0]["kind"] == "exception", got["gate"]
+
+
 # the standard test's report and its side effects ----------------------------------------------
 
 IDENTITY_REF = """import torch

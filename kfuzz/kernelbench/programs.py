@@ -2,7 +2,7 @@
 imported (a worker that runs them preloads it, or resolves a ``kb:`` target through it):
 
 - ``weights``: a solution's weights contract (``Bench.solution_model``), its status and the
-  backend flags the solution changed;
+  backend flags the solution changed (``n/a: ...`` where ``ModelNew`` does not construct);
 - ``standard``: the standard test that accepted the solution (``standard_test``);
 - ``build``: the build of the solution's ``load_inline`` extensions (``build.build_solution``).
 
@@ -18,7 +18,14 @@ from kfuzz.programs import register_program
 
 def weights(target, program, inputs, device):
     bench = target.options["bench"]
-    model = bench.solution_model(dict(bench.contract.dims), device)
+    try:
+        model = bench.solution_model(dict(bench.contract.dims), device)
+    except Exception:
+        if bench.init_error is None:    # the load raised: the contract's failure, as the solution made it
+            raise
+        # no ModelNew to load weights into (its standard test and gates say why): not applicable
+        return None, {}, {"status": f"n/a: ModelNew(*get_init_inputs()) raises {bench.init_error}",
+                          "flags": sorted(bench.flags_changed)}
     del model
     return None, {}, {"status": bench.weights_status or "", "flags": sorted(bench.flags_changed)}
 

@@ -192,6 +192,7 @@ class Bench:
         self.inits: dict = {}           # dims -> (init key, get_init_inputs() there)
         self.cache: dict = {}           # per-dims facts (structure)
         self.weights_status: str | None = None
+        self.init_error: str | None = None      # what ModelNew(*get_init_inputs()) raised, where it did
         self.flags_changed: set[str] = set()    # precision flags the solution set (then put back)
         # a reference whose Model reads a size constant: the problem's models are built under the
         # case's values (the solution's from its own module's copies of the constants), so they
@@ -278,7 +279,11 @@ class Bench:
             with sized(new, own_constants(new, dims) if self.dims_in_models else {}), \
                     precision(PRECISION, self.flags_changed):
                 set_seed(SEED)
-                model = new.ModelNew(*init)
+                try:
+                    model = new.ModelNew(*init)
+                except Exception as e:
+                    self.init_error = f"{type(e).__name__}: {e}"[:500]
+                    raise
             if self.weights == "none":
                 self.weights_status = "same seed"
                 model = model.to(device).train(not self.pair.eval_mode)
