@@ -862,7 +862,6 @@ class Model(nn.Module):
         m = self.mlp
         self.mlpf = lambda x: m.fc(x)      # minGPT's block keeps its MLP's forward so
 
-
     def forward(self, x):
         return self.mlpf(x)
 
