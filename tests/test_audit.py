@@ -1388,6 +1388,21 @@ def test_a_derived_parameter_lands_on_the_weights_contract_not_on_the_gates():
     assert checks["derived"]["status"] == "pass" and checks["reload"]["status"] == "pass", checks
 
 
+def test_the_reload_checkpoint_is_models_of_its_own_seed_moved_as_by_training():
+    """``weights="reload"`` judges against ``Model`` made after ``set_seed(RELOAD_SEED)``, its
+    values then moved (``trained``), in the oracle's model and in the checkpoint alike."""
+    from kfuzz.kernelbench.source import pair_module, set_seed
+    from kfuzz.kernelbench.target import RELOAD_SEED, trained
+    pair = load_pair(LINEAR, LINEAR.replace("class Model(", "class ModelNew("), "verbatim", eval_mode=True)
+    bench = as_target(pair, weights="reload", solution=False).options["bench"]
+    set_seed(RELOAD_SEED)
+    want = pair_module(pair, "ref").Model(*pair_module(pair, "ref").get_init_inputs())
+    trained(want, RELOAD_SEED)
+    got = bench.reference_model(dict(bench.contract.dims), torch.float32, "cpu")
+    for (name, w), (_, g) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(w, g), name
+
+
 def test_a_weight_copied_before_a_checkpoint_is_loaded_is_stale():
     """A transposed copy of the weight made on the first forward passes every gate on the
     same-seed weights, and answers with the old weights after Model's checkpoint of another seed

@@ -230,7 +230,7 @@ class Bench:
         seed = (RELOAD_SEED if self.weights in ("reload", "lenient") else SEED) if seed is None else seed
         key, init = self._init(dims)
         if (key, "ref", seed) not in self.models:
-            model = self._new_ref(dims, init)
+            model = self._new_ref(dims, init, seed)
             if seed == RELOAD_SEED:
                 trained(model, seed)
             self.models[(key, "ref", seed)] = model
