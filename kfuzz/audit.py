@@ -466,10 +466,26 @@ def lenient_check(pair, device: str, seed: int, executor: Callable) -> dict:
         f"the weights made before the load (stale)")[:800]}
 
 
+def _ends_with(pid: int, started: int | None) -> None:
+    """From now on, this process's group (the kernel's oracle process, its zygote and workers)
+    is killed within a second of process ``pid`` (the audit's, started at ``started``) ending,
+    however it ends (SIGKILL included): no kernel runs on unsupervised."""
+    import threading
+    from kfuzz.launcher import running
+
+    def watch() -> None:
+        while running(pid, started):
+            time.sleep(1.0)
+        os.killpg(0, signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True, name="kfuzz-audit-supervisor").start()
+
+
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
            threads: int, max_jobs: int, timeout: float, policy: dict | None, pch: str | None = None,
            cases: str | None = None, build_timeout: float | None = None, stubs: str | None = None,
-           slim: bool = True, build_only: bool = False) -> None:
+           slim: bool = True, build_only: bool = False, supervisor: tuple[int, int | None] | None = None) -> None:
+    """The kernel's oracle process (``audit_kernel``), sending what it finds through ``conn``;
+    ``supervisor``: the audit's process (pid, start), which it does not outlive."""
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
     from kfuzz.kernelbench.build import PCH_ENV, SLIM_ENV
     if pch:
@@ -494,6 +510,8 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     # the kernel's workers are forked from a copy of this process as it is now (all of the above
     # set): everything imported, no CUDA yet, nothing of the oracle's, no pipe to the audit's parent
     fork_server_here(close=(conn.fileno(),))
+    if supervisor is not None:      # a thread, started after the zygote's fork
+        _ends_with(*supervisor)
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
                      os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases, pch, build_timeout)
@@ -544,7 +562,10 @@ class _Running:
                        "trusted_on": args[0], "timeout": timeout}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
-        self.proc = ctx.Process(target=_child, args=(child, entry, *args), kwargs={"build_only": build_only},
+        from kfuzz.launcher import started_at
+        supervisor = (os.getpid(), started_at(os.getpid()))
+        self.proc = ctx.Process(target=_child, args=(child, entry, *args),
+                                kwargs={"build_only": build_only, "supervisor": supervisor},
                                 daemon=False,
                                 name=f"kfuzz-{'build' if build_only else 'audit'}-{entry.key}")
         self.proc.start()

@@ -180,6 +180,13 @@ def started_at(pid: int) -> int | None:
     return None if fields is None else int(fields[19])
 
 
+def running(pid: int, started: int | None) -> bool:
+    """Whether process ``pid`` that started at ``started`` (``started_at``) still runs: not gone,
+    not a zombie, not a later process given the same pid."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X") and int(fields[19]) == started
+
+
 WALKS = 4     # walks of the children files that may disagree before the whole table is scanned
 
 
