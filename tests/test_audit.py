@@ -600,7 +600,7 @@ def test_a_stopped_audit_ends_its_kernels_and_keeps_its_records(tmp_path, stop):
         deadline = time.monotonic() + 240
         while not (out / RESULTS).exists() and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.5)     # the first kernel is recorded; the second sleeps in its standard test
-        time.sleep(5.0)
+        time.sleep(2.0)
         below = _descendants(p.pid)
         assert below, "no kernel process is running"
         p.send_signal(stop)
@@ -612,7 +612,9 @@ def test_a_stopped_audit_ends_its_kernels_and_keeps_its_records(tmp_path, stop):
         assert "interrupted (SIGTERM)" in output and "1 kernel(s) recorded now" in output, output
     else:
         assert p.returncode == -signal.SIGKILL, output
-    time.sleep(3.0)
+    deadline = time.monotonic() + 5.0       # a kernel's process looks for the audit every second
+    while [pid for pid in below if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not [pid for pid in below if _alive(pid)], output
     results = read_results(out / RESULTS)
     assert list(results) == ["cuda-l1-x.jsonl:0"] and not results.refused
