@@ -70,7 +70,8 @@ def test_a_runtime_scalar_bounds_a_loop_where_the_interpreter_converts_it_as_tri
 
     def as_triton_before_3_7(tensor, *rest, **kwargs):
         patch(tensor, *rest, **kwargs)
-        tensor.__index__ = lambda self: int(self.handle.data)   # restored by monkeypatch below
+        tensor.__index__ = lambda self: int(self.handle.data)   # outside the launch's scope: as it was
+    # tl.tensor's own __index__ (none outside the interpreter) comes back after the test
     monkeypatch.setattr(tl.tensor, "__index__", getattr(tl.tensor, "__index__", None), raising=False)
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", as_triton_before_3_7)
     monkeypatch.setattr(kfuzz.interpreter, "_INDEX", False)
