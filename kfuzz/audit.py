@@ -485,7 +485,8 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
            cases: str | None = None, build_timeout: float | None = None, stubs: str | None = None,
            slim: bool = True, build_only: bool = False, supervisor: tuple[int, int | None] | None = None) -> None:
     """The kernel's oracle process (``audit_kernel``), sending what it finds through ``conn``;
-    ``supervisor``: the audit's process (pid, start), which it does not outlive."""
+    ``supervisor``: the audit's process (pid, start), which it does not outlive (unless its start
+    could not be read: then it is not watched)."""
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
     from kfuzz.kernelbench.build import PCH_ENV, SLIM_ENV
     if pch:
@@ -510,7 +511,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     # the kernel's workers are forked from a copy of this process as it is now (all of the above
     # set): everything imported, no CUDA yet, nothing of the oracle's, no pipe to the audit's parent
     fork_server_here(close=(conn.fileno(),))
-    if supervisor is not None:      # a thread, started after the zygote's fork
+    if supervisor is not None and supervisor[1] is not None:    # a thread, started after the zygote's fork
         _ends_with(*supervisor)
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
