@@ -100,10 +100,7 @@ def scalar_index() -> bool:
         return False
 
     def index(self):
-        data = self.handle.data
-        if getattr(data, "size", 1) != 1:
-            raise TypeError(f"a Triton tensor of {data.size} elements is not an index")
-        return int(data.reshape(-1)[0]) if hasattr(data, "reshape") else int(data)
+        return int(self.handle.data.item())     # a one-element array, whatever its number of dims
 
     def patch_lang_tensor(tensor, *rest, **kwargs):
         patch(tensor, *rest, **kwargs)

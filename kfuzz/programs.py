@@ -390,8 +390,7 @@ def answer(target: Target, case: Case, name: str, params: dict, layouts: list, s
             raise
         verdict = Verdict(target.name, "crash", exc_type=kind,
                           detail=f"the case's inputs did not fit on {device}: {type(e).__name__}: {e}"[:2000])
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return pack(("program-done", [], verdict.to_json(), {}, usage.ru_utime + usage.ru_stime, []), []), True
+        return _done(verdict, {}, {}, ()), True
     sandbox.start_case(cpu_seconds)
     outputs, facts, edges = {}, {}, ()
     try:
@@ -408,17 +407,23 @@ def answer(target: Target, case: Case, name: str, params: dict, layouts: list, s
     escape = sandbox.violation()    # recorded even when the kernel caught it
     if escape is not None:
         outputs, facts, verdict = {}, {}, Verdict(target.name, "crash", exc_type=escape[0], detail=escape[1])
+    msg = _done(verdict, outputs, facts, edges)
+    crashed = verdict is not None and verdict.kind == "crash"
+    if not crashed:
+        del inputs, outputs
+        release_device_memory(device)
+    return msg, crashed
+
+
+def _done(verdict: Verdict | None, outputs: dict, facts: dict, edges) -> bytes:
+    """A program's answer: its verdict, the outputs that go back (none after a crash), its facts,
+    the worker's CPU seconds so far and the harness edges."""
     back, tensors = [], []
     for role, ts in sendable(answered(verdict, outputs)).items():
         for arg, t in ts.items():
             back.append((role, arg, geometry(t)))
             tensors.append(t.detach())
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    msg = pack(("program-done", back, None if verdict is None else verdict.to_json(), facts,
-                usage.ru_utime + usage.ru_stime, list(edges)), tensors)
-    crashed = verdict is not None and verdict.kind == "crash"
-    if not crashed:
-        del inputs, outputs, tensors
-        release_device_memory(device)
-    return msg, crashed
+    return pack(("program-done", back, None if verdict is None else verdict.to_json(), facts,
+                 usage.ru_utime + usage.ru_stime, list(edges)), tensors)
 

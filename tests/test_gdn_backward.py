@@ -998,7 +998,7 @@ def test_keys_over_128_launch_the_sequential_kernels_at_one_stage(monkeypatch):
 
 @pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])
 def test_the_gpu_tile_sweep_fails_a_planted_wrong_answer(monkeypatch, capsys, forward):
-    """The sweep's positive control: a kernel whose first output is 1% off (10x the fp32 bound)
+    """The sweep's positive control: a kernel whose first output is 1% off (far past the fp32 bound)
     fails every case it runs, judged and not crashed (on DEV: in this process Triton runs
     the kernels there)."""
     import importlib

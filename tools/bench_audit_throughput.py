@@ -152,9 +152,8 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
     # the machine's core-seconds a kernel by process: the compilers (its builds'), its oracle
     # process and its workers (its record's ``cpu``), and the rest (the audit's own process, the
     # builds ahead's processes, forkservers, the system)
-    by_process = {"compilers": sum(cpus), "oracle_process": sum(float((r.get("cpu") or {}).get("oracle_process") or 0)
-                                                                 for r in recs),
-                  "workers": sum(float((r.get("cpu") or {}).get("workers") or 0) for r in recs)}
+    by_process = {"compilers": sum(cpus),
+                  **{k: sum(float((r.get("cpu") or {}).get(k) or 0) for r in recs) for k in ("oracle_process", "workers")}}
     if cpu and recs:
         by_process["rest"] = cpu[0] - sum(by_process.values())
     return {
@@ -180,7 +179,8 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
         "worker_starts_share": round(starts / own, 3) if own else None,
         "worker_start_seconds_mean": round(starts / workers, 3) if workers else None,
         "worker_start_steps_mean": {k: round(v / workers, 3) for k, v in steps_of_starts.items()} if workers else {},
-        "core_seconds_per_kernel_by_process": {k: round(v / len(recs), 1) for k, v in by_process.items()} if recs else {},
+        "core_seconds_per_kernel_by_process": ({k: round(v / len(recs), 1) for k, v in by_process.items()}
+                                               if recs else {}),
         "ends": ends, "settings": {k: v for k, v in audit.items() if k != "cache"},
     }
 

@@ -91,7 +91,7 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     run's and earlier ones. Exit 0 when each ends as expected, 1 when any does not (a violation in
     a corpus without expectations, a control whose verdict differs from its planting, a kernel
     killed for time), 2 on bad input, 130 when stopped by SIGINT, SIGTERM or SIGHUP (the records
-written are kept; docs/audit.md, "Exit codes and output")."""
+    written are kept; docs/audit.md, "Exit codes and output")."""
     from kfuzz.audit import RESULTS, judge_record, outcome, read_results, results_key, run_audit
     from kfuzz.gates import parse_gates
     from kfuzz.kernelbench import read_corpus

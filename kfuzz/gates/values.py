@@ -421,7 +421,8 @@ def _finite_where_oracle_finite(out, oracle, dtype: str):
     fi = torch.finfo(dt)
     o = oracle.detach().cpu().double()
     edge = o.abs() / float(fi.max)
-    clear = torch.isfinite(widen_float8(o.to(dt))) & ~((edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps)))
+    at_max = (edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps))
+    clear = torch.isfinite(widen_float8(o.to(dt))) & ~at_max
     bad = clear & ~torch.isfinite(out.detach().cpu().double())
     return bad if bad.any() else None
 

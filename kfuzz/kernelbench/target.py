@@ -249,21 +249,22 @@ class Bench:
         loaded, not a copy: a copy's forward may still call the original's modules, where it
         keeps them in a closure (minGPT's ``self.mlpf = lambda x: m.c_proj(...)``), which stay
         on the CPU in float32. A model whose state does not load so is copied."""
-        key = (self._init(dims)[0], "ref", dtype, str(device))
+        init_key, init = self._init(dims)
+        key = (init_key, "ref", dtype, str(device))
         if key not in self.models:
             checkpoint = self._ref_cpu(dims)
-            model = self._new_ref(dims, self._init(dims)[1])
-            mods, was = list(model.modules()), list(checkpoint.modules())
+            model = self._new_ref(dims, init)
+            mods, originals = list(model.modules()), list(checkpoint.modules())
+            pairs = list(zip(mods, originals))
             try:
-                if [type(m) for m in mods] != [type(m) for m in was]:
+                if len(mods) != len(originals) or any(type(m) is not type(c) for m, c in pairs):
                     raise RuntimeError("the module trees differ")
                 model.load_state_dict(checkpoint.state_dict())
-                pairs = list(zip(mods, was))
             except RuntimeError:
                 model = copy.deepcopy(checkpoint)
                 pairs = [(m, m) for m in model.modules()]
-            for m, was in pairs:
-                for k, v in list(vars(was).items()):   # plain tensor attributes (an LSTM's h0) too
+            for m, source in pairs:
+                for k, v in list(vars(source).items()):   # plain tensor attributes (an LSTM's h0) too
                     if isinstance(v, torch.Tensor) and v.is_floating_point():
                         setattr(m, k, v.to(device=device, dtype=dtype))
             model = model.to(device=device, dtype=dtype)
