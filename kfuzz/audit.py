@@ -120,7 +120,7 @@ def finding(verdict) -> dict:
 def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float = 300.0, cache: str | None = None,
                  policy: dict | None = None, build_only: bool = False, cases: str | None = None,
-                 pch: str | None = None, build_timeout: float | None = None) -> None:
+                 pch: str | None = None, build_timeout: float | None = None, built: dict | None = None) -> None:
     """``_audit_steps``, then (``starts``) the seconds the kernel's workers took to start (a fork,
     CUDA, the kernel's import each; part of the steps' own seconds or between them), those
     seconds by step (``phases``: ``Worker.start_phases``) and how many started; and (``cpu``) the
@@ -130,7 +130,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     pools: list = []
     try:
         _audit_steps(entry, device, gates, seed, emit, timeout, cache, policy, build_only, cases, pch, build_timeout,
-                     pools)
+                     pools, built)
     finally:
         if pools:
             from kfuzz.workers import add_seconds
@@ -147,7 +147,7 @@ def audit_kernel(entry: CorpusEntry, device: str, gates: list[str], seed: int,
 def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
                  emit: Callable[[str, dict], None], timeout: float, cache: str | None, policy: dict | None,
                  build_only: bool, cases: str | None, pch: str | None, build_timeout: float | None,
-                 pools: list) -> None:
+                 pools: list, built: dict | None = None) -> None:
     """The build (a solution that compiles), the standard test, the weights contract and each gate
     on one kernel, each result handed to ``emit`` as it ends (``phase`` when a step begins). This
     process is the oracle's: it never runs the solution's source. The build runs in a worker of
@@ -158,7 +158,9 @@ def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     of the workers' Policy fields; ``build_only``: stop after the build (a build ahead of judging);
     ``cases``: the folder for each failing gate's case (``save_gate_case``); ``pch``: the folder of
     precompiled headers the build may read (``build_policy``); ``build_timeout``: the seconds
-    the build may take (default ``timeout``); ``pools``: each executor opened is added to it."""
+    the build may take (default ``timeout``); ``pools``: each executor opened is added to it;
+    ``built``: the facts of the solution's build already run in this cache (a build ahead of
+    judging, ``build_only``), recorded with ``ahead`` in place of a build step."""
     from kfuzz import sandbox
     from kfuzz.case import Case
     from kfuzz.gates import GATES, run_gate
@@ -176,18 +178,21 @@ def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     bare = StandardOnly(pair.target_name, {"pair": pair})
     nothing = Case(pair.target_name, "float32", 0, ())
     if entry.compiles:
-        emit("phase", {"phase": "build"})
-        with kept(Sandboxed(bare, device, build_timeout or timeout, build_policy(device, cache, pch, **overrides),
-                            resolve={"standard": True}, preload=KERNEL_PRELOAD)) as ex:
-            r = ex.run(Program("build", nothing))
-        built = r.facts
-        v = r.verdict
-        if v is None and not isinstance(built.get("status"), str):
-            v = malformed(pair.target_name, f"the build step's report is malformed: {str(built)[:200]}")
-        if v is not None:
-            emit("build", {"status": "finding", **finding(v), "seconds": round(r.seconds, 3)})
-            return
+        if built is not None:
+            built = {**built, "ahead": True}
+        else:
+            emit("phase", {"phase": "build"})
+            with kept(Sandboxed(bare, device, build_timeout or timeout, build_policy(device, cache, pch, **overrides),
+                                resolve={"standard": True}, preload=KERNEL_PRELOAD)) as ex:
+                r = ex.run(Program("build", nothing))
+            built, v = r.facts, r.verdict
+            if v is None and not isinstance(built.get("status"), str):
+                v = malformed(pair.target_name, f"the build step's report is malformed: {str(built)[:200]}")
+            if v is not None:
+                built = {"status": "finding", **finding(v), "seconds": round(r.seconds, 3)}
         emit("build", built)
+        if built["status"] == "finding":
+            return
         if built["status"] != "built":
             emit("unbuilt", {"error": f"build: {built.get('error', '')}"[:2100]})
             return
@@ -483,7 +488,8 @@ def _ends_with(pid: int, started: int | None) -> None:
 def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, cache: str | None,
            threads: int, max_jobs: int, timeout: float, policy: dict | None, pch: str | None = None,
            cases: str | None = None, build_timeout: float | None = None, stubs: str | None = None,
-           slim: bool = True, build_only: bool = False, supervisor: tuple[int, int | None] | None = None) -> None:
+           slim: bool = True, build_only: bool = False, supervisor: tuple[int, int | None] | None = None,
+           built: dict | None = None) -> None:
     """The kernel's oracle process (``audit_kernel``), sending what it finds through ``conn``;
     ``supervisor``: the audit's process (pid, start), which it does not outlive (unless its start
     could not be read: then it is not watched)."""
@@ -515,7 +521,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
         _ends_with(*supervisor)
     try:
         audit_kernel(entry, device, gates, seed, lambda kind, d: conn.send((kind, d)), timeout,
-                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases, pch, build_timeout)
+                     os.environ.get("TORCH_EXTENSIONS_DIR"), policy, build_only, cases, pch, build_timeout, built)
     except BaseException as e:   # what audit_kernel did not catch still reaches the record
         conn.send(("error", {"error": f"{type(e).__name__}: {e}"[:1000], "exc_type": _error_kind(e)}))
     conn.send(("done", {}))
@@ -551,11 +557,13 @@ def out_of_device_memory(record: dict) -> bool:
 
 class _Running:
     def __init__(self, ctx, entry, args, timeout: float, build_only: bool = False, alone: bool = False,
-                 build_timeout: float | None = None):
+                 build_timeout: float | None = None, built: dict | None = None):
         """``timeout``: the kernel's limit; ``build_timeout``: its build's (default ``timeout``),
-        from the start of a solution that compiles until its next step begins."""
+        from the start of a solution that compiles until its next step begins; ``built``: the
+        facts of its build run ahead (``audit_kernel``'s ``built``)."""
         self.entry, self.start, self.timeout, self.alone = entry, time.monotonic(), timeout, alone
-        self.deadline = self.start + ((build_timeout or timeout) if entry.compiles else timeout)
+        builds = entry.compiles and built is None
+        self.deadline = self.start + ((build_timeout or timeout) if builds else timeout)
         # kernel_side: where the solution ran (records before it ran it beside the oracle);
         # trusted_on: where the gates ran the reference in float32, the trusted implementation
         # that scales the bound (where the kernel ran; a record without it ran it on the CPU)
@@ -566,7 +574,7 @@ class _Running:
         from kfuzz.launcher import started_at
         supervisor = (os.getpid(), started_at(os.getpid()))
         self.proc = ctx.Process(target=_child, args=(child, entry, *args),
-                                kwargs={"build_only": build_only, "supervisor": supervisor},
+                                kwargs={"build_only": build_only, "supervisor": supervisor, "built": built},
                                 daemon=False,
                                 name=f"kfuzz-{'build' if build_only else 'audit'}-{entry.key}")
         self.proc.start()
@@ -902,7 +910,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     kernels' sandbox Policy fields. ``max_jobs``: ninja's jobs in each build (default:
     ``$MAX_JOBS``, else this machine's cores shared among the ``jobs`` kernels at once).
     ``build_jobs``: builds of solutions further down the queue that run ahead of their judging (a
-    compile phase beside the judging; the kernel's own build step then finds its extension built).
+    compile phase beside the judging); a kernel built ahead starts once its build has ended, with
+    that build's facts (``ahead`` in its record's ``build``) and no build step of its own.
     ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
     first kernels; a build whose header is still being made waits for it). ``slim``: compile a
     ``load_inline`` CUDA file with its torch frontend includes slimmed where it compiles so
@@ -949,7 +958,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
             str(out_dir / CASES), build_timeout, stubs, slim)
     running: list[_Running] = []
     builders: list[_Running] = []     # builds ahead of judging: no record of their own
-    ahead_builds: dict[str, dict] = {}  # their build facts, joined to their kernel's record
+    ahead_builds: dict[str, dict] = {}  # their build facts, their kernel's build when it starts
     queue = list(todo)
     ahead = [e for e in queue if e.compiles]
     shared_gpu = shares_memory(device) and jobs > 1
@@ -958,8 +967,15 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
         while queue or running or alone:
             if not queue and not running:
                 running.append(_Running(ctx, alone.pop(0), args, timeout, alone=True, build_timeout=build_timeout))
-            while queue and len(running) < jobs:
-                entry = queue.pop(0)
+            # a kernel whose build ahead still runs waits for it: it then starts with that build's
+            # facts and builds nothing itself (two builds of one folder at once would race on
+            # torch's lock: the second imports what the first failed to build)
+            building = {b.entry.key for b in builders}
+            while len(running) < jobs:
+                entry = next((e for e in queue if e.key not in building), None)
+                if entry is None:
+                    break
+                queue.remove(entry)
                 if entry in ahead:
                     ahead.remove(entry)
                 if entry.pair is None:
@@ -967,8 +983,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                     append_record(out, record, secret)
                     yield record
                     continue
-                running.append(_Running(ctx, entry, args, timeout, build_timeout=build_timeout))
-            if not running:
+                running.append(_Running(ctx, entry, args, timeout, build_timeout=build_timeout,
+                                        built=ahead_builds.pop(entry.key, None)))
+            if not running and not builders:
                 continue
             while ahead and len(builders) < build_jobs:
                 builders.append(_Running(ctx, ahead.pop(0), args, timeout, build_only=True,
@@ -998,8 +1015,6 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 if how == "crash":
                     how = f"crash (exit {r.proc.exitcode})"
                 record = r.end(None if how == "done" else how)
-                if r.entry.key in ahead_builds:     # what its build step found was built ahead
-                    record["build_ahead"] = ahead_builds.pop(r.entry.key)
                 running.remove(r)
                 r.conn.close()
                 if shared_gpu and not r.alone and out_of_device_memory(record):

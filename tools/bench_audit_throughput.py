@@ -14,10 +14,10 @@ extension cache, until
 all are recorded or ``--budget`` seconds have passed (the kernels still running then are stopped
 and not counted). Prints, and writes to ``<out>/throughput.json``: kernels recorded, wall seconds,
 kernels an hour (recorded / wall), the rate over the second half of the run, the build's share
-of the kernels' time (build seconds, a kernel's own build step's and its build run ahead by
-``--build-jobs`` (``build_ahead`` in its record), over those and its process's seconds; also
-for the kernels whose own build step compiled), the CPU seconds of a build's compilers (a
-kernel's own build step and its build ahead; ``cpu_seconds`` in their records), how many found a
+of the kernels' time (build seconds, a kernel's own build step's or its build run ahead by
+``--build-jobs`` (``ahead`` in its record's ``build``), over those and its process's seconds;
+also for the kernels whose own build step compiled), the CPU seconds of a build's compilers
+(``cpu_seconds`` in its record's ``build``), how many found a
 precompiled header, how many builds failed
 and how many solutions caught their build's error and ran a fallback, and the records' ends
 (complete, killed for time, skipped), a worker start's mean seconds and their steps (the launch,
@@ -123,14 +123,15 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
     seconds over the run (``machine_cpu``)."""
     recs = [r for _, r in done]
     built = [r for r in recs if isinstance(r.get("build"), dict) and r["build"].get("seconds") is not None]
-    ahead_s = sum(float((r.get("build_ahead") or {}).get("seconds") or 0) for r in built)
-    build_s = sum(float(r["build"]["seconds"]) for r in built) + ahead_s
+    own_build = [r for r in built if not r["build"].get("ahead")]
+    # a build ahead ran in a process of its own, before the kernel's: outside the record's seconds
+    ahead_s = sum(float(r["build"]["seconds"]) for r in built if r["build"].get("ahead"))
+    build_s = sum(float(r["build"]["seconds"]) for r in built)
     kernel_s = sum(float(r.get("seconds") or 0) for r in built) + ahead_s
-    compiled = [r for r in built if float(r["build"]["seconds"]) > 5.0]
+    compiled = [r for r in own_build if float(r["build"]["seconds"]) > 5.0]
     half = [t for t, _ in done if t >= wall / 2]
-    # the compilers' CPU seconds per kernel whose build compiled (its own step's and its build ahead's)
-    cpus = [c for c in (sum(float((r.get(k) or {}).get("cpu_seconds") or 0) for k in ("build", "build_ahead"))
-                        for r in built) if c > 0]
+    # the compilers' CPU seconds per kernel whose build compiled
+    cpus = [c for c in (float(r["build"].get("cpu_seconds") or 0) for r in built) if c > 0]
     first = done[0][0] if done else None
     ends = {"complete": sum(not judge_record(r)["incomplete"] and judge_record(r)["audited"] for r in recs),
             "killed for time": sum(judge_record(r)["incomplete"] for r in recs),
@@ -142,7 +143,7 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
              "gates": sum(float(g.get("seconds") or 0) for r in recs for g in r.get("gates", {}).values()),
              "minimize": sum(float(g.get("minimize_seconds") or 0) for r in recs for g in r.get("gates", {}).values())}
     own = sum(float(r.get("seconds") or 0) for r in recs)
-    steps["build"] = sum(float(r["build"]["seconds"]) for r in built)
+    steps["build"] = sum(float(r["build"]["seconds"]) for r in own_build)
     steps["rest"] = own - sum(steps.values())
     starts = sum(float((r.get("starts") or {}).get("seconds") or 0) for r in recs)   # within the others
     workers = sum(int((r.get("starts") or {}).get("workers") or 0) for r in recs)
@@ -167,7 +168,7 @@ def summary(entries, done: list[tuple[float, dict]], wall: float, audit: dict,
         "build_seconds_mean": round(build_s / len(built), 1) if built else None,
         "build_cpu_seconds_mean": round(sum(cpus) / len(cpus), 1) if cpus else None,
         "compiled_in_own_step": len(compiled),
-        "built_ahead": sum(bool(r.get("build_ahead")) for r in recs),
+        "built_ahead": len(built) - len(own_build),
         "build_failed": sum((r.get("build") or {}).get("status") == "failed" for r in recs),
         "fell_back": sum(fell_back(r.get("build")) for r in recs), "with_precompiled_header": sum(bool(r["build"].get("pch")) for r in built),
         "cuda_slimmed": sum(bool(r["build"].get("slim")) for r in built),
