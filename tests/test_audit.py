@@ -1749,6 +1749,41 @@ def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_wri
             extra_include_paths=[], build_directory=str(folder), verbose=False, with_cuda=True)
 
 
+@pytest.mark.parametrize("host", ["fails", "compiles"])
+def test_a_build_compiles_its_cuda_files_only_where_its_host_files_compiled(tmp_path, monkeypatch, host):
+    """kfuzz.kernelbench.build.host_first: torch's ninja file, with a host compile that fails or
+    not, and a CUDA compile that leaves a mark (no compiler: ninja runs the rules as written)."""
+    import shutil
+    import torch.utils.cpp_extension as ext
+    from kfuzz.kernelbench.build import HostBuildError, host_first
+    if not shutil.which("ninja"):
+        pytest.skip("no ninja here")
+    monkeypatch.setattr(ext, "_run_ninja_build", ext._run_ninja_build)
+    (tmp_path / "main dir").mkdir()
+    for name in ("main dir/main.cpp", "cuda.cu"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "build.ninja").write_text(textwrap.dedent(f"""\
+        rule compile
+          command = {"echo 'main.cpp:4: error: f was not declared' && false" if host == "fails" else "touch $out"}
+        rule cuda_compile
+          command = touch $out
+        rule link
+          command = touch $out
+        build main$ dir.o: compile main$ dir/main.cpp
+        build cuda.cuda.o: cuda_compile cuda.cu
+        build x.so: link main$ dir.o cuda.cuda.o
+        default x.so
+    """))
+    host_first()
+    if host == "fails":
+        with pytest.raises(HostBuildError, match="^Error building extension 'x': .*f was not declared"):
+            ext._run_ninja_build(str(tmp_path), False, "Error building extension 'x'")
+        assert not (tmp_path / "cuda.cuda.o").exists()
+    else:
+        ext._run_ninja_build(str(tmp_path), False, "Error building extension 'x'")
+        assert (tmp_path / "x.so").exists() and (tmp_path / "main dir.o").exists()
+
+
 def test_a_build_step_runs_a_compiler_installed_as_a_script_under_a_prefix_of_its_own(tmp_path, monkeypatch):
     """torch's cpp_extension runs ``$CXX``; where that is a script under a prefix of its own (the
     H200 machine's /opt/gcc/bin/g++), its shell reads it: the build step's confinement lets it

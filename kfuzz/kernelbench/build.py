@@ -58,7 +58,8 @@ original's). A build whose slimmed copies compiled and that failed elsewhere (th
 the link) is not built again: the files as written would fail there the same way, and the
 error is the slimmed build's. The files load_inline wrote stay as written (the kernel's
 workers check them against the build). On by default; ``KFUZZ_SLIM_CUDA=0`` turns it off
-(``kfuzz audit --no-slim-cuda``).
+(``kfuzz audit --no-slim-cuda``). ``host_first`` (in the build step) compiles an extension's
+host files before its CUDA files, and these only where the host files compiled.
 """
 from __future__ import annotations
 
@@ -122,6 +123,7 @@ def build_solution(pair: KernelBenchPair, device: str = "cpu") -> dict:
         use_pch(os.environ[PCH_ENV])
     if os.environ.get(SLIM_ENV, "1") != "0":
         use_slim_cuda()
+    host_first()
     raised = _record_build_errors()
 
     def facts(status: str, error: str | None = None) -> dict:
@@ -577,6 +579,8 @@ def use_slim_cuda() -> None:
         if objects:
             try:
                 result = build(name, light, *args, **kwargs)
+            except HostBuildError:
+                raise      # no CUDA file was compiled: the host file fails as written too
             except Exception:
                 if all(_built_from(o, c) for o, c in objects):
                     # the copies compiled: what failed (the host file, the link) fails as written too
@@ -590,3 +594,55 @@ def use_slim_cuda() -> None:
     slimmed.kfuzz_slim = True
     slimmed.kfuzz_pch = getattr(build, "kfuzz_pch", None)
     ext._write_ninja_file_and_build_library = slimmed
+
+
+# the host files first -----------------------------------------------------------------------------
+
+class HostBuildError(RuntimeError):
+    """A build that failed compiling its host (C++) files, before any CUDA file was compiled."""
+
+
+# a build statement's output (ninja escapes a space or colon in a path with "$")
+_HOST_RULE = re.compile(r"^build ((?:\$.|[^\s$])+): compile ", re.MULTILINE)
+_CUDA_RULE = re.compile(r"^build (?:\$.|[^\s$])+: cuda_compile ", re.MULTILINE)
+
+
+def _ninja(folder: str, verbose: bool, error_prefix: str, targets: list[str], error=RuntimeError) -> None:
+    """ninja on ``targets`` in ``folder``, as torch runs it (``MAX_JOBS``, output kept for the
+    error: ``error_prefix``, then what ninja printed)."""
+    import torch.utils.cpp_extension as ext
+    command = ["ninja", "-v"]
+    jobs = ext._get_num_workers(verbose)
+    if jobs is not None:
+        command += ["-j", str(jobs)]
+    done = subprocess.run(command + targets, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=folder,
+                          env=os.environ.copy())
+    if done.returncode != 0:
+        said = done.stdout.decode(errors="replace") if done.stdout else ""
+        raise error(f"{error_prefix}: {said}" if said else error_prefix)
+
+
+def host_first() -> None:
+    """From now on in this process, an extension with CUDA files compiles its host files first
+    and its CUDA files only where those compiled: most failed ``load_inline`` builds fail in the
+    host file (a function bound in ``functions`` but declared only in the CUDA source), and
+    nvcc's compile, most of a build's CPU time, is then not spent (torch's ninja compiles both
+    at once, and finishes the CUDA file after the host file failed). The build's result is the
+    same; its error names the host file's errors alone where both files have some."""
+    import torch.utils.cpp_extension as ext
+    run = ext._run_ninja_build
+    if getattr(run, "kfuzz_host_first", False):
+        return
+
+    def ordered(build_directory, verbose, error_prefix):
+        try:
+            with open(os.path.join(build_directory, "build.ninja")) as f:
+                rules = f.read()
+        except OSError:
+            rules = ""
+        hosts = [re.sub(r"\$(.)", r"\1", h) for h in _HOST_RULE.findall(rules)]
+        if hosts and _CUDA_RULE.search(rules):
+            _ninja(build_directory, verbose, error_prefix, hosts, HostBuildError)
+        return run(build_directory, verbose, error_prefix)
+    ordered.kfuzz_host_first = True
+    ext._run_ninja_build = ordered
