@@ -607,9 +607,9 @@ _HOST_RULE = re.compile(r"^build ((?:\$.|[^\s$])+): compile ", re.MULTILINE)
 _CUDA_RULE = re.compile(r"^build (?:\$.|[^\s$])+: cuda_compile ", re.MULTILINE)
 
 
-def _ninja(folder: str, verbose: bool, error_prefix: str, targets: list[str], error=RuntimeError) -> None:
-    """ninja on ``targets`` in ``folder``, as torch runs it (``MAX_JOBS``, output kept for the
-    error: ``error_prefix``, then what ninja printed)."""
+def _ninja_hosts(folder: str, verbose: bool, error_prefix: str, targets: list[str]) -> None:
+    """ninja on the host objects ``targets`` in ``folder``, as torch runs it (``MAX_JOBS``; its
+    error, ``HostBuildError``, says ``error_prefix`` and then what ninja printed, as torch's does)."""
     import torch.utils.cpp_extension as ext
     command = ["ninja", "-v"]
     jobs = ext._get_num_workers(verbose)
@@ -619,7 +619,7 @@ def _ninja(folder: str, verbose: bool, error_prefix: str, targets: list[str], er
                           env=os.environ.copy())
     if done.returncode != 0:
         said = done.stdout.decode(errors="replace") if done.stdout else ""
-        raise error(f"{error_prefix}: {said}" if said else error_prefix)
+        raise HostBuildError(f"{error_prefix}: {said}" if said else error_prefix)
 
 
 def host_first() -> None:
@@ -642,7 +642,7 @@ def host_first() -> None:
             rules = ""
         hosts = [re.sub(r"\$(.)", r"\1", h) for h in _HOST_RULE.findall(rules)]
         if hosts and _CUDA_RULE.search(rules):
-            _ninja(build_directory, verbose, error_prefix, hosts, HostBuildError)
+            _ninja_hosts(build_directory, verbose, error_prefix, hosts)
         return run(build_directory, verbose, error_prefix)
     ordered.kfuzz_host_first = True
     ext._run_ninja_build = ordered
