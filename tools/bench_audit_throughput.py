@@ -35,8 +35,9 @@ Prints a table, a row a run: with ``--baseline``, first the same sample audited 
 time with no build ahead, no precompiled header and CUDA files compiled as written (``--jobs 1
 --build-jobs 0 --no-pch --no-slim-cuda``: the
 audit as a plain loop), each run on a fresh cache and results folder, and the rate of the run
-as asked over the baseline's (``/ baseline``). A run's rate counts only kernels recorded, and is
-a compile rate only where ``build failed`` and ``fell back`` are near 0.
+as asked over the baseline's (``/ baseline``). A run's rate counts only kernels recorded. A build
+that fails (``build failed``, or ``fell back``: the solution caught the failure and ran PyTorch)
+costs less compile than one that loads, so a sample's rate is that of its mix of both.
 """
 from __future__ import annotations
 
