@@ -823,6 +823,20 @@ def default_cache() -> Path:
 PCH_FOLDER = "pch"      # beneath the extension cache: torch's extension header, precompiled
 
 
+GPU_JOBS = 16       # kernels at once on a GPU by default, at most: the configuration measured (docs/audit.md)
+
+
+def default_jobs(device: str, jobs: int | None = None) -> tuple[int, int]:
+    """Kernels audited at once (``jobs`` where given) and builds run ahead, by default: on a GPU,
+    one kernel a core of this machine (at most ``GPU_JOBS``) and half as many builds ahead (the
+    cores compile while the GPU judges the kernels already built); on the CPU, one kernel and no
+    build ahead (a kernel's workers, its oracle and the compilers there all share the cores)."""
+    gpu = str(device).startswith("cuda")
+    if jobs is None:
+        jobs = max(1, min(GPU_JOBS, os.cpu_count() or 1)) if gpu else 1
+    return jobs, jobs // 2 if gpu else 0
+
+
 def default_max_jobs(jobs: int) -> int:
     """Ninja's jobs in each build: ``$MAX_JOBS``, else this machine's cores shared among the
     ``jobs`` kernels at once, and at least 2 (a ``load_inline`` build has a host file and a CUDA

@@ -755,6 +755,28 @@ def test_a_kernel_whose_build_ahead_still_runs_waits_for_it_and_keeps_its_facts(
     assert records["slow_build"]["standard"]["passed"], records["slow_build"]["standard"]
 
 
+def test_the_audit_runs_as_many_kernels_as_a_gpu_host_has_cores_by_default(tmp_path, monkeypatch):
+    """kfuzz.audit.default_jobs: on a GPU, a kernel a core (at most 16) and half as many builds
+    ahead; on the CPU, one kernel; what is given is kept. The CLI passes them to run_audit."""
+    from kfuzz.audit import GPU_JOBS, default_jobs
+    monkeypatch.setattr("os.cpu_count", lambda: 12)
+    assert default_jobs("cuda") == (12, 6) and default_jobs("cuda:1", 3) == (3, 1)
+    monkeypatch.setattr("os.cpu_count", lambda: 128)
+    assert default_jobs("cuda") == (GPU_JOBS, GPU_JOBS // 2)
+    assert default_jobs("cpu") == (1, 0) and default_jobs("cpu", 4) == (4, 0)
+    asked = {}
+
+    def run_audit(entries, out, gates, **kw):
+        asked.update(kw)
+        return iter(())
+    monkeypatch.setattr("kfuzz.audit.run_audit", run_audit)
+    r = CliRunner().invoke(cli, ["audit", str(CONTROLS), "--out", str(tmp_path / "o"), "--device", "cpu"])
+    assert (asked["jobs"], asked["build_jobs"]) == (1, 0), (r.output, asked)
+    CliRunner().invoke(cli, ["audit", str(CONTROLS), "--out", str(tmp_path / "o"), "--device", "cpu",
+                             "--jobs", "2", "--build-jobs", "1"])
+    assert (asked["jobs"], asked["build_jobs"]) == (2, 1), asked
+
+
 def test_a_build_has_its_own_time_limit_apart_from_the_kernels(tmp_path):
     """A solution that compiles gets ``build_timeout`` for its build (a build ahead of judging
     too), then ``timeout`` for its standard test and gates; one that does not, ``timeout``."""

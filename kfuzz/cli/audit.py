@@ -42,7 +42,9 @@ def _line(rec: dict) -> str:
 @click.option("--standard", type=click.Choice(["kernelbench"]), default="kernelbench", show_default=True,
               help="The standard test reported beside the gates.")
 @click.option("--limit", type=int, default=None, help="Audit at most N kernels (after selection and order).")
-@click.option("--jobs", type=int, default=1, show_default=True, help="Kernels audited (and compiled) at once.")
+@click.option("--jobs", type=int, default=None,
+              help="Kernels audited (and compiled) at once (default: on a GPU, one a core, at most 16; on the "
+                   "CPU, 1).")
 @click.option("--out", type=click.Path(file_okay=False), default="out/audit", show_default=True,
               help="OUT/results.jsonl gets one signed line a kernel; a rerun skips what is there.")
 @click.option("--gates", default=None, help="Comma-separated gate ids (default: all twelve).")
@@ -62,8 +64,9 @@ def _line(rec: dict) -> str:
 @click.option("--max-jobs", type=int, default=None,
               help="MAX_JOBS (ninja's jobs) for each extension build (default: $MAX_JOBS, else the cores divided "
                    "by --jobs, at least 2).")
-@click.option("--build-jobs", type=int, default=0, show_default=True,
-              help="Builds of load_inline solutions further down the queue run ahead of their judging, N at once.")
+@click.option("--build-jobs", type=int, default=None,
+              help="Builds of load_inline solutions further down the queue run ahead of their judging, N at once "
+                   "(default: on a GPU, half of --jobs; on the CPU, 0).")
 @click.option("--pch/--no-pch", default=True, show_default=True,
               help="Precompile torch's extension header once per set of host-file flags, beneath --cache, "
                    "for the load_inline builds.")
@@ -92,10 +95,12 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     a corpus without expectations, a control whose verdict differs from its planting, a kernel
     killed for time), 2 on bad input, 130 when stopped by SIGINT, SIGTERM or SIGHUP (the records
     written are kept; docs/audit.md, "Exit codes and output")."""
-    from kfuzz.audit import RESULTS, judge_record, outcome, read_results, results_key, run_audit
+    from kfuzz.audit import RESULTS, default_jobs, judge_record, outcome, read_results, results_key, run_audit
     from kfuzz.gates import parse_gates
     from kfuzz.kernelbench import read_corpus
     ids = parse_gates(gates)
+    jobs, ahead = default_jobs(device, jobs)
+    build_jobs = ahead if build_jobs is None else build_jobs
     if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1) or build_jobs < 0:
         raise KfuzzError("--jobs and --max-jobs must be >= 1, --limit and --build-jobs >= 0")
     entries = [e for path in corpora for e in read_corpus(path)]
