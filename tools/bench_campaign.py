@@ -22,6 +22,12 @@ checks, no pipes; on warm caches. The ratio is kfuzz's warm rate over it. The ta
 
 ``--judges N`` gives every campaign N judges instead of kfuzz's default (one a worker on a
 GPU), to compare in one call.
+
+``--phases`` runs some of the three (``cold``, ``warm``, ``bare``), and ``--cache DIR`` keeps
+each target's and ``--jobs`` value's caches in ``DIR/<target>-<jobs>`` (made where missing,
+reused where there), so that the runs of one row can be split across machines' sessions: a
+cold campaign in one, then, with ``DIR`` carried over, the warm campaign and the bare loop in
+another (a warm row's ratio needs the bare loop in the same call).
 """
 from __future__ import annotations
 
@@ -139,11 +145,17 @@ def main() -> None:
     ap.add_argument("--judges", type=int, default=None, help="Each campaign's --judges (default: kfuzz's own).")
     ap.add_argument("--work", default=None, help="Folder for caches and campaign roots (default: a temporary one).")
     ap.add_argument("--json", default=None, help="Also write every measurement here.")
+    ap.add_argument("--phases", default="cold,warm,bare", help="Which of cold, warm and bare to run.")
+    ap.add_argument("--cache", default=None,
+                    help="Keep the caches in DIR/<target>-<jobs>, reused where there (default: fresh ones).")
     ap.add_argument("--bare", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.bare:
         print(json.dumps(bare_loop(a.bare, a.seconds, a.device, a.seed)))
         return
+    phases = set(a.phases.split(","))
+    if not phases or phases - {"cold", "warm", "bare"}:
+        ap.error(f"--phases {a.phases}: a comma-separated choice of cold, warm and bare")
     sys.path.insert(0, str(HERE))
     from kfuzz.devices import resolve_device
     device = resolve_device(a.device)
@@ -158,17 +170,22 @@ def main() -> None:
     for target in a.targets.split(","):
         bare_rate = None
         for jobs in (int(j) for j in a.jobs.split(",")):
-            cache = Path(tempfile.mkdtemp(prefix=f"cache-{target}-{jobs}-", dir=work))
+            if a.cache:
+                cache = Path(a.cache) / f"{target}-{jobs}"
+                cache.mkdir(parents=True, exist_ok=True)
+            else:
+                cache = Path(tempfile.mkdtemp(prefix=f"cache-{target}-{jobs}-", dir=work))
             for kind in ("cold", "warm"):
-                s = campaign(target, jobs, a.seconds, device, cache, work, a.seed, a.judges)
-                if kind == "warm" and bare_rate is None:
+                s = campaign(target, jobs, a.seconds, device, cache, work, a.seed, a.judges) if kind in phases else None
+                if kind == "warm" and bare_rate is None and "bare" in phases:
                     b = bare(target, a.seconds, device, cache, a.seed)
                     bare_rate = b["executions"] / b["seconds"]
                     results.append({"target": target, "bare": b})
                     print(f"| {target} | bare loop | warm | {b['executions']} | {b['seconds']:.0f} | "
                           f"{bare_rate:.2f} | {b['first'] or 0:.1f} | | | | | | | 1.00 |", flush=True)
-                results.append({"target": target, "jobs": jobs, "caches": kind, "stats": s})
-                print(row(target, jobs, kind, s, bare_rate), flush=True)
+                if s is not None:
+                    results.append({"target": target, "jobs": jobs, "caches": kind, "stats": s})
+                    print(row(target, jobs, kind, s, bare_rate), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
 
