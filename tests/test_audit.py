@@ -2088,6 +2088,32 @@ def g05_classes(fact: str) -> dict:
     return report.summarize(recs)["arguable"]
 
 
+def test_a_one_element_output_of_another_shape_alone_is_its_own_arguable_class():
+    """A loss returned with shape [1] where the reference's is 0-d fails every gate's contract
+    check, and nothing else: the report's class of its own. Another shape, or another failure
+    beside it, is not in the class."""
+    from kfuzz.case import Case
+    from kfuzz.execute import contract_violation
+    from kfuzz.target import Arg, Dim, Output, Target
+
+    target = Target("c", lambda x: x.sum(), lambda x: x.sum(), {"x": Arg(("N",))}, {"loss": Output(())},
+                    {"N": Dim(1, 8)})
+    case = Case("c", "float32", 0, (("N", 4),))
+    details = {shape: contract_violation({"loss": torch.zeros(shape)}, target, case, torch.device("cpu"))[1]
+               for shape in ((1,), (2,))}
+
+    def record(i, detail, kinds=None):
+        gate = {"status": "fail", "kind": "contract", "verdict": {"kind": "contract", "detail": detail}}
+        if kinds:
+            gate["failing_kinds"] = kinds
+        return {"key": f"c:{i}", "target": f"kb:c:{i}", "weights": {"status": "exact"},
+                "standard": {"passed": False, "reason": "shape"}, "gates": {"G01": gate, "G02": dict(gate)}}
+    recs = [record(0, details[(1,)]), record(1, details[(2,)]), record(2, details[(1,)], {"contract": 3, "bound": 1})]
+    assert all(judge_record(r)["violations"] == ["G01", "G02"] for r in recs)
+    label = next(k for k in audit_report().summarize([recs[0]])["arguable"] if k.startswith("only the shape"))
+    assert [audit_report().summarize([r])["arguable"][label] for r in recs] == [1, 0, 0]
+
+
 ROW_SUMS = """import torch
 import torch.nn as nn
 

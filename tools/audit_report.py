@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -137,6 +138,27 @@ def g05_fact(rec: dict, fact: str) -> bool:
     return bool(m.get(fact))
 
 
+# a contract failure on the shape of an output of one element: [1] against a 0-d reference, or [1, 1]
+ONE_ELEMENT_SHAPE = re.compile(r"has shape \[[1, ]*\], the contract says \[[1, ]*\]$")
+
+
+def one_element_shape_only(rec: dict, violations: list[str]) -> bool:
+    """Whether every violation is a gate whose every failing case broke the call contract on the
+    shape of a one-element output alone (a loss returned with shape [1] where the reference
+    returns a 0-d tensor): the values were not judged."""
+    gates = rec.get("gates", {})
+    if not violations or any(v not in gates for v in violations):
+        return False
+    for v in violations:
+        g = gates[v]
+        verdict = g.get("verdict") or {}
+        if verdict.get("kind") != "contract" or not ONE_ELEMENT_SHAPE.search(str(verdict.get("detail", ""))):
+            return False
+        if set(g.get("failing_kinds") or {"contract": 1}) != {"contract"}:
+            return False
+    return True
+
+
 def lenient_pass(rec: dict) -> bool:
     """Whether the solution, whose state_dict fails ``Model``'s strict load, gives the numbers of
     ``Model``'s checkpoint loaded with ``strict=False`` (``kfuzz.audit.lenient_check``)."""
@@ -205,6 +227,8 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
             j[r["key"]]["violations"] == ["G05"] and g05_fact(r, "kinds_only") for r in audited),
         "only G05, non-finite where the reference's value ignores the injected special": sum(
             j[r["key"]]["violations"] == ["G05"] and g05_fact(r, "where_ignored") for r in audited),
+        "only the shape of a one-element output ([1] where the reference returns a 0-d tensor; its values "
+        "not judged)": sum(one_element_shape_only(r, j[r["key"]]["violations"]) for r in audited),
     }
     return {
         "records": len(records), "corpus_records": len(corpus),
