@@ -110,6 +110,27 @@ def test_audit_cli_refuses_to_redo_a_kernel_not_in_its_corpora(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_audit_cli_redoes_the_keys_of_a_file(tmp_path, monkeypatch):
+    """--redo @FILE: the keys listed in FILE, whitespace-separated, beside keys given one by one;
+    a file that cannot be read, or a key in it not in the corpora, is bad input."""
+    asked = {}
+
+    def run_audit(entries, out, gates, **kw):
+        asked.update(kw)
+        return (record for record in ())
+    monkeypatch.setattr("kfuzz.audit.run_audit", run_audit)
+    (tmp_path / "keys").write_text("kernelbench_controls:drops_nan\n  kernelbench_controls:skips_tail\n")
+    args = ["audit", str(CONTROLS), "--out", str(tmp_path / "out"), "--device", "cpu"]
+    r = CliRunner().invoke(cli, args + ["--redo", f"@{tmp_path / 'keys'}", "--redo", "kernelbench_controls:drops_bias"])
+    assert sorted(asked["redo"]) == [f"kernelbench_controls:{k}" for k in
+                                                          ("drops_bias", "drops_nan", "skips_tail")], (r.output, asked)
+    r = CliRunner().invoke(cli, args + ["--redo", f"@{tmp_path / 'none'}"])
+    assert r.exit_code == 2 and "cannot read the file of keys" in r.output, r.output
+    (tmp_path / "keys").write_text("kernelbench_controls:nope")
+    r = CliRunner().invoke(cli, args + ["--redo", f"@{tmp_path / 'keys'}"])
+    assert r.exit_code == 2 and "no such kernel" in r.output, r.output
+
+
 def test_ci_audit_controls_and_cpu_rows(tmp_path):
     """The CPU-runnable CUDA-L1 rows named in reports/audit/ci_rows.json end as recorded there, and
     every control ends as planted (each kernel in its own sandboxed process)."""
@@ -768,7 +789,7 @@ def test_the_audit_runs_as_many_kernels_as_a_gpu_host_has_cores_by_default(tmp_p
 
     def run_audit(entries, out, gates, **kw):
         asked.update(kw)
-        return iter(())
+        return (record for record in ())
     monkeypatch.setattr("kfuzz.audit.run_audit", run_audit)
     r = CliRunner().invoke(cli, ["audit", str(CONTROLS), "--out", str(tmp_path / "o"), "--device", "cpu"])
     assert (asked["jobs"], asked["build_jobs"]) == (1, 0), (r.output, asked)

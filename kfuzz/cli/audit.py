@@ -37,6 +37,20 @@ def _line(rec: dict) -> str:
     return head + f"  {rec.get('seconds', 0):.1f}s"
 
 
+def _redo_keys(given) -> list[str]:
+    """``--redo`` values as keys: ``@FILE`` stands for the whitespace-separated keys in FILE."""
+    keys = []
+    for value in given:
+        if not value.startswith("@"):
+            keys.append(value)
+            continue
+        try:
+            keys += Path(value[1:]).read_text().split()
+        except (OSError, UnicodeDecodeError) as e:
+            raise KfuzzError(f"--redo {value}: cannot read the file of keys: {e}") from e
+    return keys
+
+
 @cli.command("audit")
 @click.argument("corpora", nargs=-1, required=True, type=click.Path())
 @click.option("--standard", type=click.Choice(["kernelbench"]), default="kernelbench", show_default=True,
@@ -75,9 +89,10 @@ def _line(rec: dict) -> str:
                    "<torch/types.h> where it compiles so, else as written.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
-@click.option("--redo", "redo", multiple=True, metavar="KEY",
+@click.option("--redo", "redo", multiple=True, metavar="KEY|@FILE",
               help="Audit this kernel again whatever its record says (its key, e.g. cuda-l1-h100.jsonl:148; "
-                   "repeatable): a record made before a fix of kfuzz's.")
+                   "repeatable; @FILE: the keys in FILE, separated by whitespace): a record made before a fix "
+                   "of kfuzz's.")
 @click.option("--key", type=click.Path(dir_okay=False), default=None,
               help="The key file that signs OUT/results.jsonl, outside OUT (default $KFUZZ_AUDIT_KEY, else "
                    "~/.config/kfuzz/audit.key; made on first use).")
@@ -104,6 +119,7 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1) or build_jobs < 0:
         raise KfuzzError("--jobs and --max-jobs must be >= 1, --limit and --build-jobs >= 0")
     entries = [e for path in corpora for e in read_corpus(path)]
+    redo = _redo_keys(redo)
     unknown = sorted(set(redo) - {e.key for e in entries})
     if unknown:
         raise KfuzzError(f"--redo {unknown[0]}: no such kernel in the corpora given"
