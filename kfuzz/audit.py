@@ -674,12 +674,14 @@ def _mac(key: bytes, record: dict) -> str:
 class Results(dict):
     """Records by key, the last valid line of a key winning (a retried kernel appends a new one);
     ``refused``: (line number, why) for each line that is not a valid signed record (a torn line,
-    no HMAC, an HMAC that fails); ``unsigned``: lines taken without an HMAC (``trust_unsigned``)."""
+    no HMAC, an HMAC that fails); ``unsigned``: lines taken without an HMAC (``trust_unsigned``);
+    ``unsigned_keys``: the keys whose record taken is such a line."""
 
     def __init__(self):
         super().__init__()
         self.refused: list[tuple[int, str]] = []
         self.unsigned = 0
+        self.unsigned_keys: set[str] = set()
 
 
 def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: bool = False) -> Results:
@@ -716,6 +718,10 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
         elif key is None or not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, rec)):
             out.refused.append((n, f"{name}: the HMAC does not match (forged or altered, or another key's)"))
             continue
+        if mac is None:
+            out.unsigned_keys.add(name)
+        else:
+            out.unsigned_keys.discard(name)
         out[name] = rec
     return out
 

@@ -508,6 +508,9 @@ def test_forged_altered_and_unsigned_results_are_refused(tmp_path, audit_key):
     # lines made before results were signed are taken only when asked, and counted
     trusted = read_results(path, trust_unsigned=True)
     assert trusted["c:k"]["standard"]["passed"] is True and trusted.unsigned == 1
+    assert trusted.unsigned_keys == {"c:k"}          # the record taken is the unsigned line
+    append_record(tmp_path, record)                  # a signed line after it: the key's record is signed
+    assert read_results(path, trust_unsigned=True).unsigned_keys == set()
     # under another key nothing verifies
     assert read_results(path, key=b"x" * 64).refused[0][0] == 1
     assert results_key(audit_key) == results_key()

@@ -322,7 +322,9 @@ def markdown(s: dict) -> str:
               if s.get("trusted_on") else ""), "",
            *([f"Results lines: {s['lines_refused']} refused (not a record, or its HMAC fails: forged, altered, "
               f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (made before results were "
-              f"signed).", ""] if s.get("lines_refused") or s.get("lines_unsigned") else []),
+              f"signed); {s.get('unsigned_audited', 0)} audited kernels' records are unsigned: an older kfuzz's "
+              f"verdicts, made before later rules (`kfuzz audit --redo` audits them again).", ""]
+             if s.get("lines_refused") or s.get("lines_unsigned") else []),
            *([f"{s['without_mode']} records predate the train/eval mode field: their models ran in train "
               f"mode, which differs from CUDA-L1's eval mode for references with BatchNorm or dropout "
               f"(docs/audit.md; `kfuzz audit --retry` redoes those).", ""] if s["without_mode"] else []),
@@ -467,6 +469,7 @@ def main(argv=None) -> int:
         ap.error(f"--corpora {a.corpora}: no such folder")
     records: dict[str, dict] = {}
     refused, unsigned = 0, 0
+    unsigned_keys: set[str] = set()
     key = None
     if a.key:
         try:
@@ -480,11 +483,15 @@ def main(argv=None) -> int:
         records.update(got)
         refused += len(got.refused)
         unsigned += got.unsigned
+        unsigned_keys = (unsigned_keys - set(got)) | got.unsigned_keys
     recs = list(records.values())
     params = fill_params(recs, CorpusWeights([a.corpora] if a.corpora else DEFAULT_CORPORA))
     s = summarize(recs, params)
     accepted = accepted_in_corpora([Path(a.corpora)] if a.corpora else DEFAULT_CORPORA)
-    s.update(lines_refused=refused, lines_unsigned=unsigned, corpus_accepted=accepted and accepted[0],
+    s.update(lines_refused=refused, lines_unsigned=unsigned,
+             unsigned_audited=sum(r["key"] in unsigned_keys and r.get("expect") is None and judge_record(r)["audited"]
+                                  for r in recs),
+             corpus_accepted=accepted and accepted[0],
              corpus_without_solution=accepted and accepted[1])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
