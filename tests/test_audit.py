@@ -2138,6 +2138,19 @@ def test_a_one_element_output_of_another_shape_alone_is_its_own_arguable_class()
     assert [audit_report().summarize([r])["arguable"][label] for r in recs] == [1, 0, 0]
 
 
+def test_a_kernel_that_only_raises_at_g03s_sizes_is_its_own_arguable_class():
+    """G03's failing cases all exceptions, and no other violation: a loud refusal of the sizes
+    varied, counted on its own; a wrong number among them, or another gate's failure, is not."""
+    def record(i, kinds, also=()):
+        gates = {"G03": {"status": "fail", "kind": "exception", "failing_kinds": kinds}}
+        gates.update({g: {"status": "fail", "kind": "bound", "failing_kinds": {"bound": 1}} for g in also})
+        return {"key": f"c:{i}", "target": f"kb:c:{i}", "weights": {"status": "exact"},
+                "standard": {"passed": True}, "gates": gates}
+    recs = [record(0, {"exception": 3}), record(1, {"exception": 2, "bound": 1}), record(2, {"exception": 1}, ["G04"])]
+    label = next(k for k in audit_report().summarize([recs[0]])["arguable"] if k.startswith("only G03"))
+    assert [audit_report().summarize([r])["arguable"][label] for r in recs] == [1, 0, 0]
+
+
 ROW_SUMS = """import torch
 import torch.nn as nn
 

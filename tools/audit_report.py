@@ -159,6 +159,16 @@ def one_element_shape_only(rec: dict, violations: list[str]) -> bool:
     return True
 
 
+def g03_refusals_only(rec: dict, violations: list[str]) -> bool:
+    """Whether the kernel's only violation is G03 and every failing case of it raised an
+    exception (at a size the reference takes: one it refuses too is excused): a loud refusal of
+    the sizes varied, not a wrong number."""
+    if violations != ["G03"]:
+        return False
+    g = rec.get("gates", {}).get("G03") or {}
+    return set(g.get("failing_kinds") or {g.get("kind"): 1}) == {"exception"}
+
+
 def lenient_pass(rec: dict) -> bool:
     """Whether the solution, whose state_dict fails ``Model``'s strict load, gives the numbers of
     ``Model``'s checkpoint loaded with ``strict=False`` (``kfuzz.audit.lenient_check``)."""
@@ -229,6 +239,8 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
             j[r["key"]]["violations"] == ["G05"] and g05_fact(r, "where_ignored") for r in audited),
         "only the shape of a one-element output ([1] where the reference returns a 0-d tensor; its values "
         "not judged)": sum(one_element_shape_only(r, j[r["key"]]["violations"]) for r in audited),
+        "only G03, exceptions at sizes the reference takes (a loud refusal, not a wrong number)": sum(
+            g03_refusals_only(r, j[r["key"]]["violations"]) for r in audited),
     }
     return {
         "records": len(records), "corpus_records": len(corpus),
