@@ -916,9 +916,11 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
               build_jobs: int = 0, pch: bool = True, redo: Iterable[str] = (),
-              build_timeout: float | None = None, slim: bool = True) -> Iterator[dict]:
+              build_timeout: float | None = None, slim: bool = True, redo_unsigned: bool = False) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
-    did not finish; and those whose key is in ``redo``, whatever their record says); yields each
+    did not finish; and those whose key is in ``redo``, whatever their record says; with
+    ``redo_unsigned``, those whose record carries no HMAC: an older kfuzz's, made before results
+    were signed, each redone once, since its new record is signed); yields each
     record once appended, signed with the key at ``key`` (by default ``key_path()``). A kernel
     that ran out of a GPU's memory beside other kernels (``shares_memory``) is run again at the
     end, alone, and only that record is kept (``alone``; at ``jobs`` 1 every record is alone).
@@ -953,7 +955,10 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                          f"the key that signed them (--key FILE, $KFUZZ_AUDIT_KEY); a new key would verify none "
                          f"of them and audit every kernel again")
     secret = results_key(key_file)
-    done = done_keys(out, retry, entries, secret, trust_unsigned) - set(redo)
+    redo = set(redo)
+    if redo_unsigned:
+        redo |= read_results(out_dir / RESULTS, secret, trust_unsigned=True).unsigned_keys
+    done = done_keys(out, retry, entries, secret, trust_unsigned) - redo
     todo = [e for e in entries if e.key not in done]
     if any(e.pair is not None for e in todo) and not allow_unconfined:
         report = confinement(device, policy)

@@ -131,6 +131,24 @@ def test_audit_cli_redoes_the_keys_of_a_file(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "no such kernel" in r.output, r.output
 
 
+def test_an_audit_redoes_each_unsigned_record_once(tmp_path, audit_key):
+    """redo_unsigned (--redo-unsigned): a kernel whose record carries no HMAC (an older kfuzz's)
+    is audited again, and its new record, signed, ends that: a second run redoes nothing."""
+    from kfuzz.audit import RESULTS, read_results
+    entry = control("correct_sum")
+    out = tmp_path / "out"
+    out.mkdir()
+    old = {"key": entry.key, "expect": entry.expect, "standard": {"passed": True, "reason": "pass"},
+           "gates": {"G05": {"status": "fail", "kind": "nonfinite"}}}
+    (out / RESULTS).write_text(json.dumps(old) + "\n")
+    run = dict(gates=["G05"], trust_unsigned=True, allow_unconfined=True, timeout=120)
+    assert list(run_audit([entry], out, **run)) == []                  # taken as recorded
+    redone = list(run_audit([entry], out, redo_unsigned=True, **run))
+    assert [r["key"] for r in redone] == [entry.key] and redone[0]["gates"]["G05"]["status"] == "pass"
+    assert read_results(out / RESULTS, trust_unsigned=True).unsigned_keys == set()
+    assert list(run_audit([entry], out, redo_unsigned=True, **run)) == []
+
+
 def test_ci_audit_controls_and_cpu_rows(tmp_path):
     """The CPU-runnable CUDA-L1 rows named in reports/audit/ci_rows.json end as recorded there, and
     every control ends as planted (each kernel in its own sandboxed process)."""

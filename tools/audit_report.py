@@ -335,7 +335,7 @@ def markdown(s: dict) -> str:
            *([f"Results lines: {s['lines_refused']} refused (not a record, or its HMAC fails: forged, altered, "
               f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (made before results were "
               f"signed); {s.get('unsigned_audited', 0)} audited kernels' records are unsigned: an older kfuzz's "
-              f"verdicts, made before later rules (`kfuzz audit --redo` audits them again).", ""]
+              f"verdicts, made before later rules (`kfuzz audit --redo-unsigned` audits them again).", ""]
              if s.get("lines_refused") or s.get("lines_unsigned") else []),
            *([f"{s['without_mode']} records predate the train/eval mode field: their models ran in train "
               f"mode, which differs from CUDA-L1's eval mode for references with BatchNorm or dropout "

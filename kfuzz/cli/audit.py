@@ -93,6 +93,9 @@ def _redo_keys(given) -> list[str]:
               help="Audit this kernel again whatever its record says (its key, e.g. cuda-l1-h100.jsonl:148; "
                    "repeatable; @FILE: the keys in FILE, separated by whitespace): a record made before a fix "
                    "of kfuzz's.")
+@click.option("--redo-unsigned", is_flag=True,
+              help="Audit again the kernels whose record carries no HMAC: an older kfuzz's verdicts, made before "
+                   "results were signed (with --trust-unsigned; each is redone once).")
 @click.option("--key", type=click.Path(dir_okay=False), default=None,
               help="The key file that signs OUT/results.jsonl, outside OUT (default $KFUZZ_AUDIT_KEY, else "
                    "~/.config/kfuzz/audit.key; made on first use).")
@@ -102,7 +105,8 @@ def _redo_keys(given) -> list[str]:
               help="Run the kernels even where no OS layer blocks their network, writes or processes.")
 @handles_bad_input
 def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout, build_timeout, select, cache,
-              max_jobs, build_jobs, pch, slim_cuda, threads, retry, redo, key, trust_unsigned, allow_unconfined):
+              max_jobs, build_jobs, pch, slim_cuda, threads, retry, redo, redo_unsigned, key, trust_unsigned,
+              allow_unconfined):
     """Audit the kernels of CORPORA (CUDA-L1 .jsonl, leaderboard .json, controls folder).
 
     Solutions that need no compile go first. Reports every selected kernel recorded in OUT, this
@@ -137,7 +141,7 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     audit = run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
                       threads=threads, max_jobs=max_jobs, retry=retry, redo=redo, key=key,
                       trust_unsigned=trust_unsigned, allow_unconfined=allow_unconfined, build_jobs=build_jobs,
-                      pch=pch, build_timeout=build_timeout, slim=slim_cuda)
+                      pch=pch, build_timeout=build_timeout, slim=slim_cuda, redo_unsigned=redo_unsigned)
     try:
         # closed on an interrupt: the kernels in flight and their builds end, unrecorded
         with stop_signals_interrupt(), contextlib.closing(audit):
