@@ -737,11 +737,13 @@ def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
 
 
 def done_keys(out: str | Path, retry: bool = False, entries: Iterable[CorpusEntry] = (), key: bytes | None = None,
-              trust_unsigned: bool = False) -> set[str]:
-    """Keys validly recorded in ``out``'s results; with ``retry``, less those ``needs_retry``."""
+              trust_unsigned: bool = False, redo_unsigned: bool = False) -> set[str]:
+    """Keys validly recorded in ``out``'s results; with ``retry``, less those ``needs_retry``; with
+    ``redo_unsigned``, less those whose record carries no HMAC."""
     by_key = {e.key: e for e in entries}
-    return {k for k, r in read_results(Path(out) / RESULTS, key, trust_unsigned).items()
-            if not (retry and needs_retry(r, by_key.get(k)))}
+    results = read_results(Path(out) / RESULTS, key, trust_unsigned)
+    return {k for k, r in results.items() if not (retry and needs_retry(r, by_key.get(k)))
+            and not (redo_unsigned and k in results.unsigned_keys)}
 
 
 def _signed_lines(path: Path) -> int:
@@ -955,10 +957,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                          f"the key that signed them (--key FILE, $KFUZZ_AUDIT_KEY); a new key would verify none "
                          f"of them and audit every kernel again")
     secret = results_key(key_file)
-    redo = set(redo)
-    if redo_unsigned:
-        redo |= read_results(out_dir / RESULTS, secret, trust_unsigned=True).unsigned_keys
-    done = done_keys(out, retry, entries, secret, trust_unsigned) - redo
+    done = done_keys(out, retry, entries, secret, trust_unsigned, redo_unsigned) - set(redo)
     todo = [e for e in entries if e.key not in done]
     if any(e.pair is not None for e in todo) and not allow_unconfined:
         report = confinement(device, policy)

@@ -138,6 +138,11 @@ def g05_fact(rec: dict, fact: str) -> bool:
     return bool(m.get(fact))
 
 
+def failing_kinds(gate: dict) -> set[str]:
+    """The kinds of a failing gate's failing cases (its first's, in records that keep no more)."""
+    return set(gate.get("failing_kinds") or {gate.get("kind"): 1})
+
+
 # a contract failure on the shape of an output of one element: [1] against a 0-d reference, or [1, 1]
 ONE_ELEMENT_SHAPE = re.compile(r"has shape \[[1, ]*\], the contract says \[[1, ]*\]$")
 
@@ -154,7 +159,7 @@ def one_element_shape_only(rec: dict, violations: list[str]) -> bool:
         verdict = g.get("verdict") or {}
         if verdict.get("kind") != "contract" or not ONE_ELEMENT_SHAPE.search(str(verdict.get("detail", ""))):
             return False
-        if set(g.get("failing_kinds") or {"contract": 1}) != {"contract"}:
+        if failing_kinds(g) != {"contract"}:
             return False
     return True
 
@@ -165,8 +170,7 @@ def g03_refusals_only(rec: dict, violations: list[str]) -> bool:
     the sizes varied, not a wrong number."""
     if violations != ["G03"]:
         return False
-    g = rec.get("gates", {}).get("G03") or {}
-    return set(g.get("failing_kinds") or {g.get("kind"): 1}) == {"exception"}
+    return failing_kinds(rec.get("gates", {}).get("G03") or {}) == {"exception"}
 
 
 def lenient_pass(rec: dict) -> bool:
