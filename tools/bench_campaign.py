@@ -25,9 +25,9 @@ GPU), to compare in one call.
 
 ``--phases`` runs some of the three (``cold``, ``warm``, ``bare``), and ``--cache DIR`` keeps
 each target's and ``--jobs`` value's caches in ``DIR/<target>-<jobs>`` (made where missing,
-reused where there), so that the runs of one row can be split across machines' sessions: a
-cold campaign in one, then, with ``DIR`` carried over, the warm campaign and the bare loop in
-another (a warm row's ratio needs the bare loop in the same call).
+reused where there), so that the runs of one row can be split across separate runs of this
+tool: the cold campaign in one, then, with ``DIR`` carried over, the warm campaign and the bare
+loop in another (a warm row's ratio needs the bare loop in the same run).
 """
 from __future__ import annotations
 
