@@ -666,8 +666,9 @@ def test_a_kernel_out_of_memory_on_a_shared_device_is_run_again_alone_at_the_end
     """Where the audit's kernels share the device's memory (a GPU), a run that ended for want of
     memory may have met the others' memory: it is not recorded, but run again once the others
     are done, alone, and that record (``alone``) is the kernel's."""
-    import kfuzz.audit
-    monkeypatch.setattr(kfuzz.audit, "shares_memory", lambda device: True)
+    # looked up by the run (who runs again alone) and by the judging of its records (incomplete)
+    monkeypatch.setattr("kfuzz.audit.run.shares_memory", lambda device: True)
+    monkeypatch.setattr("kfuzz.audit.verdicts.shares_memory", lambda device: True)
     entries = [e for e in read_corpus(ESCAPES) if e.key.rsplit(":", 1)[1] in ("memory_hog", "fork_bomb")]
     records = list(run_audit(entries, tmp_path, ["G01"], jobs=2, timeout=120))
     assert [r["key"].rsplit(":", 1)[1] for r in records] == ["fork_bomb", "memory_hog"]
@@ -784,7 +785,7 @@ def test_a_kernel_whose_build_ahead_still_runs_waits_for_it_and_keeps_its_facts(
     """)
     (folder / "slow_build.py").write_text(slow)
     # the toolchain probe compiles a real extension: not what this test is about
-    monkeypatch.setattr("kfuzz.audit.check_build_step", lambda *a, **k: None)
+    monkeypatch.setattr("kfuzz.audit.run.check_build_step", lambda *a, **k: None)
     entries = read_corpus(folder)
     assert [e.key.rsplit(":", 1)[1] for e in entries] == ["correct_sum", "slow_build"]
     start = time.monotonic()
@@ -822,19 +823,20 @@ def test_the_audit_runs_as_many_kernels_as_a_gpu_host_has_cores_by_default(tmp_p
 def test_a_build_has_its_own_time_limit_apart_from_the_kernels(tmp_path):
     """A solution that compiles gets ``build_timeout`` for its build (a build ahead of judging
     too), then ``timeout`` for its standard test and gates; one that does not, ``timeout``."""
-    from kfuzz.audit import _context, _Running
+    from kfuzz.audit.policy import forkserver_context
+    from kfuzz.audit.process import KernelProcess
     compiled = next(e for e in read_corpus(ESCAPES) if e.key.endswith("compiled_relu"))
     plain = control("correct_sum")
     args = ("cpu", ["G01"], 0, str(tmp_path / "ext"), 1, 2, 5.0, {}, None, str(tmp_path / "cases"), 600.0)
     limits = {}
     for name, entry, build_only in (("compiled", compiled, False), ("ahead", compiled, True), ("plain", plain, False)):
-        r = _Running(_context(), entry, args, 5.0, build_only=build_only, build_timeout=600.0)
+        r = KernelProcess(forkserver_context(), entry, args, 5.0, build_only=build_only, build_timeout=600.0)
         limits[name] = round(r.deadline - r.start)
         r.kill()
         r.proc.join(10)
         r.conn.close()
     assert limits == {"compiled": 600, "ahead": 600, "plain": 5}
-    r = _Running(_context(), compiled, args, 5.0, build_timeout=600.0)
+    r = KernelProcess(forkserver_context(), compiled, args, 5.0, build_timeout=600.0)
     r.take("phase", {"phase": "build"})
     r.take("phase", {"phase": "standard"})     # the build is done: the kernel's own limit from here
     assert round(r.deadline - time.monotonic()) == 5
@@ -876,7 +878,7 @@ def test_the_audit_refuses_a_machine_whose_sandbox_would_not_block_the_kernels(t
     # the GPU machine's report (gVisor: no Landlock, no seccomp), through the CLI
     gpu = {"network": "allowed", "writes": "allowed", "processes": "allowed",
            "signals": "named, not blocked (no OS layer here)"}
-    monkeypatch.setattr("kfuzz.audit.confinement", lambda device, policy=None: gpu)
+    monkeypatch.setattr("kfuzz.audit.run.confinement", lambda device, policy=None: gpu)
     r = CliRunner().invoke(cli, ["audit", str(CONTROLS), "--out", str(tmp_path / "o"), "--gates", "G05"])
     assert r.exit_code == 2 and "--allow-unconfined" in r.output and "network (allowed)" in r.output, r.output
 
