@@ -32,7 +32,6 @@ import errno
 import glob
 import math
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -44,6 +43,7 @@ from kfuzz.sandbox.policy import (CHANNEL, CPU, FILE_SIZE, FILES, FORK, MEMORY, 
                                   SYSCALL, VIOLATIONS, WRITE, GiB, Policy, SandboxViolation, death_name, parse_size,
                                   resource_kind, toolchain)
 from kfuzz.sandbox.channel import Channel, tell
+from kfuzz.sandbox.linux import LINUX, X86_64, libc, syscall
 
 __all__ = ["CHANNEL", "CPU", "FILE_SIZE", "FILES", "FORBIDDEN", "FORK", "ISOLATION_LEVELS", "MEMORY", "NAMESPACE",
            "NETWORK", "READ", "SIGNAL", "STUBS_ENV", "SYSCALL", "VIOLATIONS", "WRITE", "Channel", "GiB", "Policy",
@@ -236,27 +236,16 @@ def _short(args: tuple) -> str:
 
 # the operating system's layers ------------------------------------------------------------------
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_LINUX = sys.platform.startswith("linux")     # the OS layers are Linux's; elsewhere only limits and names
-_X86_64 = _LINUX and platform.machine() in ("x86_64", "AMD64")
 _SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD, _SYS_LANDLOCK_RESTRICT = 444, 445, 446   # the same on every arch
 _PR_SET_NO_NEW_PRIVS, _CLONE_NEWNET = 38, 0x40000000
 
 
-def _syscall(*args) -> int:
-    r = _libc.syscall(*args)
-    if r < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-    return r
-
-
 def landlock_abi() -> int:
     """Landlock's ABI version on this kernel, 0 if it has none (the probe syscall 444)."""
-    if not _LINUX:
+    if not LINUX:
         return 0
     try:
-        return _syscall(_SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+        return syscall(_SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
     except OSError:
         return 0
 
@@ -286,7 +275,7 @@ def _landlock(abi: int, rules: list[tuple[str, int]], handled: int, network: boo
     scoped = 0b11 if abi >= 6 else 0                                    # abstract unix sockets, signals
     attr = _RulesetAttr(handled, net, scoped)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
-    ruleset = _syscall(_SYS_LANDLOCK_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    ruleset = syscall(_SYS_LANDLOCK_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     try:
         for path, rights in rules:
             try:
@@ -296,10 +285,10 @@ def _landlock(abi: int, rules: list[tuple[str, int]], handled: int, network: boo
             try:
                 allowed = rights & handled & (_FILE_RIGHTS if not os.path.isdir(path) else ~0)
                 if allowed:
-                    _syscall(_SYS_LANDLOCK_ADD, ruleset, 1, ctypes.byref(_PathBeneath(allowed, fd)), ctypes.c_uint32(0))
+                    syscall(_SYS_LANDLOCK_ADD, ruleset, 1, ctypes.byref(_PathBeneath(allowed, fd)), ctypes.c_uint32(0))
             finally:
                 os.close(fd)
-        _syscall(_SYS_LANDLOCK_RESTRICT, ruleset, ctypes.c_uint32(0))
+        syscall(_SYS_LANDLOCK_RESTRICT, ruleset, ctypes.c_uint32(0))
     finally:
         os.close(ruleset)
     return ["writes"] + (["reads"] if handled & _READ_FILE else []) + (["exec"] if handled & _EXECUTE else []) + \
@@ -450,7 +439,7 @@ def _seccomp(processes: bool, network: bool) -> None:
     arr = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
     fprog = _SockFprog(len(prog), ctypes.cast(arr, ctypes.POINTER(_SockFilter)))
     # seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, prog): every thread
-    _syscall(317, 1, 1, ctypes.byref(fprog))
+    syscall(317, 1, 1, ctypes.byref(fprog))
 
 
 class _CapHeader(ctypes.Structure):
@@ -463,7 +452,7 @@ class _CapData(ctypes.Structure):
 
 def _drop_capabilities() -> None:
     header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
-    _syscall(126 if _X86_64 else 91, ctypes.byref(header), data)   # capset
+    syscall(126 if X86_64 else 91, ctypes.byref(header), data)   # capset
 
 
 def _limit(which: int, value: int | None) -> None:
@@ -562,7 +551,7 @@ def isolate(policy: Policy, level: str = "full") -> dict[str, str]:
     namespace (root can make the others without it), ``none`` makes none (a machine whose
     CUDA driver does not start inside them). What the machine refuses is reported, not
     fatal. Returns the report's ``namespaces`` entry."""
-    if not _LINUX or level == "none":
+    if not LINUX or level == "none":
         _isolated[:] = []
         return {"namespaces": "none"}
     got = []
@@ -573,7 +562,7 @@ def isolate(policy: Policy, level: str = "full") -> dict[str, str]:
                 resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
             except (ValueError, OSError):
                 pass
-        if _libc.unshare(_CLONE_NEWUSER) == 0:
+        if libc.unshare(_CLONE_NEWUSER) == 0:
             try:
                 _write("/proc/self/setgroups", "deny")
                 _write("/proc/self/uid_map", f"{uid} {uid} 1")
@@ -581,11 +570,11 @@ def isolate(policy: Policy, level: str = "full") -> dict[str, str]:
                 got.append("user")
             except OSError:
                 got.append("user (unmapped)")
-    if _libc.unshare(_CLONE_NEWIPC) == 0:
+    if libc.unshare(_CLONE_NEWIPC) == 0:
         got.append("ipc")
-    if not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
+    if not policy.network and libc.unshare(_CLONE_NEWNET) == 0:
         got.append("network")
-    if _libc.unshare(_CLONE_NEWPID) == 0:
+    if libc.unshare(_CLONE_NEWPID) == 0:
         # a thread may not be made once the process's children go to another PID namespace:
         # the worker itself must be inside it, and not as its init (whose signals, SIGXCPU and
         # its own included, the kernel drops): this process relays, a child is the init, and
@@ -600,7 +589,7 @@ def isolate(policy: Policy, level: str = "full") -> dict[str, str]:
         if worker != 0:
             _init(w, worker)
         os.close(w)
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         got.append("pid")
     _isolated[:] = got
     return {"namespaces": "+".join(got) if got else "none (the machine refuses them)"}
@@ -614,8 +603,8 @@ def adopt_orphans() -> None:
     grandchild whose parent has exited): a worker's processes then stay below it, where kfuzz
     looks for those that outlive a call, with a PID namespace or without one (a GPU whose
     driver does not start inside one, ``isolate``'s ``none``)."""
-    if _LINUX:
-        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if LINUX:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _keep_only(*fds: int) -> None:
@@ -660,8 +649,8 @@ def _init(status: int, worker: int) -> None:
     """The init of a worker's PID namespace: it reaps, reports the worker's status, and
     ends with it; its end kills every process left in the namespace. It dies with its parent."""
     try:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        _libc.prctl(_PR_SET_NAME, b"kfuzz-init", 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_NAME, b"kfuzz-init", 0, 0, 0)
         _keep_only(2, status)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         while True:
@@ -713,12 +702,12 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
         report["process limit"] = f"RLIMIT_NPROC {tasks} tasks + {policy.max_processes}"
     if "network" in _isolated:
         layers["network"].append("namespace")
-    elif _LINUX and not policy.network and _libc.unshare(_CLONE_NEWNET) == 0:
+    elif LINUX and not policy.network and libc.unshare(_CLONE_NEWNET) == 0:
         layers["network"].append("namespace")
     if "pid" in _isolated:
         layers["processes"].append("pid-namespace")
     # each layer on its own: one the kernel refuses leaves the others in place
-    nnp = _LINUX and policy.drop_privileges and _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock, seccomp
+    nnp = LINUX and policy.drop_privileges and libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock, seccomp
     abi = landlock_abi() if nnp else 0
     if abi and (policy.confine_writes or policy.confine_reads):
         full = (1 << 13) - 1 | _REFER | _TRUNCATE | _IOCTL_DEV
@@ -737,7 +726,7 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
                 layers["network" if what == "tcp" else "processes" if what == "exec" else what].append(f"landlock-{abi}")
         except OSError as e:
             report["landlock"] = f"refused: {e}"
-    if nnp and _X86_64:
+    if nnp and X86_64:
         try:
             _seccomp(policy.processes, policy.network)
             for key, allowed in (("processes", policy.processes), ("network", policy.network),
@@ -746,7 +735,7 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
                     layers[key].append("seccomp-kill")
         except OSError as e:
             report["seccomp"] = f"refused: {e}"
-    if _LINUX and policy.drop_privileges:
+    if LINUX and policy.drop_privileges:
         try:
             _drop_capabilities()
             report["capabilities"] = "dropped"
