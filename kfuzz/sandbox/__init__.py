@@ -44,6 +44,7 @@ from kfuzz.sandbox.policy import (CHANNEL, CPU, FILE_SIZE, FILES, FORK, MEMORY, 
                                   resource_kind, toolchain)
 from kfuzz.sandbox.channel import Channel, tell
 from kfuzz.sandbox.linux import LINUX, X86_64, libc, syscall
+from kfuzz.sandbox.paths import beneath, python_environment, readable_paths
 
 __all__ = ["CHANNEL", "CPU", "FILE_SIZE", "FILES", "FORBIDDEN", "FORK", "ISOLATION_LEVELS", "MEMORY", "NAMESPACE",
            "NETWORK", "READ", "SIGNAL", "STUBS_ENV", "SYSCALL", "VIOLATIONS", "WRITE", "Channel", "GiB", "Policy",
@@ -172,23 +173,23 @@ class _Auditor:
         counted = _popen_pending[0] if event == "os.posix_spawn" else None
         _popen_pending[0] = real if event == "subprocess.Popen" else None
         if event in ("os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system",
-                     "pty.spawn") and not (real is not None and _beneath(real, self.tools)) \
+                     "pty.spawn") and not (real is not None and beneath(real, self.tools)) \
                 and not (counted is not None and counted == real and _within_popen()):
             _spawned[real or "a fork"] += 1
             if _spawned.total() > self.policy.max_processes:
                 started = ", ".join(f"{what} x{n}" for what, n in _spawned.most_common(3))
                 return FORK, (f"{event}: more than {self.policy.max_processes} processes started in one call"
                               f" (most: {started})")
-        if self.executable is not None and real is not None and not _beneath(real, self.executable):
+        if self.executable is not None and real is not None and not beneath(real, self.executable):
             return FORK, f"{event} {name!r}: a kernel may run only {len(self.executable)} allowed tools"
         return None
 
     def may_write(self, path) -> bool:
         real = os.path.realpath(os.fsdecode(path))
-        return real == os.devnull or _beneath(real, self.writable)
+        return real == os.devnull or beneath(real, self.writable)
 
     def may_read(self, path) -> bool:
-        return _beneath(os.path.realpath(os.fsdecode(path)), self.readable)
+        return beneath(os.path.realpath(os.fsdecode(path)), self.readable)
 
 
 _POPEN_SPAWN = getattr(getattr(subprocess.Popen, "_posix_spawn", None), "__code__", None)
@@ -221,10 +222,6 @@ def _executable(event: str, args: tuple) -> str | None:
         argv = args[1]
         program = argv if isinstance(argv, (str, bytes, os.PathLike)) else (argv[0] if argv else None)
     return os.fsdecode(program) if isinstance(program, (str, bytes, os.PathLike)) else None
-
-
-def _beneath(real: str, roots: list[str]) -> bool:
-    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
 _told = [False]    # whether the current call's first attempt went to kfuzz
@@ -293,66 +290,6 @@ def _landlock(abi: int, rules: list[tuple[str, int]], handled: int, network: boo
         os.close(ruleset)
     return ["writes"] + (["reads"] if handled & _READ_FILE else []) + (["exec"] if handled & _EXECUTE else []) + \
         (["tcp"] if net else []) + (["signals"] if scoped else [])
-
-
-# what any worker reads: the system's libraries and tools, a few files of /etc, the CPU's and
-# memory's description in /proc and /sys
-_SYSTEM_READS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/sys", "/etc/ld.so.cache", "/etc/ld.so.conf",
-                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf",
-                 "/etc/os-release", "/etc/alternatives", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat",
-                 "/proc/filesystems", "/proc/sys", "/proc/driver", "/dev/null", "/dev/zero", "/dev/urandom",
-                 "/dev/random")
-
-
-def python_environment() -> list[str]:
-    """Where this interpreter's code lives: its prefixes, site-packages, the directory of each
-    package imported from elsewhere (a target's module), and what the other ``sys.path``
-    entries hold for Python (package directories and modules; not the data beside them, such
-    as a project's saved cases or an audit's results)."""
-    import site
-    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    try:
-        found.update(site.getsitepackages())
-        found.add(site.getusersitepackages())
-    except AttributeError:
-        pass
-    roots = [os.path.realpath(p) for p in found if p]
-    for name, module in list(sys.modules.items()):
-        if "." in name:
-            continue
-        where = getattr(module, "__file__", None)
-        if not where:
-            continue
-        where = os.path.realpath(where)
-        if os.path.basename(where) == "__init__.py":
-            where = os.path.dirname(where)
-        if not _beneath(where, roots):
-            found.add(where)
-    for entry in sys.path:
-        entry = os.path.realpath(entry or os.getcwd())
-        if not os.path.isdir(entry) or _beneath(entry, roots):
-            continue
-        try:
-            names = os.listdir(entry)
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(entry, name)
-            # code, and the metadata of installed distributions (entry points: the target registry)
-            if name.endswith((".py", ".pyc", ".so", ".pth", ".egg-info", ".dist-info")) \
-                    or os.path.isfile(os.path.join(path, "__init__.py")):
-                found.add(path)
-    return sorted(found)
-
-
-def readable_paths(policy: Policy) -> list[str]:
-    """What a confined worker may read besides the directories it may write."""
-    paths = [*_SYSTEM_READS, *python_environment(), *policy.readable, *(policy.executable or ()),
-             os.path.realpath("/proc/self")]
-    paths += glob.glob("/usr/local/cuda*") + glob.glob("/dev/nvidia*") + ["/opt/nvidia"]
-    if policy.processes:     # its children read their own /proc entries (kfuzz's and the zygote are not dumpable)
-        paths.append("/proc")
-    return [p for p in paths if os.path.exists(p)]
 
 
 class _SockFilter(ctypes.Structure):
