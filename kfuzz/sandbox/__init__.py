@@ -45,6 +45,8 @@ from kfuzz.sandbox.policy import (CHANNEL, CPU, FILE_SIZE, FILES, FORK, MEMORY, 
 from kfuzz.sandbox.channel import Channel, tell
 from kfuzz.sandbox.linux import LINUX, X86_64, libc, syscall
 from kfuzz.sandbox.paths import beneath, python_environment, readable_paths
+from kfuzz.sandbox.landlock import (EXECUTE, IOCTL_DEV, READ_DIR, READ_FILE, REFER, TRUNCATE, WRITE_FILE,
+                                    apply_landlock, landlock_abi)
 
 __all__ = ["CHANNEL", "CPU", "FILE_SIZE", "FILES", "FORBIDDEN", "FORK", "ISOLATION_LEVELS", "MEMORY", "NAMESPACE",
            "NETWORK", "READ", "SIGNAL", "STUBS_ENV", "SYSCALL", "VIOLATIONS", "WRITE", "Channel", "GiB", "Policy",
@@ -233,63 +235,7 @@ def _short(args: tuple) -> str:
 
 # the operating system's layers ------------------------------------------------------------------
 
-_SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD, _SYS_LANDLOCK_RESTRICT = 444, 445, 446   # the same on every arch
 _PR_SET_NO_NEW_PRIVS, _CLONE_NEWNET = 38, 0x40000000
-
-
-def landlock_abi() -> int:
-    """Landlock's ABI version on this kernel, 0 if it has none (the probe syscall 444)."""
-    if not LINUX:
-        return 0
-    try:
-        return syscall(_SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-    except OSError:
-        return 0
-
-
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
-
-
-class _PathBeneath(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-_EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
-_MAKE = sum(1 << b for b in range(4, 13))    # remove and make-* rights
-_REFER, _TRUNCATE, _IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
-_FILE_RIGHTS = _EXECUTE | _WRITE_FILE | _READ_FILE | _TRUNCATE | _IOCTL_DEV   # what a rule on a file may carry
-
-
-def _landlock(abi: int, rules: list[tuple[str, int]], handled: int, network: bool) -> list[str]:
-    """A Landlock domain handling ``handled`` filesystem rights, granting each (path, rights)
-    of ``rules`` (a path that does not exist is skipped), TCP if ``network`` is off, signals
-    and abstract sockets scoped; returns what was restricted."""
-    handled &= (1 << 13) - 1 | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0) | \
-        (_IOCTL_DEV if abi >= 5 else 0)
-    net = 0b11 if abi >= 4 and not network else 0                       # bind and connect TCP
-    scoped = 0b11 if abi >= 6 else 0                                    # abstract unix sockets, signals
-    attr = _RulesetAttr(handled, net, scoped)
-    size = 8 if abi < 4 else 16 if abi < 6 else 24
-    ruleset = syscall(_SYS_LANDLOCK_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    try:
-        for path, rights in rules:
-            try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                allowed = rights & handled & (_FILE_RIGHTS if not os.path.isdir(path) else ~0)
-                if allowed:
-                    syscall(_SYS_LANDLOCK_ADD, ruleset, 1, ctypes.byref(_PathBeneath(allowed, fd)), ctypes.c_uint32(0))
-            finally:
-                os.close(fd)
-        syscall(_SYS_LANDLOCK_RESTRICT, ruleset, ctypes.c_uint32(0))
-    finally:
-        os.close(ruleset)
-    return ["writes"] + (["reads"] if handled & _READ_FILE else []) + (["exec"] if handled & _EXECUTE else []) + \
-        (["tcp"] if net else []) + (["signals"] if scoped else [])
 
 
 class _SockFilter(ctypes.Structure):
@@ -647,19 +593,19 @@ def confine(policy: Policy, workdir: str, channel: int | None = None) -> dict[st
     nnp = LINUX and policy.drop_privileges and libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0   # Landlock, seccomp
     abi = landlock_abi() if nnp else 0
     if abi and (policy.confine_writes or policy.confine_reads):
-        full = (1 << 13) - 1 | _REFER | _TRUNCATE | _IOCTL_DEV
-        read = _READ_FILE | _READ_DIR
+        full = (1 << 13) - 1 | REFER | TRUNCATE | IOCTL_DEV
+        read = READ_FILE | READ_DIR
         handled = (full & ~read if not policy.confine_reads else full)
         if policy.processes and policy.executable is None:
-            handled &= ~_EXECUTE
+            handled &= ~EXECUTE
         if not policy.confine_writes:
-            handled &= read | _EXECUTE
-        rules = [(p, full) for p in writable] + [(os.devnull, read | _WRITE_FILE | _TRUNCATE)]
+            handled &= read | EXECUTE
+        rules = [(p, full) for p in writable] + [(os.devnull, read | WRITE_FILE | TRUNCATE)]
         rules += [(p, read) for p in readable]
-        rules += [(p, _WRITE_FILE | read | _IOCTL_DEV) for p in glob.glob("/dev/nvidia*")]
-        rules += [(p, read | _EXECUTE) for p in policy.executable or ()] if policy.processes else []
+        rules += [(p, WRITE_FILE | read | IOCTL_DEV) for p in glob.glob("/dev/nvidia*")]
+        rules += [(p, read | EXECUTE) for p in policy.executable or ()] if policy.processes else []
         try:
-            for what in _landlock(abi, rules, handled, policy.network):
+            for what in apply_landlock(abi, rules, handled, policy.network):
                 layers["network" if what == "tcp" else "processes" if what == "exec" else what].append(f"landlock-{abi}")
         except OSError as e:
             report["landlock"] = f"refused: {e}"
