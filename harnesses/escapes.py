@@ -24,8 +24,8 @@ correct sum, so that only a verdict kfuzz itself sees can fail it:
 
 - ``escapes.launcher``: connects to every Unix socket with a path that it can find (kfuzz's
   worker launcher, a multiprocessing forkserver's listener): ``crash``/``sandbox-network``;
-- ``escapes.bookkeeping``: tries the network, catches the violation and clears the sandbox
-  module's record of it: ``crash``/``sandbox-network``;
+- ``escapes.bookkeeping``: tries the network, catches the violation and clears the sandbox's
+  record of it (``kfuzz.sandbox.audit_hook``): ``crash``/``sandbox-network``;
 - ``escapes.forkbomb``: forks 100 short-lived children: ``crash``/``sandbox-fork``;
 - ``escapes.orphan``: a ``setsid`` grandchild (``ORPHAN``) that outlives the call and writes a
   probe file seconds later: ``crash``/``sandbox-fork``, and it dies with its worker;
@@ -190,7 +190,7 @@ def launcher(x):
 
 def bookkeeping(x):
     _quietly(lambda: network(x))
-    _quietly(lambda: sys.modules["kfuzz.sandbox"]._violations.clear())
+    _quietly(lambda: sys.modules["kfuzz.sandbox.audit_hook"]._violations.clear())
     return _total(x)
 
 
