@@ -511,6 +511,47 @@ def test_torch_compiles_pool_and_temporary_files_stay_inside_a_worker(install_pl
     assert "3 executions" in r.stdout and "0 failure signature(s)" in r.stdout
 
 
+# a plugin kernel that keeps what it compiled as CuPy does: in $CUPY_CACHE_DIR, else in the home
+LIBRARY_CACHE = '''
+import os
+
+from kfuzz.target import Arg, Dim, Output, target
+
+
+@target("probe.librarycache", reference=lambda x: x * 2, args={"x": Arg(("N",))},
+        outputs={"out": Output(("N",))}, dims={"N": Dim(1, 16)})
+def doubled(x):
+    folder = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "kernel.cubin"), "wb") as f:
+        f.write(b"compiled")
+    return x * 2
+'''
+
+
+def test_a_library_that_caches_its_compiles_writes_beneath_the_workers_cache(install_plugin, tmp_path, monkeypatch):
+    """A correct kernel whose library keeps its compiled kernels on disk (CuPy, Numba, the CUDA
+    driver's JIT, torch's runtime-compiled kernels) passes in a confined worker: the variable
+    that names the library's cache points beneath the worker's compile cache, whatever the
+    user's environment says, so the write is no ``sandbox-write``."""
+    from click.testing import CliRunner
+
+    import kfuzz.cli.run  # noqa: F401  (registers the verbs)
+    from kfuzz.cli import cli
+    from kfuzz.sandbox.caches import LIBRARY_CACHES
+    assert "CUPY_CACHE_DIR" in LIBRARY_CACHES
+    host = tmp_path / "host-cupy"
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(host))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    install_plugin("probe_librarycache", {"probe_librarycache.py": LIBRARY_CACHE},
+                   {"kfuzz.targets": {"librarycache": "probe_librarycache"}})
+    r = CliRunner().invoke(cli, ["run", "--target", "probe.librarycache", "--runs", "3", "--jobs", "1",
+                                 "--device", "cpu", "--root", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert "3 executions" in r.stdout and "0 failure signature(s)" in r.stdout
+    assert not host.exists() and not (tmp_path / "home").exists()
+
+
 def test_a_workers_own_triton_cache_starts_with_the_driver_stubs_kfuzz_built(tmp_path, monkeypatch):
     """A worker whose Triton cache is its own gets a copy of the driver stubs kfuzz built once
     (``STUBS_ENV``), so it does not compile them as it starts; a shared cache (a campaign's) is

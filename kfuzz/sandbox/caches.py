@@ -1,7 +1,7 @@
-"""The compile caches of a worker: Triton's and torch.compile's (``compile_cache``), in the
-worker's own directory or a campaign's shared folder, never the user's; and the CUDA driver
-stubs that kfuzz builds once, in a process of its own (``build_driver_stubs``), which seed a
-worker's own cache (``STUBS_ENV``).
+"""The compile caches of a worker: Triton's, torch.compile's and other libraries'
+(``compile_cache``), in the worker's own directory or a campaign's shared folder, never the
+user's; and the CUDA driver stubs that kfuzz builds once, in a process of its own
+(``build_driver_stubs``), which seed a worker's own cache (``STUBS_ENV``).
 
 Refuses nothing itself: the cache ``compile_cache`` returns is among what ``confine`` lets a
 worker write (with its own directory and ``Policy.writable``); the stubs' folder is not, and a
@@ -17,6 +17,14 @@ import sys
 import tempfile
 
 STUBS_ENV = "KFUZZ_TRITON_STUBS"    # a Triton cache holding only the driver stubs kfuzz built
+
+# the on-disk caches of what a kernel may compile with, each found through the environment
+# variable that its library or driver reads, by default beneath the user's home: CuPy's
+# kernels (~/.cupy/kernel_cache), Numba's (__pycache__ beside the source), the CUDA driver's
+# PTX JIT (~/.nv/ComputeCache), torch's runtime-compiled kernels (~/.cache/torch/kernels).
+# Beneath the worker's cache, a library caching its compiles is no escape.
+LIBRARY_CACHES = {"CUPY_CACHE_DIR": "cupy", "NUMBA_CACHE_DIR": "numba", "CUDA_CACHE_PATH": "cuda-jit",
+                  "PYTORCH_KERNEL_CACHE_PATH": "torch-kernels"}
 
 
 def build_driver_stubs(folder: str, timeout: float = 300.0) -> bool:
@@ -47,7 +55,7 @@ def compile_cache(workdir: str) -> str:
     (``TMPDIR``, ``tempfile``) go to a folder inside the worker's own directory, and
     torch.compile compiles in the worker itself (``TORCHINDUCTOR_COMPILE_THREADS=1``): its
     default is a pool of compile processes kept for later compiles, which would outlive the
-    call that started them."""
+    call that started them. The caches of ``LIBRARY_CACHES`` go beneath it too."""
     shared = os.environ.get("TRITON_CACHE_DIR")
     cache = shared or os.path.join(workdir, "triton-cache")
     stubs = os.environ.get(STUBS_ENV)
@@ -56,6 +64,8 @@ def compile_cache(workdir: str) -> str:
     os.environ["TRITON_CACHE_DIR"] = cache
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "torchinductor")
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    for name, folder in LIBRARY_CACHES.items():
+        os.environ[name] = os.path.join(cache, folder)
     inductor = sys.modules.get("torch._inductor.config")
     if inductor is not None:     # imported already (a preloaded module): its setting was read then
         inductor.compile_threads = 1
