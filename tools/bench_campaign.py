@@ -27,7 +27,9 @@ GPU), to compare in one call.
 each target's and ``--jobs`` value's caches in ``DIR/<target>-<jobs>`` (made where missing,
 reused where there), so that the runs of one row can be split across separate runs of this
 tool: the cold campaign in one, then, with ``DIR`` carried over, the warm campaign and the bare
-loop in another (a warm row's ratio needs the bare loop in the same run).
+loop in another (a warm row's ratio needs the bare loop in the same run). ``--bare-seconds``
+runs the bare loop for other than ``--seconds`` (its rate, warm and with nothing to compile
+after its first cases, is steady: a shorter loop saves a device's time).
 """
 from __future__ import annotations
 
@@ -148,6 +150,8 @@ def main() -> None:
     ap.add_argument("--phases", default="cold,warm,bare", help="Which of cold, warm and bare to run.")
     ap.add_argument("--cache", default=None,
                     help="Keep the caches in DIR/<target>-<jobs>, reused where there (default: fresh ones).")
+    ap.add_argument("--bare-seconds", type=float, default=None,
+                    help="How long the bare loop runs (default: --seconds).")
     ap.add_argument("--bare", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.bare:
@@ -178,7 +182,7 @@ def main() -> None:
             for kind in ("cold", "warm"):
                 s = campaign(target, jobs, a.seconds, device, cache, work, a.seed, a.judges) if kind in phases else None
                 if kind == "warm" and bare_rate is None and "bare" in phases:
-                    b = bare(target, a.seconds, device, cache, a.seed)
+                    b = bare(target, a.bare_seconds or a.seconds, device, cache, a.seed)
                     bare_rate = b["executions"] / b["seconds"]
                     results.append({"target": target, "bare": b})
                     print(f"| {target} | bare loop | warm | {b['executions']} | {b['seconds']:.0f} | "
