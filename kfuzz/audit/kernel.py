@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 # the kernel side's processes: forked from a forkserver of their own (started by the kernel's
 # oracle process, never touching CUDA) with what every kernel needs imported once
-KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench", "kfuzz.kernelbench.build")
+KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench", "kfuzz.kernelbench.build", "kfuzz.kernelbench.pch",
+                  "kfuzz.kernelbench.cuda_compile")
 
 
 def finding(verdict) -> dict:

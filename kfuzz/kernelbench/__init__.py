@@ -14,6 +14,10 @@ replacement for ``Model``. One module a concept:
   as the original harness ran it;
 - ``programs``: the audit's kernel programs (``weights``, ``standard``, ``build``), added to
   ``kfuzz.programs.PROGRAMS`` when this package is imported;
+- ``build``: the build step of a solution's ``load_inline`` extensions (``build_solution``), and
+  loading what it built where no process may start (``prebuilt_only``); its compiles take
+  torch's header precompiled (``pch``) and the CUDA files slimmed, after the host files
+  (``cuda_compile``);
 - ``target``: ``as_target``, the pair as a target that kfuzz's gates judge
   (the reference in float64 as the oracle, ``Model``'s weights loaded
   strictly, size constants as dims), and ``resolve``, which finds a pair by
