@@ -1494,7 +1494,7 @@ def test_the_reload_checkpoint_is_models_of_its_own_seed_moved_as_by_training():
     """``weights="reload"`` judges against ``Model`` made after ``set_seed(RELOAD_SEED)``, its
     values then moved (``trained``), in the oracle's model and in the checkpoint alike."""
     from kfuzz.kernelbench.source import pair_module, set_seed
-    from kfuzz.kernelbench.target import RELOAD_SEED, trained
+    from kfuzz.kernelbench.weights import RELOAD_SEED, trained
     pair = load_pair(LINEAR, LINEAR.replace("class Model(", "class ModelNew("), "verbatim", eval_mode=True)
     bench = as_target(pair, weights="reload", solution=False).options["bench"]
     set_seed(RELOAD_SEED)
@@ -1517,7 +1517,7 @@ def test_a_weight_copied_before_a_checkpoint_is_loaded_is_stale():
 def test_a_norm_layer_folded_before_a_checkpoint_is_loaded_is_stale():
     """BatchNorm's initial weight, bias and statistics are the same for every seed; the
     checkpoint the reload check loads has them moved, as a trained model's are
-    (``kfuzz.kernelbench.target.trained``), so a fold made on the first forward answers with the
+    (``kfuzz.kernelbench.weights.trained``), so a fold made on the first forward answers with the
     old ones: ``reload`` fails. BatchNorm as Model has it passes."""
     checks, _ = _weights_checks(FOLDED, "folded", NORM)
     assert checks["derived"]["status"] == "pass", checks
