@@ -1494,7 +1494,7 @@ def test_the_reload_checkpoint_is_models_of_its_own_seed_moved_as_by_training():
     """``weights="reload"`` judges against ``Model`` made after ``set_seed(RELOAD_SEED)``, its
     values then moved (``trained``), in the oracle's model and in the checkpoint alike."""
     from kfuzz.kernelbench.source import pair_module, set_seed
-    from kfuzz.kernelbench.target import RELOAD_SEED, trained
+    from kfuzz.kernelbench.weights import RELOAD_SEED, trained
     pair = load_pair(LINEAR, LINEAR.replace("class Model(", "class ModelNew("), "verbatim", eval_mode=True)
     bench = as_target(pair, weights="reload", solution=False).options["bench"]
     set_seed(RELOAD_SEED)
@@ -1517,7 +1517,7 @@ def test_a_weight_copied_before_a_checkpoint_is_loaded_is_stale():
 def test_a_norm_layer_folded_before_a_checkpoint_is_loaded_is_stale():
     """BatchNorm's initial weight, bias and statistics are the same for every seed; the
     checkpoint the reload check loads has them moved, as a trained model's are
-    (``kfuzz.kernelbench.target.trained``), so a fold made on the first forward answers with the
+    (``kfuzz.kernelbench.weights.trained``), so a fold made on the first forward answers with the
     old ones: ``reload`` fails. BatchNorm as Model has it passes."""
     checks, _ = _weights_checks(FOLDED, "folded", NORM)
     assert checks["derived"]["status"] == "pass", checks
@@ -1641,25 +1641,25 @@ def test_builds_find_the_precompiled_header_of_their_flags_first_on_the_include_
     extra_cflags first on its include path, and nothing where none was made for those flags;
     the flags are read from the solution statically."""
     import torch.utils.cpp_extension as ext
-    from kfuzz.kernelbench import build
+    from kfuzz.kernelbench import pch
     code = ("from torch.utils.cpp_extension import load_inline\n"
             "a = load_inline(name='a', cpp_sources='', extra_cflags=['-O3', ''])\n"
             "b = load_inline(name='b', cpp_sources='')\nc = load_inline(name='c', cpp_sources='', extra_cflags=F)\n")
-    assert build.cflag_sets(code) == [("-O3",), ()]
+    assert pch.cflag_sets(code) == [("-O3",), ()]
     seen = []
     monkeypatch.setattr(ext, "_write_ninja_file_and_build_library",
                         lambda name, sources, extra_cflags, **kw: seen.append((name, kw["extra_include_paths"])))
-    monkeypatch.setattr(build, "_PCH_USED", [])
-    folder = tmp_path / build.pch_key(["-O3"]) / "torch"
+    monkeypatch.setattr(pch, "PCH_USED", [])
+    folder = tmp_path / pch.pch_key(["-O3"]) / "torch"
     folder.mkdir(parents=True)
     (folder / "extension.h.gch").write_bytes(b"")
-    build.use_pch(tmp_path)
+    pch.use_pch(tmp_path)
     for name, flags in (("fast", ["-O3", " "]), ("plain", [])):
         ext._write_ninja_file_and_build_library(name=name, sources=[], extra_cflags=flags, extra_cuda_cflags=[],
                                                 extra_ldflags=[], extra_include_paths=["inc"], build_directory="d",
                                                 verbose=False, with_cuda=False)
     assert seen == [("fast", [str(folder.parent), "inc"]), ("plain", ["inc"])]
-    assert build._PCH_USED == ["fast"]
+    assert pch.PCH_USED == ["fast"]
 
 
 def test_a_build_waits_for_a_precompiled_header_marked_pending_and_the_maker_clears_every_mark(tmp_path, monkeypatch):
@@ -1668,13 +1668,13 @@ def test_a_build_waits_for_a_precompiled_header_marked_pending_and_the_maker_cle
     import threading
     import torch.utils.cpp_extension as ext
     from kfuzz import audit
-    from kfuzz.kernelbench import build
+    from kfuzz.kernelbench import pch
     seen = []
     monkeypatch.setattr(ext, "_write_ninja_file_and_build_library",
                         lambda name, sources, extra_cflags, **kw: seen.append((name, kw["extra_include_paths"])))
-    monkeypatch.setattr(build, "_PCH_USED", [])
-    marker = build.mark_pending(tmp_path, ["-O3"])
-    folder = tmp_path / build.pch_key(["-O3"]) / "torch"
+    monkeypatch.setattr(pch, "PCH_USED", [])
+    marker = pch.mark_pending(tmp_path, ["-O3"])
+    folder = tmp_path / pch.pch_key(["-O3"]) / "torch"
     folder.mkdir(parents=True)
 
     def make():
@@ -1683,7 +1683,7 @@ def test_a_build_waits_for_a_precompiled_header_marked_pending_and_the_maker_cle
         os.remove(marker)
     maker = threading.Thread(target=make)
     maker.start()
-    build.use_pch(tmp_path)
+    pch.use_pch(tmp_path)
     ext._write_ninja_file_and_build_library(name="fast", sources=[], extra_cflags=["-O3"], extra_cuda_cflags=[],
                                             extra_ldflags=[], extra_include_paths=[], build_directory="d",
                                             verbose=False, with_cuda=False)
@@ -1693,23 +1693,23 @@ def test_a_build_waits_for_a_precompiled_header_marked_pending_and_the_maker_cle
     made = []
 
     def ensure(root, flags):
-        made.append(sorted(p.name for p in Path(root).glob("*/" + build.PENDING)))
+        made.append(sorted(p.name for p in Path(root).glob("*/" + pch.PENDING)))
         if flags:
             raise OSError("the compiler failed")
         return None
-    monkeypatch.setattr(build, "ensure_pch", ensure)
+    monkeypatch.setattr(pch, "ensure_pch", ensure)
     code = "from torch.utils.cpp_extension import load_inline\nm = load_inline(name='m', cpp_sources='', extra_cflags={})\n"
     base = control("correct_sum")
     entries = [dataclasses.replace(base, pair=dataclasses.replace(base.pair, custom_code=code.format(flags)))
                for flags in ("[]", "[]", "['-O2']")]
     with pytest.raises(OSError):
         audit.precompile_headers(entries, tmp_path / "pch")
-    assert made == [[build.PENDING, build.PENDING], [build.PENDING]]     # both marked first, in use order
-    assert not list((tmp_path / "pch").glob("*/" + build.PENDING))
+    assert made == [[pch.PENDING, pch.PENDING], [pch.PENDING]]     # both marked first, in use order
+    assert not list((tmp_path / "pch").glob("*/" + pch.PENDING))
 
 
 def test_a_cuda_file_is_slimmed_to_torch_types_only_where_it_names_nothing_the_frontend_alone_declares():
-    from kfuzz.kernelbench.build import slim_cuda_source
+    from kfuzz.kernelbench.cuda_compile import slim_cuda_source
     kernel = "\n__global__ void k(float* x) { x[0] = 1.0f; }\ntorch::Tensor f(torch::Tensor x) { return x; }\n"
     for include in ("#include <torch/extension.h>", '#include "torch/extension.h"', "  #  include <torch/torch.h>",
                     "#include <torch/all.h> // everything"):
@@ -1729,10 +1729,10 @@ def test_a_slimmed_copy_is_written_again_only_where_it_changed(tmp_path, monkeyp
     leaves the slimmed copy as it was, so ninja does not compile it again; a changed CUDA file
     gets a new copy."""
     import torch.utils.cpp_extension as ext
-    from kfuzz.kernelbench import build
+    from kfuzz.kernelbench import cuda_compile
     monkeypatch.setattr(ext, "_write_ninja_file_and_build_library", lambda name, sources, *a, **kw: None)
-    monkeypatch.setattr(build, "_SLIM_USED", [])
-    build.use_slim_cuda()
+    monkeypatch.setattr(cuda_compile, "SLIM_USED", [])
+    cuda_compile.use_slim_cuda()
     (tmp_path / "cuda.cu").write_text("#include <torch/extension.h>\n__global__ void k() {}\n")
     copy = tmp_path / "cuda.slim.cu"
 
@@ -1742,7 +1742,7 @@ def test_a_slimmed_copy_is_written_again_only_where_it_changed(tmp_path, monkeyp
     call()
     os.utime(copy, (1_000_000, 1_000_000))        # older than anything a build writes
     call()
-    assert copy.stat().st_mtime == 1_000_000 and build._SLIM_USED == ["e", "e"]
+    assert copy.stat().st_mtime == 1_000_000 and cuda_compile.SLIM_USED == ["e", "e"]
     (tmp_path / "cuda.cu").write_text("#include <torch/extension.h>\n__global__ void k2() {}\n")
     call()
     assert copy.stat().st_mtime > 1_000_000 and "k2" in copy.read_text()
@@ -1753,7 +1753,7 @@ def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_wri
     copy fails, the same call builds the files as written (the original's result decides), and
     sources elsewhere or of another kind are passed as they are."""
     import torch.utils.cpp_extension as ext
-    from kfuzz.kernelbench import build
+    from kfuzz.kernelbench import cuda_compile
     calls = []
 
     def compiler(name, sources, extra_cflags, **kw):
@@ -1772,10 +1772,10 @@ def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_wri
         if errors:
             raise RuntimeError(errors[0])
     monkeypatch.setattr(ext, "_write_ninja_file_and_build_library", compiler)
-    monkeypatch.setattr(build, "_SLIM_USED", [])
-    monkeypatch.setattr(build, "_SLIM_REFUSED", [])
-    build.use_slim_cuda()
-    build.use_slim_cuda()                         # once a process
+    monkeypatch.setattr(cuda_compile, "SLIM_USED", [])
+    monkeypatch.setattr(cuda_compile, "SLIM_REFUSED", [])
+    cuda_compile.use_slim_cuda()
+    cuda_compile.use_slim_cuda()                  # once a process
     elsewhere = tmp_path / "user.cu"
     elsewhere.write_text("#include <torch/extension.h>\n")
     for name, body in (("lean", ""), ("needs", "at::frontend_only();")):
@@ -1793,7 +1793,7 @@ def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_wri
         assert (folder / "main.cpp").read_text() == "#include <torch/extension.h>\n"
     assert calls == [("lean", ["main.cpp", "cuda.slim.cu", "user.cu"]),
                      ("needs", ["main.cpp", "cuda.slim.cu", "user.cu"]), ("needs", ["main.cpp", "cuda.cu", "user.cu"])]
-    assert build._SLIM_USED == ["lean"] and build._SLIM_REFUSED == ["needs"]
+    assert cuda_compile.SLIM_USED == ["lean"] and cuda_compile.SLIM_REFUSED == ["needs"]
     # the copy compiled and the host file failed: the files as written would fail there too
     folder = tmp_path / "host"
     folder.mkdir()
@@ -1805,7 +1805,7 @@ def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_wri
             name="host", sources=[str(folder / "main.cpp"), str(folder / "cuda.cu")], extra_cflags=[],
             extra_cuda_cflags=[], extra_ldflags=[], extra_include_paths=[], build_directory=str(folder),
             verbose=False, with_cuda=True)
-    assert calls == [("host", ["main.cpp", "cuda.slim.cu"])] and build._SLIM_USED == ["lean", "host"]
+    assert calls == [("host", ["main.cpp", "cuda.slim.cu"])] and cuda_compile.SLIM_USED == ["lean", "host"]
     with pytest.raises(RuntimeError, match="frontend_only"):       # the original's own failure is the build's
         folder = tmp_path / "broken"
         folder.mkdir()
@@ -1817,11 +1817,11 @@ def test_a_slimmed_cuda_file_that_does_not_compile_builds_as_written_and_the_wri
 
 @pytest.mark.parametrize("host", ["fails", "compiles"])
 def test_a_build_compiles_its_cuda_files_only_where_its_host_files_compiled(tmp_path, monkeypatch, host):
-    """kfuzz.kernelbench.build.host_first: torch's ninja file, with a host compile that fails or
+    """kfuzz.kernelbench.cuda_compile.host_first: torch's ninja file, with a host compile that fails or
     not, and a CUDA compile that leaves a mark (no compiler: ninja runs the rules as written)."""
     import shutil
     import torch.utils.cpp_extension as ext
-    from kfuzz.kernelbench.build import HostBuildError, host_first
+    from kfuzz.kernelbench.cuda_compile import HostBuildError, host_first
     if not shutil.which("ninja"):
         pytest.skip("no ninja here")
     monkeypatch.setattr(ext, "_run_ninja_build", ext._run_ninja_build)

@@ -24,7 +24,7 @@ torch's ninja file gives it for ``--arch``, one at a time, with ``nvcc --time``.
 of the seconds of each of nvcc's phases (the host preprocessing, ``cudafe++``, ``cicc``, ``ptxas``,
 the host compile), the wall seconds and the CPU seconds of nvcc's processes; with ``--slim``,
 each file also as the audit's build step compiles it first (its torch frontend includes slimmed,
-``kfuzz.kernelbench.build.slim_cuda_source``). Needs nvcc and torch's headers, not a GPU:
+``kfuzz.kernelbench.cuda_compile.slim_cuda_source``). Needs nvcc and torch's headers, not a GPU:
 
     python tools/bench_builds.py CORPORA/kernelbench-leaderboard.json --limit 3 --cuda-phases --slim --arch 9.0
 """
@@ -49,7 +49,7 @@ import torch
 import torch.utils.cpp_extension as ext
 
 from kfuzz.audit import build_kernels, precompile_headers
-from kfuzz.kernelbench.build import slim_cuda_source
+from kfuzz.kernelbench.cuda_compile import slim_cuda_source
 from kfuzz.kernelbench.corpus import read_corpus
 
 
@@ -179,7 +179,7 @@ def run_cuda(entries, cuda_home: str, arch: str, slim: bool = False) -> list[dic
     """Each entry's CUDA file compiled by nvcc here, one at a time, with torch's flags and
     ``--time``: seconds per nvcc phase, wall seconds and the CPU seconds of nvcc's processes.
     With ``slim``, also the file as the audit's build step compiles it first
-    (``kfuzz.kernelbench.build.slim_cuda_source``), where slimming changes it."""
+    (``kfuzz.kernelbench.cuda_compile.slim_cuda_source``), where slimming changes it."""
     rows = []
     root = Path(tempfile.mkdtemp(prefix="kfuzz-bench-cuda-"))
     try:
@@ -224,7 +224,7 @@ def cuda_table(rows: list[dict]) -> str:
 def run_host(entries, modes, pch_root: Path | None = None) -> list[dict]:
     """Each entry's host file compiled by torch's ``load_inline`` here, cold, per mode; the
     precompiled headers beneath ``pch_root`` where given (kept, and reused by a later run)."""
-    from kfuzz.kernelbench.build import cflag_sets, ensure_pch, use_pch
+    from kfuzz.kernelbench.pch import cflag_sets, ensure_pch, use_pch
     rows = []
     for mode in modes:
         root = Path(tempfile.mkdtemp(prefix=f"kfuzz-bench-host-{mode}-"))

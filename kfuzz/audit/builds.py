@@ -51,12 +51,12 @@ def default_max_jobs(jobs: int) -> int:
 def precompile_headers(entries: Iterable[CorpusEntry], root: str | Path) -> dict[tuple[str, ...], str | None]:
     """torch's extension header precompiled beneath ``root`` for each distinct set of host-file
     flags among ``entries``' ``load_inline`` calls (read statically; none given: the default
-    flags), most used first (``kfuzz.kernelbench.build.ensure_pch``), each marked pending first
+    flags), most used first (``kfuzz.kernelbench.pch.ensure_pch``), each marked pending first
     (``mark_pending``: the builds that need one wait for it). Runs in kfuzz's process:
     the compiler sees torch's header and the flags, never a solution's code. Returns each flag
     set's folder (None: could not be made)."""
     from collections import Counter
-    from kfuzz.kernelbench.build import cflag_sets, ensure_pch, mark_pending
+    from kfuzz.kernelbench.pch import cflag_sets, ensure_pch, mark_pending
     counts = Counter(f for e in entries if e.pair is not None and e.compiles
                      for f in (cflag_sets(e.pair.custom_code) or [()]))
     order = [f for f, _ in counts.most_common()]
@@ -83,7 +83,7 @@ def check_build_step(device: str, cache: str | Path, policy: dict | None = None,
     torch version, compiler and precompiled header), it is not built again."""
     import torch
     import torch.utils.cpp_extension as ext
-    from kfuzz.kernelbench.build import ensure_pch
+    from kfuzz.kernelbench.pch import ensure_pch
     from kfuzz.kernelbench.probe import probe_entry
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     header = ensure_pch(pch_root) if pch_root else None

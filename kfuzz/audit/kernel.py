@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 # the kernel side's processes: forked from a forkserver of their own (started by the kernel's
 # oracle process, never touching CUDA) with what every kernel needs imported once
-KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench", "kfuzz.kernelbench.build")
+KERNEL_PRELOAD = ("kfuzz.programs", "kfuzz.kernelbench", "kfuzz.kernelbench.build", "kfuzz.kernelbench.pch",
+                  "kfuzz.kernelbench.cuda_compile")
 
 
 def finding(verdict) -> dict:
@@ -361,7 +362,7 @@ def lenient_check(pair, device: str, seed: int, executor: Callable) -> dict:
     """For a solution whose state_dict does not take ``Model``'s strictly (``seed only``): where
     it holds every one of ``Model``'s names at its shape and names of its own besides, the
     ``reload`` check of ``weights_checks`` with each load ``strict=False`` (``weights="lenient"``,
-    ``kfuzz.kernelbench.target.load_shared``): ``Model``'s checkpoint loaded, one forward, then
+    ``kfuzz.kernelbench.weights.load_shared``): ``Model``'s checkpoint loaded, one forward, then
     ``Model``'s checkpoint of another seed (``RELOAD_SEED``) loaded, and G01's first case against
     that checkpoint's reference. ``pass``: the numbers follow the checkpoint, only the strict load
     fails (the own names hold constants); ``fail``: the solution answers with copies of the

@@ -48,7 +48,8 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     ``supervisor``: the audit's process (pid, start), which it does not outlive (unless its start
     could not be read: then it is not watched)."""
     os.setsid()     # one process group a kernel: its workers and their forkserver end with it
-    from kfuzz.kernelbench.build import PCH_ENV, SLIM_ENV
+    from kfuzz.kernelbench.cuda_compile import SLIM_ENV
+    from kfuzz.kernelbench.pch import PCH_ENV
     if pch:
         os.environ[PCH_ENV] = pch
     os.environ[SLIM_ENV] = "1" if slim else "0"
@@ -65,6 +66,7 @@ def _child(conn, entry: CorpusEntry, device: str, gates: list[str], seed: int, c
     import torch
     import torch._dynamo  # noqa: F401  (model code and G10 import it: once here, not in each worker)
     import kfuzz.kernelbench, kfuzz.kernelbench.build, kfuzz.programs  # noqa: F401,E401  (preloaded)
+    import kfuzz.kernelbench.cuda_compile, kfuzz.kernelbench.pch  # noqa: F401,E401  (preloaded)
     from kfuzz.workers import fork_server_here
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")     # the kernels' own warnings are not the audit's output

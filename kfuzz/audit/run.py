@@ -77,7 +77,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     ``pch``: precompile torch's extension header for the builds (``precompile_headers``, beside the
     first kernels; a build whose header is still being made waits for it). ``slim``: compile a
     ``load_inline`` CUDA file with its torch frontend includes slimmed where it compiles so
-    (``kfuzz.kernelbench.build.use_slim_cuda``). ``build_timeout``: the seconds a solution's build
+    (``kfuzz.kernelbench.cuda_compile.use_slim_cuda``). ``build_timeout``: the seconds a solution's build
     may take, apart from ``timeout`` (default ``timeout``). Before the first solution that
     compiles, kfuzz's probe solution is built in the same confined build step
     (``check_build_step``: a ``KfuzzError`` where it does not build)."""

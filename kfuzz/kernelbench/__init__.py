@@ -14,11 +14,18 @@ replacement for ``Model``. One module a concept:
   as the original harness ran it;
 - ``programs``: the audit's kernel programs (``weights``, ``standard``, ``build``), added to
   ``kfuzz.programs.PROGRAMS`` when this package is imported;
+- ``build``: the build step of a solution's ``load_inline`` extensions (``build_solution``), and
+  loading what it built where no process may start (``prebuilt_only``); its compiles take
+  torch's header precompiled (``pch``) and the CUDA files slimmed, after the host files
+  (``cuda_compile``);
 - ``target``: ``as_target``, the pair as a target that kfuzz's gates judge
   (the reference in float64 as the oracle, ``Model``'s weights loaded
   strictly, size constants as dims), and ``resolve``, which finds a pair by
   its target name ``kb:<corpus file>:<row>`` (``kfuzz.target.get_target``
-  calls it for names starting ``kb:``, so a sandboxed worker finds its pair).
+  calls it for names starting ``kb:``, so a sandboxed worker finds its pair);
+- ``weights``: ``Model``'s weights loaded into ``ModelNew`` (``load_weights``, ``load_shared``),
+  the checkpoint of another seed (``trained``), and the reference's float weights
+  (``float_weights``).
 
 Generated code is untrusted: nothing here runs ``custom_code`` except the
 kernel half of a target and ``standard_test``, which callers run in a
@@ -33,9 +40,9 @@ from kfuzz.kernelbench.corpus import CorpusEntry, read_corpus, read_row
 from kfuzz.kernelbench.source import (PREFIX, SEED, KernelBenchError, KernelBenchPair, load_pair, pair_module,
                                       set_seed, size_constants, sized)
 from kfuzz.kernelbench.standard import ATOL, RTOL, TRIALS, StandardVerdict, standard_test
-from kfuzz.kernelbench.target import (FLOAT_WEIGHTS, MODEL_SETS, Bench, Contract, KernelBenchTarget,
-                                      WeightsContractError, as_target, float_weights, infer_contract, load_weights,
+from kfuzz.kernelbench.target import (MODEL_SETS, Bench, Contract, KernelBenchTarget, as_target, infer_contract,
                                       nominal, resolve)
+from kfuzz.kernelbench.weights import FLOAT_WEIGHTS, WeightsContractError, float_weights, load_weights
 
 __all__ = ["ATOL", "FLOAT_WEIGHTS", "MODEL_SETS", "PREFIX", "RTOL", "SEED", "TRIALS", "Bench", "Contract",
            "CorpusEntry", "KernelBenchError", "KernelBenchPair", "KernelBenchTarget", "StandardVerdict",
