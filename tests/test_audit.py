@@ -2171,6 +2171,29 @@ def test_a_kernel_that_only_raises_at_g03s_sizes_is_its_own_arguable_class():
     assert [audit_report().summarize([r])["arguable"][label] for r in recs] == [1, 0, 0]
 
 
+def test_a_sandboxed_write_of_its_own_files_at_a_fixed_path_alone_is_its_own_arguable_class():
+    """A solution whose only finding is a write the sandbox refused beneath /tmp or a hidden
+    folder of a home (its sources written to /tmp/..., a library's cache) is counted on its own;
+    a write elsewhere, or another violation beside it, is not."""
+    def finding(path):
+        return {"finding": "sandbox-write", "kind": "crash", "exc_type": "sandbox-write",
+                "detail": f"os.mkdir {path!r}: a kernel may write only beneath its own directory"}
+
+    def standard(path, gates=None):
+        return {"weights": {"status": "exact"}, "gates": gates or {},
+                "standard": {"passed": False, "reason": f"sandbox-write: {path}", "trials": 0, **finding(path)}}
+    bound = {"G01": {"status": "fail", "kind": "bound", "failing_kinds": {"bound": 1}}}
+    recs = [{"compiles": True, "build": {"status": "finding", **finding("/tmp/cuda_extensions")}},
+            standard("/root/.cupy"), standard("/home/someone/.cache/lib"),
+            standard("/etc/kfuzz-victim"), standard("/home/someone/notes"), standard("/tmp/scratch", bound)]
+    for i, r in enumerate(recs):
+        r.update({"key": f"c:{i}", "target": f"kb:c:{i}"})
+    assert [judge_record(r)["violations"] for r in recs[:5]] == [["sandbox-write"]] * 5
+    assert judge_record(recs[5])["violations"] == ["sandbox-write", "G01"]
+    label = next(k for k in audit_report().summarize([recs[0]])["arguable"] if k.startswith("only a sandboxed write"))
+    assert [audit_report().summarize([r])["arguable"][label] for r in recs] == [1, 1, 1, 0, 0, 0]
+
+
 ROW_SUMS = """import torch
 import torch.nn as nn
 

@@ -173,6 +173,23 @@ def g03_refusals_only(rec: dict, violations: list[str]) -> bool:
     return failing_kinds(rec.get("gates", {}).get("G03") or {}) == {"exception"}
 
 
+# a write the sandbox refused, named by the audit hook ("<event> '<path>': ..."), beneath /tmp or a
+# hidden folder of a home (where libraries keep their caches)
+OWN_FILES_WRITE = re.compile(r"^[\w.]+ '(/tmp/|/root/\.|/home/[^/']+/\.)")
+
+
+def own_files_write_only(rec: dict, violations: list[str]) -> bool:
+    """Whether the kernel's only violation is a write outside its directory that the sandbox
+    refused in its build or standard test, beneath /tmp or a hidden folder of a home: a
+    solution keeping its own files (its sources, a library's cache) at a fixed path, which a
+    drop-in user's run writes as well (and runs in parallel race on), not a wrong number."""
+    if violations != ["sandbox-write"]:
+        return False
+    steps = [rec.get(k) or {} for k in ("build", "standard")]
+    return any(st.get("finding") == "sandbox-write" and OWN_FILES_WRITE.match(str(st.get("detail", "")))
+               for st in steps)
+
+
 def lenient_pass(rec: dict) -> bool:
     """Whether the solution, whose state_dict fails ``Model``'s strict load, gives the numbers of
     ``Model``'s checkpoint loaded with ``strict=False`` (``kfuzz.audit.lenient_check``)."""
@@ -245,6 +262,8 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "not judged)": sum(one_element_shape_only(r, j[r["key"]]["violations"]) for r in audited),
         "only G03, exceptions at sizes the reference takes (a loud refusal, not a wrong number)": sum(
             g03_refusals_only(r, j[r["key"]]["violations"]) for r in audited),
+        "only a sandboxed write of its own files at a fixed path beneath /tmp or a hidden folder of a home "
+        "(a drop-in run writes them too)": sum(own_files_write_only(r, j[r["key"]]["violations"]) for r in audited),
     }
     return {
         "records": len(records), "corpus_records": len(corpus),
