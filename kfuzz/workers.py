@@ -59,7 +59,6 @@ from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.jit import Credit
 from kfuzz.target import load_target, prepare_triton
-from kfuzz.verdict import Verdict
 from kfuzz.wire import Outbox, geometry, pack, unpack
 
 # what a worker may report itself; a pass (or any judged kind) comes only from kfuzz's judge

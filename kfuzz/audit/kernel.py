@@ -93,7 +93,6 @@ def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     judging, ``build_only``), recorded with ``ahead`` in place of a build step."""
     from kfuzz import sandbox
     from kfuzz.case import Case
-    from kfuzz.gates import GATES, run_gate
     from kfuzz.kernelbench import as_target
     from kfuzz.kernelbench.target import StandardOnly
     from kfuzz.executor import Sandboxed
