@@ -499,14 +499,19 @@ def test_torch_compiles_pool_and_temporary_files_stay_inside_a_worker(install_pl
     inductor compiles in the worker (no pool of compile processes that would outlive the call:
     ``sandbox-fork``), and ``tempfile`` writes beneath the worker's own directory (not /tmp:
     ``sandbox-write``)."""
+    install_plugin("probe_compile", {"probe_compilepool.py": COMPILE_POOL},
+                   {"kfuzz.targets": {"compilepool": "probe_compilepool"}})
+    _runs_clean("probe.compilepool", tmp_path / "out")
+
+
+def _runs_clean(target: str, root) -> None:
+    """``kfuzz run`` of a correct plugin kernel in one confined worker: 3 cases, no failure."""
     from click.testing import CliRunner
 
     import kfuzz.cli.run  # noqa: F401  (registers the verbs)
     from kfuzz.cli import cli
-    install_plugin("probe_compile", {"probe_compilepool.py": COMPILE_POOL},
-                   {"kfuzz.targets": {"compilepool": "probe_compilepool"}})
-    r = CliRunner().invoke(cli, ["run", "--target", "probe.compilepool", "--runs", "3", "--jobs", "1",
-                                 "--device", "cpu", "--root", str(tmp_path / "out")])
+    r = CliRunner().invoke(cli, ["run", "--target", target, "--runs", "3", "--jobs", "1", "--device", "cpu",
+                                 "--root", str(root)])
     assert r.exit_code == 0, r.output
     assert "3 executions" in r.stdout and "0 failure signature(s)" in r.stdout
 
@@ -534,10 +539,6 @@ def test_a_library_that_caches_its_compiles_writes_beneath_the_workers_cache(ins
     driver's JIT, torch's runtime-compiled kernels) passes in a confined worker: the variable
     that names the library's cache points beneath the worker's compile cache, whatever the
     user's environment says, so the write is no ``sandbox-write``."""
-    from click.testing import CliRunner
-
-    import kfuzz.cli.run  # noqa: F401  (registers the verbs)
-    from kfuzz.cli import cli
     from kfuzz.sandbox.caches import LIBRARY_CACHES
     assert "CUPY_CACHE_DIR" in LIBRARY_CACHES
     host = tmp_path / "host-cupy"
@@ -545,10 +546,7 @@ def test_a_library_that_caches_its_compiles_writes_beneath_the_workers_cache(ins
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     install_plugin("probe_librarycache", {"probe_librarycache.py": LIBRARY_CACHE},
                    {"kfuzz.targets": {"librarycache": "probe_librarycache"}})
-    r = CliRunner().invoke(cli, ["run", "--target", "probe.librarycache", "--runs", "3", "--jobs", "1",
-                                 "--device", "cpu", "--root", str(tmp_path / "out")])
-    assert r.exit_code == 0, r.output
-    assert "3 executions" in r.stdout and "0 failure signature(s)" in r.stdout
+    _runs_clean("probe.librarycache", tmp_path / "out")
     assert not host.exists() and not (tmp_path / "home").exists()
 
 
