@@ -132,7 +132,7 @@ def precision_class(rec: dict, violations: list[str]) -> str | None:
 def g05_fact(rec: dict, fact: str) -> bool:
     """A fact of the kernel's G05 failure, in its failing case's metrics: ``kinds_only`` (it
     differs from the oracle only in the kind of non-finite value,
-    ``kfuzz.gates.values.kinds_only``), ``where_ignored`` (only by non-finite values where the
+    ``kfuzz.gates.nonfinite.kinds_only``), ``where_ignored`` (only by non-finite values where the
     oracle's value ignores the injected specials, ``nonfinite_where_ignored``)."""
     m = ((rec.get("gates", {}).get("G05") or {}).get("verdict") or {}).get("metrics") or {}
     return bool(m.get(fact))

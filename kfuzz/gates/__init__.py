@@ -24,11 +24,12 @@ from kfuzz.compare import BOUND_C
 from kfuzz.corpus import Corpus, check_record, load_checked
 from kfuzz.errors import KfuzzError
 from kfuzz.executor import executor_for
+from kfuzz.gates.accumulation import Accumulation
 from kfuzz.gates.base import Gate, GateResult, nominal_dims
+from kfuzz.gates.bounds import Distributions, Layouts, Reference, Shapes
 from kfuzz.gates.calls import CompleteWrites, Containment, Determinism, InputDependence
 from kfuzz.gates.gradients import Gradients
-from kfuzz.gates.values import (Accumulation, Distributions, Layouts, Nonfinite, Range, Reference,
-                                Shapes)
+from kfuzz.gates.nonfinite import Nonfinite, Range
 from kfuzz.target import Target
 from kfuzz.verdict import Signature, Verdict
 
