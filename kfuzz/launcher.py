@@ -17,7 +17,8 @@ starts a fresh zygote for each worker instead (a spawn: a torch import a worker)
 The zygote is the workers' parent, and so the one that sees how each ended (its exit code
 or signal, ``SIGSYS`` for a system call the sandbox's filter forbids); it reports it to kfuzz.
 It is a child subreaper: a process that a worker's tree orphans (a ``setsid`` grandchild
-whose parent died) becomes its child, and it kills every child that is not a worker.
+whose parent died) becomes its child, and it kills every child that is not a worker (the
+process tree is read from /proc by ``kfuzz.processes``).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import sys
 import threading
 import time
 import traceback
+
+from kfuzz import processes
 
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER = 1, 4, 36
 STARTUP_TIMEOUT = 600.0     # importing torch on a loaded machine is slow
@@ -121,136 +124,6 @@ def _threads() -> int:
 
 # the zygote's side ---------------------------------------------------------------------------------
 
-def _stat(pid: int | str) -> list[bytes] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first: field 3), or
-    None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2:].split()
-
-
-def _parents() -> dict[int, tuple[int, str]]:
-    """Every live process's parent and state (a scan of /proc)."""
-    found = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = _stat(name)
-            if fields is not None and len(fields) > 1:
-                found[int(name)] = (int(fields[1]), fields[0].decode())
-    return found
-
-
-def _children_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    return [p for p, (parent, _) in _parents().items() if parent == pid]
-
-
-def _kids(pid: int) -> list[int] | None:
-    """``pid``'s children from its threads' ``children`` files (None where the kernel has none)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    kids: list[int] = []
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                kids += [int(k) for k in f.read().split()]
-        except FileNotFoundError:
-            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
-                continue                  # the thread ended meanwhile
-            return None                   # no CONFIG_PROC_CHILDREN
-        except OSError:
-            continue
-    return kids
-
-
-def _state(pid: int) -> str:
-    fields = _stat(pid)
-    return "X" if fields is None else fields[0].decode()
-
-
-def started_at(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot, field 22; with the pid, it names
-    one process, not a later one given the same pid), or None when it is gone."""
-    fields = _stat(pid)
-    return None if fields is None else int(fields[19])
-
-
-def running(pid: int, started: int | None) -> bool:
-    """Whether process ``pid`` that started at ``started`` (``started_at``) still runs: not gone,
-    not a zombie, not a later process given the same pid."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in (b"Z", b"X") and int(fields[19]) == started
-
-
-WALKS = 4     # walks of the children files that may disagree before the whole table is scanned
-
-
-def _walk(pid: int) -> tuple[list[int], list[int]] | None:
-    """Every process met below ``pid`` through the ``children`` files, and the live ones among
-    them; None without those files."""
-    met, below, todo = [], [], [pid]
-    while todo:
-        kids = _kids(todo.pop())
-        if kids is None:
-            return None
-        todo += kids
-        met += kids
-        below += [k for k in kids if _state(k) not in "ZX"]
-    return met, below
-
-
-def descendants(pid: int, scan: bool = False) -> list[int]:
-    """The live (not zombie) processes below ``pid`` in the process tree: from the processes'
-    ``children`` files (a few reads), or with ``scan`` (or without those files) from a scan of
-    every process's parent. The files are read one process at a time, so a walk can miss a
-    process moved while it ran (a grandchild handed to ``pid`` as its parent exits after its
-    list was read): walks repeat until two meet the same processes, else the table is scanned."""
-    if not scan:
-        last = None
-        for _ in range(WALKS):
-            got = _walk(pid)
-            if got is None:
-                break
-            if got == last:
-                return got[1]
-            last = got
-    tree = _parents()
-    below, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for p, (pp, state) in tree.items():
-            if pp == parent:
-                todo.append(p)
-                if state != "Z":
-                    below.append(p)
-    return below
-
-
-def command(pid: int) -> str:
-    """What process ``pid`` runs, for a message: its command line, else its name."""
-    for name, sep in (("cmdline", b" "), ("comm", b"")):
-        try:
-            with open(f"/proc/{pid}/{name}", "rb") as f:
-                text = f.read().replace(b"\0", sep).strip()
-        except OSError:
-            continue
-        if text:
-            return text.decode(errors="replace")[:120]
-    return "?"
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class _Zygote:
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -282,9 +155,9 @@ class _Zygote:
                     self.handle(msg, fds)
         finally:
             for pid in list(self.workers):
-                _kill(pid)
+                processes.kill(pid)
             deadline = time.monotonic() + 5
-            while (self.workers or _children_of(os.getpid())) and time.monotonic() < deadline:
+            while (self.workers or processes.children_of(os.getpid())) and time.monotonic() < deadline:
                 self.reap()
                 time.sleep(0.01)
 
@@ -303,9 +176,9 @@ class _Zygote:
                 _send(self.sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
         if reaped or time.monotonic() - self.swept > 1.0:    # orphans of a worker's tree (a /proc scan)
             self.swept = time.monotonic()
-            for pid in _children_of(os.getpid()):
+            for pid in processes.children_of(os.getpid()):
                 if pid not in self.workers:
-                    _kill(pid)
+                    processes.kill(pid)
 
     def handle(self, msg, fds: list[int]) -> None:
         kind = msg[0]
@@ -321,7 +194,7 @@ class _Zygote:
             _send(self.sock, ("started", pid))
         elif kind == "kill":
             if msg[1] in self.workers:
-                _kill(msg[1])
+                processes.kill(msg[1])
         elif kind == "preload":
             sys.path[:] = msg[2]
             _send(self.sock, ("preloaded", self.preload(msg[1])))

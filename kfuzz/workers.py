@@ -54,7 +54,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from kfuzz import jit, launcher, sandbox
+from kfuzz import jit, launcher, processes, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
 from kfuzz.jit import Credit
@@ -327,7 +327,7 @@ class Worker:
             if left and self.queue:
                 # the worker may have begun its next case, whose processes (a JIT compiler) are
                 # that call's: one seen now outlived this call if it still runs at the next answer
-                born = {pid: launcher.started_at(pid) for pid in left}
+                born = {pid: processes.started_at(pid) for pid in left}
                 left = [pid for pid in left if born[pid] is not None and self.suspects.get(pid) == born[pid]]
                 self.suspects = born
             else:
@@ -337,7 +337,7 @@ class Worker:
                     left = self.started_processes()
                 self.suspects = {}
             if left:
-                names = "; ".join(f"{pid}: {launcher.command(pid)}" for pid in left[:4])
+                names = "; ".join(f"{pid}: {processes.command(pid)}" for pid in left[:4])
                 found = sandbox.FORK, f"{len(left)} process(es) the kernel started outlived its call ({names})"
         return found
 
@@ -352,8 +352,8 @@ class Worker:
 
     def started_processes(self, scan: bool = False) -> list[int]:
         """The live processes below the worker other than its own tree (kfuzz.sandbox.isolate);
-        ``scan``: from a scan of every process (``launcher.descendants``)."""
-        return launcher.descendants(self.process.pid, scan)[self.own_tree:]
+        ``scan``: from a scan of every process (``processes.descendants``)."""
+        return processes.descendants(self.process.pid, scan)[self.own_tree:]
 
     def post(self, msg: bytes, unread: int = 0) -> None:
         """Send ``msg`` without ever blocking on the worker (``unread`` bytes may wait in its pipe):

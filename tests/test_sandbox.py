@@ -444,15 +444,15 @@ def test_a_process_seen_while_the_next_case_runs_is_judged_at_the_next_answer(mo
     still runs at the next answer; with nothing queued, at once."""
     from types import SimpleNamespace
 
-    from kfuzz import launcher
+    from kfuzz import processes
     from kfuzz.workers import Worker
     w = object.__new__(Worker)
     w.channel = SimpleNamespace(verdict=lambda answered: None, read=lambda: [], eof=False)
     w.watch_tree, w.answers, w.suspects, w.own_tree = True, 0, {}, 0
     running: dict[int, int] = {}
     monkeypatch.setattr(w, "started_processes", lambda scan=False: list(running))
-    monkeypatch.setattr(launcher, "started_at", lambda pid: running.get(pid))
-    monkeypatch.setattr(launcher, "command", lambda pid: f"ptxas-{pid}")
+    monkeypatch.setattr(processes, "started_at", lambda pid: running.get(pid))
+    monkeypatch.setattr(processes, "command", lambda pid: f"ptxas-{pid}")
     w.queue = ["next"]
     running.update({101: 7})                     # the next case's compiler, as case 1 answers
     assert w.escape() is None

@@ -545,7 +545,7 @@ def test_a_process_moved_during_the_walk_of_the_children_files_is_still_found(mo
     worker's list and its own hands its child to the worker unseen by that walk. The walk is
     taken again until two agree, so the grandchild is found (simulated /proc: the worker 1, its
     child 2 exiting, the grandchild 3)."""
-    from kfuzz import launcher
+    from kfuzz import processes
     lists = iter([[2], [2, 3]])
     last = {"1": [2]}
 
@@ -554,9 +554,9 @@ def test_a_process_moved_during_the_walk_of_the_children_files_is_still_found(mo
             last["1"] = next(lists, last["1"])
             return last["1"]
         return []
-    monkeypatch.setattr(launcher, "_kids", kids)
-    monkeypatch.setattr(launcher, "_state", lambda pid: "Z" if pid == 2 else "S")
-    assert launcher.descendants(1) == [3]
+    monkeypatch.setattr(processes, "_kids", kids)
+    monkeypatch.setattr(processes, "_state", lambda pid: "Z" if pid == 2 else "S")
+    assert processes.descendants(1) == [3]
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")

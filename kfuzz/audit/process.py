@@ -30,7 +30,7 @@ def _ends_with(pid: int, started: int | None) -> None:
     is killed within a second of process ``pid`` (the audit's, started at ``started``) ending,
     however it ends (SIGKILL included): no kernel runs on unsupervised."""
     import threading
-    from kfuzz.launcher import running
+    from kfuzz.processes import running
 
     def watch() -> None:
         while running(pid, started):
@@ -116,7 +116,7 @@ class KernelProcess:
                        "trusted_on": args[0], "timeout": timeout}
         self.conn, child = ctx.Pipe(duplex=False)
         # not a daemon: it starts the kernel's workers (run_audit kills it, whatever happens)
-        from kfuzz.launcher import started_at
+        from kfuzz.processes import started_at
         supervisor = (os.getpid(), started_at(os.getpid()))
         self.proc = ctx.Process(target=_child, args=(child, entry, *args),
                                 kwargs={"build_only": build_only, "supervisor": supervisor, "built": built},
