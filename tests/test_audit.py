@@ -37,6 +37,28 @@ def audit_key(tmp_path_factory, monkeypatch):
     return path
 
 
+@pytest.fixture(scope="session")
+def probe_marker(tmp_path_factory):
+    """kfuzz's probe extension built once a session (``check_build_step``, no precompiled header):
+    the marker that says so, for tests about solutions' builds rather than the probe's."""
+    import shutil
+    from kfuzz.audit import check_build_step
+    if not (shutil.which("ninja") and shutil.which("c++")):
+        pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
+    cache = tmp_path_factory.mktemp("probed")
+    check_build_step("cpu", cache)
+    (marker,) = cache.glob("probe-built-*")
+    return marker
+
+
+def probed(cache: Path, marker: Path) -> Path:
+    """``cache``, made, holding the session's probe marker: the audit builds no probe there."""
+    import shutil
+    cache.mkdir(parents=True, exist_ok=True)
+    shutil.copy(marker, cache / marker.name)
+    return cache
+
+
 def control(stem):
     return next(e for e in read_corpus(CONTROLS) if e.key.endswith(":" + stem))
 
@@ -733,7 +755,7 @@ def test_a_standard_test_that_ends_in_a_crash_or_a_timeout_is_a_finding():
     assert j["incomplete"] and not j["violation"] and j["audited"]
 
 
-def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(tmp_path):
+def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(tmp_path, probe_marker):
     """compiled_relu builds a C++ extension with load_inline: in the build step (processes
     allowed, writes beneath its cache folder only), then loaded by workers that may not start a
     process (they would need ninja to build it). compiled_fork, built alike, forks in forward:
@@ -750,8 +772,8 @@ def test_a_solution_builds_in_its_own_step_and_loads_where_no_process_may_start(
     # one kernel judged at a time; the other's build runs ahead of its judging (no precompiled
     # header: making one takes minutes; its use is test_builds_find_the_precompiled_header_...)
     records = {r["key"].rsplit(":", 1)[1]: r for r in run_audit(
-        entries, tmp_path / "out", ["G01"], jobs=1, build_jobs=1, timeout=300, cache=tmp_path / "ext",
-        pch=False)}
+        entries, tmp_path / "out", ["G01"], jobs=1, build_jobs=1, timeout=300,
+        cache=probed(tmp_path / "ext", probe_marker), pch=False)}
     for rec in records.values():
         assert rec["build"]["status"] == "built" and rec["build"]["extensions"] == ["kfuzz_escapes_relu"], rec
     # compiled_fork (first) built its own; compiled_relu was built ahead, and its record keeps
@@ -2350,7 +2372,7 @@ def test_the_build_step_reads_the_precompiled_header_it_is_given(tmp_path):
     assert facts["status"] == "built" and facts["pch"] == ["kfuzz_probe"], facts
 
 
-def test_a_solution_that_names_its_extension_per_process_is_audited_as_built(tmp_path):
+def test_a_solution_that_names_its_extension_per_process_is_audited_as_built(tmp_path, probe_marker):
     """A solution whose extension's name carries the process id and whose build folder is a new
     temporary one builds in the build step and runs in the kernel's sandboxed worker, a
     process of another id that may not write the cache: its standard test and G01 pass."""
@@ -2368,7 +2390,8 @@ def test_a_solution_that_names_its_extension_per_process_is_audited_as_built(tmp
         built, 'load_inline(f"kfuzz_relu_{os.getpid()}", cpp_sources=SOURCE, build_directory=tempfile.mkdtemp(),')
     (folder / "relu_per_process.py").write_text(source)
     (entry,) = [e for e in read_corpus(folder) if e.key.endswith(":relu_per_process")]
-    (rec,) = run_audit([entry], tmp_path / "out", ["G01"], jobs=1, timeout=300, cache=tmp_path / "ext", pch=False)
+    (rec,) = run_audit([entry], tmp_path / "out", ["G01"], jobs=1, timeout=300,
+                       cache=probed(tmp_path / "ext", probe_marker), pch=False)
     assert rec["build"]["status"] == "built" and "caught" not in rec["build"], rec["build"]
     assert rec["standard"]["passed"], rec["standard"]
     assert rec["gates"]["G01"]["status"] == "pass" and judge_record(rec)["violations"] == [], rec
