@@ -11,7 +11,8 @@ from kfuzz.cli import cli
 from kfuzz.corpus import Corpus
 from kfuzz.execute import execute
 
-import kfuzz.cli.replay, kfuzz.cli.run, kfuzz.cli.show, kfuzz.cli.targets  # noqa: F401,E401
+import kfuzz.cli.audit, kfuzz.cli.import_, kfuzz.cli.minimize  # noqa: F401,E401
+import kfuzz.cli.replay, kfuzz.cli.run, kfuzz.cli.show, kfuzz.cli.targets, kfuzz.cli.verify  # noqa: F401,E401
 
 
 def invoke(*args):
@@ -73,6 +74,29 @@ def test_unknown_target_in_a_case_file_exits_2_naming_the_file(root):
 def test_unknown_target_for_run_exits_2():
     r = invoke("run", "--target", "nope", "--runs", "1")
     assert r.exit_code == 2 and "unknown target 'nope'" in r.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (("run", "--target", "softmax", "--time", "-5"), "--time"),
+    (("run", "--target", "softmax", "--runs", "0"), "--runs"),
+    (("verify", "--target", "softmax", "--timeout", "0"), "--timeout"),
+    (("minimize", "x.case.zst", "--budget", "0"), "--budget"),
+    (("import", "x.json", "--target", "softmax", "--budget", "-1"), "--budget"),
+    (("audit", "corpus", "--jobs", "0"), "--jobs"),
+    (("audit", "corpus", "--timeout", "-1"), "--timeout"),
+    (("audit", "corpus", "--build-timeout", "0"), "--build-timeout"),
+    (("audit", "corpus", "--build-jobs", "-1"), "--build-jobs"),
+    (("audit", "corpus", "--max-jobs", "0"), "--max-jobs"),
+    (("audit", "corpus", "--threads", "0"), "--threads"),
+    (("audit", "corpus", "--limit", "-1"), "--limit"),
+])
+def test_a_count_or_a_time_out_of_its_range_is_bad_usage_naming_the_option(tmp_path, monkeypatch, args, option):
+    """A time or a timeout that is not positive, a count of runs, executions, processes or threads
+    below what it can be: exit 2 naming the option, before anything runs or is written."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, list(args))
+    assert r.exit_code == 2 and f"Invalid value for '{option}'" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_show_prints_case_and_record(root):

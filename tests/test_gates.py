@@ -135,10 +135,11 @@ def test_verify_cli_exit_codes_and_formats(tmp_path):
     suite = ET.fromstring(junit.output)
     assert suite.get("skipped") == "1" and suite.find("testcase/skipped") is not None
 
-    for args in (["verify", "--target", "cumsum", "--gates", "G99"], ["verify", "--target", "nosuch"],
-                 ["verify", "--target", "cumsum", "--timeout", "0"]):
+    for args in (["verify", "--target", "cumsum", "--gates", "G99"], ["verify", "--target", "nosuch"]):
         r = runner.invoke(cli, args)
         assert r.exit_code == 2 and "kfuzz: error:" in r.output
+    r = runner.invoke(cli, ["verify", "--target", "cumsum", "--timeout", "0"])
+    assert r.exit_code == 2 and "Invalid value for '--timeout'" in r.output
 
 
 def _refusing_target(name, kernel):

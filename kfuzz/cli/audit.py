@@ -55,8 +55,8 @@ def _redo_keys(given) -> list[str]:
 @click.argument("corpora", nargs=-1, required=True, type=click.Path())
 @click.option("--standard", type=click.Choice(["kernelbench"]), default="kernelbench", show_default=True,
               help="The standard test reported beside the gates.")
-@click.option("--limit", type=int, default=None, help="Audit at most N kernels (after selection and order).")
-@click.option("--jobs", type=int, default=None,
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="Audit at most N kernels (after selection and order).")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="Kernels audited (and compiled) at once (default: on a GPU, one a core, at most 16; on the "
                    "CPU, 1).")
 @click.option("--out", type=click.Path(file_okay=False), default="out/audit", show_default=True,
@@ -64,9 +64,9 @@ def _redo_keys(given) -> list[str]:
 @click.option("--gates", default=None, help="Comma-separated gate ids (default: all twelve).")
 @device_option
 @click.option("--seed", type=int, default=0, show_default=True, help="The gates' seed.")
-@click.option("--timeout", type=float, default=300.0, show_default=True,
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Seconds a kernel may take (its standard test and gates).")
-@click.option("--build-timeout", type=float, default=600.0, show_default=True,
+@click.option("--build-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds a solution's load_inline build may take, apart from --timeout (builds share the "
                    "cores with the kernels judged beside them).")
 @click.option("--select", type=click.Choice(SELECT), default="all", show_default=True,
@@ -75,10 +75,10 @@ def _redo_keys(given) -> list[str]:
 @click.option("--cache", type=click.Path(file_okay=False), default=None,
               help="Compiled extensions, one folder per solution hash, outside OUT "
                    "(default ~/.cache/kfuzz/extensions).")
-@click.option("--max-jobs", type=int, default=None,
+@click.option("--max-jobs", type=click.IntRange(min=1), default=None,
               help="MAX_JOBS (ninja's jobs) for each extension build (default: $MAX_JOBS, else the cores divided "
                    "by --jobs, at least 2).")
-@click.option("--build-jobs", type=int, default=None,
+@click.option("--build-jobs", type=click.IntRange(min=0), default=None,
               help="Builds of load_inline solutions further down the queue run ahead of their judging, N at once "
                    "(default: on a GPU, half of --jobs; on the CPU, 0).")
 @click.option("--pch/--no-pch", default=True, show_default=True,
@@ -87,7 +87,7 @@ def _redo_keys(given) -> list[str]:
 @click.option("--slim-cuda/--no-slim-cuda", default=True, show_default=True,
               help="Compile a load_inline CUDA file with <torch/extension.h> (torch.h, all.h) included as "
                    "<torch/types.h> where it compiles so, else as written.")
-@click.option("--threads", type=int, default=1, show_default=True, help="torch threads per kernel process.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
 @click.option("--redo", "redo", multiple=True, metavar="KEY|@FILE",
               help="Audit this kernel again whatever its record says (its key, e.g. cuda-l1-h100.jsonl:148; "
@@ -120,8 +120,6 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     ids = parse_gates(gates)
     jobs, ahead = default_jobs(device, jobs)
     build_jobs = ahead if build_jobs is None else build_jobs
-    if jobs < 1 or (limit is not None and limit < 0) or (max_jobs is not None and max_jobs < 1) or build_jobs < 0:
-        raise KfuzzError("--jobs and --max-jobs must be >= 1, --limit and --build-jobs >= 0")
     entries = [e for path in corpora for e in read_corpus(path)]
     redo = _redo_keys(redo)
     unknown = sorted(set(redo) - {e.key for e in entries})

@@ -14,7 +14,7 @@ from kfuzz.target import get_target
 @click.argument("path", type=click.Path())
 @click.option("--root", type=click.Path(file_okay=False), default=".", show_default=True,
               help="Project root holding crashes/.")
-@click.option("--budget", type=int, default=DEFAULT_BUDGET, show_default=True,
+@click.option("--budget", type=click.IntRange(min=1), default=DEFAULT_BUDGET, show_default=True,
               help="Most executions the minimizer spends.")
 @click.option("--no-minimize", is_flag=True, help="Save the case as reported.")
 @device_option

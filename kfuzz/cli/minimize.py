@@ -32,7 +32,7 @@ def render(m: Minimized) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Where to write the minimized case (default: CASE's folder, named by its hash).")
 @click.option("--replace", is_flag=True, help="Remove CASE once the minimized case is written.")
-@click.option("--budget", type=int, default=DEFAULT_BUDGET, show_default=True,
+@click.option("--budget", type=click.IntRange(min=1), default=DEFAULT_BUDGET, show_default=True,
               help="Most executions to spend, re-runs included.")
 @click.option("--time", "seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Most seconds to spend (default: no limit but --budget).")
