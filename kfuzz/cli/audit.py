@@ -55,7 +55,8 @@ def _redo_keys(given) -> list[str]:
 @click.argument("corpora", nargs=-1, required=True, type=click.Path())
 @click.option("--standard", type=click.Choice(["kernelbench"]), default="kernelbench", show_default=True,
               help="The standard test reported beside the gates.")
-@click.option("--limit", type=click.IntRange(min=0), default=None, help="Audit at most N kernels (after selection and order).")
+@click.option("--limit", type=click.IntRange(min=0), default=None,
+              help="Audit at most N kernels (after selection and order).")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="Kernels audited (and compiled) at once (default: on a GPU, one a core, at most 16; on the "
                    "CPU, 1).")
@@ -87,7 +88,8 @@ def _redo_keys(given) -> list[str]:
 @click.option("--slim-cuda/--no-slim-cuda", default=True, show_default=True,
               help="Compile a load_inline CUDA file with <torch/extension.h> (torch.h, all.h) included as "
                    "<torch/types.h> where it compiles so, else as written.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch threads per kernel process.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
 @click.option("--redo", "redo", multiple=True, metavar="KEY|@FILE",
               help="Audit this kernel again whatever its record says (its key, e.g. cuda-l1-h100.jsonl:148; "

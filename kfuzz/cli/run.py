@@ -79,7 +79,8 @@ def cache_dirs(root: str) -> dict[str, str]:
 
 @cli.command("run")
 @click.option("--target", "target_name", required=True, help="Target name (see `kfuzz targets`).")
-@click.option("--time", "seconds", type=click.FloatRange(min=0, min_open=True), default=None, help="Stop after this many seconds.")
+@click.option("--time", "seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop after this many seconds.")
 @click.option("--runs", type=click.IntRange(min=1), default=None, help="Stop after this many executions.")
 @device_option
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="random", show_default=True)
