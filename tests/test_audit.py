@@ -95,6 +95,53 @@ def test_standard_test_accepts_what_the_gates_reject():
     assert not v.passed and v.reason.startswith("mismatch")
 
 
+SHARED_NAMES_REF = """import torch
+import torch.nn as nn
+
+
+def scale_of(n):
+    return 1.0 / n
+
+
+class Model(nn.Module):
+    def __init__(self, features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+        self.register_buffer("h", torch.zeros(batch_size, features))
+
+    def forward(self, x):
+        return x * self.weight * scale_of(x.shape[-1]) + self.h
+
+
+batch_size = 8
+features = 32
+
+
+def get_inputs():
+    return [torch.randn(batch_size, features)]
+
+
+def get_init_inputs():
+    return [features]
+"""
+
+
+def test_a_solution_reads_the_references_names_as_the_accepting_harness_ran_it():
+    """KernelBench executes the reference and then the solution into one namespace, so a
+    solution that reads the reference's size constant and helper without defining them was
+    accepted. It passes the standard test and G03 here too, with the reference's constant sized
+    along in the solution's module; without them it raises NameError."""
+    from kfuzz.gates import GATES, run_gate
+    solution = SHARED_NAMES_REF.split("\n\n\nbatch_size")[0].replace("class Model(", "class ModelNew(").replace(
+        "def scale_of(n):\n    return 1.0 / n\n", "")
+    assert "batch_size = " not in solution and "def scale_of" not in solution
+    pair = load_pair(SHARED_NAMES_REF, solution, "shared_names")
+    v = standard_test(pair)
+    assert v.passed and v.trials == 5, v
+    r = run_gate(GATES["G03"], as_target(pair), seed=0)
+    assert r.status == "pass" and r.cases > 3, r.reason
+
+
 def test_weights_are_loaded_strictly():
     ref = pair_module(control("drops_bias").pair, "ref").Model(8, 4)
     dropped = pair_module(control("drops_bias").pair, "new").ModelNew(8, 4)
@@ -1260,6 +1307,30 @@ def test_an_exception_the_reference_raises_too_is_outside_the_contract():
     wrong = as_target(load_pair(ref, other.replace("class Model(", "class ModelNew("), "cholesky_other"))
     r = run_gate(GATES["G02"], wrong, seed=0)
     assert r.status == "fail" and r.first_failure[1].kind == "exception", r.reason
+
+
+def test_a_case_the_reference_refuses_while_the_kernel_returns_is_outside_its_domain():
+    """Cholesky of kfuzz's draws, which are not positive definite: the reference raises and a
+    solution built on ``cholesky_ex`` returns a partial factor without raising. The reference
+    defines the contract, so every value gate passes those cases as outside its domain, not as a
+    gate that could not run. Where only kfuzz's float64 oracle raises (the float32 reference
+    takes the inputs), the gate still cannot run, and the error is raised."""
+    from kfuzz.audit import excused_class
+    from kfuzz.gates import GATES, run_gate
+    ref = FACTOR.format(body="torch.linalg.cholesky(a)")
+    partial = FACTOR.format(body="torch.linalg.cholesky_ex(a).L")
+    target = as_target(load_pair(ref, partial.replace("class Model(", "class ModelNew("), "cholesky_ex"))
+    for gid in ("G01", "G02", "G03", "G05", "G06"):
+        seen = []
+        r = run_gate(GATES[gid], target, seed=0, on_case=lambda *a: seen.append(excused_class(a[-1])))
+        assert r.status == "pass", (gid, r.reason)
+        assert "outside-domain" in seen, gid
+    # the float64 path raises on every size (64 elements in rows of 7), the float32 path never
+    oracle_only = FACTOR.format(body="a.view(-1, 7) if a.dtype == torch.float64 else a")
+    target = as_target(load_pair(oracle_only, FACTOR.format(body="a").replace("class Model(", "class ModelNew("),
+                                 "oracle_only"))
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        run_gate(GATES["G01"], target, seed=0)
 
 
 DIAG = """import torch

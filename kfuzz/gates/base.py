@@ -26,8 +26,9 @@ import torch
 from kfuzz.case import ArgCase, Case
 from kfuzz.compare import BOUND_C
 from kfuzz.dtypes import is_float
-from kfuzz.execute import release_device_memory
+from kfuzz.execute import release_device_memory, trusted_outputs
 from kfuzz.target import Target
+from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 
 NOMINAL = 64          # the nominal size of inner dims, clipped to the contract
@@ -60,6 +61,26 @@ def fit_dims(target: Target, wanted: dict[str, int]) -> dict[str, int] | None:
     if target.constraint is not None and target.constraint(dims):
         return None
     return dims
+
+
+def refused_by_reference(target: Target, case: Case, device: str = "cpu") -> Verdict | None:
+    """For a target whose trusted implementation is its reference's own math
+    (``options["reference_limited"]``, KernelBench), where judging ``case`` raised: a pass saying
+    the case is outside the reference's domain when the reference itself (the trusted run, on
+    ``device``) raises on the case's inputs, sizes or values it refuses (a Cholesky of a matrix
+    that is not positive definite, a convolution over fewer elements than its window, a
+    ``.view()`` of a permuted input) while the kernel took them. None otherwise: the error is
+    kfuzz's own, a gate that could not run."""
+    if not target.options.get("reference_limited"):
+        return None
+    try:
+        trusted_outputs(target, case, materialize(case, target), device)
+    except torch.OutOfMemoryError:
+        return None
+    except Exception as e:
+        return Verdict(target.name, "pass", detail=f"outside the reference's domain: the reference raises "
+                                                   f"{type(e).__name__} on these inputs ({e})"[:500])
+    return None
 
 
 def inner_dims(target: Target) -> set[str]:
@@ -150,7 +171,9 @@ class Gate:
                    ) -> Verdict | tuple[Case, Verdict]:
         """``check``, with the oracle and the trusted implementation where the kernel ran; where
         a GPU's memory left to this process does not hold them, the case again with them on the
-        CPU (the kernel's side runs again, in ``executor`` on its own device). After the case,
+        CPU (the kernel's side runs again, in ``executor`` on its own device). Where judging
+        raises and the reference itself refuses the case's inputs, a pass that says so
+        (``refused_by_reference``); any other error is raised. After the case,
         ``execute.release_device_memory``."""
         try:
             return self.check(target, case, device, c, executor=executor)
@@ -159,6 +182,11 @@ class Gate:
                 raise
             torch.cuda.empty_cache()
             return self.check(target, case, "cpu", c, executor=executor)
+        except Exception:
+            outside = refused_by_reference(target, case, device)
+            if outside is None:
+                raise
+            return outside
         finally:    # what a large case's oracle left cached goes back to the GPU the kernels share
             release_device_memory(device)
 

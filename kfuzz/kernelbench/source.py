@@ -153,7 +153,12 @@ _DERIVED: dict[str, list] = {}     # module name -> derived_sizes of its code
 
 def pair_module(pair: KernelBenchPair, role: str) -> types.ModuleType:
     """The reference (``role="ref"``) or the solution (``"new"``) executed as a module, once
-    per process. Its filename, ``kb_<role>_<sha>.py``, names it in tracebacks and signatures."""
+    per process. Its filename, ``kb_<role>_<sha>.py``, names it in tracebacks and signatures.
+    The solution runs in a namespace that holds the reference's module-level names first, as
+    the accepting harness ran it (KernelBench's ``eval_kernel_against_ref`` executes both
+    sources into one dict, the reference first): a solution may read the reference's size
+    constants and helpers without defining them. The reference's derived sizes that the
+    solution does not bind itself are then the solution module's too (``sized``)."""
     key = (pair.sha, role)
     if key not in _MODULES:
         code = pair.ref_code if role == "ref" else pair.custom_code
@@ -161,6 +166,12 @@ def pair_module(pair: KernelBenchPair, role: str) -> types.ModuleType:
         filename = f"kb_{role}_{pair.sha}.py"
         mod = types.ModuleType(modname)
         mod.__file__ = filename
+        derived = derived_sizes(code)
+        if role == "new":
+            ref = pair_module(pair, "ref")
+            mod.__dict__.update({k: v for k, v in vars(ref).items() if not k.startswith("__")})
+            own = _top_level_names(ast.parse(code))
+            derived = [d for d in _DERIVED[ref.__name__] if d[0] not in own] + derived
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         sys.modules[modname] = mod       # dataclasses, pickling and inspect look a module up by name
         try:
@@ -168,7 +179,7 @@ def pair_module(pair: KernelBenchPair, role: str) -> types.ModuleType:
         except BaseException:
             sys.modules.pop(modname, None)
             raise
-        _DERIVED[modname] = derived_sizes(code)
+        _DERIVED[modname] = derived
         _MODULES[key] = mod
     return _MODULES[key]
 
