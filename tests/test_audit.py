@@ -1621,6 +1621,49 @@ def test_a_norm_layer_folded_before_a_checkpoint_is_loaded_is_stale():
     assert checks["reload"]["status"] == "pass", checks
 
 
+HIDDEN = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, features):
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+        self.h0 = torch.randn(batch_size, features)
+
+    def forward(self, x):
+        self.h0 = self.h0.to(x.device)
+        return self.linear(x) + self.h0
+
+
+batch_size = 4
+features = 16
+
+
+def get_inputs():
+    return [torch.randn(batch_size, features)]
+
+
+def get_init_inputs():
+    return [features]
+"""
+
+
+def test_what_a_checkpoint_does_not_hold_stays_the_models_own_on_reload():
+    """A random initial state kept as a plain attribute (an LSTM's ``h0``) is in no state_dict:
+    loading Model's checkpoint of another seed moves it in neither Model nor a verbatim
+    solution, so ``reload`` passes the copy. A weight copied on the first forward still fails."""
+    checks, _ = _weights_checks(HIDDEN.replace("class Model(", "class ModelNew("), "hidden", HIDDEN)
+    assert checks["derived"]["status"] == "pass" and checks["reload"]["status"] == "pass", checks
+    stale = HIDDEN.replace("class Model(", "class ModelNew(").replace(
+        "        return self.linear(x) + self.h0",
+        "        if not hasattr(self, 'w'):\n"
+        "            self.w = self.linear.weight.detach().clone()\n"
+        "        return x @ self.w.t() + self.linear.bias + self.h0")
+    checks, _ = _weights_checks(stale, "hidden_stale", HIDDEN)
+    assert checks["reload"]["status"] == "fail" and "stale" in checks["reload"]["detail"], checks
+
+
 def test_every_failing_gate_leaves_a_case_that_replays_alone(tmp_path):
     """The audit keeps each failing gate's case beneath OUT/cases, one file a kernel and gate
     (a bound gate's minimized), and ``kfuzz verify --replay`` runs it alone to the same failure."""

@@ -238,23 +238,24 @@ class Bench:
         the target judges with (``_ref_cpu``). It is a ``Model`` made anew with that checkpoint
         loaded, not a copy: a copy's forward may still call the original's modules, where it
         keeps them in a closure (minGPT's ``self.mlpf = lambda x: m.c_proj(...)``), which stay
-        on the CPU in float32. A model whose state does not load so is copied."""
+        on the CPU in float32. A model whose state does not load so is copied. What a state_dict
+        does not hold (plain tensor attributes, an LSTM's random ``h0``) stays the model's own, made
+        after ``set_seed(SEED)`` as the solution is: loading a checkpoint of another seed
+        (``weights="reload"``) moves it in neither."""
         init_key, init = self._init(dims)
         key = (init_key, "ref", dtype, str(device))
         if key not in self.models:
             checkpoint = self._ref_cpu(dims)
             model = self._new_ref(dims, init)
             mods, originals = list(model.modules()), list(checkpoint.modules())
-            pairs = list(zip(mods, originals))
             try:
-                if len(mods) != len(originals) or any(type(m) is not type(c) for m, c in pairs):
+                if len(mods) != len(originals) or any(type(m) is not type(c) for m, c in zip(mods, originals)):
                     raise RuntimeError("the module trees differ")
                 model.load_state_dict(checkpoint.state_dict())
             except RuntimeError:
                 model = copy.deepcopy(checkpoint)
-                pairs = [(m, m) for m in model.modules()]
-            for m, source in pairs:
-                for k, v in list(vars(source).items()):   # plain tensor attributes (an LSTM's h0) too
+            for m in model.modules():
+                for k, v in list(vars(m).items()):   # plain tensor attributes, which .to() leaves
                     if isinstance(v, torch.Tensor) and v.is_floating_point():
                         setattr(m, k, v.to(device=device, dtype=dtype))
             model = model.to(device=device, dtype=dtype)
