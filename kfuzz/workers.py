@@ -158,7 +158,11 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
                  with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
                  resolve: dict | None = None, preload: tuple[str, ...] = (), level: str = "full") -> None:
     entered, phases = time.monotonic(), {}
-    conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level, phases)
+    try:
+        conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level, phases)
+    except Exception as e:      # kfuzz's process says why (a CUDA that does not start at any level)
+        Connection(conn_fd).send_bytes(pack(("failed", os.getpid(), "start", f"{type(e).__name__}: {e}"[:1500]), []))
+        raise
     t = time.monotonic()
     try:
         for name in preload:    # before confinement (torch._dynamo makes a cache directory in /tmp)
@@ -166,7 +170,7 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
         t = lap(phases, "preload", t)
         target = load_target(target_name, module, resolve)
     except Exception as e:      # kfuzz's process says why (a GPU's memory taken while the target loads)
-        conn.send_bytes(pack(("failed", os.getpid(), f"{type(e).__name__}: {e}"[:1500]), []))
+        conn.send_bytes(pack(("failed", os.getpid(), "load its target", f"{type(e).__name__}: {e}"[:1500]), []))
         raise
     t = lap(phases, "target", t)
     jit.report_compiles(conn.send_bytes)
@@ -294,7 +298,7 @@ class Worker:
             if header[0] == "failed":
                 self.process.join(5)
                 self.kill()
-                raise RuntimeError(f"worker for {target_name!r} could not load its target: {header[2]}")
+                raise RuntimeError(f"worker for {target_name!r} could not {header[2]}: {header[3]}")
             kind, _, self.confinement, entered, phases = header
         except EOFError:
             self.process.join(5)
