@@ -26,6 +26,7 @@ import torch
 from kfuzz.case import ArgCase, Case
 from kfuzz.compare import BOUND_C
 from kfuzz.dtypes import is_float
+from kfuzz.errors import KfuzzError
 from kfuzz.execute import release_device_memory, trusted_outputs
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
@@ -74,8 +75,12 @@ def refused_by_reference(target: Target, case: Case, device: str = "cpu") -> Ver
     if not target.options.get("reference_limited"):
         return None
     try:
-        trusted_outputs(target, case, materialize(case, target), device)
-    except torch.OutOfMemoryError:
+        inputs = materialize(case, target)
+    except Exception:       # noqa: BLE001 - kfuzz's own refusal of the case (a CaseError): the error stands
+        return None
+    try:
+        trusted_outputs(target, case, inputs, device)
+    except (torch.OutOfMemoryError, KfuzzError):    # the device's memory, or kfuzz's own refusal
         return None
     except Exception as e:
         return Verdict(target.name, "pass", detail=f"outside the reference's domain: the reference raises "
