@@ -1333,6 +1333,21 @@ def test_a_case_the_reference_refuses_while_the_kernel_returns_is_outside_its_do
         run_gate(GATES["G01"], target, seed=0)
 
 
+def test_kfuzzs_own_refusal_of_a_case_is_never_the_references():
+    """``refused_by_reference`` reads only the reference's own exception: a case kfuzz itself
+    refuses (dims outside the contract: ``materialize`` raises CaseError) is not passed as
+    outside the reference's domain, while a non-positive-definite draw that the reference's
+    Cholesky refuses is."""
+    from kfuzz.case import Case
+    from kfuzz.gates.base import refused_by_reference
+    ref = FACTOR.format(body="torch.linalg.cholesky(a)")
+    target = as_target(load_pair(ref, ref.replace("class Model(", "class ModelNew("), "cholesky_refusals"))
+    assert target.dims["n"].hi == 8
+    assert refused_by_reference(target, Case.make(target.name, "float32", 0, {"n": 9})) is None
+    v = refused_by_reference(target, Case.make(target.name, "float32", 0, {"n": 8}))
+    assert v is not None and v.passed and v.detail.startswith("outside the reference's domain"), v
+
+
 DIAG = """import torch
 import torch.nn as nn
 
