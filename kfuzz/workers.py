@@ -154,6 +154,11 @@ def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, w
     return Connection(conn_fd)
 
 
+def _say_failed(conn: Connection, step: str, e: Exception) -> None:
+    """Tell kfuzz's process that the worker could not ``step`` (``Worker._await_ready`` reads it)."""
+    conn.send_bytes(pack(("failed", os.getpid(), step, f"{type(e).__name__}: {e}"[:1500]), []))
+
+
 def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | None, device: str,
                  with_coverage: bool, policy: sandbox.Policy | None = None, workdir: str | None = None,
                  resolve: dict | None = None, preload: tuple[str, ...] = (), level: str = "full") -> None:
@@ -161,7 +166,7 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
     try:
         conn = start_worker(conn_fd, channel_fd, policy, workdir, device, level, phases)
     except Exception as e:      # kfuzz's process says why (a CUDA that does not start at any level)
-        Connection(conn_fd).send_bytes(pack(("failed", os.getpid(), "start", f"{type(e).__name__}: {e}"[:1500]), []))
+        _say_failed(Connection(conn_fd), "start", e)
         raise
     t = time.monotonic()
     try:
@@ -170,7 +175,7 @@ def _worker_main(conn_fd: int, channel_fd: int, target_name: str, module: str | 
         t = lap(phases, "preload", t)
         target = load_target(target_name, module, resolve)
     except Exception as e:      # kfuzz's process says why (a GPU's memory taken while the target loads)
-        conn.send_bytes(pack(("failed", os.getpid(), "load its target", f"{type(e).__name__}: {e}"[:1500]), []))
+        _say_failed(conn, "load its target", e)
         raise
     t = lap(phases, "target", t)
     jit.report_compiles(conn.send_bytes)
