@@ -75,6 +75,9 @@ DEATH_GRACE = 2.0          # seconds a worker whose channel closed after an answ
 
 CUDA_UNAVAILABLE = 75     # a worker's exit code: CUDA does not start inside its namespaces
 DEVICE_FULL = 76          # a worker's exit code: CUDA did not start for want of the GPU's memory
+DEVICE_BUSY = 77          # a worker's exit code: the GPU said it is busy or unavailable, for now
+BUSY_WAITS = (1.0, 2.0, 4.0, 8.0)   # seconds before each new start of a worker whose GPU was busy
+_BUSY = "busy or unavailable"       # cudaErrorDevicesUnavailable's words, as torch and the driver give them
 _levels: dict[str, list[str]] = {}     # device kind -> the isolation levels still to try, best first
 
 
@@ -95,10 +98,14 @@ def _isolation_failed(device: str, level: str) -> bool:
 
 def start_failure(e: Exception, level: str) -> int | None:
     """The exit code of a worker whose CUDA did not start at isolation ``level`` with ``e``:
-    ``DEVICE_FULL`` where the GPU's memory is taken, ``CUDA_UNAVAILABLE`` where fewer
-    namespaces are left to try; None (the error itself) at the last level."""
+    ``DEVICE_FULL`` where the GPU's memory is taken, ``DEVICE_BUSY`` where the GPU says it is
+    busy or unavailable (many processes creating their contexts at once: a state of the GPU
+    that passes, started again at the same level), ``CUDA_UNAVAILABLE`` where fewer namespaces
+    are left to try; None (the error itself) at the last level."""
     if sandbox.resource_kind(type(e).__name__, str(e)) == sandbox.MEMORY:
         return DEVICE_FULL
+    if _BUSY in str(e) or "cudaErrorDevicesUnavailable" in str(e):
+        return DEVICE_BUSY
     return CUDA_UNAVAILABLE if level != sandbox.ISOLATION_LEVELS[-1] else None
 
 
@@ -122,8 +129,9 @@ def start_worker(conn_fd: int, channel_fd: int, policy: sandbox.Policy | None, w
     thread), its compile cache inside its directory (or kfuzz's campaign cache), and on CUDA
     the driver and Triton's launcher stubs initialised while exec is still allowed. A CUDA
     that does not start inside the namespaces ends the worker with ``CUDA_UNAVAILABLE``; one
-    that does not start because the GPU's memory is taken, with ``DEVICE_FULL`` (a state of the
-    GPU that other processes make, never a reason to give up namespaces). ``phases`` gets the
+    that does not start because the GPU's memory is taken, with ``DEVICE_FULL``, or because the
+    GPU is busy, with ``DEVICE_BUSY`` (states of the GPU that other processes make, never a
+    reason to give up namespaces). ``phases`` gets the
     seconds of each step (``isolation``, ``cuda``, ``triton_driver``)."""
     phases = {} if phases is None else phases
     t = time.monotonic()
@@ -232,6 +240,10 @@ class _CudaUnavailable(Exception):
     pass
 
 
+class _DeviceBusy(Exception):
+    pass
+
+
 class Worker:
     """One worker process (forked by kfuzz's zygote, ``kfuzz.launcher``), its private
     directory, its violation channel (``sandbox.Channel``), and the cases queued on it (the
@@ -254,12 +266,21 @@ class Worker:
 
     def ready(self) -> None:
         """Wait until the worker has started (at a lower isolation level where CUDA does not
-        start inside the namespaces)."""
+        start inside the namespaces; again at the same level, after ``BUSY_WAITS``, where the
+        GPU said it was busy)."""
+        busy = 0
         while True:
             try:
                 self._await_ready()
                 self.start_seconds = time.monotonic() - self._born
                 return
+            except _DeviceBusy:
+                if busy == len(BUSY_WAITS):
+                    raise RuntimeError(f"worker for {self.target_name!r} did not start: {self.device} is busy or "
+                                       f"unavailable (cudaErrorDevicesUnavailable), {busy + 1} tries") from None
+                time.sleep(BUSY_WAITS[busy])
+                busy += 1
+                self._start(*self._args, self.level)
             except _CudaUnavailable:
                 _isolation_failed(self.device, self.level)
                 lower = isolation_level(self.device)     # another worker may have given it up first
@@ -311,6 +332,8 @@ class Worker:
             self.kill()
             if code == CUDA_UNAVAILABLE:
                 raise _CudaUnavailable() from None
+            if code == DEVICE_BUSY:
+                raise _DeviceBusy() from None
             if code == DEVICE_FULL:     # the words sandbox.resource_kind reads as a GPU's memory
                 raise RuntimeError(f"worker for {target_name!r} did not start: CUDA out of memory on "
                                    f"{self.device} (other processes hold the GPU's memory)") from None

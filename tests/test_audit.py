@@ -2100,6 +2100,20 @@ def test_a_failed_build_keeps_what_the_compiler_said(tmp_path, monkeypatch):
     assert "error:" in facts["error"] and "kfuzz_bad_syntax" in facts["error"], facts["error"]
 
 
+def test_a_record_that_kfuzz_could_not_finish_is_printed_as_an_error_never_ok():
+    """An audit line for a record whose gates erred, or whose run ended in kfuzz's error (a
+    worker that did not start), says ERROR and names the error; without a violation it would
+    otherwise read as ok."""
+    from kfuzz.cli.audit import LABELS, _line
+    base = {"key": "x.jsonl:1", "standard": {"passed": True}, "seconds": 1.0}
+    gate = _line({**base, "gates": {"G01": {"status": "pass"}, "G02": {"status": "error", "reason": "ValueError: x"}}})
+    run = _line({**base, "gates": {}, "error": {"error": "RuntimeError: worker for 'k' could not start"}})
+    assert gate.startswith("ERROR    x.jsonl:1") and "error: G02: ValueError: x" in gate
+    assert run.startswith("ERROR ") and "error: RuntimeError: worker for 'k' could not start" in run
+    assert _line({**base, "gates": {"G01": {"status": "pass"}}}).startswith("ok       x.jsonl:1")
+    assert "ERROR" in LABELS
+
+
 def test_a_clipped_build_message_keeps_the_compilers_error_lines():
     """ninja prints the failed command, the compiler's message, then the status lines of
     commands still running: a clipped message keeps the error though long lines follow it."""

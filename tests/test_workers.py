@@ -450,6 +450,40 @@ def test_a_worker_whose_gpu_is_full_keeps_its_namespaces_and_says_the_memory_is_
     assert out_of_device_memory({"gates": {}, "error": {"error": str(said), "exc_type": error_kind(said)}})
 
 
+def test_a_worker_whose_gpu_says_busy_starts_again_at_the_same_isolation_level(monkeypatch):
+    """A GPU that answers a context's creation with "busy or unavailable" (many processes
+    starting CUDA at once) ends the worker with ``DEVICE_BUSY`` at every isolation level; the
+    worker is started again, at the same level, after ``BUSY_WAITS``, and past them the error
+    names the busy device."""
+    from kfuzz import sandbox, workers
+    busy = RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable\n"
+                        "Search for `cudaErrorDevicesUnavailable' in https://docs.nvidia.com/cuda/")
+    assert [workers.start_failure(busy, level) for level in sandbox.ISOLATION_LEVELS] == [
+        workers.DEVICE_BUSY] * len(sandbox.ISOLATION_LEVELS)
+    monkeypatch.setattr(workers, "_levels", {})
+    monkeypatch.setattr(workers, "BUSY_WAITS", (0.0, 0.0))
+    real, starts, said_busy = workers.Worker._await_ready, [], [2]
+
+    def await_ready(self):
+        starts.append(self.level)
+        if said_busy[0]:
+            said_busy[0] -= 1
+            self.kill()
+            raise workers._DeviceBusy()
+        real(self)
+    monkeypatch.setattr(workers.Worker, "_await_ready", await_ready)
+    w = workers.Worker("searchsum", None, "cpu", False, sandbox.Policy())
+    try:
+        assert starts == ["full"] * 3 and w.process.is_alive()
+    finally:
+        w.kill()
+    said_busy[0], starts[:] = 9, []
+    with pytest.raises(RuntimeError, match=r"worker for 'searchsum' did not start: cpu is busy or unavailable "
+                                           r"\(cudaErrorDevicesUnavailable\), 3 tries"):
+        workers.Worker("searchsum", None, "cpu", False, sandbox.Policy())
+    assert starts == ["full"] * 3 and workers.isolation_level("cpu") == "full"
+
+
 def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():
     """A GPU that ran out of memory (torch's allocator, or Triton's driver call that ended the
     call as a CUDA error) is the crash ``resource-memory``; other CUDA errors keep their type."""

@@ -14,6 +14,8 @@ LABELS = {"BROKEN": "a violation no tolerance explains (a tolerance-free gate or
           "VIOLATE": "at least one violation (a gate failed, W the weights contract, or a finding of the build or "
                      "standard test), all within some tolerance",
           "TIMEOUT": "killed at --timeout in the gates or the build: judged on what finished",
+          "ERROR": "kfuzz could not finish the kernel's audit (a gate that could not run, a worker that did not "
+                   "start): judged on what finished; --retry audits it again",
           "ok": "no violation", "skip": "not audited (no pair, the reference refused, the solution did not build)"}
 
 
@@ -27,11 +29,16 @@ def _line(rec: dict) -> str:
             return f"skip     {name}: {why}: {rec[why]['error'][:120]}"
     j = judge_record(rec)
     std = rec.get("standard", {})
-    head = "BROKEN " if j["broken"] else "VIOLATE" if j["violation"] else "TIMEOUT" if j["incomplete"] else "ok     "
+    errors = ([rec["error"].get("error", "")] if isinstance(rec.get("error"), dict) else []) + [
+        f"{gid}: {g.get('reason', '')}" for gid, g in rec.get("gates", {}).items() if g.get("status") == "error"]
+    head = ("BROKEN " if j["broken"] else "VIOLATE" if j["violation"] else "TIMEOUT" if j["incomplete"]
+            else "ERROR  " if errors else "ok     ")
     said = "pass" if std.get("passed") else std.get("finding") or str(std.get("reason", "-"))[:60]
     head += f"  {name}  standard {said}"
     if j["violations"]:
         head += f"  violations {','.join(j['violations'])}  first: {first_failure(rec)}"
+    if errors and not j["violations"]:
+        head += f"  error: {errors[0][:120]}"
     if rec.get("expect"):
         head += f"  (planted: {rec['expect']})"
     return head + f"  {rec.get('seconds', 0):.1f}s"
