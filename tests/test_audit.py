@@ -2578,6 +2578,25 @@ def test_runs_ended_before_the_standard_tests_verdict_are_counted_and_retried():
     assert "| kernels killed for time in their build (not audited) | 1 |" in text
 
 
+def test_a_run_that_kfuzzs_error_ended_after_the_standard_test_is_counted_never_clean():
+    """A kernel whose standard test passed and whose gates an error of kfuzz's ended (its workers
+    could not start, a device mismatch in kfuzz's own code) has no violation in what finished:
+    the report counts it among kfuzz's own errors, with the headline's counts, never as clean
+    without a word, and ``--retry`` redoes it."""
+    from kfuzz.audit import needs_retry
+    ended = {"key": "c:1", "gates": {}, "phase": "gates", "expect": None, "level": 1,
+             "standard": {"passed": True, "reason": "pass"},
+             "error": {"error": "RuntimeError: Expected all tensors to be on the same device"}}
+    fine = {**{k: v for k, v in ended.items() if k != "error"}, "key": "c:2"}
+    assert [needs_retry(r) for r in (ended, fine)] == [True, False]
+    report = audit_report()
+    s = report.summarize([ended, fine])
+    assert s["audited"] == 2 and s["ended_by_error"] == 1 and s["kfuzz_errors"]["ended_by_error"] == 1
+    text = report.markdown(s)
+    assert "| kernels whose run a kfuzz error ended after the standard test (judged on what finished) | 1 |" in text
+    assert "1 whose run an error of kfuzz's ended after the standard test, judged on what finished" in text
+
+
 SCALE_REF = """import torch
 import torch.nn as nn
 
