@@ -2578,6 +2578,22 @@ def test_runs_ended_before_the_standard_tests_verdict_are_counted_and_retried():
     assert "| kernels killed for time in their build (not audited) | 1 |" in text
 
 
+def test_a_reference_refused_for_a_shared_gpus_memory_is_retried_and_a_refusal_of_its_own_is_not():
+    """The adapter refuses a reference that does not run at its own sizes. Where it ran out of
+    a GPU's memory that other kernels audited at once held, the refusal is not the reference's:
+    ``--retry`` runs it again; an exception of its own, or out of memory when it ran alone, stays."""
+    from kfuzz.audit import needs_retry
+    def refused(error, **more):
+        return {"key": "c:1", "gates": {}, "device": "cuda", "level": 3, "mode": "eval",
+                "adapter": {"error": f"KernelBenchError: c:1: the reference does not run at its own sizes ({error})"},
+                **more}
+    memory = "AcceleratorError: CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'"
+    assert needs_retry(refused(memory))
+    assert not needs_retry(refused(memory, alone=True))
+    assert not needs_retry(refused("RuntimeError: mat1 and mat2 shapes cannot be multiplied"))
+    assert not needs_retry({**refused(memory), "device": "cpu"})
+
+
 def test_a_run_that_kfuzzs_error_ended_after_the_standard_test_is_counted_never_clean():
     """A kernel whose standard test passed and whose gates an error of kfuzz's ended (its workers
     could not start, a device mismatch in kfuzz's own code) has no violation in what finished:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from kfuzz.audit.verdicts import judge_record
+from kfuzz.audit.verdicts import judge_record, refused_for_device_memory
 from kfuzz.errors import KfuzzError
 
 if TYPE_CHECKING:
@@ -134,10 +134,10 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
 
 def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
     """A record of a run that did not finish (``judge_record``'s ``incomplete``: killed for time,
-    or out of a shared GPU's memory; a gate that could not run, or an error that ended the
-    kernel's run), or one made before the audit kept the accepting harness's train/eval mode, of
-    a reference that the mode changes."""
-    return judge_record(record)["incomplete"] or "error" in record or any(
+    or out of a shared GPU's memory; a gate that could not run, an error that ended the kernel's
+    run, or a reference the adapter refused for a shared GPU's memory), or one made before the
+    audit kept the accepting harness's train/eval mode, of a reference that the mode changes."""
+    return judge_record(record)["incomplete"] or "error" in record or refused_for_device_memory(record) or any(
         g.get("status") == "error" for g in record.get("gates", {}).values()) or (
         "mode" not in record and entry is not None and entry.mode_sensitive)
 

@@ -53,6 +53,16 @@ def out_of_device_memory(record: dict) -> bool:
     return any(isinstance(p, dict) and sandbox.MEMORY in (p.get("exc_type"), p.get("finding")) for p in parts)
 
 
+def refused_for_device_memory(record: dict) -> bool:
+    """Whether the adapter refused the reference because it ran out of a GPU's memory that other
+    kernels audited at once shared (the reference's own sizes then fit when it runs alone)."""
+    from kfuzz import sandbox
+    refusal = record.get("adapter")
+    text = refusal.get("error", "") if isinstance(refusal, dict) else ""
+    return (shares_memory(record.get("device") or "") and not record.get("alone")
+            and sandbox.resource_kind(None, str(text)) == sandbox.MEMORY)
+
+
 def _old_standard_end(record: dict) -> str | None:
     """Records made before the standard test's end was a finding: ``ended`` "<kind> (...) in the
     standard test"."""
