@@ -277,9 +277,6 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "trusted_on": dict(sorted(Counter(str(r.get("trusted_on", "unrecorded")).split(":")[0]
                                           for r in audited).items())),
         "gate_errors": sum(any(g.get("status") == "error" for g in r.get("gates", {}).values()) for r in audited),
-        # an error of kfuzz's that ended the kernel's run after its standard test (not a GPU's
-        # memory shared with other kernels, which is incomplete): judged on what finished
-        "ended_by_error": sum("error" in r and not j[r["key"]]["incomplete"] for r in audited),
         "violation": sum(j[r["key"]]["violation"] for r in audited),
         "broken": sum(j[r["key"]]["broken"] for r in audited),
         "share_violation": sum(j[r["key"]]["violation"] for r in audited) / n,
@@ -312,6 +309,8 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
                          "unbuilt": sum("unbuilt" in r for r in corpus),
                          # not audited: no standard test's verdict yet (--retry redoes both)
                          "run_errors": sum("error" in r and not j[r["key"]]["audited"] for r in corpus),
+                         # an error of kfuzz's that ended the kernel's run after its standard test (not a
+                         # GPU's memory shared with other kernels, which is incomplete): judged on what finished
                          "ended_by_error": sum("error" in r and not j[r["key"]]["incomplete"] for r in audited),
                          "build_killed_for_time": sum(r.get("phase") == "build" and not j[r["key"]]["audited"]
                                                       and str(r.get("ended", "")).startswith("timeout")
@@ -346,7 +345,7 @@ def markdown(s: dict) -> str:
                  if s.get("corpus_without_solution") else "."), ""] if s.get("corpus_accepted") else []),
            f"{s['audited']} kernels audited ({s['incomplete']} incomplete: killed for time, judged on the gates "
            f"that finished, or out of a GPU's memory beside other kernels; {s['gate_errors']} with a gate that could "
-           f"not run, judged on the others; {s.get('ended_by_error', 0)} whose run an error of kfuzz's ended "
+           f"not run, judged on the others; {s['kfuzz_errors'].get('ended_by_error', 0)} whose run an error of kfuzz's ended "
            f"after the standard test, judged on what finished), "
            f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
            f"{s['unbuilt']} that did not build or import here (not judged)."
