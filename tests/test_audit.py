@@ -1739,7 +1739,7 @@ def test_a_gate_case_replays_with_the_weights_the_gates_judged_with(tmp_path, sa
     record, = run_audit([entry], tmp_path / "out", ["G05"], timeout=180)
     assert record["gates"]["G05"]["status"] == "fail", record["gates"]
     path = case_path(tmp_path / "out" / "cases", entry.pair.target_name, "G05")
-    assert load(path)[1]["resolve"] == {"weights": "seed"}
+    assert load(path)[1]["resolve"] == {"weights": "seed", "sha": entry.pair.sha}
     r = CliRunner().invoke(cli, ["verify", "--replay", str(path), "--device", "cpu",
                                  *([] if sandboxed else ["--in-process"])])
     assert r.exit_code == 0 and "still fails" in r.output and "nonfinite" in r.output, r.output
@@ -1750,6 +1750,44 @@ def test_a_gate_case_replays_with_the_weights_the_gates_judged_with(tmp_path, sa
         bad.write_bytes(encode(case, {**rec, "resolve": {"weights": "borrowed"}}))
         r = CliRunner().invoke(cli, ["verify", "--replay", str(bad), "--in-process"])
         assert r.exit_code == 2 and "bad.case.zst" in r.output and "'borrowed'" in r.output, r.output
+
+
+def test_a_gate_case_replays_on_another_machine_from_a_corpus_folder_named_there(tmp_path, monkeypatch):
+    """A gate case names its target by the corpus path the audit was given. Where that path is
+    not here, ``kfuzz verify --replay`` says so and how to name the folder that holds the corpus
+    (``--corpora``); with it, the case replays to the same failure, in this process and in a
+    sandboxed worker (a fresh kfuzz); a corpus of that name whose row is another pair is refused."""
+    import shutil
+    import subprocess
+    import sys
+    import kfuzz.cli.verify  # noqa: F401  (registers the verb)
+    from kfuzz.audit import case_path
+    from kfuzz.kernelbench.corpus import CORPORA_ENV
+    monkeypatch.setenv(CORPORA_ENV, "")      # what the command sets is undone after the test
+    folder = tmp_path / "audited" / "ctl"
+    folder.mkdir(parents=True)
+    shutil.copy(CONTROLS / "reference_linear.py", folder)
+    (folder / "extra_parameter.py").write_text(EXTRA_PARAMETER)
+    entry, = read_corpus(folder)
+    record, = run_audit([entry], tmp_path / "out", ["G05"], timeout=180)
+    assert record["gates"]["G05"]["status"] == "fail", record["gates"]
+    path = case_path(tmp_path / "out" / "cases", entry.pair.target_name, "G05")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(str(folder), str(elsewhere / "ctl"))
+    r = CliRunner().invoke(cli, ["verify", "--replay", str(path), "--in-process"])
+    assert r.exit_code == 2 and "no such corpus file or folder" in r.output and "--corpora" in r.output, r.output
+    r = CliRunner().invoke(cli, ["verify", "--replay", str(path), "--in-process", "--corpora", str(elsewhere)])
+    assert r.exit_code == 0 and "still fails" in r.output and str(folder) in r.output, r.output
+    p = subprocess.run([sys.executable, "-c", "from kfuzz.cli import main; main()", "verify", "--replay", str(path),
+                        "--device", "cpu",
+                        "--corpora", str(elsewhere)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, CORPORA_ENV: ""})
+    assert p.returncode == 0 and "still fails" in p.stdout, p.stdout + p.stderr
+    with open(elsewhere / "ctl" / "extra_parameter.py", "a") as f:
+        f.write("# another solution of the same name\n")
+    r = CliRunner().invoke(cli, ["verify", "--replay", str(path), "--in-process", "--corpora", str(elsewhere)])
+    assert r.exit_code == 2 and "not the pair the case was judged on" in r.output, r.output
 
 
 FLAT = """import torch

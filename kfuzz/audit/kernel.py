@@ -290,10 +290,12 @@ def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: s
 
 def judged_resolve(executor, target) -> dict | None:
     """The weights the gates judged the solution with (the gate executor's: ``seed``, or ``none``
-    where the weights contract found a derived parameter), as a case record's ``resolve``, so
-    that ``kfuzz verify --replay`` builds that solution again."""
+    where the weights contract found a derived parameter) and the pair's hash, as a case record's
+    ``resolve``, so that ``kfuzz verify --replay`` builds that solution again, and no other."""
     resolve = getattr(executor, "resolve", None) or getattr(executor, "target", target).options.get("resolve")
-    return {"weights": resolve["weights"]} if resolve and "weights" in resolve else None
+    sha = (target.options.get("resolve") or {}).get("sha")
+    return ({"weights": resolve["weights"], **({"sha": sha} if sha else {})}
+            if resolve and "weights" in resolve else None)
 
 
 def _first_reference_case(target, seed: int, device: str, executor):

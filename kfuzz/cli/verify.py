@@ -74,10 +74,16 @@ def _junit(target, results, seconds) -> str:
                    "(lines come as gates end).")
 @click.option("-v", "--verbose", is_flag=True,
               help="A line on stderr as each case ends: gate, case index, seconds, verdict.")
+@click.option("--corpora", "corpora", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="A folder to find a kb: target's corpus in, by its file name, where the path the target "
+                   "names is not here (an audit's gate case replayed on another machine; repeatable).")
 @handles_bad_input
 def verify_cmd(target_name, gates, fmt, seed, device, out, replay_paths, in_process, timeout, jobs,
-               verbose):
+               verbose, corpora):
     """Judge a target against the twelve gates. Exit 1 if any gate fails, 2 on bad input."""
+    if corpora:     # before any worker starts: they find their target by its name too
+        from kfuzz.kernelbench.corpus import CORPORA_ENV
+        os.environ[CORPORA_ENV] = os.pathsep.join([*corpora, *filter(None, [os.environ.get(CORPORA_ENV)])])
     executors: dict = {}
 
     def executor(target):

@@ -13,14 +13,20 @@
   (``# reference: <file>``) and the planted bug (``# planted: <bug>`` or ``none``).
 
 ``read_row`` reads one row by its index (a control by its file stem), parsing only that
-row's sources where the format allows.
+row's sources where the format allows. A target ``kb:<corpus file>:<row>`` names the corpus by
+the path it was audited with; where that path does not exist here (a gate case replayed on
+another machine), ``read_row`` reads the file of the same name in the folders of
+``KFUZZ_CORPORA`` (``os.pathsep``-separated; ``kfuzz verify --corpora DIR`` sets it), and the
+row keeps the name it was saved under.
 
 Refuses (``KfuzzError``): unknown corpus formats, unreadable files, rows that are not
 JSON objects. A row whose pair does not load is an entry with its ``skip`` reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +35,7 @@ from kfuzz.errors import KfuzzError
 from kfuzz.kernelbench import build
 from kfuzz.kernelbench.source import KernelBenchError, KernelBenchPair, load_pair
 
+CORPORA_ENV = "KFUZZ_CORPORA"     # folders where a corpus named by a path that is not here is looked for
 _MODE_SENSITIVE = re.compile(r"BatchNorm|InstanceNorm|Dropout|dropout|\.training|\.eval\(|\.train\(")
 _GPU_ONLY = re.compile(r"load_inline|cpp_extension|\.cuda\(|device\s*=\s*['\"]cuda|torch\.cuda\.(Stream|Event|"
                        r"CUDAGraph|graph|stream)|import triton|from triton")
@@ -158,13 +165,31 @@ def read_corpus(path: str | Path) -> list[CorpusEntry]:
     raise KfuzzError(f"{p}: unknown corpus format (want a CUDA-L1 .jsonl, a leaderboard .json or a folder)")
 
 
+def locate(path: str | Path) -> Path:
+    """``path`` where it exists, else the first file or folder of its name in ``CORPORA_ENV``'s
+    folders; a corpus found nowhere is refused, naming where it was looked for."""
+    p = Path(path)
+    if p.exists():
+        return p
+    folders = [f for f in os.environ.get(CORPORA_ENV, "").split(os.pathsep) if f]
+    for folder in folders:
+        if (Path(folder) / p.name).exists():
+            return Path(folder) / p.name
+    where = f" nor in {CORPORA_ENV}'s folders ({', '.join(folders)})" if folders else (
+        f" (a corpus audited elsewhere: name the folder that holds {p.name} with --corpora DIR or {CORPORA_ENV})")
+    raise KfuzzError(f"{path}: no such corpus file or folder{where}")
+
+
 def read_row(path: str | Path, row: str | int) -> CorpusEntry:
     """One row of a corpus by its index (a control by its file stem); only that row's sources are
-    parsed where the format allows (a worker resolves its pair in a fraction of a second)."""
-    p = Path(path)
+    parsed where the format allows (a worker resolves its pair in a fraction of a second). A
+    corpus found by ``locate`` elsewhere gives its row under the name ``path`` gave it."""
+    p = locate(path)
     entries = (_controls(p, str(row)) if p.is_dir() else _cuda_l1(p, str(row)) if p.suffix == ".jsonl"
                and p.is_file() else read_corpus(p))
     for e in entries:
         if e.key.rsplit(":", 1)[1] == str(row):
+            if p != Path(path) and e.pair is not None:
+                e = dataclasses.replace(e, pair=dataclasses.replace(e.pair, source=f"{path}:{row}"))
             return e
     raise KfuzzError(f"{path}: no row {row}")

@@ -475,8 +475,8 @@ def as_target(pair: KernelBenchPair, device: str = "cpu", weights: str = "strict
         description=f"KernelBench level {pair.level} problem {pair.problem} ({pair.model})",
         options={"bench": bench, "device": device, "fixed": contract.fixed,
                  # what a sandboxed worker's resolver needs to build this target again (its
-                 # weights): `kfuzz verify` hands it to its workers
-                 "resolve": {"weights": weights},
+                 # weights, and the pair's hash, checked): `kfuzz verify` hands it to its workers
+                 "resolve": {"weights": weights, "sha": pair.sha},
                  # G09 and G11 also at the reference's own sizes (where its test ran the kernel)
                  "own_dims": dict(contract.dims),
                  # G06: where the reference in float32 (the trusted run) is non-finite too, a
@@ -506,19 +506,23 @@ def nominal(target: KernelBenchTarget) -> dict[str, int]:
 
 
 def resolve(name: str, weights: str = "strict", device: str = "cpu", standard: bool = False,
-            prebuilt: bool = False):
+            prebuilt: bool = False, sha: str | None = None):
     """The target named ``kb:<corpus file>:<row>`` (how a sandboxed worker finds its pair), with
     ``weights`` as in ``as_target``. With ``standard``, only what the standard test and the build
     step need (``StandardOnly``: the pair, nothing run), so that a reference the adapter refuses
     still gets its standard test. With ``prebuilt``, the solution's extensions are loaded as the
     build step left them, never built here (``build.prebuilt_only``: a worker that may not start
-    the compiler)."""
+    the compiler). With ``sha`` (a saved case's: the pair it was judged on), a row whose reference
+    or solution is not that pair is refused: a corpus of the same name elsewhere may differ."""
     if not name.startswith(PREFIX) or ":" not in name[len(PREFIX):]:
         raise KernelBenchError(f"{name!r}: a KernelBench target is named kb:<corpus file>:<row>")
     path, row = name[len(PREFIX):].rsplit(":", 1)
     entry = read_row(path, row)
     if entry.pair is None:
         raise KernelBenchError(f"{name!r}: {entry.skip}")
+    if sha is not None and entry.pair.sha != sha:
+        raise KernelBenchError(f"{name!r}: the row's reference or solution is not the pair the case was judged on "
+                               f"(hash {entry.pair.sha}, the case's {sha}): another corpus of that name")
     if prebuilt and compiles(entry.pair.custom_code):
         prebuilt_only()
     if standard:
