@@ -2616,6 +2616,20 @@ def test_runs_ended_before_the_standard_tests_verdict_are_counted_and_retried():
     assert "| kernels killed for time in their build (not audited) | 1 |" in text
 
 
+def test_the_report_says_how_many_records_each_time_limit_left_incomplete():
+    """The goal of few incomplete records is stated at a per-kernel limit: the report gives,
+    for each limit its records name, how many were made under it and how many of them were
+    killed for time."""
+    def rec(key, limit, killed):
+        return {"key": key, "gates": {}, "phase": "gates", "expect": None, "level": 1, "timeout": limit,
+                "standard": {"passed": True, "reason": "pass"}, **({"ended": "timeout"} if killed else {})}
+    report = audit_report()
+    s = report.summarize([rec("c:1", 150.0, True), rec("c:2", 300.0, False), rec("c:3", 300.0, True),
+                          rec("c:4", 300.0, False)])
+    assert s["incomplete_by_limit"] == {"150": [1, 1], "300": [3, 1]}
+    assert "at 150 s, 1 of 1 incomplete (100.0%); at 300 s, 1 of 3 incomplete (33.3%)" in report.markdown(s)
+
+
 def test_a_reference_refused_for_a_shared_gpus_memory_is_retried_and_a_refusal_of_its_own_is_not():
     """The adapter refuses a reference that does not run at its own sizes. Where it ran out of
     a GPU's memory that other kernels audited at once held, the refusal is not the reference's:

@@ -274,6 +274,11 @@ def summarize(records: list[dict], params: dict | None = None) -> dict:
         "audited": len(audited),
         "incomplete": sum(j[r["key"]]["incomplete"] for r in audited),
         "time_limits": sorted({r["timeout"] for r in audited if isinstance(r.get("timeout"), (int, float))}),
+        # per limit: [records made under it, of them incomplete]
+        "incomplete_by_limit": {f"{t:g}": [sum(r.get("timeout") == t for r in audited),
+                                           sum(r.get("timeout") == t and j[r["key"]]["incomplete"] for r in audited)]
+                                for t in sorted({r["timeout"] for r in audited
+                                                 if isinstance(r.get("timeout"), (int, float))})},
         "trusted_on": dict(sorted(Counter(str(r.get("trusted_on", "unrecorded")).split(":")[0]
                                           for r in audited).items())),
         "gate_errors": sum(any(g.get("status") == "error" for g in r.get("gates", {}).values()) for r in audited),
@@ -349,7 +354,9 @@ def markdown(s: dict) -> str:
            f"after the standard test, judged on what finished), "
            f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
            f"{s['unbuilt']} that did not build or import here (not judged)."
-           + (f" Per-kernel time limits: {', '.join(f'{t:g} s' for t in s['time_limits'])} (records that name theirs)."
+           + (f" Per-kernel time limits: {', '.join(f'{t:g} s' for t in s['time_limits'])} (records that name theirs"
+              + "".join(f"; at {t} s, {k} of {n} incomplete ({pct(k / max(1, n))})"
+                        for t, (n, k) in s.get("incomplete_by_limit", {}).items()) + ")."
               if s.get("time_limits") else "")
            + (" The trusted implementation (the reference in float32, which scales the bound) ran where the "
               "kernel ran for " + (", ".join(f"{n} ({'on the GPU' if d == 'cuda' else 'on the ' + d.upper()})"
