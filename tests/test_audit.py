@@ -1721,24 +1721,29 @@ class ModelNew(nn.Module):
 """
 
 
+def _extra_parameter_g05_case(folder, out):
+    """Audit EXTRA_PARAMETER (a controls folder ``folder``) through G05 into ``out``: its entry and
+    the path of its failing G05 case."""
+    import shutil
+    from kfuzz.audit import case_path
+    folder.mkdir(parents=True)
+    shutil.copy(CONTROLS / "reference_linear.py", folder)
+    (folder / "extra_parameter.py").write_text(EXTRA_PARAMETER)
+    entry, = read_corpus(folder)
+    record, = run_audit([entry], out, ["G05"], timeout=180)
+    assert record["gates"]["G05"]["status"] == "fail", record["gates"]
+    return entry, case_path(out / "cases", entry.pair.target_name, "G05")
+
+
 @pytest.mark.parametrize("sandboxed", [False, True])
 def test_a_gate_case_replays_with_the_weights_the_gates_judged_with(tmp_path, sandboxed):
     """A solution whose weights do not load as Model's (W) is judged by the gates on the
     weights the audit gave it; its failing case records them (``resolve``), and ``kfuzz verify
     --replay`` builds that solution again, in this process or in a sandboxed worker, to the
     same failure (not to the strict loader's WeightsContractError)."""
-    import shutil
     import kfuzz.cli.verify  # noqa: F401  (registers the verb)
-    from kfuzz.audit import case_path
     from kfuzz.corpus import load
-    folder = tmp_path / "ctl"
-    folder.mkdir()
-    shutil.copy(CONTROLS / "reference_linear.py", folder)
-    (folder / "extra_parameter.py").write_text(EXTRA_PARAMETER)
-    entry, = read_corpus(folder)
-    record, = run_audit([entry], tmp_path / "out", ["G05"], timeout=180)
-    assert record["gates"]["G05"]["status"] == "fail", record["gates"]
-    path = case_path(tmp_path / "out" / "cases", entry.pair.target_name, "G05")
+    entry, path = _extra_parameter_g05_case(tmp_path / "ctl", tmp_path / "out")
     assert load(path)[1]["resolve"] == {"weights": "seed", "sha": entry.pair.sha}
     r = CliRunner().invoke(cli, ["verify", "--replay", str(path), "--device", "cpu",
                                  *([] if sandboxed else ["--in-process"])])
@@ -1761,17 +1766,10 @@ def test_a_gate_case_replays_on_another_machine_from_a_corpus_folder_named_there
     import subprocess
     import sys
     import kfuzz.cli.verify  # noqa: F401  (registers the verb)
-    from kfuzz.audit import case_path
     from kfuzz.kernelbench.corpus import CORPORA_ENV
     monkeypatch.setenv(CORPORA_ENV, "")      # what the command sets is undone after the test
     folder = tmp_path / "audited" / "ctl"
-    folder.mkdir(parents=True)
-    shutil.copy(CONTROLS / "reference_linear.py", folder)
-    (folder / "extra_parameter.py").write_text(EXTRA_PARAMETER)
-    entry, = read_corpus(folder)
-    record, = run_audit([entry], tmp_path / "out", ["G05"], timeout=180)
-    assert record["gates"]["G05"]["status"] == "fail", record["gates"]
-    path = case_path(tmp_path / "out" / "cases", entry.pair.target_name, "G05")
+    _, path = _extra_parameter_g05_case(folder, tmp_path / "out")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     shutil.move(str(folder), str(elsewhere / "ctl"))
