@@ -2138,8 +2138,8 @@ def test_a_failed_build_keeps_what_the_compiler_said(tmp_path, monkeypatch):
 
 def test_a_record_that_kfuzz_could_not_finish_is_printed_as_an_error_never_ok():
     """An audit line for a record whose gates erred, or whose run ended in kfuzz's error (a
-    worker that did not start), says ERROR and names the error; without a violation it would
-    otherwise read as ok."""
+    worker that did not start), says ERROR and names the error, and the record counts as
+    incomplete; without a violation it would otherwise read as ok and exit 0."""
     from kfuzz.cli.audit import LABELS, _line
     base = {"key": "x.jsonl:1", "standard": {"passed": True}, "seconds": 1.0}
     gate = _line({**base, "gates": {"G01": {"status": "pass"}, "G02": {"status": "error", "reason": "ValueError: x"}}})
@@ -2148,6 +2148,12 @@ def test_a_record_that_kfuzz_could_not_finish_is_printed_as_an_error_never_ok():
     assert run.startswith("ERROR ") and "error: RuntimeError: worker for 'k' could not start" in run
     assert _line({**base, "gates": {"G01": {"status": "pass"}}}).startswith("ok       x.jsonl:1")
     assert "ERROR" in LABELS
+    # and the audit's exit: incomplete (1), not as expected (0)
+    from kfuzz.audit import outcome
+    gates_erred = {**base, "gates": {"G02": {"status": "error", "reason": "ValueError: x"}}}
+    assert [outcome(r) for r in (gates_erred, {**base, "gates": {}, "error": {"error": "RuntimeError: x"}},
+                                 {**base, "gates": {"G01": {"status": "pass"}}})] == [
+        "incomplete", "incomplete", "expected"]
 
 
 def test_a_clipped_build_message_keeps_the_compilers_error_lines():

@@ -53,6 +53,15 @@ def out_of_device_memory(record: dict) -> bool:
     return any(isinstance(p, dict) and sandbox.MEMORY in (p.get("exc_type"), p.get("finding")) for p in parts)
 
 
+def kfuzz_errors(record: dict) -> list[str]:
+    """kfuzz's own errors in a record, in words: an error that ended the kernel's run, then each
+    gate that could not run (``G05: <reason>``). A record with one was not audited to its end."""
+    ended = record.get("error")
+    return ([str(ended.get("error", ""))] if isinstance(ended, dict) else []) + [
+        f"{gid}: {g.get('reason', '')}" for gid, g in sorted(record.get("gates", {}).items())
+        if g.get("status") == "error"]
+
+
 def refused_for_device_memory(record: dict) -> bool:
     """Whether the adapter refused the reference because it ran out of a GPU's memory that other
     kernels audited at once shared (the reference's own sizes then fit when it runs alone)."""
@@ -160,13 +169,14 @@ def first_failure(record: dict) -> str | None:
 def outcome(record: dict) -> str:
     """How a record ends against what was expected of it: ``skipped`` (not audited: no pair, the
     adapter refused the reference, the solution did not build), ``incomplete`` (killed for time in
-    the gates or build), ``expected`` (no violation in a corpus without expectations; a control
+    the gates or build, or a kfuzz error ended a gate or the run, with no violation in what
+    finished), ``expected`` (no violation in a corpus without expectations; a control
     ending as planted), or ``unexpected`` (a violation where none is expected, a planted bug
     missed, a correct control flagged)."""
     j = judge_record(record)
     if not j["audited"]:
         return "skipped"
-    if j["incomplete"] and not j["violation"]:
+    if (j["incomplete"] or kfuzz_errors(record)) and not j["violation"]:
         return "incomplete"
     want = record.get("expect")
     wanted_violation = want is not None and want != "none"

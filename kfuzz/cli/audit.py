@@ -15,12 +15,12 @@ LABELS = {"BROKEN": "a violation no tolerance explains (a tolerance-free gate or
                      "standard test), all within some tolerance",
           "TIMEOUT": "killed at --timeout in the gates or the build: judged on what finished",
           "ERROR": "kfuzz could not finish the kernel's audit (a gate that could not run, a worker that did not "
-                   "start): judged on what finished; --retry audits it again",
+                   "start): judged on what finished, counted as incomplete; --retry audits it again",
           "ok": "no violation", "skip": "not audited (no pair, the reference refused, the solution did not build)"}
 
 
 def _line(rec: dict) -> str:
-    from kfuzz.audit import first_failure, judge_record
+    from kfuzz.audit import first_failure, judge_record, kfuzz_errors
     name = rec["key"] if rec.get("name") in (None, rec["key"]) else f"{rec['key']} ({rec['name']})"
     if rec.get("skip"):
         return f"skip     {name}: {rec['skip'][:120]}"
@@ -29,8 +29,7 @@ def _line(rec: dict) -> str:
             return f"skip     {name}: {why}: {rec[why]['error'][:120]}"
     j = judge_record(rec)
     std = rec.get("standard", {})
-    errors = ([rec["error"].get("error", "")] if isinstance(rec.get("error"), dict) else []) + [
-        f"{gid}: {g.get('reason', '')}" for gid, g in rec.get("gates", {}).items() if g.get("status") == "error"]
+    errors = kfuzz_errors(rec)
     head = ("BROKEN " if j["broken"] else "VIOLATE" if j["violation"] else "TIMEOUT" if j["incomplete"]
             else "ERROR  " if errors else "ok     ")
     said = "pass" if std.get("passed") else std.get("finding") or str(std.get("reason", "-"))[:60]
