@@ -96,7 +96,9 @@ def _redo_keys(given) -> list[str]:
                    "<torch/types.h> where it compiles so, else as written.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch threads per kernel process.")
-@click.option("--retry", is_flag=True, help="Audit again the kernels whose run did not finish (timeout, gate error).")
+@click.option("--retry", is_flag=True,
+              help="Audit again the kernels whose run did not finish (timeout, a kfuzz error, a GPU's memory "
+                   "taken by other kernels).")
 @click.option("--redo", "redo", multiple=True, metavar="KEY|@FILE",
               help="Audit this kernel again whatever its record says (its key, e.g. cuda-l1-h100.jsonl:148; "
                    "repeatable; @FILE: the keys in FILE, separated by whitespace): a record made before a fix "
