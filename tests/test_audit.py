@@ -2634,20 +2634,30 @@ def test_the_report_says_how_many_records_each_time_limit_left_incomplete():
     assert "at 150 s, 1 of 1 incomplete (100.0%); at 300 s, 1 of 3 incomplete (33.3%)" in report.markdown(s)
 
 
-def test_a_reference_refused_for_a_shared_gpus_memory_is_retried_and_a_refusal_of_its_own_is_not():
-    """The adapter refuses a reference that does not run at its own sizes. Where it ran out of
-    a GPU's memory that other kernels audited at once held, the refusal is not the reference's:
-    ``--retry`` runs it again; an exception of its own, or out of memory when it ran alone, stays."""
-    from kfuzz.audit import needs_retry
-    def refused(error, **more):
-        return {"key": "c:1", "gates": {}, "device": "cuda", "level": 3, "mode": "eval",
-                "adapter": {"error": f"KernelBenchError: c:1: the reference does not run at its own sizes ({error})"},
-                **more}
-    memory = "AcceleratorError: CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'"
-    assert needs_retry(refused(memory))
-    assert not needs_retry(refused(memory, alone=True))
-    assert not needs_retry(refused("RuntimeError: mat1 and mat2 shapes cannot be multiplied"))
-    assert not needs_retry({**refused(memory), "device": "cpu"})
+def test_a_reference_refused_for_a_shared_gpus_memory_runs_again_and_a_refusal_of_its_own_does_not(monkeypatch):
+    """The adapter refuses a reference that does not run at its own sizes; its record names the
+    error's kind, so a reference that ran out of memory is out of a GPU's memory like any other
+    end (``out_of_device_memory``): on a GPU other kernels shared, the audit runs it again alone
+    and ``--retry`` redoes such a record; an exception of its own, or out of memory alone or on
+    the CPU, stays."""
+    import kfuzz.kernelbench
+    from kfuzz.audit import audit_kernel, needs_retry, out_of_device_memory
+    from kfuzz.kernelbench import KernelBenchError
+
+    def refuses(pair, *args, **kwargs):       # as the reference's own run at its sizes ran out of memory
+        raise KernelBenchError(f"{pair.name}: the reference does not run at its own sizes (AcceleratorError: "
+                               f"CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation')")
+    monkeypatch.setattr(kfuzz.kernelbench, "as_target", refuses)
+    record = {"key": "c:1", "gates": {}, "device": "cuda", "level": 3, "mode": "eval"}
+    audit_kernel(control("correct_linear"), "cpu", ["G01"], 0, lambda kind, d: record.update({kind: d}),
+                 timeout=120)
+    assert record["standard"]["passed"] and record["adapter"]["exc_type"] == "resource-memory", record
+    assert out_of_device_memory(record) and needs_retry(record)
+    assert not needs_retry({**record, "alone": True}) and not needs_retry({**record, "device": "cpu"})
+    own = {**record, "adapter": {"error": "KernelBenchError: c:1: the reference does not run at its own sizes "
+                                          "(RuntimeError: mat1 and mat2 shapes cannot be multiplied)",
+                                 "exc_type": "KernelBenchError"}}
+    assert not out_of_device_memory(own) and not needs_retry(own)
 
 
 def test_a_run_that_kfuzzs_error_ended_after_the_standard_test_is_counted_never_clean():

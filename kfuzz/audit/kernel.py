@@ -153,7 +153,7 @@ def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
     try:
         target = as_target(pair, device, weights="seed", solution=False)
     except Exception as e:
-        emit("adapter", {"error": f"{type(e).__name__}: {e}"[:1000]})
+        emit("adapter", {"error": f"{type(e).__name__}: {e}"[:1000], "exc_type": error_kind(e)})
         return
     bench = target.options["bench"]
     # the reference has float weights the case does not set: G07 is n/a (kfuzz.kernelbench.float_weights)

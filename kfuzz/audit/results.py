@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from kfuzz.audit.verdicts import judge_record, kfuzz_errors, refused_for_device_memory
+from kfuzz.audit.verdicts import judge_record, kfuzz_errors
 from kfuzz.errors import KfuzzError
 
 if TYPE_CHECKING:
@@ -134,10 +134,10 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
 
 def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
     """A record of a run that did not finish (``judge_record``'s ``incomplete``: killed for time,
-    or out of a shared GPU's memory; a gate that could not run, an error that ended the kernel's
-    run, or a reference the adapter refused for a shared GPU's memory), or one made before the
-    audit kept the accepting harness's train/eval mode, of a reference that the mode changes."""
-    return judge_record(record)["incomplete"] or bool(kfuzz_errors(record)) or refused_for_device_memory(record) or (
+    or out of a shared GPU's memory, the adapter's run of the reference included; a gate that
+    could not run, or an error that ended the kernel's run), or one made before the audit kept
+    the accepting harness's train/eval mode, of a reference that the mode changes."""
+    return judge_record(record)["incomplete"] or bool(kfuzz_errors(record)) or (
         "mode" not in record and entry is not None and entry.mode_sensitive)
 
 

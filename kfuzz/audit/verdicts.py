@@ -46,10 +46,12 @@ def shares_memory(device: str) -> bool:
 
 
 def out_of_device_memory(record: dict) -> bool:
-    """Whether the kernel's standard test, weights contract, a gate or its whole run (``error``)
-    ended for want of memory (``resource-memory``)."""
+    """Whether the kernel's standard test, the adapter's run of its reference at its own sizes,
+    its weights contract, a gate or its whole run (``error``) ended for want of memory
+    (``resource-memory``)."""
     from kfuzz import sandbox
-    parts = [record.get("standard"), record.get("weights"), record.get("error"), *record.get("gates", {}).values()]
+    parts = [record.get("standard"), record.get("adapter"), record.get("weights"), record.get("error"),
+             *record.get("gates", {}).values()]
     return any(isinstance(p, dict) and sandbox.MEMORY in (p.get("exc_type"), p.get("finding")) for p in parts)
 
 
@@ -60,16 +62,6 @@ def kfuzz_errors(record: dict) -> list[str]:
     return ([str(ended.get("error", ""))] if isinstance(ended, dict) else []) + [
         f"{gid}: {g.get('reason', '')}" for gid, g in sorted(record.get("gates", {}).items())
         if g.get("status") == "error"]
-
-
-def refused_for_device_memory(record: dict) -> bool:
-    """Whether the adapter refused the reference because it ran out of a GPU's memory that other
-    kernels audited at once shared (the reference's own sizes then fit when it runs alone)."""
-    from kfuzz import sandbox
-    refusal = record.get("adapter")
-    text = refusal.get("error", "") if isinstance(refusal, dict) else ""
-    return (shares_memory(record.get("device") or "") and not record.get("alone")
-            and sandbox.resource_kind(None, str(text)) == sandbox.MEMORY)
 
 
 def _old_standard_end(record: dict) -> str | None:
