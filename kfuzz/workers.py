@@ -77,7 +77,6 @@ CUDA_UNAVAILABLE = 75     # a worker's exit code: CUDA does not start inside its
 DEVICE_FULL = 76          # a worker's exit code: CUDA did not start for want of the GPU's memory
 DEVICE_BUSY = 77          # a worker's exit code: the GPU said it is busy or unavailable, for now
 BUSY_WAITS = (1.0, 2.0, 4.0, 8.0)   # seconds before each new start of a worker whose GPU was busy
-_BUSY = "busy or unavailable"       # cudaErrorDevicesUnavailable's words, as torch and the driver give them
 _levels: dict[str, list[str]] = {}     # device kind -> the isolation levels still to try, best first
 
 
@@ -102,9 +101,10 @@ def start_failure(e: Exception, level: str) -> int | None:
     busy or unavailable (many processes creating their contexts at once: a state of the GPU
     that passes, started again at the same level), ``CUDA_UNAVAILABLE`` where fewer namespaces
     are left to try; None (the error itself) at the last level."""
-    if sandbox.resource_kind(type(e).__name__, str(e)) == sandbox.MEMORY:
+    kind = sandbox.resource_kind(type(e).__name__, str(e))
+    if kind == sandbox.MEMORY:
         return DEVICE_FULL
-    if _BUSY in str(e) or "cudaErrorDevicesUnavailable" in str(e):
+    if kind == sandbox.BUSY:
         return DEVICE_BUSY
     return CUDA_UNAVAILABLE if level != sandbox.ISOLATION_LEVELS[-1] else None
 

@@ -766,6 +766,41 @@ def test_a_kernel_out_of_memory_on_a_shared_device_is_run_again_alone_at_the_end
     assert judge_record(records[1])["violations"][0] == "resource-memory"
 
 
+def test_a_kernel_that_met_a_shared_gpu_busy_is_run_again_alone_at_the_end(tmp_path, monkeypatch):
+    """CUDA's "busy or unavailable" (many processes creating their contexts on one GPU at once)
+    is a state of a shared GPU, like its memory taken: a run that ended with it, in the kernel's
+    standard test or in the oracle's own process, is not recorded but run again alone at the end,
+    and that record is the kernel's."""
+    from kfuzz import sandbox
+    from kfuzz.audit import ended_by_gpu_state, needs_retry
+    from kfuzz.audit.kernel import error_kind
+    monkeypatch.setattr("kfuzz.audit.run.shares_memory", lambda device: True)
+    monkeypatch.setattr("kfuzz.audit.verdicts.shares_memory", lambda device: True)
+    said = ("CUDA error: CUDA-capable device(s) is/are busy or unavailable\n"
+            "Search for `cudaErrorDevicesUnavailable' in https://docs.nvidia.com/cuda/")
+
+    def row(code, task):
+        return {"level_id": 1, "task_id": task, "ref_code": (CONTROLS / "reference_relu.py").read_text(),
+                "custom_code": code, "name": f"relu_{task}"}
+    relu = ("import torch\nimport torch.nn as nn\n\n\nclass ModelNew(nn.Module):\n"
+            "    def forward(self, x):\n        return torch.relu(x)\n")
+    busy = relu.replace("        return torch.relu(x)", f"        raise RuntimeError({said!r})")
+    jsonl = tmp_path / "cuda-l1-x.jsonl"
+    jsonl.write_text(json.dumps(row(busy, 1)) + "\n" + json.dumps(row(relu, 2)) + "\n")
+    records = list(run_audit(read_corpus(jsonl), tmp_path / "out", ["G01"], jobs=2, timeout=120))
+    assert [r["key"] for r in records] == ["cuda-l1-x.jsonl:1", "cuda-l1-x.jsonl:0"], records
+    assert records[1]["alone"] is True and "alone" not in records[0]
+    assert records[1]["standard"]["finding"] == sandbox.BUSY     # alone too: the kernel's own
+    assert judge_record(records[1])["violations"][0] == sandbox.BUSY
+    beside = {k: v for k, v in records[1].items() if k != "alone"}
+    assert judge_record(beside)["incomplete"] and not judge_record(beside)["violations"] and needs_retry(beside)
+    # the oracle's own process met it (its run's error): the same, and never the kernel's finding
+    ended = {"key": "c:1", "device": "cuda", "gates": {}, "standard": {"passed": True, "reason": ""},
+             "error": {"error": f"AcceleratorError: {said}", "exc_type": error_kind(RuntimeError(said))}}
+    assert ended["error"]["exc_type"] == sandbox.BUSY and ended_by_gpu_state(ended) and needs_retry(ended)
+    assert not ended_by_gpu_state({**ended, "error": {"error": "RuntimeError: x", "exc_type": "RuntimeError"}})
+
+
 # findings: attempts against the sandbox are verdicts ------------------------------------------------
 
 def test_attempts_against_the_sandbox_in_the_standard_test_are_findings(tmp_path):
@@ -2637,11 +2672,11 @@ def test_the_report_says_how_many_records_each_time_limit_left_incomplete():
 def test_a_reference_refused_for_a_shared_gpus_memory_runs_again_and_a_refusal_of_its_own_does_not(monkeypatch):
     """The adapter refuses a reference that does not run at its own sizes; its record names the
     error's kind, so a reference that ran out of memory is out of a GPU's memory like any other
-    end (``out_of_device_memory``): on a GPU other kernels shared, the audit runs it again alone
+    end (``ended_by_gpu_state``): on a GPU other kernels shared, the audit runs it again alone
     and ``--retry`` redoes such a record; an exception of its own, or out of memory alone or on
     the CPU, stays."""
     import kfuzz.kernelbench
-    from kfuzz.audit import audit_kernel, needs_retry, out_of_device_memory
+    from kfuzz.audit import audit_kernel, needs_retry, ended_by_gpu_state
     from kfuzz.kernelbench import KernelBenchError
 
     def refuses(pair, *args, **kwargs):       # as the reference's own run at its sizes ran out of memory
@@ -2652,12 +2687,12 @@ def test_a_reference_refused_for_a_shared_gpus_memory_runs_again_and_a_refusal_o
     audit_kernel(control("correct_linear"), "cpu", ["G01"], 0, lambda kind, d: record.update({kind: d}),
                  timeout=120)
     assert record["standard"]["passed"] and record["adapter"]["exc_type"] == "resource-memory", record
-    assert out_of_device_memory(record) and needs_retry(record)
+    assert ended_by_gpu_state(record) and needs_retry(record)
     assert not needs_retry({**record, "alone": True}) and not needs_retry({**record, "device": "cpu"})
     own = {**record, "adapter": {"error": "KernelBenchError: c:1: the reference does not run at its own sizes "
                                           "(RuntimeError: mat1 and mat2 shapes cannot be multiplied)",
                                  "exc_type": "KernelBenchError"}}
-    assert not out_of_device_memory(own) and not needs_retry(own)
+    assert not ended_by_gpu_state(own) and not needs_retry(own)
 
 
 def test_a_run_that_kfuzzs_error_ended_after_the_standard_test_is_counted_never_clean():

@@ -434,7 +434,7 @@ def test_a_worker_whose_gpu_is_full_keeps_its_namespaces_and_says_the_memory_is_
     import torch
 
     from kfuzz import sandbox, workers
-    from kfuzz.audit import out_of_device_memory
+    from kfuzz.audit import ended_by_gpu_state
     from kfuzz.audit.kernel import error_kind
     full = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
             RuntimeError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'")]
@@ -446,8 +446,8 @@ def test_a_worker_whose_gpu_is_full_keeps_its_namespaces_and_says_the_memory_is_
     said = RuntimeError("worker for 'softmax' did not start: CUDA out of memory on cuda:0 (other processes hold "
                         "the GPU's memory)")
     assert error_kind(said) == sandbox.MEMORY and error_kind(other) == "RuntimeError"
-    assert out_of_device_memory({"gates": {"G05": {"status": "error", "exc_type": error_kind(said)}}})
-    assert out_of_device_memory({"gates": {}, "error": {"error": str(said), "exc_type": error_kind(said)}})
+    assert ended_by_gpu_state({"gates": {"G05": {"status": "error", "exc_type": error_kind(said)}}})
+    assert ended_by_gpu_state({"gates": {}, "error": {"error": str(said), "exc_type": error_kind(said)}})
 
 
 def test_a_worker_whose_gpu_says_busy_starts_again_at_the_same_isolation_level(monkeypatch):

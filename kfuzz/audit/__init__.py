@@ -31,7 +31,7 @@ from kfuzz.audit.results import (KEY_ENV, RESULTS, Results, append_record, done_
                                  read_results, results_key)
 from kfuzz.audit.run import GPU_JOBS, default_jobs, run_audit
 from kfuzz.audit.verdicts import (BROKEN_RATIO, EXCUSED, TOLERANCE_FREE_KINDS, WEIGHTS_CHECKS, excused_class,
-                                  first_failure, judge_record, kfuzz_errors, out_of_device_memory, outcome,
+                                  first_failure, judge_record, kfuzz_errors, ended_by_gpu_state, outcome,
                                   shares_memory, weights_failures)
 
 __all__ = ["BROKEN_RATIO", "CASES", "EXCUSED", "GPU_JOBS", "KERNEL_MEMORY", "KERNEL_PRELOAD", "KEY_ENV",
@@ -41,6 +41,6 @@ __all__ = ["BROKEN_RATIO", "CASES", "EXCUSED", "GPU_JOBS", "KERNEL_MEMORY", "KER
            "default_max_jobs", "done_keys", "driver_stubs", "excused_class", "finding", "first_failure",
            "judge_record", "judged_resolve", "kernel_policy", "key_path", "kfuzz_errors", "lenient_check",
            "needs_retry",
-           "out_of_device_memory", "outcome", "precompile_headers", "read_results", "results_key", "run_audit",
+           "ended_by_gpu_state", "outcome", "precompile_headers", "read_results", "results_key", "run_audit",
            "run_one_gate", "save_gate_case", "shares_memory", "unconfined_layers", "weights_checks",
            "weights_failures"]

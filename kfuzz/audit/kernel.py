@@ -200,8 +200,8 @@ def _audit_steps(entry: CorpusEntry, device: str, gates: list[str], seed: int,
 
 
 def error_kind(e: Exception) -> str:
-    """An error's ``exc_type`` in a record: the resource it says ran out (a GPU's memory, which
-    ``out_of_device_memory`` reads), else its type."""
+    """An error's ``exc_type`` in a record: the resource it says ran out or is taken (a GPU's
+    memory, a GPU busy: ``ended_by_gpu_state`` reads them), else its type."""
     from kfuzz.sandbox import resource_kind
     return resource_kind(type(e).__name__, str(e)) or type(e).__name__
 

@@ -3,8 +3,8 @@
 Each kernel runs in a process of its own (``kfuzz.audit.process``), ``jobs`` at once
 (``default_jobs``), while builds of solutions further down the queue run ahead of their
 judging; each record is appended once its kernel's process has ended
-(``kfuzz.audit.results``). A kernel that ran out of a GPU's memory beside other kernels is run
-again at the end, alone.
+(``kfuzz.audit.results``). A kernel that ran out of a GPU's memory beside other kernels, or
+found that GPU busy, is run again at the end, alone.
 
 Refuses (``KfuzzError``), before any kernel runs: an audit key or an extension cache inside the
 results folder; a missing key where the results hold records signed under one; and, unless
@@ -26,7 +26,7 @@ from kfuzz.audit.kernel import CASES
 from kfuzz.audit.policy import confinement, forkserver_context, unconfined_layers
 from kfuzz.audit.process import KernelProcess, base_record
 from kfuzz.audit.results import RESULTS, append_record, done_keys, key_path, results_key, signed_lines
-from kfuzz.audit.verdicts import out_of_device_memory, shares_memory
+from kfuzz.audit.verdicts import ended_by_gpu_state, shares_memory
 from kfuzz.errors import KfuzzError
 
 if TYPE_CHECKING:
@@ -62,8 +62,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     ``redo_unsigned``, those whose record carries no HMAC: an older kfuzz's, made before results
     were signed, each redone once, since its new record is signed); yields each
     record once appended, signed with the key at ``key`` (by default ``key_path()``). A kernel
-    that ran out of a GPU's memory beside other kernels (``shares_memory``) is run again at the
-    end, alone, and only that record is kept (``alone``; at ``jobs`` 1 every record is alone).
+    that ran out of a GPU's memory beside other kernels (``shares_memory``), or found that GPU
+    busy or unavailable, is run again at the end, alone, and only that record is kept (``alone``; at ``jobs`` 1 every record is alone).
     Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or ``out`` inside the
     cache), a key file that does not exist where ``out``'s results hold signed records (the key
     that signed them is elsewhere or lost: a new one would verify none of them), and, unless
@@ -124,7 +124,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     queue = list(todo)
     ahead = [e for e in queue if e.compiles]
     shared_gpu = shares_memory(device) and jobs > 1
-    alone: list[CorpusEntry] = []     # out of GPU memory beside other kernels: run again, alone, at the end
+    alone: list[CorpusEntry] = []     # out of GPU memory (or the GPU busy) beside others: again, alone, at the end
     try:
         while queue or running or alone:
             if not queue and not running:
@@ -179,7 +179,7 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 record = r.end(None if how == "done" else how)
                 running.remove(r)
                 r.conn.close()
-                if shared_gpu and not r.alone and out_of_device_memory(record):
+                if shared_gpu and not r.alone and ended_by_gpu_state(record):
                     alone.append(r.entry)
                     continue
                 if r.alone or (shares_memory(device) and jobs == 1):

@@ -6,8 +6,8 @@ violations: each gate failed, the weights contract (``W``: ``weights_failures``)
 the build or the standard test, a kernel process that died, a standard test that did not end in
 time. A failure of a kind that no threshold explains (``TOLERANCE_FREE_KINDS``) or past
 ``BROKEN_RATIO`` times the bound is ``broken``. A kernel that ran out of a GPU's memory shared
-with other kernels (``shares_memory``, ``out_of_device_memory``) is ``incomplete``, not judged
-on that failure. ``first_failure`` says a record's first failure in words, ``outcome`` how it
+with other kernels, or met that GPU busy (``shares_memory``, ``ended_by_gpu_state``), is
+``incomplete``, not judged on that failure. ``first_failure`` says a record's first failure in words, ``outcome`` how it
 ends against its expectation; ``excused_class`` classes a passing case that excuses a
 difference.
 
@@ -45,14 +45,16 @@ def shares_memory(device: str) -> bool:
     return str(device).startswith("cuda")
 
 
-def out_of_device_memory(record: dict) -> bool:
+def ended_by_gpu_state(record: dict) -> bool:
     """Whether the kernel's standard test, the adapter's run of its reference at its own sizes,
-    its weights contract, a gate or its whole run (``error``) ended for want of memory
-    (``resource-memory``)."""
+    its weights contract, a gate or its whole run (``error``) ended for a state of the GPU that
+    other processes make: its memory taken (``resource-memory``) or the GPU busy or unavailable
+    (``resource-device-busy``)."""
     from kfuzz import sandbox
     parts = [record.get("standard"), record.get("adapter"), record.get("weights"), record.get("error"),
              *record.get("gates", {}).values()]
-    return any(isinstance(p, dict) and sandbox.MEMORY in (p.get("exc_type"), p.get("finding")) for p in parts)
+    return any(isinstance(p, dict) and bool({sandbox.MEMORY, sandbox.BUSY} & {p.get("exc_type"), p.get("finding")})
+               for p in parts)
 
 
 def kfuzz_errors(record: dict) -> list[str]:
@@ -91,7 +93,8 @@ def judge_record(record: dict) -> dict:
     crash or a timeout, ``crash`` for a kernel process that died), ``broken`` (a tolerance-free
     failure, or an error over BROKEN_RATIO times the bound), ``standard`` (the standard test
     passed), ``incomplete`` (killed for time in the gates or the build: judged on what finished;
-    or out of a GPU's memory beside other kernels, not ``alone``: judged without those findings).
+    or out of a GPU's memory, or the GPU busy, beside other kernels, not ``alone``: judged
+    without those findings).
 
     G07 counts only where it applies: not on a reference with float weights (the weights
     record's ``params``; records made before G07 was n/a there say ``params`` only if the
@@ -99,17 +102,17 @@ def judge_record(record: dict) -> dict:
     from kfuzz import sandbox
     from kfuzz.gates import GATES
     violations, broken = [], False
-    # out of a shared GPU's memory: perhaps the others' memory, not the kernel's finding
-    shared = shares_memory(record.get("device") or "") and not record.get("alone") and out_of_device_memory(record)
-    memory = sandbox.MEMORY
+    # out of a shared GPU's memory, or the GPU busy: perhaps the others' doing, not the kernel's finding
+    shared = shares_memory(record.get("device") or "") and not record.get("alone") and ended_by_gpu_state(record)
+    states = (sandbox.MEMORY, sandbox.BUSY)
     for where in ("build", "standard"):
         found = (record.get(where) or {}).get("finding")
-        if found and not (shared and found == memory):
+        if found and not (shared and found in states):
             violations.append(str(found))
             broken = True
     g07_na = record.get("weights", {}).get("params") is True and "G07" in record.get("gates", {})
     for gid, g in sorted(record.get("gates", {}).items()):
-        if g.get("status") != "fail" or (gid == "G07" and g07_na) or (shared and g.get("exc_type") == memory):
+        if g.get("status") != "fail" or (gid == "G07" and g07_na) or (shared and g.get("exc_type") in states):
             continue
         violations.append(gid)
         ratio = g.get("worst_ratio", 0)
@@ -132,7 +135,7 @@ def judge_record(record: dict) -> dict:
     # size on a CPU (or a slow oracle) looks the same as a hang from outside
     incomplete = ended.startswith("timeout") and "timeout" not in violations or shared
     return {"violations": violations, "broken": broken, "violation": bool(violations),
-            "standard": None if std is None or (shared and std.get("finding") == memory) else bool(std.get("passed")),
+            "standard": None if std is None or (shared and std.get("finding") in states) else bool(std.get("passed")),
             "incomplete": incomplete, "g07_not_applicable": g07_na,
             "audited": not {"adapter", "unbuilt", "skip"} & set(record) and ("standard" in record or bool(violations))}
 

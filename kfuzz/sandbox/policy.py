@@ -6,7 +6,8 @@ default for a device; ``toolchain``, the programs a CUDA worker or a build step 
 ``parse_size``, a size as the command line writes it). The names are a verdict's
 ``exc_type``: the violation kinds (``sandbox-*``, ``VIOLATIONS``), which ``SandboxViolation``
 carries out of a kernel's call, and the limits' kinds (``resource-*``); ``resource_kind``
-reads the resource an exception says ran out, ``death_name`` what a worker died of.
+reads the resource an exception says ran out or is taken (``BUSY``: a GPU that says it is busy
+or unavailable), ``death_name`` what a worker died of.
 
 Refuses: a size ``parse_size`` cannot read, or one under 1 MiB (``ValueError``). Enforces
 nothing: the other modules of ``kfuzz.sandbox`` do.
@@ -22,6 +23,7 @@ import signal
 from dataclasses import dataclass, field
 
 MEMORY, CPU, FILES, FILE_SIZE = "resource-memory", "resource-cpu", "resource-files", "resource-filesize"
+BUSY = "resource-device-busy"   # a GPU that other processes hold: a state of the GPU that passes
 FORK, WRITE, NETWORK, SIGNAL = "sandbox-fork", "sandbox-write", "sandbox-network", "sandbox-signal"
 READ, NAMESPACE, SYSCALL, CHANNEL = "sandbox-read", "sandbox-namespace", "sandbox-syscall", "sandbox-channel"
 VIOLATIONS = frozenset({FORK, WRITE, NETWORK, SIGNAL, READ, NAMESPACE, SYSCALL, CHANNEL})
@@ -126,14 +128,19 @@ class SandboxViolation(BaseException):
 # a GPU's memory, as CUDA, its libraries and Triton's driver calls name its exhaustion
 _DEVICE_OUT_OF_MEMORY = re.compile(r"CUDA out of memory|\[CUDA\]: out of memory|CUDA error: out of memory"
                                    r"|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|CUBLAS_STATUS_ALLOC_FAILED")
+# a GPU that says it is busy or unavailable (cudaErrorDevicesUnavailable, as torch and the driver
+# give it): many processes creating their contexts on it at once
+_DEVICE_BUSY = re.compile(r"busy or unavailable|cudaErrorDevicesUnavailable|CUDA_ERROR_DEVICE_UNAVAILABLE")
 
 
 def resource_kind(exc_type: str | None, detail: str) -> str | None:
-    """The resource an exception says ran out: memory (the host's or a GPU's), open files;
-    None otherwise."""
+    """The resource an exception says ran out: memory (the host's or a GPU's), open files; or
+    ``BUSY``, a GPU that says it is busy or unavailable; None otherwise."""
     if exc_type in ("MemoryError", "OutOfMemoryError", "_ArrayMemoryError") or "can't allocate memory" in detail \
             or "Cannot allocate memory" in detail or _DEVICE_OUT_OF_MEMORY.search(detail):
         return MEMORY
+    if _DEVICE_BUSY.search(detail):
+        return BUSY
     if "Too many open files" in detail or f"[Errno {errno.EMFILE}]" in detail:
         return FILES
     return None
