@@ -1421,6 +1421,38 @@ def test_a_nan_the_reference_spreads_through_exact_zeros_is_not_the_kernels_to_m
     assert r.status == "fail" and r.first_failure[1].kind == "nonfinite", r.reason
 
 
+def test_the_value_without_injection_is_the_same_where_needed_and_runs_the_oracle_for_those_positions_only(
+        monkeypatch):
+    """G05 needs the oracle's value without the injections it ignores only where the oracle is NaN
+    and the kernel not: asked for those positions, ``value_without_injection`` gives there what it
+    gives over the whole output, the same dependence mask, and runs the oracle once for each
+    dependence pattern among them (a 3-D transposed convolution's output of 134 million elements
+    has many patterns, each a float64 run)."""
+    import kfuzz.gates.nonfinite as nonfinite
+    from kfuzz.gates import GATES
+    from kfuzz.tensors import materialize
+    target = as_target(load_pair(DIAG.format(body="torch.diag(A) @ B"),
+                                 DIAG.format(body="B * A[:, None]").replace("class Model(", "class ModelNew("), "diag"))
+    case = list(GATES["G05"].cases(target, 0))[-1]      # every special in every argument at once
+    assert sum(len(a.inject) for _, a in case.args) == 6
+    inputs = materialize(case, target)
+    runs, real = [], nonfinite.oracle_outputs
+    monkeypatch.setattr(nonfinite, "oracle_outputs", lambda *a, **k: runs.append(1) or real(*a, **k))
+    (name,) = target.outputs
+    oracle = real(target, inputs)[name]
+    values, mask = nonfinite.value_without_injection(target, case, inputs, name)
+    whole = len(runs)
+    needed = torch.isnan(oracle) & (torch.arange(oracle.numel()).reshape(oracle.shape) % 2 == 0)
+    runs.clear()
+    some, some_mask = nonfinite.value_without_injection(target, case, inputs, name, needed=needed)
+    assert torch.equal(mask, some_mask) and needed.any()
+    torch.testing.assert_close(values[needed], some[needed], rtol=0, atol=0, equal_nan=True)
+    assert len(runs) < whole, (len(runs), whole)
+    runs.clear()
+    nonfinite.value_without_injection(target, case, inputs, name, needed=torch.zeros_like(needed))
+    assert len(runs) == 1 + 6        # the dependence tests alone
+
+
 TRIANGULAR = """import torch
 import torch.nn as nn
 

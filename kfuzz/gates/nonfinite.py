@@ -69,13 +69,15 @@ class Nonfinite(Gate):
             if f.kind == "nonfinite" and target.options.get("reference_limited"):
                 # the reference's own math may spread a NaN through exact zeros (0 x NaN in a dense
                 # product): positions whose oracle value does not depend on the injected values are
-                # judged on the value they take without them
-                without = value_without_injection(target, case, inputs, name, device)
-                judged = oracle[name].cpu()
+                # judged on the value they take without them (all of it where the comparison runs)
+                judged = oracle[name].to(where)
+                kernel = out.detach().to(where).double()
+                needed = torch.isnan(judged) & ~torch.isnan(kernel)
+                without = value_without_injection(target, case, inputs, name, device, needed=needed)
                 if without is not None:
-                    spread = torch.isnan(judged) & ~torch.isnan(out.detach().cpu().double()) & without[1]
+                    spread = needed & without[1].to(where)
                     if spread.any():
-                        judged = torch.where(spread, without[0], judged)
+                        judged = torch.where(spread, without[0].to(where), judged)
                         f = compare(out, judged, None, dtype, bound, values=False, device=where)
                         excused += int(spread.sum()) if f.kind != "nonfinite" else 0
                 if f.kind == "nonfinite":
@@ -84,17 +86,17 @@ class Nonfinite(Gate):
                     # turns one Inf into NaN where float64's stays finite), float32 by the
                     # reference's own math does no better: judged against it there
                     # (reference-limited)
-                    differ = _class_differences(out, judged, dtype)[2]
-                    t = trusted_outputs(target, case, inputs, device)[name].detach().cpu().double()
-                    same = differ & (kinds(t) == kinds(out.detach().cpu().double()))
+                    differ = _class_differences(out, judged, dtype, where)[2]
+                    t = trusted_outputs(target, case, inputs, device)[name].detach().to(where).double()
+                    same = differ & (kinds(t) == kinds(kernel))
                     if same.any():
                         f = compare(out, torch.where(same, t, judged.double()), None, dtype, bound, values=False,
                                     device=where)
                         limited += int(same.sum()) if f.kind != "nonfinite" else 0
             if f.kind == "nonfinite":
-                facts = {"kinds_only": float(kinds_only(out, oracle[name], dtype))}
+                facts = {"kinds_only": float(kinds_only(out, oracle[name], dtype, where))}
                 if without is not None:
-                    facts["where_ignored"] = float(nonfinite_where_ignored(out, oracle[name], dtype, without[1]))
+                    facts["where_ignored"] = float(nonfinite_where_ignored(out, oracle[name], dtype, without[1], where))
                 return Verdict(target.name, "nonfinite", output=name, ratio=f.ratio,
                                detail=f"{describe_injection(target, case)}: {f.detail}", metrics=facts)
         if limited:
@@ -109,32 +111,33 @@ class Nonfinite(Gate):
         return Verdict(target.name, "pass")
 
 
-def _class_differences(out, oracle, dtype: str):
-    """(the kernel's ``out``, the ``oracle`` rounded to ``dtype``, both float64 on the CPU, and
-    where their NaN/+Inf/-Inf sets differ)."""
-    k = out.detach().cpu().double()
-    o = oracle.detach().cpu().to(torch_dtype(dtype)).double()
+def _class_differences(out, oracle, dtype: str, device="cpu"):
+    """(the kernel's ``out``, the ``oracle`` rounded to ``dtype``, both float64 on ``device``,
+    and where their NaN/+Inf/-Inf sets differ)."""
+    k = out.detach().to(device).double()
+    o = oracle.detach().to(device).to(torch_dtype(dtype)).double()
     return k, o, kinds(k) != kinds(o)
 
 
-def kinds_only(out, oracle, dtype: str) -> bool:
+def kinds_only(out, oracle, dtype: str, device="cpu") -> bool:
     """Whether the kernel's ``out`` and the ``oracle`` (rounded to ``dtype``) differ only in the
     kind of non-finite value: both non-finite wherever their NaN/+Inf/-Inf sets differ (an
     algebraic rewrite, x sum(W) for sum(x W^T), gives an Inf where the reference's inf - inf
-    gives NaN). The audit's report counts such kernels as a class of their own."""
-    k, o, differ = _class_differences(out, oracle, dtype)
+    gives NaN). The audit's report counts such kernels as a class of their own. Compared on
+    ``device``."""
+    k, o, differ = _class_differences(out, oracle, dtype, device)
     return bool(differ.any()) and bool((~torch.isfinite(k[differ]) & ~torch.isfinite(o[differ])).all())
 
 
-def nonfinite_where_ignored(out, oracle, dtype: str, ignored) -> bool:
+def nonfinite_where_ignored(out, oracle, dtype: str, ignored, device="cpu") -> bool:
     """Whether the kernel's ``out`` differs from the finite ``oracle`` only by non-finite values
     at positions whose oracle value ignores the injected specials (``ignored``, from
     ``value_without_injection``): a kernel that relies on the inputs' structure instead of the
     reference's mask (a NaN on the diagonal of a triangular input reaching the positions
     ``triu`` sets to 0) spreads it there. The audit's report counts such kernels as a class of
-    their own."""
-    k, o, differ = _class_differences(out, oracle, dtype)
-    return bool(differ.any()) and bool((ignored.cpu()[differ] & ~torch.isfinite(k[differ])
+    their own. Compared on ``device``."""
+    k, o, differ = _class_differences(out, oracle, dtype, device)
+    return bool(differ.any()) and bool((ignored.to(device)[differ] & ~torch.isfinite(k[differ])
                                         & torch.isfinite(o[differ])).all())
 
 
@@ -143,12 +146,15 @@ def nonfinite_where_ignored(out, oracle, dtype: str, ignored) -> bool:
 FINITE_STANDINS = (1000.0, -1000.0)
 
 
-def value_without_injection(target, case, inputs, output: str, device="cpu"):
+def value_without_injection(target, case, inputs, output: str, device="cpu", needed=None):
     """The oracle's ``output`` where exact zeros are honoured: at each position, the injected
     specials it does not depend on (an injection ``k`` is a dependence where changing ``k``
     alone between the two ``FINITE_STANDINS``, all others at the first, changes the value) are
-    replaced by a finite stand-in and those it depends on kept. Returns (values, mask of the
-    positions that depend on fewer injections than the case holds); None when it injects nothing."""
+    replaced by a finite stand-in and those it depends on kept. ``needed``: the positions whose
+    value is wanted (a boolean mask of the output's shape; by default all): the oracle runs once
+    for each dependence pattern among them, the others keep the oracle's value with every
+    injection at the first stand-in. Returns (values, mask of the positions that depend on fewer
+    injections than the case holds), where the oracle ran; None when it injects nothing."""
     injected = [(n, flat) for n, a in case.args for flat, _ in a.inject]
     if not injected:
         return None
@@ -162,19 +168,23 @@ def value_without_injection(target, case, inputs, output: str, device="cpu"):
                 if m == n:
                     x.view(-1)[flat] = v
             changed[n] = x
-        return oracle_outputs(target, changed, device)[output].cpu()
+        return oracle_outputs(target, changed, device)[output]
 
     base = run({k: first for k in injected})
-    pattern = torch.zeros(base.shape, dtype=torch.int64)
+    pattern = torch.zeros(base.shape, dtype=torch.int64, device=base.device)
     for i, k in enumerate(injected):
         moved = run({**{j: first for j in injected}, k: second})
         depends = ~((base == moved) & torch.isfinite(base))
         pattern |= depends.to(torch.int64) << i
+        del moved, depends
     values = base.clone()
-    for code in pattern.unique().tolist():
+    wanted = None if needed is None else needed.to(pattern.device)
+    for code in (pattern if wanted is None else pattern[wanted]).unique().tolist():
         if code:
             kept = {k for i, k in enumerate(injected) if code >> i & 1}
             at = pattern == code
+            if wanted is not None:
+                at &= wanted
             values[at] = run({k: first for k in injected if k not in kept})[at]
     return values, pattern != (1 << len(injected)) - 1
 
