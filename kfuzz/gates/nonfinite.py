@@ -189,18 +189,18 @@ def value_without_injection(target, case, inputs, output: str, device="cpu", nee
     return values, pattern != (1 << len(injected)) - 1
 
 
-def _finite_where_oracle_finite(out, oracle, dtype: str):
+def _finite_where_oracle_finite(out, oracle, dtype: str, device="cpu"):
     """Positions where the oracle, rounded to ``dtype``, is finite (off the overflow edge)
-    and the kernel is not; None if there are none."""
+    and the kernel is not, on ``device``; None if there are none."""
     if all_finite(out):
         return None
     dt = torch_dtype(dtype)
     fi = torch.finfo(dt)
-    o = oracle.detach().cpu().double()
+    o = oracle.detach().to(device).double()
     edge = o.abs() / float(fi.max)
     at_max = (edge >= 1 - 4 * float(fi.eps)) & (edge <= 1 + 4 * float(fi.eps))
     clear = torch.isfinite(widen_float8(o.to(dt))) & ~at_max
-    bad = clear & ~torch.isfinite(out.detach().cpu().double())
+    bad = clear & ~torch.isfinite(out.detach().to(device).double())
     return bad if bad.any() else None
 
 
@@ -240,20 +240,22 @@ class Range(Gate):
         if verdict is not None:
             return verdict
         oracle = oracle_outputs(target, inputs, device)
+        where = comparison_device(oracle, device)
         flushed = flush_subnormals(inputs)
         limited = 0
         for name, out in outputs.items():
             dtype = target.output_dtype(name, case.dtype)
-            bad = _finite_where_oracle_finite(out, oracle[name], dtype)
+            bad = _finite_where_oracle_finite(out, oracle[name], dtype, where)
             if bad is not None and flushed is not None:
                 # flush-to-zero is a legitimate mode: judge against the flushed inputs too
-                if _finite_where_oracle_finite(out, oracle_outputs(target, flushed, device)[name], dtype) is None:
+                if _finite_where_oracle_finite(out, oracle_outputs(target, flushed, device)[name], dtype,
+                                               where) is None:
                     bad = None
             if bad is not None and target.options.get("reference_limited"):
                 # a target whose trusted implementation is its reference's own float32 math: where
                 # that is non-finite too, float32 itself cannot do better (reference-limited)
                 before = int(bad.sum())
-                bad = bad & torch.isfinite(trusted_outputs(target, case, inputs, device)[name].detach().cpu())
+                bad = bad & torch.isfinite(trusted_outputs(target, case, inputs, device)[name].detach().to(where))
                 limited += before - int(bad.sum())
                 bad = bad if bad.any() else None
             if bad is not None:
