@@ -30,17 +30,16 @@ from kfuzz.audit.process import base_record
 from kfuzz.audit.results import (KEY_ENV, RESULTS, Results, append_record, done_keys, key_path, needs_retry,
                                  read_results, results_key)
 from kfuzz.audit.run import GPU_JOBS, default_jobs, run_audit
-from kfuzz.audit.verdicts import (BROKEN_RATIO, EXCUSED, TOLERANCE_FREE_KINDS, WEIGHTS_CHECKS, excused_class,
-                                  first_failure, judge_record, kfuzz_errors, ended_by_gpu_state, outcome,
+from kfuzz.audit.verdicts import (BROKEN_RATIO, EXCUSED, TOLERANCE_FREE_KINDS, WEIGHTS_CHECKS, ended_by_gpu_state,
+                                  excused_class, first_failure, judge_record, kfuzz_errors, outcome,
                                   shares_memory, weights_failures)
 
 __all__ = ["BROKEN_RATIO", "CASES", "EXCUSED", "GPU_JOBS", "KERNEL_MEMORY", "KERNEL_PRELOAD", "KEY_ENV",
            "MINIMIZE_EXECUTIONS", "MINIMIZE_SECONDS", "OS_LAYERS", "PCH_FOLDER", "RESULTS", "TOLERANCE_FREE_KINDS",
            "WEIGHTS_CHECKS", "Results", "append_record", "audit_kernel", "base_record", "build_kernels",
            "build_policy", "case_path", "check_build_step", "confinement", "default_cache", "default_jobs",
-           "default_max_jobs", "done_keys", "driver_stubs", "excused_class", "finding", "first_failure",
-           "judge_record", "judged_resolve", "kernel_policy", "key_path", "kfuzz_errors", "lenient_check",
-           "needs_retry",
-           "ended_by_gpu_state", "outcome", "precompile_headers", "read_results", "results_key", "run_audit",
+           "default_max_jobs", "done_keys", "driver_stubs", "ended_by_gpu_state", "excused_class", "finding",
+           "first_failure", "judge_record", "judged_resolve", "kernel_policy", "key_path", "kfuzz_errors",
+           "lenient_check", "needs_retry", "outcome", "precompile_headers", "read_results", "results_key", "run_audit",
            "run_one_gate", "save_gate_case", "shares_memory", "unconfined_layers", "weights_checks",
            "weights_failures"]

@@ -63,7 +63,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     were signed, each redone once, since its new record is signed); yields each
     record once appended, signed with the key at ``key`` (by default ``key_path()``). A kernel
     that ran out of a GPU's memory beside other kernels (``shares_memory``), or found that GPU
-    busy or unavailable, is run again at the end, alone, and only that record is kept (``alone``; at ``jobs`` 1 every record is alone).
+    busy or unavailable, is run again at the end, alone, and only that record is kept
+    (``alone``; at ``jobs`` 1 every record is alone).
     Refuses (``KfuzzError``) a key or an extension ``cache`` inside ``out`` (or ``out`` inside the
     cache), a key file that does not exist where ``out``'s results hold signed records (the key
     that signed them is elsewhere or lost: a new one would verify none of them), and, unless

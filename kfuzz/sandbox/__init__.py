@@ -45,13 +45,13 @@ from kfuzz.sandbox.confinement import address_space, confine
 from kfuzz.sandbox.landlock import landlock_abi
 from kfuzz.sandbox.namespaces import ISOLATION_LEVELS, adopt_orphans, isolate
 from kfuzz.sandbox.paths import python_environment, readable_paths
-from kfuzz.sandbox.policy import (BUSY, CHANNEL, CPU, FILE_SIZE, FILES, FORK, MEMORY, NAMESPACE, NETWORK, READ, SIGNAL,
-                                  SYSCALL, VIOLATIONS, WRITE, GiB, Policy, SandboxViolation, death_name, parse_size,
-                                  resource_kind, toolchain)
+from kfuzz.sandbox.policy import (BUSY, CHANNEL, CPU, FILE_SIZE, FILES, FORK, MEMORY, NAMESPACE, NETWORK, READ,
+                                  SIGNAL, SYSCALL, VIOLATIONS, WRITE, GiB, Policy, SandboxViolation, death_name,
+                                  parse_size, resource_kind, toolchain)
 from kfuzz.sandbox.seccomp import FORBIDDEN, seccomp_program
 
-__all__ = ["BUSY", "CHANNEL", "CPU", "FILE_SIZE", "FILES", "FORBIDDEN", "FORK", "ISOLATION_LEVELS", "MEMORY", "NAMESPACE",
-           "NETWORK", "READ", "SIGNAL", "STUBS_ENV", "SYSCALL", "VIOLATIONS", "WRITE", "Channel", "GiB", "Policy",
-           "SandboxViolation", "address_space", "adopt_orphans", "build_driver_stubs", "compile_cache", "confine",
+__all__ = ["BUSY", "CHANNEL", "CPU", "FILE_SIZE", "FILES", "FORBIDDEN", "FORK", "ISOLATION_LEVELS", "MEMORY",
+           "NAMESPACE", "NETWORK", "READ", "SIGNAL", "STUBS_ENV", "SYSCALL", "VIOLATIONS", "WRITE", "Channel", "GiB",
+           "Policy", "SandboxViolation", "address_space", "adopt_orphans", "build_driver_stubs", "compile_cache", "confine",
            "death_name", "isolate", "landlock_abi", "parse_size", "python_environment", "readable_paths",
            "resource_kind", "seccomp_program", "start_case", "tell", "toolchain", "violation"]
