@@ -167,6 +167,19 @@ def test_resumable_results(tmp_path):
     assert again["key"] == first[1]["key"]
 
 
+def test_kernels_audited_before_start_first_the_slowest_first(tmp_path):
+    """A retry starts the kernels it audits again before those never audited, the slowest (its
+    last record's seconds) first, so that a run cut short spends its time where it is needed;
+    the others keep the corpora's order. One kernel at a time: records come in start order."""
+    entries = [control("correct_sum"), control("drops_nan"), control("correct_linear")]
+    keys = [e.key for e in entries]
+    for key, seconds in ((keys[0], 40.0), (keys[1], 90.0)):      # both killed for time before
+        append_record(tmp_path, {"key": key, "gates": {}, "standard": {"passed": True, "reason": "pass"},
+                                 "ended": "timeout", "phase": "gates", "seconds": seconds})
+    got = [r["key"] for r in run_audit(entries, tmp_path, ["G05"], jobs=1, timeout=120, retry=True)]
+    assert got == [keys[1], keys[0], keys[2]], got
+
+
 def test_audit_cli_refuses_a_missing_corpus(tmp_path):
     r = CliRunner().invoke(cli, ["audit", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)])
     assert r.exit_code == 2 and "no such corpus" in r.output

@@ -25,7 +25,7 @@ from kfuzz.audit.builds import (PCH_FOLDER, check_build_step, default_cache, def
 from kfuzz.audit.kernel import CASES
 from kfuzz.audit.policy import confinement, forkserver_context, unconfined_layers
 from kfuzz.audit.process import KernelProcess, base_record
-from kfuzz.audit.results import RESULTS, append_record, done_keys, key_path, results_key, signed_lines
+from kfuzz.audit.results import RESULTS, append_record, done_keys, key_path, read_results, results_key, signed_lines
 from kfuzz.audit.verdicts import ended_by_gpu_state, shares_memory
 from kfuzz.errors import KfuzzError
 
@@ -60,8 +60,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish; and those whose key is in ``redo``, whatever their record says; with
     ``redo_unsigned``, those whose record carries no HMAC: an older kfuzz's, made before results
-    were signed, each redone once, since its new record is signed); yields each
-    record once appended, signed with the key at ``key`` (by default ``key_path()``). A kernel
+    were signed, each redone once, since its new record is signed), those audited before first,
+    the slowest by their last record's ``seconds`` first, then the others in their order; yields
+    each record once appended, signed with the key at ``key`` (by default ``key_path()``). A kernel
     that ran out of a GPU's memory beside other kernels (``shares_memory``), or found that GPU
     busy or unavailable, is run again at the end, alone, and only that record is kept
     (``alone``; at ``jobs`` 1 every record is alone).
@@ -98,6 +99,10 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     secret = results_key(key_file)
     done = done_keys(out, retry, entries, secret, trust_unsigned, redo_unsigned) - set(redo)
     todo = [e for e in entries if e.key not in done]
+    # kernels audited before (a retry, a redo) first, the slowest first: a run cut short spends
+    # its time on the kernels that need the most of it, each started with all of it
+    before = read_results(out_dir / RESULTS, secret, trust_unsigned) if todo else {}
+    todo.sort(key=lambda e: -float(before[e.key].get("seconds") or 0.0) if e.key in before else 0.0)
     if any(e.pair is not None for e in todo) and not allow_unconfined:
         report = confinement(device, policy)
         missing = unconfined_layers(report)
