@@ -171,13 +171,14 @@ def value_without_injection(target, case, inputs, output: str, device="cpu", nee
         return oracle_outputs(target, changed, device)[output]
 
     base = run({k: first for k in injected})
-    pattern = torch.zeros(base.shape, dtype=torch.int64, device=base.device)
+    bits = torch.int32 if len(injected) < 31 else torch.int64    # one bit an injection
+    pattern = torch.zeros(base.shape, dtype=bits, device=base.device)
     for i, k in enumerate(injected):
         moved = run({**{j: first for j in injected}, k: second})
         depends = ~((base == moved) & torch.isfinite(base))
-        pattern |= depends.to(torch.int64) << i
+        pattern |= depends.to(bits) << i
         del moved, depends
-    values = base.clone()
+    values = base       # taken over: the positions judged get their values in place
     wanted = None if needed is None else needed.to(pattern.device)
     for code in (pattern if wanted is None else pattern[wanted]).unique().tolist():
         if code:
