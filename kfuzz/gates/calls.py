@@ -119,8 +119,9 @@ class Determinism(Gate):
 
 def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest absolute difference of two outputs of one shape (NaN at the same position
-    in both: none; NaN or Inf in one only: infinite)."""
-    a, b = widen_float8(a.detach().cpu()).double(), widen_float8(b.detach().cpu()).double()
+    in both: none; NaN or Inf in one only: infinite), computed where ``a`` is (the trusted
+    implementation's runs on a GPU stay there)."""
+    a, b = widen_float8(a.detach()).double(), widen_float8(b.detach().to(a.device)).double()
     diff = (a - b).abs()
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
     diff = torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
