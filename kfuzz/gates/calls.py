@@ -58,7 +58,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+    """Whether two tensors hold bitwise the same values, compared where ``a`` is (two outputs of
+    an oracle on a GPU are not copied to the host for it)."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(raw_bytes(a.detach()), raw_bytes(b.detach().to(a.device))))
 
 
 def _first_bit_difference(a, b) -> int:
