@@ -134,19 +134,22 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
 
 def needs_retry(record: dict, entry: CorpusEntry | None = None) -> bool:
     """A record of a run that did not finish (``judge_record``'s ``incomplete``: killed for time,
-    or out of a shared GPU's memory, the adapter's run of the reference included; a gate that
-    could not run, or an error that ended the kernel's run), or one made before the audit kept
-    the accepting harness's train/eval mode, of a reference that the mode changes."""
+    or out of a shared GPU's memory or the GPU busy, the adapter's run of the reference
+    included; a gate that could not run, or an error that ended the kernel's run), or one made
+    before the audit kept the accepting harness's train/eval mode, of a reference that the mode
+    changes."""
     return judge_record(record)["incomplete"] or bool(kfuzz_errors(record)) or (
         "mode" not in record and entry is not None and entry.mode_sensitive)
 
 
 def done_keys(out: str | Path, retry: bool = False, entries: Iterable[CorpusEntry] = (), key: bytes | None = None,
-              trust_unsigned: bool = False, redo_unsigned: bool = False) -> set[str]:
-    """Keys validly recorded in ``out``'s results; with ``retry``, less those ``needs_retry``; with
-    ``redo_unsigned``, less those whose record carries no HMAC."""
+              trust_unsigned: bool = False, redo_unsigned: bool = False, results: Results | None = None) -> set[str]:
+    """Keys validly recorded in ``out``'s results (``results``, where already read); with
+    ``retry``, less those ``needs_retry``; with ``redo_unsigned``, less those whose record carries
+    no HMAC."""
     by_key = {e.key: e for e in entries}
-    results = read_results(Path(out) / RESULTS, key, trust_unsigned)
+    if results is None:
+        results = read_results(Path(out) / RESULTS, key, trust_unsigned)
     return {k for k, r in results.items() if not (retry and needs_retry(r, by_key.get(k)))
             and not (redo_unsigned and k in results.unsigned_keys)}
 

@@ -97,11 +97,11 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                          f"the key that signed them (--key FILE, $KFUZZ_AUDIT_KEY); a new key would verify none "
                          f"of them and audit every kernel again")
     secret = results_key(key_file)
-    done = done_keys(out, retry, entries, secret, trust_unsigned, redo_unsigned) - set(redo)
+    before = read_results(out_dir / RESULTS, secret, trust_unsigned)
+    done = done_keys(out, retry, entries, secret, trust_unsigned, redo_unsigned, results=before) - set(redo)
     todo = [e for e in entries if e.key not in done]
     # kernels audited before (a retry, a redo) first, the slowest first: a run cut short spends
     # its time on the kernels that need the most of it, each started with all of it
-    before = read_results(out_dir / RESULTS, secret, trust_unsigned) if todo else {}
     todo.sort(key=lambda e: -float(before[e.key].get("seconds") or 0.0) if e.key in before else 0.0)
     if any(e.pair is not None for e in todo) and not allow_unconfined:
         report = confinement(device, policy)

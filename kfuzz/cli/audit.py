@@ -98,7 +98,7 @@ def _redo_keys(given) -> list[str]:
               help="torch threads per kernel process.")
 @click.option("--retry", is_flag=True,
               help="Audit again the kernels whose run did not finish (timeout, a kfuzz error, a GPU's memory "
-                   "taken by other kernels).")
+                   "taken by other kernels or the GPU busy).")
 @click.option("--redo", "redo", multiple=True, metavar="KEY|@FILE",
               help="Audit this kernel again whatever its record says (its key, e.g. cuda-l1-h100.jsonl:148; "
                    "repeatable; @FILE: the keys in FILE, separated by whitespace): a record made before a fix "

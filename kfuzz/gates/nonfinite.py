@@ -178,7 +178,7 @@ def value_without_injection(target, case, inputs, output: str, device="cpu", nee
         depends = ~((base == moved) & torch.isfinite(base))
         pattern |= depends.to(bits) << i
         del moved, depends
-    values = base       # taken over: the positions judged get their values in place
+    values = base.clone()     # a reference may return a view that cannot be written in place
     wanted = None if needed is None else needed.to(pattern.device)
     for code in (pattern if wanted is None else pattern[wanted]).unique().tolist():
         if code:
