@@ -3,6 +3,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import signal
 import textwrap
@@ -361,6 +362,29 @@ def test_standard_test_reports_nan_as_the_max_abs_diff(forward, passed, diff):
         assert v.to_json()["max_abs_diff"] == "nan"      # plain JSON: no bare NaN token
     else:
         assert v.max_abs_diff == pytest.approx(diff, abs=1e-6), v
+
+
+def test_the_standard_tests_difference_is_measured_a_chunk_at_a_time_with_the_same_value(monkeypatch):
+    """The max abs diff folds float64 chunks of the outputs (kfuzz's own measurement holds no
+    float64 copy of a whole output, which at a KernelBench problem's nominal size can pass a GPU's
+    memory): a NaN or the largest difference in any chunk, equal infinities and a strided output
+    give the value the whole-output formula gives."""
+    from kfuzz.kernelbench import standard
+
+    def whole(g, e):
+        g, e = g.double(), e.double()
+        return float(torch.where(g == e, 0.0, (g - e).abs()).max())
+    monkeypatch.setattr(standard, "DIFF_CHUNK", 7)
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(10, 9, generator=gen)
+    g = e + 1e-3 * torch.randn(10, 9, generator=gen)
+    g[8, 4] += 0.25                                     # the largest difference, in a late chunk
+    g[0, 0] = e[0, 0] = float("inf")                    # equal infinities differ by 0
+    assert standard._max_abs_diff(g, e) == pytest.approx(whole(g, e)) == pytest.approx(0.25, abs=1e-2)
+    assert standard._max_abs_diff(g.t(), e.t()) == standard._max_abs_diff(g, e)     # strided
+    g[5, 3] = float("nan")                              # a NaN in a middle chunk, smaller ones after
+    assert math.isnan(standard._max_abs_diff(g, e)) and math.isnan(whole(g, e))
+    assert standard._max_abs_diff(g[:0], e[:0]) == 0.0
 
 
 def test_standard_test_restores_what_the_solution_patched():
