@@ -23,7 +23,10 @@ same way.
 
 The predicate is "the same failure signature": a candidate is executed, and if
 it matches it is executed again (``reruns``) and must match every time, so a
-flaky result is never adopted. Candidates that break the target's contract are
+flaky result is never adopted. An execution is by default the kernel's call judged
+by the oracle; a failure that only a gate's own rules find (a non-finite value, a
+repeated run that differs) gives its own ``check``: the gate's verdict on a case,
+candidates one at a time. Candidates that break the target's contract are
 rejected without running, and every candidate's answer is cached by its hash.
 
 Where cases come from hypothesis strategies, hypothesis's own shrinker shrinks
@@ -127,13 +130,19 @@ def run_many(cases: list[Case], target: Target, device: str = "cpu", executor=No
     return verdicts
 
 
+Check = Callable[[Case], Verdict]      # a case's verdict, where it is not the oracle's on one call
+
+
 class SameFailure:
     """Does a candidate fail with ``signature`` on each of ``1 + reruns`` executions?
-    ``first`` asks it of several candidates at once (``run_many``)."""
+    ``first`` asks it of several candidates at once (``run_many``), or, with ``check``, of
+    each in turn through it."""
 
     def __init__(self, target: Target, signature: Signature, device: str = "cpu", reruns: int = 1,
-                 max_executions: int = DEFAULT_BUDGET, deadline: float | None = None, executor=None):
+                 max_executions: int = DEFAULT_BUDGET, deadline: float | None = None, executor=None,
+                 check: Check | None = None):
         self.target, self.signature, self.device, self.executor = target, signature, device, executor
+        self.check = check
         self.reruns, self.max_executions, self.deadline = reruns, max_executions, deadline
         self.executions = 0
         self.answers: dict[str, bool] = {}
@@ -167,7 +176,7 @@ class SameFailure:
             batch = alive[:room]
             self.executions += len(batch)
             matched = []
-            for case, verdict in zip(batch, run_many(batch, self.target, self.device, self.executor)):
+            for case, verdict in zip(batch, self.run(batch)):
                 if isinstance(verdict, Verdict) and verdict.signature == self.signature:
                     self.verdicts[case.hash] = verdict
                     matched.append(case)
@@ -179,6 +188,18 @@ class SameFailure:
         for case in alive:
             self.answers[case.hash] = True
         return next((i for i, case in enumerate(cases) if self.answers.get(case.hash)), None)
+
+    def run(self, cases: list[Case]) -> list[Verdict | KfuzzError]:
+        """One execution of each of ``cases``: ``run_many``'s, or ``check``'s one after another."""
+        if self.check is None:
+            return run_many(cases, self.target, self.device, self.executor)
+        out: list[Verdict | KfuzzError] = []
+        for case in cases:
+            try:
+                out.append(self.check(case))
+            except KfuzzError as e:
+                out.append(e)
+        return out
 
 
 # case surgery shared by the passes -------------------------------------------------------------
@@ -462,23 +483,25 @@ def _first_kept(candidates: Candidates, current: Case, same: SameFailure, width:
 def minimize(case: Case, target: Target | None = None, *, signature: Signature | None = None,
              device: str = "cpu", max_executions: int = DEFAULT_BUDGET, reruns: int = 1,
              max_seconds: float | None = None, passes: tuple[ShrinkPass, ...] = PASSES,
-             on_step: Callable[[Step, Case], None] | None = None, executor=None) -> Minimized:
+             on_step: Callable[[Step, Case], None] | None = None, executor=None,
+             check: Check | None = None) -> Minimized:
     """Shrink ``case`` keeping its failure signature (by default the one its first run shows).
     ``executor`` runs the kernel (default: this process); ``max_seconds`` and
-    ``max_executions`` bound the work, re-runs included.
+    ``max_executions`` bound the work, re-runs included. ``check``: a case's verdict (a gate's,
+    which runs the kernel in ``executor`` itself) in place of the oracle's on one call.
 
     Raises NotReproducible if the case passes, or fails otherwise or flakily."""
     target = target or get_target(case.target)
     target.validate(case)
     executions = 0
     if signature is None:
-        first = run_once(case, target, device, executor)
+        first = check(case) if check is not None else run_once(case, target, device, executor)
         executions = 1
         if first.passed:
             raise NotReproducible(f"case {case.hash} for {case.target!r} passes: there is no failure to keep")
         signature = first.signature
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
-    same = SameFailure(target, signature, device, reruns, max_executions, deadline, executor)
+    same = SameFailure(target, signature, device, reruns, max_executions, deadline, executor, check)
     same.executions = executions
     try:
         reproduced = same(case)
@@ -488,7 +511,7 @@ def minimize(case: Case, target: Target | None = None, *, signature: Signature |
         raise NotReproducible(f"case {case.hash} does not fail as {signature} on each of "
                               f"{1 + reruns} runs; not minimized")
     current, steps, sweeps, exhausted = case, [], 0, False
-    width = max(1, getattr(executor, "jobs", 1)) if executor is not None else 1
+    width = max(1, getattr(executor, "jobs", 1)) if executor is not None and check is None else 1
     try:
         changed = True
         while changed:
@@ -510,16 +533,18 @@ def minimize(case: Case, target: Target | None = None, *, signature: Signature |
 
 def minimize_failure(case: Case, target: Target, verdict: Verdict, device: str = "cpu",
                      max_executions: int = DEFAULT_BUDGET, max_seconds: float | None = None, executor=None,
-                     passes: tuple[ShrinkPass, ...] | None = None) -> tuple[Case, Verdict, dict]:
+                     passes: tuple[ShrinkPass, ...] | None = None, check: Check | None = None
+                     ) -> tuple[Case, Verdict, dict]:
     """What the corpus keeps of a new failure: the minimized case, its verdict and a note
     for the record; the case as found (and why) when it does not reproduce. Without a
     sandboxed ``executor`` a crash or a hang is kept as found (it would take this process
-    down)."""
+    down). ``check`` as ``minimize`` takes it."""
     if executor is None and verdict.kind in ("crash", "timeout"):
         return case, verdict, {"minimize": {"error": f"a {verdict.kind} is kept as found, not minimized in process"}}
     try:
         m = minimize(case, target, signature=verdict.signature, device=device, max_executions=max_executions,
-                     max_seconds=max_seconds, executor=executor, passes=passes or passes_for(device))
+                     max_seconds=max_seconds, executor=executor, passes=passes or passes_for(device),
+                     check=check)
     except NotReproducible as e:
         return case, verdict, {"minimize": {"error": str(e)}}
     return m.case, m.verdict, {"minimize": m.to_json()}

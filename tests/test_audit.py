@@ -1784,8 +1784,11 @@ def test_what_a_checkpoint_does_not_hold_stays_the_models_own_on_reload():
 
 
 def test_every_failing_gate_leaves_a_case_that_replays_alone(tmp_path):
-    """The audit keeps each failing gate's case beneath OUT/cases, one file a kernel and gate
-    (a bound gate's minimized), and ``kfuzz verify --replay`` runs it alone to the same failure."""
+    """The audit keeps each failing gate's case beneath OUT/cases, one file a kernel and gate,
+    minimized with that gate's own verdict at each step (G01's bound, G05's non-finite rules),
+    and ``kfuzz verify --replay`` runs it alone to the same failure; ``kfuzz minimize`` on such a
+    case judges it by its gate too and keeps the gate in the new record."""
+    import kfuzz.cli.minimize  # noqa: F401  (registers the verb)
     import kfuzz.cli.verify  # noqa: F401  (registers the verb)
     from kfuzz.audit import case_path
     from kfuzz.corpus import load
@@ -1802,9 +1805,19 @@ def test_every_failing_gate_leaves_a_case_that_replays_alone(tmp_path):
     g01 = records[entries[0].key]["gates"]["G01"]
     assert g01["status"] == "fail" and g01["minimized"] is True, g01
     assert load(case_path(tmp_path / "out" / "cases", entries[0].pair.target_name, "G01"))[1]["gate"] == "G01"
+    g05 = records[entries[1].key]["gates"]["G05"]
+    assert g05["status"] == "fail" and g05["minimized"] is True, g05
+    shrunk = load(g05["case_file"])[1]["minimize"]
+    assert shrunk["steps"] and shrunk["minimized"]["dims"] != shrunk["found"]["dims"], shrunk
     assert len(files) >= 2
     r = CliRunner().invoke(cli, ["verify", *[a for f in files for a in ("--replay", str(f))], "--in-process"])
     assert r.exit_code == 0 and r.output.count("ok ") == len(files), r.output
+    again = tmp_path / "again.case.zst"
+    r = CliRunner().invoke(cli, ["minimize", g05["case_file"], "--out", str(again), "--in-process"])
+    assert r.exit_code == 0, r.output
+    assert load(again)[1]["gate"] == "G05" and "resolve" in load(again)[1], load(again)[1]
+    r = CliRunner().invoke(cli, ["verify", "--replay", str(again), "--in-process"])
+    assert r.exit_code == 0 and "G05: still fails" in r.output, r.output
 
 
 EXTRA_PARAMETER = """# reference: reference_linear.py

@@ -18,6 +18,7 @@ from kfuzz.importer import import_failure
 from kfuzz.tensors import case_from_tensors
 from kfuzz.minimize import NotReproducible, SameFailure, minimize, window
 from kfuzz.target import Arg, Dim, Output, Target, add_target, get_target
+from kfuzz.verdict import Verdict
 
 pytest_plugins = ["pytester"]
 
@@ -102,6 +103,25 @@ def test_several_workers_ask_candidates_at_once_and_reach_the_same_case():
         at_once = minimize(case, target, max_executions=600, executor=pool)
     assert at_once.case == alone.case and at_once.steps == alone.steps and not at_once.exhausted
     assert at_once.executions > alone.executions     # candidates asked past the first kept one, at once
+
+
+def test_a_check_of_its_own_is_the_predicate_at_every_step():
+    """A failure that only a gate's rules find is minimized with that gate's verdict on each
+    candidate (``check``), not the oracle's on one call: here a rule that excuses the rows of
+    ``N`` below 5, so the case reached has the smallest ``N`` the check still fails, where the
+    oracle's judgement alone reaches 1."""
+    case = junk(ROWMAX.name, "float32", 3, {"N": 40, "D": 30}, x=ArgCase(inject=((7 * 30 + 4, "nan"),)))
+    checked = []
+
+    def check(c):
+        checked.append(c.hash)
+        v = execute(c, ROWMAX)
+        return Verdict(ROWMAX.name, "pass", detail="excused") if c.dim["N"] < 5 else v
+    plain = minimize(case, ROWMAX, max_executions=300)
+    own = minimize(case, ROWMAX, max_executions=300, check=check)
+    assert plain.case.dim["N"] == 1
+    assert own.case.dim["N"] == 5 and own.case.dim["D"] == plain.case.dim["D"] == 1 and not own.exhausted
+    assert len(checked) == own.executions and check(own.case).signature == own.verdict.signature
 
 
 def test_injections_keep_their_place_when_a_dim_is_cut():

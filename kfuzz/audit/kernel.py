@@ -266,20 +266,24 @@ def case_path(cases: str | Path, target_name: str, gid: str) -> Path:
 def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: str, seed: int, executor,
                    max_seconds: float = MINIMIZE_SECONDS) -> dict:
     """Save a gate's failing ``case`` so that ``kfuzz verify --replay`` runs it alone through the
-    gate again. A failure of a bound gate (G01-G04: one call judged against the bound, the
-    minimizer's own predicate) is minimized first (``kfuzz.minimize.minimize_failure``, at most
-    ``max_seconds``, the kernel in ``executor``; kept as found with under 2 s); others are kept as
-    found. Returns the record's ``case_file`` and ``minimized``."""
+    gate again, minimized first (``kfuzz.minimize.minimize_failure``, at most ``max_seconds``, the
+    kernel in ``executor``; kept as found with under 2 s, or for a crash or a timeout). The
+    minimizer's predicate is the gate's own verdict on each candidate (``kfuzz.gates.gate_check``,
+    as the replay judges it, with the gate's rules: a layout's failure that the same values
+    contiguous share is G02's, an injection outside the reference's domain passes, a NaN that
+    only an exact zero spreads is allowed), so the case kept fails that gate as the one found did.
+    Returns the record's ``case_file`` and ``minimized``."""
     from kfuzz.case import encode
     from kfuzz.corpus import make_record, write_atomic
-    from kfuzz.gates import GATES
-    note: dict = {"minimize": {"skipped": "the gate judges more than one call; kept as found"}}
+    from kfuzz.gates import gate_check
+    note: dict = {"minimize": {"skipped": f"a {verdict.kind} is kept as found"}}
     if max_seconds < 2:
         note = {"minimize": {"skipped": "the kernel's minimizing time is spent; kept as found"}}
-    elif not GATES[gid].tolerance_free and verdict.kind not in ("crash", "timeout"):
+    elif verdict.kind not in ("crash", "timeout"):
         from kfuzz.minimize import minimize_failure
         case, verdict, note = minimize_failure(case, target, verdict, device, max_executions=MINIMIZE_EXECUTIONS,
-                                               max_seconds=max_seconds, executor=executor)
+                                               max_seconds=max_seconds, executor=executor,
+                                               check=gate_check(gid, target, device, executor))
     path = case_path(cases, target.name, gid)
     resolve = judged_resolve(executor, target)
     write_atomic(path, encode(case, make_record(verdict, "fail", device, gate=gid, gate_seed=seed, **note,

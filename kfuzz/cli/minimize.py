@@ -6,7 +6,9 @@ import click
 from kfuzz.case import encode
 from kfuzz.cli.base import cli, device_option, handles_bad_input
 from kfuzz.corpus import SUFFIX, load_checked, make_record, write_atomic
+from kfuzz.errors import CaseError
 from kfuzz.executor import InProcess, Pool
+from kfuzz.gates import GATES, gate_check
 from kfuzz.minimize import DEFAULT_BUDGET, Minimized, minimize, passes_for
 from kfuzz.verdict import Signature
 
@@ -48,12 +50,18 @@ def render(m: Minimized) -> None:
 @handles_bad_input
 def minimize_cmd(path, out, replace, budget, seconds, device, in_process, timeout, jobs):
     """Shrink a failing case; the result fails with the same signature. Exit 2 if it does not fail.
-    The kernel runs in a sandboxed worker on DEVICE (a crash or a hang is minimized too)."""
-    case, record, target = load_checked(path)
+    The kernel runs in a sandboxed worker on DEVICE (a crash or a hang is minimized too). A gate's
+    case (its record names the gate: `kfuzz verify`'s and `kfuzz audit`'s) is judged by that gate
+    at each step, as `kfuzz verify --replay` judges it, and keeps its gate in the new record."""
+    case, record, target = load_checked(path, device)
     want = Signature.from_json(record["signature"]) if record and "signature" in record else None
+    gid = (record or {}).get("gate")
+    if gid is not None and gid not in GATES:
+        raise CaseError(f"{path}: its record names gate {gid!r}, which kfuzz does not know (known: {', '.join(GATES)})")
     with (InProcess(target, device) if in_process else Pool(target, jobs, device, timeout)) as executor:
         m = minimize(case, target, signature=want, device=device, max_executions=budget, max_seconds=seconds,
-                     executor=executor, passes=passes_for(device))
+                     executor=executor, passes=passes_for(device),
+                     check=gate_check(gid, target, device, executor) if gid else None)
     click.echo(f"signature {m.verdict.signature}")
     render(m)
     dest = Path(out) if out else Path(path).parent / f"{m.case.hash}{SUFFIX}"
@@ -63,7 +71,8 @@ def minimize_cmd(path, out, replace, budget, seconds, device, in_process, timeou
     if earlier and "found" in earlier:   # minimized before: the record keeps the case as first found
         note.update(found=earlier["found"], steps=earlier["steps"] + note["steps"],
                     executions=earlier["executions"] + note["executions"], sweeps=earlier["sweeps"] + note["sweeps"])
-    write_atomic(dest, encode(m.case, make_record(m.verdict, expect, device, minimize=note)))
+    kept = {k: record[k] for k in ("gate", "gate_seed", "resolve") if record and k in record}
+    write_atomic(dest, encode(m.case, make_record(m.verdict, expect, device, minimize=note, **kept)))
     click.echo(f"wrote     {dest}")
     if replace and dest.resolve() != Path(path).resolve():
         Path(path).unlink()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from kfuzz.case import Case
 from kfuzz.compare import BOUND_C
 from kfuzz.corpus import Corpus, check_record, load_checked
 from kfuzz.errors import KfuzzError
@@ -37,7 +38,7 @@ GATES: dict[str, Gate] = {g.id: g for g in (
     Reference(), Distributions(), Shapes(), Layouts(), Nonfinite(), Range(), Accumulation(),
     Determinism(), Containment(), CompleteWrites(), InputDependence(), Gradients())}
 
-__all__ = ["GATES", "Gate", "GateResult", "run_gate", "run_gates", "parse_gates", "replay_gate_case",
+__all__ = ["GATES", "Gate", "GateResult", "run_gate", "run_gates", "parse_gates", "gate_check", "replay_gate_case",
            "nominal_dims"]
 
 
@@ -116,6 +117,16 @@ def run_gates(target: Target, gates: Iterable[str] | None = None, seed: int = 0,
     return results
 
 
+def gate_check(gid: str, target: Target, device: str = "cpu", executor=None) -> Callable[[Case], Verdict]:
+    """The verdict gate ``gid`` gives one case (``Gate.judge_case``; where it judged other
+    inputs than the case's own, their verdict): how a saved gate case is replayed, and the
+    minimizer's predicate for a failure only that gate's rules find."""
+    def check(case: Case) -> Verdict:
+        verdict = GATES[gid].judge_case(target, case, device, executor=executor)
+        return verdict[1] if isinstance(verdict, tuple) else verdict
+    return check
+
+
 def replay_gate_case(path: str | Path, device: str = "cpu",
                      executors: Callable[[Target], object] | None = None) -> tuple[bool, Verdict, str]:
     """Run a saved gate case through its gate again: (ends as recorded, verdict, message).
@@ -125,9 +136,7 @@ def replay_gate_case(path: str | Path, device: str = "cpu",
     if gid not in GATES:
         raise KfuzzError(f"{path}: not a gate case (its record names no known gate)")
     check_record(record, str(path))
-    verdict = GATES[gid].judge_case(target, case, device, executor=executors(target) if executors else None)
-    if isinstance(verdict, tuple):
-        verdict = verdict[1]
+    verdict = gate_check(gid, target, device, executors(target) if executors else None)(case)
     if record.get("expect", "fail") == "fail":
         want = Signature.from_json(record["signature"])
         ok = verdict.signature == want
