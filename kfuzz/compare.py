@@ -301,6 +301,19 @@ def _chunks(x: torch.Tensor):
     return [slice(s, min(s + step, n)) for s in range(0, n, step)]
 
 
+def largest(a: torch.Tensor, b: torch.Tensor, difference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+            ) -> float:
+    """The largest element of ``difference(x, y)`` over the elements of ``a`` and ``b`` (one
+    shape; ``b`` moved to ``a``'s device), taken in float64 ``BOUND_CHUNK`` elements at a time:
+    no float64 copy of a whole output is made, which at a KernelBench problem's nominal size
+    (a billion elements) would not fit beside the kernel's and the reference's outputs. A NaN
+    that ``difference`` gives is the answer (a maximum keeps it); 0.0 where there are no elements."""
+    x, y = a.detach().reshape(-1), b.detach().to(a.device).reshape(-1)
+    if not x.numel():
+        return 0.0
+    return _max([difference(widen_float8(x[at]).double(), widen_float8(y[at]).double()).max() for at in _chunks(x)])
+
+
 def _norm(parts: list[torch.Tensor]) -> float:
     """The 2-norm of a vector from its chunks' 2-norms (one chunk: its own, exactly)."""
     return float(torch.stack(parts).norm()) if parts else 0.0

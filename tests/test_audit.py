@@ -365,16 +365,17 @@ def test_standard_test_reports_nan_as_the_max_abs_diff(forward, passed, diff):
 
 
 def test_the_standard_tests_difference_is_measured_a_chunk_at_a_time_with_the_same_value(monkeypatch):
-    """The max abs diff folds float64 chunks of the outputs (kfuzz's own measurement holds no
-    float64 copy of a whole output, which at a KernelBench problem's nominal size can pass a GPU's
-    memory): a NaN or the largest difference in any chunk, equal infinities and a strided output
-    give the value the whole-output formula gives."""
+    """The max abs diff folds float64 chunks of the outputs (``compare.largest``: kfuzz's own
+    measurement holds no float64 copy of a whole output, which at a KernelBench problem's nominal
+    size can pass a GPU's memory): a NaN or the largest difference in any chunk, equal
+    infinities and a strided output give the value the whole-output formula gives."""
+    import kfuzz.compare
     from kfuzz.kernelbench import standard
 
     def whole(g, e):
         g, e = g.double(), e.double()
         return float(torch.where(g == e, 0.0, (g - e).abs()).max())
-    monkeypatch.setattr(standard, "DIFF_CHUNK", 7)
+    monkeypatch.setattr(kfuzz.compare, "BOUND_CHUNK", {"cpu": 7})
     gen = torch.Generator().manual_seed(0)
     e = torch.randn(10, 9, generator=gen)
     g = e + 1e-3 * torch.randn(10, 9, generator=gen)

@@ -233,3 +233,30 @@ def test_the_bound_taken_a_chunk_at_a_time_is_the_bound_over_the_whole_output(mo
     assert [m for m, _ in chunked.metrics] == [m for m, _ in whole.metrics]
     assert [v for _, v in chunked.metrics] == pytest.approx([v for _, v in whole.metrics], rel=1e-12)
     assert (whole.kind == "bound") == off
+
+
+def test_the_largest_difference_is_taken_a_chunk_at_a_time_in_float64(monkeypatch):
+    """``compare.largest`` hands ``difference`` float64 chunks of ``BOUND_CHUNK`` elements, never
+    a whole output, and folds their maxima: the largest difference wherever it is, a NaN that the
+    difference gives in any chunk; G08's difference (NaN at the same place in both: none; in one
+    only: infinite) gives the same through it."""
+    import kfuzz.compare
+    from kfuzz.compare import largest
+    from kfuzz.gates.calls import _largest_difference
+    monkeypatch.setattr(kfuzz.compare, "BOUND_CHUNK", {"cpu": 7})
+    seen = []
+
+    def difference(x, y):
+        seen.append((x.numel(), x.dtype, y.dtype))
+        return (x - y).abs()
+    a = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    b = a.clone()
+    b[4, 6] += 3.0                      # in the last chunk but one
+    assert largest(a.t(), b.t(), difference) == 3.0
+    assert len(seen) == 6 and all(n <= 7 and dx == dy == torch.float64 for n, dx, dy in seen), seen
+    assert largest(a[:0], b[:0], difference) == 0.0
+    b[1, 1] = float("nan")
+    assert math.isnan(largest(a, b, difference))
+    assert _largest_difference(a, b) == math.inf            # NaN in one only
+    a[1, 1] = float("nan")
+    assert _largest_difference(a, b) == 3.0                  # NaN in both: no difference there

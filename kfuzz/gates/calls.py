@@ -33,10 +33,12 @@ allocations, so nothing can be placed around them.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kfuzz.case import ArgCase
-from kfuzz.compare import BOUND_C
+from kfuzz.compare import BOUND_C, largest
 from kfuzz.dtypes import torch_dtype, widen_float8
 from kfuzz.execute import oracle_outputs, storage_bytes, trusted_outputs
 from kfuzz.executor import executor_for
@@ -123,12 +125,11 @@ class Determinism(Gate):
 def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest absolute difference of two outputs of one shape (NaN at the same position
     in both: none; NaN or Inf in one only: infinite), computed where ``a`` is (the trusted
-    implementation's runs on a GPU stay there)."""
-    a, b = widen_float8(a.detach()).double(), widen_float8(b.detach().to(a.device)).double()
-    diff = (a - b).abs()
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    diff = torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
-    return float(diff.max()) if diff.numel() else 0.0
+    implementation's runs on a GPU stay there), a chunk at a time (``compare.largest``)."""
+    def difference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        return torch.where(same, 0.0, (x - y).abs().nan_to_num(nan=math.inf))
+    return largest(a, b, difference)
 
 
 def _reference_spread(target, case, inputs, device) -> dict[str, float]:

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kfuzz.compare import largest
 from kfuzz.contract import NamespaceSnapshot, current_hooks, restore_hooks
 from kfuzz.kernelbench.source import SEED, KernelBenchPair, outputs_of, pair_module, precision, set_seed
 
 ATOL = RTOL = 1e-2
 TRIALS = 5
-DIFF_CHUNK = 1 << 24        # elements of an output compared at once in float64 (128 MiB)
 
 
 @dataclass(frozen=True)
@@ -57,17 +57,10 @@ def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest elementwise |got - expected|: NaN where either holds a NaN (``allclose``
     without ``equal_nan`` fails there too; Python's ``max`` would keep an earlier number over
     a NaN, so the caller folds with ``_worse``); equal infinities differ by 0, as ``allclose``
-    sees them. Computed in float64 ``DIFF_CHUNK`` elements at a time: kfuzz's own measurement
-    never holds float64 copies of a whole output (a 6 GiB float32 output would need 36 GiB
-    more), so only the solution and the reference decide whether a test fits the GPU."""
-    g, e = got.detach().reshape(-1), expected.detach().to(got.device).reshape(-1)
-    if not g.numel():
-        return 0.0
-    peaks = []
-    for i in range(0, g.numel(), DIFF_CHUNK):
-        a, b = g[i:i + DIFF_CHUNK].double(), e[i:i + DIFF_CHUNK].double()
-        peaks.append(torch.where(a == b, 0.0, (a - b).abs()).max())     # max keeps a NaN
-    return float(torch.stack(peaks).max())
+    sees them. In float64 a chunk at a time (``compare.largest``): kfuzz's own measurement holds
+    no float64 copy of a whole output (a 6 GiB float32 output would need 36 GiB more), so only
+    the solution and the reference decide whether a test fits the GPU."""
+    return largest(got, expected, lambda a, b: torch.where(a == b, 0.0, (a - b).abs()))
 
 
 def _worse(a: float, b: float) -> float:
