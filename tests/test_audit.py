@@ -40,14 +40,23 @@ def audit_key(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session")
 def probe_marker(tmp_path_factory):
-    """kfuzz's probe extension built once a session (``check_build_step``, no precompiled header):
-    the marker that says so, for tests about solutions' builds rather than the probe's."""
+    """kfuzz's probe extension built once a test run (``check_build_step``, no precompiled
+    header), for all of the run's xdist workers (the first to need it builds it under a lock,
+    the others find its marker): the marker that says so, for tests about solutions' builds
+    rather than the probe's."""
+    import fcntl
     import shutil
     from kfuzz.audit import check_build_step
     if not (shutil.which("ninja") and shutil.which("c++")):
         pytest.skip("no ninja or C++ compiler here: load_inline cannot build")
-    cache = tmp_path_factory.mktemp("probed")
-    check_build_step("cpu", cache)
+    run = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run = run.parent            # the run's folder, one for all of its workers
+    cache = run / "probed"
+    cache.mkdir(exist_ok=True)
+    with open(run / "probed.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        check_build_step("cpu", cache)      # at once where the marker is there
     (marker,) = cache.glob("probe-built-*")
     return marker
 
