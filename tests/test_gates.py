@@ -675,3 +675,28 @@ def test_g04_draws_each_layout_again_where_the_nominal_draw_leaves_the_output_co
     assert (wide[0][1].detail or "").startswith("outside the layouts: the same values laid out contiguously "
                                                 "fail too") == values_wrong
     assert run_gate(gate, t, seed=0).status == status
+
+
+def test_a_gate_case_whose_minimizing_raises_is_kept_as_found_and_says_why(tmp_path, monkeypatch):
+    """The audit keeps a failing gate's case minimized by the gate's own check (here G05's on a
+    planted NaN-to-zero kernel: fewer dims, and it replays); where judging a candidate raises,
+    the case found is kept, its record names the error, and it still replays to the failure."""
+    import kfuzz.minimize
+    from kfuzz.audit import save_gate_case
+    from kfuzz.corpus import load
+    target = get_target("layernorm.nan2zero")
+    r = run_gate(GATES["G05"], target, seed=0)
+    case, verdict = r.first_failure
+    got = save_gate_case(tmp_path / "a", target, "G05", case, verdict, "cpu", 0, executor=None)
+    small, record = load(got["case_file"])
+    assert got["minimized"] is True and sum(small.dim.values()) < sum(case.dim.values()), (small.dim, case.dim)
+    assert replay_gate_case(got["case_file"])[0]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("the oracle raised on a candidate")
+    monkeypatch.setattr(kfuzz.minimize, "minimize_failure", boom)
+    kept = save_gate_case(tmp_path / "b", target, "G05", case, verdict, "cpu", 0, executor=None)
+    found, record = load(kept["case_file"])
+    assert kept["minimized"] is False and found == case, kept
+    assert "RuntimeError: the oracle raised on a candidate" in record["minimize"]["error"], record
+    assert replay_gate_case(kept["case_file"])[0]

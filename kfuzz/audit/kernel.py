@@ -271,7 +271,8 @@ def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: s
     minimizer's predicate is the gate's own verdict on each candidate (``kfuzz.gates.gate_check``,
     as the replay judges it, with the gate's rules: a layout's failure that the same values
     contiguous share is G02's, an injection outside the reference's domain passes, a NaN that
-    only an exact zero spreads is allowed), so the case kept fails that gate as the one found did.
+    only an exact zero spreads is allowed), so the case kept fails that gate as the one found did;
+    where judging a candidate raises, the case is kept as found and the record says why.
     Returns the record's ``case_file`` and ``minimized``."""
     from kfuzz.case import encode
     from kfuzz.corpus import make_record, write_atomic
@@ -281,9 +282,12 @@ def save_gate_case(cases: str | Path, target, gid: str, case, verdict, device: s
         note = {"minimize": {"skipped": "the kernel's minimizing time is spent; kept as found"}}
     elif verdict.kind not in ("crash", "timeout"):
         from kfuzz.minimize import minimize_failure
-        case, verdict, note = minimize_failure(case, target, verdict, device, max_executions=MINIMIZE_EXECUTIONS,
-                                               max_seconds=max_seconds, executor=executor,
-                                               check=gate_check(gid, target, device, executor))
+        try:
+            case, verdict, note = minimize_failure(case, target, verdict, device, max_executions=MINIMIZE_EXECUTIONS,
+                                                   max_seconds=max_seconds, executor=executor,
+                                                   check=gate_check(gid, target, device, executor))
+        except Exception as e:     # noqa: BLE001 - judging a candidate failed: the case found still replays
+            note = {"minimize": {"error": f"{type(e).__name__}: {e}"[:300] + "; kept as found"}}
     path = case_path(cases, target.name, gid)
     resolve = judged_resolve(executor, target)
     write_atomic(path, encode(case, make_record(verdict, "fail", device, gate=gid, gate_seed=seed, **note,
