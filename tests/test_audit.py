@@ -641,10 +641,16 @@ def test_forged_altered_and_unsigned_results_are_refused(tmp_path, audit_key):
     assert "HMAC does not match" in got.refused[0][1] and "no HMAC" in got.refused[2][1]
     # lines made before results were signed are taken only when asked, and counted
     trusted = read_results(path, trust_unsigned=True)
+    assert trusted["c:k"]["standard"]["passed"] is False          # never over a signed record
+    assert trusted.unsigned_keys == set() and "after a signed record" in trusted.refused[-1][1]
+    unsigned = tmp_path / "unsigned.jsonl"
+    unsigned.write_text(json.dumps({k: v for k, v in forged.items() if k != "hmac"}) + "\n")
+    trusted = read_results(unsigned, trust_unsigned=True)
     assert trusted["c:k"]["standard"]["passed"] is True and trusted.unsigned == 1
     assert trusted.unsigned_keys == {"c:k"}          # the record taken is the unsigned line
-    append_record(tmp_path, record)                  # a signed line after it: the key's record is signed
-    assert read_results(path, trust_unsigned=True).unsigned_keys == set()
+    with open(unsigned, "a") as f:                   # a signed line after it: the key's record is signed
+        f.write(path.read_text().splitlines()[0] + "\n")
+    assert read_results(unsigned, trust_unsigned=True).unsigned_keys == set()
     # under another key nothing verifies
     assert read_results(path, key=b"x" * 64).refused[0][0] == 1
     assert results_key(audit_key) == results_key()

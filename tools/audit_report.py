@@ -7,7 +7,7 @@ writes ``report.md``, ``report.json`` (the totals and one row per kernel) and
 sweep). A key recorded twice (a retried kernel) counts once, its last record.
 Each line is checked against its HMAC under the audit's key (``--key``, default
 ``kfuzz.audit.key_path()``): a line that fails is left out and counted in the
-report; lines without an HMAC (made before results were signed) are taken only
+report; lines without an HMAC (made before results were signed, or under a key that is not kept) are taken only
 with ``--trust-unsigned``, and counted.
 
 G07 is judged as the audit now runs it: n/a on a reference with float weights
@@ -367,9 +367,9 @@ def markdown(s: dict) -> str:
                  if s["trusted_on"].get("unrecorded") else "") + "."
               if s.get("trusted_on") else ""), "",
            *([f"Results lines: {s['lines_refused']} refused (not a record, or its HMAC fails: forged, altered, "
-              f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (made before results were "
-              f"signed); {s.get('unsigned_audited', 0)} audited kernels' records are unsigned: an older kfuzz's "
-              f"verdicts, made before later rules (`kfuzz audit --redo-unsigned` audits them again).", ""]
+              f"or signed under another key), {s['lines_unsigned']} taken without an HMAC (`--trust-unsigned`: made before "
+              f"results were signed, or under a key that is not kept); {s.get('unsigned_audited', 0)} audited kernels' "
+              f"records are unsigned (`kfuzz audit --redo-unsigned` audits them again).", ""]
              if s.get("lines_refused") or s.get("lines_unsigned") else []),
            *([f"{s['without_mode']} records predate the train/eval mode field: their models ran in train "
               f"mode, which differs from CUDA-L1's eval mode for references with BatchNorm or dropout "
@@ -511,7 +511,7 @@ def main(argv=None) -> int:
                     "float weights (default .corpora, then ../shared/corpora)")
     ap.add_argument("--key", help="the key file that signed the results (default: kfuzz audit's)")
     ap.add_argument("--trust-unsigned", action="store_true",
-                    help="take lines without an HMAC (made before results were signed)")
+                    help="take lines without an HMAC (made before results were signed, or under a key that is not kept)")
     a = ap.parse_args(argv)
     if a.corpora and not Path(a.corpora).is_dir():
         ap.error(f"--corpora {a.corpora}: no such folder")

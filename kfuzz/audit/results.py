@@ -78,7 +78,8 @@ def _mac(key: bytes, record: dict) -> str:
 
 
 class Results(dict):
-    """Records by key, the last valid line of a key winning (a retried kernel appends a new one);
+    """Records by key, the last valid line of a key winning (a retried kernel appends a new one),
+    except that a line without an HMAC never replaces a signed record;
     ``refused``: (line number, why) for each line that is not a valid signed record (a torn line,
     no HMAC, an HMAC that fails); ``unsigned``: lines taken without an HMAC (``trust_unsigned``);
     ``unsigned_keys``: the keys whose record taken is such a line."""
@@ -94,7 +95,8 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
     """The records of a results file by key (``Results``), each checked against its HMAC under
     ``key`` (by default ``results_key()``; with no key, every signed line is refused). Lines
     without an HMAC are refused unless ``trust_unsigned`` (records made before results were
-    signed); a line whose HMAC fails is always refused."""
+    signed), and never after a signed line of the same key (which a kernel could append); a line
+    whose HMAC fails is always refused."""
     if key is None:
         try:
             key = results_key(create=False)
@@ -125,6 +127,9 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
             out.refused.append((n, f"{name}: the HMAC does not match (forged or altered, or another key's)"))
             continue
         if mac is None:
+            if name in out and name not in out.unsigned_keys:
+                out.refused.append((n, f"{name}: no HMAC, after a signed record of the key"))
+                continue
             out.unsigned_keys.add(name)
         else:
             out.unsigned_keys.discard(name)

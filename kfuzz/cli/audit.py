@@ -110,7 +110,8 @@ def _redo_keys(given) -> list[str]:
               help="The key file that signs OUT/results.jsonl, outside OUT (default $KFUZZ_AUDIT_KEY, else "
                    "~/.config/kfuzz/audit.key; made on first use).")
 @click.option("--trust-unsigned", is_flag=True,
-              help="Take lines of OUT/results.jsonl that carry no HMAC (made before results were signed).")
+              help="Take lines of OUT/results.jsonl that carry no HMAC (made before results were signed, "
+                   "or under a key that is not kept; never one after a signed line of its kernel).")
 @click.option("--allow-unconfined", is_flag=True,
               help="Run the kernels even where no OS layer blocks their network, writes or processes.")
 @handles_bad_input
