@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import textwrap
 import time
@@ -774,6 +775,8 @@ def test_a_stopped_audit_ends_its_kernels_and_keeps_its_records(tmp_path, stop):
     if stop == signal.SIGTERM:
         assert p.returncode == 130, output
         assert "interrupted (SIGTERM)" in output and "1 kernel(s) recorded now" in output, output
+        # the kernel left unrecorded is named, with the phase it had reached
+        assert re.search(r"stopped unrecorded: cuda-l1-x.jsonl:1 \(standard, \d+ s, gates done: none\)", output), output
     else:
         assert p.returncode == -signal.SIGKILL, output
     deadline = time.monotonic() + 5.0       # a kernel's process looks for the audit every second

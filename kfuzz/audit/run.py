@@ -56,7 +56,8 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
               threads: int = 1, max_jobs: int | None = None, retry: bool = False, key: str | Path | None = None,
               trust_unsigned: bool = False, allow_unconfined: bool = False, policy: dict | None = None,
               build_jobs: int = 0, pch: bool = True, redo: Iterable[str] = (),
-              build_timeout: float | None = None, slim: bool = True, redo_unsigned: bool = False) -> Iterator[dict]:
+              build_timeout: float | None = None, slim: bool = True, redo_unsigned: bool = False,
+              in_flight: dict | None = None) -> Iterator[dict]:
     """Audit ``entries`` not yet validly recorded in ``out`` (with ``retry``, also those whose run
     did not finish; and those whose key is in ``redo``, whatever their record says; with
     ``redo_unsigned``, those whose record carries no HMAC: an older kfuzz's, made before results
@@ -82,7 +83,9 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
     (``kfuzz.kernelbench.cuda_compile.use_slim_cuda``). ``build_timeout``: the seconds a solution's build
     may take, apart from ``timeout`` (default ``timeout``). Before the first solution that
     compiles, kfuzz's probe solution is built in the same confined build step
-    (``check_build_step``: a ``KfuzzError`` where it does not build)."""
+    (``check_build_step``: a ``KfuzzError`` where it does not build). ``in_flight``: a dict
+    that, when the audit is stopped early (closed), is filled with what it leaves unrecorded
+    (``unfinished``)."""
     entries = list(entries)
     out_dir = Path(out).resolve()
     key_file = Path(key).resolve() if key is not None else key_path().resolve()
@@ -193,8 +196,27 @@ def run_audit(entries: Iterable[CorpusEntry], out: str | Path, gates: list[str],
                 append_record(out, record, secret)
                 yield record
     finally:   # a caller that stops early (an interrupt): no kernel outlives the audit
+        if in_flight is not None:
+            in_flight.update(unfinished(running, builders, alone))
         for r in running + builders:
             r.kill()
             r.proc.join(10)
         if stubs:
             shutil.rmtree(stubs, ignore_errors=True)
+
+
+def unfinished(running: list[KernelProcess], builders: list[KernelProcess], alone: list[CorpusEntry]) -> dict:
+    """What an audit stopped now leaves unrecorded, by key, in words: a kernel's phase, its
+    seconds so far and the gates it finished (``alone`` where it ran again alone); a build ahead
+    of its judging; a kernel waiting to run again alone."""
+    now = time.monotonic()
+    left = {}
+    for r in running:
+        gates = ",".join(r.record["gates"]) or "none"
+        left[r.entry.key] = (f"{r.record.get('phase', 'starting')}, {now - r.start:.0f} s, gates done: {gates}"
+                             + (", alone" if r.alone else ""))
+    for b in builders:
+        left[b.entry.key] = f"building ahead, {now - b.start:.0f} s"
+    for e in alone:
+        left[e.key] = "waiting to run again alone (out of the GPU's memory or the GPU busy beside others)"
+    return left

@@ -146,11 +146,12 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
     entries.sort(key=lambda e: e.compiles)         # stable: the fast ones first
     skipped = [e for e in entries if e.pair is None]  # recorded (cheap), never counted in --limit
     entries = [e for e in entries if e.pair is not None][:limit] + skipped
-    now = {}
+    now, in_flight = {}, {}
     audit = run_audit(entries, out, ids, jobs=jobs, device=device, seed=seed, timeout=timeout, cache=cache,
                       threads=threads, max_jobs=max_jobs, retry=retry, redo=redo, key=key,
                       trust_unsigned=trust_unsigned, allow_unconfined=allow_unconfined, build_jobs=build_jobs,
-                      pch=pch, build_timeout=build_timeout, slim=slim_cuda, redo_unsigned=redo_unsigned)
+                      pch=pch, build_timeout=build_timeout, slim=slim_cuda, redo_unsigned=redo_unsigned,
+                      in_flight=in_flight)
     try:
         # closed on an interrupt: the kernels in flight and their builds end, unrecorded
         with stop_signals_interrupt(), contextlib.closing(audit):
@@ -161,6 +162,8 @@ def audit_cmd(corpora, standard, limit, jobs, out, gates, device, seed, timeout,
         click.echo(f"audit: interrupted ({e.args[0] if e.args else 'SIGINT'}): {len(now)} kernel(s) recorded now "
                    f"in {Path(out) / RESULTS}, kept; the kernels in flight were stopped unrecorded (run again to "
                    f"go on)", err=True)
+        for k, where in in_flight.items():
+            click.echo(f"audit: stopped unrecorded: {k} ({where})", err=True)
         sys.exit(130)
     # the whole results file for the selected kernels, this run's records first
     results = read_results(Path(out) / RESULTS, results_key(key) if key else None, trust_unsigned)
