@@ -1,6 +1,7 @@
 """The GDN family's fast oracle: the chunked float64 closed form agrees with the step-by-step
 definition to float64 rounding, hands every case with special values to the definition, and
 gives the same verdicts as the definition on the kept GDN failures and on gate cases."""
+import copy
 import dataclasses
 import glob
 
@@ -94,9 +95,31 @@ def _step_by_step(target):
     return dataclasses.replace(target, reference=reference)
 
 
+def _trusted_once(target):
+    """``target`` with its trusted implementation run once for each distinct inputs and variant
+    (it is deterministic; under the interpreter its runs are this file's cost), its outputs
+    handed out as copies."""
+    memo = {}
+
+    def key(x):
+        return tuple((k, (v.dtype, tuple(v.shape), v.stride(), v.detach().contiguous().view(-1).view(torch.uint8)
+                          .numpy().tobytes()) if isinstance(v, torch.Tensor) else repr(v)) for k, v in sorted(x.items()))
+
+    if target.trusted is None:
+        return target
+
+    def trusted(**x):
+        k = key(x)
+        if k not in memo:
+            memo[k] = target.trusted(**x)
+        return copy.deepcopy(memo[k])
+    return dataclasses.replace(target, trusted=trusted)
+
+
 def _same_verdicts(case, target):
     """Judged against the trusted implementation's outputs and against them with one element
     off by 1%: the fast and the step-by-step oracle give the same verdict each time."""
+    target = _trusted_once(target)
     inputs = materialize(case, target)
     honest = trusted_outputs(target, case, inputs)
     name = next(iter(honest))
@@ -128,7 +151,7 @@ def test_the_kept_gdn_failures_get_the_same_verdicts(path):
 @pytest.mark.parametrize("gid", ["G01", "G02", "G03", "G04", "G05"])
 def test_gate_cases_get_the_same_verdicts(target_name, gid):
     target = get_target(target_name)
-    cases = [c for c in GATES[gid].cases(target, 0) if _small(target, c)][:2]
+    cases = [c for c in GATES[gid].cases(target, 0) if _small(target, c)][:4]
     assert cases
     for case in cases:
         _same_verdicts(case, target)
