@@ -7,8 +7,8 @@ writes ``report.md``, ``report.json`` (the totals and one row per kernel) and
 sweep). A key recorded twice (a retried kernel) counts once, its last record.
 Each line is checked against its HMAC under the audit's key (``--key``, default
 ``kfuzz.audit.key_path()``): a line that fails is left out and counted in the
-report; lines without an HMAC (made before results were signed, or under a key that is not kept) are taken only
-with ``--trust-unsigned``, and counted.
+report; lines without an HMAC (made before results were signed, or under a key
+that is not kept) are taken only with ``--trust-unsigned``, and counted.
 
 G07 is judged as the audit now runs it: n/a on a reference with float weights
 (``kfuzz.kernelbench.float_weights``). Records made before say nothing of the
