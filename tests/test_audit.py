@@ -644,6 +644,7 @@ def test_forged_altered_and_unsigned_results_are_refused(tmp_path, audit_key):
     trusted = read_results(path, trust_unsigned=True)
     assert trusted["c:k"]["standard"]["passed"] is False          # never over a signed record
     assert trusted.unsigned_keys == set() and "after a signed record" in trusted.refused[-1][1]
+    assert trusted.unsigned == 0                                  # refused, so not taken unsigned
     unsigned = tmp_path / "unsigned.jsonl"
     unsigned.write_text(json.dumps({k: v for k, v in forged.items() if k != "hmac"}) + "\n")
     trusted = read_results(unsigned, trust_unsigned=True)

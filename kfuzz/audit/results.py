@@ -122,15 +122,14 @@ def read_results(path: str | Path, key: bytes | None = None, trust_unsigned: boo
             if not trust_unsigned:
                 out.refused.append((n, f"{name}: no HMAC (not written by kfuzz audit under a key)"))
                 continue
-            out.unsigned += 1
-        elif key is None or not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, rec)):
-            out.refused.append((n, f"{name}: the HMAC does not match (forged or altered, or another key's)"))
-            continue
-        if mac is None:
             if name in out and name not in out.unsigned_keys:
                 out.refused.append((n, f"{name}: no HMAC, after a signed record of the key"))
                 continue
+            out.unsigned += 1
             out.unsigned_keys.add(name)
+        elif key is None or not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, rec)):
+            out.refused.append((n, f"{name}: the HMAC does not match (forged or altered, or another key's)"))
+            continue
         else:
             out.unsigned_keys.discard(name)
         out[name] = rec
