@@ -99,14 +99,13 @@ def _trusted_once(target):
     """``target`` with its trusted implementation run once for each distinct inputs and variant
     (it is deterministic; under the interpreter its runs are this file's cost), its outputs
     handed out as copies."""
+    if target.trusted is None:
+        return target
     memo = {}
 
     def key(x):
         return tuple((k, (v.dtype, tuple(v.shape), v.stride(), v.detach().contiguous().view(-1).view(torch.uint8)
                           .numpy().tobytes()) if isinstance(v, torch.Tensor) else repr(v)) for k, v in sorted(x.items()))
-
-    if target.trusted is None:
-        return target
 
     def trusted(**x):
         k = key(x)
