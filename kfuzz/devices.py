@@ -9,7 +9,8 @@ device this machine does not have, or any other text, raises ``DeviceError`` (th
 ``spread`` assigns a campaign's workers to devices: ``jobs`` workers over the GPUs visible,
 round robin, so that each GPU gets one pool (its workers see only that GPU, through
 ``CUDA_VISIBLE_DEVICES``).  It is a pure function of the device list, so it is tested on a
-machine without GPUs.
+machine without GPUs. ``shares_memory`` says whether a device's memory is shared by the
+processes on it (a GPU's), where running out of it may be another process's doing.
 """
 from __future__ import annotations
 
@@ -90,3 +91,10 @@ def spread(jobs: int, gpus: Sequence[int]) -> list[tuple[int | None, int]]:
         return [(None, jobs)]
     share = [jobs // len(gpus) + (i < jobs % len(gpus)) for i in range(len(gpus))]
     return [(g, n) for g, n in zip(gpus, share) if n]
+
+
+def shares_memory(device: str) -> bool:
+    """Whether the processes that run on ``device`` share its memory: a GPU's, where one
+    process's allocation can fail for what the others hold (kernels audited at once, kfuzz's
+    oracle and workers); on the CPU each worker has a limit of its own."""
+    return str(device).startswith("cuda")

@@ -178,6 +178,56 @@ def test_range_gate_runs_on_a_target_without_dims(tmp_path):
     assert r.status == "pass", r.reason
 
 
+def _out_of_memory_target(name, calls_out_of_memory):
+    """A correct row sum whose first ``calls_out_of_memory`` calls raise as CUDA's allocator does."""
+    calls = []
+
+    def kernel(x):
+        calls.append(1)
+        if len(calls) <= calls_out_of_memory:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.18 GiB of which 1.83 GiB is free.")
+        return x.sum(dim=-1)
+    return _refusing_target(name, kernel), calls
+
+
+@pytest.mark.parametrize("device, out_of_memory, status, calls, rerun", [
+    ("cuda", 1, "pass", 2, None),      # the GPU was shared: a second run fits
+    ("cuda", 2, "fail", 2, 1),         # out of memory again: the verdict, confirmed
+    ("cpu", 1, "fail", 1, None),       # a worker's memory is its own: no second run
+], ids=["gpu-once", "gpu-twice", "cpu"])
+def test_a_kernel_out_of_a_gpus_memory_runs_once_more_and_only_a_second_failure_counts(
+        device, out_of_memory, status, calls, rerun, monkeypatch):
+    """A GPU's memory is shared with kfuzz's own processes (the oracle's, the kernel's other
+    workers): a case whose kernel ran out of it runs once more, after this process gave its
+    cached memory back; a second failure is the verdict, marked ``memory_rerun``, which the audit
+    needs before it counts an out-of-memory failure on a GPU as the kernel's."""
+    from kfuzz.audit import judge_record
+    from kfuzz.gates.base import MEMORY_RERUN
+    # the kernel runs in this process on the CPU; whether its device's memory is shared is looked up
+    target, called = _out_of_memory_target(f"test_gates_oom_{device}_{out_of_memory}", out_of_memory)
+    monkeypatch.setattr("kfuzz.gates.base.shares_memory", lambda d: device == "cuda")
+    case = next(iter(GATES["G01"].cases(target, 0)))
+    v = GATES["G01"].judge_case(target, case)
+    assert len(called) == calls and v.passed == (status == "pass"), v
+    if not v.passed:
+        assert v.exc_type == "resource-memory" and v.metrics.get(MEMORY_RERUN) == rerun
+    called.clear()
+    r = run_gate(GATES["G01"], target, seed=0)
+    record = {"device": device, "alone": True, "standard": {"passed": True, "reason": "pass"},
+              "gates": {"G01": r.to_json()}}
+    record["gates"]["G01"]["exc_type"] = r.first_failure[1].exc_type if r.first_failure else None
+    judged = judge_record(record)
+    if device == "cuda" and out_of_memory == 1:
+        assert not judged["violations"] and not judged["incomplete"]
+    else:
+        assert judged["violations"] == ["G01"] and not judged["incomplete"], judged
+    # a GPU's out-of-memory failure recorded without a second run is not the kernel's: incomplete
+    if r.first_failure is not None and device == "cuda":
+        del record["gates"]["G01"]["verdict"]["metrics"][MEMORY_RERUN]
+        assert judge_record(record)["violations"] == [] and judge_record(record)["incomplete"]
+
+
 # the kernel side in a sandboxed worker (kfuzz.programs) ----------------------------------------
 
 def _first_failing(gate, target):

@@ -26,7 +26,8 @@ from kfuzz.audit.kernel import CASES
 from kfuzz.audit.policy import confinement, forkserver_context, unconfined_layers
 from kfuzz.audit.process import KernelProcess, base_record
 from kfuzz.audit.results import RESULTS, append_record, done_keys, key_path, read_results, results_key, signed_lines
-from kfuzz.audit.verdicts import ended_by_gpu_state, shares_memory
+from kfuzz.audit.verdicts import ended_by_gpu_state
+from kfuzz.devices import shares_memory
 from kfuzz.errors import KfuzzError
 
 if TYPE_CHECKING:

@@ -7,13 +7,16 @@ the build or the standard test, a kernel process that died, a standard test that
 time. A failure of a kind that no threshold explains (``TOLERANCE_FREE_KINDS``) or past
 ``BROKEN_RATIO`` times the bound is ``broken``. A kernel that ran out of a GPU's memory shared
 with other kernels, or met that GPU busy (``shares_memory``, ``ended_by_gpu_state``), is
-``incomplete``, not judged on that failure. ``first_failure`` says a record's first failure in
+``incomplete``, not judged on that failure; so is a gate's failure out of a GPU's memory that
+no second run confirmed (``unconfirmed_memory_failures``). ``first_failure`` says a record's first failure in
 words, ``outcome`` how it ends against its expectation; ``excused_class`` classes a passing
 case that excuses a difference.
 
 Judges records only: it runs no kernel and reads no results file.
 """
 from __future__ import annotations
+
+from kfuzz.devices import shares_memory
 
 
 # error/bound beyond which no plausible tolerance explains a bound failure
@@ -39,12 +42,6 @@ def excused_class(verdict) -> str | None:
     return next((cls for start, cls in EXCUSED if verdict.detail.startswith(start)), None)
 
 
-def shares_memory(device: str) -> bool:
-    """Whether kernels audited at once share ``device``'s memory: a GPU's, where one kernel's
-    allocation can fail for what the others hold (on the CPU each worker has a limit of its own)."""
-    return str(device).startswith("cuda")
-
-
 def ended_by_gpu_state(record: dict) -> bool:
     """Whether the kernel's standard test, the adapter's run of its reference at its own sizes,
     its weights contract, a gate or its whole run (``error``) ended for a state of the GPU that
@@ -55,6 +52,20 @@ def ended_by_gpu_state(record: dict) -> bool:
              *record.get("gates", {}).values()]
     return any(isinstance(p, dict) and bool({sandbox.MEMORY, sandbox.BUSY} & {p.get("exc_type"), p.get("finding")})
                for p in parts)
+
+
+def unconfirmed_memory_failures(record: dict) -> list[str]:
+    """The gates of a GPU's record whose first failure is the kernel out of the GPU's memory
+    without a second run to confirm it (``Gate.judge_case``'s ``memory_rerun``): the memory was
+    shared with kfuzz's own processes, so the failure is not the kernel's finding; the gate is
+    judged without it and the record is incomplete."""
+    from kfuzz import sandbox
+    from kfuzz.gates.base import MEMORY_RERUN
+    if not shares_memory(record.get("device") or ""):
+        return []
+    return [gid for gid, g in sorted(record.get("gates", {}).items())
+            if g.get("status") == "fail" and g.get("exc_type") == sandbox.MEMORY
+            and not ((g.get("verdict") or {}).get("metrics") or {}).get(MEMORY_RERUN)]
 
 
 def kfuzz_errors(record: dict) -> list[str]:
@@ -93,8 +104,8 @@ def judge_record(record: dict) -> dict:
     crash or a timeout, ``crash`` for a kernel process that died), ``broken`` (a tolerance-free
     failure, or an error over BROKEN_RATIO times the bound), ``standard`` (the standard test
     passed), ``incomplete`` (killed for time in the gates or the build: judged on what finished;
-    or out of a GPU's memory, or the GPU busy, beside other kernels, not ``alone``: judged
-    without those findings).
+    or out of a GPU's memory, or the GPU busy, beside other kernels, not ``alone``, or a gate out
+    of a GPU's memory unconfirmed: judged without those findings).
 
     G07 counts only where it applies: not on a reference with float weights (the weights
     record's ``params``; records made before G07 was n/a there say ``params`` only if the
@@ -111,8 +122,10 @@ def judge_record(record: dict) -> dict:
             violations.append(str(found))
             broken = True
     g07_na = record.get("weights", {}).get("params") is True and "G07" in record.get("gates", {})
+    unconfirmed = unconfirmed_memory_failures(record)
     for gid, g in sorted(record.get("gates", {}).items()):
-        if g.get("status") != "fail" or (gid == "G07" and g07_na) or (shared and g.get("exc_type") in states):
+        if (g.get("status") != "fail" or (gid == "G07" and g07_na) or (shared and g.get("exc_type") in states)
+                or gid in unconfirmed):
             continue
         violations.append(gid)
         ratio = g.get("worst_ratio", 0)
@@ -133,7 +146,7 @@ def judge_record(record: dict) -> dict:
     std = record.get("standard")
     # a kernel process killed for time in the gates is incomplete, not judged: slow at the fixed
     # size on a CPU (or a slow oracle) looks the same as a hang from outside
-    incomplete = ended.startswith("timeout") and "timeout" not in violations or shared
+    incomplete = ended.startswith("timeout") and "timeout" not in violations or shared or bool(unconfirmed)
     return {"violations": violations, "broken": broken, "violation": bool(violations),
             "standard": None if std is None or (shared and std.get("finding") in states) else bool(std.get("passed")),
             "incomplete": incomplete, "g07_not_applicable": g07_na,

@@ -17,17 +17,20 @@ the reason); it is reported ``n/a``, never ``pass``.
 """
 from __future__ import annotations
 
+import gc
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
 
 from kfuzz.case import ArgCase, Case
 from kfuzz.compare import BOUND_C
+from kfuzz.devices import shares_memory
 from kfuzz.dtypes import is_float
 from kfuzz.errors import KfuzzError
 from kfuzz.execute import release_device_memory, trusted_outputs
+from kfuzz.sandbox import MEMORY
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
@@ -35,6 +38,12 @@ from kfuzz.verdict import Verdict
 NOMINAL = 64          # the nominal size of inner dims, clipped to the contract
 OUTER = 16            # ... and of the others
 STATUSES = ("pass", "fail", "n/a")
+MEMORY_RERUN = "memory_rerun"   # a verdict's metric: out of a GPU's memory twice (``Gate.judge_case``)
+
+
+def _verdict(judged: Verdict | tuple[Case, Verdict]) -> Verdict:
+    """The verdict of what ``Gate.check`` returns."""
+    return judged[1] if isinstance(judged, tuple) else judged
 
 
 def gate_seed(seed: int, gate: str, i: int) -> int:
@@ -179,7 +188,29 @@ class Gate:
         CPU (the kernel's side runs again, in ``executor`` on its own device). Where judging
         raises and the reference itself refuses the case's inputs, a pass that says so
         (``refused_by_reference``); any other error is raised. After the case,
-        ``execute.release_device_memory``."""
+        ``execute.release_device_memory``.
+
+        On a GPU, a case whose kernel ran out of memory (``resource-memory``) runs once more
+        after this process has given back the memory torch cached: the GPU is shared with
+        kfuzz's own processes (this one's oracle, the kernel's other workers), and a crashed
+        worker is replaced by a fresh one. Out of memory again is its verdict, its metrics
+        saying ``memory_rerun`` (``kfuzz.audit`` counts a GPU's out-of-memory failure only with it)."""
+        verdict = self._judged(target, case, device, c, executor)
+        if _verdict(verdict).exc_type != MEMORY or not shares_memory(device):
+            return verdict
+        gc.collect()
+        torch.cuda.empty_cache()
+        verdict = self._judged(target, case, device, c, executor)
+        v = _verdict(verdict)
+        if v.exc_type != MEMORY:
+            return verdict
+        v = replace(v, metrics={**v.metrics, MEMORY_RERUN: 1})
+        return (verdict[0], v) if isinstance(verdict, tuple) else v
+
+    def _judged(self, target: Target, case: Case, device: str, c: float, executor
+                ) -> Verdict | tuple[Case, Verdict]:
+        """``check``, where the oracle's side may run out of the GPU's memory or the reference
+        refuse the inputs (``judge_case``)."""
         try:
             return self.check(target, case, device, c, executor=executor)
         except torch.OutOfMemoryError:
