@@ -349,7 +349,7 @@ def markdown(s: dict) -> str:
                  f"\"None\", does not parse or defines no `ModelNew`: nothing to audit)."
                  if s.get("corpus_without_solution") else "."), ""] if s.get("corpus_accepted") else []),
            f"{s['audited']} kernels audited ({s['incomplete']} incomplete: killed for time, judged on the gates "
-           f"that finished, or out of a GPU's memory beside other kernels; {s['gate_errors']} with a gate that could "
+           f"that finished, or out of a GPU's memory beside other kernels or unconfirmed by a second run; {s['gate_errors']} with a gate that could "
            f"not run, judged on the others; {s['kfuzz_errors'].get('ended_by_error', 0)} whose run an error of kfuzz's ended "
            f"after the standard test, judged on what finished), "
            f"{s['skipped']} rows skipped (not accepted), {s['adapter_refused']} refused by the adapter, "
@@ -427,7 +427,7 @@ def markdown(s: dict) -> str:
             f"| kernels with a gate that could not run (kfuzz error) | {s['kfuzz_errors']['records_with_gate_error']} |",
             *[f"| ... of them in {g} | {n} |" for g, n in s["kfuzz_errors"]["gate_errors_by_gate"].items()],
             f"| weights check that could not run | {s['kfuzz_errors']['weights_check_errors']} |",
-            f"| kernels killed for time in the gates or the build (incomplete) | {s['kfuzz_errors']['killed_for_time']} |",
+            f"| kernels killed for time in the gates or the build, or out of a GPU's memory unconfirmed (incomplete) | {s['kfuzz_errors']['killed_for_time']} |",
             f"| references the adapter refused | {s['kfuzz_errors']['adapter_refused']} |",
             f"| solutions that did not build here (not judged) | {s['kfuzz_errors']['unbuilt']} |",
             f"| kernels whose run a kfuzz error ended before the standard test's verdict (not audited) "
