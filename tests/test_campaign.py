@@ -598,3 +598,22 @@ def test_the_stage_benchmark_prints_each_sides_stages_and_the_ratio(tmp_path):
              (line.split(" | ") for line in side_by_side.splitlines() if line.startswith("| ") and "---" not in line)
              if r[0] != "| side"}
     assert set(sides) == {"worker", "judge"} and all(v > 0 for vs in sides.values() for v in vs)
+
+
+def test_the_campaign_benchmark_lists_each_failure_and_keeps_its_case(tmp_path):
+    """``tools/bench_campaign.py`` names each failure signature a campaign found, with its saved
+    case, copied into ``--cases`` so that it outlives the work folder."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_campaign", "tools/bench_campaign.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    saved = tmp_path / "run" / "crashes" / "abc.case.zst"
+    saved.parent.mkdir(parents=True)
+    saved.write_bytes(b"case")
+    stats = {"failures": {"gdn_bwd/nonfinite-dq": {"count": 3, "first_execution": 41}}, "saved": [str(saved)]}
+    lines = bench.failures("gdn_bwd", 4, "warm", stats, tmp_path / "kept")
+    kept = tmp_path / "kept" / "gdn_bwd-4-warm-abc.case.zst"
+    assert lines == ["- gdn_bwd --jobs 4 warm: gdn_bwd/nonfinite-dq (3 execution(s), first at execution 41)",
+                     f"  - saved: {kept}"]
+    assert kept.read_bytes() == b"case"
+    assert bench.failures("gdn_bwd", 4, "cold", {"failures": {}, "saved": []}, None) == []

@@ -30,12 +30,17 @@ tool: the cold campaign in one, then, with ``DIR`` carried over, the warm campai
 loop in another (a warm row's ratio needs the bare loop in the same run). ``--bare-seconds``
 runs the bare loop for other than ``--seconds`` (its rate, warm and with nothing to compile
 after its first cases, is steady: a shorter loop saves a device's time).
+
+A failure a campaign finds is listed beneath the table (its signature, count and saved case);
+``--cases DIR`` copies each saved case there (``<target>-<jobs>-<caches>-<file>``), so that it
+outlives a work folder on a machine that is given back.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -137,6 +142,20 @@ def row(target: str, jobs: int, kind: str, s: dict, bare_rate: float | None) -> 
             f"{len(s['failures'])} | {ratio} |")
 
 
+def failures(target: str, jobs: int, kind: str, s: dict, cases: Path | None) -> list[str]:
+    """Lines naming each failure signature a campaign found and the cases it saved (copied into
+    ``cases`` where given)."""
+    lines = [f"- {target} --jobs {jobs} {kind}: {sig} ({f['count']} execution(s), first at execution "
+             f"{f['first_execution']})" for sig, f in s["failures"].items()]
+    for saved in s.get("saved", []):
+        kept = saved
+        if cases is not None and Path(saved).exists():
+            cases.mkdir(parents=True, exist_ok=True)
+            kept = str(shutil.copy(saved, cases / f"{target}-{jobs}-{kind}-{Path(saved).name}"))
+        lines.append(f"  - saved: {kept}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default="softmax,gdn_fwd,gdn_bwd")
@@ -152,6 +171,7 @@ def main() -> None:
                     help="Keep the caches in DIR/<target>-<jobs>, reused where there (default: fresh ones).")
     ap.add_argument("--bare-seconds", type=float, default=None,
                     help="How long the bare loop runs (default: --seconds).")
+    ap.add_argument("--cases", default=None, help="Copy each case a campaign saved into this folder.")
     ap.add_argument("--bare", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.bare:
@@ -170,7 +190,7 @@ def main() -> None:
     print("| target | jobs | caches | judged | s | judged/s | first judged, s | compiles | compiling | "
           "kernel | oracle+trusted | dropped at --time | failures | / bare |")
     print("|" + " --- |" * 14, flush=True)
-    results = []
+    results, found = [], []
     for target in a.targets.split(","):
         bare_rate = None
         for jobs in (int(j) for j in a.jobs.split(",")):
@@ -190,6 +210,9 @@ def main() -> None:
                 if s is not None:
                     results.append({"target": target, "jobs": jobs, "caches": kind, "stats": s})
                     print(row(target, jobs, kind, s, bare_rate), flush=True)
+                    found += failures(target, jobs, kind, s, Path(a.cases) if a.cases else None)
+    if found:
+        print("\nFailures found:\n\n" + "\n".join(found), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
 
