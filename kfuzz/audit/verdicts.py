@@ -8,9 +8,9 @@ time. A failure of a kind that no threshold explains (``TOLERANCE_FREE_KINDS``) 
 ``BROKEN_RATIO`` times the bound is ``broken``. A kernel that ran out of a GPU's memory shared
 with other kernels, or met that GPU busy (``shares_memory``, ``ended_by_gpu_state``), is
 ``incomplete``, not judged on that failure; so is a gate's failure out of a GPU's memory that
-no second run confirmed (``unconfirmed_memory_failures``). ``first_failure`` says a record's first failure in
-words, ``outcome`` how it ends against its expectation; ``excused_class`` classes a passing
-case that excuses a difference.
+no second run confirmed (``unconfirmed_memory_failures``). ``first_failure`` says a record's
+first failure in words, ``outcome`` how it ends against its expectation; ``excused_class``
+classes a passing case that excuses a difference.
 
 Judges records only: it runs no kernel and reads no results file.
 """
