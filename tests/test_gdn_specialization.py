@@ -48,8 +48,8 @@ def launches(case: Case) -> dict[str, set]:
 
 
 CASES = [   # (target, dtype, [(B, T, H), ...]) at K 4, V 4 (8 with bf16)
-    # 12 and 16 chunks of 64 tokens (B 3 and 4 at T 193): Triton specializes the chunk count
-    ("gdn_fwd", "float32", [(3, 193, 1), (4, 193, 1), (3, 200, 1)]),
+    # 12 and 16 chunks of 64 tokens (B 3 and 4 at T 193): Triton specializes the chunk count;
+    # the backward launches every kernel of the forward too, at the forward's signatures
     ("gdn_bwd", "float32", [(3, 193, 1), (4, 193, 1), (3, 200, 1)]),
     # 12 and 16 chunks of 16 tokens (a vector gate's, B 3 and 4 at T 49)
     ("gdn_fwd_gla", "float32", [(3, 49, 1), (4, 49, 1), (3, 60, 1)]),
