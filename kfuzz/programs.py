@@ -128,6 +128,12 @@ def _copies(outputs: Tensors) -> Tensors:
     return {k: v.detach().clone() for k, v in outputs.items()}
 
 
+def _host_copies(outputs: Tensors) -> Tensors:
+    """Copies of ``outputs`` in the host's memory (they go there to be sent back in any case):
+    a program that calls the kernel again then leaves the GPU only the next call's memory."""
+    return {k: v.detach().cpu() if v.device.type != "cpu" else v.detach().clone() for k, v in outputs.items()}
+
+
 def _span(t: torch.Tensor) -> list[int]:
     start = t.untyped_storage().data_ptr()
     return [start, start + t.untyped_storage().nbytes()]
@@ -185,10 +191,11 @@ def _rebind(target, program, inputs, device):
     _, first, verdict = kernel_stage(case, target, str(device), inputs=mine)
     if verdict is not None:
         return verdict, {}, {}
+    first = _host_copies(first)     # a GPU holds one call's outputs at a time
     second, verdict = call_kernel(target, case, fresh, device)
     if verdict is not None:
         return verdict, {"first": first}, {}
-    second = _copies(second)
+    second = _host_copies(second)
     for name, t in mine.items():        # the partner's values, in the first call's buffers
         t.copy_(fresh[name])
     reused, verdict = call_kernel(target, case, mine, device)
