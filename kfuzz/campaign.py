@@ -97,6 +97,7 @@ class CampaignStats:
     specialization_misses: int = 0  # compiles at a JIT key the specialization does not name
     miss_log: list = field(default_factory=list)   # (label, dtype, dims) of the first of them
     memory_reruns: int = 0         # out-of-memory crashes run once more (the memory is shared)
+    costs: list = field(default_factory=list)   # the costliest specializations to judge (``costs``)
     minimize_seconds: float = 0.0  # spent minimizing, after the campaign's time
     minimized: dict = field(default_factory=dict)   # saved path -> the minimizer's note
 
@@ -123,6 +124,7 @@ class CampaignStats:
                 "specialization_misses": self.specialization_misses,
                 "miss_log": [[w, dt, dims] for w, dt, dims in self.miss_log],
                 "memory_reruns": self.memory_reruns,
+                "costs": self.costs,
                 "minimize_seconds": round(self.minimize_seconds, 3),
                 "sandbox": self.sandbox,
                 "failures": {str(k): {"count": v, "first_execution": self.first_seen[k]}
@@ -130,6 +132,16 @@ class CampaignStats:
                 "known": {str(k): v for k, v in self.known.items()},
                 "saved": [str(p) for p in self.saved],
                 "minimized": {str(k): v for k, v in self.minimized.items()}}
+
+
+COSTS = 10     # specializations named in a campaign's stats, the costliest to judge first
+
+
+def costs(judged: dict, kernel: dict) -> list[list]:
+    """The ``COSTS`` specializations whose cases took the judges the most seconds, each as
+    [its key, cases judged, judging seconds, the kernel's seconds]: where a campaign's time went."""
+    top = sorted(judged.items(), key=lambda kv: -kv[1][1])[:COSTS]
+    return [[repr(key), n, round(seconds, 3), round(kernel.get(key, 0.0), 3)] for key, (n, seconds) in top]
 
 
 @dataclass
@@ -181,6 +193,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
     found: list[tuple[Case, Verdict, Path, str]] = []   # new failures, saved as found
     seen_edges: set[int] = set()
     runner = judging = None
+    kernel_by: dict = {}     # specialization -> the kernel's seconds, compiles excluded
     history = CompileHistory(compile_history) if compile_history is not None else None
     schedule = Scheduler(target, engine, compile_share, workers=max(1, jobs),
                          cold=jobs > 0 and device.startswith("cuda"),
@@ -226,7 +239,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
         stats.judges = n_judges
         runner = (InProcess(target, device, wants_coverage) if jobs == 0 else
                   Pool(target, jobs, device, timeout, wants_coverage, policy=policy, devices=devices))
-        judging = Judges(target, n_judges, device, devices=devices if jobs else None)
+        judging = Judges(target, n_judges, device, devices=devices if jobs else None,
+                         account=lambda c: specialization(target, c))
         judging.start()      # the judges and the workers import torch and the target at once
         runner.start()
         stats.workers_ready = time.monotonic() - start
@@ -259,7 +273,9 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                     stats.unfinished += 1       # came back past the limit: dropped, not judged
                     continue
                 case, inputs = r.program.case, r.program.inputs["case"]
-                stats.kernel_seconds += max(0.0, r.seconds - r.compile_seconds)
+                spent, spec = max(0.0, r.seconds - r.compile_seconds), specialization(target, case)
+                stats.kernel_seconds += spent
+                kernel_by[spec] = kernel_by.get(spec, 0.0) + spent
                 stats.compile_seconds += r.compile_seconds
                 stats.compiles += r.compile_seconds > 0
                 if r.compile_seconds > 0 and len(stats.compile_log) < COMPILE_LOG:
@@ -304,6 +320,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
         if judging is not None:
             stats.judge_seconds = judging.seconds
             stats.judge_restarts, stats.judge_errors = judging.restarts, judging.errors
+            stats.costs = costs(judging.by_account, kernel_by)
             judging.close()
         if hasattr(engine, "close"):
             engine.close()

@@ -30,6 +30,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from typing import Callable, Hashable
 
 import torch
 
@@ -123,8 +124,13 @@ class Judges:
     """``processes`` judges for ``target`` on ``device`` (0: judge in this process); ``devices``
     (GPUs) splits them among the GPUs, and ``submit`` takes the GPU a result came from."""
 
-    def __init__(self, target: Target, processes: int = 0, device: str = "cpu", devices: list[str] | None = None):
+    def __init__(self, target: Target, processes: int = 0, device: str = "cpu", devices: list[str] | None = None,
+                 account: Callable[[Case], Hashable] | None = None):
+        """``account``: the class of a case its judging seconds are summed under (``by_account``:
+        class -> [cases judged, seconds])."""
         self.target, self.processes, self.device = target, processes, device
+        self.account = account
+        self.by_account: dict[Hashable, list] = {}
         gpus = sorted(set(devices or [device]))
         self.share = {d: processes // len(gpus) + (i < processes % len(gpus)) for i, d in enumerate(gpus)}
         self.threads = max(1, (os.cpu_count() or 1) // (2 * processes)) if processes else 1
@@ -170,10 +176,17 @@ class Judges:
             except Exception as e:  # noqa: BLE001 - the oracle's own error: kfuzz's, counted and named
                 self.errors.append(f"case {case.hash}: {type(e).__name__}: {e}")
                 return
-            self.seconds += time.monotonic() - start
+            self._spent(case, time.monotonic() - start)
             self.here.append((tag, Verdict.from_json(self.target.name, verdict)))
             return
         self._send(min(self.judges[where], key=lambda j: len(j.jobs)), _Job(case, inputs, outputs, tag))
+
+    def _spent(self, case: Case, seconds: float) -> None:
+        self.seconds += seconds
+        if self.account is not None:
+            tally = self.by_account.setdefault(self.account(case), [0, 0.0])
+            tally[0] += 1
+            tally[1] += seconds
 
     def _send(self, judge_: _Judge, job: _Job) -> None:
         msg = judge_message(job.case, job.inputs, job.outputs)
@@ -205,7 +218,7 @@ class Judges:
                 j.discard -= 1
                 continue
             job = j.jobs.pop(0)
-            self.seconds += seconds
+            self._spent(job.case, seconds)
             if kind == "verdict":
                 out.append((job.tag, Verdict.from_json(self.target.name, answer)))
             else:

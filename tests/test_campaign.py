@@ -144,7 +144,7 @@ def test_a_judge_process_gives_the_verdict_judged_here():
         assert verdict is None
         ran[case] = inputs, outputs
         here[case] = judge(case, target, inputs, outputs)
-    judges = Judges(target, processes=1)
+    judges = Judges(target, processes=1, account=lambda c: c.dim["D"])
     try:
         for case, (inputs, outputs) in ran.items():
             judges.submit(case, inputs, outputs, case)
@@ -156,6 +156,12 @@ def test_a_judge_process_gives_the_verdict_judged_here():
         judges.close()
     assert {c: v.signature for c, v in got.items()} == {c: v.signature for c, v in here.items()}
     assert not got[OVERFLOW].passed and got[cases[1]].passed
+    # each case's judging seconds summed under its class (here its D), as a campaign's costs
+    widths = sorted({c.dim["D"] for c in cases})
+    assert sorted(judges.by_account) == widths
+    assert sum(n for n, _ in judges.by_account.values()) == len(cases)
+    assert all(s > 0 for _, s in judges.by_account.values())
+    assert abs(sum(s for _, s in judges.by_account.values()) - judges.seconds) < 1e-9
 
 
 def test_a_judge_that_dies_is_replaced_and_its_results_judged_again():
@@ -420,6 +426,10 @@ def test_a_campaign_writes_the_specializations_it_ran_into_the_caches_history(tm
     keys, longest = CompileHistory(path).of("softmax")
     assert stats.executions == 5 and keys and longest == 0.0       # the CPU compiles nothing
     assert len(keys) == stats.specializations
+    # where the judging went, by specialization, costliest first (judged in this process here)
+    assert sum(n for _, n, _, _ in stats.costs) == 5 and len(stats.costs) == min(stats.specializations, 10)
+    assert [s for _, _, s, _ in stats.costs] == sorted((s for _, _, s, _ in stats.costs), reverse=True)
+    assert stats.to_json()["costs"] == stats.costs
 
 
 def test_the_specialization_key_names_a_pointer_off_a_16_byte_boundary():
