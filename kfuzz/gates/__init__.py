@@ -26,7 +26,7 @@ from kfuzz.corpus import Corpus, check_record, load_checked
 from kfuzz.errors import KfuzzError
 from kfuzz.executor import executor_for
 from kfuzz.gates.accumulation import Accumulation
-from kfuzz.gates.base import Gate, GateResult, nominal_dims
+from kfuzz.gates.base import Gate, GateResult, nominal_dims, verdict_of
 from kfuzz.gates.bounds import Distributions, Layouts, Reference, Shapes
 from kfuzz.gates.calls import CompleteWrites, Containment, Determinism, InputDependence
 from kfuzz.gates.gradients import Gradients
@@ -122,8 +122,7 @@ def gate_check(gid: str, target: Target, device: str = "cpu", executor=None) -> 
     inputs than the case's own, their verdict): how a saved gate case is replayed, and the
     minimizer's predicate for a failure only that gate's rules find."""
     def check(case: Case) -> Verdict:
-        verdict = GATES[gid].judge_case(target, case, device, executor=executor)
-        return verdict[1] if isinstance(verdict, tuple) else verdict
+        return verdict_of(GATES[gid].judge_case(target, case, device, executor=executor))
     return check
 
 

@@ -41,8 +41,9 @@ STATUSES = ("pass", "fail", "n/a")
 MEMORY_RERUN = "memory_rerun"   # a verdict's metric: out of a GPU's memory twice (``Gate.judge_case``)
 
 
-def _verdict(judged: Verdict | tuple[Case, Verdict]) -> Verdict:
-    """The verdict of what ``Gate.check`` returns."""
+def verdict_of(judged: Verdict | tuple[Case, Verdict]) -> Verdict:
+    """The verdict of what ``Gate.check`` or ``Gate.judge_case`` returns (a verdict, or the
+    case that failed and its verdict)."""
     return judged[1] if isinstance(judged, tuple) else judged
 
 
@@ -196,12 +197,12 @@ class Gate:
         worker is replaced by a fresh one. Out of memory again is its verdict, its metrics
         saying ``memory_rerun`` (``kfuzz.audit`` counts a GPU's out-of-memory failure only with it)."""
         verdict = self._judged(target, case, device, c, executor)
-        if _verdict(verdict).exc_type != MEMORY or not shares_memory(device):
+        if verdict_of(verdict).exc_type != MEMORY or not shares_memory(device):
             return verdict
         gc.collect()
         torch.cuda.empty_cache()
         verdict = self._judged(target, case, device, c, executor)
-        v = _verdict(verdict)
+        v = verdict_of(verdict)
         if v.exc_type != MEMORY:
             return verdict
         v = replace(v, metrics={**v.metrics, MEMORY_RERUN: 1})
