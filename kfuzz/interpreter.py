@@ -30,14 +30,27 @@ interpreter holds a scalar as a one-element array, and Triton before 3.7 convert
 kernel then raises under the interpreter. The patch converts the array's one element instead,
 whatever the Triton. It needs the interpreter's ``_patch_lang_tensor``; without it it does
 nothing.
+
+``skip_dead_overflow_checks`` stops the interpreter from building integer overflow checks that
+nothing asserts. Triton's integer ``+``, ``-`` and ``*`` build a check beside the operation
+(the operation again in int64, two comparisons, their ``and``, a ``device_assert``), and the
+assert does something only in a launch in debug mode, which the interpreter's launches never
+are (its options' ``debug`` is False): every integer operation of a kernel (its offsets and
+masks) computes the check and drops it, about half of the GDN kernels' time under the
+interpreter. The patch skips building the check where the interpreter's builder is not in
+debug mode; what a kernel computes, and what it asserts, is unchanged. It needs the
+semantic's ``binary_op_sanitize_overflow_impl`` and the interpreter's ``InterpreterBuilder``;
+without them it does nothing.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 _INSTALLED = False
 _BF16 = False
 _INDEX = False
+_OVERFLOW = False
 
 
 def share_language_patch() -> bool:
@@ -112,6 +125,33 @@ def scalar_index() -> bool:
 
     interpreter._patch_lang_tensor = patch_lang_tensor
     _INDEX = True
+    return True
+
+
+def skip_dead_overflow_checks() -> bool:
+    """Install the overflow-check patch once per process (see the module docstring); whether it is."""
+    global _OVERFLOW
+    if _OVERFLOW:
+        return True
+    try:
+        from triton.language import semantic
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    cls = getattr(semantic, "TritonSemantic", None)
+    check = getattr(cls, "binary_op_sanitize_overflow_impl", None)
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if check is None or builder is None:
+        return False
+
+    @functools.wraps(check)
+    def sanitize_overflow(self, lhs, rhs, binary_op):
+        if isinstance(self.builder, builder) and not self.builder.options.debug:
+            return None     # device_assert would drop the check: nothing asserts it
+        return check(self, lhs, rhs, binary_op)
+
+    cls.binary_op_sanitize_overflow_impl = sanitize_overflow
+    _OVERFLOW = True
     return True
 
 

@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Sequence
 from kfuzz.case import Case, payload_chars
 from kfuzz.dtypes import DTYPES, special_value_table, torch_dtype
 from kfuzz.errors import CaseError, TargetError
-from kfuzz.interpreter import exact_bf16, scalar_index, share_language_patch
+from kfuzz.interpreter import exact_bf16, scalar_index, share_language_patch, skip_dead_overflow_checks
 from kfuzz.limits import CASE_BYTES_ENV, describe
 
 ALL_LAYOUTS = ("contiguous", "permuted", "strided", "offset", "expanded")
@@ -293,8 +293,9 @@ def prepare_triton(device: str | None = None) -> None:
     ``triton.jit`` decorates them, so before target modules are imported.  It is chosen for
     ``device`` ``cpu`` (also on a machine with a GPU) and, with no device named, where torch
     sees no GPU; an explicit ``TRITON_INTERPRET`` is kept.  Under the interpreter, nested jit
-    calls share their launch's language patch, bf16 converts and multiplies as on a GPU, and a
-    scalar serves as an index under any NumPy (`kfuzz.interpreter`)."""
+    calls share their launch's language patch, bf16 converts and multiplies as on a GPU, a
+    scalar serves as an index under any NumPy, and no integer overflow check is built where
+    nothing asserts it (`kfuzz.interpreter`)."""
     if device is not None:
         interpret = not str(device).startswith("cuda")
     else:
@@ -309,6 +310,7 @@ def prepare_triton(device: str | None = None) -> None:
         share_language_patch()
         exact_bf16()
         scalar_index()
+        skip_dead_overflow_checks()
 
 
 GROUP = "kfuzz.targets"

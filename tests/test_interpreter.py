@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: E402
 
 from kfuzz.case import ArgCase, Case, Dist  # noqa: E402
 from kfuzz.execute import execute  # noqa: E402
-from kfuzz.interpreter import exact_bf16, scalar_index, share_language_patch  # noqa: E402
+from kfuzz.interpreter import exact_bf16, scalar_index, share_language_patch, skip_dead_overflow_checks  # noqa: E402
 from kfuzz.target import get_target  # noqa: E402
 
 
@@ -82,6 +82,47 @@ def test_a_runtime_scalar_bounds_a_loop_where_the_interpreter_converts_it_as_tri
     assert scalar_index()
     _sum_in_blocks[(1,)](x, out, 10, B=4)
     assert out.item() == 45.0
+
+
+# integer overflow checks that nothing asserts -----------------------------------------------------
+
+@triton.jit
+def _offsets(x_ptr, out_ptr, base, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.store(out_ptr + i, (base + i * 3 - 1) * 2 + tl.load(x_ptr + i))     # int32 +, -, *
+
+
+def test_integer_arithmetic_builds_no_overflow_check_that_nothing_asserts_and_computes_the_same(monkeypatch):
+    """Outside debug mode the interpreter drops an integer operation's overflow check: with
+    ``skip_dead_overflow_checks`` none is built and the results are the same, an int32 overflow
+    wrapping as before; in debug mode the check is built and asserts as Triton's does."""
+    from triton.language import semantic
+    from triton.runtime import interpreter
+    import kfuzz.interpreter
+    asserts = []
+    device_assert = semantic.TritonSemantic.device_assert
+    monkeypatch.setattr(semantic.TritonSemantic, "device_assert",
+                        lambda self, *a: asserts.append(a[1]) or device_assert(self, *a))
+    installed = semantic.TritonSemantic.binary_op_sanitize_overflow_impl
+    shipped = getattr(installed, "__wrapped__", installed)      # Triton's own, where the patch is in
+    x = torch.arange(8, dtype=torch.int32)
+    for base in (5, 2 ** 30):              # 2**30 * 2 overflows int32 and wraps
+        want = torch.empty(8, dtype=torch.int32)
+        monkeypatch.setattr(semantic.TritonSemantic, "binary_op_sanitize_overflow_impl", shipped)
+        monkeypatch.setattr(kfuzz.interpreter, "_OVERFLOW", False)
+        _offsets[(1,)](x, want, base, B=8)
+        assert len(asserts) == 5, asserts      # i * 3, base +, - 1, * 2, + x: each built a check
+        assert skip_dead_overflow_checks()
+        asserts.clear()
+        got = torch.empty(8, dtype=torch.int32)
+        _offsets[(1,)](x, got, base, B=8)
+        assert asserts == [] and torch.equal(got, want), (asserts, got, want)
+        expected = ((base + torch.arange(8, dtype=torch.int64) * 3 - 1) * 2 + x).to(torch.int64)
+        assert torch.equal(got.to(torch.int64), (expected + 2 ** 31) % 2 ** 32 - 2 ** 31)
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions(debug=True))
+    with pytest.raises(Exception, match="int32 overflow detected"):
+        _offsets[(1,)](x, torch.empty(8, dtype=torch.int32), 2 ** 30, B=8)
+    assert asserts
 
 
 # bf16 as on a GPU --------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""Triton's interpreter with and without `kfuzz.interpreter.share_language_patch`, on the GDN
-kernels on the CPU: seconds a call, in one process.
+"""Triton's interpreter with and without `kfuzz.interpreter`'s speed patches
+(``share_language_patch``, then ``skip_dead_overflow_checks`` too), on the GDN kernels on the
+CPU: seconds a call, in one process.
 
     python tools/bench_interpreter.py [--repeat 2]
 
 Each case is called once to warm the interpreter's caches (its rewritten functions), then
-``--repeat`` times as Triton ships (the baseline) and with the shared patch, the two taking
-turns (so that a change in the machine's load falls on both); the table gives the fastest
-call of each and their ratio.  The cases: the forward and
+``--repeat`` times as Triton ships (the baseline), with the shared patch, and with both
+patches, the three taking turns (so that a change in the machine's load falls on all); the
+table gives the fastest call of each and the ratios to the baseline.  The cases: the forward and
 the backward of Gated DeltaNet at B1 T70 H1 K=V=32 fp32 (a 64-token chunk and a 6-token one),
 and the backward with a NaN in do at token 35, which sends the first chunk to the backward's
 step-by-step path (`gdn.bwd_exact`, many small jit calls).
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 
 from gdn.chunk_bwd import chunk_gdn_bwd  # noqa: E402
 from gdn.chunk_fwd import chunk_gdn_fwd  # noqa: E402
-from kfuzz.interpreter import share_language_patch  # noqa: E402
+from kfuzz.interpreter import share_language_patch, skip_dead_overflow_checks  # noqa: E402
 
 
 def _inputs(nan_in_do: bool):
@@ -63,29 +64,41 @@ def _seconds(fn, x) -> float:
 
 
 def main(argv=None) -> int:
+    from triton.language.semantic import TritonSemantic
     from triton.runtime import interpreter
+
+    def installed():
+        return interpreter._patch_lang, interpreter.GridExecutor.__call__, TritonSemantic.binary_op_sanitize_overflow_impl
+
+    def install(way):
+        interpreter._patch_lang, interpreter.GridExecutor.__call__, TritonSemantic.binary_op_sanitize_overflow_impl = way
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2)
     a = ap.parse_args(argv)
     inputs = {name: _inputs(nan) for name, _, nan in CASES}
     for name, fn, _ in CASES:
         fn(inputs[name])                                  # warm the rewritten functions
-    shipped = (interpreter._patch_lang, interpreter.GridExecutor.__call__)
+    shipped = installed()
     if not share_language_patch():
         print("this Triton's interpreter lacks what kfuzz.interpreter patches", file=sys.stderr)
         return 1
-    shared = (interpreter._patch_lang, interpreter.GridExecutor.__call__)
-    best = {(name, way): float("inf") for name, _, _ in CASES for way in ("shipped", "shared")}
+    shared = installed()
+    if not skip_dead_overflow_checks():
+        print("this Triton lacks the overflow check that kfuzz.interpreter skips", file=sys.stderr)
+        return 1
+    ways = {"shipped": shipped, "shared": shared, "both": installed()}
+    best = {(name, way): float("inf") for name, _, _ in CASES for way in ways}
     for _ in range(a.repeat):
         for name, fn, _ in CASES:
-            for way, (patch, call) in (("shipped", shipped), ("shared", shared)):
-                interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch, call
+            for way, patches in ways.items():
+                install(patches)
                 best[name, way] = min(best[name, way], _seconds(fn, inputs[name]))
-    print("| case | as Triton ships, s | shared patch, s | ratio |")
-    print("| --- | --- | --- | --- |")
+    print("| case | as Triton ships, s | shared patch, s | ratio | both patches, s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, _, _ in CASES:
-        b, s_ = best[name, "shipped"], best[name, "shared"]
-        print(f"| {name} | {b:.2f} | {s_:.2f} | {b / s_:.2f} |")
+        b, s_, both = best[name, "shipped"], best[name, "shared"], best[name, "both"]
+        print(f"| {name} | {b:.2f} | {s_:.2f} | {b / s_:.2f} | {both:.2f} | {b / both:.2f} |")
     return 0
 
 
