@@ -227,10 +227,22 @@ class Scheduler:
             if mixed:
                 self.mixes = (self.mixes[0] + 1, self.mixes[1] + hit)
             if hit:
+                if mixed and not self._steps(like, case):
+                    mixing = False             # the walk stays: the next try is of the key's own dims
+                    continue
                 if mixed:
                     self.like[key] = case      # the next mix starts here: a walk over the key's dims
                 return case
         return dataclasses.replace(like, seed=self.rng.getrandbits(32))
+
+    def _steps(self, here: Case, there: Case) -> bool:
+        """Whether the dims walk steps from ``here`` to ``there``: always, unless the target
+        keeps draws by chance (``Target.keep_chance``), and
+        then with the chance of ``there`` over that of ``here`` (a Metropolis step), so that
+        the walk's cases are drawn as the engine's kept ones are, where without it a walk of
+        fresh dims would reach the costliest as often as the engine's draws before keeping."""
+        ratio = self.target.keep_chance(there.dim) / max(self.target.keep_chance(here.dim), 1e-300)
+        return ratio >= 1.0 or self.rng.random() < ratio
 
     def _mixed(self, like: Case) -> Case:
         """``like``'s dims, one of them (at random) taken from a fresh draw: of that dim alone

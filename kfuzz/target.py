@@ -136,6 +136,14 @@ class Target:
             size *= n
         return size
 
+    def keep_chance(self, dims: Mapping[str, int]) -> float:
+        """The chance that the random engine keeps a case drawn at ``dims``: the target's
+        ``options["keep"]`` of them (``dims -> (0, 1]``), else 1. A target whose oracle's work
+        grows with its dims declares it, so that its costliest draws, which would take most of
+        a campaign's judging time although few, are drawn in proportion to what they cost."""
+        keep = self.options.get("keep") if self.options else None
+        return 1.0 if keep is None else float(keep(dims))
+
     def arg_dtype(self, name: str, case_dtype: str) -> str:
         d = self.args[name].dtype
         return case_dtype if d == "case" else d

@@ -363,6 +363,27 @@ def test_a_specialization_in_flight_goes_to_no_second_worker_once_compiles_are_s
     assert schedule.next_case(elapsed=11.0, compile_seconds=10.0).dim == {"N": 3, "D": 77}
 
 
+def test_the_dims_walk_keeps_costly_dims_by_the_chance_its_target_gives_them():
+    """The scheduler's walk over a key's dims steps to dims of a lower keep chance
+    (``options["keep"]``) with the ratio of the two chances: from the same start, its cases
+    cost less in all, and the costly ones are fewer, still walked to."""
+    base = get_target("softmax")
+
+    class Elsewhere(RandomEngine):      # every draw a new specialization: each case comes from the walk
+        def next_case(self):
+            return Case.make("softmax", "float32", 7, {"N": 3, "D": 77})
+
+    def walk(target):
+        schedule = Scheduler(target, Elsewhere(target, seed=1), seed=1)
+        schedule.observe(Case.make("softmax", "float32", 1, {"N": 1, "D": 9}), compile_seconds=10.0)
+        cases = [schedule.next_case(elapsed=100.0, compile_seconds=1e6) for _ in range(2000)]
+        return [c.dim["N"] * c.dim["D"] for c in cases]
+    plain = walk(base)
+    kept = walk(dataclasses.replace(base, options={**base.options, "keep": lambda d: min(1.0, 32 / (d["N"] * d["D"]))}))
+    assert sum(kept) < sum(plain) / 2
+    assert 0 < sum(w > 256 for w in kept) < sum(w > 256 for w in plain) / 3
+
+
 class _NewKey(RandomEngine):
     """Draws one case of a specialization not yet run, again and again."""
     def next_case(self):

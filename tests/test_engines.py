@@ -1,6 +1,8 @@
 """Engines: every decoded, mutated and crossed-over case is valid for its target; the
-hypothesis strategies draw valid cases; the atheris engine finds a planted combination bug
-through real libFuzzer, keeps its corpus as seeds and starts the next campaign from them."""
+hypothesis strategies draw valid cases; the random engine keeps a target's costly draws by
+the chance it declares; the atheris engine finds a planted combination bug through real
+libFuzzer, keeps its corpus as seeds and starts the next campaign from them."""
+import dataclasses
 import random
 
 import pytest
@@ -68,6 +70,52 @@ def test_mutation_and_crossover_give_valid_cases_and_touch_every_field(name):
 @given(strategies.cases(get_target("matmul")))
 def test_strategies_draw_valid_cases(case):
     get_target("matmul").validate(case)
+
+
+def _work(dims: dict) -> int:
+    size = 1
+    for n in dims.values():
+        size *= n
+    return size
+
+
+def test_the_random_engine_keeps_a_draw_by_the_chance_its_target_gives_its_dims():
+    """``options["keep"]``: a draw whose dims cost 4x the budget is kept a quarter of the time,
+    so the costly draws are few and still there; a chance of 1 everywhere draws, value for
+    value, what a target without it draws."""
+    base = get_target("softmax")
+    budget = 64
+    kept = dataclasses.replace(base, options={**base.options, "keep": lambda d: min(1.0, budget / _work(d))})
+    every = dataclasses.replace(base, options={**base.options, "keep": lambda d: 1.0})
+    a, b = random.Random(3), random.Random(3)
+    assert [sample_case(base, a).hash for _ in range(50)] == [sample_case(every, b).hash for _ in range(50)]
+    a, b = random.Random(0), random.Random(0)
+    plain = [_work(sample_case(base, a).dim) for _ in range(3000)]
+    thinned = [_work(sample_case(kept, b).dim) for _ in range(3000)]
+    assert sum(thinned) < sum(plain) / 5
+    over = budget * 16                  # kept at most 1 in 16
+    assert 0 < sum(w > over for w in thinned) < sum(w > over for w in plain) / 8
+
+
+def test_gdn_draws_are_kept_by_the_recurrences_work_at_the_gpus_sizes_and_all_at_the_cpus(monkeypatch):
+    """The GDN targets keep a draw with the chance JUDGE_WORK / (B*T*H*K*V): at the CPU's sizes
+    (the interpreter's) every draw; at the GPU's, the draws' summed work falls by more than
+    half and the draws over the budget hold less of it, some still drawn."""
+    from harnesses.gdn import JUDGE_WORK, keep
+    target = get_target("gdn_bwd")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert keep({n: d.search_hi for n, d in target.dims.items()}) == 1.0
+    monkeypatch.setenv("TRITON_INTERPRET", "0")        # the sizes a GPU campaign draws
+    assert keep({n: d.search_hi for n, d in target.dims.items()}) < 0.01
+    plain = dataclasses.replace(target, options={k: v for k, v in target.options.items() if k != "keep"})
+    a, b = random.Random(0), random.Random(0)
+    before = [_work(sample_case(plain, a).dim) for _ in range(3000)]
+    after = [_work(sample_case(target, b).dim) for _ in range(3000)]
+    assert sum(after) < sum(before) / 2
+
+    def share_over(work):
+        return sum(w for w in work if w > JUDGE_WORK) / sum(work)
+    assert share_over(after) < 0.75 < share_over(before) and any(w > JUDGE_WORK for w in after)
 
 
 def test_divergence_features_separate_how_close_a_case_came():

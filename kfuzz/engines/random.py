@@ -6,6 +6,13 @@ cases are cheap to judge: the largest admitted size is drawn rarely, and sizes o
 whole range log-uniformly (a size in [8, 16) as often as one in [4096, 8192)). Layouts,
 distributions and special values are drawn with fixed probabilities. Every proposed case
 passes ``Target.validate``.
+
+Drawn so, a target whose oracle's work is a product of its dims (the GDN recurrence's
+B*T*H*K*V) spends most of a campaign's judging on a few percent of its cases. Such a target
+declares ``options["keep"]`` (``dims -> chance in (0, 1]``), and fresh dims are kept with that
+chance (``Target.keep_chance``), else drawn again: e.g. ``min(1, budget / work)``, which
+draws a case of twice the budget's work half as often, so the largest sizes stay in the
+campaign, rarely.
 """
 from __future__ import annotations
 
@@ -81,10 +88,14 @@ def sample_dim(rng: random.Random, dim) -> int:
 
 
 def sample_case(target: Target, rng: random.Random, like: Case | None = None) -> Case:
-    """A case for ``target``; with ``like``, one of its dims and dtype (everything else drawn)."""
+    """A case for ``target``; with ``like``, one of its dims and dtype (everything else drawn).
+    Dims drawn afresh are kept with the chance the target gives them (``Target.keep_chance``)."""
     for _ in range(100 if like is None else 0):
         dims = {name: sample_dim(rng, d) for name, d in target.dims.items()}
-        if target.constraint is None or not target.constraint(dims):
+        if target.constraint is not None and target.constraint(dims):
+            continue
+        chance = target.keep_chance(dims)
+        if chance >= 1.0 or rng.random() < chance:
             break
     if like is not None:
         dims = like.dim
