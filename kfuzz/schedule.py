@@ -24,7 +24,9 @@ disk cache), else the longest compile of a key seen, in this campaign or, by the
 earlier one (a warm campaign's first keys load in a fraction of a second, and would otherwise
 price a key that compiles for real at that); otherwise a draw of a new key is replaced by
 a fresh case of a key already compiled (one at random: its dtype, its dims or those with one
-dim from a fresh draw, the rest redrawn until the key matches, at most ``REDRAWS`` tries,
+dim from a fresh draw (a step to dims the target keeps by a lower chance,
+``Target.keep_chance``, taken with the ratio of the two chances), the rest redrawn until the
+key matches, at most ``REDRAWS`` tries,
 else its values redrawn), from an engine that can redraw (``redraw(like)``, and
 ``draw_dim(name)`` for one dim's fresh value: the random engine); other engines' cases pass
 unchanged. A key in flight (opened, its first case not
@@ -236,11 +238,11 @@ class Scheduler:
         return dataclasses.replace(like, seed=self.rng.getrandbits(32))
 
     def _steps(self, here: Case, there: Case) -> bool:
-        """Whether the dims walk steps from ``here`` to ``there``: always, unless the target
-        keeps draws by chance (``Target.keep_chance``), and
-        then with the chance of ``there`` over that of ``here`` (a Metropolis step), so that
-        the walk's cases are drawn as the engine's kept ones are, where without it a walk of
-        fresh dims would reach the costliest as often as the engine's draws before keeping."""
+        """Whether the dims walk steps from ``here`` to ``there``: always where ``there`` is
+        kept with a chance (``Target.keep_chance``) no lower than ``here``'s, else with the
+        ratio of the two (a Metropolis step). The walk's cases then follow the engine's kept
+        draws; without it, a walk that takes one dim at a time from fresh draws would reach
+        the costliest dims as often as the draws before keeping do."""
         ratio = self.target.keep_chance(there.dim) / max(self.target.keep_chance(here.dim), 1e-300)
         return ratio >= 1.0 or self.rng.random() < ratio
 

@@ -140,7 +140,7 @@ class Target:
         """The chance that the random engine keeps a case drawn at ``dims``: the target's
         ``options["keep"]`` of them (``dims -> (0, 1]``), else 1. A target whose oracle's work
         grows with its dims declares it, so that its costliest draws, which would take most of
-        a campaign's judging time although few, are drawn in proportion to what they cost."""
+        a campaign's judging time although few, are drawn the less often the more they cost."""
         keep = self.options.get("keep") if self.options else None
         return 1.0 if keep is None else float(keep(dims))
 
