@@ -118,6 +118,23 @@ def test_gdn_draws_are_kept_by_the_recurrences_work_at_the_gpus_sizes_and_all_at
     assert share_over(after) < 0.75 < share_over(before) and any(w > JUDGE_WORK for w in after)
 
 
+def test_the_draw_cost_tool_prints_each_threshold_with_and_without_the_targets_keep():
+    """tools/draw_costs.py: a row of all draws and one of the draws kept, each giving the share
+    of the draws and of their work over each threshold; the kept draws' mean work is lower."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    tool = Path(__file__).resolve().parents[1] / "tools" / "draw_costs.py"
+    r = subprocess.run([sys.executable, str(tool), "--target", "gdn_bwd", "--draws", "400", "--over", "1e7,1e8"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in r.stdout.splitlines()
+            if line.startswith("| all") or line.startswith("| by the target's keep")}
+    assert set(rows) == {"all", "by the target's keep"} and all(len(v) == 7 for v in rows.values()), r.stdout
+    assert float(rows["by the target's keep"][3]) < float(rows["all"][3])
+    assert "| draws kept | draws | median work | mean work | largest | over 1e7: draws / work |" in r.stdout
+
+
 def test_divergence_features_separate_how_close_a_case_came():
     import torch
     t = "searchsum"
