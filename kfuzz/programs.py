@@ -131,7 +131,7 @@ def _copies(outputs: Tensors) -> Tensors:
 def _host_copies(outputs: Tensors) -> Tensors:
     """Copies of ``outputs`` in the host's memory (they go there to be sent back in any case):
     a program that calls the kernel again then leaves the GPU only the next call's memory."""
-    return {k: v.detach().cpu() if v.device.type != "cpu" else v.detach().clone() for k, v in outputs.items()}
+    return {k: v.detach().to("cpu", copy=True) for k, v in outputs.items()}
 
 
 def _span(t: torch.Tensor) -> list[int]:

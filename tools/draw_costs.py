@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import random
 import statistics
@@ -33,14 +34,8 @@ def works(target, draws: int, seed: int, dims: list[str], sizes: str) -> list[fl
     os.environ["TRITON_INTERPRET"] = "1" if sizes == "cpu" else "0"
     try:
         rng = random.Random(seed)
-        out = []
-        for _ in range(draws):
-            d = sample_case(target, rng).dim
-            w = 1.0
-            for name in dims:
-                w *= d[name]
-            out.append(w)
-        return out
+        return [float(math.prod(case.dim[name] for name in dims))
+                for case in (sample_case(target, rng) for _ in range(draws))]
     finally:
         if before is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -74,7 +69,10 @@ def main(argv=None) -> int:
     unknown = sorted(set(dims) - set(target.dims))
     if unknown:
         ap.error(f"--dims {','.join(unknown)}: target {a.target} has dims {','.join(target.dims)}")
-    over = [float(t) for t in a.over.split(",")]
+    try:
+        over = [float(t) for t in a.over.split(",")]
+    except ValueError:
+        ap.error(f"--over {a.over}: comma-separated numbers of work (1e6,1e7)")
     plain = dataclasses.replace(target, options={k: v for k, v in (target.options or {}).items() if k != "keep"})
     print(f"{a.target}, {a.draws} draws at the {a.sizes}'s sizes, seed {a.seed}, work = {'*'.join(dims)}\n")
     print("| draws kept | draws | median work | mean work | largest | "
