@@ -27,7 +27,10 @@ dtype-specific fast path, a layout-specific load):
   correct: the control of compile-aware scheduling on the CPU;
 - ``searchsum.misskey``: the same JIT, whose key also holds N's parity, which the
   declared specialization does not name: the control of the campaign's specialization
-  misses (``kfuzz.schedule``).
+  misses (``kfuzz.schedule``);
+- ``searchsum.oomrows``: runs out of memory (``torch.OutOfMemoryError``, as torch's
+  allocator raises it) on every input of ``OOM_ROWS`` rows: the control of the campaign's
+  out-of-memory rerun.
 """
 import ctypes
 import time
@@ -150,6 +153,15 @@ def misskey(x):
     return _total(x)
 
 
+OOM_ROWS = 13
+
+
+def oomrows(x):
+    if x.shape[0] == OOM_ROWS:
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]}.00 GiB")
+    return _total(x)
+
+
 variant("searchsum", "searchsum.tailinf", tailinf,
         planted_bug="last dim > 16, not a multiple of 16, and an Inf in the tail: the Inf is dropped")
 variant("searchsum", "searchsum.transbf16", transbf16,
@@ -164,3 +176,5 @@ variant("searchsum", "searchsum.slowjit", slowjit,
         planted_bug="a compile that never ends on float16 inputs wider than 100 columns")
 variant("searchsum", "searchsum.keyjit", keyjit, options={"specialization": keyjit_specialization})
 variant("searchsum", "searchsum.misskey", misskey, options={"specialization": keyjit_specialization})
+variant("searchsum", "searchsum.oomrows", oomrows,
+        planted_bug="runs out of memory on every input of 13 rows")

@@ -9,8 +9,15 @@ a GPU machine they are spread over the GPUs visible (``kfuzz.devices.spread``), 
 kernel's device (``kfuzz.judges``). A worker that crashes or hangs yields a ``crash`` or
 ``timeout`` verdict whose case is saved like any other failure; the campaign goes on
 until its time or run limit. A crash for want of memory (``resource-memory``) is run once
-more first: the memory is shared (a GPU's by every worker and judge on it), so another
-process's peak can take it from a case that needs little; a second one is the verdict.
+more first, alone: the memory is shared (a GPU's by every worker and judge on it), so another
+process's peak can take it from a case that needs little. The campaign sends no new case
+until every worker and judge is idle, then runs the case again in a fresh worker, and sends
+new cases once it is back; a second out-of-memory crash is the verdict.
+
+A worker that cannot start (``kfuzz.workers.WorkerStartError``: its GPU still full or busy
+after ``DEVICE_WAITS``, its target's import failing) stops the campaign early, as its time
+limit would: ``stopped`` names the error, the cases in flight are dropped, what was saved
+stays, and the new failures are still minimized.
 
 Deadlines: at ``seconds`` the campaign ends, compiles included. The cases still in flight
 (in a worker or waiting for a judge) are dropped and counted (``unfinished``), never judged
@@ -57,6 +64,7 @@ from kfuzz.schedule import CompileHistory, Scheduler, specialization
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
+from kfuzz.workers import WorkerStartError
 
 MINIMIZE_SECONDS = 120.0     # the minimizer's default budget, all new failures together
 COMPILE_LOG = 200            # compiles the stats keep one by one (when, where, how long, what)
@@ -82,6 +90,7 @@ class CampaignStats:
     worker_cpu_seconds: float = 0.0   # CPU time of the workers' processes (0 in process)
     sandbox: dict = field(default_factory=dict)   # what confined the workers, layer by layer
     interrupted: bool = False      # stopped by KeyboardInterrupt (kfuzz run: SIGINT, SIGTERM, SIGHUP)
+    stopped: str | None = None     # the error that ended the campaign early (a worker that could not start)
     devices: dict = field(default_factory=dict)   # device -> workers on it
     judges: int = 0                # judge processes (0: judged in kfuzz's process)
     first_judged: float | None = None   # seconds from the start to the first judged case
@@ -112,7 +121,7 @@ class CampaignStats:
                 "first_judged_seconds": None if self.first_judged is None else round(self.first_judged, 3),
                 "corpus_size": self.corpus_size, "coverage_edges": self.coverage,
                 "new_coverage_executions": self.new_coverage, "worker_restarts": self.worker_restarts,
-                "unfinished": self.unfinished, "interrupted": self.interrupted,
+                "unfinished": self.unfinished, "interrupted": self.interrupted, "stopped": self.stopped,
                 "worker_cpu_seconds": round(self.worker_cpu_seconds, 3),
                 "devices": self.devices, "judges": self.judges,
                 "compiles": self.compiles, "compile_seconds": round(self.compile_seconds, 3),
@@ -200,6 +209,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                          history=history.of(target.name) if history is not None else (frozenset(), 0.0))
     submitted = 0
     rerun: set[str] = set()       # cases run again after an out-of-memory crash
+    held: list[Program] = []      # those waiting for every worker and judge to be idle
+    alone: set[str] = set()       # those running again, alone
 
     def finish(case: Case, verdict: Verdict, ran: Executed, where: str) -> None:
         stats.executions += 1
@@ -242,6 +253,8 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
         judging = Judges(target, n_judges, device, devices=devices if jobs else None,
                          account=lambda c: specialization(target, c))
         judging.start()      # the judges and the workers import torch and the target at once
+        if isinstance(runner, Pool):
+            runner.deadline = end
         runner.start()
         stats.workers_ready = time.monotonic() - start
         stats.sandbox = runner.confinement
@@ -256,15 +269,21 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             capacity = getattr(engine, "capacity", None)   # cases it can have out at once
             while (open_ and runner.idle > 0 and (runs is None or submitted < runs)
                    and (capacity is None or runner.busy + judging.busy < capacity)
-                   and judging.busy <= max(2 * n_judges, 1) and not schedule.waiting_first):
+                   and judging.busy <= max(2 * n_judges, 1) and not schedule.waiting_first
+                   and not held and not alone):
                 case = schedule.next_case(stats.seconds, stats.compile_seconds)
                 runner.submit(Program("call", case, {"case": materialize(case, target, "cpu")}),
                               affinity=specialization(target, case))
                 submitted += 1
+            if held and runner.busy == 0 and judging.busy == 0:    # quiet: the memory reruns, alone
+                for program in held:
+                    alone.add(program.case.hash)
+                    runner.submit(program, affinity=specialization(target, program.case))
+                held.clear()
             if runner.busy == 0 and judging.busy == 0:
                 break
             if end is not None and time.monotonic() >= end:
-                stats.unfinished += runner.abandon() + judging.drop()
+                stats.unfinished += runner.abandon() + judging.drop() + len(held)
                 break
             wake = time.monotonic() + (0.01 if judging.busy else tick)
             until = wake if end is None else min(end, wake)
@@ -273,6 +292,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                     stats.unfinished += 1       # came back past the limit: dropped, not judged
                     continue
                 case, inputs = r.program.case, r.program.inputs["case"]
+                alone.discard(case.hash)
                 spent, spec = max(0.0, r.seconds - r.compile_seconds), specialization(target, case)
                 stats.kernel_seconds += spent
                 kernel_by[spec] = kernel_by.get(spec, 0.0) + spent
@@ -288,11 +308,11 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 outputs, verdict = settled(r, target, case, inputs)
                 if verdict is not None and verdict.exc_type == MEMORY and case.hash not in rerun:
                     # a GPU's memory is shared by every worker and judge on it, a host's by the
-                    # workers: the case runs once more, in a fresh worker; again out of memory
-                    # is its verdict
+                    # workers: the case runs once more, alone, in a fresh worker; again out of
+                    # memory is its verdict
                     rerun.add(case.hash)
                     stats.memory_reruns += 1
-                    runner.submit(r.program, affinity=specialization(target, case))
+                    held.append(r.program)
                     continue
                 ran = Executed(case, outputs, r.coverage, r.seconds)
                 if verdict is not None:
@@ -311,7 +331,12 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                 on_progress(stats, None)
     except KeyboardInterrupt:
         stats.interrupted = True
-        stats.unfinished += (runner.busy if runner is not None else 0) + (judging.busy if judging is not None else 0)
+        stats.unfinished += ((runner.busy if runner is not None else 0) + (judging.busy if judging is not None else 0)
+                             + len(held))
+    except WorkerStartError as e:
+        stats.stopped = str(e)
+        stats.unfinished += ((runner.abandon() if runner is not None else 0)
+                             + (judging.drop() if judging is not None else 0) + len(held))
     finally:
         if runner is not None:
             stats.worker_restarts = runner.restarts
@@ -341,7 +366,8 @@ def minimize_found(target: Target, corpus: Corpus, found: list, stats: CampaignS
     """Minimize each new failure on the device where it was found, within ``budget`` seconds
     in all (a share each), the campaign's ``jobs`` workers (started once a device) asking
     candidates at once, and keep the minimized case in place of the one saved as found.
-    A KeyboardInterrupt stops it; the cases not minimized stay as found."""
+    A KeyboardInterrupt stops it, a worker that does not start skips a failure; the cases not
+    minimized stay as found."""
     began = time.monotonic()
     executors: dict[str, object] = {}     # one a device, its workers kept from one failure to the next
     try:
@@ -353,9 +379,13 @@ def minimize_found(target: Target, corpus: Corpus, found: list, stats: CampaignS
             if where not in executors:
                 executors[where] = (InProcess(target, where) if jobs == 0
                                     else Pool(target, jobs, where, timeout, policy=policy))
-            kept, kept_verdict, note = minimize_failure(case, target, verdict, where,
-                                                        max_executions=20 * DEFAULT_BUDGET,
-                                                        max_seconds=share, executor=executors[where])
+            try:
+                kept, kept_verdict, note = minimize_failure(case, target, verdict, where,
+                                                            max_executions=20 * DEFAULT_BUDGET,
+                                                            max_seconds=share, executor=executors[where])
+            except WorkerStartError as e:     # kept as found
+                stats.minimized[path] = {"error": str(e)}
+                continue
             dest = corpus.failure_path(kept, kept_verdict.signature)
             write_atomic(dest, encode(kept, make_record(kept_verdict, "fail", where, **note)))
             if dest != path:

@@ -12,7 +12,10 @@ and every judgement stay with the caller, in kfuzz's process.
   ``timeout`` seconds (its JIT compiles not counted, ``kfuzz.jit``) is killed, ``timeout``;
   an answer that is not one (a kernel can reach its worker's pipe) is ``crash``/
   ``malformed-answer``. A dead worker's slot gets a fresh worker at the next program, and
-  the programs queued behind the one that killed it go to the replacement.
+  the programs queued behind the one that killed it go to the replacement. A worker that
+  does not start (its target's import fails; its GPU stays busy or full, other processes'
+  state, past ``kfuzz.workers.DEVICE_WAITS`` or ``deadline``) raises ``WorkerStartError``
+  from the call that needed it.
   ``Sandboxed`` is a pool of one for programs run one at a time; ``WorkerPool`` a pool
   that takes cases and yields each call's outputs (``KernelResult``).
 
@@ -41,7 +44,8 @@ from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 from kfuzz.wire import rebuild, unpack
-from kfuzz.workers import WORKER_VERDICTS, Worker, add_seconds, death, program_message, worker_policy
+from kfuzz.workers import (WORKER_VERDICTS, Worker, WorkerStartError, add_seconds, death, program_message,
+                           worker_policy)
 
 # what a program worker imports before it is confined: the programs, and torch._dynamo, which
 # torch.use_deterministic_algorithms (G10) imports and which makes a directory in /tmp
@@ -157,6 +161,9 @@ class Pool:
         self.start_phases: dict[str, float] = {}   # the workers' starts by step (``Worker.start_phases``), summed
         self.cpu: dict[int, float] = {}   # worker pid -> CPU seconds it reported last
         self.ran: list[set] = [set() for _ in range(jobs)]   # each worker's specializations (submit)
+        self.deadline: float | None = None   # no start waits for a busy or full GPU past it (a campaign's end)
+        self.start_error: WorkerStartError | None = None   # a replacement that did not start
+        self.unsent: list[Program] = []   # the programs that were to go to it: raised, then dropped
 
     @property
     def worker_cpu_seconds(self) -> float:
@@ -165,7 +172,7 @@ class Pool:
 
     def _spawn(self, i: int, wait: bool = True) -> Worker:
         w = Worker(self.target.name, getattr(self.target.kernel, "__module__", None), self.devices[i],
-                   self.coverage, self.policy, self.resolve, tuple(self.preload), wait=wait)
+                   self.coverage, self.policy, self.resolve, tuple(self.preload), wait=wait, give_up_at=self.deadline)
         w.credit.allowance = self.compile_allowance
         self.restarts += self.started[i]
         self.started[i] = True
@@ -202,13 +209,15 @@ class Pool:
 
     @property
     def busy(self) -> int:
-        return sum(len(w.queue) for w in self.workers if w is not None)
+        return sum(len(w.queue) for w in self.workers if w is not None) + len(self.unsent)
 
     def submit(self, program: Program | Case, affinity: Hashable | None = None) -> None:
         """Queue ``program`` (a case: the ``call`` program on its inputs, materialized here)
         on the least busy worker; with ``affinity`` (a JIT specialization, ``kfuzz.schedule``),
         on the least busy of the workers that ran one of it before, where one has room, so
         that a specialization is compiled, or loaded from the disk cache, by few workers."""
+        if self.start_error is not None:
+            raise self.start_error
         program = as_program(program, self.target)
 
         def load(i: int) -> int:
@@ -230,11 +239,17 @@ class Pool:
         w.post(msg, unread)
 
     def _replace(self, worker: Worker) -> None:
-        """Kill ``worker``; the programs queued behind its head go to a fresh one."""
+        """Kill ``worker``; the programs queued behind its head go to a fresh one. Where none
+        starts, the head's result is still given, and the next call raises the error."""
         worker.kill()
         self.workers[self.workers.index(worker)] = None
-        for program, _, _ in worker.queue:
-            self.submit(program)
+        queued = [program for program, _, _ in worker.queue]
+        for n, program in enumerate(queued):
+            try:
+                self.submit(program)
+            except WorkerStartError as e:
+                self.start_error, self.unsent = e, queued[n:]
+                return
 
     def _failed(self, worker: Worker, kind: str, exc_type: str | None, detail: str) -> ProgramResult:
         now = time.monotonic()
@@ -281,6 +296,8 @@ class Pool:
         reach ``until``); yield what ended."""
         busy = [w for w in self.workers if w is not None and w.queue]
         if not busy:
+            if self.start_error is not None:
+                raise self.start_error
             return
         wait_for = max(0.0, min([w.deadline(self.timeout) for w in busy] + ([until] if until else []))
                        - time.monotonic())
@@ -312,7 +329,7 @@ class Pool:
 
     def abandon(self) -> int:
         """Kill the busy workers; their programs get no result. How many programs that was."""
-        dropped = 0
+        dropped, self.unsent = len(self.unsent), []
         for i, w in enumerate(self.workers):
             if w is not None and w.queue:
                 dropped += len(w.queue)

@@ -76,7 +76,7 @@ DEATH_GRACE = 2.0          # seconds a worker whose channel closed after an answ
 CUDA_UNAVAILABLE = 75     # a worker's exit code: CUDA does not start inside its namespaces
 DEVICE_FULL = 76          # a worker's exit code: CUDA did not start for want of the GPU's memory
 DEVICE_BUSY = 77          # a worker's exit code: the GPU said it is busy or unavailable, for now
-BUSY_WAITS = (1.0, 2.0, 4.0, 8.0)   # seconds before each new start of a worker whose GPU was busy
+DEVICE_WAITS = (1.0, 2.0, 4.0, 8.0)   # seconds before each new start of a worker whose GPU was busy or full
 _levels: dict[str, list[str]] = {}     # device kind -> the isolation levels still to try, best first
 
 
@@ -236,12 +236,30 @@ def read_program(header: list) -> tuple[Case, str, dict, list]:
     return Case(told[0], told[1], 0, tuple((k, int(v)) for k, v in told[2])), header[2], header[3], header[4]
 
 
+class WorkerStartError(RuntimeError):
+    """A worker did not start: its target's import failed, it died or hung while starting, or
+    its GPU stayed busy or full (other processes' state) past ``DEVICE_WAITS``."""
+
+
 class _CudaUnavailable(Exception):
     pass
 
 
-class _DeviceBusy(Exception):
-    pass
+class _DeviceState(Exception):
+    """CUDA did not start for a state of the GPU that other processes make and that passes."""
+
+    def said(self, device: str) -> str:
+        raise NotImplementedError
+
+
+class _DeviceBusy(_DeviceState):
+    def said(self, device: str) -> str:
+        return f"{device} is busy or unavailable (cudaErrorDevicesUnavailable)"
+
+
+class _DeviceFull(_DeviceState):
+    def said(self, device: str) -> str:   # the words sandbox.resource_kind reads as a GPU's memory
+        return f"CUDA out of memory on {device} (other processes hold the GPU's memory)"
 
 
 class Worker:
@@ -251,10 +269,11 @@ class Worker:
 
     def __init__(self, target_name: str, module: str | None, device: str, with_coverage: bool,
                  policy: sandbox.Policy | None = None, resolve: dict | None = None, preload: tuple[str, ...] = (),
-                 wait: bool = True):
+                 wait: bool = True, give_up_at: float | None = None):
         """Start the worker; with ``wait=False`` it starts in the background and ``ready``
-        waits for it (so that several workers import their target at once)."""
-        self.target_name, self.device = target_name, device
+        waits for it (so that several workers import their target at once). ``give_up_at``
+        (``time.monotonic``): no wait for a busy or full GPU runs past it."""
+        self.target_name, self.device, self.give_up_at = target_name, device, give_up_at
         self._args = (target_name, module, device, with_coverage, policy, resolve, preload)
         self.level = isolation_level(device)
         self._born = time.monotonic()
@@ -266,26 +285,30 @@ class Worker:
 
     def ready(self) -> None:
         """Wait until the worker has started (at a lower isolation level where CUDA does not
-        start inside the namespaces; again at the same level, after ``BUSY_WAITS``, where the
-        GPU said it was busy)."""
-        busy = 0
+        start inside the namespaces; again at the same level, after ``DEVICE_WAITS``, where the
+        GPU said it was busy or its memory was taken: the processes that share it, kfuzz's own
+        workers and judges too, give it back as their cases end). No wait runs past
+        ``give_up_at`` (a campaign's end)."""
+        tries = 0
         while True:
             try:
                 self._await_ready()
                 self.start_seconds = time.monotonic() - self._born
                 return
-            except _DeviceBusy:
-                if busy == len(BUSY_WAITS):
-                    raise RuntimeError(f"worker for {self.target_name!r} did not start: {self.device} is busy or "
-                                       f"unavailable (cudaErrorDevicesUnavailable), {busy + 1} tries") from None
-                time.sleep(BUSY_WAITS[busy])
-                busy += 1
+            except _DeviceState as e:
+                late = (self.give_up_at is not None
+                        and time.monotonic() + DEVICE_WAITS[min(tries, len(DEVICE_WAITS) - 1)] > self.give_up_at)
+                if tries == len(DEVICE_WAITS) or late:
+                    raise WorkerStartError(f"worker for {self.target_name!r} did not start: {e.said(self.device)}, "
+                                           f"{tries + 1} {'try' if tries == 0 else 'tries'}") from None
+                time.sleep(DEVICE_WAITS[tries])
+                tries += 1
                 self._start(*self._args, self.level)
             except _CudaUnavailable:
                 _isolation_failed(self.device, self.level)
                 lower = isolation_level(self.device)     # another worker may have given it up first
                 if lower == self.level:
-                    raise RuntimeError(f"worker for {self.target_name!r}: CUDA does not start in a worker") from None
+                    raise WorkerStartError(f"worker for {self.target_name!r}: CUDA does not start in a worker") from None
                 self.level = lower
                 self._start(*self._args, self.level)
 
@@ -304,7 +327,7 @@ class Worker:
             self.conn.close()
             self.channel.close()
             shutil.rmtree(self.workdir, ignore_errors=True)
-            raise RuntimeError(f"no worker for {target_name!r}: {e}") from None
+            raise WorkerStartError(f"no worker for {target_name!r}: {e}") from None
         finally:
             child.close()
         self.channel.handed_over()
@@ -318,13 +341,13 @@ class Worker:
         target_name, policy = self.target_name, self._args[4]
         if not self.conn.poll(STARTUP_TIMEOUT):
             self.kill()
-            raise RuntimeError(f"worker for {target_name!r} did not start within {STARTUP_TIMEOUT:.0f} s")
+            raise WorkerStartError(f"worker for {target_name!r} did not start within {STARTUP_TIMEOUT:.0f} s")
         try:
             header, _ = unpack(self.conn.recv_bytes())
             if header[0] == "failed":
                 self.process.join(5)
                 self.kill()
-                raise RuntimeError(f"worker for {target_name!r} could not {header[2]}: {header[3]}")
+                raise WorkerStartError(f"worker for {target_name!r} could not {header[2]}: {header[3]}")
             kind, _, self.confinement, entered, phases = header
         except EOFError:
             self.process.join(5)
@@ -334,10 +357,9 @@ class Worker:
                 raise _CudaUnavailable() from None
             if code == DEVICE_BUSY:
                 raise _DeviceBusy() from None
-            if code == DEVICE_FULL:     # the words sandbox.resource_kind reads as a GPU's memory
-                raise RuntimeError(f"worker for {target_name!r} did not start: CUDA out of memory on "
-                                   f"{self.device} (other processes hold the GPU's memory)") from None
-            raise RuntimeError(f"worker for {target_name!r} died while starting ({sandbox.death_name(code)})") from None
+            if code == DEVICE_FULL:
+                raise _DeviceFull() from None
+            raise WorkerStartError(f"worker for {target_name!r} died while starting ({sandbox.death_name(code)})") from None
         assert kind == "ready"
         self.start_phases = {"launch": round(entered - self._launched, 4), **phases}
         # where the kernel may start processes, none may outlive its call: the worker's own

@@ -19,6 +19,7 @@ from kfuzz.cli import cli
 from kfuzz.corpus import Corpus, load
 from kfuzz.devices import DeviceError, resolve_device, spread
 from kfuzz.engines.random import RandomEngine
+from kfuzz.executor import Pool
 from kfuzz.execute import execute, judge, kernel_stage
 from kfuzz.judges import Judges
 from kfuzz.schedule import CompileHistory, Scheduler, smallest, specialization
@@ -249,6 +250,60 @@ def test_an_out_of_memory_crash_runs_once_more_before_it_is_a_verdict(tmp_path, 
     if failures:
         (sig,) = stats.failures
         assert sig.kind == "crash" and sig.exc_type == "resource-memory"
+
+
+def test_an_out_of_memory_crash_runs_again_alone_once_every_worker_is_idle(tmp_path, monkeypatch):
+    """The second run of a case that ran out of memory is sent when no other case is in
+    flight (the memory the others held is theirs no longer), and no new case is sent while
+    it runs: searchsum.oomrows runs out of memory on 13 rows, every time, so it is saved."""
+    target = get_target("searchsum.oomrows")
+    cases = [Case.make(target.name, "float32", i, {"N": n, "D": 64}) for i, n in enumerate([2, 3, 13, 4, 5, 6, 7, 8])]
+    sent = []     # (rows, cases in flight when it was sent)
+    submit = Pool.submit
+
+    def spied(self, program, affinity=None):
+        sent.append((program.case.dim["N"], self.busy))
+        return submit(self, program, affinity)
+    monkeypatch.setattr(Pool, "submit", spied)
+    stats = run_campaign(target, ListEngine(cases), Corpus(tmp_path), runs=len(cases), jobs=2, timeout=30.0,
+                         minimize_seconds=0)
+    assert stats.memory_reruns == 1 and stats.executions == len(cases)
+    (sig,) = stats.failures
+    assert sig.kind == "crash" and sig.exc_type == "resource-memory" and len(stats.saved) == 1
+    runs = [i for i, (n, _) in enumerate(sent) if n == 13]
+    assert len(runs) == 2 and sent[runs[1]][1] == 0
+    after = sent[runs[1] + 1:]
+    assert after and all(busy == 0 for _, busy in after[:1])     # the next case waited for it
+
+
+def test_a_worker_that_cannot_start_stops_the_campaign_early_and_keeps_what_it_found(tmp_path, monkeypatch):
+    """A worker whose GPU stays full past ``DEVICE_WAITS`` (here: a replacement after the
+    first crash cannot start) ends the campaign as its time limit would: ``stopped`` names the
+    error, the failure found before is saved and still minimized, and ``kfuzz run`` exits 2
+    where it found nothing."""
+    from kfuzz import workers
+    target = get_target("searchsum.crashhang")
+    crash = Case.make(target.name, "float32", 0, {"N": 2, "D": 3}, {"x": ArgCase(inject=((0, "nan"),))})
+    spawn, spawned = Pool._spawn, []
+
+    def full_after_first(self, i, wait=True):
+        spawned.append(i)
+        if len(spawned) > self.jobs:
+            raise workers.WorkerStartError(f"worker for {target.name!r} did not start: CUDA out of memory on cuda "
+                                           "(other processes hold the GPU's memory), 5 tries")
+        return spawn(self, i, wait)
+    monkeypatch.setattr(Pool, "_spawn", full_after_first)
+    stats = run_campaign(target, ListEngine([crash]), Corpus(tmp_path), seconds=30.0, jobs=1, timeout=30.0,
+                         minimize_seconds=5)
+    assert stats.stopped and "CUDA out of memory" in stats.stopped and stats.seconds < 20
+    assert len(stats.saved) == 1 and stats.saved[0].exists()
+    assert stats.to_json()["stopped"] == stats.stopped
+    assert stats.minimized[stats.saved[0]] == {"error": stats.stopped}   # the minimizer's pool could not start
+    spawned.extend(range(9))     # every start is refused
+    r = invoke("run", "--target", "searchsum", "--device", "cpu", "--time", "30", "--root", str(tmp_path / "r"),
+                "--stats-json", str(tmp_path / "s.json"))
+    assert r.exit_code == 2 and "the campaign stopped early, at 0 s: worker for" in r.output
+    assert json.loads((tmp_path / "s.json").read_text())["stopped"].endswith("5 tries")
 
 
 # the minimizer's budget --------------------------------------------------------------------------

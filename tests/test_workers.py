@@ -450,26 +450,31 @@ def test_a_worker_whose_gpu_is_full_keeps_its_namespaces_and_says_the_memory_is_
     assert ended_by_gpu_state({"gates": {}, "error": {"error": str(said), "exc_type": error_kind(said)}})
 
 
-def test_a_worker_whose_gpu_says_busy_starts_again_at_the_same_isolation_level(monkeypatch):
+@pytest.mark.parametrize("state, said", [
+    ("_DeviceBusy", r"cpu is busy or unavailable \(cudaErrorDevicesUnavailable\)"),
+    ("_DeviceFull", r"CUDA out of memory on cpu \(other processes hold the GPU's memory\)")])
+def test_a_worker_whose_gpu_is_busy_or_full_starts_again_at_the_same_isolation_level(monkeypatch, state, said):
     """A GPU that answers a context's creation with "busy or unavailable" (many processes
-    starting CUDA at once) ends the worker with ``DEVICE_BUSY`` at every isolation level; the
-    worker is started again, at the same level, after ``BUSY_WAITS``, and past them the error
-    names the busy device."""
+    starting CUDA at once) ends the worker with ``DEVICE_BUSY`` at every isolation level, one
+    whose memory other processes hold (kfuzz's own workers and judges among them) with
+    ``DEVICE_FULL``: states that pass. The worker is started again, at the same level, after
+    ``DEVICE_WAITS``; past them, or where the next wait would end past ``give_up_at``, the
+    error (``WorkerStartError``) names the state and the tries."""
     from kfuzz import sandbox, workers
     busy = RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable\n"
                         "Search for `cudaErrorDevicesUnavailable' in https://docs.nvidia.com/cuda/")
     assert [workers.start_failure(busy, level) for level in sandbox.ISOLATION_LEVELS] == [
         workers.DEVICE_BUSY] * len(sandbox.ISOLATION_LEVELS)
     monkeypatch.setattr(workers, "_levels", {})
-    monkeypatch.setattr(workers, "BUSY_WAITS", (0.0, 0.0))
-    real, starts, said_busy = workers.Worker._await_ready, [], [2]
+    monkeypatch.setattr(workers, "DEVICE_WAITS", (0.0, 0.0))
+    real, starts, said_state = workers.Worker._await_ready, [], [2]
 
     def await_ready(self):
         starts.append(self.level)
-        if said_busy[0]:
-            said_busy[0] -= 1
+        if said_state[0]:
+            said_state[0] -= 1
             self.kill()
-            raise workers._DeviceBusy()
+            raise getattr(workers, state)()
         real(self)
     monkeypatch.setattr(workers.Worker, "_await_ready", await_ready)
     w = workers.Worker("searchsum", None, "cpu", False, sandbox.Policy())
@@ -477,11 +482,16 @@ def test_a_worker_whose_gpu_says_busy_starts_again_at_the_same_isolation_level(m
         assert starts == ["full"] * 3 and w.process.is_alive()
     finally:
         w.kill()
-    said_busy[0], starts[:] = 9, []
-    with pytest.raises(RuntimeError, match=r"worker for 'searchsum' did not start: cpu is busy or unavailable "
-                                           r"\(cudaErrorDevicesUnavailable\), 3 tries"):
+    said_state[0], starts[:] = 9, []
+    with pytest.raises(workers.WorkerStartError, match=rf"worker for 'searchsum' did not start: {said}, 3 tries"):
         workers.Worker("searchsum", None, "cpu", False, sandbox.Policy())
     assert starts == ["full"] * 3 and workers.isolation_level("cpu") == "full"
+    monkeypatch.setattr(workers, "DEVICE_WAITS", (5.0, 5.0))
+    said_state[0], starts[:] = 9, []
+    began = time.monotonic()
+    with pytest.raises(workers.WorkerStartError, match=rf"did not start: {said}, 1 try"):
+        workers.Worker("searchsum", None, "cpu", False, sandbox.Policy(), give_up_at=time.monotonic() + 1.0)
+    assert starts == ["full"] and time.monotonic() - began < 5.0
 
 
 def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():

@@ -48,6 +48,9 @@ def _render(stats: CampaignStats, limit: str) -> Table:
                                                        f"{stats.judge_restarts} judge(s) restarted{first}")
     if stats.interrupted:
         table.add_row("[yellow]interrupted[/yellow]", f"{stats.unfinished} case(s) in flight dropped, not judged")
+    elif stats.stopped:
+        table.add_row("[red]stopped early[/red]", f"{stats.stopped}; {stats.unfinished} case(s) in flight dropped, "
+                                                  "not judged")
     elif stats.unfinished:
         table.add_row("unfinished", f"{stats.unfinished} case(s) in flight at the time limit: "
                                     "dropped, not judged")
@@ -108,7 +111,8 @@ def cache_dirs(root: str) -> dict[str, str]:
 def run_cmd(target_name, seconds, runs, device, engine, jobs, judges, minimize_time, timeout, memory_limit,
             cpu_limit, seed, root, stats_json, status_interval):
     """Fuzz a target. Exit 1 if a failure was found, else 130 if interrupted (SIGINT, SIGTERM,
-    SIGHUP: the summary and --stats-json are still written), else 0."""
+    SIGHUP: the summary and --stats-json are still written), else 2 if a worker could not start
+    (the campaign stops early; the summary and --stats-json are still written), else 0."""
     if seconds is None and runs is None:
         seconds = 30.0
     limits = {} if cpu_limit is None else {"cpu_seconds": cpu_limit}
@@ -171,4 +175,6 @@ def run_cmd(target_name, seconds, runs, device, engine, jobs, judges, minimize_t
     if stats_json:
         with open(stats_json, "w") as f:
             json.dump(stats.to_json(), f, indent=2)
-    sys.exit(1 if stats.failures else 130 if stats.interrupted else 0)
+    if stats.stopped:
+        click.echo(f"kfuzz: error: the campaign stopped early, at {stats.seconds:.0f} s: {stats.stopped}", err=True)
+    sys.exit(1 if stats.failures else 130 if stats.interrupted else 2 if stats.stopped else 0)
