@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn.bwd_chunks import _chunk_base, _chunk_rows, _seq_tile
 from gdn.bwd_exact import _exact_dstep, _exact_step
 from gdn.bwd_gate import _end_decay, _gate_sums, _load_gate, _pair_decay
-from gdn.common import WY_MAX, handoff, mask_and, odot, q_admits_matrix, scaled_columns, tile
+from gdn.common import WY_MAX, handoff, mask_and, odot, outside_products, q_admits_matrix, scaled_columns, tile
 from gdn.fwd_prep import unit_lower_inverse
 
 
@@ -83,11 +83,11 @@ def _wy_system(q, k, g, beta, tok, r0, rv, ih, H, K, ck, mk, C: tl.constexpr, GA
     mqk = rv[:, None] & mk[None, :]
     b_q = tl.load(tile(q, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
     b_k = tl.load(tile(k, r0, rows, ck, K, H), mask=mqk, other=0.).to(tl.float32)
-    bad = tl.where(q_admits_matrix(b_q, BIG, GATE), 0, 1) + _outside(b_k, BIG)
+    bad = tl.where(q_admits_matrix(b_q, BIG, GATE), 0, 1) + outside_products(b_k, BIG)
     b_beta = tl.zeros([C], dtype=tl.float32)
     if DELTA:
         b_beta = tl.load(beta + tok.to(tl.int64) * H + ih, mask=rv, other=0.).to(tl.float32)
-        bad += _outside(b_beta[:, None], BIG) + _outside((b_beta * tl.sum(b_k * b_k, 1))[:, None], WY_MAX)
+        bad += outside_products(b_beta[:, None], BIG) + _outside((b_beta * tl.sum(b_k * b_k, 1))[:, None], WY_MAX)
     strict = rows[:, None] > rows[None, :]
     araw = tl.zeros([C, C], dtype=tl.float32)
     if GATE == 1:
@@ -222,11 +222,11 @@ def _prep(q, k, v, g, beta, do, flag, Tm, W, U, ostep, cu, tab, T, H, K, V, NVO,
         mcv = rv[:, None] & (cv < V)[None, :]
         if SAVED:
             b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            bad += _outside(b_do, BIG)
+            bad += outside_products(b_do, BIG)
         else:
             b_v = tl.load(tile(v, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
             b_do = tl.load(tile(do, r0, rows, cv, V, H), mask=mcv, other=0.).to(tl.float32)
-            bad += _outside(b_v, BIG) + _outside(b_do, BIG)
+            bad += outside_products(b_v, BIG) + outside_products(b_do, BIG)
         if DELTA and not SAVED:
             u = _mm(tm, b_v * b_beta[:, None], F32, DT)
             tl.store(tile(U, r0, rows, cv, V, H), u.to(U.dtype.element_ty), mask=mcv)

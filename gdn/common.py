@@ -68,8 +68,9 @@ WY_MAX = tl.constexpr(2.0)
 # ones, `forward_precision`) reads each operand as tf32 parts, the lower one about 2^-11 of it;
 # below 2^-104 that part falls among fp32's subnormals, which those products flush, and a
 # subnormal operand loses itself (on the H200: q ~1e-39 against v ~1e4 put the fp32 forward's
-# o 5.5e-3 off, 2.5e-6 with "ieee" products).  A chunk whose q, k, v or beta holds a nonzero
-# value below PRODUCT_MIN takes the exact path, on every device, so the CPU routes as the GPU.
+# o 5.5e-3 off, 2.5e-6 with "ieee" products).  A chunk whose q, k, v or beta (and in the
+# backward dO: a subnormal dO put an H100's bf16 dh0 4.2x its bound off) holds a nonzero value
+# below PRODUCT_MIN takes the exact path, on every device, so the CPU routes as the GPU.
 PRODUCT_MIN = tl.constexpr(2.0 ** -104)
 # The vector gate's factored products take Gamma_t q_t, with Gamma_t >= exp(-VECTOR_DECAY_MAX)
 # inside a chunk: a nonzero |q| below 2^-126 exp(VECTOR_DECAY_MAX) (about 2^-39.4) can put
@@ -104,6 +105,14 @@ def _within_from(x, bound, LEAST: tl.constexpr):
     """`all_within`, and no element nonzero below LEAST in magnitude (one reduction)."""
     a = tl.abs(x.to(tl.float32))
     return tl.max(tl.where((a <= bound) & ((a >= LEAST) | (a == 0)), 0, 1)) == 0
+
+
+@triton.jit
+def outside_products(x, bound):
+    """How many elements of a 2-D block keep its chunk off the matrix path's products: outside
+    [-bound, bound] (NaN counts), or nonzero below PRODUCT_MIN in magnitude."""
+    a = tl.abs(x.to(tl.float32))
+    return tl.sum(tl.sum(tl.where((a <= bound) & ((a >= PRODUCT_MIN) | (a == 0)), 0, 1), 1), 0)
 
 
 @triton.jit

@@ -82,6 +82,16 @@ def test_a_key_decayed_onto_the_fp16_grid_by_luck_does_not_set_the_bound():
     replays_with_device_products("crashes/gdn_fwd_mamba2/bound-ht/3fc06ed5da8dd193.case.zst")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the setting applies under the interpreter")
+def test_a_subnormal_output_gradient_takes_the_exact_path():
+    """gdn_bwd, bf16, B1 T17 H1 K=V=1, do among bf16's subnormals, q scaled by 1e4 (an H100
+    campaign's B4 T38 H9 K65 V17, minimized with the GPU's products): a tensor core reads do
+    as tf32 parts and flushes them, so dh0 = sum of decayed q do^T lost do (12.7x its bound
+    here, 4.2x on the H100). The backward's chunk checks hold do, k, v and beta to
+    `PRODUCT_MIN` as the forward's hold q, k, v and beta: the chunk takes the exact path."""
+    replays_with_device_products("crashes/gdn_bwd/bound-dh0/99d9c1aff981e484.case.zst")
+
+
 TENSOR_CORE_OPERANDS = """
 import torch, triton
 import triton.language as tl
