@@ -100,6 +100,8 @@ class CampaignStats:
     judge_seconds: float = 0.0     # the oracle and the trusted implementation, summed over judges
     judge_restarts: int = 0        # judge processes that died and were replaced
     judge_errors: list = field(default_factory=list)   # kfuzz's own: the oracle's exceptions, unjudged cases
+    judged_on_cpu: int = 0         # cases a GPU's judge judged on the CPU for want of the GPU's memory
+    gpu_least_free: int | None = None   # the fewest bytes free on a judge's GPU after a case
     compile_log: list = field(default_factory=list)    # (seconds into the campaign, worker's device, compile s, labels)
     workers_ready: float | None = None   # seconds from the start until the workers were up
     specializations: int = 0       # distinct specializations run (kfuzz.schedule)
@@ -127,6 +129,7 @@ class CampaignStats:
                 "compiles": self.compiles, "compile_seconds": round(self.compile_seconds, 3),
                 "kernel_seconds": round(self.kernel_seconds, 3), "judge_seconds": round(self.judge_seconds, 3),
                 "judge_restarts": self.judge_restarts, "judge_errors": self.judge_errors,
+                "judged_on_cpu": self.judged_on_cpu, "gpu_least_free_bytes": self.gpu_least_free,
                 "workers_ready_seconds": None if self.workers_ready is None else round(self.workers_ready, 3),
                 "compile_log": [[round(t, 2), d, round(c, 2), list(k)] for t, d, c, k in self.compile_log],
                 "specializations": self.specializations,
@@ -325,6 +328,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
                     continue
                 finish(ran.case, verdict, ran, where)
             stats.judge_seconds = judging.seconds
+            stats.judged_on_cpu, stats.gpu_least_free = judging.on_cpu, judging.least_free
             if on_progress is not None and time.monotonic() - last_tick >= tick:
                 last_tick = time.monotonic()
                 stats.seconds = last_tick - start
@@ -344,6 +348,7 @@ def run_campaign(target: Target, engine, corpus: Corpus, *, seconds: float | Non
             runner.close()
         if judging is not None:
             stats.judge_seconds = judging.seconds
+            stats.judged_on_cpu, stats.gpu_least_free = judging.on_cpu, judging.least_free
             stats.judge_restarts, stats.judge_errors = judging.restarts, judging.errors
             stats.costs = costs(judging.by_account, kernel_by)
             judging.close()

@@ -44,16 +44,23 @@ from kfuzz.wire import Outbox, geometry, pack, rebuild, unpack
 MEMORY_SHARE = 0.5          # of a GPU's memory, for all of its judges together
 
 
-def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict, device: str) -> dict:
+def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict, device: str) -> tuple[dict, bool]:
     """``execute.judge`` on ``device``, or on the CPU where the GPU's memory left to this
-    process does not hold the case's oracle; the memory it cached goes back to the GPU."""
+    process does not hold the case's oracle; the memory it cached goes back to the GPU. The
+    verdict's JSON, and whether it was judged on the CPU for want of the GPU's memory."""
     try:
-        return judge(case, target, inputs, outputs, device).to_json()
+        return judge(case, target, inputs, outputs, device).to_json(), False
     except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return judge(case, target, inputs, outputs, "cpu").to_json()
+        if str(device).startswith("cuda"):
+            torch.cuda.empty_cache()
+        return judge(case, target, inputs, outputs, "cpu").to_json(), True
     finally:
         release_device_memory(device)
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free on ``device``'s GPU, all processes counted (None on the CPU)."""
+    return torch.cuda.mem_get_info(device)[0] if str(device).startswith("cuda") else None
 
 
 def judge_message(case: Case, inputs: dict, outputs: dict) -> bytes:
@@ -63,18 +70,20 @@ def judge_message(case: Case, inputs: dict, outputs: dict) -> bytes:
 
 
 def judged(msg: bytes, target: Target, device: str) -> tuple:
-    """A judge's answer to a ``judge_message``: ``("verdict", verdict JSON, seconds)``, or
-    ``("error", the oracle's own exception, seconds)``."""
+    """A judge's answer to a ``judge_message``: ``("verdict", verdict JSON, seconds, memory)``,
+    or ``("error", the oracle's own exception, seconds, memory)``; ``memory``: whether the
+    case was judged on the CPU for want of the GPU's memory, and the bytes free on the GPU
+    once the judge gave back what it cached (``free_memory``)."""
     (case_json, layouts), storages = unpack(msg)
     got: dict[str, dict] = {"in": {}, "out": {}}
     for (role, k, geo), st in zip(layouts, storages):
         got[role][k] = rebuild(st, geo)
     start = time.monotonic()
     try:
-        return ("verdict", judge_within_memory(Case.from_json(case_json), target, got["in"], got["out"], device),
-                time.monotonic() - start)
+        verdict, on_cpu = judge_within_memory(Case.from_json(case_json), target, got["in"], got["out"], device)
+        return ("verdict", verdict, time.monotonic() - start, (on_cpu, free_memory(device)))
     except Exception as e:  # noqa: BLE001 - the oracle's own error: kfuzz's, named by the caller
-        return ("error", f"{type(e).__name__}: {e}"[:2000], time.monotonic() - start)
+        return ("error", f"{type(e).__name__}: {e}"[:2000], time.monotonic() - start, (False, free_memory(device)))
 
 
 def _serve(conn: Connection, name: str, module: str | None, threads: int, device: str,
@@ -139,6 +148,8 @@ class Judges:
         self.seconds = 0.0           # spent judging, summed over the judges
         self.restarts = 0            # judge processes that died and were replaced
         self.errors: list[str] = []  # the oracle's or trusted implementation's own exceptions
+        self.on_cpu = 0              # cases judged on the CPU for want of a GPU's memory
+        self.least_free: int | None = None   # the fewest bytes free on a judge's GPU after a case
 
     def _spawn(self, device: str) -> _Judge:
         ctx = multiprocessing.get_context("spawn")     # a fresh interpreter, which may use CUDA
@@ -172,14 +183,20 @@ class Judges:
         if where not in self.judges:
             start = time.monotonic()
             try:
-                verdict = judge_within_memory(case, self.target, inputs, outputs, where)
+                verdict, on_cpu = judge_within_memory(case, self.target, inputs, outputs, where)
             except Exception as e:  # noqa: BLE001 - the oracle's own error: kfuzz's, counted and named
                 self.errors.append(f"case {case.hash}: {type(e).__name__}: {e}")
                 return
             self._spent(case, time.monotonic() - start)
+            self._memory(on_cpu, free_memory(where))
             self.here.append((tag, Verdict.from_json(self.target.name, verdict)))
             return
         self._send(min(self.judges[where], key=lambda j: len(j.jobs)), _Job(case, inputs, outputs, tag))
+
+    def _memory(self, on_cpu: bool, free: int | None) -> None:
+        self.on_cpu += bool(on_cpu)
+        if free is not None:
+            self.least_free = free if self.least_free is None else min(self.least_free, free)
 
     def _spent(self, case: Case, seconds: float) -> None:
         self.seconds += seconds
@@ -210,7 +227,7 @@ class Judges:
         for conn in wait(list(waiting), timeout=timeout):
             j = waiting[conn]
             try:
-                (kind, answer, seconds), _ = unpack(conn.recv_bytes())
+                (kind, answer, seconds, (on_cpu, free)), _ = unpack(conn.recv_bytes())
             except (EOFError, OSError):
                 self._replace(j)
                 continue
@@ -219,6 +236,7 @@ class Judges:
                 continue
             job = j.jobs.pop(0)
             self._spent(job.case, seconds)
+            self._memory(on_cpu, free)
             if kind == "verdict":
                 out.append((job.tag, Verdict.from_json(self.target.name, answer)))
             else:

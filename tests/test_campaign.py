@@ -252,12 +252,33 @@ def test_an_out_of_memory_crash_runs_once_more_before_it_is_a_verdict(tmp_path, 
         assert sig.kind == "crash" and sig.exc_type == "resource-memory"
 
 
+def test_a_case_whose_oracle_does_not_fit_the_memory_is_judged_on_the_cpu_and_counted(tmp_path):
+    """A judge whose oracle runs out of memory judges the case again on the CPU (the same
+    definition): the verdict stands, and the campaign counts it (``judged_on_cpu``), so that
+    a campaign slowed by a full GPU says so."""
+    calls = [0]
+
+    def oracle(x):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return (x.double().sum(dim=-1),)
+    target = add_target(Target(name="oom_oracle", kernel=lambda x: (x.sum(dim=-1),), reference=oracle,
+                               args={"x": Arg(("N", "D"))}, outputs={"out": Output(("N",))},
+                               dims={"N": Dim(1, 4), "D": Dim(1, 8)}))
+    case = Case.make(target.name, "float32", 1, {"N": 2, "D": 3})
+    stats = run_campaign(target, ListEngine([case]), Corpus(tmp_path), runs=1, jobs=0, minimize_seconds=0)
+    assert stats.executions == 1 and not stats.failures and stats.judged_on_cpu == 1 and calls[0] >= 2
+    assert stats.to_json()["judged_on_cpu"] == 1 and stats.gpu_least_free is None     # no GPU here
+
+
 def test_an_out_of_memory_crash_runs_again_alone_once_every_worker_is_idle(tmp_path, monkeypatch):
     """The second run of a case that ran out of memory is sent when no other case is in
     flight (the memory the others held is theirs no longer), and no new case is sent while
     it runs: searchsum.oomrows runs out of memory on 13 rows, every time, so it is saved."""
     target = get_target("searchsum.oomrows")
-    cases = [Case.make(target.name, "float32", i, {"N": n, "D": 64}) for i, n in enumerate([2, 3, 13, 4, 5, 6, 7, 8])]
+    rows = [2, 3, 13, *range(1, 13), *range(1, 13)]      # one case of 13 rows, then 24 others
+    cases = [Case.make(target.name, "float32", i, {"N": n, "D": 64}) for i, n in enumerate(rows)]
     sent = []     # (rows, cases in flight when it was sent)
     submit = Pool.submit
 

@@ -42,6 +42,8 @@ def _render(stats: CampaignStats, limit: str) -> Table:
     if stats.memory_reruns:
         table.add_row("out of memory, run again", f"{stats.memory_reruns} case(s) (the memory is shared; "
                                                   "a second out-of-memory crash is the verdict)")
+    if stats.gpu_least_free is not None:
+        table.add_row("GPU memory", _gpu_memory(stats))
     if stats.judge_errors or stats.judge_restarts:
         first = f" (first: {stats.judge_errors[0]})" if stats.judge_errors else ""
         table.add_row("[yellow]kfuzz errors[/yellow]", f"{len(stats.judge_errors)} case(s) not judged, "
@@ -64,7 +66,12 @@ def status_line(stats: CampaignStats) -> str:
     """One line of progress, for logs without a terminal."""
     return (f"kfuzz run {stats.target}: {stats.seconds:.0f} s, {stats.executions} executions "
             f"({stats.execs_per_second:.1f}/s), {len(stats.failures)} failure signature(s), "
-            f"{stats.compiles} compile(s)")
+            f"{stats.compiles} compile(s)" + (f", {_gpu_memory(stats)}" if stats.gpu_least_free is not None else ""))
+
+
+def _gpu_memory(stats: CampaignStats) -> str:
+    return (f"GPU memory free after a judged case: at least {stats.gpu_least_free / 2**30:.1f} GiB; "
+            f"{stats.judged_on_cpu} case(s) judged on the CPU for want of it")
 
 
 def cache_dirs(root: str) -> dict[str, str]:
