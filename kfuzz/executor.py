@@ -338,7 +338,9 @@ class Pool:
         return dropped
 
     def restart(self) -> None:
-        """End the idle workers; the next program starts a fresh one."""
+        """End the idle workers; the next program starts a fresh one (one that did not start
+        before is tried again; the programs that were to go to it are dropped)."""
+        self.start_error, self.unsent = None, []
         for i, w in enumerate(self.workers):
             if w is not None:
                 w.stop()

@@ -494,6 +494,38 @@ def test_a_worker_whose_gpu_is_busy_or_full_starts_again_at_the_same_isolation_l
     assert starts == ["full"] and time.monotonic() - began < 5.0
 
 
+def test_a_pool_whose_replacement_does_not_start_gives_the_crash_then_raises_until_restarted(monkeypatch):
+    """A crash whose worker's replacement does not start (its GPU still full) is still a
+    result; the program queued behind it is dropped (counted in ``busy`` until ``abandon``),
+    and the next call raises the start's error, until ``restart`` tries a fresh worker."""
+    from kfuzz import workers
+    target = get_target(CRASHHANG)
+    pool = Pool(target, 1, "cpu", 30.0)
+    spawn, refuse = Pool._spawn, [True]
+
+    def spawn_or_refuse(self, i, wait=True):
+        if refuse[0] and self.started[i]:
+            raise workers.WorkerStartError("worker for 'searchsum.crashhang' did not start: CUDA out of memory on "
+                                           "cuda (other processes hold the GPU's memory), 5 tries")
+        return spawn(self, i, wait)
+    monkeypatch.setattr(Pool, "_spawn", spawn_or_refuse)
+    try:
+        pool.submit(SEGFAULT)
+        pool.submit(FINE)
+        (crashed,) = list(pool.results())
+        assert crashed.verdict.kind == "crash" and crashed.verdict.exc_type == "SIGSEGV" and pool.busy == 1
+        with pytest.raises(workers.WorkerStartError, match="did not start"):
+            list(pool.results())
+        with pytest.raises(workers.WorkerStartError, match="did not start"):
+            pool.submit(FINE)
+        assert pool.abandon() == 1 and pool.busy == 0
+        refuse[0] = False
+        pool.restart()
+        assert pool.run(FINE).verdict is None
+    finally:
+        pool.close()
+
+
 def test_a_gpu_out_of_memory_is_named_after_the_resource_not_the_exception():
     """A GPU that ran out of memory (torch's allocator, or Triton's driver call that ended the
     call as a CUDA error) is the crash ``resource-memory``; other CUDA errors keep their type."""
