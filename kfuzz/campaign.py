@@ -14,7 +14,7 @@ process's peak can take it from a case that needs little. The campaign sends no 
 until every worker and judge is idle, then runs the case again in a fresh worker, and sends
 new cases once it is back; a second out-of-memory crash is the verdict.
 
-A worker that cannot start (``kfuzz.workers.WorkerStartError``: its GPU still full or busy
+A worker that cannot start (``kfuzz.errors.WorkerStartError``: its GPU still full or busy
 after ``DEVICE_WAITS``, its target's import failing) stops the campaign early, as its time
 limit would: ``stopped`` names the error, the cases in flight are dropped, what was saved
 stays, and the new failures are still minimized.
@@ -55,6 +55,7 @@ from typing import Callable
 from kfuzz.case import Case, encode
 from kfuzz.corpus import Corpus, make_record, write_atomic
 from kfuzz.devices import spread, visible_gpus
+from kfuzz.errors import WorkerStartError
 from kfuzz.executor import InProcess, Pool
 from kfuzz.judges import Judges
 from kfuzz.minimize import DEFAULT_BUDGET, minimize_failure
@@ -64,7 +65,6 @@ from kfuzz.schedule import CompileHistory, Scheduler, specialization
 from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
-from kfuzz.workers import WorkerStartError
 
 MINIMIZE_SECONDS = 120.0     # the minimizer's default budget, all new failures together
 COMPILE_LOG = 200            # compiles the stats keep one by one (when, where, how long, what)

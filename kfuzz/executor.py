@@ -36,7 +36,7 @@ from typing import Hashable, Iterator
 from kfuzz import jit, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
-from kfuzz.errors import KfuzzError
+from kfuzz.errors import KfuzzError, WorkerStartError
 from kfuzz.jit import COMPILE_ALLOWANCE
 from kfuzz.programs import (Program, ProgramResult, Tensors, answered, is_storage_role, replicate, resource_crash,
                             run_program, sendable, settled)
@@ -44,8 +44,7 @@ from kfuzz.target import Target
 from kfuzz.tensors import materialize
 from kfuzz.verdict import Verdict
 from kfuzz.wire import rebuild, unpack
-from kfuzz.workers import (WORKER_VERDICTS, Worker, WorkerStartError, add_seconds, death, program_message,
-                           worker_policy)
+from kfuzz.workers import WORKER_VERDICTS, Worker, add_seconds, death, program_message, worker_policy
 
 # what a program worker imports before it is confined: the programs, and torch._dynamo, which
 # torch.use_deterministic_algorithms (G10) imports and which makes a directory in /tmp

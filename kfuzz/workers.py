@@ -57,6 +57,7 @@ import torch
 from kfuzz import jit, launcher, processes, sandbox
 from kfuzz.case import Case
 from kfuzz.coverage import HarnessCoverage, harness_files
+from kfuzz.errors import WorkerStartError
 from kfuzz.jit import Credit
 from kfuzz.target import load_target, prepare_triton
 from kfuzz.wire import Outbox, geometry, pack, unpack
@@ -234,11 +235,6 @@ def read_program(header: list) -> tuple[Case, str, dict, list]:
     """The case (seed 0), program name, parameters and input layouts of a ``program_message``."""
     told = header[1]
     return Case(told[0], told[1], 0, tuple((k, int(v)) for k, v in told[2])), header[2], header[3], header[4]
-
-
-class WorkerStartError(RuntimeError):
-    """A worker did not start: its target's import failed, it died or hung while starting, or
-    its GPU stayed busy or full (other processes' state) past ``DEVICE_WAITS``."""
 
 
 class _CudaUnavailable(Exception):

@@ -19,6 +19,7 @@ from kfuzz.cli import cli
 from kfuzz.corpus import Corpus, load
 from kfuzz.devices import DeviceError, resolve_device, spread
 from kfuzz.engines.random import RandomEngine
+from kfuzz.errors import WorkerStartError
 from kfuzz.executor import Pool
 from kfuzz.execute import execute, judge, kernel_stage
 from kfuzz.judges import Judges
@@ -310,7 +311,7 @@ def test_a_worker_that_cannot_start_stops_the_campaign_early_and_keeps_what_it_f
     def full_after_first(self, i, wait=True):
         spawned.append(i)
         if len(spawned) > self.jobs:
-            raise workers.WorkerStartError(f"worker for {target.name!r} did not start: CUDA out of memory on cuda "
+            raise WorkerStartError(f"worker for {target.name!r} did not start: CUDA out of memory on cuda "
                                            "(other processes hold the GPU's memory), 5 tries")
         return spawn(self, i, wait)
     monkeypatch.setattr(Pool, "_spawn", full_after_first)

@@ -9,7 +9,9 @@ from click.testing import CliRunner
 from kfuzz.case import ArgCase, Case, Dist
 from kfuzz.cli import cli
 from kfuzz.corpus import Corpus
+from kfuzz.errors import WorkerStartError
 from kfuzz.execute import execute
+from kfuzz.executor import Pool
 
 import kfuzz.cli.audit, kfuzz.cli.import_, kfuzz.cli.minimize  # noqa: F401,E401
 import kfuzz.cli.replay, kfuzz.cli.run, kfuzz.cli.show, kfuzz.cli.targets, kfuzz.cli.verify  # noqa: F401,E401
@@ -69,6 +71,24 @@ def test_unknown_target_in_a_case_file_exits_2_naming_the_file(root):
     r = invoke("replay", str(other), str(root / "crashes"))
     assert r.exit_code == 2 and "x.case.zst" in r.output and "unknown target 'no_such_target'" in r.output
     assert "1 as expected" in r.output
+
+
+def test_a_worker_this_machine_cannot_start_is_a_clear_error_for_verify_and_minimize(tmp_path, monkeypatch):
+    """A sandboxed worker that does not start (its GPU full past the waits, its target's import
+    failing) ends `kfuzz verify` and `kfuzz minimize` with exit 2 and the error, no traceback."""
+    said = "worker for 'softmax' did not start: CUDA out of memory on cuda (other processes hold the GPU's memory)"
+
+    def refuse(self, i, wait=True):
+        raise WorkerStartError(said + ", 5 tries")
+    monkeypatch.setattr(Pool, "_spawn", refuse)
+    overflow = Case.make("softmax.nomax", "float32", 3, {"N": 4, "D": 33},
+                         {"x": ArgCase(dist=Dist("scaled", (("factor", 100.0),)))})
+    case = Corpus(tmp_path).save_failure(overflow, execute(overflow))
+    for args in (("verify", "--target", "softmax", "--device", "cpu", "--gates", "G05"),
+                 ("minimize", str(case), "--device", "cpu", "--out", str(tmp_path / "min.case.zst"))):
+        r = invoke(*args)
+        assert r.exit_code == 2 and f"kfuzz: error: {said}" in r.output, r.output
+    assert case.exists() and not (tmp_path / "min.case.zst").exists()
 
 
 def test_unknown_target_for_run_exits_2():

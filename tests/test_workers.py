@@ -10,6 +10,7 @@ from kfuzz.campaign import run_campaign
 from kfuzz.case import ArgCase, Case, Layout
 from kfuzz.corpus import Corpus, iter_case_files, load
 from kfuzz.execute import execute, judge
+from kfuzz.errors import WorkerStartError
 from kfuzz.executor import InProcess, Pool
 from kfuzz.programs import settled
 from kfuzz.target import get_target
@@ -483,13 +484,13 @@ def test_a_worker_whose_gpu_is_busy_or_full_starts_again_at_the_same_isolation_l
     finally:
         w.kill()
     said_state[0], starts[:] = 9, []
-    with pytest.raises(workers.WorkerStartError, match=rf"worker for 'searchsum' did not start: {said}, 3 tries"):
+    with pytest.raises(WorkerStartError, match=rf"worker for 'searchsum' did not start: {said}, 3 tries"):
         workers.Worker("searchsum", None, "cpu", False, sandbox.Policy())
     assert starts == ["full"] * 3 and workers.isolation_level("cpu") == "full"
     monkeypatch.setattr(workers, "DEVICE_WAITS", (5.0, 5.0))
     said_state[0], starts[:] = 9, []
     began = time.monotonic()
-    with pytest.raises(workers.WorkerStartError, match=rf"did not start: {said}, 1 try"):
+    with pytest.raises(WorkerStartError, match=rf"did not start: {said}, 1 try"):
         workers.Worker("searchsum", None, "cpu", False, sandbox.Policy(), give_up_at=time.monotonic() + 1.0)
     assert starts == ["full"] and time.monotonic() - began < 5.0
 
@@ -505,7 +506,7 @@ def test_a_pool_whose_replacement_does_not_start_gives_the_crash_then_raises_unt
 
     def spawn_or_refuse(self, i, wait=True):
         if refuse[0] and self.started[i]:
-            raise workers.WorkerStartError("worker for 'searchsum.crashhang' did not start: CUDA out of memory on "
+            raise WorkerStartError("worker for 'searchsum.crashhang' did not start: CUDA out of memory on "
                                            "cuda (other processes hold the GPU's memory), 5 tries")
         return spawn(self, i, wait)
     monkeypatch.setattr(Pool, "_spawn", spawn_or_refuse)
@@ -514,9 +515,9 @@ def test_a_pool_whose_replacement_does_not_start_gives_the_crash_then_raises_unt
         pool.submit(FINE)
         (crashed,) = list(pool.results())
         assert crashed.verdict.kind == "crash" and crashed.verdict.exc_type == "SIGSEGV" and pool.busy == 1
-        with pytest.raises(workers.WorkerStartError, match="did not start"):
+        with pytest.raises(WorkerStartError, match="did not start"):
             list(pool.results())
-        with pytest.raises(workers.WorkerStartError, match="did not start"):
+        with pytest.raises(WorkerStartError, match="did not start"):
             pool.submit(FINE)
         assert pool.abandon() == 1 and pool.busy == 0
         refuse[0] = False

@@ -1,5 +1,5 @@
-"""The command group every verb registers on (``cli``), how a verb turns bad input into
-exit code 2 (``handles_bad_input``), how a long verb stops on SIGTERM and SIGHUP as on Ctrl-C
+"""The command group every verb registers on (``cli``), how a verb turns bad input, or a
+worker that cannot start, into exit code 2 (``handles_bad_input``), how a long verb stops on SIGTERM and SIGHUP as on Ctrl-C
 (``stop_signals_interrupt``), and the ``--device`` option every verb that runs a kernel shares
 (``device_option``)."""
 from __future__ import annotations
@@ -12,17 +12,18 @@ import sys
 import click
 
 from kfuzz.devices import DeviceError, resolve_device
-from kfuzz.errors import KfuzzError
+from kfuzz.errors import KfuzzError, WorkerStartError
 from kfuzz.target import prepare_triton
 
 
 def handles_bad_input(fn):
-    """Turn KfuzzError into a clear message on stderr and exit code 2."""
+    """Turn KfuzzError (bad input) and WorkerStartError (a worker this machine cannot start)
+    into a clear message on stderr and exit code 2."""
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
-        except KfuzzError as e:
+        except (KfuzzError, WorkerStartError) as e:
             click.echo(f"kfuzz: error: {e}", err=True)
             sys.exit(2)
     return wrapper
