@@ -59,8 +59,14 @@ def judge_within_memory(case: Case, target: Target, inputs: dict, outputs: dict,
 
 
 def free_memory(device: str) -> int | None:
-    """Bytes free on ``device``'s GPU, all processes counted (None on the CPU)."""
-    return torch.cuda.mem_get_info(device)[0] if str(device).startswith("cuda") else None
+    """Bytes free on ``device``'s GPU, all processes counted (None on the CPU, or where the GPU
+    cannot say: a context that a CUDA error left unusable)."""
+    if not str(device).startswith("cuda"):
+        return None
+    try:
+        return torch.cuda.mem_get_info(device)[0]
+    except RuntimeError:
+        return None
 
 
 def judge_message(case: Case, inputs: dict, outputs: dict) -> bytes:
