@@ -304,7 +304,8 @@ class Worker:
                 _isolation_failed(self.device, self.level)
                 lower = isolation_level(self.device)     # another worker may have given it up first
                 if lower == self.level:
-                    raise WorkerStartError(f"worker for {self.target_name!r}: CUDA does not start in a worker") from None
+                    raise WorkerStartError(f"worker for {self.target_name!r}: CUDA does not start in a "
+                                           "worker") from None
                 self.level = lower
                 self._start(*self._args, self.level)
 
@@ -355,7 +356,8 @@ class Worker:
                 raise _DeviceBusy() from None
             if code == DEVICE_FULL:
                 raise _DeviceFull() from None
-            raise WorkerStartError(f"worker for {target_name!r} died while starting ({sandbox.death_name(code)})") from None
+            raise WorkerStartError(f"worker for {target_name!r} died while starting "
+                                   f"({sandbox.death_name(code)})") from None
         assert kind == "ready"
         self.start_phases = {"launch": round(entered - self._launched, 4), **phases}
         # where the kernel may start processes, none may outlive its call: the worker's own

@@ -1,7 +1,7 @@
 """The command group every verb registers on (``cli``), how a verb turns bad input, or a
-worker that cannot start, into exit code 2 (``handles_bad_input``), how a long verb stops on SIGTERM and SIGHUP as on Ctrl-C
-(``stop_signals_interrupt``), and the ``--device`` option every verb that runs a kernel shares
-(``device_option``)."""
+worker that cannot start, into exit code 2 (``handles_bad_input``), how a long verb stops on
+SIGTERM and SIGHUP as on Ctrl-C (``stop_signals_interrupt``), and the ``--device`` option every
+verb that runs a kernel shares (``device_option``)."""
 from __future__ import annotations
 
 import contextlib
