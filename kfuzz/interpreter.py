@@ -47,22 +47,30 @@ from __future__ import annotations
 import functools
 import inspect
 
-_INSTALLED = False
-_BF16 = False
-_INDEX = False
-_OVERFLOW = False
+_installed: set[str] = set()    # the patches installed in this process, by installer's name
 
 
+def _once(install):
+    """An installer of a patch that runs until it has installed it once in this process, then
+    says True at once; False where this Triton lacks what it patches (or there is no Triton)."""
+    @functools.wraps(install)
+    def once() -> bool:
+        if install.__name__ not in _installed:
+            try:
+                if not install():
+                    return False
+            except ImportError:
+                return False
+            _installed.add(install.__name__)
+        return True
+    return once
+
+
+@_once
 def share_language_patch() -> bool:
     """Install the shared patch once per process; whether it is installed."""
-    global _INSTALLED
-    if _INSTALLED:
-        return True
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
+    import triton.language as tl
+    from triton.runtime import interpreter
     patch = getattr(interpreter, "_patch_lang", None)
     launch = getattr(interpreter, "GridExecutor", None)
     scope = getattr(interpreter, "_LangPatchScope", None)
@@ -95,19 +103,13 @@ def share_language_patch() -> bool:
 
     interpreter._patch_lang = patch_once
     launch.__call__ = run_patched_once
-    _INSTALLED = True
     return True
 
 
+@_once
 def scalar_index() -> bool:
     """Install the index patch once per process (see the module docstring); whether it is."""
-    global _INDEX
-    if _INDEX:
-        return True
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
+    from triton.runtime import interpreter
     patch = getattr(interpreter, "_patch_lang_tensor", None)
     if patch is None:
         return False
@@ -124,20 +126,14 @@ def scalar_index() -> bool:
             tensor.__index__ = index
 
     interpreter._patch_lang_tensor = patch_lang_tensor
-    _INDEX = True
     return True
 
 
+@_once
 def skip_dead_overflow_checks() -> bool:
     """Install the overflow-check patch once per process (see the module docstring); whether it is."""
-    global _OVERFLOW
-    if _OVERFLOW:
-        return True
-    try:
-        from triton.language import semantic
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
+    from triton.language import semantic
+    from triton.runtime import interpreter
     cls = getattr(semantic, "TritonSemantic", None)
     check = getattr(cls, "binary_op_sanitize_overflow_impl", None)
     builder = getattr(interpreter, "InterpreterBuilder", None)
@@ -151,7 +147,6 @@ def skip_dead_overflow_checks() -> bool:
         return check(self, lhs, rhs, binary_op)
 
     cls.binary_op_sanitize_overflow_impl = sanitize_overflow
-    _OVERFLOW = True
     return True
 
 
@@ -171,17 +166,12 @@ def f32_to_bf16(x):
     return np.where(np.isnan(x), quiet, rounded)
 
 
+@_once
 def exact_bf16() -> bool:
     """Install the bf16 patch once per process (see the module docstring); whether it is."""
-    global _BF16
-    if _BF16:
-        return True
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
     builder = getattr(interpreter, "InterpreterBuilder", None)
     handle = getattr(interpreter, "TensorHandle", None)
     np_dtype = getattr(interpreter, "_get_np_dtype", None)
@@ -245,5 +235,4 @@ def exact_bf16() -> bool:
     builder.cast_impl, builder.create_fp_to_fp, builder.create_dot = cast_impl, create_fp_to_fp, create_dot
     builder.binary_op, builder.unary_op, builder.ternary_op, builder.create_fma = binary_op, unary_op, ternary_op, create_fma
     # the cast lambdas (create_fp_trunc, create_fp_ext, ...) look cast_impl up on the instance
-    _BF16 = True
     return True

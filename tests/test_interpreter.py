@@ -74,7 +74,7 @@ def test_a_runtime_scalar_bounds_a_loop_where_the_interpreter_converts_it_as_tri
     # tl.tensor's own __index__ (none outside the interpreter) comes back after the test
     monkeypatch.setattr(tl.tensor, "__index__", getattr(tl.tensor, "__index__", None), raising=False)
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", as_triton_before_3_7)
-    monkeypatch.setattr(kfuzz.interpreter, "_INDEX", False)
+    monkeypatch.setattr(kfuzz.interpreter, "_installed", kfuzz.interpreter._installed - {"scalar_index"})
     x, out = torch.arange(10, dtype=torch.float32), torch.empty(1)
     if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
         with pytest.raises(Exception, match="0-dimensional"):
@@ -109,7 +109,8 @@ def test_integer_arithmetic_builds_no_overflow_check_that_nothing_asserts_and_co
     for base in (5, 2 ** 30):              # 2**30 * 2 overflows int32 and wraps
         want = torch.empty(8, dtype=torch.int32)
         monkeypatch.setattr(semantic.TritonSemantic, "binary_op_sanitize_overflow_impl", shipped)
-        monkeypatch.setattr(kfuzz.interpreter, "_OVERFLOW", False)
+        monkeypatch.setattr(kfuzz.interpreter, "_installed",
+                            kfuzz.interpreter._installed - {"skip_dead_overflow_checks"})
         _offsets[(1,)](x, want, base, B=8)
         assert len(asserts) == 5, asserts      # i * 3, base +, - 1, * 2, + x: each built a check
         assert skip_dead_overflow_checks()
