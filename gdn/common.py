@@ -108,18 +108,17 @@ def _within_from(x, bound, LEAST: tl.constexpr):
 
 
 @triton.jit
-def outside_products(x, bound):
-    """How many elements of a 2-D block keep its chunk off the matrix path's products: outside
-    [-bound, bound] (NaN counts), or nonzero below PRODUCT_MIN in magnitude."""
-    a = tl.abs(x.to(tl.float32))
-    return tl.sum(tl.sum(tl.where((a <= bound) & ((a >= PRODUCT_MIN) | (a == 0)), 0, 1), 1), 0)
-
-
-@triton.jit
 def in_product_range(x, bound):
     """The check of an input tile (q, k, v, beta) whose values enter the matrix path's
     products: `all_within`, and no element nonzero below PRODUCT_MIN in magnitude."""
     return _within_from(x, bound, PRODUCT_MIN)
+
+
+@triton.jit
+def outside_products(x, bound):
+    """1 where a tile keeps its chunk off the matrix path's products (`in_product_range`
+    fails), else 0: a term of the backward's count of reasons for the exact path."""
+    return tl.where(in_product_range(x, bound), 0, 1)
 
 
 @triton.jit
